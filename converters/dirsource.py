@@ -1,0 +1,109 @@
+"""Read a directory tree as archive entries, without following symlinks.
+
+Directories are taken literally: names are not interpreted as OCI whiteouts
+(an overlayfs upper directory already holds kernel-style whiteouts, which are
+character devices 0/0 and pass through as such).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable, Iterator
+
+from converters.errors import ConvertError
+from converters.tarstream import (
+    KIND_BLK,
+    KIND_CHR,
+    KIND_DIR,
+    KIND_FIFO,
+    KIND_HARDLINK,
+    KIND_REG,
+    KIND_SOCK,
+    KIND_SYMLINK,
+    READ_SIZE,
+    Entry,
+)
+
+DataFn = Callable[[], Iterator[bytes]]
+
+
+def _kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISREG, KIND_REG), (stat.S_ISDIR, KIND_DIR), (stat.S_ISLNK, KIND_SYMLINK),
+        (stat.S_ISCHR, KIND_CHR), (stat.S_ISBLK, KIND_BLK), (stat.S_ISFIFO, KIND_FIFO),
+        (stat.S_ISSOCK, KIND_SOCK),
+    ):
+        if test(mode):
+            return kind
+    raise ConvertError(f"unknown file type {oct(mode)}")
+
+
+def _xattrs(path: bytes) -> dict[bytes, bytes]:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return {}
+    out = {}
+    for name in names:
+        try:
+            out[os.fsencode(name)] = os.getxattr(path, name, follow_symlinks=False)
+        except OSError:
+            continue  # vanished between list and get
+    return out
+
+
+def _reader(path: bytes, size: int) -> DataFn:
+    def read() -> Iterator[bytes]:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            remaining = size
+            while remaining > 0:
+                block = os.read(fd, min(READ_SIZE, remaining))
+                if not block:
+                    raise ConvertError(f"{os.fsdecode(path)}: shrank while being read; retry on a quiet tree")
+                remaining -= len(block)
+                yield block
+        finally:
+            os.close(fd)
+
+    return read
+
+
+def walk_directory(root: str | os.PathLike[str]) -> Iterator[tuple[Entry, DataFn | None]]:
+    base = os.fsencode(root)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConvertError(f"{os.fsdecode(base)}: not a directory")
+    seen: dict[tuple[int, int], tuple[bytes, ...]] = {}
+    stack: list[tuple[bytes, ...]] = [()]
+    while stack:
+        rel = stack.pop()
+        full = os.path.join(base, *rel) if rel else base
+        st = os.lstat(full)
+        kind = _kind(st.st_mode)
+        name = os.fsdecode(b"/".join(rel) or b".")
+        entry = Entry(
+            path=rel, kind=kind, mode=st.st_mode, uid=st.st_uid, gid=st.st_gid,
+            mtime=st.st_mtime_ns // 1_000_000_000, mtime_nsec=st.st_mtime_ns % 1_000_000_000,
+            xattrs=_xattrs(full), name=name,
+        )
+        data: DataFn | None = None
+        if kind != KIND_DIR and st.st_nlink > 1:
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                entry.kind, entry.link_path, entry.xattrs = KIND_HARDLINK, seen[key], {}
+                yield entry, None
+                continue
+            seen[key] = rel
+        if kind == KIND_REG:
+            entry.size = st.st_size
+            data = _reader(full, st.st_size)
+        elif kind == KIND_SYMLINK:
+            entry.link = os.readlink(full)
+        elif kind in (KIND_CHR, KIND_BLK):
+            entry.rdev = (os.major(st.st_rdev), os.minor(st.st_rdev))
+        yield entry, data
+        if kind == KIND_DIR:
+            names = sorted(os.listdir(full), reverse=True)
+            stack.extend(rel + (n,) for n in names)

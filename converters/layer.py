@@ -1,0 +1,217 @@
+"""Convert one tar stream or directory into a layer (metadata image + blob).
+
+Crash safety: both outputs are written under temporary names beside their
+final paths, fsynced, then renamed blob first and metadata image last.  The
+metadata image names the blob's identity, so a crash between the two renames
+leaves at worst a blob without an image, never an image whose blob is
+missing or stale.  On any error both temporaries are removed.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import blake3
+
+from converters.dirsource import walk_directory
+from converters.erofs import BlobWriter, blob_id, build_image
+from converters.errors import ConvertError
+from converters.tarstream import KIND_HARDLINK, KIND_REG, Entry, TarReader
+from converters.tree import Tree, node_from_entry
+from layerstore.erofs import format as F
+
+DEFAULT_CHUNK_SIZE = 1 << 20
+MIN_CHUNK_SIZE = F.BLOCK_SIZE
+MAX_CHUNK_SIZE = 1 << 30
+
+DataFn = Callable[[], Iterator[bytes]]
+
+
+@dataclass(frozen=True)
+class LayerResult:
+    digest: str  # "blake3:<hex>" of the metadata image: the layer's identity
+    meta_path: str
+    blob_path: str
+    blob_digest: str  # "blake3:<hex>" over the blob map records (see docs/FORMAT.md)
+    files: int  # inodes in the layer
+    bytes: int  # regular-file bytes
+    chunks: int  # chunk references, holes excluded
+    unique_chunks: int
+    unique_bytes: int
+    seconds: float
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    if chunk_size < MIN_CHUNK_SIZE or chunk_size > MAX_CHUNK_SIZE or chunk_size & (chunk_size - 1):
+        raise ConvertError(
+            f"chunk size {chunk_size} is invalid: use a power of two from {MIN_CHUNK_SIZE} to {MAX_CHUNK_SIZE}"
+        )
+
+
+class _Output:
+    """A file written under a temporary name and renamed into place on commit."""
+
+    def __init__(self, final: str | os.PathLike[str]) -> None:
+        self.final = Path(final)
+        self.tmp = self.final.with_name(f".{self.final.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConvertError(f"cannot create {self.final}: {exc.strerror}") from None
+
+    def commit(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.rename(self.tmp, self.final)
+        dfd = os.open(self.final.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+def convert_entries(
+    entries: Iterable[tuple[Entry, DataFn | None]],
+    meta_path: str | os.PathLike[str],
+    blob_path: str | os.PathLike[str],
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    finish: Callable[[], None] | None = None,
+) -> LayerResult:
+    """Build a layer from entries; ``finish`` runs after the last entry, before commit."""
+    check_chunk_size(chunk_size)
+    start = time.perf_counter()
+    blob_out = _Output(blob_path)
+    meta_out: _Output | None = None
+    try:
+        blob = BlobWriter(blob_out.fd, chunk_size)
+        tree = Tree()
+        for entry, data in entries:
+            if entry.kind == KIND_HARDLINK:
+                tree.add(entry, None)
+                continue
+            node = node_from_entry(entry)
+            if entry.kind == KIND_REG and entry.size:
+                assert data is not None
+                node.chunks = blob.add_file(data(), entry.size)
+            tree.add(entry, node)
+        if finish is not None:
+            finish()
+        bid = blob_id(blob)
+        image, inodes = build_image(tree, blob, blob_tag=bid.encode())
+        meta_out = _Output(meta_path)
+        view = memoryview(image)
+        while view:
+            view = view[os.write(meta_out.fd, view):]
+        blob_out.commit()
+        meta_out.commit()
+    except BaseException:
+        blob_out.abort()
+        if meta_out is not None:
+            meta_out.abort()
+        raise
+    return LayerResult(
+        digest="blake3:" + blake3.blake3(image).hexdigest(),
+        meta_path=str(meta_path),
+        blob_path=str(blob_path),
+        blob_digest="blake3:" + bid,
+        files=inodes,
+        bytes=_regular_bytes(tree),
+        chunks=blob.stats.chunks,
+        unique_chunks=blob.stats.unique_chunks,
+        unique_bytes=blob.stats.unique_bytes,
+        seconds=round(time.perf_counter() - start, 6),
+    )
+
+
+def _regular_bytes(tree: Tree) -> int:
+    seen: set[int] = set()
+    total = 0
+    for _, node, _ in tree.walk():
+        if id(node) not in seen and stat.S_ISREG(node.mode):
+            seen.add(id(node))
+            total += node.size
+    return total
+
+
+def convert_stream(
+    raw: BinaryIO,
+    meta_path: str | os.PathLike[str],
+    blob_path: str | os.PathLike[str],
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    source: str = "-",
+    verify: Callable[[], None] | None = None,
+) -> LayerResult:
+    """Convert one tar stream (plain, gzip or zstd, sniffed) into a layer.
+
+    ``raw`` is read to its end, past the tar end-of-archive marker; then
+    ``verify`` (if given) runs before the outputs get their final names, so a
+    digest check that fails leaves nothing behind.
+    """
+    check_chunk_size(chunk_size)
+    reader = TarReader(raw, source)
+
+    def entries() -> Iterator[tuple[Entry, DataFn | None]]:
+        for entry in reader:
+            yield entry, (reader.data if entry.kind == KIND_REG else None)
+
+    def finish() -> None:
+        reader.finish()
+        if verify is not None:
+            verify()
+
+    try:
+        return convert_entries(entries(), meta_path, blob_path, chunk_size=chunk_size, finish=finish)
+    finally:
+        reader.close()
+
+
+def convert_directory(
+    src: str | os.PathLike[str],
+    meta_path: str | os.PathLike[str],
+    blob_path: str | os.PathLike[str],
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> LayerResult:
+    return convert_entries(walk_directory(src), meta_path, blob_path, chunk_size=chunk_size)
+
+
+def convert(
+    src: str,
+    meta_path: str | os.PathLike[str],
+    blob_path: str | os.PathLike[str],
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> LayerResult:
+    """``src`` is a tar/tar.gz/tar.zst file, ``-`` for standard input, or a directory."""
+    if src == "-":
+        return convert_stream(sys.stdin.buffer, meta_path, blob_path, chunk_size=chunk_size, source="<stdin>")
+    try:
+        st = os.stat(src)
+    except OSError as exc:
+        raise ConvertError(f"{src}: {exc.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        return convert_directory(src, meta_path, blob_path, chunk_size=chunk_size)
+    with open(src, "rb") as f:
+        return convert_stream(f, meta_path, blob_path, chunk_size=chunk_size, source=src)
