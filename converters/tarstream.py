@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import queue
 import stat
-import tarfile
+import struct
 import threading
 import urllib.parse
 import zlib
@@ -47,6 +47,7 @@ class _Decompressor:
         self._raw = raw
         self._head = head
         self._kind = kind
+        self.kind = kind
         self._source = source
         self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue(QUEUE_DEPTH)
         self._buf = memoryview(b"")
@@ -202,16 +203,17 @@ KIND_FIFO = "fifo"
 KIND_SOCK = "sock"
 
 _TYPE_KINDS = {
-    tarfile.REGTYPE: KIND_REG,
-    tarfile.AREGTYPE: KIND_REG,
-    tarfile.CONTTYPE: KIND_REG,
-    tarfile.GNUTYPE_SPARSE: KIND_REG,
-    tarfile.DIRTYPE: KIND_DIR,
-    tarfile.SYMTYPE: KIND_SYMLINK,
-    tarfile.LNKTYPE: KIND_HARDLINK,
-    tarfile.CHRTYPE: KIND_CHR,
-    tarfile.BLKTYPE: KIND_BLK,
-    tarfile.FIFOTYPE: KIND_FIFO,
+    b"0": KIND_REG,
+    b"\0": KIND_REG,
+    b"7": KIND_REG,  # contiguous file
+    b"S": KIND_REG,  # GNU old-style sparse file
+    b"5": KIND_DIR,
+    b"D": KIND_DIR,  # GNU dump directory: a directory plus a listing we ignore
+    b"2": KIND_SYMLINK,
+    b"1": KIND_HARDLINK,
+    b"3": KIND_CHR,
+    b"4": KIND_BLK,
+    b"6": KIND_FIFO,
 }
 _KIND_IFMT = {
     KIND_REG: stat.S_IFREG,
@@ -276,93 +278,134 @@ def normalise_path(raw: bytes, name: str, offset: int | None, what: str = "path"
     return tuple(parts)
 
 
-def _fsencode(s: str) -> bytes:
-    return s.encode("utf-8", "surrogateescape")
+# ---------------------------------------------------------------------------
+# The tar parser.  Written for this converter rather than using tarfile: it
+# needs exact header offsets for error messages, bytes names end to end, PAX
+# nanosecond times and xattrs verbatim, strict end-of-archive detection
+# (tarfile silently stops at a truncated or garbage header), and no per-entry
+# copying of its read buffer (tarfile's stream mode copies the whole buffer on
+# every small read, which dominated conversion of small-file layers).
+
+BLOCK = 512
+_ZEROS = bytes(READ_SIZE)
+_SPARSE_ENTRY = struct.Struct("12s12s")
 
 
-def _mtime(info: tarfile.TarInfo) -> tuple[int, int]:
-    # tarfile turns PAX mtime into a float, losing nanoseconds; parse the text
-    text = info.pax_headers.get("mtime")
-    if text:
-        whole, _, frac = text.partition(".")
+class _Input:
+    """A forward-only byte source with exact offsets over the decompressed stream."""
+
+    def __init__(self, stream: _Decompressor) -> None:
+        self._stream = stream
+        self._buf = b""
+        self._pos = 0
+        self.offset = 0  # absolute offset of _buf[0]
+
+    def tell(self) -> int:
+        return self.offset + self._pos
+
+    def _fill(self, need: int) -> None:
+        have = len(self._buf) - self._pos
+        if have >= need:
+            return
+        parts = [self._buf[self._pos :]]
+        while have < need:
+            block = self._stream.read(max(READ_SIZE, need - have))
+            if not block:
+                break
+            parts.append(block)
+            have += len(block)
+        self.offset += self._pos
+        self._buf = b"".join(parts)
+        self._pos = 0
+
+    def take(self, n: int) -> bytes:
+        """Exactly n bytes, or fewer only at the end of the stream."""
+        self._fill(n)
+        out = self._buf[self._pos : self._pos + n]
+        self._pos += len(out)
+        return out
+
+    def pieces(self, n: int) -> Iterator[bytes]:
+        """n bytes as a sequence of blocks of up to READ_SIZE; stops short at EOF."""
+        while n > 0:
+            if self._pos >= len(self._buf):
+                self._fill(1)
+                if self._pos >= len(self._buf):
+                    return
+            avail = len(self._buf) - self._pos
+            take = min(avail, n, READ_SIZE)
+            if self._pos == 0 and take == len(self._buf):
+                out = self._buf
+            else:
+                out = self._buf[self._pos : self._pos + take]
+            self._pos += take
+            n -= take
+            yield out
+
+    def skip(self, n: int) -> int:
+        skipped = 0
+        for piece in self.pieces(n):
+            skipped += len(piece)
+        return skipped
+
+
+def _num(field: bytes, what: str) -> int:
+    if field and field[0] & 0x80:  # GNU base-256 for values octal cannot hold
+        value = int.from_bytes(field[1:], "big")
+        if field[0] == 0xFF:
+            value -= 1 << (8 * (len(field) - 1))
+        return value
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    if not text:
+        return 0
+    try:
+        return int(text, 8)
+    except ValueError:
+        raise ValueError(f"bad octal number {text!r} in the {what} field") from None
+
+
+def _cstr(field: bytes) -> bytes:
+    return field.split(b"\0", 1)[0]
+
+
+def _checksum_ok(header: bytes) -> bool:
+    try:
+        stored = _num(header[148:156], "checksum")
+    except ValueError:
+        return False
+    blanked = header[:148] + b"        " + header[156:]
+    unsigned = sum(blanked)
+    signed = unsigned - 256 * sum(1 for b in blanked if b > 127)  # some old tars summed signed chars
+    return stored in (unsigned, signed)
+
+
+def _parse_pax(data: bytes, at: int) -> list[tuple[bytes, bytes]]:
+    records: list[tuple[bytes, bytes]] = []
+    pos = 0
+    while pos < len(data):
+        if data[pos] == 0:
+            break  # NUL padding after the last record
+        space = data.find(b" ", pos)
         try:
-            sec = int(whole)
-            nsec = int((frac + "000000000")[:9]) if frac else 0
-            if whole.startswith("-") and nsec:
-                sec, nsec = sec - 1, 1_000_000_000 - nsec
-            return sec, nsec
+            length = int(data[pos:space])
         except ValueError:
-            pass
-    return int(info.mtime), 0
+            raise ValueError(f"malformed PAX record at byte {pos} of the extended header at offset {at}") from None
+        record = data[space + 1 : pos + length]
+        if length <= 0 or pos + length > len(data) or not record.endswith(b"\n") or b"=" not in record:
+            raise ValueError(f"malformed PAX record at byte {pos} of the extended header at offset {at}")
+        key, _, value = record[:-1].partition(b"=")
+        records.append((key, value))
+        pos += length
+    return records
 
 
-def _xattrs(info: tarfile.TarInfo) -> dict[bytes, bytes]:
-    out: dict[bytes, bytes] = {}
-    for key, value in info.pax_headers.items():
-        if key.startswith("SCHILY.xattr."):
-            out[_fsencode(key[len("SCHILY.xattr.") :])] = _fsencode(value)
-        elif key.startswith("LIBARCHIVE.xattr."):
-            name = urllib.parse.unquote_to_bytes(key[len("LIBARCHIVE.xattr.") :])
-            out[name] = base64.b64decode(value + "=" * (-len(value) % 4))
-    return out
-
-
-def _entry(info: tarfile.TarInfo) -> Entry:
-    name = info.name
-    offset = info.offset
-    kind = _TYPE_KINDS.get(info.type)
-    if kind is None:
-        raise BadEntry(
-            name, offset, f"unsupported tar entry type {info.type!r}",
-            "layers may hold files, directories, links, devices and FIFOs only",
-        )
-    path = normalise_path(_fsencode(name), name, offset)
-    sec, nsec = _mtime(info)
-    entry = Entry(
-        path=path,
-        kind=kind,
-        mode=info.mode & 0o7777,
-        uid=info.uid,
-        gid=info.gid,
-        mtime=sec,
-        mtime_nsec=nsec,
-        size=info.size if kind == KIND_REG else 0,
-        xattrs=_xattrs(info),
-        name=name,
-        offset=offset,
-    )
-    if kind == KIND_SYMLINK:
-        entry.link = _fsencode(info.linkname)
-        if not entry.link:
-            raise BadEntry(name, offset, "symlink with an empty target")
-    elif kind == KIND_HARDLINK:
-        entry.link_path = normalise_path(_fsencode(info.linkname), name, offset, "hard-link target")
-        if not entry.link_path:
-            raise BadEntry(name, offset, "hard link to the root directory")
-    elif kind in (KIND_CHR, KIND_BLK):
-        entry.rdev = (info.devmajor, info.devminor)
-    if kind != KIND_HARDLINK:
-        entry.mode = kind_mode(kind, info.mode)
-    return entry
-
-
-def _recording_tarinfo() -> type[tarfile.TarInfo]:
-    """A TarInfo class that remembers the last header block it was given.
-
-    tarfile ends iteration silently on a short or invalid header anywhere but
-    at offset 0; the last block tells a real end-of-archive marker (512 zero
-    bytes) from a truncated or corrupt archive.
-    """
-
-    class RecordingTarInfo(tarfile.TarInfo):
-        last_block: bytes = b""
-
-        @classmethod
-        def frombuf(cls, buf: bytes, encoding: str, errors: str) -> tarfile.TarInfo:  # type: ignore[override]
-            cls.last_block = buf
-            return super().frombuf(buf, encoding, errors)
-
-    return RecordingTarInfo
+def _pax_mtime(text: bytes) -> tuple[int, int]:
+    whole, _, frac = text.partition(b".")
+    sec = int(whole)
+    nsec = int((frac + b"000000000")[:9]) if frac else 0
+    if whole.startswith(b"-") and nsec:
+        sec, nsec = sec - 1, 1_000_000_000 - nsec
+    return sec, nsec
 
 
 class TarReader:
@@ -371,81 +414,245 @@ class TarReader:
     def __init__(self, raw: BinaryIO, source: str) -> None:
         self.source = source
         self._stream = open_decompressed(raw, source)
-        self._info_cls = _recording_tarinfo()
-        try:
-            self._tar = tarfile.open(
-                fileobj=self._stream,  # type: ignore[arg-type]
-                mode="r|",
-                bufsize=READ_SIZE,
-                encoding="utf-8",
-                errors="surrogateescape",
-                tarinfo=self._info_cls,
-            )
-        except tarfile.ReadError as exc:
-            self._stream.close()
-            raise BadArchive(f"{source}: not a tar archive ({exc})") from None
-        except BadArchive:
-            self._stream.close()
-            raise
-        self._current: tarfile.TarInfo | None = None
+        self._in = _Input(self._stream)
+        self._global: dict[bytes, bytes] = {}
+        self._pending = 0  # bytes of the current member's data not yet consumed
+        self._padding = 0
+        self._current: Entry | None = None
+        self._sparse: list[tuple[int, int]] | None = None
+        self._real_size = 0
+
+    def _bad(self, offset: int, problem: str) -> BadArchive:
+        return BadArchive(f"{self.source}: {problem} at offset {offset}; the archive is truncated or corrupt")
+
+    def _skip_pending(self) -> None:
+        todo = self._pending + self._padding
+        if todo:
+            at = self._in.tell()
+            if self._in.skip(todo) != todo:
+                name = self._current.name if self._current else "?"
+                raise self._bad(at, f"data of entry {name!r} end early (truncated)")
+        self._pending = self._padding = 0
+
+    def _member_data(self, size: int, offset: int, what: str) -> bytes:
+        data = self._in.take(size)
+        if len(data) != size:
+            raise self._bad(offset, f"{what} ends early")
+        self._in.skip(-size % BLOCK)
+        return data
 
     def __iter__(self) -> Iterator[Entry]:
-        it = iter(self._tar)
-        last = "the start of the archive"
+        long_name: bytes | None = None
+        long_link: bytes | None = None
+        pax: list[tuple[bytes, bytes]] = []
+        ext_offset: int | None = None  # where the first header of this entry's chain started
         while True:
-            try:
-                info = next(it)
-            except StopIteration:
-                self._check_end(last)
+            self._skip_pending()
+            offset = self._in.tell()
+            header = self._in.take(BLOCK)
+            if len(header) < BLOCK:
+                if header or ext_offset is not None:
+                    raise self._bad(offset, "tar header cut short")
+                raise self._bad(offset, "tar stream ends without an end-of-archive marker")
+            if header.count(0) == BLOCK:
+                if ext_offset is not None:
+                    raise self._bad(offset, "end-of-archive marker after an extended header")
                 return
-            except (tarfile.ReadError, EOFError) as exc:
-                raise BadArchive(
-                    f"{self.source}: broken tar header after {last}: {exc}; "
-                    "the archive is truncated or corrupt"
-                ) from None
-            self._current = info
-            last = f"entry {info.name!r} at offset {info.offset}"
-            if info.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME,
-                             tarfile.GNUTYPE_LONGLINK):
-                continue  # tarfile folds these into the next member already
-            yield _entry(info)
-
-    def _check_end(self, last: str) -> None:
-        block = self._info_cls.last_block  # type: ignore[attr-defined]
-        where = f"offset {self._tar.offset}"
-        if len(block) < tarfile.BLOCKSIZE:
-            raise BadArchive(
-                f"{self.source}: tar stream ends at {where} without an end-of-archive marker "
-                f"(after {last}); the archive is truncated"
-            )
-        if block.count(0) != tarfile.BLOCKSIZE:
-            raise BadArchive(
-                f"{self.source}: invalid tar header at {where} (after {last}): bad checksum or "
-                "garbage; the archive is corrupt"
-            )
-
-    def data(self) -> Iterator[memoryview | bytes]:
-        """Yield the current regular file's bytes in blocks of up to READ_SIZE."""
-        info = self._current
-        assert info is not None
-        f = self._tar.extractfile(info)
-        assert f is not None
-        remaining = info.size
-        while remaining > 0:
+            if not _checksum_ok(header):
+                what = "no valid tar header" if offset == 0 else "invalid tar header (bad checksum)"
+                raise self._bad(offset, what)
+            if ext_offset is None:
+                ext_offset = offset
+            typeflag = header[156:157]
             try:
-                block = f.read(min(READ_SIZE, remaining))
-            except (tarfile.ReadError, EOFError, OSError) as exc:
-                raise BadArchive(
-                    f"{self.source}: entry {info.name!r} at offset {info.offset}: data ends early ({exc}); "
-                    "the archive is truncated"
-                ) from None
-            if not block:
-                raise BadArchive(
-                    f"{self.source}: entry {info.name!r} at offset {info.offset}: data ends "
-                    f"{remaining} bytes early; the archive is truncated"
-                )
-            remaining -= len(block)
-            yield block
+                size = _num(header[124:136], "size")
+            except ValueError as exc:
+                raise self._bad(offset, str(exc)) from None
+            if typeflag in (b"x", b"g", b"L", b"K"):
+                data = self._member_data(size, offset, "extended header")
+                if typeflag == b"L":
+                    long_name = data.rstrip(b"\0")
+                elif typeflag == b"K":
+                    long_link = data.rstrip(b"\0")
+                else:
+                    try:
+                        records = _parse_pax(data, offset)
+                    except ValueError as exc:
+                        raise self._bad(offset, str(exc)) from None
+                    if typeflag == b"g":
+                        self._global.update(records)
+                    else:
+                        pax.extend(records)
+                continue
+            entry = self._build(header, offset, typeflag, size, long_name, long_link, pax)
+            entry.offset = ext_offset
+            long_name = long_link = None
+            pax = []
+            ext_offset = None
+            yield entry
+
+    def _build(
+        self, header: bytes, offset: int, typeflag: bytes, size: int,
+        long_name: bytes | None, long_link: bytes | None, pax_records: list[tuple[bytes, bytes]],
+    ) -> Entry:
+        magic = header[257:263]
+        name = _cstr(header[0:100])
+        if magic == b"ustar\0":  # POSIX ustar: prefix field extends the name
+            prefix = _cstr(header[345:500])
+            if prefix:
+                name = prefix + b"/" + name
+        link = _cstr(header[157:257])
+        pax = dict(self._global)
+        sparse_pairs: list[int] = []
+        for key, value in pax_records:
+            if key in (b"GNU.sparse.offset", b"GNU.sparse.numbytes"):
+                sparse_pairs.append(int(value))  # format 0.0 repeats these keys in order
+            pax[key] = value
+        if long_name is not None:
+            name = long_name
+        if long_link is not None:
+            link = long_link
+        name = pax.get(b"GNU.sparse.name", pax.get(b"path", name))
+        link = pax.get(b"linkpath", link)
+        shown = name.decode("utf-8", "replace")
+        kind = _TYPE_KINDS.get(typeflag)
+        if kind is None:
+            # POSIX lets readers treat unknown types as regular files; guessing
+            # wrong would silently corrupt the tree, so refuse instead
+            raise BadEntry(
+                shown, offset, f"unsupported tar entry type {typeflag.decode('latin-1')!r}",
+                "layers may hold files, directories, links, devices and FIFOs only",
+            )
+        if kind == KIND_REG and typeflag in (b"0", b"\0") and name.endswith(b"/"):
+            kind = KIND_DIR  # pre-POSIX archives mark directories with a trailing slash only
+        try:
+            mode = _num(header[100:108], "mode")
+            uid = int(pax[b"uid"]) if b"uid" in pax else _num(header[108:116], "uid")
+            gid = int(pax[b"gid"]) if b"gid" in pax else _num(header[116:124], "gid")
+            if b"size" in pax:
+                size = int(pax[b"size"])
+            if b"mtime" in pax:
+                mtime, nsec = _pax_mtime(pax[b"mtime"])
+            else:
+                mtime, nsec = _num(header[136:148], "mtime"), 0
+            major = _num(header[329:337], "devmajor") if kind in (KIND_CHR, KIND_BLK) else 0
+            minor = _num(header[337:345], "devminor") if kind in (KIND_CHR, KIND_BLK) else 0
+        except ValueError as exc:
+            raise BadEntry(shown, offset, str(exc)) from None
+        path = normalise_path(name, shown, offset)
+        entry = Entry(path=path, kind=kind, mode=mode & 0o7777, uid=uid, gid=gid, mtime=mtime,
+                      mtime_nsec=nsec, name=shown, offset=offset)
+        for key, value in pax.items():
+            if key.startswith(b"SCHILY.xattr."):
+                entry.xattrs[key[len(b"SCHILY.xattr."):]] = value
+            elif key.startswith(b"LIBARCHIVE.xattr."):
+                xname = urllib.parse.unquote_to_bytes(key[len(b"LIBARCHIVE.xattr."):])
+                entry.xattrs[xname] = base64.b64decode(value + b"=" * (-len(value) % 4))
+        self._sparse = None
+        if kind == KIND_REG:
+            entry.size = size
+            if typeflag == b"S":
+                self._sparse, entry.size = self._old_gnu_sparse(header, offset)
+            elif b"GNU.sparse.major" in pax or b"GNU.sparse.map" in pax or sparse_pairs:
+                entry.size = int(pax.get(b"GNU.sparse.realsize", pax.get(b"GNU.sparse.size", b"0")))
+                if pax.get(b"GNU.sparse.major") == b"1":
+                    self._sparse = []  # the map sits at the start of the data; read in data()
+                else:
+                    raw_map = pax.get(b"GNU.sparse.map")
+                    nums = [int(x) for x in raw_map.split(b",")] if raw_map else sparse_pairs
+                    self._sparse = list(zip(nums[0::2], nums[1::2], strict=True))
+        elif kind == KIND_SYMLINK:
+            entry.link = link
+            if not link:
+                raise BadEntry(shown, offset, "symlink with an empty target")
+        elif kind == KIND_HARDLINK:
+            entry.link_path = normalise_path(link, shown, offset, "hard-link target")
+            if not entry.link_path:
+                raise BadEntry(shown, offset, "hard link to the root directory")
+        elif kind in (KIND_CHR, KIND_BLK):
+            entry.rdev = (major, minor)
+        if kind != KIND_HARDLINK:
+            entry.mode = kind_mode(kind, mode)
+        # hard links, symlinks, devices and directories may still carry data blocks (GNU dumpdir)
+        self._pending = size
+        self._padding = -size % BLOCK
+        self._current = entry
+        return entry
+
+    def _old_gnu_sparse(self, header: bytes, offset: int) -> tuple[list[tuple[int, int]], int]:
+        pairs: list[tuple[int, int]] = []
+
+        def read_entries(area: bytes, count: int) -> None:
+            for i in range(count):
+                off, num = _SPARSE_ENTRY.unpack_from(area, i * 24)
+                if off.strip(b"\0 ") or num.strip(b"\0 "):
+                    pairs.append((_num(off, "sparse offset"), _num(num, "sparse size")))
+
+        read_entries(header[386:482], 4)
+        extended = header[482]
+        real_size = _num(header[483:495], "sparse real size")
+        while extended:
+            ext = self._in.take(BLOCK)
+            if len(ext) < BLOCK:
+                raise self._bad(offset, "GNU sparse extension header cut short")
+            read_entries(ext, 21)
+            extended = ext[504]
+        return pairs, real_size
+
+    def data(self) -> Iterator[bytes]:
+        """Yield the current regular file's bytes (holes of sparse files as zeros)."""
+        entry = self._current
+        assert entry is not None
+        if self._sparse is None:
+            yield from self._raw_data(entry, self._pending)
+            return
+        sparse = self._sparse
+        if not sparse and entry.size:  # PAX 1.0: decimal map at the start of the data
+            sparse = self._sparse_map_1_0(entry)
+        pos = 0
+        for off, num in sparse:
+            if off < pos or off + num > entry.size:
+                raise BadEntry(entry.name, entry.offset, f"sparse map segment {off}+{num} out of order or size")
+            yield from self._zeros(off - pos)
+            yield from self._raw_data(entry, num)
+            pos = off + num
+        yield from self._zeros(entry.size - pos)
+
+    @staticmethod
+    def _zeros(n: int) -> Iterator[bytes]:
+        while n > 0:
+            step = min(n, READ_SIZE)
+            yield _ZEROS if step == READ_SIZE else _ZEROS[:step]
+            n -= step
+
+    def _sparse_map_1_0(self, entry: Entry) -> list[tuple[int, int]]:
+        # decimal lines (count, then offset/size pairs) padded to a whole
+        # block, so the file data start at the block after the map
+        text = b""
+        while True:
+            lines = text.split(b"\n")[:-1]
+            if lines and len(lines) >= 1 + 2 * int(lines[0]):
+                nums = [int(x) for x in lines[1 : 1 + 2 * int(lines[0])]]
+                return list(zip(nums[0::2], nums[1::2], strict=True))
+            block = self._in.take(min(BLOCK, self._pending))
+            if len(block) < BLOCK:
+                raise BadEntry(entry.name, entry.offset, "GNU sparse 1.0 map cut short")
+            self._pending -= len(block)
+            text += block
+
+    def _raw_data(self, entry: Entry, n: int) -> Iterator[bytes]:
+        if n > self._pending:
+            raise BadEntry(entry.name, entry.offset, "sparse map names more data than the entry holds")
+        got = 0
+        for piece in self._in.pieces(n):
+            got += len(piece)
+            self._pending -= len(piece)
+            yield piece
+        if got != n:
+            raise BadArchive(
+                f"{self.source}: entry {entry.name!r} at offset {entry.offset}: data end "
+                f"{n - got} bytes early; the archive is truncated"
+            )
 
     def finish(self) -> None:
         """Read the input to its very end (after the tar end-of-archive marker)."""

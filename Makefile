@@ -1,0 +1,86 @@
+# layerbox developer entry points.  On a fresh Debian 12 machine, as root:
+#   make demo   build a Debian sample, convert it to an EROFS layer, mount it, run a command in it
+#   make test   ruff, mypy and pytest (root-only tests included)
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+MAKEFLAGS += --no-builtin-rules
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# Lives inside .venv so that `rm -rf .venv` (or `make clean`) also forgets the install.
+STAMP := $(VENV)/.layerbox-installed
+
+# Later issues add: crun nftables docker-registry criu.
+DEB_PACKAGES := python3 python3-venv python3-dev erofs-utils fuse3 zstd mmdebstrap \
+	util-linux skopeo umoci e2fsprogs kmod tar gzip attr
+KERNEL_FILESYSTEMS := erofs overlay fuse
+
+DEMO_ARGS ?=
+
+.PHONY: help deps venv lint typecheck test demo clean
+
+help:
+	@echo "make deps      install missing Debian packages, load erofs/overlay/fuse (root)"
+	@echo "make venv      create $(VENV) and pip install -e '.[test]' (again when pyproject.toml changes)"
+	@echo "make lint      ruff check ."
+	@echo "make test      deps + venv, then ruff, mypy, pytest"
+	@echo "make demo      deps + venv, then '$(BIN)/layerbox demo' (root; DEMO_ARGS=--json for JSON)"
+	@echo "make clean     remove $(VENV) and caches (never the data dir)"
+
+# dpkg-query first so that a machine with everything installed needs neither root nor the network.
+deps:
+	@missing=""; \
+	for pkg in $(DEB_PACKAGES); do \
+	  status=$$(dpkg-query -W -f='$${db:Status-Status}' "$$pkg" 2>/dev/null || true); \
+	  [ "$$status" = installed ] || missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" -ne 0 ]; then \
+	    echo "deps: missing Debian packages:$$missing -- run 'sudo make deps'" >&2; exit 1; \
+	  fi; \
+	  echo "deps: installing$$missing"; \
+	  apt-get update -q; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+	@# Built-in filesystems show up in /proc/filesystems without modprobe (and modprobe fails
+	@# when /lib/modules is absent), so look there first and only warn: the tests and the demo
+	@# say precisely what they miss.
+	@for fs in $(KERNEL_FILESYSTEMS); do \
+	  has_fs() { awk -v fs="$$1" '$$NF == fs { found = 1 } END { exit !found }' /proc/filesystems; }; \
+	  has_fs "$$fs" && continue; \
+	  modprobe "$$fs" 2>/dev/null || true; \
+	  has_fs "$$fs" || echo "deps: warning: the kernel has no '$$fs' filesystem (modprobe $$fs failed)" >&2; \
+	done
+
+venv: deps $(STAMP)
+
+$(STAMP): pyproject.toml | deps
+	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+lint: venv
+	$(BIN)/ruff check .
+
+typecheck: venv
+	$(BIN)/mypy
+
+# pytest exits 5 when it collected nothing: an empty or fully deselected suite is not a pass.
+test: lint typecheck
+	@rc=0; $(BIN)/python -m pytest -q || rc=$$?; \
+	if [ "$$rc" -eq 5 ]; then \
+	  echo "test: pytest collected no tests (tests/ empty or everything deselected) -- failing" >&2; \
+	  exit 1; \
+	fi; \
+	exit "$$rc"
+
+demo: venv
+	$(BIN)/layerbox demo $(DEMO_ARGS)
+
+# The data dir (LAYERBOX_DATA_DIR, /var/lib/layerbox or ~/.local/share/layerbox; ./.data in a
+# checkout) holds the cached sample image and the stores: clean never touches it.
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build ./*.egg-info
+	find . -path ./.git -prune -o -path ./.data -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
