@@ -295,7 +295,7 @@ def trees(draw: st.DrawFn) -> list[tuple]:
     return entries
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tree=trees())
 def test_random_trees_roundtrip(mounts, tmp_path_factory, tree: list[tuple]) -> None:
     tmp = tmp_path_factory.mktemp("prop")
