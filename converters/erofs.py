@@ -129,15 +129,31 @@ def encode_xattrs(xattrs: dict[bytes, bytes], where: str) -> bytes:
                 f"{where}: xattr {name.decode('utf-8', 'replace')!r} has a namespace EROFS cannot store "
                 "(only user., trusted., security. and system.posix_acl_*)"
             )
-        if len(split[1]) > 255 or len(value) > 0xFFFF:
-            raise ConvertError(f"{where}: xattr {name!r} is too large for EROFS (name 255, value 65535 bytes)")
+        if len(name) > 255 or len(value) > 0xFFFF:
+            raise ConvertError(
+                f"{where}: xattr {name!r} is too large (Linux allows names of 255 bytes and values of 65535)"
+            )
         entries.append((split[0], split[1], value))
     entries.sort()
     body = bytearray(F.XATTR_IBODY_HEADER.pack(0, 0, b""))
     for index, suffix, value in entries:
         body += F.XATTR_ENTRY.pack(len(suffix), index, len(value)) + suffix + value
         body += bytes(-len(body) % 4)
+    if (len(body) - F.XATTR_IBODY_HEADER.size) // 4 + 1 > 0xFFFF:
+        raise ConvertError(f"{where}: {len(body)} bytes of xattrs exceed what one EROFS inode can hold")
     return bytes(body)
+
+
+def _check_ranges(node: Node, where: str) -> None:
+    """Refuse what EROFS cannot represent instead of silently truncating it."""
+    for label, value in (("uid", node.uid), ("gid", node.gid)):
+        if not 0 <= value <= 0xFFFFFFFF:
+            raise ConvertError(f"{where}: {label} {value} does not fit 32 bits")
+    if not -(1 << 63) <= node.mtime < (1 << 63):
+        raise ConvertError(f"{where}: mtime {node.mtime} does not fit 64 bits")
+    major, minor = node.rdev
+    if not (0 <= major <= 0xFFF and 0 <= minor <= 0xFFFFF):
+        raise ConvertError(f"{where}: device {major}:{minor} exceeds Linux's 12-bit major / 20-bit minor")
 
 
 def _dir_blocks(entries: list[tuple[bytes, Node]]) -> list[list[tuple[bytes, Node]]]:
@@ -216,6 +232,7 @@ def build_image(tree: Tree, blob: BlobWriter, *, blob_tag: bytes) -> tuple[bytes
         max_mtime = max(max_mtime, node.mtime)
         shown = b"/" + b"/".join(path)
         where = shown.decode("utf-8", "replace")
+        _check_ranges(node, where)
         xattr_body = encode_xattrs(node.xattrs, where)
         dir_blocks = None
         data = b""
@@ -306,8 +323,8 @@ def build_image(tree: Tree, blob: BlobWriter, *, blob_tag: bytes) -> tuple[bytes
             p.size,
             i_u,
             node.ino,
-            node.uid & 0xFFFFFFFF,
-            node.gid & 0xFFFFFFFF,
+            node.uid,
+            node.gid,
             node.mtime & 0xFFFFFFFFFFFFFFFF,
             node.mtime_nsec,
             nlink,

@@ -1,14 +1,15 @@
 """Convert one tar stream or directory into a layer (metadata image + blob).
 
 Crash safety: both outputs are written under temporary names beside their
-final paths, fsynced, then renamed blob first and metadata image last.  The
-metadata image names the blob's identity, so a crash between the two renames
-leaves at worst a blob without an image, never an image whose blob is
-missing or stale.  On any error both temporaries are removed.
+final paths and fsynced; then any old metadata image at the target path is
+removed, the blob is renamed into place, and the metadata image last.  A
+crash anywhere leaves at worst a blob without an image, never an image beside
+a blob it was not made with.  On any error both temporaries are removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import sys
@@ -97,6 +98,7 @@ def convert_entries(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     finish: Callable[[], None] | None = None,
+    oci_whiteouts: bool = True,
 ) -> LayerResult:
     """Build a layer from entries; ``finish`` runs after the last entry, before commit."""
     check_chunk_size(chunk_size)
@@ -105,7 +107,7 @@ def convert_entries(
     meta_out: _Output | None = None
     try:
         blob = BlobWriter(blob_out.fd, chunk_size)
-        tree = Tree()
+        tree = Tree(oci_whiteouts=oci_whiteouts)
         for entry, data in entries:
             if entry.kind == KIND_HARDLINK:
                 tree.add(entry, None)
@@ -123,6 +125,10 @@ def convert_entries(
         view = memoryview(image)
         while view:
             view = view[os.write(meta_out.fd, view):]
+        # an old image at meta_path would pair with the new blob after a crash
+        # between the renames: remove it first, so a crash leaves no image at all
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(meta_path)
         blob_out.commit()
         meta_out.commit()
     except BaseException:
@@ -194,7 +200,7 @@ def convert_directory(
     *,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> LayerResult:
-    return convert_entries(walk_directory(src), meta_path, blob_path, chunk_size=chunk_size)
+    return convert_entries(walk_directory(src), meta_path, blob_path, chunk_size=chunk_size, oci_whiteouts=False)
 
 
 def convert(

@@ -5,6 +5,8 @@ An image reference uses skopeo's syntax::
     oci:DIR[:TAG]                 an OCI image layout directory
     oci-archive:FILE[:TAG]        the same layout inside a tar file (read in place, never unpacked)
     docker-archive:FILE[:REF]     a ``docker save`` tar; REF is ``name[:tag]`` or ``@N`` (N-th image)
+    docker://HOST[:PORT]/REPO[:TAG|@DIGEST]
+                                  an image in an OCI distribution registry (layerstore.registry)
 
 As in skopeo, the path ends at the first ``:`` after the scheme.  A TAG is matched
 against the ``org.opencontainers.image.ref.name`` annotation of the layout's
@@ -16,6 +18,10 @@ compared with the digest and size its descriptor names; a layer's check is the
 never gets its final name.  ``convert_image`` writes ``image.json`` last
 (temp file, fsync, rename), so a directory holding an ``image.json`` holds a
 complete image.
+
+Images from a registry are never copied to disk whole: each layer streams from
+the registry (:class:`layerstore.registry.BlobStream`) straight into
+``convert_stream``, and the stream's digest check is the ``verify`` callback.
 """
 
 from __future__ import annotations
@@ -24,13 +30,12 @@ import hashlib
 import io
 import json
 import os
-import platform as _platform
 import re
 import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -38,9 +43,25 @@ from typing import Any, BinaryIO, Protocol
 
 from converters.errors import BadArchive, ConvertError, DigestMismatch
 from converters.layer import LayerResult, convert_stream
+from layerstore.registry import (
+    BlobDigestMismatch,
+    InvalidPlatform,
+    ManifestNotFound,
+    Platform,
+    PlatformNotFound,
+    Reference,
+    RegistryError,
+    RegistryImage,
+    RegistryReferenceError,
+    SyncRegistryClient,
+    UnsupportedManifest,
+    host_platform,
+    parse_reference,
+)
+from layerstore.registry import Descriptor as RegistryDescriptor
 
-IMAGE_SCHEMA = "layerbox.image.v1"
-TRANSPORTS = ("oci", "oci-archive", "docker-archive")
+IMAGE_SCHEMA = "layerbox.converted-image.v1"
+TRANSPORTS = ("oci", "oci-archive", "docker-archive", "docker")
 REF_NAME = "org.opencontainers.image.ref.name"
 # manifests and indexes are small documents; configs can carry long histories
 MAX_MANIFEST_BYTES = 4 << 20
@@ -78,19 +99,6 @@ LAYER_TYPES = frozenset(
 _DIGEST_HEX = {"sha256": 64, "sha512": 128}
 _DIGEST_RE = re.compile(r"^([a-z0-9]+(?:[+._-][a-z0-9]+)*):([a-zA-Z0-9=_-]+)$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
-_ARCH = {
-    "x86_64": "amd64",
-    "amd64": "amd64",
-    "aarch64": "arm64",
-    "arm64": "arm64",
-    "armv7l": "arm",
-    "armv6l": "arm",
-    "i386": "386",
-    "i686": "386",
-    "ppc64le": "ppc64le",
-    "s390x": "s390x",
-    "riscv64": "riscv64",
-}
 
 
 # -- errors ------------------------------------------------------------------
@@ -130,32 +138,47 @@ class ImageSource:
     """A parsed image reference: where the image is and which one of its images.
 
     ``reference`` is the tag (oci, oci-archive) or ``name[:tag]`` / ``@N``
-    (docker-archive), ``None`` when the reference leaves it out.
+    (docker-archive), ``None`` when the reference leaves it out; for a registry
+    (docker) it is the digest or tag, ``path`` is ``None`` and ``remote`` the
+    parsed registry reference.
     """
 
     transport: str
-    path: Path
+    path: Path | None
     reference: str | None
+    remote: Reference | None = None
 
     def __str__(self) -> str:
+        if self.remote is not None:
+            return f"{self.transport}://{self.remote}"
         tail = f":{self.reference}" if self.reference is not None else ""
         return f"{self.transport}:{self.path}{tail}"
 
 
 def parse_image_ref(ref: str) -> ImageSource:
-    """Parse ``oci:DIR[:TAG]``, ``oci-archive:FILE[:TAG]`` or ``docker-archive:FILE[:REF]``.
+    """Parse ``oci:DIR[:TAG]``, ``oci-archive:FILE[:TAG]``, ``docker-archive:FILE[:REF]``
+    or ``docker://HOST[:PORT]/REPO[:TAG|@DIGEST]``.
 
-    Raises :class:`ImageRefError` for an unknown scheme or an empty path and
-    :class:`SourceNotFound` when the directory or file does not exist.  Whether
-    the tag exists is only known once the source is read (``convert_image``,
-    ``inspect_image``).
+    Raises :class:`ImageRefError` for an unknown scheme, an empty path or a
+    malformed registry reference and :class:`SourceNotFound` when the directory
+    or file does not exist.  Whether the tag exists is only known once the
+    source is read (``convert_image``, ``inspect_image``).
     """
     transport, sep, rest = ref.partition(":")
     if not sep or transport not in TRANSPORTS:
         raise ImageRefError(
             f"{ref!r}: unknown image reference scheme {transport + sep!r}; "
-            "use oci:DIR[:TAG], oci-archive:FILE[:TAG] or docker-archive:FILE[:REF]"
+            "use oci:DIR[:TAG], oci-archive:FILE[:TAG], docker-archive:FILE[:REF] "
+            "or docker://HOST[:PORT]/REPO[:TAG|@DIGEST]"
         )
+    if transport == "docker":
+        if not rest.startswith("//"):
+            raise ImageRefError(f"{ref!r}: expected docker://HOST[:PORT]/REPO[:TAG|@DIGEST]")
+        try:
+            remote = parse_reference(rest[2:])
+        except RegistryReferenceError as exc:
+            raise ImageRefError(f"{ref!r}: {exc}") from None
+        return ImageSource(transport, None, remote.digest or remote.tag, remote)
     path_text, sep, reference = rest.partition(":")
     if not path_text:
         raise ImageRefError(f"{ref!r}: the reference names no path")
@@ -173,36 +196,18 @@ def parse_image_ref(ref: str) -> ImageSource:
 # -- platforms ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Platform:
-    os: str
-    architecture: str
-    variant: str | None = None
-
-    def __str__(self) -> str:
-        return "/".join(p for p in (self.os, self.architecture, self.variant) if p)
-
-    @classmethod
-    def parse(cls, text: str) -> Platform:
-        parts = text.split("/")
-        if not 2 <= len(parts) <= 3 or not all(parts):
-            raise ImageRefError(f"platform {text!r}: expected OS/ARCH[/VARIANT], e.g. linux/amd64")
-        return cls(parts[0], parts[1], parts[2] if len(parts) == 3 else None)
-
-    def matches(self, other: Platform) -> bool:
-        """Whether ``other`` (from a descriptor) satisfies this requested platform."""
-        if (self.os, self.architecture) != (other.os, other.architecture):
-            return False
-        if self.variant is None:
-            return True
-        default = "v8" if self.architecture == "arm64" else None
-        return self.variant == (other.variant or default)
+# Platform and host_platform live in layerstore.registry (which must not import
+# converters), so that a layout and a registry choose the same image from an index.
 
 
-def host_platform() -> Platform:
-    """``linux/<GOARCH>`` of this host, e.g. ``linux/amd64`` on x86_64."""
-    machine = _platform.machine().lower()
-    return Platform("linux", _ARCH.get(machine, machine))
+def _want_platform(text: str | None) -> Platform:
+    """The requested platform: ``OS/ARCH[/VARIANT]``, or this host's when ``None``."""
+    if not text:
+        return host_platform()
+    try:
+        return Platform.parse(text)
+    except InvalidPlatform as exc:
+        raise ImageRefError(str(exc)) from None
 
 
 def _descriptor_platform(obj: Mapping[str, Any]) -> Platform | None:
@@ -372,6 +377,8 @@ class _TarFiles:
 @contextmanager
 def _open_files(source: ImageSource) -> Iterator[_Files]:
     label = str(source)
+    if source.path is None:
+        raise ImageRefError(f"{label}: not a local image source")
     if source.transport == "oci":
         yield _DirFiles(source.path, label)
         return
@@ -784,13 +791,68 @@ def _resolve_docker(files: _Files, source: ImageSource) -> ResolvedImage:
 def _resolve(files: _Files, source: ImageSource, platform: str | None) -> ResolvedImage:
     if source.transport == "docker-archive":
         return _resolve_docker(files, source)
-    want = Platform.parse(platform) if platform else host_platform()
-    return _resolve_oci(files, source, want)
+    return _resolve_oci(files, source, _want_platform(platform))
+
+
+# -- registries (docker://) --------------------------------------------------
+
+
+@contextmanager
+def _registry_errors() -> Iterator[None]:
+    """Map registry errors onto this module's contract where it has one.
+
+    A tag, digest or platform the registry does not have is an ``ImageRefError``
+    as it is for a layout; a non-image manifest is ``UnsupportedImage``; a
+    corrupt manifest or config is ``DigestMismatch``.  Everything else (auth,
+    unreachable registry, truncated download) stays a
+    ``layerstore.registry.RegistryError``.
+    """
+    try:
+        yield
+    except (ManifestNotFound, PlatformNotFound, InvalidPlatform) as exc:
+        raise ImageRefError(str(exc)) from exc
+    except UnsupportedManifest as exc:
+        raise UnsupportedImage(str(exc)) from exc
+    except BlobDigestMismatch as exc:
+        raise DigestMismatch(str(exc)) from exc
+
+
+def _remote_image(image: RegistryImage, source: ImageSource) -> ResolvedImage:
+    label = str(source)
+    what = f"{label}: manifest {image.manifest_digest}"
+    layers = []
+    for i, desc in enumerate(image.layers):
+        if desc.media_type not in LAYER_TYPES:
+            raise UnsupportedImage(
+                f"{what}: layer {i + 1} has media type {desc.media_type!r}, "
+                "which is not a tar layer (plain, gzip or zstd)"
+            )
+        path = f"/v2/{image.reference.repository}/blobs/{desc.digest}"
+        layers.append(LayerBlob(path, desc.digest, desc.size, desc.media_type))
+    return ResolvedImage(
+        source=label,
+        manifest_digest=image.manifest_digest,
+        manifest_media_type=image.manifest_media_type,
+        config_digest=image.config_digest,
+        config=image.config,
+        layers=tuple(layers),
+        platform=str(image.platform) if image.platform else None,
+    )
+
+
+def _resolve_remote(
+    registry: SyncRegistryClient, source: ImageSource, platform: str | None
+) -> ResolvedImage:
+    assert source.remote is not None
+    return _remote_image(registry.get_manifest(source.remote, _want_platform(platform)), source)
 
 
 def inspect_image(ref: str, *, platform: str | None = None) -> ResolvedImage:
     """Read and verify an image's manifest and config without touching its layers."""
     source = parse_image_ref(ref)
+    if source.remote is not None:
+        with _registry_errors(), SyncRegistryClient() as registry:
+            return _resolve_remote(registry, source, platform)
     with _open_files(source) as files:
         return _resolve(files, source, platform)
 
@@ -927,6 +989,60 @@ def _convert_layer(
     return result, reader.count
 
 
+def _convert_remote_layer(
+    registry: SyncRegistryClient,
+    remote: Reference,
+    image: ResolvedImage,
+    number: int,
+    layer: LayerBlob,
+    out_dir: Path,
+    chunk_size: int,
+) -> tuple[LayerResult, int]:
+    """Convert one layer as it streams from the registry; returns the result and bytes read."""
+    total = len(image.layers)
+    describe = f"image {image.source}: layer {number} of {total} ({layer.digest})"
+    meta, blob = _layer_names(number, layer.digest)
+    assert layer.size is not None  # registry manifests always give sizes
+    descriptor = RegistryDescriptor(layer.media_type, layer.digest, layer.size)
+
+    def mismatch(exc: BlobDigestMismatch) -> LayerDigestMismatch:
+        return LayerDigestMismatch(
+            f"{describe}: {exc}", layer=number, expected=exc.expected, actual=exc.actual
+        )
+
+    with registry.open_blob(remote, descriptor) as stream:
+
+        def verify() -> None:
+            try:
+                stream.verify()
+            except BlobDigestMismatch as exc:
+                raise mismatch(exc) from exc
+
+        try:
+            result = convert_stream(
+                stream,  # type: ignore[arg-type]
+                out_dir / meta,
+                out_dir / blob,
+                chunk_size=chunk_size,
+                source=describe,
+                verify=verify,
+            )
+        except DigestMismatch:
+            raise
+        except ConvertError as exc:
+            # damaged bytes usually break decompression before the digest is known:
+            # finish the download, and when the digest is wrong say so, it is the cause
+            try:
+                stream.drain()
+            except RegistryError:
+                raise exc from None  # the download failed too; the converter saw it first
+            problem = stream.problem()
+            if isinstance(problem, BlobDigestMismatch):
+                raise mismatch(problem) from exc
+            raise
+    return result, stream.count
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -970,16 +1086,23 @@ def _image_layer(result: LayerResult, meta: str, blob: str, layer: LayerBlob, si
 
 
 def _convert_layers(
-    files: _Files, image: ResolvedImage, out_dir: Path, chunk_size: int, created: list[Path]
+    convert_one: Callable[[int, LayerBlob], tuple[LayerResult, int]],
+    image: ResolvedImage,
+    out_dir: Path,
+    created: list[Path],
 ) -> tuple[ImageLayer, ...]:
-    """Convert each distinct layer once, lowest first; appends every new file to ``created``."""
+    """Convert each distinct layer once, lowest first; appends every new file to ``created``.
+
+    ``convert_one(number, layer)`` converts one layer and returns the result
+    and the number of source bytes it read.
+    """
     done: dict[str, ImageLayer] = {}
     layers = []
     for number, layer in enumerate(image.layers, start=1):
         if layer.digest not in done:
             meta, blob = _layer_names(number, layer.digest)
             fresh = [p for p in (out_dir / meta, out_dir / blob) if not p.exists()]
-            result, size = _convert_layer(files, image, number, layer, out_dir, chunk_size)
+            result, size = convert_one(number, layer)
             created.extend(fresh)
             done[layer.digest] = _image_layer(result, meta, blob, layer, size)
         layers.append(done[layer.digest])
@@ -1005,17 +1128,40 @@ def convert_image(
     is not written, and the exception propagates: ``ImageRefError`` or
     ``SourceNotFound`` for references naming nothing, ``UnsupportedImage`` for
     non-image content, ``DigestMismatch`` (``LayerDigestMismatch`` for layers) for
-    corrupt blobs, and the converter's ``BadArchive`` / ``BadEntry``.
+    corrupt blobs, and the converter's ``BadArchive`` / ``BadEntry``.  From a
+    registry also ``layerstore.registry.RegistryError`` (``RegistryAuthError``,
+    ``RegistryUnavailable``, ``BlobTruncated``, ...).
     """
     started = time.monotonic()
     source = parse_image_ref(ref)
     out = Path(out_dir)
     created: list[Path] = []
     try:
-        with _open_files(source) as files:
-            image = _resolve(files, source, platform)
-            (out / "layers").mkdir(parents=True, exist_ok=True)
-            layers = _convert_layers(files, image, out, chunk_size, created)
+        if source.remote is not None:
+            remote = source.remote
+            with _registry_errors(), SyncRegistryClient() as registry:
+                image = _resolve_remote(registry, source, platform)
+                (out / "layers").mkdir(parents=True, exist_ok=True)
+                layers = _convert_layers(
+                    lambda number, layer: _convert_remote_layer(
+                        registry, remote, image, number, layer, out, chunk_size
+                    ),
+                    image,
+                    out,
+                    created,
+                )
+        else:
+            with _open_files(source) as files:
+                image = _resolve(files, source, platform)
+                (out / "layers").mkdir(parents=True, exist_ok=True)
+                layers = _convert_layers(
+                    lambda number, layer: _convert_layer(
+                        files, image, number, layer, out, chunk_size
+                    ),
+                    image,
+                    out,
+                    created,
+                )
         result = ImageResult(
             path=str(out / "image.json"),
             source=ref,

@@ -72,9 +72,13 @@ def node_from_entry(entry: Entry) -> Node:
 
 
 class Tree:
-    def __init__(self) -> None:
+    """``oci_whiteouts``: interpret ``.wh.`` names (tar layers); directory
+    sources pass False and keep such names literally."""
+
+    def __init__(self, *, oci_whiteouts: bool = True) -> None:
         self.root = Node(stat.S_IFDIR | 0o755)
         self.root.implicit = True
+        self.oci_whiteouts = oci_whiteouts
 
     # -- lookups ---------------------------------------------------------------
     def _parent(self, entry: Entry, path: tuple[bytes, ...]) -> Node:
@@ -111,11 +115,11 @@ class Tree:
             self._merge_dir(self.root, node)
             return
         name = path[-1]
-        if name == OPAQUE_MARKER:
+        if self.oci_whiteouts and name == OPAQUE_MARKER:
             parent = self._parent(entry, path)
             parent.xattrs[OPAQUE_XATTR] = b"y"
             return
-        if name.startswith(WHITEOUT_PREFIX):
+        if self.oci_whiteouts and name.startswith(WHITEOUT_PREFIX):
             target = name[len(WHITEOUT_PREFIX):]
             if not target or target in (b".", b".."):
                 raise BadEntry(entry.name, entry.offset, "whiteout without a valid name")

@@ -375,3 +375,164 @@ def test_stats_and_blob_map(tmp_path: Path) -> None:
     assert [(rec.block, rec.length) for rec in image.blob_map] == [(0, 4096), (1, 904)]
     assert (tmp_path / "b").stat().st_size == 2 * 4096
     assert image.devices[0][0] == r.blob_digest.removeprefix("blake3:").encode()
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"uid": 1 << 32}, "uid"),
+        ({"gid": 1 << 33}, "gid"),
+    ],
+)
+def test_ids_that_do_not_fit_are_refused(tmp_path: Path, kw: dict[str, int], needle: str) -> None:
+    t = TarBuilder()
+    t.file("f", b"x", **kw)  # PAX carries any size; EROFS holds 32 bits
+    assert needle in _fail(tmp_path, t.bytes(), ConvertError)
+
+
+@pytest.mark.parametrize(("major", "minor"), [(4096, 1), (1, 1 << 20)])
+def test_device_numbers_that_do_not_fit_are_refused(tmp_path: Path, major: int, minor: int) -> None:
+    t = TarBuilder(tarfile.GNU_FORMAT)  # base-256 fields carry large numbers
+    t.device("dev/x", "c", major, minor)
+    assert f"{major}:{minor}" in _fail(tmp_path, t.bytes(), ConvertError)
+
+
+def test_oversized_xattr_name_is_refused(tmp_path: Path) -> None:
+    t = TarBuilder()
+    t.file("f", b"x", xattrs={"user." + "n" * 251: "v"})  # 256 bytes with the prefix
+    assert "too large" in _fail(tmp_path, t.bytes(), ConvertError)
+
+
+def test_directory_sources_keep_whiteout_names_literally(tmp_path: Path) -> None:
+    from converters.layer import convert_directory
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / ".wh.foo").write_bytes(b"a file that merely looks like a whiteout")
+    (src / ".wh..wh..opq").write_bytes(b"")
+    out = tmp_path / "out"
+    out.mkdir()
+    convert_directory(src, out / "m", out / "b")
+    image = ErofsImage.open(out / "m")
+    names = sorted(p for p, _ in image.walk())
+    assert names == [b"/", b"/.wh..wh..opq", b"/.wh.foo"]
+    assert image.inode(image.lookup("/")).xattrs == {}
+
+
+def test_reconverting_removes_the_old_image_before_the_new_blob_lands(tmp_path: Path) -> None:
+    """A crash between the two renames must not pair the old image with the new blob."""
+    import converters.layer as layer_mod
+
+    first = TarBuilder()
+    first.file("a", b"one")
+    image, meta, blob = _convert_bytes(tmp_path, first.bytes())
+    second = TarBuilder()
+    second.file("a", b"two!")
+    seen: list[bool] = []
+    real_commit = layer_mod._Output.commit
+
+    def commit(self: layer_mod._Output) -> None:
+        if self.final == blob:
+            seen.append(meta.exists())  # state a crash right here would leave
+        real_commit(self)
+
+    layer_mod._Output.commit = commit  # type: ignore[method-assign]
+    try:
+        convert_stream(io.BytesIO(second.bytes()), meta, blob)
+    finally:
+        layer_mod._Output.commit = real_commit  # type: ignore[method-assign]
+    assert seen == [False]
+    assert ErofsImage.open(meta).inode(ErofsImage.open(meta).lookup("a")).size == 4
+
+
+def test_root_entry_must_be_a_directory(tmp_path: Path) -> None:
+    t = TarBuilder(auto_parents=False)
+    t.file(".", b"")  # a regular file where the root directory belongs
+    assert "root must be a directory" in _fail(tmp_path, t.bytes(), BadEntry)
+
+
+def test_parent_that_is_not_a_directory(tmp_path: Path) -> None:
+    t = TarBuilder(auto_parents=False)
+    t.file("a", b"file")
+    t.file("a/b", b"under a file")
+    assert "not a directory" in _fail(tmp_path, t.bytes(), BadEntry)
+
+
+def test_invalid_whiteout_names(tmp_path: Path) -> None:
+    t = TarBuilder()
+    t.file(".wh.", b"")
+    assert "whiteout" in _fail(tmp_path, t.bytes(), BadEntry)
+
+
+def test_empty_symlink_target(tmp_path: Path) -> None:
+    t = TarBuilder()
+    t.symlink("l", "")
+    assert "empty target" in _fail(tmp_path, t.bytes(), BadEntry)
+
+
+def test_legacy_entry_forms(tmp_path: Path) -> None:
+    t = TarBuilder(tarfile.GNU_FORMAT, auto_parents=False)
+    t.raw_type("contiguous", b"7", b"data of a contiguous file")
+    t.raw_type("dumpdir", b"D", b"Nlisting\0\0")  # GNU dumpdir: a directory plus a listing
+    t.raw_type("olddir/", b"0")  # pre-POSIX: a trailing slash marks a directory
+    image, _, _ = _convert_bytes(tmp_path, t.bytes())
+    assert image.inode(image.lookup("contiguous")).size == len(b"data of a contiguous file")
+    assert stat.S_ISDIR(image.inode(image.lookup("dumpdir")).mode)
+    assert stat.S_ISDIR(image.inode(image.lookup("olddir")).mode)
+
+
+def test_libarchive_xattrs(tmp_path: Path) -> None:
+    import base64
+
+    t = TarBuilder()
+    t.file("f", b"x", pax={"LIBARCHIVE.xattr.user.with%20space": base64.b64encode(b"\x00\x01v").decode().rstrip("=")})
+    image, _, _ = _convert_bytes(tmp_path, t.bytes())
+    assert image.inode(image.lookup("f")).xattrs == {b"user.with space": b"\x00\x01v"}
+
+
+@pytest.mark.parametrize("version", ["0.0", "0.1"])
+def test_pax_sparse_old_versions(tmp_path: Path, version: str) -> None:
+    # a 1 MiB + 10 file holding "AB" at 4096 and "CD" at its very end
+    real = (1 << 20) + 10
+    stored = b"AB" + b"CD"
+    pax: dict[str, str] = {"GNU.sparse.size": str(real), "GNU.sparse.name": "sparse", "GNU.sparse.realsize": str(real)}
+    if version == "0.1":
+        pax["GNU.sparse.map"] = f"4096,2,{real - 2},2"
+        pax["GNU.sparse.numblocks"] = "2"
+    t = TarBuilder()
+    if version == "0.0":
+        # 0.0 repeats offset/numbytes keys in order, which a dict cannot hold: write records by hand
+        records = [("GNU.sparse.size", str(real)), ("GNU.sparse.numblocks", "2"),
+                   ("GNU.sparse.offset", "4096"), ("GNU.sparse.numbytes", "2"),
+                   ("GNU.sparse.offset", str(real - 2)), ("GNU.sparse.numbytes", "2"),
+                   ("GNU.sparse.name", "sparse")]
+        body = b""
+        for k, v in records:
+            rec = f" {k}={v}\n".encode()
+            n = len(rec) + 1
+            while len(str(n)) + len(rec) != n:
+                n = len(str(n)) + len(rec)
+            body += str(n).encode() + rec
+        hdr = tarfile.TarInfo("PaxHeaders/sparse")
+        hdr.type = tarfile.XHDTYPE
+        hdr.size = len(body)
+        t.tar.addfile(hdr, io.BytesIO(body))
+        info = tarfile.TarInfo("GNUSparseFile.0/sparse")
+        info.size = len(stored)
+        info.mtime = 1
+        t.tar.fileobj.write(info.tobuf(tarfile.USTAR_FORMAT))  # type: ignore[union-attr]
+        t.tar.fileobj.write(stored + bytes(-len(stored) % 512))  # type: ignore[union-attr]
+        t.tar.offset += 512 + 512
+    else:
+        t.file("GNUSparseFile.0/sparse", stored, pax=pax)
+    image, _, blob = _convert_bytes(tmp_path, t.bytes(), chunk_size=4096)
+    node = image.inode(image.lookup("sparse"))
+    assert node.size == real
+    content = bytearray(real)
+    content[4096:4098] = b"AB"
+    content[real - 2 :] = b"CD"
+    data = blob.read_bytes()
+    rebuilt = bytearray()
+    for c in image.chunks(node.nid):
+        rebuilt += bytes(c.length) if c.hole else data[c.block * 4096 : c.block * 4096 + c.length]
+    assert bytes(rebuilt) == bytes(content)

@@ -106,8 +106,18 @@ class ErofsImage:
         for i in range(extra_devices):
             tag, dblocks, _mapped, _ = F.DEVICE_SLOT.unpack_from(data, devt_slotoff * F.DEVICE_SLOT.size + i * F.DEVICE_SLOT.size)
             self.devices.append((tag.rstrip(b"\0"), dblocks))
+        self.volume_name = _vol.rstrip(b"\0")
         self._inodes: dict[int, Inode] = {}
         self.blob_map, self.chunk_bits_hint, self.blob_size = self._read_trailer()
+        if self.volume_name == b"layerbox":
+            # our images always carry the trailer and one device slot that agree
+            if not self.blob_map and self.blob_size == 0 and self.devices and self.devices[0][1]:
+                raise FormatError(f"{name}: layerbox image without a blob map trailer (truncated or damaged)")
+            if self.devices and self.devices[0][1] * self.block_size != self.blob_size:
+                raise FormatError(
+                    f"{name}: blob map says the blob has {self.blob_size} bytes, "
+                    f"the device table {self.devices[0][1]} blocks"
+                )
         self._by_block = {r.block: r for r in self.blob_map}
 
     @classmethod
