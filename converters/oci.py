@@ -45,6 +45,7 @@ from converters.errors import BadArchive, ConvertError, DigestMismatch
 from converters.layer import LayerResult, convert_stream
 from layerstore.registry import (
     BlobDigestMismatch,
+    BlobNotFound,
     InvalidPlatform,
     ManifestNotFound,
     Platform,
@@ -802,15 +803,17 @@ def _registry_errors() -> Iterator[None]:
     """Map registry errors onto this module's contract where it has one.
 
     A tag, digest or platform the registry does not have is an ``ImageRefError``
-    as it is for a layout; a non-image manifest is ``UnsupportedImage``; a
-    corrupt manifest or config is ``DigestMismatch``.  Everything else (auth,
-    unreachable registry, truncated download) stays a
+    as it is for a layout, a missing blob ``BlobMissing``; a non-image manifest
+    is ``UnsupportedImage``; a corrupt manifest or config is ``DigestMismatch``.
+    Everything else (auth, unreachable registry, truncated download) stays a
     ``layerstore.registry.RegistryError``.
     """
     try:
         yield
     except (ManifestNotFound, PlatformNotFound, InvalidPlatform) as exc:
         raise ImageRefError(str(exc)) from exc
+    except BlobNotFound as exc:
+        raise BlobMissing(str(exc)) from exc
     except UnsupportedManifest as exc:
         raise UnsupportedImage(str(exc)) from exc
     except BlobDigestMismatch as exc:

@@ -7,14 +7,17 @@ exit code; nothing below ``tools/`` prints or exits.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from layerstore.errors import LayerboxError
 
-IMAGE_SCHEMES = ("oci:", "oci-archive:", "docker-archive:")
+IMAGE_SCHEMES = ("oci:", "oci-archive:", "docker-archive:", "docker://")
 
 
 def _size(text: str) -> int:
@@ -103,9 +106,206 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+# -- store commands ------------------------------------------------------------------
+
+
+def _open_store(args: argparse.Namespace) -> Any:
+    from layerstore.store import Store
+
+    opts: dict[str, Any] = {}
+    if args.s3_endpoint:
+        opts["s3_endpoint"] = args.s3_endpoint
+    return Store.open(args.store, args.data_dir, **opts)
+
+
+def _emit(args: argparse.Namespace, doc: Any, human: Callable[[], None]) -> None:
+    if args.json:
+        print(json.dumps(doc, indent=None if isinstance(doc, list) else 1, default=str))
+    else:
+        human()
+
+
+def _progress_bar(args: argparse.Namespace) -> Any:
+    if args.json or not sys.stderr.isatty():
+        return contextlib.nullcontext(None)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), transient=True, console=None)
+
+
+async def _publish(args: argparse.Namespace) -> int:
+    from converters.publish import publish
+
+    async with await _open_store(args) as store:
+        with _progress_bar(args) as bar:
+            callback = None
+            if bar is not None:
+                task = bar.add_task("new chunks", total=None)
+                callback = lambda _kind, n: bar.advance(task, n)  # noqa: E731
+            result = await publish(store, args.src, args.name, chunk_size=args.chunk_size,
+                                   platform=args.platform, progress=callback)
+    doc = result.to_json()
+
+    def human() -> None:
+        mb = 1e6
+        print(f"{result.name} -> {result.digest}")
+        print(f"  {result.layers} layer(s), {result.files} files, {result.bytes / mb:.1f} MB of file data")
+        print(f"  new to the store {result.bytes_new / mb:.1f} MB ({result.chunks_new} chunks, "
+              f"{result.bytes_uploaded / mb:.1f} MB compressed); already present {result.bytes_present / mb:.1f} MB "
+              f"({result.chunks_present} chunks)")
+        print(f"  {result.seconds:.2f} s (convert {result.convert_seconds:.2f} s, upload {result.upload_seconds:.2f} s), "
+              f"{result.requests} store requests")
+
+    _emit(args, doc, human)
+    return 0
+
+
+async def _compose(args: argparse.Namespace) -> int:
+    parts = {k: v for k, v in (("base", args.base), ("workspace", args.workspace), ("toolkit", args.toolkit)) if v}
+    async with await _open_store(args) as store:
+        ref = await store.compose(args.name, parts)
+        resolved = await store.resolve(ref.digest)
+    _emit(args, {"name": ref.name, "digest": ref.digest, "layers": [x.digest for x in resolved.layers]},
+          lambda: print(f"{ref.name} -> {ref.digest} ({len(resolved.layers)} layers)"))
+    return 0
+
+
+async def _ls(args: argparse.Namespace) -> int:
+    async with await _open_store(args) as store:
+        refs = await store.list_refs(args.prefix or "")
+    rows = [{"name": r.name, "digest": r.digest, "kind": r.kind} for r in refs]
+
+    def human() -> None:
+        for r in rows:
+            print(f"{r['name']:<40} {r['kind']:<12} {r['digest']}")
+
+    _emit(args, rows, human)
+    return 0
+
+
+async def _show(args: argparse.Namespace) -> int:
+    async with await _open_store(args) as store:
+        resolved = await store.resolve(args.ref, refresh=True)
+    doc = {"digest": resolved.digest, "kind": resolved.kind,
+           "layers": [layer.to_json() for layer in resolved.layers], "config": resolved.config,
+           "parts": resolved.doc.get("parts"), "source": resolved.doc.get("source")}
+
+    def human() -> None:
+        print(f"{args.ref}: {resolved.kind} {resolved.digest}")
+        for i, layer in enumerate(resolved.layers, 1):
+            print(f"  layer {i}: {layer.digest}  {layer.files} files, {layer.bytes / 1e6:.1f} MB, "
+                  f"{layer.chunks} chunks in {len(layer.packs)} pack(s)")
+        for role, part in (resolved.doc.get("parts") or {}).items():
+            print(f"  {role}: {part['name'] or '-'} {part['digest']}")
+
+    _emit(args, doc, human)
+    return 0
+
+
+async def _verify(args: argparse.Namespace) -> int:
+    from layerstore.verify import verify
+
+    async with await _open_store(args) as store:
+        report = await verify(store, args.ref)
+
+    def human() -> None:
+        print(f"checked {report.checked} objects, {report.chunks} chunks, {report.bytes / 1e6:.1f} MB")
+        for p in report.problems:
+            print(f"BAD {p}")
+        print("ok" if report.ok else f"{len(report.problems)} problem(s)")
+
+    _emit(args, report.to_json(), human)
+    return 0 if report.ok else 3
+
+
+async def _gc(args: argparse.Namespace) -> int:
+    from layerstore.gc import collect
+
+    async with await _open_store(args) as store:
+        report = await collect(store, grace=args.grace, dry_run=args.dry_run)
+
+    def human() -> None:
+        verb = "would delete" if report.dry_run else "deleted"
+        print(f"{report.roots} refs reach {report.live_docs} documents, {report.live_layers} layers, "
+              f"{report.live_chunks} chunks")
+        print(f"{verb} {len(report.deleted)} objects, {report.deleted_bytes / 1e6:.1f} MB; "
+              f"kept {report.kept_young} young unreferenced objects (grace {args.grace:.0f} s)")
+        if report.partly_dead_packs:
+            print(f"{report.partly_dead_packs} packs hold {report.dead_bytes_in_live_packs / 1e6:.1f} MB of dead chunks")
+        for key in report.deleted if report.dry_run else []:
+            print(f"  {key}")
+
+    _emit(args, report.to_json(), human)
+    return 0
+
+
+async def _tag(args: argparse.Namespace) -> int:
+    async with await _open_store(args) as store:
+        ref = await store.tag(args.ref, args.name)
+    _emit(args, {"name": ref.name, "digest": ref.digest}, lambda: print(f"{ref.name} -> {ref.digest}"))
+    return 0
+
+
+def _run_async(fn: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        return int(asyncio.run(fn(args)))
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from layerstore.store import default_data_dir
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", default=None,
+                        help="store URL: file:///path or s3://bucket/prefix (default $LAYERBOX_STORE, "
+                             "else the embedded file store)")
+    common.add_argument("--data-dir", default=None,
+                        help=f"host state: caches and mounts (default $LAYERBOX_DATA_DIR, else {default_data_dir()})")
+    common.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default $AWS_ENDPOINT_URL)")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+
     p = argparse.ArgumentParser(prog="layerbox", description="EROFS layers and snapshots for agent sandboxes")
     sub = p.add_subparsers(dest="command", required=True)
+
+    pub = sub.add_parser("publish", parents=[common], help="convert a source and publish it to the store")
+    pub.add_argument("src", help="directory, tar/tar.gz/tar.zst, '-', oci:DIR[:TAG], oci-archive:FILE[:TAG], "
+                                 "docker-archive:FILE, docker://HOST/REPO:TAG")
+    pub.add_argument("--name", required=True, help="ref to create or move: REPO[:TAG]")
+    pub.add_argument("--chunk-size", type=_size, default=1 << 20)
+    pub.add_argument("--platform", default=None, help="os/arch[/variant] for multi-platform images")
+    pub.set_defaults(func=_run_async(_publish))
+
+    comp = sub.add_parser("compose", parents=[common], help="name a base + workspace + toolkit combination")
+    comp.add_argument("name")
+    comp.add_argument("--base", required=True)
+    comp.add_argument("--workspace")
+    comp.add_argument("--toolkit")
+    comp.set_defaults(func=_run_async(_compose))
+
+    ls = sub.add_parser("ls", parents=[common], help="list refs")
+    ls.add_argument("prefix", nargs="?")
+    ls.set_defaults(func=_run_async(_ls))
+
+    show = sub.add_parser("show", parents=[common], help="show what a ref or digest resolves to")
+    show.add_argument("ref")
+    show.set_defaults(func=_run_async(_show))
+
+    ver = sub.add_parser("verify", parents=[common], help="re-read objects and check every digest")
+    ver.add_argument("ref", nargs="?")
+    ver.set_defaults(func=_run_async(_verify))
+
+    gc = sub.add_parser("gc", parents=[common], help="delete objects no ref reaches")
+    gc.add_argument("--dry-run", action="store_true")
+    gc.add_argument("--grace", type=float, default=3600.0,
+                    help="seconds an unreferenced object is kept (uploads in progress)")
+    gc.set_defaults(func=_run_async(_gc))
+
+    tag = sub.add_parser("tag", parents=[common], help="point NAME at what REF resolves to")
+    tag.add_argument("ref")
+    tag.add_argument("name")
+    tag.set_defaults(func=_run_async(_tag))
 
     c = sub.add_parser("convert", help="convert a tarball, directory or OCI image into EROFS layers")
     c.add_argument("src", help="tar/tar.gz/tar.zst file, '-', a directory, or oci:DIR[:TAG] | "
