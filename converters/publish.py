@@ -1,0 +1,142 @@
+"""Publish a source (directory, tarball, OCI image, registry image) into a store.
+
+Conversion happens in a private temporary directory; chunks then go to the
+store in packs, followed by metadata images, the image document and last the
+ref (layerstore/store.py explains why that order makes a crash harmless).
+Re-running an interrupted publish converts again but uploads only what the
+store does not have: chunks are found in the store's pack index, packs and
+documents are content-addressed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from converters.layer import DEFAULT_CHUNK_SIZE, convert
+from converters.oci import convert_image
+from layerstore.erofs import format as F
+from layerstore.erofs.reader import ErofsImage
+from layerstore.locks import store_lock
+from layerstore.objects import ImageDoc, LayerEntry
+from layerstore.store import ChunkUploader, Progress, Store, UploadStats
+
+IMAGE_SCHEMES = ("oci:", "oci-archive:", "docker-archive:", "docker://")
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    name: str
+    digest: str
+    layers: int
+    files: int
+    bytes: int  # regular-file bytes in the image
+    chunks_new: int
+    chunks_present: int
+    bytes_new: int  # uncompressed chunk bytes the store did not have
+    bytes_present: int  # uncompressed chunk bytes already in the store
+    bytes_uploaded: int  # compressed bytes sent
+    requests: int
+    convert_seconds: float
+    upload_seconds: float
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _LocalLayer:
+    meta: Path
+    blob: Path
+    source: dict[str, Any]
+
+
+def _convert_source(src: str, work: Path, chunk_size: int, platform: str | None
+                    ) -> tuple[list[_LocalLayer], dict[str, Any], dict[str, Any]]:
+    if src.startswith(IMAGE_SCHEMES):
+        convert_image(src, work, chunk_size=chunk_size, platform=platform)
+        doc = json.loads((work / "image.json").read_text())
+        layers = [_LocalLayer(work / layer["meta"], work / layer["blob"], {"oci": layer.get("oci", {})})
+                  for layer in doc["layers"]]
+        return layers, doc.get("config") or {}, {"ref": src, **(doc.get("source") or {})}
+    meta, blob = work / "layer.erofs", work / "layer.blob"
+    convert(src, meta, blob, chunk_size=chunk_size)
+    kind = "directory" if os.path.isdir(src) else ("stdin" if src == "-" else "tarball")
+    return [_LocalLayer(meta, blob, {})], {}, {"ref": src if src == "-" else os.path.abspath(src), "type": kind}
+
+
+async def publish(
+    store: Store,
+    src: str,
+    name: str,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    platform: str | None = None,
+    work_dir: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+    before_ref: Callable[[], None] | None = None,
+) -> PublishResult:
+    """Convert ``src`` and publish it as ``name`` (``repo[:tag]``).
+
+    ``before_ref`` is a test hook run after every object is stored and before
+    the ref moves (the commit point).
+    """
+    start = time.perf_counter()
+    stats = UploadStats()
+    async with store_lock(store.backend, "publish"):
+        await store.sync_index()
+        with tempfile.TemporaryDirectory(prefix="publish-", dir=work_dir) as tmp:
+            layers, config, source = await asyncio.to_thread(_convert_source, src, Path(tmp), chunk_size, platform)
+            converted = time.perf_counter()
+            uploader = ChunkUploader(store, stats, progress=progress)
+            images: list[tuple[bytes, ErofsImage]] = []
+            for layer in layers:
+                raw = layer.meta.read_bytes()
+                image = ErofsImage(raw, str(layer.meta))
+                images.append((raw, image))
+                fd = os.open(layer.blob, os.O_RDONLY)
+                try:
+                    await uploader.add_many(
+                        (rec.digest, partial(os.pread, fd, rec.length, rec.block * F.BLOCK_SIZE))
+                        for rec in image.blob_map
+                    )
+                    await uploader.finish()  # the reads use fd
+                finally:
+                    os.close(fd)
+            entries = []
+            for layer, (raw, image) in zip(layers, images, strict=True):
+                digest = await store.put_meta(raw, stats)
+                inodes = {node.nid: node for _, node in image.walk()}
+                entries.append(LayerEntry(
+                    digest=digest,
+                    packs=uploader.packs_for(rec.digest for rec in image.blob_map),
+                    meta_size=len(raw),
+                    blob_size=image.blob_size,
+                    chunk_size=1 << image.chunk_bits_hint if image.chunk_bits_hint else chunk_size,
+                    files=len(inodes),
+                    bytes=sum(n.size for n in inodes.values() if stat.S_ISREG(n.mode)),
+                    chunks=len(image.blob_map),
+                    source=layer.source,
+                ))
+        doc_digest = await store.put_doc(ImageDoc(tuple(entries), config, source).to_json(), stats)
+        if before_ref is not None:
+            before_ref()
+        ref = await store.set_ref(name, doc_digest, "image", stats=stats)
+    end = time.perf_counter()
+    return PublishResult(
+        name=ref.name, digest=doc_digest, layers=len(entries), files=sum(e.files for e in entries),
+        bytes=sum(e.bytes for e in entries), chunks_new=stats.chunks_new, chunks_present=stats.chunks_present,
+        bytes_new=stats.bytes_new_raw, bytes_present=stats.bytes_present, bytes_uploaded=stats.bytes_uploaded,
+        requests=stats.requests, convert_seconds=round(converted - start, 3),
+        upload_seconds=round(end - converted, 3), seconds=round(end - start, 3),
+    )

@@ -1,0 +1,217 @@
+"""Store layout and the documents layerbox keeps in a store.
+
+Keys (docs/FORMAT.md, "Store layout"):
+
+    packs/<xx>/<pack id>       packed zstd chunks (layerstore/packs.py)
+    index/<xx>/<pack id>       the pack's index, copied out (derived data)
+    meta/<xx>/<layer digest>   zstd of a layer's EROFS metadata image
+    docs/<xx>/<doc digest>     JSON documents: image, composition, checkpoint
+    refs/<repo>:<tag>          mutable name -> document digest, with history
+    locks/<kind>-<id>          publish and gc locks (layerstore/locks.py)
+
+Every immutable object is named by the blake3 of its (uncompressed) content,
+so a reader can always check what it got.  Documents are canonical JSON
+(sorted keys, no spaces): the same content always has the same digest.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import blake3
+
+from layerstore.errors import FormatError, LayerstoreError
+
+SCHEMA_IMAGE = "layerbox.image.v1"
+SCHEMA_COMPOSITION = "layerbox.composition.v1"
+SCHEMA_REF = "layerbox.ref.v1"
+REF_HISTORY = 50
+PART_ORDER = ("base", "workspace", "toolkit")  # lowest first: the mission's base + workspace + toolkit
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_REPO = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+
+class BadName(LayerstoreError, ValueError):
+    pass
+
+
+class DigestMismatch(LayerstoreError):
+    """An object's bytes do not hash to its name: never returned as data."""
+
+    def __init__(self, key: str, store: str, actual: str) -> None:
+        self.key = key
+        self.store = store
+        super().__init__(
+            f"{store}: object {key!r} is corrupt (its content hashes to {actual}); "
+            "run `layerbox verify` to list every damaged object, then re-publish the source"
+        )
+
+
+def hex_digest(digest: str | bytes) -> str:
+    if isinstance(digest, bytes):
+        return digest.hex()
+    value = digest.removeprefix("blake3:")
+    if not _HEX64.match(value):
+        raise BadName(f"not a blake3 digest: {digest!r}")
+    return value
+
+
+def _fan(prefix: str, hexd: str) -> str:
+    return f"{prefix}/{hexd[:2]}/{hexd}"
+
+
+def pack_key(pack_id: str | bytes) -> str:
+    return _fan("packs", hex_digest(pack_id))
+
+
+def index_key(pack_id: str | bytes) -> str:
+    return _fan("index", hex_digest(pack_id))
+
+
+def meta_key(layer: str | bytes) -> str:
+    return _fan("meta", hex_digest(layer))
+
+
+def doc_key(digest: str | bytes) -> str:
+    return _fan("docs", hex_digest(digest))
+
+
+def parse_ref(name: str, default_tag: str = "latest") -> tuple[str, str]:
+    """``repo[:tag]`` -> (repo, tag), validated."""
+    if ":" in name.rsplit("/", 1)[-1]:
+        repo, tag = name.rsplit(":", 1)
+    else:
+        repo, tag = name, default_tag
+    if not _REPO.match(repo):
+        raise BadName(
+            f"invalid name {repo!r}: use lowercase letters, digits and . _ - separated path components"
+        )
+    if not _TAG.match(tag):
+        raise BadName(f"invalid tag {tag!r}: use letters, digits, '_', '.', '-' (at most 128)")
+    return repo, tag
+
+
+def ref_key(name: str) -> str:
+    repo, tag = parse_ref(name)
+    return f"refs/{repo}:{tag}"
+
+
+def ref_name_from_key(key: str) -> str:
+    return key.removeprefix("refs/")
+
+
+def canonical(doc: Mapping[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def digest_of(data: bytes) -> str:
+    return "blake3:" + blake3.blake3(data).hexdigest()
+
+
+def load_json(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{what}: not a JSON document ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("schema"), str):
+        raise FormatError(f"{what}: a document must be a JSON object with a 'schema' field")
+    return doc
+
+
+# -- documents ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerEntry:
+    """A layer as an image names it: the metadata image and where its chunks live."""
+
+    digest: str  # blake3 of the metadata image
+    packs: tuple[str, ...]  # hex ids of every pack holding one of its chunks
+    meta_size: int
+    blob_size: int
+    chunk_size: int
+    files: int
+    bytes: int
+    chunks: int
+    source: Mapping[str, Any] = field(default_factory=dict)  # e.g. the OCI layer digest
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest, "packs": list(self.packs), "meta_size": self.meta_size,
+            "blob_size": self.blob_size, "chunk_size": self.chunk_size, "files": self.files,
+            "bytes": self.bytes, "chunks": self.chunks, "source": dict(self.source),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any], what: str) -> LayerEntry:
+        try:
+            hex_digest(obj["digest"])
+            return cls(
+                digest=obj["digest"], packs=tuple(hex_digest(p) for p in obj["packs"]),
+                meta_size=int(obj["meta_size"]), blob_size=int(obj["blob_size"]),
+                chunk_size=int(obj["chunk_size"]), files=int(obj["files"]), bytes=int(obj["bytes"]),
+                chunks=int(obj["chunks"]), source=dict(obj.get("source") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{what}: malformed layer entry ({exc!r})") from None
+
+
+@dataclass(frozen=True)
+class ImageDoc:
+    layers: tuple[LayerEntry, ...]  # lowest first
+    config: Mapping[str, Any]  # the OCI image config (env, entrypoint, cmd, workdir, user)
+    source: Mapping[str, Any]  # provenance: reference, manifest digest...
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA_IMAGE, "layers": [layer.to_json() for layer in self.layers],
+                "config": dict(self.config), "source": dict(self.source)}
+
+
+@dataclass(frozen=True)
+class Part:
+    role: str
+    name: str  # the ref it was resolved from ("" when given by digest)
+    digest: str  # image (or composition) document digest
+
+
+@dataclass(frozen=True)
+class CompositionDoc:
+    parts: tuple[Part, ...]  # in PART_ORDER
+    layers: tuple[LayerEntry, ...]  # the parts' layers, lowest first
+    config: Mapping[str, Any]  # the base's config with the others' Env merged in
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_COMPOSITION,
+            "parts": {p.role: {"name": p.name, "digest": p.digest} for p in self.parts},
+            "layers": [layer.to_json() for layer in self.layers],
+            "config": dict(self.config),
+        }
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Any document that resolves to an ordered layer list."""
+
+    digest: str
+    kind: str  # "image", "composition", "checkpoint"
+    layers: tuple[LayerEntry, ...]
+    config: Mapping[str, Any]
+    doc: Mapping[str, Any]
+
+
+def resolve_document(digest: str, doc: Mapping[str, Any]) -> Resolved:
+    schema = doc.get("schema")
+    what = f"document {digest}"
+    kinds = {SCHEMA_IMAGE: "image", SCHEMA_COMPOSITION: "composition"}
+    kind = kinds.get(str(schema)) or ("checkpoint" if str(schema).startswith("layerbox.checkpoint.") else None)
+    if kind is None:
+        raise FormatError(f"{what}: unknown schema {schema!r} (a newer layerbox may have written it)")
+    layers = tuple(LayerEntry.from_json(layer, what) for layer in doc.get("layers", []))
+    return Resolved(digest, kind, layers, doc.get("config") or {}, doc)

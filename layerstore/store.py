@@ -1,0 +1,472 @@
+"""The content-addressed store: documents, metadata images, packed chunks and refs.
+
+``Store`` sits on a :class:`~layerstore.backend.Backend` (the bytes) and a
+:class:`~layerstore.cache.MetadataCache` (this host's derived copy of the
+small things).  Every immutable object read from the backend is checked
+against its name before it is returned or cached; a mismatch raises
+:class:`~layerstore.objects.DigestMismatch` naming the key and the store.
+
+Write order (what makes a crash harmless, docs/FORMAT.md "Publishing"):
+packs, then their index copies, then metadata images, then documents, then
+the ref.  Each step only adds content-addressed objects that nothing points
+at yet; the ref update is the single commit point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from layerstore.backend import Backend, ObjectNotFound, PreconditionFailed
+from layerstore.cache import MetadataCache
+from layerstore.errors import LayerstoreError
+from layerstore.objects import (
+    PART_ORDER,
+    REF_HISTORY,
+    SCHEMA_REF,
+    CompositionDoc,
+    DigestMismatch,
+    LayerEntry,
+    Part,
+    Resolved,
+    canonical,
+    digest_of,
+    doc_key,
+    hex_digest,
+    index_key,
+    load_json,
+    meta_key,
+    pack_key,
+    ref_key,
+    ref_name_from_key,
+    resolve_document,
+)
+from layerstore.packs import (
+    ChunkLocation,
+    PackBuilder,
+    compress,
+    decompress,
+    parse_index,
+)
+
+DEFAULT_REF_MAX_AGE = 30.0
+UPLOAD_CONCURRENCY = 4
+Progress = Callable[[str, int], None]
+
+
+class RefNotFound(LayerstoreError, LookupError):
+    pass
+
+
+class ChunkMissing(LayerstoreError, FileNotFoundError):
+    pass
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get("LAYERBOX_DATA_DIR")
+    if env:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/lib/layerbox")
+    return Path.home() / ".local/share/layerbox"
+
+
+def default_store_url() -> str:
+    env = os.environ.get("LAYERBOX_STORE")
+    if env:
+        return env
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local/share")
+    return f"file://{base / 'layerbox' / 'store'}"
+
+
+@dataclass(frozen=True)
+class RefState:
+    name: str
+    digest: str
+    kind: str
+    etag: str
+    history: tuple[Mapping[str, Any], ...]
+
+
+@dataclass
+class UploadStats:
+    chunks_new: int = 0
+    chunks_present: int = 0
+    bytes_new_raw: int = 0  # uncompressed bytes of chunks this publish added
+    bytes_uploaded: int = 0  # compressed bytes sent (packs, indexes, metadata, documents)
+    bytes_present: int = 0  # uncompressed bytes of chunks the store already had
+    packs: int = 0
+    requests: int = 0
+
+
+class Store:
+    def __init__(self, backend: Backend, cache: MetadataCache, *, ref_max_age: float = DEFAULT_REF_MAX_AGE) -> None:
+        self.backend = backend
+        self.cache = cache
+        self.url = backend.url
+        self.ref_max_age = ref_max_age
+        self._index_synced = 0.0
+
+    @classmethod
+    async def open(
+        cls, url: str | None = None, data_dir: str | os.PathLike[str] | None = None, **backend_options: Any
+    ) -> Store:
+        from layerstore.backends import open_backend
+
+        backend = open_backend(url or default_store_url(), **backend_options)
+        cache = MetadataCache(Path(data_dir) if data_dir else default_data_dir(), backend.url)
+        return cls(backend, cache)
+
+    async def close(self) -> None:
+        await self.backend.close()
+        self.cache.close()
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- documents ----------------------------------------------------------------------
+    async def put_doc(self, doc: Mapping[str, Any], stats: UploadStats | None = None) -> str:
+        data = canonical(doc)
+        digest = digest_of(data)
+        if self.cache.get_doc(digest) is None:
+            wrote = await self.backend.put_if_absent(doc_key(digest), data)
+            if stats is not None:
+                stats.requests += 1
+                stats.bytes_uploaded += len(data) if wrote else 0
+            self.cache.put_doc(digest, data)
+        return digest
+
+    async def get_doc(self, digest: str) -> dict[str, Any]:
+        digest = "blake3:" + hex_digest(digest)
+        data = self.cache.get_doc(digest)
+        if data is None:
+            key = doc_key(digest)
+            data = await self.backend.get(key)
+            actual = digest_of(data)
+            if actual != digest:
+                raise DigestMismatch(key, self.url, actual)
+            self.cache.put_doc(digest, data)
+        return load_json(data, f"{self.url}: document {digest}")
+
+    # -- metadata images ----------------------------------------------------------------
+    async def has_meta(self, layer: str) -> bool:
+        if self.cache.get_meta(layer) is not None:
+            return True
+        return await self.backend.head(meta_key(layer)) is not None
+
+    async def put_meta(self, image: bytes, stats: UploadStats | None = None) -> str:
+        digest = digest_of(image)
+        if self.cache.get_meta(digest) is None:
+            frame = await asyncio.to_thread(compress, image)
+            wrote = await self.backend.put_if_absent(meta_key(digest), frame)
+            if stats is not None:
+                stats.requests += 1
+                stats.bytes_uploaded += len(frame) if wrote else 0
+            self.cache.put_meta(digest, image)
+        return digest
+
+    async def get_meta(self, layer: str) -> bytes:
+        layer = "blake3:" + hex_digest(layer)
+        image = self.cache.get_meta(layer)
+        if image is None:
+            key = meta_key(layer)
+            frame = await self.backend.get(key)
+            try:
+                image = await asyncio.to_thread(decompress, frame, 1 << 31)
+            except Exception as exc:  # zstd raises its own error type for garbage
+                raise DigestMismatch(key, self.url, f"undecodable zstd data ({exc})") from None
+            actual = digest_of(image)
+            if actual != layer:
+                raise DigestMismatch(key, self.url, actual)
+            self.cache.put_meta(layer, image)
+        return image
+
+    # -- chunk index ----------------------------------------------------------------------
+    async def sync_index(self, *, force: bool = False) -> int:
+        """Load every pack index not yet in the cache; returns how many were new."""
+        known = self.cache.known_packs()
+        new: list[str] = []
+        async for info in self.backend.list("index/"):
+            pack_hex = info.key.rsplit("/", 1)[-1]
+            if bytes.fromhex(pack_hex) not in known:
+                new.append(pack_hex)
+        await _bounded(UPLOAD_CONCURRENCY * 2, [self.load_pack_index(p) for p in new])
+        self._index_synced = time.monotonic()
+        return len(new)
+
+    async def load_pack_index(self, pack_hex: str) -> None:
+        pack_id = bytes.fromhex(pack_hex)
+        if self.cache.has_pack(pack_id):
+            return
+        key = index_key(pack_hex)
+        index = await self.backend.get(key)
+        records = parse_index(index, pack_id, f"{self.url}: {key}")
+        await asyncio.to_thread(self.cache.add_pack, pack_id, records)
+
+    async def load_layer_locations(self, layer: LayerEntry) -> None:
+        await _bounded(UPLOAD_CONCURRENCY * 2, [self.load_pack_index(p) for p in layer.packs])
+
+    async def read_chunk(self, digest: bytes, loc: ChunkLocation | None = None) -> bytes:
+        """One chunk's bytes, fetched with a ranged GET and verified."""
+        loc = loc or self.cache.locate(digest)
+        if loc is None:
+            raise ChunkMissing(
+                f"{self.url}: chunk {digest.hex()} is not in any known pack; "
+                "the image may have been garbage-collected or published incompletely"
+            )
+        key = pack_key(loc.pack)
+        frame = await self.backend.get(key, loc.offset, loc.offset + loc.length)
+        return await asyncio.to_thread(self._check_chunk, key, frame, digest, loc)
+
+    def _check_chunk(self, key: str, frame: bytes, digest: bytes, loc: ChunkLocation) -> bytes:
+        where = f"{key}@{loc.offset}+{loc.length} (chunk {digest.hex()})"
+        try:
+            data = decompress(frame, loc.raw_length)
+        except Exception as exc:
+            raise DigestMismatch(where, self.url, f"undecodable zstd data ({exc})") from None
+        if blake3.blake3(data).digest() != digest:
+            raise DigestMismatch(where, self.url, "blake3:" + blake3.blake3(data).hexdigest())
+        return data
+
+    # -- refs -------------------------------------------------------------------------------
+    async def read_ref(self, name: str) -> RefState:
+        key = ref_key(name)
+        try:
+            info = await self.backend.head(key)
+            if info is None:
+                raise ObjectNotFound(key, self.url)
+            data = await self.backend.get(key)
+        except ObjectNotFound:
+            raise RefNotFound(f"{self.url}: no ref {name!r}; `layerbox ls` lists the refs") from None
+        doc = load_json(data, f"{self.url}: {key}")
+        etag = info.etag
+        state = RefState(ref_name_from_key(key), doc["digest"], doc.get("kind", "image"), etag,
+                         tuple(doc.get("history", ())))
+        self.cache.put_ref(state.name, state.digest, etag)
+        return state
+
+    async def set_ref(self, name: str, digest: str, kind: str, *, expect: str | None = None,
+                      stats: UploadStats | None = None) -> RefState:
+        """Point ``name`` at ``digest``, keeping history.
+
+        Compare-and-swap against the ref's current version: concurrent writers
+        each land (the later one wins and the earlier stays in the history);
+        with ``expect`` set, fail instead if the ref no longer points there.
+        """
+        key = ref_key(name)
+        canonical_name = ref_name_from_key(key)
+        for _ in range(20):
+            try:
+                current = await self.read_ref(name)
+            except RefNotFound:
+                current = None
+            if expect is not None and (current.digest if current else None) != expect:
+                raise PreconditionFailed(key, self.url, f"expected {expect}, found {current.digest if current else 'no ref'}")
+            history = list(current.history) if current else []
+            if current:
+                history.insert(0, {"digest": current.digest, "kind": current.kind,
+                                   "replaced": _now()})
+            history = history[:REF_HISTORY]
+            doc = {"schema": SCHEMA_REF, "name": canonical_name, "digest": digest, "kind": kind,
+                   "updated": _now(), "host": socket.gethostname(), "history": history}
+            try:
+                etag = await self.backend.put_conditional(key, canonical(doc), current.etag if current else None)
+            except PreconditionFailed:
+                await asyncio.sleep(0.01)
+                continue
+            if stats is not None:
+                stats.requests += 2
+            self.cache.put_ref(canonical_name, digest, etag)
+            return RefState(canonical_name, digest, kind, etag, tuple(history))
+        raise PreconditionFailed(key, self.url, "too much contention; try again")
+
+    async def list_refs(self, prefix: str = "") -> list[RefState]:
+        out = []
+        async for info in self.backend.list("refs/" + prefix):
+            name = ref_name_from_key(info.key)
+            try:
+                out.append(await self.read_ref(name))
+            except RefNotFound:
+                continue  # deleted while listing
+        return out
+
+    async def delete_ref(self, name: str) -> None:
+        await self.backend.delete(ref_key(name))
+        self.cache.drop_ref(ref_name_from_key(ref_key(name)))
+
+    async def resolve(self, ref: str, *, refresh: bool = False) -> Resolved:
+        """A ref name or a document digest -> its ordered layers and config."""
+        if ref.startswith("blake3:") or (len(ref) == 64 and all(c in "0123456789abcdef" for c in ref)):
+            digest = "blake3:" + hex_digest(ref)
+        else:
+            cached = None if refresh else self.cache.get_ref(ref_name_from_key(ref_key(ref)), self.ref_max_age)
+            digest = cached[0] if cached else (await self.read_ref(ref)).digest
+        return resolve_document(digest, await self.get_doc(digest))
+
+    async def tag(self, source: str, name: str) -> RefState:
+        resolved = await self.resolve(source, refresh=True)
+        return await self.set_ref(name, resolved.digest, resolved.kind)
+
+    async def compose(self, name: str, parts: Mapping[str, str]) -> RefState:
+        """Resolve base/workspace/toolkit refs into one composition document and ref it."""
+        unknown = set(parts) - set(PART_ORDER)
+        if unknown or "base" not in parts:
+            raise LayerstoreError(f"compose needs a base and only {', '.join(PART_ORDER)} parts (got {sorted(parts)})")
+        resolved_parts: list[Part] = []
+        layers: list[LayerEntry] = []
+        config: dict[str, Any] = {}
+        for role in PART_ORDER:
+            if role not in parts:
+                continue
+            src = parts[role]
+            res = await self.resolve(src, refresh=True)
+            if res.kind not in ("image", "composition"):
+                raise LayerstoreError(f"{role} {src!r} is a {res.kind}, not an image")
+            resolved_parts.append(Part(role, "" if src.startswith("blake3:") else src, res.digest))
+            layers.extend(res.layers)
+            config = _merge_config(config, res.config) if config else dict(res.config)
+        doc = CompositionDoc(tuple(resolved_parts), tuple(layers), config)
+        digest = await self.put_doc(doc.to_json())
+        return await self.set_ref(name, digest, "composition")
+
+
+def _merge_config(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Upper parts add environment (PATH entries prepend); the base keeps the rest."""
+    out = json.loads(json.dumps(base))
+    inner = out.setdefault("config", {})
+    env = {e.split("=", 1)[0]: e for e in inner.get("Env") or []}
+    for entry in (over.get("config") or {}).get("Env") or []:
+        key, _, value = entry.partition("=")
+        if key == "PATH" and key in env:
+            old = env[key].split("=", 1)[1]
+            parts = [p for p in value.split(":") if p and p not in old.split(":")]
+            env[key] = "PATH=" + ":".join(parts + [old])
+        else:
+            env[key] = entry
+    if env:
+        inner["Env"] = sorted(env.values())
+    return out
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+async def _bounded(limit: int, coros: Sequence[Awaitable[Any]]) -> list[Any]:
+    sem = asyncio.Semaphore(limit)
+
+    async def run(c: Awaitable[Any]) -> Any:
+        async with sem:
+            return await c
+
+    return await asyncio.gather(*(run(c) for c in coros))
+
+
+class ChunkUploader:
+    """Packs new chunks and uploads packs with bounded concurrency.
+
+    ``add`` skips chunks the store already has (per the cache's index, which
+    ``Store.sync_index`` refreshes first).  A pack is uploaded before its index
+    copy, so an index never names a missing pack.
+    """
+
+    def __init__(self, store: Store, stats: UploadStats, *, concurrency: int = UPLOAD_CONCURRENCY,
+                 progress: Progress | None = None) -> None:
+        self.store = store
+        self.stats = stats
+        self._pack = PackBuilder()
+        self._sem = asyncio.Semaphore(concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._progress = progress
+        self.locations: dict[bytes, ChunkLocation] = {}
+
+    async def add_many(self, chunks: Iterable[tuple[bytes, Callable[[], bytes]]]) -> None:
+        """(digest, read function) pairs; compression runs on worker threads in batches."""
+        batch: list[tuple[bytes, Callable[[], bytes]]] = []
+        for digest, read in chunks:
+            loc = self.locations.get(digest) or self.store.cache.locate(digest)
+            if loc is not None or digest in self._pack:
+                if loc is not None:
+                    self.locations[digest] = loc
+                self.stats.chunks_present += 1
+                self.stats.bytes_present += loc.raw_length if loc else 0
+                continue
+            batch.append((digest, read))
+            if len(batch) >= 16:
+                await self._compress_batch(batch)
+                batch = []
+        if batch:
+            await self._compress_batch(batch)
+
+    async def _compress_batch(self, batch: list[tuple[bytes, Callable[[], bytes]]]) -> None:
+        def work(item: tuple[bytes, Callable[[], bytes]]) -> tuple[bytes, bytes, int]:
+            digest, read = item
+            data = read()
+            return digest, compress(data), len(data)
+
+        results = await asyncio.gather(*(asyncio.to_thread(work, item) for item in batch))
+        for digest, frame, raw in results:  # in input order: packs are deterministic
+            if digest in self._pack:
+                continue
+            self._pack.add(digest, frame, raw)
+            self.stats.chunks_new += 1
+            self.stats.bytes_new_raw += raw
+            if self._progress:
+                self._progress("chunk", raw)
+            if self._pack.full:
+                await self._flush()
+
+    async def _flush(self) -> None:
+        if not len(self._pack):
+            return
+        pack, self._pack = self._pack, PackBuilder()
+        pack_id, data, index, records = pack.finish()
+        for digest, loc in records:
+            self.locations[digest] = loc
+        await self._sem.acquire()
+        task = asyncio.create_task(self._upload(pack_id, data, index, records))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _upload(self, pack_id: bytes, data: bytes, index: bytes,
+                      records: list[tuple[bytes, ChunkLocation]]) -> None:
+        try:
+            if await self.store.backend.put_if_absent(pack_key(pack_id), data):
+                self.stats.bytes_uploaded += len(data)
+            await self.store.backend.put_if_absent(index_key(pack_id), index)
+            self.stats.bytes_uploaded += len(index)
+            self.stats.requests += 2
+            self.stats.packs += 1
+            await asyncio.to_thread(self.store.cache.add_pack, pack_id, records)
+        finally:
+            self._sem.release()
+
+    async def finish(self) -> None:
+        await self._flush()
+        while self._tasks:
+            done = list(self._tasks)
+            results = await asyncio.gather(*done, return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+
+    def packs_for(self, digests: Iterable[bytes]) -> tuple[str, ...]:
+        packs = set()
+        for d in digests:
+            loc = self.locations.get(d) or self.store.cache.locate(d)
+            if loc is None:
+                raise ChunkMissing(f"internal: chunk {d.hex()} has no location after upload")
+            packs.add(loc.pack.hex())
+        return tuple(sorted(packs))

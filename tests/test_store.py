@@ -1,0 +1,331 @@
+"""layerstore end to end on both backends: publish, dedup, refs, compose, verify, gc, cache."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from converters.publish import publish
+from layerstore.backend import ObjectNotFound
+from layerstore.erofs.reader import ErofsImage
+from layerstore.gc import collect
+from layerstore.objects import DigestMismatch, doc_key, meta_key, pack_key
+from layerstore.store import Store
+from layerstore.verify import verify
+from tests.support.moto import MotoServer, aws_test_env, moto_fixture  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO.parent / "shared" / "fixtures" / "debian-bookworm.oci.tar"
+
+
+moto = moto_fixture("module")
+
+
+@pytest.fixture(params=["file", "s3"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path / 'store'}"
+    server: MotoServer = request.getfixturevalue("moto")
+    request.getfixturevalue("aws_test_env")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)  # subprocesses (CLI, publishers) see it too
+    return f"s3://{server.new_bucket()}/layerbox"
+
+
+@pytest_asyncio.fixture
+async def store(store_url: str, tmp_path: Path) -> AsyncIterator[Store]:
+    s = await Store.open(store_url, tmp_path / "host1")
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+def make_tree(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return root
+
+
+def sample_files(seed: int = 0, n: int = 50) -> dict[str, bytes]:
+    rnd = __import__("random").Random(seed)
+    files = {f"pkg/mod{i}.py": f"# module {i}\n".encode() * rnd.randint(1, 200) for i in range(n)}
+    files["data/big.bin"] = rnd.randbytes(3 << 20)
+    files["data/zeros.bin"] = bytes(2 << 20)
+    return files
+
+
+async def read_back(store: Store, name: str) -> dict[str, bytes]:
+    """Every regular file of the (single-layer) image, reassembled from store chunks."""
+    resolved = await store.resolve(name, refresh=True)
+    out: dict[str, bytes] = {}
+    for layer in resolved.layers:
+        await store.load_layer_locations(layer)
+        image = ErofsImage(await store.get_meta(layer.digest), layer.digest)
+        for path, node in image.walk():
+            if (node.mode & 0o170000) != 0o100000:
+                continue
+            parts = []
+            for chunk in image.chunks(node.nid):
+                if chunk.hole:
+                    parts.append(bytes(chunk.length))
+                else:
+                    assert chunk.digest is not None
+                    parts.append(await store.read_chunk(chunk.digest))
+            out[path.decode().lstrip("/")] = b"".join(parts)
+    return out
+
+
+@pytest.mark.asyncio
+async def test_publish_read_back_and_dedup(store: Store, tmp_path: Path) -> None:
+    files = sample_files()
+    src = make_tree(tmp_path / "src", files)
+    first = await publish(store, str(src), "work/app:v1")
+    assert first.bytes_present == 0
+    assert first.bytes_new == sum(len(v) for k, v in files.items() if k != "data/zeros.bin")
+    assert await read_back(store, "work/app:v1") == files
+
+    again = await publish(store, str(src), "work/app:v2")
+    assert again.digest == first.digest  # same content, same document
+    assert again.bytes_new == 0
+    assert again.chunks_new == 0
+    assert again.bytes_present == first.bytes_new
+
+    (src / "pkg/mod3.py").write_bytes(b"changed\n")
+    changed = await publish(store, str(src), "work/app:v3")
+    assert changed.bytes_new == len(b"changed\n")
+    assert changed.digest != first.digest
+
+    refs = {r.name: r.digest for r in await store.list_refs("work/")}
+    assert refs == {"work/app:v1": first.digest, "work/app:v2": first.digest, "work/app:v3": changed.digest}
+
+
+@pytest.mark.asyncio
+async def test_small_files_are_packed(store: Store, tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", {f"f/{i:05}": f"file {i}\n".encode() for i in range(3000)})
+    result = await publish(store, str(src), "many/small")
+    assert result.chunks_new == 3000
+    packs = [i async for i in store.backend.list("packs/")]
+    assert len(packs) == 1  # not one object per file
+    assert result.requests < 20
+
+
+@pytest.mark.asyncio
+async def test_compose_keeps_parts_independent(store: Store, tmp_path: Path) -> None:
+    base = await publish(store, str(make_tree(tmp_path / "b", {"etc/os": b"base"})), "base/os")
+    ws = await publish(store, str(make_tree(tmp_path / "w", {"work/x": b"ws"})), "ws/one")
+    tk1 = await publish(store, str(make_tree(tmp_path / "t1", {"opt/tk": b"tk1"})), "tk/py:1")
+    tk2 = await publish(store, str(make_tree(tmp_path / "t2", {"opt/tk": b"tk2"})), "tk/py:2")
+    c1 = await store.compose("env/a", {"base": "base/os", "workspace": "ws/one", "toolkit": "tk/py:1"})
+    r1 = await store.resolve("env/a")
+    assert r1.kind == "composition"
+    order = [(await store.resolve(n)).layers[0].digest for n in ("base/os", "ws/one", "tk/py:1")]
+    assert [layer.digest for layer in r1.layers] == order
+    c2 = await store.compose("env/a", {"base": "base/os", "workspace": "ws/one", "toolkit": "tk/py:2"})
+    r2 = await store.resolve("env/a", refresh=True)
+    assert r2.layers[:2] == r1.layers[:2]
+    assert r2.layers[2] != r1.layers[2]
+    assert c1.digest != c2.digest
+    # the parts' own documents are untouched by composing
+    assert [(await store.resolve(n)).digest for n in ("base/os", "ws/one", "tk/py:1", "tk/py:2")] == [
+        base.digest, ws.digest, tk1.digest, tk2.digest]
+    ref = await store.read_ref("env/a")
+    assert ref.history[0]["digest"] == c1.digest
+
+
+@pytest.mark.asyncio
+async def test_concurrent_ref_updates_are_never_lost(store: Store, tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "s", {"a": b"1"})
+    base = await publish(store, str(src), "race/target")
+    docs = [await store.put_doc({"schema": "layerbox.image.v1", "layers": [], "config": {"n": i}, "source": {}})
+            for i in range(12)]
+
+    async def writer(d: str) -> None:
+        await store.set_ref("race/target", d, "image")
+
+    await asyncio.gather(*(writer(d) for d in docs))
+    ref = await store.read_ref("race/target")
+    seen = {ref.digest} | {h["digest"] for h in ref.history}
+    assert set(docs) | {base.digest} == seen
+
+
+@pytest.mark.asyncio
+async def test_corruption_is_never_returned_and_verify_names_it(store: Store, tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", sample_files(1, 5))
+    result = await publish(store, str(src), "c/x")
+    assert (await verify(store)).ok
+    pack = [i async for i in store.backend.list("packs/")][0].key
+    data = bytearray(await store.backend.get(pack))
+    data[100] ^= 0xFF
+    await store.backend.put(pack, bytes(data))
+    resolved = await store.resolve("c/x")
+    image = ErofsImage(await store.get_meta(resolved.layers[0].digest), "m")
+    digests = [rec.digest for rec in image.blob_map]
+    errors = []
+    for d in digests:
+        try:
+            await store.read_chunk(d)
+        except DigestMismatch as exc:
+            errors.append(str(exc))
+    assert errors
+    assert pack in errors[0]
+    assert store.url in errors[0]
+    report = await verify(store)
+    assert not report.ok
+    assert any(pack in p for p in report.problems)
+    # documents too: a corrupt document is refused even from a fresh host
+    doc = doc_key(result.digest)
+    await store.backend.put(doc, b'{"schema":"layerbox.image.v1","layers":[]}')
+    fresh = await Store.open(store.url, tmp_path / "host2")
+    try:
+        with pytest.raises(DigestMismatch, match=doc):
+            await fresh.get_doc(result.digest)
+    finally:
+        await fresh.close()
+    assert any(doc in p for p in (await verify(store)).problems)
+
+
+@pytest.mark.asyncio
+async def test_gc_sweeps_only_unreachable(store: Store, tmp_path: Path) -> None:
+    keep = await publish(store, str(make_tree(tmp_path / "k", {"k/file": os.urandom(100_000)})), "gc/keep")
+    gone = await publish(store, str(make_tree(tmp_path / "g", {"g/file": os.urandom(100_000)})), "gc/gone")
+    await store.delete_ref("gc/gone")
+    young = await collect(store, grace=3600, dry_run=False)
+    assert young.deleted == []
+    assert young.kept_young > 0
+    dry = await collect(store, grace=0, dry_run=True)
+    assert doc_key(gone.digest) in dry.deleted
+    assert doc_key(keep.digest) not in dry.deleted
+    assert [i async for i in store.backend.list("docs/")]  # dry run deleted nothing
+    await collect(store, grace=0)
+    with pytest.raises(ObjectNotFound):
+        await store.backend.get(doc_key(gone.digest))
+    fresh = await Store.open(store.url, tmp_path / "host3")
+    try:
+        assert (await read_back(fresh, "gc/keep"))["k/file"]
+        assert (await verify(fresh)).ok
+    finally:
+        await fresh.close()
+
+
+@pytest.mark.asyncio
+async def test_cache_answers_without_the_store_and_rebuilds(store_url: str, tmp_path: Path) -> None:
+    data_dir = tmp_path / "hostc"
+    src = make_tree(tmp_path / "src", sample_files(2, 3))
+    async with await Store.open(store_url, data_dir) as s:
+        result = await publish(s, str(src), "cache/img")
+        layer = (await s.resolve("cache/img")).layers[0]
+        await s.get_meta(layer.digest)
+    # the store goes away: resolving the ref and listing the tree come from LMDB
+    from layerstore.backends.wrappers import FaultyBackend
+
+    async with await Store.open(store_url, data_dir) as s:
+        faulty = FaultyBackend(s.backend)
+        faulty.fail_everything = True
+        s.backend = faulty
+        resolved = await s.resolve("cache/img")
+        assert resolved.digest == result.digest
+        image = ErofsImage(await s.get_meta(resolved.layers[0].digest), "m")
+        assert any(p == b"/data/big.bin" for p, _ in image.walk())
+    shutil.rmtree(data_dir / "cache")
+    async with await Store.open(store_url, data_dir) as s:
+        assert (await s.resolve("cache/img")).digest == result.digest
+
+
+PUBLISHER = textwrap.dedent("""
+    import asyncio, sys, time
+    from converters.publish import publish
+    from layerstore.store import Store
+
+    async def main():
+        async with await Store.open(sys.argv[1], sys.argv[2]) as s:
+            def hook():
+                print("READY", flush=True)
+                time.sleep(60)
+            r = await publish(s, sys.argv[3], sys.argv[4], before_ref=hook if sys.argv[5] == "stall" else None)
+            print("DONE", r.bytes_uploaded, r.bytes_new, flush=True)
+    asyncio.run(main())
+""")
+
+
+def _run_publisher(store_url: str, data_dir: Path, src: Path, name: str, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", PUBLISHER, store_url, str(data_dir), str(src), name, mode],
+                            stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ})
+
+
+@pytest.mark.asyncio
+async def test_killed_publish_leaves_store_consistent_and_rerun_completes(store_url: str, tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", sample_files(3, 20))
+    proc = _run_publisher(store_url, tmp_path / "h1", src, "kill/me", "stall")
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "READY"  # every object stored, ref not yet moved
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    async with await Store.open(store_url, tmp_path / "h2") as s:
+        assert await s.list_refs() == []  # nothing points at the half-published image
+        assert (await verify(s)).ok
+    rerun = _run_publisher(store_url, tmp_path / "h1", src, "kill/me", "run")
+    out, _ = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0, out
+    _, uploaded, new = out.split()
+    assert int(new) == 0  # every chunk was already there
+    async with await Store.open(store_url, tmp_path / "h3") as s:
+        assert (await read_back(s, "kill/me")) == sample_files(3, 20)
+        assert (await verify(s, "kill/me")).ok
+
+
+def test_cli_store_commands(store_url: str, tmp_path: Path) -> None:
+    base = [str(Path(sys.executable).with_name("layerbox"))]
+    glob = ["--store", store_url, "--data-dir", str(tmp_path / "cli-host"), "--json"]
+
+    def cli(*args: str, check: bool = True) -> dict | list:
+        out = subprocess.run([*base, *args, *glob], capture_output=True, text=True, timeout=300)
+        if check:
+            assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout) if out.stdout.strip() else {"rc": out.returncode, "err": out.stderr}
+
+    src = make_tree(tmp_path / "src", {"a/b": b"hello", "c": os.urandom(10_000)})
+    pub = cli("publish", str(src), "--name", "cli/img:1")
+    assert pub["files"] == 4  # the root, a, a/b and c
+    assert pub["bytes_present"] == 0
+    assert cli("tag", "cli/img:1", "cli/img:latest")["digest"] == pub["digest"]
+    assert {r["name"] for r in cli("ls")} == {"cli/img:1", "cli/img:latest"}
+    shown = cli("show", "cli/img")
+    assert shown["digest"] == pub["digest"]
+    assert len(shown["layers"]) == 1
+    comp = cli("compose", "cli/env", "--base", "cli/img:1", "--toolkit", "cli/img:latest")
+    assert len(comp["layers"]) == 2
+    assert cli("verify")["ok"] is True
+    gc = cli("gc", "--dry-run", "--grace", "0")
+    assert gc["deleted"] == []
+    missing = cli("show", "cli/nope", check=False)
+    assert missing["rc"] != 0
+    assert "cli/nope" in missing["err"]
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason="shared fixtures absent")
+@pytest.mark.asyncio
+async def test_fixture_images_share_their_base_layer(store: Store) -> None:
+    mini = await publish(store, f"oci-archive:{FIXTURE}:minbase", "debian/minbase")
+    py = await publish(store, f"oci-archive:{FIXTURE}:python", "debian/python")
+    assert py.layers == 3
+    assert py.bytes_present >= mini.bytes_new  # the shared first layer is not stored twice
+    shown = await store.resolve("debian/python")
+    assert shown.layers[0].digest == (await store.resolve("debian/minbase")).layers[0].digest
+    assert shown.config["config"]["Cmd"] == ["/bin/bash"]
+    assert meta_key(shown.layers[0].digest).startswith("meta/")
+    assert pack_key(shown.layers[0].packs[0]).startswith("packs/")
