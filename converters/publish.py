@@ -140,3 +140,14 @@ async def publish(
         requests=stats.requests, convert_seconds=round(converted - start, 3),
         upload_seconds=round(end - converted, 3), seconds=round(end - start, 3),
     )
+
+
+def publish_sync(src: str, name: str, *, store: str | None = None,
+                 data_dir: str | os.PathLike[str] | None = None, **options: Any) -> PublishResult:
+    """``publish`` for callers without an event loop."""
+
+    async def run() -> PublishResult:
+        async with await Store.open(store, data_dir) as s:
+            return await publish(s, src, name, **options)
+
+    return asyncio.run(run())

@@ -247,6 +247,28 @@ async def _tag(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _cache(args: argparse.Namespace) -> int:
+    import shutil
+
+    async with await _open_store(args) as store:
+        path = store.cache.path
+    shutil.rmtree(path, ignore_errors=True)
+    rebuilt = {"dropped": str(path)}
+    if args.action == "rebuild":
+        async with await _open_store(args) as store:
+            packs = await store.sync_index()
+            refs = await store.list_refs()
+            layers = 0
+            for ref in refs:
+                resolved = await store.resolve(ref.name, refresh=True)
+                for layer in resolved.layers:
+                    await store.get_meta(layer.digest)
+                    layers += 1
+        rebuilt.update(packs=str(packs), refs=str(len(refs)), layers=str(layers))
+    _emit(args, rebuilt, lambda: print(" ".join(f"{k}={v}" for k, v in rebuilt.items())))
+    return 0
+
+
 def _run_async(fn: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         return int(asyncio.run(fn(args)))
@@ -301,6 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--grace", type=float, default=3600.0,
                     help="seconds an unreferenced object is kept (uploads in progress)")
     gc.set_defaults(func=_run_async(_gc))
+
+    cache = sub.add_parser("cache", parents=[common], help="drop or rebuild this host's metadata cache")
+    cache.add_argument("action", choices=["drop", "rebuild"])
+    cache.set_defaults(func=_run_async(_cache))
 
     tag = sub.add_parser("tag", parents=[common], help="point NAME at what REF resolves to")
     tag.add_argument("ref")
