@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from layerstore.erofs.reader import ErofsImage
+from layerstore.errors import FormatError
 from layerstore.locks import store_lock
 from layerstore.objects import hex_digest, resolve_document
-from layerstore.packs import parse_index
+from layerstore.packs import parse_index, split_pack
 from layerstore.store import Store
 
 DEFAULT_GRACE = 3600.0
@@ -90,13 +91,19 @@ async def collect(store: Store, *, grace: float = DEFAULT_GRACE, dry_run: bool =
         async for info in store.backend.list("meta/"):
             if "blake3:" + info.key.rsplit("/", 1)[-1] not in layers:
                 consider(info.key, info.size, info.mtime)
+        pack_keys: set[str] = set()
         async for info in store.backend.list("packs/"):
             pack_hex = info.key.rsplit("/", 1)[-1]
+            pack_keys.add(pack_hex)
             index_key = f"index/{pack_hex[:2]}/{pack_hex}"
             try:
                 records = parse_index(await store.backend.get(index_key), bytes.fromhex(pack_hex), index_key)
-            except FileNotFoundError:
-                records = []  # a pack whose index never landed: nothing can reach its chunks
+            except (FileNotFoundError, FormatError):
+                # the copy is derived data: the pack's own index decides
+                try:
+                    _, records = split_pack(await store.backend.get(info.key), info.key)
+                except FormatError:
+                    records = []  # not a readable pack: nothing can reach its chunks
             live = [loc for d, loc in records if d in chunks]
             if live:
                 dead = sum(loc.length for d, loc in records if d not in chunks)
@@ -109,12 +116,17 @@ async def collect(store: Store, *, grace: float = DEFAULT_GRACE, dry_run: bool =
             if len(doomed) > before:
                 doomed.append((index_key, len(records) * 48))
                 dead_packs.append(bytes.fromhex(pack_hex))
+        async for info in store.backend.list("index/"):
+            # copies left behind by an interrupted gc, whose pack is already gone
+            if info.key.rsplit("/", 1)[-1] not in pack_keys:
+                consider(info.key, info.size, info.mtime)
         report.deleted = [key for key, _ in doomed]
         report.deleted_bytes = sum(size for _, size in doomed)
         if not dry_run:
-            # packs first, then their indexes: an index never names a missing pack for long,
-            # and a crash here leaves only unreachable objects for the next run
-            for key, _ in sorted(doomed, key=lambda d: not d[0].startswith("packs/")):
+            # index copies before their packs: once a copy is gone no host dedups
+            # against the pack (Store.sync_index forgets it), and a crash in
+            # between leaves a pack without a copy, which the next run sweeps
+            for key, _ in sorted(doomed, key=lambda d: not d[0].startswith("index/")):
                 await store.backend.delete(key)
             store.cache.forget_packs(dead_packs)
     return report

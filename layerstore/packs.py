@@ -58,7 +58,21 @@ def compress(data: bytes | memoryview) -> bytes:
 
 
 def decompress(frame: bytes, raw_length: int) -> bytes:
-    return zstandard.ZstdDecompressor().decompress(frame, max_output_size=raw_length)
+    """Decompress one frame that must hold at most ``raw_length`` bytes.
+
+    zstandard ignores ``max_output_size`` when the frame header states its
+    content size, so a hostile header could make us allocate anything: check
+    the stated size first, and stream with a hard limit when there is none.
+    """
+    stated = zstandard.frame_content_size(frame)
+    if stated > raw_length:
+        raise FormatError(f"zstd frame claims {stated} bytes where at most {raw_length} are expected")
+    if stated >= 0:
+        return zstandard.ZstdDecompressor().decompress(frame, max_output_size=raw_length)
+    out = zstandard.ZstdDecompressor().decompressobj().decompress(frame)
+    if len(out) > raw_length:
+        raise FormatError(f"zstd frame holds more than the {raw_length} bytes expected")
+    return out
 
 
 class PackBuilder:

@@ -28,7 +28,7 @@ import blake3
 
 from layerstore.backend import Backend, ObjectNotFound, PreconditionFailed
 from layerstore.cache import MetadataCache
-from layerstore.errors import LayerstoreError
+from layerstore.errors import FormatError, LayerstoreError
 from layerstore.objects import (
     PART_ORDER,
     REF_HISTORY,
@@ -140,12 +140,13 @@ class Store:
     async def put_doc(self, doc: Mapping[str, Any], stats: UploadStats | None = None) -> str:
         data = canonical(doc)
         digest = digest_of(data)
-        if self.cache.get_doc(digest) is None:
-            wrote = await self.backend.put_if_absent(doc_key(digest), data)
-            if stats is not None:
-                stats.requests += 1
-                stats.bytes_uploaded += len(data) if wrote else 0
-            self.cache.put_doc(digest, data)
+        # always ask the store: this host's cache may remember objects a gc
+        # elsewhere has since deleted, and a document is small
+        wrote = await self.backend.put_if_absent(doc_key(digest), data)
+        if stats is not None:
+            stats.requests += 1
+            stats.bytes_uploaded += len(data) if wrote else 0
+        self.cache.put_doc(digest, data)
         return digest
 
     async def get_doc(self, digest: str) -> dict[str, Any]:
@@ -168,13 +169,16 @@ class Store:
 
     async def put_meta(self, image: bytes, stats: UploadStats | None = None) -> str:
         digest = digest_of(image)
-        if self.cache.get_meta(digest) is None:
+        # a HEAD, not the local cache, decides: the cache may outlive a gc elsewhere
+        if await self.backend.head(meta_key(digest)) is None:
             frame = await asyncio.to_thread(compress, image)
             wrote = await self.backend.put_if_absent(meta_key(digest), frame)
             if stats is not None:
                 stats.requests += 1
                 stats.bytes_uploaded += len(frame) if wrote else 0
-            self.cache.put_meta(digest, image)
+        if stats is not None:
+            stats.requests += 1
+        self.cache.put_meta(digest, image)
         return digest
 
     async def get_meta(self, layer: str) -> bytes:
@@ -198,10 +202,14 @@ class Store:
         """Load every pack index not yet in the cache; returns how many were new."""
         known = self.cache.known_packs()
         new: list[str] = []
+        present: set[bytes] = set()
         async for info in self.backend.list("index/"):
             pack_hex = info.key.rsplit("/", 1)[-1]
+            present.add(bytes.fromhex(pack_hex))
             if bytes.fromhex(pack_hex) not in known:
                 new.append(pack_hex)
+        # packs a gc (maybe on another host) deleted: never dedup against them again
+        self.cache.forget_packs(known - present)
         await _bounded(UPLOAD_CONCURRENCY * 2, [self.load_pack_index(p) for p in new])
         self._index_synced = time.monotonic()
         return len(new)
@@ -251,6 +259,9 @@ class Store:
         except ObjectNotFound:
             raise RefNotFound(f"{self.url}: no ref {name!r}; `layerbox ls` lists the refs") from None
         doc = load_json(data, f"{self.url}: {key}")
+        if doc.get("schema") != SCHEMA_REF or not isinstance(doc.get("digest"), str):
+            raise FormatError(f"{self.url}: {key} is not a ref document (schema {doc.get('schema')!r})")
+        hex_digest(doc["digest"])
         etag = info.etag
         state = RefState(ref_name_from_key(key), doc["digest"], doc.get("kind", "image"), etag,
                          tuple(doc.get("history", ())))
@@ -336,7 +347,7 @@ class Store:
                 raise LayerstoreError(f"{role} {src!r} is a {res.kind}, not an image")
             resolved_parts.append(Part(role, "" if src.startswith("blake3:") else src, res.digest))
             layers.extend(res.layers)
-            config = _merge_config(config, res.config) if config else dict(res.config)
+            config = _merge_config(config, res.config) if resolved_parts[:-1] else dict(res.config)
         doc = CompositionDoc(tuple(resolved_parts), tuple(layers), config)
         digest = await self.put_doc(doc.to_json())
         return await self.set_ref(name, digest, "composition")

@@ -357,3 +357,50 @@ def test_sync_api_and_cache_rebuild(tmp_path: Path) -> None:
     assert doc["refs"] == "2"
     assert doc["layers"] == "2"  # the image's layer, and again through the composition
     assert cache_dir.exists()
+
+
+@pytest.mark.asyncio
+async def test_gc_elsewhere_does_not_poison_other_hosts(store_url: str, tmp_path: Path) -> None:
+    """Host B's cache remembers chunks a gc on host A deleted; B must not dedup against them."""
+    tree = make_tree(tmp_path / "t", {"f": os.urandom(200_000)})
+    other = make_tree(tmp_path / "o", {"g": os.urandom(1000)})
+    async with await Store.open(store_url, tmp_path / "A") as a, await Store.open(store_url, tmp_path / "B") as b:
+        await publish(a, str(tree), "p/n1")
+        await publish(b, str(other), "p/n2")  # B loads the index, learning n1's chunks
+        await a.delete_ref("p/n1")
+        assert (await collect(a, grace=0)).deleted
+        again = await publish(b, str(tree), "p/n3")  # the same content, from the stale host
+        assert again.bytes_new > 0
+        assert (await verify(b, "p/n3")).ok
+        assert (await read_back(b, "p/n3")) == {"f": (tree / "f").read_bytes()}
+        # and on the gc host itself (its cache remembers the deleted document and metadata)
+        again_a = await publish(a, str(tree), "p/n4")
+        assert (await verify(a, "p/n4")).ok
+        assert again_a.digest == again.digest
+
+
+def test_zstd_frames_cannot_claim_more_than_expected() -> None:
+    import zstandard
+
+    from layerstore.errors import FormatError
+    from layerstore.packs import decompress
+
+    bomb = zstandard.ZstdCompressor().compress(bytes(10 << 20))
+    with pytest.raises(FormatError, match="claims"):
+        decompress(bomb, 1000)
+    streamed = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(10 << 20))
+    with pytest.raises(FormatError, match="more than"):
+        decompress(streamed, 1000)
+    assert decompress(zstandard.ZstdCompressor().compress(b"ok"), 2) == b"ok"
+
+
+@pytest.mark.asyncio
+async def test_compose_keeps_the_base_config_even_when_empty(store: Store, tmp_path: Path) -> None:
+    await publish(store, str(make_tree(tmp_path / "b", {"x": b"1"})), "cfg/base")  # a directory: no config
+    digest = await store.put_doc({"schema": "layerbox.image.v1", "layers": [], "source": {},
+                                  "config": {"config": {"Cmd": ["/bin/sh"], "Env": ["A=1"]}}})
+    await store.set_ref("cfg/ws", digest, "image")
+    await store.compose("cfg/env", {"base": "cfg/base", "workspace": "cfg/ws"})
+    config = (await store.resolve("cfg/env")).config
+    assert "Cmd" not in config.get("config", {})
+    assert config["config"]["Env"] == ["A=1"]

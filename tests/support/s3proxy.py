@@ -94,6 +94,11 @@ class FaultProxy:
         with self._lock:
             self._faults.extend([(fault, method)] * times)
 
+    def clear(self) -> None:
+        """Drop faults not yet used (requests already stalled stay stalled)."""
+        with self._lock:
+            self._faults.clear()
+
     def pending(self) -> int:
         with self._lock:
             return len(self._faults)
