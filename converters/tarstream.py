@@ -375,8 +375,10 @@ def _checksum_ok(header: bytes) -> bool:
         return False
     blanked = header[:148] + b"        " + header[156:]
     unsigned = sum(blanked)
-    signed = unsigned - 256 * sum(1 for b in blanked if b > 127)  # some old tars summed signed chars
-    return stored in (unsigned, signed)
+    if stored == unsigned:
+        return True
+    # some old tars summed signed chars
+    return stored == unsigned - 256 * sum(1 for b in blanked if b > 127)
 
 
 def _parse_pax(data: bytes, at: int) -> list[tuple[bytes, bytes]]:

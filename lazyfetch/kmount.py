@@ -41,6 +41,8 @@ MS_RELATIME: Final = 0x200000
 MS_STRICTATIME: Final = 0x1000000
 
 # umount2(2) flags.
+MS_REMOUNT: Final = 0x20
+MS_BIND: Final = 0x1000
 MNT_DETACH: Final = 0x2
 UMOUNT_NOFOLLOW: Final = 0x8
 
@@ -246,6 +248,21 @@ def _mount2(
             options=os.fsdecode(data),
             paths=paths,
         )
+
+
+def bind_mount(source: StrPath, mountpoint: StrPath, *, readonly: bool = True) -> None:
+    """Bind ``source`` at ``mountpoint`` (read-only by default: a one-layer image view)."""
+    src = _path_bytes(source, "bind source")
+    dst = _path_bytes(mountpoint, "mount point")
+    paths = {"bind source": src, "mount point": dst}
+    _mount2(src, dst, "none", MS_BIND, b"", paths)
+    if readonly:
+        # MS_RDONLY is ignored on the initial bind: it takes a remount of the bind
+        try:
+            _mount2(b"none", dst, "none", MS_BIND | MS_REMOUNT | MS_RDONLY, b"", paths)
+        except KernelMountError:
+            umount(mountpoint, lazy=True, missing_ok=True)
+            raise
 
 
 def _declared_extra_devices(meta: bytes) -> int | None:

@@ -269,6 +269,104 @@ async def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- host commands (lazyfetch) -----------------------------------------------------------
+
+
+def _host(args: argparse.Namespace) -> Any:
+    from layerstore.store import default_data_dir
+    from lazyfetch.mounts import HostMounts
+
+    opts: dict[str, Any] = {}
+    for name in ("cache_size", "fetch_timeout", "trace_seconds"):
+        value = getattr(args, name, None)
+        if value is not None:
+            opts[name] = value
+    return HostMounts(args.data_dir or default_data_dir(), args.store, s3_endpoint=args.s3_endpoint,
+                      daemon_options=opts)
+
+
+async def _resolve(args: argparse.Namespace, ref: str) -> Any:
+    async with await _open_store(args) as store:
+        return await store.resolve(ref)
+
+
+def _mount(args: argparse.Namespace) -> int:
+    resolved = asyncio.run(_resolve(args, args.ref))
+    result = _host(args).mount(resolved, args.mountpoint, writable=args.writable or bool(args.upper),
+                               upper=args.upper)
+    _emit(args, result.to_json(), lambda: print(
+        f"{args.ref} ({result.digest}) mounted at {result.mountpoint}: {result.layers} layer(s), "
+        f"{'writable, upper ' + str(result.upper) if result.writable else 'read-only'}, {result.seconds * 1000:.1f} ms"))
+    return 0
+
+
+def _umount(args: argparse.Namespace) -> int:
+    host = _host(args)
+    if args.all:
+        n = host.umount_all(stop_daemon=True)
+        _emit(args, {"unmounted": n}, lambda: print(f"unmounted {n} mount(s), daemon stopped"))
+        return 0
+    if not args.mountpoint:
+        raise SystemExit("layerbox umount: give a MOUNTPOINT or --all")
+    host.umount(args.mountpoint, discard=args.discard, lazy=args.lazy)
+    _emit(args, {"unmounted": args.mountpoint}, lambda: print(f"unmounted {args.mountpoint}"))
+    return 0
+
+
+def _daemon_cmd(args: argparse.Namespace) -> int:
+    host = _host(args)
+    if args.action == "start":
+        h = host.client.ensure_running(args.store, s3_endpoint=args.s3_endpoint, **host.daemon_options)
+        _emit(args, h, lambda: print(f"lazyfetch daemon {h['pid']} serving {h['fuse']}"))
+    elif args.action == "stop":
+        stopped = host.client.stop()
+        _emit(args, {"stopped": stopped}, lambda: print("stopped" if stopped else "not running"))
+    elif args.action == "run":
+        from lazyfetch.daemon import main as daemon_main
+
+        argv = ["--data-dir", str(host.data_dir)]
+        if args.store:
+            argv += ["--store", args.store]
+        if args.s3_endpoint:
+            argv += ["--s3-endpoint", args.s3_endpoint]
+        return daemon_main(argv)
+    else:
+        st = host.status()
+        _emit(args, st, lambda: print(json.dumps(st, indent=1)))
+    return 0
+
+
+def _prefetch(args: argparse.Namespace) -> int:
+    resolved = asyncio.run(_resolve(args, args.ref))
+    host = _host(args)
+    host.client.ensure_running(args.store, s3_endpoint=args.s3_endpoint, **host.daemon_options)
+    reply = host.client.request("POST", "/prefetch", {"image": resolved.digest,
+                                                       "layers": [x.to_json() for x in resolved.layers]})
+    _emit(args, reply, lambda: print(f"{reply['fetched']} of {reply['chunks']} chunks fetched "
+                                     "(the rest were cached)"))
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    host = _host(args)
+    if args.prometheus:
+        print(host.client.request("GET", "/metrics"), end="")
+        return 0
+    st = host.client.request("GET", "/stats")
+
+    def human() -> None:
+        print(f"daemon {st['instance']} up {st['uptime']:.0f} s, {st['layers']} layer(s)")
+        print(f"  hits {st['hits']}  misses {st['misses']}  store requests {st['store_requests']}  "
+              f"fetched {st['bytes_fetched'] / 1e6:.1f} MB  served {st['bytes_served'] / 1e6:.1f} MB")
+        print(f"  cache {st['cache'].get('bytes', 0) / 1e6:.1f} MB in {st['cache'].get('count', 0)} chunks, "
+              f"in flight {st['fetches_in_flight']}, corrupt {st['chunks_corrupt']}, EIO {st['read_errors']}")
+        for image, n in st["bytes_fetched_per_image"].items():
+            print(f"  {image}: {n / 1e6:.1f} MB fetched")
+
+    _emit(args, st, human)
+    return 0
+
+
 def _run_async(fn: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         return int(asyncio.run(fn(args)))
@@ -323,6 +421,37 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--grace", type=float, default=3600.0,
                     help="seconds an unreferenced object is kept (uploads in progress)")
     gc.set_defaults(func=_run_async(_gc))
+
+    host = argparse.ArgumentParser(add_help=False)
+    host.add_argument("--cache-size", type=_size, default=None, help="chunk cache cap (daemon start)")
+    host.add_argument("--fetch-timeout", type=float, default=None, help="seconds a read waits for the store")
+    host.add_argument("--trace-seconds", type=float, default=None, help="access-trace window after a mount")
+
+    mnt = sub.add_parser("mount", parents=[common, host], help="mount an image or composition lazily")
+    mnt.add_argument("ref")
+    mnt.add_argument("mountpoint")
+    mnt.add_argument("--writable", action="store_true")
+    mnt.add_argument("--upper", default=None, help="upper directory for writes (implies --writable)")
+    mnt.set_defaults(func=_mount)
+
+    um = sub.add_parser("umount", parents=[common, host], help="release a mount (and unused layers)")
+    um.add_argument("mountpoint", nargs="?")
+    um.add_argument("--all", action="store_true", help="every mount of this host, then stop the daemon")
+    um.add_argument("--discard", action="store_true", help="also delete an upper directory layerbox created")
+    um.add_argument("--lazy", action="store_true", help="detach even if busy")
+    um.set_defaults(func=_umount)
+
+    dmn = sub.add_parser("daemon", parents=[common, host], help="the host's lazyfetch daemon")
+    dmn.add_argument("action", choices=["start", "stop", "status", "run"])
+    dmn.set_defaults(func=_daemon_cmd)
+
+    pf = sub.add_parser("prefetch", parents=[common, host], help="fetch a whole image into the host cache")
+    pf.add_argument("ref")
+    pf.set_defaults(func=_prefetch)
+
+    stt = sub.add_parser("stats", parents=[common, host], help="daemon counters")
+    stt.add_argument("--prometheus", action="store_true")
+    stt.set_defaults(func=_stats)
 
     cache = sub.add_parser("cache", parents=[common], help="drop or rebuild this host's metadata cache")
     cache.add_argument("action", choices=["drop", "rebuild"])

@@ -1,0 +1,865 @@
+"""Benchmark: layerbox's streaming converter against ``tar -x`` + ``mkfs.erofs``.
+
+For every distinct layer of the inputs, in the same run and on the same disk:
+
+* **layerbox**: ``converters.layer.convert_stream`` from the compressed layer
+  file to a metadata image and a blob;
+* **native**: what a user runs today, ``tar -x`` of the layer into a directory,
+  then ``mkfs.erofs --chunksize=N --blobdev=BLOB META DIR`` (erofs-utils), each
+  step also timed on its own;
+* **floor**: read and decompress the layer, then blake3-hash and zstd-compress
+  (level 3) all of its bytes in 1 MiB pieces on one thread: the least work any
+  converter that stores hashed, compressed chunks has to do.
+
+Each method runs ``--repeat`` times per layer (interleaved, with ``sync``
+before every timed run so one run's writeback does not land in another's
+timing); the median is reported.  The input is read once before timing so it
+is in the page cache.  Temporary files live under ``--tmpdir`` (default
+/var/tmp, a disk, not tmpfs) and are removed on exit, Ctrl-C or SIGTERM.
+
+Run ``python bench/convert.py --help``; bench/README.md explains every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import re
+import resource
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO
+
+import blake3
+import zstandard
+
+if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from converters.errors import ConvertError  # noqa: E402
+from converters.layer import check_chunk_size, convert_stream  # noqa: E402
+from converters.oci import TRANSPORTS, LayerBlob, inspect_image, parse_image_ref  # noqa: E402
+
+SCHEMA = "layerbox.bench.convert.v1"
+READ_SIZE = 1 << 20
+PIECE = 1 << 20  # floor: bytes hashed and compressed at a time
+ZSTD_LEVEL = 3
+MB = 1_000_000
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+FIXTURE_NAME = "debian-bookworm.oci.tar"
+FIXTURE_TAGS = ("minbase", "python")
+TOOL_TIMEOUT = 3600.0
+GOAL_NATIVE_RATIO = 1.0  # native_seconds / layerbox_seconds must be at least this
+GOAL_FLOOR_RATIO = 3.0  # layerbox_seconds / floor_seconds must be at most this
+
+
+class BenchError(Exception):
+    """The benchmark cannot run or a tool failed; the message says what to do."""
+
+
+# -- inputs --------------------------------------------------------------------
+
+
+@dataclass
+class LayerInput:
+    """One distinct layer blob, as stored (compressed), in a file on the bench disk."""
+
+    label: str  # short name for the table: 12 hex of the digest, or the file name
+    path: Path
+    digest: str  # sha256 of the compressed blob (the OCI digest for image layers)
+    compression: str  # "gzip", "zstd" or "tar", sniffed from the magic bytes
+    compressed_bytes: int
+    used_by: list[str] = field(default_factory=list)  # "REF layer N" or the file path
+
+
+def sniff(path: Path) -> str:
+    with path.open("rb") as f:
+        head = f.read(4)
+    if head.startswith(GZIP_MAGIC):
+        return "gzip"
+    if head.startswith(ZSTD_MAGIC):
+        return "zstd"
+    return "tar"
+
+
+def _warm_sha256(path: Path) -> str:
+    """Read the whole file (so timing starts on a warm page cache); return its sha256."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(READ_SIZE):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
+def _normalise(name: str) -> str:
+    return "/".join(p for p in PurePosixPath(name).parts if p not in ("", ".", "/"))
+
+
+def _copy_members(archive: Path, wanted: dict[str, Path]) -> None:
+    """Copy members of an uncompressed tar (an oci-archive or docker-archive) to files."""
+    try:
+        with tarfile.open(archive, "r:") as tar:
+            members = {_normalise(m.name): m for m in tar.getmembers()}
+            for name, dest in wanted.items():
+                info = members.get(_normalise(name))
+                src = tar.extractfile(info) if info is not None else None
+                if src is None:
+                    raise BenchError(f"{archive}: layer blob {name} is missing from the archive")
+                with src, dest.open("wb") as out:
+                    shutil.copyfileobj(src, out, READ_SIZE)
+    except (tarfile.TarError, OSError) as exc:
+        raise BenchError(f"{archive}: cannot read the archive: {exc}") from None
+
+
+def is_image_ref(text: str) -> bool:
+    return text.partition(":")[0] in TRANSPORTS and ":" in text
+
+
+def resolve_inputs(specs: Sequence[str], workdir: Path, log: Callable[[str], None]) -> list[LayerInput]:
+    """Turn image references and tarball paths into distinct, verified, warm layer files.
+
+    Layers that appear several times (shared by two tags, or repeated) are kept
+    once, in order of first appearance.
+    """
+    layers: dict[str, LayerInput] = {}
+    blobs = workdir / "inputs"
+    blobs.mkdir()
+    for spec in specs:
+        if is_image_ref(spec):
+            try:
+                source = parse_image_ref(spec)
+                if source.path is None:  # a registry: the benchmark reads local files only
+                    raise BenchError(
+                        f"{spec}: not a local image; copy it first (skopeo copy {spec} "
+                        "oci-archive:IMAGE.tar:TAG) and pass oci-archive:IMAGE.tar:TAG"
+                    )
+                image = inspect_image(spec)
+            except ConvertError as exc:
+                raise BenchError(str(exc)) from None
+            copies: dict[str, Path] = {}
+            fresh: list[LayerBlob] = []
+            for number, blob in enumerate(image.layers, start=1):
+                where = f"{spec} layer {number}"
+                if blob.digest in layers:
+                    layers[blob.digest].used_by.append(where)
+                    continue
+                if source.transport == "oci":
+                    path = source.path / blob.path
+                else:
+                    path = blobs / blob.digest.replace(":", "-")
+                    copies[blob.path] = path
+                layers[blob.digest] = LayerInput(
+                    label=blob.digest.partition(":")[2][:12], path=path, digest=blob.digest,
+                    compression="", compressed_bytes=0, used_by=[where],
+                )
+                fresh.append(blob)
+            if copies:
+                log(f"extracting {len(copies)} layer blob(s) from {source.path}")
+                _copy_members(source.path, copies)
+            for blob in fresh:
+                layer = layers[blob.digest]
+                if not layer.path.is_file():
+                    raise BenchError(f"{spec}: layer blob {blob.path} is missing")
+                actual = _warm_sha256(layer.path)
+                if blob.digest.startswith("sha256:") and actual != blob.digest:
+                    raise BenchError(f"{spec}: layer {blob.digest} hashes to {actual}; the image is corrupt")
+                layer.compression = sniff(layer.path)
+                layer.compressed_bytes = layer.path.stat().st_size
+        else:
+            path = Path(spec)
+            if not path.is_file():
+                raise BenchError(
+                    f"{spec!r} is neither an image reference (oci:DIR[:TAG], oci-archive:FILE[:TAG], "
+                    "docker-archive:FILE[:REF]) nor a .tar/.tar.gz/.tar.zst file"
+                )
+            digest = _warm_sha256(path)
+            if digest in layers:
+                layers[digest].used_by.append(spec)
+                continue
+            layers[digest] = LayerInput(
+                label=path.name if len(path.name) <= 24 else path.name[:12], path=path, digest=digest, compression=sniff(path),
+                compressed_bytes=path.stat().st_size, used_by=[spec],
+            )
+    return list(layers.values())
+
+
+def default_inputs() -> list[str]:
+    here = Path(__file__).resolve().parents[1]
+    for fixtures in (here.parent / "shared" / "fixtures", Path("/work/shared/fixtures")):
+        archive = fixtures / FIXTURE_NAME
+        if archive.is_file():
+            return [f"oci-archive:{archive}:{tag}" for tag in FIXTURE_TAGS]
+    raise BenchError(
+        "no inputs given and the fixture image (../shared/fixtures/"
+        f"{FIXTURE_NAME}) is not here: pass --image oci-archive:PATH:TAG (or oci:DIR:TAG, "
+        "docker-archive:PATH), or the path of a .tar/.tar.gz/.tar.zst layer"
+    )
+
+
+# -- external tools ------------------------------------------------------------
+
+
+def run_tool(argv: Sequence[str | os.PathLike[str]], timeout: float = TOOL_TIMEOUT) -> str:
+    """Run a command; return its stdout.  The whole process group dies with us.
+
+    The child gets its own session so that ``tar``'s decompressor child is
+    killed too when the benchmark is interrupted or the command times out.
+    """
+    args = [os.fspath(a) for a in argv]
+    try:
+        proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        raise BenchError(f"cannot run {args[0]}: {exc.strerror}") from None
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as exc:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise BenchError(f"{shlex.join(args)} ran longer than {timeout:.0f} s; killed") from None
+        raise
+    if proc.returncode != 0:
+        tail = err.decode("utf-8", "replace")[-4000:].strip()
+        raise BenchError(f"{shlex.join(args)} failed with exit status {proc.returncode}: {tail}")
+    return out.decode("utf-8", "replace")
+
+
+class NativeTools:
+    """The native pipeline: GNU ``tar -x`` then ``mkfs.erofs`` from erofs-utils."""
+
+    def __init__(self, chunk_size: int) -> None:
+        for program, package in (("tar", "tar"), ("mkfs.erofs", "erofs-utils")):
+            if shutil.which(program) is None:
+                raise BenchError(f"{program} is not installed: apt-get install {package}")
+        self.chunk_size = chunk_size
+        self.as_root = os.geteuid() == 0
+        self.tar_version = run_tool(["tar", "--version"]).splitlines()[0].strip()
+        # erofs-utils 1.5 prints --help on stderr; read both streams
+        shown = subprocess.run(["mkfs.erofs", "--help"], capture_output=True, text=True, check=False)
+        help_text = shown.stdout + shown.stderr
+        for flag in ("--chunksize", "--blobdev"):
+            if flag not in help_text:
+                raise BenchError(f"this mkfs.erofs has no {flag}: erofs-utils 1.4 or later is needed")
+        self.mkfs_extra = ["--preserve-mtime"] if "--preserve-mtime" in help_text else []
+        self.mkfs_version = "unknown"
+
+    def probe(self, workdir: Path) -> None:
+        """Run mkfs.erofs once on an empty directory: learns its version, fails early."""
+        probe = workdir / "probe"
+        (probe / "root").mkdir(parents=True)
+        out = run_tool(self.mkfs_argv(probe / "root", probe / "meta", probe / "blob", quiet=False))
+        m = re.search(r"mkfs\.erofs\s+(\S+)", out)
+        if m:
+            self.mkfs_version = m.group(1)
+        remove_tree(probe)
+
+    def tar_argv(self, layer: Path, compression: str, dest: Path) -> list[str]:
+        argv = ["tar", "-x", "-f", str(layer), "-C", str(dest)]
+        argv += {"gzip": ["-z"], "zstd": ["--zstd"], "tar": []}[compression]
+        if self.as_root:  # restore owners, modes and xattrs: the work a layer converter does
+            argv += ["--numeric-owner", "--xattrs", "--xattrs-include=*", "-p"]
+        return argv
+
+    def mkfs_argv(self, root: Path, meta: Path, blob: Path, *, quiet: bool = True) -> list[str]:
+        argv = ["mkfs.erofs"] + (["--quiet"] if quiet else [])
+        argv += [f"--chunksize={self.chunk_size}", f"--blobdev={blob}", *self.mkfs_extra]
+        return argv + [str(meta), str(root)]
+
+    def describe(self) -> dict[str, str]:
+        tar = shlex.join(self.tar_argv(Path("LAYER"), "tar", Path("DIR")))
+        return {
+            "tar": tar.replace(" -C DIR", " -C DIR [-z for gzip | --zstd for zstd]"),
+            "tar_version": self.tar_version,
+            "mkfs": shlex.join(self.mkfs_argv(Path("DIR"), Path("META"), Path("BLOB"))),
+            "mkfs_version": self.mkfs_version,
+            "mkfs_defaults": "-x2 (xattrs kept), no compression, build-time uuid",
+        }
+
+
+# -- temporary files -----------------------------------------------------------
+
+
+def remove_tree(path: Path) -> None:
+    """rm -rf, also when extracted directories lack write permission (non-root runs)."""
+
+    def fix(func: Callable[..., Any], failed: str, _exc: Any) -> None:
+        parent = os.path.dirname(failed)
+        with contextlib.suppress(OSError):
+            os.chmod(parent, 0o700)
+            if os.path.isdir(failed) and not os.path.islink(failed):
+                os.chmod(failed, 0o700)
+        func(failed)
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, onerror=fix)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def ext4_without_journal(device: str) -> bool:
+    """True for an ext4 filesystem mounted without a journal (see ``discard``)."""
+    try:
+        task = Path("/sys/fs/ext4", os.path.basename(device), "journal_task").read_text()
+    except OSError:
+        return False
+    return task.strip() == "<none>"
+
+
+def filesystem_of(path: Path) -> tuple[str, str]:
+    """(fstype, device) of the mount holding ``path``, from /proc/self/mounts."""
+    real = os.path.realpath(path)
+    best = ("", "?", "?")
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                point = parts[1].replace("\\040", " ")
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best[0]):
+                    best = (point, parts[2], parts[0])
+    except OSError:
+        pass
+    return best[1], best[2]
+
+
+def discard(path: Path, work: Path) -> None:
+    """Move a run's output out of the way; the workspace's removal deletes it at exit.
+
+    Not deleted between runs on purpose: ext4 without a journal (as on the
+    hosts this was written on) skips inodes freed in the last 60 s (360 s while
+    their inode-table block is dirty) when it allocates new ones
+    (``recently_deleted`` in fs/ext4/ialloc.c), so deleting
+    ~10k extracted files and extracting again at once made ``tar -x`` 3-6x
+    slower, almost all of it system time.  A user's first extraction does not
+    pay that, so neither does the benchmark.  Costs disk: ``repeat`` copies of
+    every extracted layer until the end.
+    """
+    trash = work / "trash"
+    trash.mkdir(exist_ok=True)
+    path.rename(trash / f"{path.name}-{time.monotonic_ns()}")
+
+
+@contextlib.contextmanager
+def workspace(base: Path) -> Iterator[Path]:
+    """A fresh directory under ``base``, removed however the benchmark ends."""
+    base.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix="layerbox-bench-", dir=base))
+
+    def terminate(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the finally below
+
+    old = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield path
+    finally:
+        try:
+            remove_tree(path)
+            os.sync()  # clean inode tables shorten ext4's recently-deleted window (see discard)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+
+
+# -- the three methods ---------------------------------------------------------
+
+
+CPU = tuple[float, float]  # user, system seconds
+
+
+def _cpu(who: int) -> CPU:
+    usage = resource.getrusage(who)
+    return usage.ru_utime, usage.ru_stime
+
+
+def _cpu_since(before: CPU, who: int) -> CPU:
+    """CPU used since ``before``: RUSAGE_SELF covers all our threads, RUSAGE_CHILDREN
+    the commands we waited for and every descendant they waited for (tar's gzip)."""
+    after = _cpu(who)
+    return after[0] - before[0], after[1] - before[1]
+
+
+@dataclass
+class LayerboxRun:
+    seconds: float
+    cpu: CPU
+    digest: str
+    files: int
+    file_bytes: int
+    chunks: int
+    unique_chunks: int
+    unique_bytes: int
+    meta_bytes: int
+    blob_bytes: int
+
+
+def time_layerbox(layer: LayerInput, work: Path, chunk_size: int) -> LayerboxRun:
+    out = work / "layerbox"
+    out.mkdir()
+    meta, blob = out / "layer.erofs", out / "layer.blob"
+    os.sync()
+    cpu = _cpu(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    with layer.path.open("rb") as f:
+        result = convert_stream(f, meta, blob, chunk_size=chunk_size, source=str(layer.path))
+    seconds = time.perf_counter() - start
+    run = LayerboxRun(
+        seconds=seconds, cpu=_cpu_since(cpu, resource.RUSAGE_SELF), digest=result.digest, files=result.files, file_bytes=result.bytes,
+        chunks=result.chunks, unique_chunks=result.unique_chunks, unique_bytes=result.unique_bytes,
+        meta_bytes=meta.stat().st_size, blob_bytes=blob.stat().st_size,
+    )
+    remove_tree(out)  # two files: too few freed inodes to slow the next run (see discard)
+    return run
+
+
+@dataclass
+class NativeRun:
+    tar_seconds: float
+    mkfs_seconds: float
+    seconds: float  # tar + mkfs, measured end to end
+    tar_cpu: CPU
+    mkfs_cpu: CPU
+    meta_bytes: int
+    blob_bytes: int
+
+
+def time_native(layer: LayerInput, work: Path, tools: NativeTools) -> NativeRun:
+    out = work / "native"
+    root = out / "rootfs"
+    root.mkdir(parents=True)
+    meta, blob = out / "meta.erofs", out / "data.blob"
+    tar_argv = tools.tar_argv(layer.path, layer.compression, root)
+    mkfs_argv = tools.mkfs_argv(root, meta, blob)
+    os.sync()
+    cpu = _cpu(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    run_tool(tar_argv)
+    middle = time.perf_counter()
+    tar_cpu = _cpu_since(cpu, resource.RUSAGE_CHILDREN)
+    cpu = _cpu(resource.RUSAGE_CHILDREN)
+    run_tool(mkfs_argv)
+    end = time.perf_counter()
+    run = NativeRun(
+        tar_seconds=middle - start, mkfs_seconds=end - middle, seconds=end - start,
+        tar_cpu=tar_cpu, mkfs_cpu=_cpu_since(cpu, resource.RUSAGE_CHILDREN),
+        meta_bytes=meta.stat().st_size, blob_bytes=blob.stat().st_size,
+    )
+    discard(out, work)
+    return run
+
+
+def decompressed(f: BinaryIO, compression: str) -> Iterator[bytes]:
+    """The layer's tar bytes, decompressed as the converter does (zlib, zstandard)."""
+    if compression == "tar":
+        while block := f.read(READ_SIZE):
+            yield block
+        return
+    gzip = compression == "gzip"
+    zctx = zstandard.ZstdDecompressor()
+
+    def fresh() -> Any:
+        return zlib.decompressobj(16 + zlib.MAX_WBITS) if gzip else zctx.decompressobj()
+
+    d = fresh()
+    while block := f.read(READ_SIZE):
+        data = block
+        while data:
+            out = d.decompress(data)
+            if out:
+                yield out
+            if not d.eof:
+                break
+            data = d.unused_data  # the next gzip member / zstd frame
+            d = fresh()
+            if not data.strip(b"\0"):
+                break
+
+
+@dataclass
+class FloorRun:
+    seconds: float
+    cpu: CPU
+    hash_seconds: float
+    compress_seconds: float
+    tar_bytes: int
+    compressed_out_bytes: int
+
+    @property
+    def inflate_seconds(self) -> float:
+        """Reading and decompressing: what is left of the total."""
+        return max(0.0, self.seconds - self.hash_seconds - self.compress_seconds)
+
+
+def time_floor(layer: LayerInput) -> FloorRun:
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+    clock = time.perf_counter
+    hashing = compressing = 0.0
+    total = packed = 0
+    pending = bytearray()
+
+    def consume(final: bool) -> None:
+        nonlocal hashing, compressing, packed
+        usable = len(pending) if final else len(pending) - len(pending) % PIECE
+        with memoryview(pending) as view:
+            for offset in range(0, usable, PIECE):
+                with view[offset : offset + PIECE] as piece:
+                    t0 = clock()
+                    blake3.blake3(piece).digest()
+                    t1 = clock()
+                    packed += len(cctx.compress(piece))
+                    compressing += clock() - t1
+                    hashing += t1 - t0
+        del pending[:usable]
+
+    cpu = _cpu(resource.RUSAGE_SELF)
+    start = clock()
+    with layer.path.open("rb") as f:
+        for data in decompressed(f, layer.compression):
+            total += len(data)
+            pending += data
+            if len(pending) >= PIECE:
+                consume(final=False)
+    consume(final=True)
+    seconds = clock() - start
+    return FloorRun(seconds, _cpu_since(cpu, resource.RUSAGE_SELF), hashing, compressing, total, packed)
+
+
+# -- one layer, several runs -----------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def rate(nbytes: int, seconds: float) -> float | None:
+    return nbytes / MB / seconds if seconds > 0 else None
+
+
+def ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def bench_layer(
+    layer: LayerInput, work: Path, tools: NativeTools, chunk_size: int, repeat: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    ours: list[LayerboxRun] = []
+    native: list[NativeRun] = []
+    floor: list[FloorRun] = []
+    for i in range(repeat):
+        log(f"  run {i + 1}/{repeat}: layerbox")
+        ours.append(time_layerbox(layer, work, chunk_size))
+        log(f"  run {i + 1}/{repeat}: tar -x + mkfs.erofs")
+        native.append(time_native(layer, work, tools))
+        log(f"  run {i + 1}/{repeat}: floor")
+        floor.append(time_floor(layer))
+    if len({r.digest for r in ours}) != 1:
+        log(f"  warning: layerbox produced different images across runs: {sorted({r.digest for r in ours})}")
+    last, tar_bytes = ours[-1], floor[-1].tar_bytes
+    seconds = {
+        "layerbox": median([r.seconds for r in ours]),
+        "native": median([r.seconds for r in native]),
+        "tar": median([r.tar_seconds for r in native]),
+        "mkfs": median([r.mkfs_seconds for r in native]),
+        "floor": median([r.seconds for r in floor]),
+    }
+    return {
+        "label": layer.label,
+        "digest": layer.digest,
+        "used_by": layer.used_by,
+        "compression": layer.compression,
+        "compressed_bytes": layer.compressed_bytes,
+        "tar_bytes": tar_bytes,
+        "file_bytes": last.file_bytes,
+        "files": last.files,
+        "chunks": last.chunks,
+        "unique_chunks": last.unique_chunks,
+        "unique_bytes": last.unique_bytes,
+        "dedup_ratio": ratio(last.unique_bytes, last.file_bytes),
+        "layerbox_digest": last.digest,
+        "meta_bytes": {"layerbox": last.meta_bytes, "mkfs_erofs": native[-1].meta_bytes},
+        "blob_bytes": {"layerbox": last.blob_bytes, "mkfs_erofs": native[-1].blob_bytes},
+        "floor_zstd_bytes": floor[-1].compressed_out_bytes,
+        "seconds": seconds,
+        "floor_parts_seconds": {
+            "read_inflate": median([r.inflate_seconds for r in floor]),
+            "blake3": median([r.hash_seconds for r in floor]),
+            "zstd": median([r.compress_seconds for r in floor]),
+        },
+        "mb_per_s": {k: rate(tar_bytes, v) for k, v in seconds.items()},
+        "ratio": ratio(seconds["native"], seconds["layerbox"]),
+        "floor_ratio": ratio(seconds["layerbox"], seconds["floor"]),
+        "cpu_seconds": {
+            name: {"user": median([c[0] for c in cpus]), "system": median([c[1] for c in cpus])}
+            for name, cpus in (
+                ("layerbox", [r.cpu for r in ours]),
+                ("tar", [r.tar_cpu for r in native]),
+                ("mkfs", [r.mkfs_cpu for r in native]),
+                ("floor", [r.cpu for r in floor]),
+            )
+        },
+        "runs": {
+            "layerbox": [r.seconds for r in ours],
+            "native": [r.seconds for r in native],
+            "tar": [r.tar_seconds for r in native],
+            "mkfs": [r.mkfs_seconds for r in native],
+            "floor": [r.seconds for r in floor],
+        },
+    }
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def total(key: str) -> int:
+        return sum(r[key] for r in rows)
+
+    tar_bytes = total("tar_bytes")
+    seconds = {k: sum(r["seconds"][k] for r in rows) for k in rows[0]["seconds"]}
+    return {
+        "layers": len(rows),
+        "compressed_bytes": total("compressed_bytes"),
+        "tar_bytes": tar_bytes,
+        "file_bytes": total("file_bytes"),
+        "files": total("files"),
+        "chunks": total("chunks"),
+        "unique_chunks": total("unique_chunks"),
+        "unique_bytes": total("unique_bytes"),
+        "dedup_ratio": ratio(total("unique_bytes"), total("file_bytes")),
+        "meta_bytes": {k: sum(r["meta_bytes"][k] for r in rows) for k in ("layerbox", "mkfs_erofs")},
+        "blob_bytes": {k: sum(r["blob_bytes"][k] for r in rows) for k in ("layerbox", "mkfs_erofs")},
+        "seconds": seconds,
+        "mb_per_s": {k: rate(tar_bytes, v) for k, v in seconds.items()},
+        "ratio": ratio(seconds["native"], seconds["layerbox"]),
+        "floor_ratio": ratio(seconds["layerbox"], seconds["floor"]),
+    }
+
+
+def goals(total: dict[str, Any]) -> dict[str, Any]:
+    r, f = total["ratio"], total["floor_ratio"]
+    return {
+        "native_over_layerbox": {"want": f">= {GOAL_NATIVE_RATIO}", "value": r,
+                                 "met": r is not None and r >= GOAL_NATIVE_RATIO},
+        "layerbox_over_floor": {"want": f"<= {GOAL_FLOOR_RATIO}", "value": f,
+                                "met": f is not None and f <= GOAL_FLOOR_RATIO},
+    }
+
+
+# -- output --------------------------------------------------------------------
+
+
+def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """Columns right-aligned except the first ``left`` ones."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _mb(n: int) -> str:
+    return f"{n / MB:.2f}"
+
+
+def _kb(n: int) -> str:
+    return f"{n / 1000:.1f}"
+
+
+def render(doc: dict[str, Any]) -> str:
+    s, env, native = doc["settings"], doc["environment"], doc["native"]
+    out = [
+        f"layerbox convert benchmark: chunk size {s['chunk_size']} B, median of {s['repeat']} run(s); "
+        "MB = 10^6 bytes; MB/s = uncompressed tar MB per second",
+        f"inputs:  {'  '.join(s['inputs'])}",
+        f"workdir: {env['workdir']} ({env['workdir_fs']} on {env['workdir_device']}); "
+        f"{env['cpus']} CPUs; Python {env['python']}; blake3 {env['blake3']}; zstandard {env['zstandard']}",
+        f"native:  {native['tar']}   [{native['tar_version']}]",
+        f"         {native['mkfs']}   [mkfs.erofs {native['mkfs_version']}; defaults otherwise: "
+        f"{native['mkfs_defaults']}]",
+        *([f"note:    {env['workdir_device']} is ext4 without a journal: file creation (tar -x) is slower "
+           "for 1-6 min after any mass deletion on it; see bench/README.md"]
+          if env.get("ext4_without_journal") else []),
+        f"floor:   read + inflate (zlib/zstandard) + blake3 + zstd level {ZSTD_LEVEL}, "
+        f"{PIECE >> 20} MiB pieces, one thread",
+        "",
+    ]
+    rows, total = doc["layers"], doc["totals"]
+
+    def size_row(name: str, r: dict[str, Any]) -> list[str]:
+        return [
+            name, r.get("compression", ""), _mb(r["compressed_bytes"]), _mb(r["tar_bytes"]),
+            _mb(r["file_bytes"]), str(r["files"]), str(r["chunks"]), str(r["unique_chunks"]),
+            _f(r["dedup_ratio"], 3), _kb(r["meta_bytes"]["layerbox"]), _kb(r["meta_bytes"]["mkfs_erofs"]),
+            _mb(r["blob_bytes"]["layerbox"]), _mb(r["blob_bytes"]["mkfs_erofs"]),
+        ]
+
+    out.append("Layers")
+    out.append(_table(
+        ["layer", "comp", "comp MB", "tar MB", "file MB", "files", "chunks", "unique",
+         "dedup", "meta KB ours", "meta KB mkfs", "blob MB ours", "blob MB mkfs"],
+        [size_row(f"{i} {r['label']}", r) for i, r in enumerate(rows, 1)] + [size_row("total", total)],
+        left=2,
+    ))
+    out.append("")
+    for i, r in enumerate(rows, 1):
+        out.append(f"  {i} {r['label']}: {r['digest']}  used by: {', '.join(r['used_by'])}")
+    out.append("")
+
+    def time_row(name: str, r: dict[str, Any]) -> list[str]:
+        cells = [name]
+        for key in ("layerbox", "native", "tar", "mkfs", "floor"):
+            cells += [_f(r["seconds"][key], 3), _f(r["mb_per_s"][key], 1)]
+        return cells + [_f(r["ratio"]), _f(r["floor_ratio"])]
+
+    out.append("Times (median seconds, MB/s)")
+    out.append(_table(
+        ["layer", "layerbox s", "MB/s", "native s", "MB/s", "tar -x s", "MB/s", "mkfs s", "MB/s",
+         "floor s", "MB/s", "native/layerbox", "layerbox/floor"],
+        [time_row(f"{i} {r['label']}", r) for i, r in enumerate(rows, 1)] + [time_row("total", total)],
+    ))
+    out.append("")
+    out.append("CPU (median user/system s; tar includes its gzip/zstd child)")
+    out.append(_table(
+        ["layer", "layerbox", "tar -x", "mkfs", "floor"],
+        [[f"{i} {r['label']}"] + [
+            f"{_f(r['cpu_seconds'][k]['user'], 3)}/{_f(r['cpu_seconds'][k]['system'], 3)}"
+            for k in ("layerbox", "tar", "mkfs", "floor")
+        ] for i, r in enumerate(rows, 1)],
+    ))
+    out.append("")
+    out.append("floor parts (median s): " + "; ".join(
+        f"{i} read+inflate {_f(p['read_inflate'], 3)} blake3 {_f(p['blake3'], 3)} zstd {_f(p['zstd'], 3)}"
+        for i, p in enumerate((r["floor_parts_seconds"] for r in rows), 1)
+    ))
+    g = doc["goals"]
+    out.append(
+        "goals (totals): "
+        f"native/layerbox {g['native_over_layerbox']['want']}: {_f(g['native_over_layerbox']['value'])} "
+        f"{'MET' if g['native_over_layerbox']['met'] else 'MISSED'}; "
+        f"layerbox/floor {g['layerbox_over_floor']['want']}: {_f(g['layerbox_over_floor']['value'])} "
+        f"{'MET' if g['layerbox_over_floor']['met'] else 'MISSED'}"
+    )
+    return "\n".join(out)
+
+
+# -- command line ----------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1M, 512K, 4096)")
+    value = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+    try:
+        check_chunk_size(value)
+    except ConvertError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench/convert.py",
+        description="Time layerbox's converter against tar -x + mkfs.erofs, and against the "
+        "read+blake3+zstd floor, on every distinct layer of the inputs.",
+    )
+    p.add_argument("inputs", nargs="*", metavar="INPUT",
+                   help="image reference or .tar/.tar.gz/.tar.zst layer (same as --image)")
+    p.add_argument("--image", action="append", default=[], metavar="REF",
+                   help="oci-archive:FILE[:TAG], oci:DIR[:TAG], docker-archive:FILE[:REF] or a "
+                   "tarball path; repeatable (default: both tags of the fixture image)")
+    p.add_argument("--chunk-size", type=parse_size, default=1 << 20, metavar="SIZE",
+                   help="chunk size for both converters (default 1M)")
+    p.add_argument("--repeat", type=int, default=3, metavar="N", help="runs per method and layer (default 3)")
+    p.add_argument("--tmpdir", type=Path, default=Path("/var/tmp"), metavar="DIR",
+                   help="where temporary files go; must be a disk, not tmpfs (default /var/tmp)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.repeat < 1:
+        print("bench/convert.py: --repeat must be at least 1", file=sys.stderr)
+        return 2
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    try:
+        specs = [*args.image, *args.inputs] or default_inputs()
+        tools = NativeTools(args.chunk_size)
+        fstype, device = filesystem_of(args.tmpdir)
+        if fstype in ("tmpfs", "ramfs"):
+            log(f"warning: {args.tmpdir} is on {fstype}: disk writes are not measured; pass --tmpdir DIR on a disk")
+        nojournal = fstype == "ext4" and ext4_without_journal(device)
+        with workspace(args.tmpdir) as work:
+            tools.probe(work)
+            layers = resolve_inputs(specs, work, log)
+            if not layers:
+                raise BenchError("the inputs hold no layers")
+            rows = []
+            for i, layer in enumerate(layers, 1):
+                log(f"layer {i}/{len(layers)}: {layer.label} ({layer.compression}, "
+                    f"{layer.compressed_bytes / MB:.1f} MB)")
+                rows.append(bench_layer(layer, work, tools, args.chunk_size, args.repeat, log))
+            total = totals(rows)
+            doc = {
+                "schema": SCHEMA,
+                "settings": {"chunk_size": args.chunk_size, "repeat": args.repeat, "inputs": specs,
+                             "zstd_level": ZSTD_LEVEL, "floor_piece": PIECE},
+                "environment": {
+                    "workdir": str(work), "workdir_fs": fstype, "workdir_device": device,
+                    "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "blake3": getattr(blake3, "__version__", "?"), "zstandard": zstandard.__version__,
+                    "euid": os.geteuid(), "ext4_without_journal": nojournal,
+                },
+                "native": tools.describe(),
+                "layers": rows,
+                "totals": total,
+                "goals": goals(total),
+            }
+    except BenchError as exc:
+        log(f"bench/convert.py: {exc}")
+        return 1
+    except ConvertError as exc:
+        log(f"bench/convert.py: the layerbox converter failed: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        log("bench/convert.py: interrupted; temporary files removed")
+        return 130
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(render(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

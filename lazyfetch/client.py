@@ -1,0 +1,133 @@
+"""Talk to a host's lazyfetch daemon over its unix socket; start it when absent."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lazyfetch.errors import LazyfetchError
+
+START_TIMEOUT = 30.0
+
+
+class DaemonUnavailable(LazyfetchError):
+    pass
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+    except ChildProcessError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class DaemonClient:
+    def __init__(self, data_dir: str | os.PathLike[str], *, timeout: float = 600.0) -> None:
+        self.data_dir = Path(data_dir)
+        self.socket = self.data_dir / "lazyfetch.sock"
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        conn = _UnixConnection(str(self.socket), timeout or self.timeout)
+        try:
+            payload = json.dumps(body).encode() if body is not None else None
+            conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            data = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise DaemonUnavailable(f"lazyfetch daemon at {self.socket} is not answering ({exc}); "
+                                    "start it with `layerbox daemon start` or run `layerbox mount` again") from None
+        finally:
+            conn.close()
+        if resp.status >= 400:
+            raise LazyfetchError(f"lazyfetch daemon: {method} {path} failed ({resp.status}): "
+                                 f"{data.decode(errors='replace')[:500]}")
+        if path == "/metrics":
+            return data.decode()
+        return json.loads(data)
+
+    def health(self) -> dict[str, Any] | None:
+        try:
+            return dict(self.request("GET", "/health", timeout=2.0))
+        except LazyfetchError:
+            return None
+
+    def ensure_running(self, store_url: str | None, *, s3_endpoint: str | None = None,
+                       cache_size: int | None = None, fetch_timeout: float | None = None,
+                       trace_seconds: float | None = None) -> dict[str, Any]:
+        h = self.health()
+        if h and h.get("ready"):
+            return h
+        if h is None:
+            argv = [sys.executable, "-m", "lazyfetch.daemon", "--data-dir", str(self.data_dir)]
+            if store_url:
+                argv += ["--store", store_url]
+            if s3_endpoint:
+                argv += ["--s3-endpoint", s3_endpoint]
+            if cache_size:
+                argv += ["--cache-size", str(cache_size)]
+            if fetch_timeout:
+                argv += ["--fetch-timeout", str(fetch_timeout)]
+            if trace_seconds is not None:
+                argv += ["--trace-seconds", str(trace_seconds)]
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.data_dir / "lazyfetch.out", "ab")  # noqa: SIM115 (handed to the child)
+            repo = Path(__file__).resolve().parents[1]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True, close_fds=True, env=env)
+            log.close()
+        else:
+            proc = None
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            h = self.health()
+            if h and h.get("ready"):
+                return h
+            if proc is not None and proc.poll() is not None:
+                tail = (self.data_dir / "lazyfetch.out").read_text(errors="replace")[-2000:]
+                raise DaemonUnavailable(f"lazyfetch daemon exited with {proc.returncode}:\n{tail}")
+            time.sleep(0.02)
+        raise DaemonUnavailable(f"lazyfetch daemon for {self.data_dir} did not become ready in {START_TIMEOUT:.0f} s")
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        h = self.health()
+        if h is None:
+            return False
+        pid = int(h["pid"])
+        try:
+            self.request("POST", "/shutdown", {})
+        except LazyfetchError:
+            pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return True
+            time.sleep(0.02)
+        raise LazyfetchError(f"lazyfetch daemon {pid} did not stop within {timeout:.0f} s "
+                             "(layers still mounted? `layerbox umount --all` first)")

@@ -1,0 +1,250 @@
+"""Host mounts: one kernel EROFS mount per layer, shared and reference-counted,
+and one overlayfs (or read-only bind) per user mount point.
+
+State lives in ``<data-dir>/state/mounts.json`` and is only touched under an
+exclusive ``flock`` on ``<data-dir>/state/lock``, so concurrent ``layerbox
+mount`` calls on one host serialise.  The state is a cache of what the kernel
+knows: every operation first reconciles it with /proc/self/mountinfo and the
+daemon's instance id.  A layer mounted by an earlier daemon instance (the
+daemon died or was restarted) is stale: its reads fail with EIO.  Such layers
+are remounted on the new daemon's blob files, and every user mount stacked on
+them is detached and mounted again with the same upper and work directories,
+which brings the sandboxes' views back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from layerstore.objects import Resolved, hex_digest
+from lazyfetch import kmount
+from lazyfetch.client import DaemonClient
+from lazyfetch.errors import LazyfetchError
+
+log = logging.getLogger("layerbox.lazyfetch")
+
+
+class MountError(LazyfetchError):
+    pass
+
+
+@dataclass(frozen=True)
+class MountResult:
+    mountpoint: str
+    digest: str
+    layers: int
+    writable: bool
+    upper: str | None
+    seconds: float
+    layer_mounts_created: int
+    trace: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class HostMounts:
+    def __init__(self, data_dir: str | os.PathLike[str], store_url: str | None = None, *,
+                 s3_endpoint: str | None = None, daemon_options: dict[str, Any] | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.store_url = store_url
+        self.s3_endpoint = s3_endpoint
+        self.daemon_options = daemon_options or {}
+        self.client = DaemonClient(self.data_dir)
+        self.state_dir = self.data_dir / "state"
+        self.layer_root = self.data_dir / "layers"
+
+    # -- state --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.state_dir / "lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            path = self.state_dir / "mounts.json"
+            state = json.loads(path.read_text()) if path.exists() else {}
+            state.setdefault("layers", {})
+            state.setdefault("mounts", {})
+            yield state
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+
+    def _reconcile(self, state: dict[str, Any], instance: str | None) -> set[str]:
+        """Drop what the kernel no longer has; return layers mounted by a dead daemon."""
+        mounted = {m.mountpoint for m in kmount.read_mountinfo()}
+        for mp in [mp for mp in state["mounts"] if mp not in mounted]:
+            log.info("forgetting %s: no longer mounted", mp)
+            del state["mounts"][mp]
+        stale = set()
+        for hexd, info in list(state["layers"].items()):
+            if info["mountpoint"] not in mounted:
+                del state["layers"][hexd]
+            elif info.get("instance") != instance:
+                stale.add(hexd)
+        for info in state["layers"].values():
+            info["users"] = [u for u in info["users"] if u in state["mounts"]]
+        return stale
+
+    # -- operations ------------------------------------------------------------------------
+    def _daemon(self) -> dict[str, Any]:
+        return self.client.ensure_running(self.store_url, s3_endpoint=self.s3_endpoint, **self.daemon_options)
+
+    def mount(self, resolved: Resolved, mountpoint: str | os.PathLike[str], *, writable: bool = False,
+              upper: str | os.PathLike[str] | None = None, trace: bool = True) -> MountResult:
+        start = time.perf_counter()
+        target = os.path.realpath(mountpoint)
+        if not os.path.isdir(target):
+            raise MountError(f"{mountpoint}: mount point must be an existing directory")
+        health = self._daemon()
+        with self._locked() as state:
+            stale = self._reconcile(state, health["instance"])
+            if target in state["mounts"]:
+                raise MountError(f"{target} is already a layerbox mount ({state['mounts'][target]['digest']}); "
+                                 "`layerbox umount` it first")
+            if stale:
+                self._remount_stale(state, stale, health["instance"])
+            reply = self.client.request("POST", "/layers", {
+                "image": resolved.digest, "trace": trace,
+                "layers": [layer.to_json() for layer in resolved.layers],
+            })
+            created = 0
+            lowers = []
+            for layer, paths in zip(resolved.layers, reply["layers"], strict=True):
+                hexd = hex_digest(layer.digest)
+                info = state["layers"].get(hexd)
+                if info is None:
+                    info = self._mount_layer(hexd, paths, health["instance"])
+                    state["layers"][hexd] = info
+                    created += 1
+                lowers.append(info["mountpoint"])
+            record = self._mount_user(target, lowers, writable, upper)
+            record.update(digest=resolved.digest, layers=[hex_digest(x.digest) for x in resolved.layers],
+                          entries=[x.to_json() for x in resolved.layers], kind=resolved.kind)
+            state["mounts"][target] = record
+            for hexd in record["layers"]:
+                users = state["layers"][hexd]["users"]
+                if target not in users:
+                    users.append(target)
+        return MountResult(target, resolved.digest, len(lowers), writable, record.get("upper"),
+                           round(time.perf_counter() - start, 6), created, reply.get("trace"))
+
+    def _mount_layer(self, hexd: str, paths: dict[str, str], instance: str) -> dict[str, Any]:
+        mp = self.layer_root / hexd
+        mp.mkdir(parents=True, exist_ok=True)
+        if kmount.is_mountpoint(mp):  # left by a crash before the state was written
+            kmount.umount(mp, lazy=True, missing_ok=True)
+        kmount.mount_erofs(paths["meta"], mp, paths["blob"])
+        return {"mountpoint": str(mp), "instance": instance, "users": [], "meta": paths["meta"]}
+
+    def _mount_user(self, target: str, lowers: list[str], writable: bool,
+                    upper: str | os.PathLike[str] | None) -> dict[str, Any]:
+        record: dict[str, Any] = {"writable": writable, "upper": None, "work": None, "owned_upper": False}
+        if writable:
+            if upper is None:
+                base = self.data_dir / "uppers" / uuid.uuid4().hex
+                up, work = base / "upper", base / "work"
+                record["owned_upper"] = True
+            else:
+                up = Path(upper).resolve()
+                work = up.parent / f".{up.name}.work"
+            up.mkdir(parents=True, exist_ok=True)
+            work.mkdir(parents=True, exist_ok=True)
+            record.update(upper=str(up), work=str(work))
+            kmount.mount_overlay(lowers, target, upper=up, work=work)
+        elif len(lowers) == 1:
+            kmount.bind_mount(lowers[0], target, readonly=True)  # overlayfs wants two read-only lowers
+        else:
+            kmount.mount_overlay(lowers, target)
+        return record
+
+    def _remount_stale(self, state: dict[str, Any], stale: set[str], instance: str) -> None:
+        users = sorted({u for h in stale for u in state["layers"][h]["users"]})
+        log.warning("daemon restarted: remounting %d layer(s) and %d mount(s)", len(stale), len(users))
+        for mp in users:
+            kmount.umount(mp, lazy=True, missing_ok=True)
+        for hexd in stale:
+            kmount.umount(state["layers"][hexd]["mountpoint"], lazy=True, missing_ok=True)
+            del state["layers"][hexd]
+        for mp in users:
+            rec = state["mounts"][mp]
+            reply = self.client.request("POST", "/layers", {"image": rec["digest"], "trace": False,
+                                                             "layers": rec["entries"]})
+            lowers = []
+            for hexd, paths in zip(rec["layers"], reply["layers"], strict=True):
+                if hexd not in state["layers"]:
+                    state["layers"][hexd] = self._mount_layer(hexd, paths, instance)
+                lowers.append(state["layers"][hexd]["mountpoint"])
+            if rec["writable"]:
+                kmount.mount_overlay(lowers, mp, upper=rec["upper"], work=rec["work"])
+            elif len(lowers) == 1:
+                kmount.bind_mount(lowers[0], mp, readonly=True)
+            else:
+                kmount.mount_overlay(lowers, mp)
+            for hexd in rec["layers"]:
+                state["layers"][hexd]["users"] = sorted(set(state["layers"][hexd]["users"]) | {mp})
+
+    def remount(self) -> int:
+        """Bring every mount back onto the current daemon (after a daemon restart)."""
+        health = self._daemon()
+        with self._locked() as state:
+            stale = self._reconcile(state, health["instance"])
+            if stale:
+                self._remount_stale(state, stale, health["instance"])
+            return len(stale)
+
+    def umount(self, mountpoint: str | os.PathLike[str], *, discard: bool = False, lazy: bool = False) -> None:
+        target = os.path.realpath(mountpoint)
+        with self._locked() as state:
+            health = self.client.health()
+            self._reconcile(state, health["instance"] if health else None)
+            rec = state["mounts"].pop(target, None)
+            if rec is None:
+                raise MountError(f"{target} is not a layerbox mount on this host ({self.data_dir})")
+            kmount.umount(target, lazy=lazy, missing_ok=True)
+            for hexd in rec["layers"]:
+                info = state["layers"].get(hexd)
+                if info is None:
+                    continue
+                info["users"] = [u for u in info["users"] if u != target]
+                if not info["users"]:
+                    kmount.umount(info["mountpoint"], lazy=lazy, missing_ok=True)
+                    del state["layers"][hexd]
+            if discard and rec.get("owned_upper") and rec.get("upper"):
+                shutil.rmtree(Path(rec["upper"]).parent, ignore_errors=True)
+
+    def umount_all(self, *, stop_daemon: bool = True) -> int:
+        with self._locked() as state:
+            count = 0
+            for mp in list(state["mounts"]):
+                kmount.umount(mp, lazy=True, missing_ok=True)
+                del state["mounts"][mp]
+                count += 1
+            for hexd, info in list(state["layers"].items()):
+                kmount.umount(info["mountpoint"], lazy=True, missing_ok=True)
+                del state["layers"][hexd]
+        # layer mount points left by crashes (state lost) are ours too
+        for mp in kmount.mounts_under(self.layer_root):
+            kmount.umount(mp, lazy=True, missing_ok=True)
+        if stop_daemon:
+            self.client.stop()
+            fuse_dir = self.data_dir / "blobs"
+            if kmount.is_mountpoint(fuse_dir):
+                kmount.umount(fuse_dir, lazy=True, missing_ok=True)
+        return count
+
+    def status(self) -> dict[str, Any]:
+        with self._locked() as state:
+            health = self.client.health()
+            self._reconcile(state, health["instance"] if health else None)
+            return {"daemon": health, "mounts": state["mounts"], "layers": state["layers"]}

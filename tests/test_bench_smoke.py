@@ -1,0 +1,254 @@
+"""bench/convert.py runs end to end on a small generated layer and reports consistent figures.
+
+No timing thresholds: only that every figure is there, positive and agrees
+with what the test put into the layer.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.env import require
+from tests.support.proc import run
+from tests.support.tarbuild import TarBuilder
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "convert.py"
+CHUNK = 64 << 10
+DIRS = 10
+SMALL_FILES = 250
+BIG_FILES = 8  # copies of BIG_DISTINCT contents, so chunks dedup
+BIG_DISTINCT = 2
+BIG_SIZE = 200 << 10  # 3.125 chunks of CHUNK: the last chunk is short
+
+
+def _make_layer(path: Path) -> dict[str, int]:
+    rng = random.Random(20240601)
+    tar = TarBuilder()
+    file_bytes = unique_bytes = regular = 0
+    for i in range(SMALL_FILES):
+        data = rng.randbytes(rng.randint(2 << 10, 16 << 10))
+        tar.file(f"d{i % DIRS:02d}/small-{i:03d}.bin", data)
+        file_bytes += len(data)
+        unique_bytes += len(data)
+        regular += 1
+    bigs = [rng.randbytes(BIG_SIZE) for _ in range(BIG_DISTINCT)]
+    unique_bytes += BIG_DISTINCT * BIG_SIZE
+    for i in range(BIG_FILES):
+        tar.file(f"d{i % DIRS:02d}/big-{i}.bin", bigs[i % BIG_DISTINCT], mode=0o755)
+        file_bytes += BIG_SIZE
+        regular += 1
+    tar.symlink("d00/link", "small-000.bin")
+    tar.hardlink("d01/hard", "d00/small-000.bin")  # same inode, data counted once
+    raw = tar.bytes()
+    compressed = gzip.compress(raw, compresslevel=6)
+    path.write_bytes(compressed)
+    return {
+        # inodes: the files, the directories, the symlink and the root directory
+        "files": regular + DIRS + 1 + 1,
+        "file_bytes": file_bytes,
+        "unique_bytes": unique_bytes,
+        "tar_bytes": len(raw),
+        "compressed_bytes": len(compressed),
+    }
+
+
+def _positive(doc: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        value = doc[key]
+        assert value is not None, key
+        assert value > 0, (key, value)
+
+
+@pytest.mark.slow
+def test_bench_convert_json_on_small_layer(tmp_path: Path) -> None:
+    require("cmd:mkfs.erofs")
+    require("cmd:tar")
+    layer = tmp_path / "layer.tar.gz"
+    made = _make_layer(layer)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    result = run(
+        [sys.executable, BENCH, "--repeat", "1", "--json", "--chunk-size", "64K",
+         "--tmpdir", work, "--image", layer],
+        timeout=600,
+    )
+    doc = json.loads(result.stdout)
+
+    assert doc["schema"] == "layerbox.bench.convert.v1"
+    assert doc["settings"]["chunk_size"] == CHUNK
+    assert doc["settings"]["repeat"] == 1
+    assert "--chunksize=65536" in doc["native"]["mkfs"]
+    assert len(doc["layers"]) == 1
+    row = doc["layers"][0]
+
+    assert row["compression"] == "gzip"
+    assert row["compressed_bytes"] == made["compressed_bytes"]
+    assert row["tar_bytes"] == made["tar_bytes"]
+    assert row["files"] == made["files"]
+    assert row["file_bytes"] == made["file_bytes"]
+    assert row["unique_bytes"] == made["unique_bytes"]
+    chunks_per_big = -(-BIG_SIZE // CHUNK)
+    assert row["chunks"] == SMALL_FILES + BIG_FILES * chunks_per_big
+    assert row["unique_chunks"] == SMALL_FILES + BIG_DISTINCT * chunks_per_big
+    assert 0 < row["dedup_ratio"] < 1
+    assert row["dedup_ratio"] == pytest.approx(made["unique_bytes"] / made["file_bytes"])
+    assert row["tar_bytes"] > row["file_bytes"]
+    assert row["layerbox_digest"].startswith("blake3:")
+    for sizes in (row["meta_bytes"], row["blob_bytes"]):
+        _positive(sizes, "layerbox", "mkfs_erofs")
+    assert row["blob_bytes"]["layerbox"] >= row["unique_bytes"]
+    _positive(row["floor_parts_seconds"], "read_inflate", "blake3", "zstd")
+    for method in ("layerbox", "tar", "mkfs", "floor"):
+        cpu = row["cpu_seconds"][method]
+        assert cpu["user"] >= 0, (method, cpu)
+        assert cpu["system"] >= 0, (method, cpu)
+        assert cpu["user"] + cpu["system"] > 0, (method, cpu)
+
+    methods = ("layerbox", "native", "tar", "mkfs", "floor")
+    _positive(row["seconds"], *methods)
+    _positive(row["mb_per_s"], *methods)
+    for method in methods:
+        assert row["runs"][method] == [row["seconds"][method]]
+        assert row["mb_per_s"][method] == pytest.approx(row["tar_bytes"] / 1e6 / row["seconds"][method])
+    assert row["seconds"]["native"] >= row["seconds"]["tar"]
+    assert row["seconds"]["native"] >= row["seconds"]["mkfs"]
+    assert row["ratio"] == pytest.approx(row["seconds"]["native"] / row["seconds"]["layerbox"])
+    assert row["floor_ratio"] == pytest.approx(row["seconds"]["layerbox"] / row["seconds"]["floor"])
+
+    total = doc["totals"]
+    assert total["layers"] == 1
+    for key in ("compressed_bytes", "tar_bytes", "file_bytes", "files", "chunks",
+                "unique_chunks", "unique_bytes", "dedup_ratio", "ratio", "floor_ratio"):
+        assert total[key] == pytest.approx(row[key]), key
+    for goal in doc["goals"].values():
+        assert isinstance(goal["met"], bool)
+
+    leftovers = list(work.iterdir())
+    assert leftovers == [], f"the benchmark left files behind: {leftovers}"
+
+
+def test_bench_convert_rejects_unknown_input(tmp_path: Path) -> None:
+    require("cmd:mkfs.erofs")
+    missing = tmp_path / "no-such-layer.tar.gz"
+    result = run([sys.executable, BENCH, "--repeat", "1", "--tmpdir", tmp_path, missing],
+                 timeout=120, check=False)
+    assert result.returncode == 1
+    assert b"neither an image reference" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+STORE_BENCH = Path(__file__).resolve().parents[1] / "bench" / "store.py"
+STORE_PREFIXES = ("packs", "index", "meta", "docs", "refs", "locks")
+
+
+def _check_publish_row(row: dict[str, Any]) -> None:
+    _positive(row, "files", "file_bytes", "tar_bytes", "gzip_bytes", "seconds", "requests", "calls")
+    assert row["convert_seconds"] + row["upload_seconds"] == pytest.approx(row["seconds"], abs=0.005)
+    assert row["file_mb_per_s"] == pytest.approx(row["file_bytes"] / 1e6 / row["seconds"])
+    assert row["requests_per_mb"] == pytest.approx(row["requests"] / (row["file_bytes"] / 1e6))
+    assert row["calls"] >= row["requests"]  # calls add the lock, index listing and ref read
+    assert sum(row["calls_by_op"].values()) == row["calls"]
+    assert row["bytes_new"] + row["bytes_present"] <= row["file_bytes"]  # holes are neither
+    assert row["tar_bytes"] > row["file_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["default", "none"])
+def test_bench_store_quick_json(tmp_path: Path, fixture: str) -> None:
+    """--quick on the file backend; 'default' uses the shared fixture when it is there."""
+    require("cmd:tar")
+    work = tmp_path / "work"
+    work.mkdir()
+    argv: list[str | Path] = [sys.executable, STORE_BENCH, "--quick", "--backends", "file", "--json",
+                              "--tmpdir", work]
+    if fixture == "none":
+        argv += ["--fixture", "none"]
+    doc = json.loads(run(argv, timeout=900).stdout)
+
+    assert doc["schema"] == "layerbox.bench.store.v1"
+    assert doc["settings"]["backends"] == ["file"]
+    assert (doc["settings"]["workspaces"], doc["settings"]["versions"]) == (3, 1)
+    inputs = doc["inputs"]
+    if fixture == "none":
+        assert inputs["fixture"] == "generated"
+    assert [w["kind"] for w in inputs["workspaces"]] == ["workspace"] * 3 + ["version"]
+    version = inputs["workspaces"][-1]
+    assert version["parent"] in {w["name"] for w in inputs["workspaces"][:3]}
+    assert [e["role"] for e in inputs["edits"]] == ["small", "large"]
+    for layer in inputs["layers"]:
+        assert 0 < layer["gzip_bytes"] < layer["tar_bytes"], layer
+
+    file = doc["backends"]["file"]
+    store = file["store"]
+    assert set(STORE_PREFIXES) <= set(store["by_prefix"])
+    assert sum(p["bytes"] for p in store["by_prefix"].values()) == store["bytes"]
+    assert sum(p["objects"] for p in store["by_prefix"].values()) == store["objects"]
+    assert store["by_prefix"]["locks"]["objects"] == 0  # every publish released its lock
+    for prefix in ("packs", "index", "meta", "docs", "refs"):
+        assert store["by_prefix"][prefix]["bytes"] > 0, prefix
+    # one ref per image, workspace and environment
+    assert store["by_prefix"]["refs"]["objects"] == len(inputs["images"]) + 2 * len(inputs["workspaces"])
+    edits_refs = file["store_after_edits"]["by_prefix"]["refs"]["objects"] - store["by_prefix"]["refs"]["objects"]
+    assert edits_refs == 2 * len(inputs["edits"])
+
+    dedup = file["dedup"]
+    assert dedup["store_bytes"] == store["bytes"]
+    assert 0 < dedup["store_bytes"] < dedup["registry_bytes"] < dedup["product_bytes"]
+    assert dedup["registry_over_store"] == pytest.approx(dedup["registry_bytes"] / dedup["store_bytes"])
+    assert dedup["product_over_store"] > dedup["registry_over_store"] > 1
+
+    publish = file["publish"]
+    assert [r["name"] for r in publish["images"]] == [i["name"] for i in inputs["images"]]
+    assert [r["name"] for r in publish["workspaces"]] == [w["name"] for w in inputs["workspaces"]]
+    for row in publish["images"] + publish["workspaces"]:
+        _check_publish_row(row)
+    first = publish["images"][0]
+    assert first["bytes_present"] == 0  # the first image goes into an empty store
+    ver = publish["workspaces"][-1]
+    assert 0 < ver["bytes_new"] <= version["changed_file_bytes"]  # only the changed file's chunk
+    totals = publish["totals"]
+    assert totals["all"]["count"] == len(inputs["images"]) + len(inputs["workspaces"])
+    assert totals["all"]["file_bytes"] == sum(r["file_bytes"] for r in publish["images"] + publish["workspaces"])
+    assert publish["compose"]["count"] == len(inputs["workspaces"])
+
+    edits = file["one_file_change"]
+    assert [e["role"] for e in edits] == ["small", "large"]
+    for edit in edits:
+        _check_publish_row(edit)
+        fresh = edit["fresh"]
+        _check_publish_row(fresh)
+        assert fresh["file_bytes"] == edit["file_bytes"]
+        assert 0 < edit["bytes_new"] <= edit["changed_file_bytes"]
+        assert edit["bytes_new"] < 0.01 * edit["workspace_file_bytes"]
+        assert fresh["bytes_new"] > 0.5 * fresh["file_bytes"]  # everything is new in an empty store
+        assert fresh["bytes_present"] == 0
+        assert edit["bytes_uploaded"] < fresh["bytes_uploaded"]
+        assert edit["edit_over_fresh"]["bytes_uploaded"] < 0.5
+        assert edit["registry"]["push_bytes"] > edit["bytes_uploaded"]
+    assert edits[0]["file_bytes"] < edits[1]["file_bytes"]
+
+    host = file["second_host"]
+    assert [r["env"] for r in host["envs"]] == [w["env"] for w in inputs["workspaces"]]
+    assert host["first_cold"]["calls"] > 0
+    assert host["first_cold"]["bytes_downloaded"] > host["other_cold_median"]["bytes_downloaded"] > 0
+    for env in host["envs"]:
+        assert env["cold"]["layers"] == env["warm"]["layers"] >= 3
+        assert env["warm"]["calls"] == 0  # everything a host needs to mount is cached
+        assert env["warm"]["bytes_downloaded"] == 0
+
+    goal = doc["goals"]["one_file_change"]
+    assert goal["data_met"] is True
+    assert goal["size_ratio"] > 1
+    for key in ("upload_met", "time_met"):
+        assert isinstance(goal[key], bool)
+
+    leftovers = list(work.iterdir())
+    assert leftovers == [], f"the benchmark left files behind: {leftovers}"
