@@ -277,7 +277,8 @@ def test_full_cache_disk_still_serves_reads(hosts, tmp_path: Path) -> None:
         assert host.stats()["cache_put_failures"] > 0
         # ... and the log says why the cache did not keep it
         log = (host.data_dir / "lazyfetch.log").read_text()
-        assert str(chunks) in log and "No space left" in log
+        assert str(chunks) in log
+        assert "No space left" in log
     finally:
         host.close()
         subprocess.run(["umount", "-l", str(chunks)], check=False)
