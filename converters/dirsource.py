@@ -70,7 +70,15 @@ def _reader(path: bytes, size: int) -> DataFn:
     return read
 
 
-def walk_directory(root: str | os.PathLike[str]) -> Iterator[tuple[Entry, DataFn | None]]:
+def walk_directory(
+    root: str | os.PathLike[str],
+    include: Callable[[tuple[bytes, ...], bool], bool] | None = None,
+) -> Iterator[tuple[Entry, DataFn | None]]:
+    """Entries of the tree under ``root``, parents first.
+
+    ``include(path, is_dir)``, when given, selects entries; a directory it
+    refuses is not descended into (snapshots select what changed).
+    """
     base = os.fsencode(root)
     st = os.lstat(base)
     if not stat.S_ISDIR(st.st_mode):
@@ -81,6 +89,8 @@ def walk_directory(root: str | os.PathLike[str]) -> Iterator[tuple[Entry, DataFn
         rel = stack.pop()
         full = os.path.join(base, *rel) if rel else base
         st = os.lstat(full)
+        if rel and include is not None and not include(rel, stat.S_ISDIR(st.st_mode)):
+            continue
         kind = _kind(st.st_mode)
         name = os.fsdecode(b"/".join(rel) or b".")
         entry = Entry(

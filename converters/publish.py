@@ -55,24 +55,64 @@ class PublishResult:
 
 
 @dataclass
-class _LocalLayer:
+class LocalLayer:
     meta: Path
     blob: Path
     source: dict[str, Any]
 
 
 def _convert_source(src: str, work: Path, chunk_size: int, platform: str | None
-                    ) -> tuple[list[_LocalLayer], dict[str, Any], dict[str, Any]]:
+                    ) -> tuple[list[LocalLayer], dict[str, Any], dict[str, Any]]:
     if src.startswith(IMAGE_SCHEMES):
         convert_image(src, work, chunk_size=chunk_size, platform=platform)
         doc = json.loads((work / "image.json").read_text())
-        layers = [_LocalLayer(work / layer["meta"], work / layer["blob"], {"oci": layer.get("oci", {})})
+        layers = [LocalLayer(work / layer["meta"], work / layer["blob"], {"oci": layer.get("oci", {})})
                   for layer in doc["layers"]]
         return layers, doc.get("config") or {}, {"ref": src, **(doc.get("source") or {})}
     meta, blob = work / "layer.erofs", work / "layer.blob"
     convert(src, meta, blob, chunk_size=chunk_size)
     kind = "directory" if os.path.isdir(src) else ("stdin" if src == "-" else "tarball")
-    return [_LocalLayer(meta, blob, {})], {}, {"ref": src if src == "-" else os.path.abspath(src), "type": kind}
+    return [LocalLayer(meta, blob, {})], {}, {"ref": src if src == "-" else os.path.abspath(src), "type": kind}
+
+
+async def upload_layers(store: Store, layers: list[LocalLayer], stats: UploadStats, *,
+                        chunk_size: int = DEFAULT_CHUNK_SIZE, progress: Progress | None = None) -> list[LayerEntry]:
+    """Upload converted layers (chunks, then metadata images); returns their entries.
+
+    The caller writes the document that names them and then moves a ref: that
+    order keeps a crash from leaving anything pointing at missing data.
+    """
+    uploader = ChunkUploader(store, stats, progress=progress)
+    images: list[tuple[bytes, ErofsImage]] = []
+    for layer in layers:
+        raw = layer.meta.read_bytes()
+        image = ErofsImage(raw, str(layer.meta))
+        images.append((raw, image))
+        fd = os.open(layer.blob, os.O_RDONLY)
+        try:
+            await uploader.add_many(
+                (rec.digest, partial(os.pread, fd, rec.length, rec.block * F.BLOCK_SIZE))
+                for rec in image.blob_map
+            )
+            await uploader.finish()  # the reads use fd
+        finally:
+            os.close(fd)
+    entries = []
+    for layer, (raw, image) in zip(layers, images, strict=True):
+        digest = await store.put_meta(raw, stats)
+        inodes = {node.nid: node for _, node in image.walk()}
+        entries.append(LayerEntry(
+            digest=digest,
+            packs=uploader.packs_for(rec.digest for rec in image.blob_map),
+            meta_size=len(raw),
+            blob_size=image.blob_size,
+            chunk_size=1 << image.chunk_bits_hint if image.chunk_bits_hint else chunk_size,
+            files=len(inodes),
+            bytes=sum(n.size for n in inodes.values() if stat.S_ISREG(n.mode)),
+            chunks=len(image.blob_map),
+            source=layer.source,
+        ))
+    return entries
 
 
 async def publish(
@@ -98,36 +138,7 @@ async def publish(
         with tempfile.TemporaryDirectory(prefix="publish-", dir=work_dir) as tmp:
             layers, config, source = await asyncio.to_thread(_convert_source, src, Path(tmp), chunk_size, platform)
             converted = time.perf_counter()
-            uploader = ChunkUploader(store, stats, progress=progress)
-            images: list[tuple[bytes, ErofsImage]] = []
-            for layer in layers:
-                raw = layer.meta.read_bytes()
-                image = ErofsImage(raw, str(layer.meta))
-                images.append((raw, image))
-                fd = os.open(layer.blob, os.O_RDONLY)
-                try:
-                    await uploader.add_many(
-                        (rec.digest, partial(os.pread, fd, rec.length, rec.block * F.BLOCK_SIZE))
-                        for rec in image.blob_map
-                    )
-                    await uploader.finish()  # the reads use fd
-                finally:
-                    os.close(fd)
-            entries = []
-            for layer, (raw, image) in zip(layers, images, strict=True):
-                digest = await store.put_meta(raw, stats)
-                inodes = {node.nid: node for _, node in image.walk()}
-                entries.append(LayerEntry(
-                    digest=digest,
-                    packs=uploader.packs_for(rec.digest for rec in image.blob_map),
-                    meta_size=len(raw),
-                    blob_size=image.blob_size,
-                    chunk_size=1 << image.chunk_bits_hint if image.chunk_bits_hint else chunk_size,
-                    files=len(inodes),
-                    bytes=sum(n.size for n in inodes.values() if stat.S_ISREG(n.mode)),
-                    chunks=len(image.blob_map),
-                    source=layer.source,
-                ))
+            entries = await upload_layers(store, layers, stats, chunk_size=chunk_size, progress=progress)
         doc_digest = await store.put_doc(ImageDoc(tuple(entries), config, source).to_json(), stats)
         if before_ref is not None:
             before_ref()

@@ -19,6 +19,7 @@ from support.env import require
 
 from lazyfetch import kmount
 from lazyfetch.errors import KernelMountError
+from tests.support.hosts import hosts  # noqa: F401  (a fixture for every test module)
 
 
 @pytest.fixture

@@ -367,6 +367,69 @@ def _stats(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- snapshots ------------------------------------------------------------------------------
+
+
+def _labels(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"layerbox: --label wants KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+async def _checkpoint(args: argparse.Namespace) -> int:
+    from snapshots.checkpoint import Snapshots
+
+    async with await _open_store(args) as store:
+        ckpt = await Snapshots(store, _host(args)).checkpoint(
+            args.mountpoint, name=args.name, labels=_labels(args.label), trajectory_offset=args.trajectory_offset,
+            receipt_id=args.receipt_id, policy_version=args.policy_version, caller=args.caller)
+    _emit(args, ckpt.to_json(), lambda: print(
+        f"{ckpt.name} -> {ckpt.digest}: {ckpt.entries} entries, {ckpt.bytes_changed / 1e6:.1f} MB changed, "
+        f"{ckpt.bytes_uploaded / 1e6:.1f} MB uploaded, frozen {ckpt.freeze_seconds * 1000:.0f} ms, "
+        f"total {ckpt.seconds:.2f} s"))
+    return 0
+
+
+async def _restore(args: argparse.Namespace) -> int:
+    from snapshots.checkpoint import Snapshots
+
+    async with await _open_store(args) as store:
+        result = await Snapshots(store, _host(args)).restore(args.ref, args.mountpoint, upper=args.upper,
+                                                             policy_version=args.policy_version)
+    _emit(args, result.to_json(), lambda: print(
+        f"{args.ref} restored at {result.mountpoint} ({result.layers} layers, upper {result.upper}, "
+        f"{result.seconds * 1000:.0f} ms)"))
+    return 0
+
+
+async def _checkpoints(args: argparse.Namespace) -> int:
+    from snapshots.checkpoint import Snapshots
+
+    async with await _open_store(args) as store:
+        rows = await Snapshots(store, _host(args)).list(args.prefix or "checkpoints/")
+
+    def human() -> None:
+        for r in rows:
+            print(f"{r['name']:<40} {r['created'] or '':<21} layers {r['layers']:<3} {r['digest']}")
+
+    _emit(args, rows, human)
+    return 0
+
+
+async def _squash(args: argparse.Namespace) -> int:
+    from snapshots.squash import squash
+
+    async with await _open_store(args) as store:
+        result = await squash(store, args.ref, name=args.name)
+    _emit(args, result, lambda: print(f"{result['name']} -> {result['digest']}: "
+                                      f"{result['squashed']} checkpoint layers in one"))
+    return 0
+
+
 def _run_async(fn: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         return int(asyncio.run(fn(args)))
@@ -452,6 +515,32 @@ def build_parser() -> argparse.ArgumentParser:
     stt = sub.add_parser("stats", parents=[common, host], help="daemon counters")
     stt.add_argument("--prometheus", action="store_true")
     stt.set_defaults(func=_stats)
+
+    ck = sub.add_parser("checkpoint", parents=[common, host], help="checkpoint a writable mount")
+    ck.add_argument("mountpoint")
+    ck.add_argument("--name", default=None, help="ref for the checkpoint (default checkpoints/<id>:<n>)")
+    ck.add_argument("--label", action="append", default=[], help="KEY=VALUE (repeatable)")
+    ck.add_argument("--trajectory-offset", type=int, default=None)
+    ck.add_argument("--receipt-id", default=None)
+    ck.add_argument("--policy-version", default=None)
+    ck.add_argument("--caller", default=None)
+    ck.set_defaults(func=_run_async(_checkpoint))
+
+    rs = sub.add_parser("restore", parents=[common, host], help="mount a checkpoint writable, on any host")
+    rs.add_argument("ref")
+    rs.add_argument("mountpoint")
+    rs.add_argument("--upper", default=None)
+    rs.add_argument("--policy-version", default=None, help="refuse unless the checkpoint was made under it")
+    rs.set_defaults(func=_run_async(_restore))
+
+    cks = sub.add_parser("checkpoints", parents=[common, host], help="list checkpoints")
+    cks.add_argument("prefix", nargs="?")
+    cks.set_defaults(func=_run_async(_checkpoints))
+
+    sq = sub.add_parser("squash", parents=[common], help="merge a checkpoint chain into one layer")
+    sq.add_argument("ref")
+    sq.add_argument("--name", default=None, help="ref for the squashed checkpoint (default: move REF)")
+    sq.set_defaults(func=_run_async(_squash))
 
     cache = sub.add_parser("cache", parents=[common], help="drop or rebuild this host's metadata cache")
     cache.add_argument("action", choices=["drop", "rebuild"])

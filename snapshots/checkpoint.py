@@ -1,0 +1,322 @@
+"""Incremental checkpoints of a writable mount, restorable on any host.
+
+A checkpoint turns what changed in a mount's overlayfs upper directory since
+the mount's parent (its image, or its previous checkpoint) into one more
+EROFS layer, made by the same converter as image layers.  The upper directory
+already speaks overlayfs: deletions are character devices 0/0 and replaced
+directories carry ``trusted.overlay.opaque``; both pass into the layer as
+they are and keep working when the layer is a lower layer.
+
+Incremental: after each checkpoint the upper directory's entries are
+remembered by their stat signature (inode, size, mtime, ctime, mode, owner).
+The next checkpoint includes only entries whose signature changed, their
+ancestor directories (with their real attributes: overlayfs takes a merged
+directory's attributes from its topmost layer), whole subtrees of opaque
+directories, and whiteouts for entries that disappeared from the upper
+directory since.  Unchanged files are neither read nor uploaded, and chunks
+of changed files still dedup against everything in the store.
+
+Write order: the layer's chunks and metadata image, then the checkpoint
+document, then its ref, then the local record of what was captured.  A crash
+at any point leaves the mount usable and no document naming missing data;
+running the checkpoint again redoes the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import socket
+import stat
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from converters.dirsource import walk_directory
+from converters.layer import DEFAULT_CHUNK_SIZE, convert_entries
+from converters.publish import LocalLayer, upload_layers
+from converters.tarstream import KIND_CHR, Entry
+from layerstore.objects import LayerEntry, meta_key, pack_key
+from layerstore.store import Store, UploadStats
+from lazyfetch.mounts import HostMounts, MountResult
+from snapshots.errors import CheckpointMismatch, SnapshotError
+
+SCHEMA = "layerbox.checkpoint.v1"
+FORMAT_VERSION = 1
+RUNTIME = "layerbox-0.1"
+
+Signature = list[int]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    digest: str
+    parent: str
+    layer: str  # the new layer's digest
+    layers: int
+    entries: int  # entries captured in the new layer
+    bytes_changed: int  # regular-file bytes captured
+    bytes_uploaded: int
+    freeze_seconds: float
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _signature(st: os.stat_result) -> Signature:
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_gid]
+
+
+def scan(upper: Path) -> dict[str, Signature]:
+    """Every entry of the upper directory by relative path (surrogate-escaped str keys)."""
+    out: dict[str, Signature] = {}
+    base = os.fsencode(upper)
+    stack = [b""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(os.path.join(base, rel) if rel else base) as it:
+            for d in it:
+                path = os.path.join(rel, d.name) if rel else d.name
+                st = d.stat(follow_symlinks=False)
+                out[os.fsdecode(path)] = _signature(st)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(path)
+    return out
+
+
+def _is_opaque(path: bytes) -> bool:
+    try:
+        return os.getxattr(path, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def plan(upper: Path, now: dict[str, Signature], before: Mapping[str, Signature]
+         ) -> tuple[set[str], list[str]]:
+    """(paths to include, paths that need a whiteout) for an incremental layer."""
+    include: set[str] = set()
+    for path, sig in now.items():
+        if before.get(path) != sig:
+            include.add(path)
+    base = os.fsencode(upper)
+    for path, sig in now.items():
+        if stat.S_ISDIR(sig[4]) and _is_opaque(os.path.join(base, os.fsencode(path))):
+            prefix = path + "/"
+            include.add(path)
+            include.update(p for p in now if p.startswith(prefix))
+    gone = sorted(p for p in before if p not in now)
+    # one whiteout for the topmost vanished path of a subtree is enough
+    whiteouts = [p for p in gone if not any(p.startswith(q + "/") for q in gone if q != p)]
+    for path in list(include) + whiteouts:
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            include.add("/".join(parts[:i]))
+    return include, whiteouts
+
+
+def _entries(upper: Path, include: set[str], whiteouts: list[str]) -> Iterator[tuple[Entry, Any]]:
+    def wanted(rel: tuple[bytes, ...], is_dir: bool) -> bool:
+        return os.fsdecode(b"/".join(rel)) in include
+
+    for entry, data in walk_directory(upper, include=wanted):
+        # overlayfs bookkeeping of this upper dir (origin, impure, redirect...) must
+        # not travel into a lower layer; only the opaque marker means something there
+        entry.xattrs = {k: v for k, v in entry.xattrs.items()
+                        if not k.startswith(b"trusted.overlay.") or k == b"trusted.overlay.opaque"}
+        yield entry, data
+    now = time.time_ns()
+    for path in whiteouts:
+        rel = tuple(os.fsencode(path).split(b"/"))
+        yield Entry(path=rel, kind=KIND_CHR, mode=stat.S_IFCHR, uid=0, gid=0, mtime=now // 10**9,
+                    mtime_nsec=now % 10**9, rdev=(0, 0), name=path), None
+
+
+class Snapshots:
+    """Checkpoint and restore mounts of one host (data dir) against one store."""
+
+    def __init__(self, store: Store, host: HostMounts) -> None:
+        self.store = store
+        self.host = host
+        self.state_dir = host.data_dir / "state" / "snapshots"
+
+    # -- local record of what each mount has captured ---------------------------------------
+    def _record_path(self, mountpoint: str) -> Path:
+        return self.state_dir / (hex_digest_of_path(mountpoint) + ".json")
+
+    def _load_record(self, mountpoint: str, default_parent: str) -> dict[str, Any]:
+        path = self._record_path(mountpoint)
+        if path.exists():
+            rec = json.loads(path.read_text())
+            if rec.get("upper") == self._mount(mountpoint).get("upper"):
+                return dict(rec)
+        return {"parent": default_parent, "manifest": {}, "seq": 0, "id": uuid.uuid4().hex[:12]}
+
+    def _save_record(self, mountpoint: str, rec: dict[str, Any]) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self._record_path(mountpoint)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, path)
+
+    def _locate(self, mountpoint: str) -> tuple[str, dict[str, Any]]:
+        target = os.path.realpath(mountpoint)
+        return target, self._mount(target)
+
+    def _mount(self, mountpoint: str) -> dict[str, Any]:
+        rec = self.host.status()["mounts"].get(os.path.realpath(mountpoint))
+        if rec is None:
+            raise SnapshotError(f"{mountpoint} is not a layerbox mount on this host ({self.host.data_dir})")
+        return dict(rec)
+
+    # -- checkpoint -------------------------------------------------------------------------------
+    async def checkpoint(
+        self, mountpoint: str, *, name: str | None = None, labels: Mapping[str, str] | None = None,
+        trajectory_offset: int | None = None, receipt_id: str | None = None, caller: str | None = None,
+        policy_version: str | None = None, freeze: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE, before_ref: Callable[[], None] | None = None,
+    ) -> Checkpoint:
+        """Capture the mount's writes since its parent as a new checkpoint.
+
+        ``freeze`` (a context manager factory, e.g. a cgroup freezer) keeps
+        writers still while the upper directory is scanned and the changed
+        files are converted; uploading happens after it is released.
+        Without it the caller guarantees quiescence.  ``before_ref`` is a
+        test hook run once every object is stored, before the ref moves.
+        """
+        started = time.perf_counter()
+        target, mount = await asyncio.to_thread(self._locate, mountpoint)
+        if not mount.get("writable") or not mount.get("upper"):
+            raise SnapshotError(f"{target} is read-only: only writable mounts have writes to checkpoint")
+        rec = self._load_record(target, mount["digest"])
+        parent = await self.store.resolve(rec["parent"])
+        upper = Path(mount["upper"])
+        with tempfile.TemporaryDirectory(prefix="checkpoint-", dir=self.host.data_dir) as tmp:
+            meta, blob = Path(tmp) / "layer.erofs", Path(tmp) / "layer.blob"
+            def capture() -> tuple[dict[str, Signature], set[str], list[str], Any, float]:
+                frozen = time.perf_counter()
+                with freeze() if freeze else contextlib.nullcontext():
+                    now = scan(upper)
+                    include, whiteouts = plan(upper, now, rec["manifest"])
+                    result = convert_entries(_entries(upper, include, whiteouts), meta, blob,
+                                             chunk_size=chunk_size, oci_whiteouts=False)
+                return now, include, whiteouts, result, time.perf_counter() - frozen
+
+            now, include, whiteouts, result, freeze_seconds = await asyncio.to_thread(capture)
+            stats = UploadStats()
+            entries = await upload_layers(self.store, [LocalLayer(meta, blob, {"checkpoint_of": target})],
+                                          stats, chunk_size=chunk_size)
+        new_layer = entries[0]
+        base = parent.doc.get("base", parent.digest) if parent.kind == "checkpoint" else parent.digest
+        layers = [*parent.layers, new_layer]
+        doc = {
+            "schema": SCHEMA,
+            "parent": parent.digest,
+            "parent_kind": parent.kind,
+            "base": base,
+            "layers": [layer.to_json() for layer in layers],
+            "config": dict(parent.config),
+            "bound": {
+                "layer_digests": [layer.digest for layer in layers],
+                "format_version": FORMAT_VERSION,
+                "runtime": RUNTIME,
+                "kernel": platform.release(),
+                "policy_version": policy_version,
+            },
+            "trajectory_offset": trajectory_offset,
+            "receipt_id": receipt_id,
+            "caller": caller or f"uid:{os.getuid()}@{socket.gethostname()}",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "labels": dict(labels or {}),
+            "stats": {"entries": len(include) + len(whiteouts), "bytes_changed": result.bytes},
+        }
+        digest = await self.store.put_doc(doc, stats)
+        if before_ref is not None:
+            before_ref()
+        seq = rec["seq"] + 1
+        ref_name = name or f"checkpoints/{rec['id']}:{seq}"
+        await self.store.set_ref(ref_name, digest, "checkpoint", stats=stats)
+        rec.update(parent=digest, manifest=now, seq=seq, upper=mount["upper"])
+        self._save_record(target, rec)
+        return Checkpoint(
+            name=ref_name, digest=digest, parent=parent.digest, layer=new_layer.digest, layers=len(layers),
+            entries=len(include) + len(whiteouts), bytes_changed=result.bytes,
+            bytes_uploaded=stats.bytes_uploaded, freeze_seconds=round(freeze_seconds, 6),
+            seconds=round(time.perf_counter() - started, 6),
+        )
+
+    # -- restore ------------------------------------------------------------------------------------
+    async def verify_bound(self, ref: str, *, policy_version: str | None = None) -> Any:
+        """Resolve a checkpoint and check every object it binds, before anything is mounted."""
+        resolved = await self.store.resolve(ref, refresh=True)
+        if resolved.kind != "checkpoint":
+            raise SnapshotError(f"{ref} is a {resolved.kind}, not a checkpoint")
+        bound = resolved.doc.get("bound") or {}
+        if bound.get("format_version") != FORMAT_VERSION:
+            raise CheckpointMismatch(f"{ref}: checkpoint format {bound.get('format_version')} is not "
+                                     f"{FORMAT_VERSION}; this layerbox cannot restore it")
+        if [layer.digest for layer in resolved.layers] != bound.get("layer_digests"):
+            raise CheckpointMismatch(f"{ref}: its layer list does not match the digests it is bound to")
+        if policy_version is not None and bound.get("policy_version") != policy_version:
+            raise CheckpointMismatch(f"{ref}: made under policy {bound.get('policy_version')!r}, "
+                                     f"refusing to resume under {policy_version!r}")
+        missing = await self._missing_objects(resolved.layers)
+        if missing:
+            raise SnapshotError(f"{ref}: the store {self.store.url} lacks {len(missing)} object(s) this "
+                                f"checkpoint needs, e.g. {missing[0]}; nothing was mounted")
+        return resolved
+
+    async def _missing_objects(self, layers: tuple[LayerEntry, ...]) -> list[str]:
+        keys = [meta_key(layer.digest) for layer in layers]
+        keys += [pack_key(p) for layer in layers for p in layer.packs]
+        missing = []
+        for key in dict.fromkeys(keys):
+            if await self.store.backend.head(key) is None:
+                missing.append(key)
+        return missing
+
+    async def restore(self, ref: str, mountpoint: str, *, upper: str | None = None,
+                      policy_version: str | None = None) -> MountResult:
+        resolved = await self.verify_bound(ref, policy_version=policy_version)
+        result = await asyncio.to_thread(self.host.mount, resolved, mountpoint, writable=True, upper=upper)
+        target, mount = await asyncio.to_thread(self._locate, mountpoint)
+        self._save_record(target, {"parent": resolved.digest, "manifest": {}, "seq": 0,
+                                   "id": uuid.uuid4().hex[:12], "upper": mount["upper"]})
+        return result
+
+    # -- catalogue ----------------------------------------------------------------------------------
+    async def list(self, prefix: str = "checkpoints/") -> list[dict[str, Any]]:
+        out = []
+        for ref in await self.store.list_refs(prefix):
+            if ref.kind != "checkpoint":
+                continue
+            doc = await self.store.get_doc(ref.digest)
+            out.append({"name": ref.name, "digest": ref.digest, "parent": doc.get("parent"),
+                        "created": doc.get("created"), "labels": doc.get("labels"),
+                        "trajectory_offset": doc.get("trajectory_offset"), "receipt_id": doc.get("receipt_id"),
+                        "layers": len(doc.get("layers", []))})
+        return out
+
+    async def show(self, ref: str) -> dict[str, Any]:
+        resolved = await self.store.resolve(ref, refresh=True)
+        return {"digest": resolved.digest, **resolved.doc}
+
+    async def delete(self, ref: str) -> None:
+        """Drop the ref; the data goes at the next gc unless another ref reaches it."""
+        resolved = await self.store.resolve(ref, refresh=True)
+        if resolved.kind != "checkpoint":
+            raise SnapshotError(f"{ref} is a {resolved.kind}, not a checkpoint")
+        await self.store.delete_ref(ref)
+
+
+def hex_digest_of_path(path: str) -> str:
+    return hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()[:24]
