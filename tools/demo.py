@@ -1,19 +1,26 @@
 """``layerbox demo``: the main job, end to end, on the local embedded store.
 
-Build (once, then cached) a Debian 12 minbase root filesystem as a tar, convert it
-into an EROFS layer (metadata image + chunked blob), mount that with the kernel, run
-one command inside it through chroot, unmount, and report how long each step took
-and what the layer looks like.
+Build (once, then cached) a Debian 12 minbase root filesystem as a tar, publish it to
+a store of the demo's own (``file://<data>/demo/store``; a second run shows the dedup:
+nothing new to upload), then act as a fresh host with an empty cache: resolve the
+image, start the lazyfetch daemon, mount the image writable (overlayfs on the lazily
+fetched EROFS layer), run one command in it through chroot, write a file and show it in
+the upper directory, and take everything down again.  Each step reports its time; the
+lazy part also how little of the image it had to fetch.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import fcntl
 import functools
 import json
 import os
 import platform
 import re
+import selectors
 import shlex
 import shutil
 import signal
@@ -21,21 +28,35 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from converters.layer import LayerResult, convert_stream
+from converters.publish import PublishResult, publish
 from layerstore.errors import LayerboxError
+from layerstore.objects import Resolved, hex_digest
+from layerstore.store import Store, default_data_dir
 from lazyfetch import kmount
+from lazyfetch.mounts import HostMounts
 
 SUITE = "bookworm"
 SAMPLE_NAME = f"debian-{SUITE}-minbase"
+IMAGE_NAME = f"demo/debian:{SUITE}"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 CHUNK_SIZE = 1 << 20
+# The host's chroot (coreutils puts it in /usr/sbin on Debian) enters the mounted image.
+CHROOT = "/usr/sbin/chroot"
 GUEST_COMMAND = ("/bin/cat", "/etc/os-release")
+WRITE_PATH = "/root/layerbox-demo.txt"
+WRITE_TEXT = "written inside the sandbox by layerbox demo\n"
+# What the lazy mount needs from the kernel, with the config option that provides it.
+KERNEL_FILESYSTEMS = {
+    "erofs": "CONFIG_EROFS_FS",
+    "overlay": "CONFIG_OVERLAY_FS",
+    "fuse": "CONFIG_FUSE_FS",
+}
 
 # A slow mirror can take many minutes for ~40 MB of packages; the guest command is instant.
 BUILD_TIMEOUT = 30 * 60.0
@@ -51,6 +72,7 @@ APT_SOURCES_DIR = Path("/etc/apt/sources.list.d")
 MB = 1_000_000
 # File-backed EROFS mounts (a regular file as the source and as device=) arrived in 6.12.
 FILE_BACKED_EROFS = (6, 12)
+HOST_DIR = re.compile(r"host-(\d+)")
 
 
 # Prints one progress line; each step reports as it finishes so a slow build is visible.
@@ -64,46 +86,77 @@ class DemoError(LayerboxError):
 # --- subprocesses ---------------------------------------------------------------------
 
 
-def run(argv: list[str], *, timeout: float) -> subprocess.CompletedProcess[str]:
+@dataclass(frozen=True)
+class Ran:
+    stdout: str
+    stderr: str
+    seconds: float  # from start to exit
+    first_output: float | None  # from start to the first byte on stdout (None: no output)
+
+
+def run(argv: list[str], *, timeout: float) -> Ran:
     """Run ``argv`` with captured output; raise :class:`DemoError` unless it exits 0.
 
     The child leads its own process group so that a timeout or Ctrl-C stops everything
     it started (mmdebstrap runs apt and dpkg below it).  stdin is /dev/null because
-    mmdebstrap reads sources.list lines from a stdin that is not a terminal.
+    mmdebstrap reads sources.list lines from a stdin that is not a terminal.  Output is
+    read as it comes, so the time to the first byte of output is known.
     """
+    started = time.perf_counter()
     try:
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            text=True,
             start_new_session=True,
         )
     except FileNotFoundError:
         raise DemoError(f"{argv[0]}: command not found (run `make deps`)") from None
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _stop_group(proc)
-        raise DemoError(f"`{shlex.join(argv)}` timed out after {timeout:.0f} s") from None
-    except BaseException:  # Ctrl-C included: never leave the child running
-        _stop_group(proc)
-        raise
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    out, err = bytearray(), bytearray()
+    first: float | None = None
+    deadline = started + timeout
+    with proc:
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(proc.stdout, selectors.EVENT_READ, out)
+                sel.register(proc.stderr, selectors.EVENT_READ, err)
+                while sel.get_map():
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        raise subprocess.TimeoutExpired(argv, timeout)
+                    for key, _ in sel.select(left):
+                        data = os.read(key.fd, 1 << 16)
+                        if not data:
+                            sel.unregister(key.fileobj)
+                        elif key.data is out and first is None:
+                            first = time.perf_counter() - started
+                        key.data.extend(data)
+            proc.wait(timeout=max(deadline - time.perf_counter(), 0.001))
+        except subprocess.TimeoutExpired:
+            _stop_group(proc)
+            raise DemoError(f"`{shlex.join(argv)}` timed out after {timeout:.0f} s") from None
+        except BaseException:  # Ctrl-C included: never leave the child running
+            _stop_group(proc)
+            raise
+    seconds = time.perf_counter() - started
+    stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
     if proc.returncode != 0:
-        detail = _tail(err or out)
+        detail = _tail(stderr or stdout)
         raise DemoError(f"`{shlex.join(argv)}` exited with {proc.returncode}: {detail}")
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    return Ran(stdout, stderr, seconds, first)
 
 
-def _stop_group(proc: subprocess.Popen[str]) -> None:
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
     for sig, wait in ((signal.SIGTERM, TERM_GRACE), (signal.SIGKILL, None)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             break
         try:
-            proc.communicate(timeout=wait)
+            proc.communicate(timeout=wait)  # drains the pipes so that the child can exit
             return
         except subprocess.TimeoutExpired:
             continue
@@ -114,17 +167,47 @@ def _tail(text: str, lines: int = 8) -> str:
     return " | ".join(kept) if kept else "(no output)"
 
 
+# --- signals --------------------------------------------------------------------------
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Treat SIGTERM like Ctrl-C for the block, so the cleanup runs for both."""
+    old = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM until the block ends, then raise KeyboardInterrupt.
+
+    For the steps that must not stop halfway: a daemon that is still starting when the
+    demo gives up has no pid the cleanup could find, a mount interrupted between the
+    kernel call and the state file is unknown to ``umount_all``, and a cleanup must finish.
+    """
+    pending: list[int] = []
+    old = {
+        sig: signal.signal(sig, lambda signum, _frame: pending.append(signum)) for sig in _SIGNALS
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if pending:
+        raise KeyboardInterrupt
+
+
 # --- locations ------------------------------------------------------------------------
-
-
-def data_dir() -> Path:
-    """Where layerbox keeps state: $LAYERBOX_DATA_DIR, /var/lib/layerbox as root,
-    ~/.local/share/layerbox otherwise."""
-    if env := os.environ.get("LAYERBOX_DATA_DIR"):
-        return Path(env)
-    if os.geteuid() == 0:
-        return Path("/var/lib/layerbox")
-    return Path.home() / ".local" / "share" / "layerbox"
 
 
 def debian_mirror(
@@ -220,10 +303,17 @@ class Sample:
 class Report:
     data_dir: str
     sample: Sample
+    store: str = ""
     step_seconds: dict[str, float] = field(default_factory=dict)
-    layer: dict[str, Any] = field(default_factory=dict)
+    publish: dict[str, Any] = field(default_factory=dict)
+    image: dict[str, Any] = field(default_factory=dict)
+    host: dict[str, Any] = field(default_factory=dict)
     command: list[str] = field(default_factory=list)
     output: str = ""
+    fetch: dict[str, Any] = field(default_factory=dict)
+    write: dict[str, Any] = field(default_factory=dict)
+    checkpoint: dict[str, Any] | None = None
+    left_mounted: list[str] = field(default_factory=list)
 
 
 def sample_path(data: Path) -> Path:
@@ -234,27 +324,31 @@ def preflight(data: Path, *, rebuild: bool) -> None:
     """Fail before doing anything slow, with the reason and the fix."""
     if os.geteuid() != 0:
         raise DemoError(
-            "the demo mounts an EROFS image with mount(2) and needs root: run `sudo make demo`"
+            "the demo mounts EROFS, FUSE and overlayfs file systems and needs root: "
+            "run `sudo make demo`"
         )
-    if not _kernel_has("erofs"):
-        try:
-            run(["modprobe", "erofs"], timeout=PROBE_TIMEOUT)
-        except DemoError:
-            pass  # built-in or absent: /proc/filesystems below has the final word
-        if not _kernel_has("erofs"):
+    for fstype, option in KERNEL_FILESYSTEMS.items():
+        if not _kernel_has(fstype):
+            try:
+                run(["modprobe", fstype], timeout=PROBE_TIMEOUT)
+            except DemoError:
+                pass  # built-in or absent: /proc/filesystems below has the final word
+        if not _kernel_has(fstype):
             raise DemoError(
-                "the kernel has no EROFS support ('erofs' missing from /proc/filesystems "
-                "after `modprobe erofs`); it needs CONFIG_EROFS_FS, and Linux 6.12 or newer "
-                "for file-backed mounts"
+                f"the kernel has no {fstype} support ('{fstype}' missing from /proc/filesystems "
+                f"after `modprobe {fstype}`); it needs {option}"
+                + (", and Linux 6.12 or newer for file-backed mounts" if fstype == "erofs" else "")
             )
     if _kernel_version() < FILE_BACKED_EROFS:
-        # Caught here rather than at mount time, after a build and a conversion.
+        # Caught here rather than at mount time, after a build and a publish.
         raise DemoError(
             f"kernel {platform.release()} cannot mount EROFS images from regular files "
             "(needs Linux 6.12+); on Debian 12 install the bookworm-backports kernel: "
             "apt-get install -t bookworm-backports linux-image-amd64"
         )
-    tools = ["unshare", "chroot"]
+    if not os.path.exists("/dev/fuse"):
+        raise DemoError("/dev/fuse is missing: the lazyfetch daemon serves blobs through FUSE")
+    tools = ["unshare", CHROOT]
     if rebuild or not sample_path(data).exists():
         tools.append("mmdebstrap")
     missing = [tool for tool in tools if shutil.which(tool) is None]
@@ -318,67 +412,336 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def convert_sample(sample: Sample, out_dir: Path, report: Report, say: Say) -> LayerResult:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    meta = out_dir / f"{SAMPLE_NAME}.erofs"
-    blob = out_dir / f"{SAMPLE_NAME}.blob"
-    started = time.perf_counter()
-    with open(sample.path, "rb") as src:
-        result = convert_stream(src, meta, blob, chunk_size=CHUNK_SIZE, source=sample.path)
-    seconds = report.step_seconds["convert"] = time.perf_counter() - started
-    rate = sample.bytes / MB / seconds if seconds > 0 else float("inf")
+@contextlib.contextmanager
+def exclusive(root: Path) -> Iterator[None]:
+    """One demo at a time: a second one would remove the first one's host directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DemoError(
+                f"another `layerbox demo` is running ({root / '.lock'} is locked)"
+            ) from None
+        yield
+
+
+def remove_old_demo_layer(root: Path, say: Say) -> None:
+    """Earlier demos converted the sample next to the store and mounted it on ``mnt``;
+    the layer now lives in the demo store, so those files are only taking space."""
+    freed = 0
+    for name in (f"{SAMPLE_NAME}.erofs", f"{SAMPLE_NAME}.blob"):
+        path = root / name
+        if path.is_file():
+            freed += path.stat().st_size
+            path.unlink()
+    old_mnt = root / "mnt"
+    if old_mnt.is_dir():
+        while kmount.is_mountpoint(old_mnt):  # left by an old demo that was killed outright
+            kmount.umount(old_mnt, lazy=True)
+        with contextlib.suppress(OSError):
+            old_mnt.rmdir()
+    if freed:
+        say(f"tidy      removed the converted layer an older demo left in {root} ({_mb(freed)})")
+
+
+def publish_sample(
+    sample: Sample, store_url: str, root: Path, report: Report, say: Say
+) -> PublishResult:
+    """Publish the sample tar as IMAGE_NAME; the second time, every chunk is already there.
+
+    The publisher has a data dir of its own (its metadata cache), apart from the hosts'.
+    """
+
+    async def go() -> PublishResult:
+        async with await Store.open(store_url, root / "publisher") as store:
+            return await publish(
+                store, sample.path, IMAGE_NAME, chunk_size=CHUNK_SIZE, work_dir=root
+            )
+
+    result = asyncio.run(go())
+    report.step_seconds["publish"] = result.seconds
+    report.publish = result.to_json()
+    rate = (
+        sample.bytes / MB / result.convert_seconds if result.convert_seconds > 0 else float("inf")
+    )
+    say(f"publish   {result.seconds:8.3f} s  {result.name} -> {result.digest}")
     say(
-        f"convert   {seconds:8.3f} s  {rate:.1f} MB/s of tar, {result.files} files -> {result.digest}"
+        f"            convert {result.convert_seconds:.3f} s ({rate:.1f} MB/s of tar), "
+        f"upload {result.upload_seconds:.3f} s, {result.requests} store requests"
+    )
+    say(
+        f"            new to the store {_mb(result.bytes_new)} ({result.chunks_new} chunks, "
+        f"{_mb(result.bytes_uploaded)} compressed); already present {_mb(result.bytes_present)} "
+        f"({result.chunks_present} chunks)"
     )
     return result
 
 
-@contextmanager
-def mounted(meta: str, blob: str, mountpoint: Path, report: Report, say: Say) -> Iterator[None]:
-    """The layer mounted read-only at ``mountpoint`` for the duration of the block."""
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    while kmount.is_mountpoint(mountpoint):  # left over by a demo that was killed outright
-        kmount.umount(mountpoint, lazy=True)
+def fresh_host(root: Path, store_url: str, say: Say) -> Path:
+    """A new, empty host data dir ``host-<n>``, after taking down and removing older ones.
+
+    Nothing is deleted while anything below it is still mounted: removing files through
+    a live mount would delete what the mount shows, not the mount point.
+    """
+    numbered = {
+        int(m[1]): path
+        for path in root.glob("host-*")
+        if path.is_dir() and (m := HOST_DIR.fullmatch(path.name))
+    }
+    removed = []
+    for path in numbered.values():
+        try:
+            HostMounts(path, store_url).umount_all(stop_daemon=True)
+        except LayerboxError as exc:
+            raise DemoError(
+                f"cannot take down the previous demo host {path} (is a process still running "
+                f"inside its mount? a killed demo can leave its guest command behind): {exc}"
+            ) from exc
+        for mp in kmount.mounts_under(path):  # mounted, but unknown to its state file
+            kmount.umount(mp, lazy=True, missing_ok=True)
+        if left := kmount.mounts_under(path):
+            raise DemoError(f"{path} still has mounts ({', '.join(left)}); not removing it")
+        shutil.rmtree(path)
+        removed.append(path.name)
+    host = root / f"host-{max(numbered, default=0) + 1}"
+    host.mkdir()
+    note = f"; removed {', '.join(removed)}" if removed else ""
+    say(f"host      {host}  (fresh: empty caches{note})")
+    return host
+
+
+def resolve_image(store_url: str, host: Path, report: Report, say: Say) -> Resolved:
+    """The image's layers as a new host sees them: the ref and document read from the store."""
+
+    async def go() -> Resolved:
+        async with await Store.open(store_url, host) as store:
+            return await store.resolve(IMAGE_NAME, refresh=True)
+
     started = time.perf_counter()
-    kmount.mount_erofs(meta, mountpoint, blob)
-    report.step_seconds["mount"] = time.perf_counter() - started
-    say(f"mount     {report.step_seconds['mount']:8.3f} s  {mountpoint} (erofs, device={blob})")
-    try:
-        yield
-    finally:  # also on Ctrl-C and failed commands: a leaked mount outlives the demo
-        started = time.perf_counter()
-        kmount.umount(mountpoint)
-        report.step_seconds["unmount"] = time.perf_counter() - started
-        say(f"unmount   {report.step_seconds['unmount']:8.3f} s")
+    resolved = asyncio.run(go())
+    seconds = report.step_seconds["resolve"] = time.perf_counter() - started
+    layers = resolved.layers
+    report.image = {
+        "name": IMAGE_NAME,
+        "digest": resolved.digest,
+        "layers": [layer.digest for layer in layers],
+        "files": sum(layer.files for layer in layers),
+        "bytes": sum(layer.bytes for layer in layers),
+        "chunks": sum(layer.chunks for layer in layers),
+        "blob_bytes": sum(layer.blob_size for layer in layers),
+        "meta_bytes": sum(layer.meta_size for layer in layers),
+    }
+    say(
+        f"resolve   {seconds:8.3f} s  {IMAGE_NAME}: {len(layers)} layer(s), "
+        f"{report.image['files']} files, {_mb(report.image['bytes'])} of file data"
+    )
+    return resolved
 
 
-def run_in_layer(mountpoint: Path, report: Report, say: Say) -> None:
+def start_daemon(mounts: HostMounts, store_url: str, report: Report, say: Say) -> None:
+    started = time.perf_counter()
+    with interrupts_held():
+        health = mounts.client.ensure_running(store_url)
+    seconds = report.step_seconds["daemon"] = time.perf_counter() - started
+    report.host["daemon_pid"] = health["pid"]
+    say(f"daemon    {seconds:8.3f} s  lazyfetch pid {health['pid']}, blobs on {health['fuse']}")
+
+
+def mount_image(mounts: HostMounts, resolved: Resolved, report: Report, say: Say) -> None:
+    mountpoint, upper = Path(report.host["mountpoint"]), Path(report.host["upper"])
+    mountpoint.mkdir()
+    started = time.perf_counter()
+    # No access trace: the demo stops its daemon long before one would be stored, and
+    # replaying one would prefetch what the lazy read below is meant to show.
+    with interrupts_held():
+        mounts.mount(resolved, mountpoint, writable=True, upper=upper, trace=False)
+    seconds = report.step_seconds["mount"] = time.perf_counter() - started
+    say(
+        f"mount     {seconds:8.3f} s  {mountpoint}  (overlayfs, upper {upper}, on the lazy EROFS layer)"
+    )
+
+
+def in_sandbox(mountpoint: Path, *command: str) -> list[str]:
     # A private mount namespace keeps whatever the command mounts away from the host.
-    argv = [
-        "unshare",
-        "--mount",
-        "--propagation",
-        "private",
-        "chroot",
-        str(mountpoint),
-        *GUEST_COMMAND,
-    ]
-    started = time.perf_counter()
-    proc = run(argv, timeout=COMMAND_TIMEOUT)
-    report.step_seconds["command"] = time.perf_counter() - started
-    report.command = list(GUEST_COMMAND)
-    report.output = proc.stdout
-    say(f"chroot    {report.step_seconds['command']:8.3f} s  {shlex.join(GUEST_COMMAND)}")
-    for line in proc.stdout.splitlines():
+    return ["unshare", "--mount", "--propagation", "private", CHROOT, str(mountpoint), *command]
+
+
+def run_in_image(report: Report, say: Say) -> None:
+    argv = in_sandbox(Path(report.host["mountpoint"]), *GUEST_COMMAND)
+    ran = run(argv, timeout=COMMAND_TIMEOUT)
+    first = ran.first_output if ran.first_output is not None else ran.seconds
+    report.step_seconds["first_output"] = first
+    report.step_seconds["command"] = ran.seconds
+    report.command = argv
+    report.output = ran.stdout
+    say(
+        f"run       {first:8.3f} s  to first output ({ran.seconds:.3f} s to exit): {shlex.join(argv)}"
+    )
+    for line in ran.stdout.splitlines():
         say(f"            {line}")
 
 
-def layer_stats(result: LayerResult) -> dict[str, Any]:
-    return {
-        **result.to_json(),
-        "meta_bytes": os.stat(result.meta_path).st_size,
-        "blob_bytes": os.stat(result.blob_path).st_size,
+def fetch_stats(mounts: HostMounts, report: Report, say: Say) -> None:
+    """What the host read from the store so far, against the size of the image."""
+    stats = mounts.client.request("GET", "/stats")
+    image = report.image
+    raw = sum(stats["bytes_fetched_per_layer"].values())
+    report.fetch = {
+        "bytes_fetched": stats["bytes_fetched"],
+        "bytes_fetched_uncompressed": raw,
+        "store_requests": stats["store_requests"],
+        "chunks_fetched": stats["chunks_fetched"],
+        "meta_bytes": image["meta_bytes"],
+        "image_bytes": image["bytes"],
+        "image_chunks": image["chunks"],
     }
+    share = 100 * raw / image["bytes"] if image["bytes"] else 0.0
+    say(
+        f"fetched   {_mb(stats['bytes_fetched'])} of chunk data from the store "
+        f"({stats['chunks_fetched']} of {image['chunks']} chunks, {_mb(raw)} uncompressed) in "
+        f"{stats['store_requests']} requests: {share:.1f} % of the {_mb(image['bytes'])} image"
+    )
+    say(f"            plus the {_mb(image['meta_bytes'])} metadata image, read when mounting")
+
+
+def write_in_image(mounts: HostMounts, resolved: Resolved, report: Report, say: Say) -> None:
+    """A write inside the sandbox lands in the host-local upper dir; the layer is untouched."""
+    mountpoint, upper = Path(report.host["mountpoint"]), Path(report.host["upper"])
+    script = f"printf %s {shlex.quote(WRITE_TEXT)} > {shlex.quote(WRITE_PATH)}"
+    ran = run(in_sandbox(mountpoint, "/bin/sh", "-c", script), timeout=COMMAND_TIMEOUT)
+    report.step_seconds["write"] = ran.seconds
+    rel = WRITE_PATH.lstrip("/")
+    landed = upper / rel
+    if not landed.is_file() or landed.read_text() != WRITE_TEXT:
+        raise DemoError(f"{WRITE_PATH} written in {mountpoint} is not in the upper dir {landed}")
+    layers = mounts.status()["layers"]
+    in_layer = [
+        info["mountpoint"]
+        for layer in resolved.layers
+        if (info := layers.get(hex_digest(layer.digest))) and Path(info["mountpoint"], rel).exists()
+    ]
+    if in_layer:
+        raise DemoError(f"{WRITE_PATH} appeared in the read-only layer mount {in_layer[0]}")
+    entries = sorted(
+        str(p.relative_to(upper)) + ("/" if p.is_dir() else "") for p in upper.rglob("*")
+    )
+    report.write = {
+        "path": WRITE_PATH,
+        "upper_path": str(landed),
+        "bytes": len(WRITE_TEXT),
+        "upper_entries": entries,
+    }
+    say(
+        f"write     {ran.seconds:8.3f} s  {WRITE_PATH} ({len(WRITE_TEXT)} bytes) inside the sandbox"
+    )
+    say(f"            -> {landed}; the layer does not have it")
+    say(f"            upper dir now holds: {', '.join(entries)}")
+
+
+def checkpoint_and_restore(
+    mounts: HostMounts, resolved: Resolved, report: Report, say: Say
+) -> None:
+    """Checkpoint the sandbox's writes, restore them on a second fresh host, read them back.
+
+    The second host has its own data dir, daemon and empty cache, like another
+    machine sharing the store; it is taken down again before this returns.
+    """
+    from snapshots.checkpoint import Snapshots
+
+    mountpoint = report.host["mountpoint"]
+    store_url = report.store
+    second = mounts.data_dir.with_name(mounts.data_dir.name + "-restore")
+    if second.exists():
+        HostMounts(second, store_url).umount_all(stop_daemon=True)
+        shutil.rmtree(second, ignore_errors=True)
+    target = second / "rootfs"
+    target.mkdir(parents=True)
+
+    async def take() -> Any:
+        async with await Store.open(store_url, mounts.data_dir) as store:
+            return await Snapshots(store, mounts).checkpoint(mountpoint, labels={"demo": "1"})
+
+    started = time.perf_counter()
+    ckpt = asyncio.run(take())
+    say(f"checkpoint {ckpt.seconds:7.3f} s  {ckpt.name} -> {ckpt.digest[:23]}...: {ckpt.entries} entries, "
+        f"{ckpt.bytes_changed} bytes changed, {ckpt.bytes_uploaded / 1024:.1f} KiB uploaded, "
+        f"frozen {ckpt.freeze_seconds * 1000:.1f} ms")
+    host2 = HostMounts(second, store_url)
+
+    async def bring_back() -> Any:
+        async with await Store.open(store_url, second) as store:
+            return await Snapshots(store, host2).restore(ckpt.name, str(target))
+
+    try:
+        restore_started = time.perf_counter()
+        restored = asyncio.run(bring_back())
+        ran = run(in_sandbox(target, "/bin/cat", WRITE_PATH), timeout=COMMAND_TIMEOUT)
+        restore_seconds = time.perf_counter() - restore_started
+        if ran.stdout != WRITE_TEXT:
+            raise DemoError(f"restored {WRITE_PATH} reads {ran.stdout!r}, expected {WRITE_TEXT!r}")
+        stats = host2.client.request("GET", "/stats")
+        say(f"restore   {restore_seconds:8.3f} s  on a second fresh host {second}: "
+            f"{WRITE_PATH} reads back {len(ran.stdout)} bytes; fetched {stats['bytes_fetched'] / MB:.1f} MB")
+        report.checkpoint = {
+            **ckpt.to_json(), "restore_host": str(second), "restore_seconds": round(restore_seconds, 6),
+            "restore_mount_seconds": restored.seconds, "restore_bytes_fetched": stats["bytes_fetched"],
+        }
+        report.step_seconds["checkpoint"] = ckpt.seconds
+        report.step_seconds["restore"] = restore_seconds
+    finally:
+        host2.umount_all(stop_daemon=True)
+        report.step_seconds.setdefault("checkpoint", time.perf_counter() - started)
+
+
+def clean_up(mounts: HostMounts, root: Path, report: Report, say: Say) -> list[str]:
+    """Unmount the user mount and the layers, stop the daemon; return what went wrong.
+
+    Runs after failures too, so it keeps going past an error and reports them all.
+    """
+    started = time.perf_counter()
+    problems: list[str] = []
+    host = mounts.data_dir
+    mountpoint = Path(report.host["mountpoint"])
+    if kmount.is_mountpoint(mountpoint):
+        try:
+            mounts.umount(mountpoint)
+        except (LayerboxError, OSError) as exc:
+            problems.append(f"umount {mountpoint}: {exc}")
+    try:
+        mounts.umount_all(stop_daemon=True)
+    except (LayerboxError, OSError) as exc:
+        problems.append(f"umount_all: {exc}")
+    for mp in kmount.mounts_under(host):  # e.g. a mount its state never learnt about
+        problems.append(f"{mp} was still mounted; detached it")
+        kmount.umount(mp, lazy=True, missing_ok=True)
+    report.left_mounted = kmount.mounts_under(root)
+    problems += [f"{mp} is still mounted" for mp in report.left_mounted]
+    seconds = report.step_seconds["cleanup"] = time.perf_counter() - started
+    if not report.left_mounted:
+        say(f"cleanup   {seconds:8.3f} s  unmounted, daemon stopped; nothing mounted under {root}")
+    return problems
+
+
+def lazy_run(mounts: HostMounts, root: Path, report: Report, say: Say) -> None:
+    """Resolve, start the daemon, mount, run, write; always take it all down again."""
+    resolved = resolve_image(report.store, mounts.data_dir, report, say)
+    ok = False
+    try:
+        start_daemon(mounts, report.store, report, say)
+        mount_image(mounts, resolved, report, say)
+        run_in_image(report, say)
+        fetch_stats(mounts, report, say)
+        write_in_image(mounts, resolved, report, say)
+        checkpoint_and_restore(mounts, resolved, report, say)
+        ok = True
+    finally:  # also on Ctrl-C and failed steps: a leaked mount outlives the demo
+        with interrupts_held():
+            problems = clean_up(mounts, root, report, say)
+        if problems and ok:
+            raise DemoError("cleanup: " + "; ".join(problems))
+        for problem in problems:  # an earlier error is on its way out: keep it the headline
+            print(f"layerbox demo: cleanup: {problem}", file=sys.stderr, flush=True)
 
 
 # --- output ---------------------------------------------------------------------------
@@ -389,19 +752,27 @@ def _mb(n: int) -> str:
 
 
 def print_summary(report: Report, stream: TextIO) -> None:
-    layer = report.layer
-    dedup = layer["chunks"] / layer["unique_chunks"] if layer["unique_chunks"] else 1.0
-    total = sum(report.step_seconds.values())
+    image, pub, fetch, steps = report.image, report.publish, report.fetch, report.step_seconds
+    lazy = ("resolve", "daemon", "mount", "first_output")
+    to_first = sum(steps[k] for k in lazy)
+    share = 100 * fetch["bytes_fetched_uncompressed"] / image["bytes"] if image["bytes"] else 0.0
     lines = [
         "",
-        f"layer     {layer['digest']}",
-        f"  files   {layer['files']}, {_mb(layer['bytes'])} of file data",
-        f"  chunks  {layer['chunks']} (<= {CHUNK_SIZE >> 20} MiB each), {layer['unique_chunks']} unique "
-        f"holding {_mb(layer['unique_bytes'])} (dedup x{dedup:.2f})",
-        f"  meta    {layer['meta_path']}  {_mb(layer['meta_bytes'])}",
-        f"  blob    {layer['blob_path']}  {_mb(layer['blob_bytes'])}  {layer['blob_digest']}",
-        f"total     {total:.2f} s ("
-        + ", ".join(f"{k} {v:.3f}" for k, v in report.step_seconds.items())
+        f"image     {image['name']} = {image['digest']}  in {report.store}",
+        f"  layers  {len(image['layers'])}: {image['files']} files, {_mb(image['bytes'])} of file data, "
+        f"{image['chunks']} chunks (<= {CHUNK_SIZE >> 20} MiB each), metadata {_mb(image['meta_bytes'])}",
+        f"  publish new to the store {_mb(pub['bytes_new'])}, already present {_mb(pub['bytes_present'])}"
+        + ("  (nothing uploaded twice)" if pub["bytes_new"] == 0 else ""),
+        f"host      {report.host['data_dir']}",
+        f"  start   {to_first:.3f} s from resolve to first output ("
+        + ", ".join(f"{k.replace('_', ' ')} {steps[k]:.3f}" for k in lazy)
+        + ")",
+        f"  fetched {share:.1f} % of the image's data ({_mb(fetch['bytes_fetched_uncompressed'])}; "
+        f"{_mb(fetch['bytes_fetched'])} compressed in {fetch['store_requests']} store requests)",
+        f"  writes  {report.write['upper_path']}",
+        # first_output is part of command: the total counts it once
+        f"total     {sum(v for k, v in steps.items() if k != 'first_output'):.2f} s ("
+        + ", ".join(f"{k} {v:.3f}" for k, v in steps.items() if k != "first_output")
         + ")",
     ]
     print("\n".join(lines), file=stream, flush=True)
@@ -414,8 +785,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="layerbox demo",
         description=(
-            "Convert a Debian 12 minbase image into an EROFS layer, mount it with the kernel "
-            "and run `cat /etc/os-release` inside it (root)."
+            "Publish a Debian 12 minbase image to the demo's own store, mount it lazily and "
+            "writable on a fresh host dir, run `cat /etc/os-release` inside it and write a "
+            "file (root)."
         ),
     )
     parser.add_argument(
@@ -430,15 +802,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def demo(data: Path, *, rebuild: bool, say: Say) -> Report:
     preflight(data, rebuild=rebuild)
     say(f"layerbox demo  (data dir {data})")
-    sample = ensure_sample(data, rebuild=rebuild, say=say)
-    report = Report(data_dir=str(data), sample=sample)
-    if sample.build_seconds is not None:
-        report.step_seconds["build"] = sample.build_seconds
-    result = convert_sample(sample, data / "demo", report, say)
-    report.layer = layer_stats(result)
-    mountpoint = data / "demo" / "mnt"
-    with mounted(result.meta_path, result.blob_path, mountpoint, report, say):
-        run_in_layer(mountpoint, report, say)
+    root = data / "demo"
+    with exclusive(root):
+        sample = ensure_sample(data, rebuild=rebuild, say=say)
+        report = Report(data_dir=str(data), sample=sample)
+        if sample.build_seconds is not None:
+            report.step_seconds["build"] = sample.build_seconds
+        remove_old_demo_layer(root, say)
+        report.store = f"file://{root / 'store'}"
+        say(f"store     {report.store}  (the demo's own; your default store is not touched)")
+        publish_sample(sample, report.store, root, report, say)
+        host = fresh_host(root, report.store, say)
+        report.host = {
+            "data_dir": str(host),
+            "mountpoint": str(host / "rootfs"),
+            "upper": str(host / "upper"),
+        }
+        lazy_run(HostMounts(host, report.store), root, report, say)
     return report
 
 
@@ -446,7 +826,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     say: Say = functools.partial(print, file=sys.stderr if args.json else sys.stdout, flush=True)
     try:
-        report = demo(data_dir(), rebuild=args.rebuild, say=say)
+        with sigterm_as_interrupt():
+            report = demo(default_data_dir(), rebuild=args.rebuild, say=say)
     except KeyboardInterrupt:
         print("layerbox demo: interrupted", file=sys.stderr)
         return 130
