@@ -276,3 +276,25 @@ def test_stale_state_after_host_restart_is_reconciled(hosts, tmp_path: Path) -> 
     again = host.mount("re/img")
     assert (again / "etc/os-release").exists()
     assert list(host.mounts.status()["mounts"]) == [str(again)]
+
+
+def test_fixture_image_runs_from_a_lazy_mount(hosts, tmp_path: Path) -> None:
+    from tests.support.env import in_ci
+
+    fixture = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "debian-bookworm.oci.tar"
+    if not fixture.exists():
+        (pytest.fail if in_ci() else pytest.skip)(f"{fixture} is absent")
+    url = f"file://{tmp_path / 'store'}"
+    publish_sync(url, tmp_path / "pub", f"oci-archive:{fixture}:python", "debian/python")
+    host = hosts(url)
+    mnt = host.mount("debian/python", writable=True)
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+    chroot = ["unshare", "--mount", "--propagation", "private", "/usr/sbin/chroot", str(mnt)]
+    out = subprocess.run([*chroot, "/bin/cat", "/etc/os-release"], capture_output=True, text=True, env=env,
+                         check=True, timeout=60)
+    assert "bookworm" in out.stdout
+    tests = subprocess.run([*chroot, "/usr/bin/python3", "-m", "unittest", "discover", "-s", "/workspace/calc/tests"],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert tests.returncode == 0, tests.stderr
+    st = host.stats()
+    assert st["bytes_fetched"] < 0.2 * 86_000_000  # far less than the image's compressed layers

@@ -258,3 +258,25 @@ def test_checkpoints_are_gc_roots(hosts, tmp_path: Path) -> None:
         return len((await collect(s.store, grace=0)).deleted)
 
     assert run(_with_snapshots(h1, delete_and_gc)) > 0
+
+
+def test_sync_api(hosts, tmp_path: Path) -> None:
+    from snapshots.sync import SyncSnapshots
+
+    url = f"file://{tmp_path / 'store'}"
+    publish_sync(url, tmp_path / "pub", str(base_tree(tmp_path / "base")), "img/sync")
+    h1 = hosts(url, "h1")
+    mnt = h1.mount("img/sync", writable=True)
+    (mnt / "s").write_text("sync")
+    api = SyncSnapshots(h1.data_dir, url)
+    ckpt = api.checkpoint(str(mnt), name="ck/sync:1")
+    assert [c["name"] for c in api.list("ck/")] == ["ck/sync:1"]
+    assert api.show("ck/sync:1")["digest"] == ckpt.digest
+    h2 = hosts(url, "h2")
+    target = tmp_path / "sync-restore"
+    target.mkdir()
+    h2.points.append(target)
+    SyncSnapshots(h2.data_dir, url).restore("ck/sync:1", str(target))
+    assert (target / "s").read_text() == "sync"
+    api.delete("ck/sync:1")
+    assert api.list("ck/") == []
