@@ -14,7 +14,7 @@ STAMP := $(VENV)/.layerbox-installed
 
 # Later issues add: crun nftables docker-registry criu.
 DEB_PACKAGES := python3 python3-venv python3-dev erofs-utils fuse3 zstd mmdebstrap \
-	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2
+	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2 crun nftables
 KERNEL_FILESYSTEMS := erofs overlay fuse
 
 DEMO_ARGS ?=

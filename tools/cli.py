@@ -570,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the embedded store", add_help=False)
     d.add_argument("rest", nargs=argparse.REMAINDER)
     d.set_defaults(func=cmd_demo)
+    _add_sandbox_parser(sub)
     return p
 
 
@@ -592,6 +593,84 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
 
+
+
+# -- sandbox commands ------------------------------------------------------------------------
+def _sandbox_manager(args: argparse.Namespace) -> Any:
+    from layerstore.store import default_data_dir
+    from sandbox.manager import SandboxManager
+
+    return SandboxManager(args.data_dir or default_data_dir(), args.store)
+
+
+def _sandbox_cmd(args: argparse.Namespace) -> int:
+    mgr = _sandbox_manager(args)
+    action = args.sandbox_command
+    if action == "create":
+        box = asyncio.run(mgr.create(args.ref, cpu=args.cpu, memory=args.memory, pids=args.pids))
+        _emit(args, box.state, lambda: print(box.id))
+    elif action == "exec":
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if not cmd:
+            raise SystemExit("layerbox sandbox exec: give a command after --")
+        res = mgr.get(args.id).exec(cmd, timeout=args.timeout,
+                                     on_stdout=None if args.json else sys.stdout.buffer.write,
+                                     on_stderr=None if args.json else sys.stderr.buffer.write)
+        if args.json:
+            doc = {k: v.decode(errors="replace") if isinstance(v, bytes) else v for k, v in res.__dict__.items()}
+            print(json.dumps(doc))
+        return int(res.exit_code or 0) if not res.timed_out else 124
+    elif action == "ls":
+        rows = mgr.list()
+        _emit(args, rows, lambda: print("\n".join(f"{r['id']:<16} {r.get('status', ''):<9} {r.get('ref', '')}"
+                                                  for r in rows)))
+    elif action == "pause":
+        _emit(args, mgr.get(args.id).pause(), lambda: None)
+    elif action == "resume":
+        mgr.get(args.id).resume()
+    elif action == "checkpoint":
+        ckpt = asyncio.run(mgr.get(args.id).checkpoint(name=args.name))
+        _emit(args, ckpt.to_json(), lambda: print(f"{ckpt.name} -> {ckpt.digest}"))
+    elif action == "restore":
+        box = asyncio.run(mgr.restore(args.ref))
+        _emit(args, box.state, lambda: print(box.id))
+    elif action == "rm":
+        for sid in args.ids:
+            mgr.destroy(sid)
+    elif action == "reconcile":
+        report = mgr.reconcile()
+        _emit(args, report, lambda: print(json.dumps(report)))
+    return 0
+
+
+def _add_sandbox_parser(sub: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--store", default=None, help="store URL (default $LAYERBOX_STORE)")
+    common.add_argument("--data-dir", default=None, help="host state, sandboxes under DATA_DIR/sandbox")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    sb = sub.add_parser("sandbox", help="run sandboxes (crun) on images and checkpoints")
+    sbs = sb.add_subparsers(dest="sandbox_command", required=True)
+    c = sbs.add_parser("create", parents=[common], help="start a sandbox on REF; prints its id")
+    c.add_argument("ref")
+    c.add_argument("--memory", type=_size, default=512 << 20)
+    c.add_argument("--cpu", type=float, default=1.0)
+    c.add_argument("--pids", type=int, default=256)
+    e = sbs.add_parser("exec", parents=[common], help="run a command: exec [--data-dir D --store URL --timeout S] ID -- CMD...")
+    e.add_argument("id")
+    e.add_argument("--timeout", type=float, default=None)
+    e.add_argument("cmd", nargs=argparse.REMAINDER)
+    sbs.add_parser("ls", parents=[common], help="list sandboxes")
+    for name in ("pause", "resume"):
+        sbs.add_parser(name, parents=[common], help=f"{name} a sandbox").add_argument("id")
+    ck = sbs.add_parser("checkpoint", parents=[common], help="checkpoint a sandbox's rootfs")
+    ck.add_argument("id")
+    ck.add_argument("--name", default=None)
+    rs = sbs.add_parser("restore", parents=[common], help="start a sandbox on a checkpoint")
+    rs.add_argument("ref")
+    rm = sbs.add_parser("rm", parents=[common], help="destroy sandboxes")
+    rm.add_argument("ids", nargs="+")
+    sbs.add_parser("reconcile", parents=[common], help="adopt or clean up after a crashed manager")
+    sb.set_defaults(func=_sandbox_cmd)
 
 if __name__ == "__main__":
     sys.exit(main())

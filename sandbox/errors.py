@@ -1,0 +1,46 @@
+"""Errors of the sandbox manager (one root, a few leaves callers catch by builtin type)."""
+
+from __future__ import annotations
+
+from layerstore.errors import LayerboxError
+
+
+class SandboxError(LayerboxError):
+    """Root of every sandbox failure."""
+
+
+class RuntimeFailed(SandboxError):
+    """The OCI runtime (crun) exited non-zero; the message carries argv and its stderr."""
+
+    def __init__(self, message: str, *, argv: list[str] | None = None, returncode: int | None = None,
+                 stderr: str = "") -> None:
+        super().__init__(message)
+        self.argv = argv or []
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+class RuntimeTimeout(RuntimeFailed, TimeoutError):
+    """The runtime did not finish in time; its whole process group was killed."""
+
+    retryable = True
+
+
+class HostUnsupported(SandboxError):
+    """The host lacks something the sandbox needs (cgroup layout, openat2, crun)."""
+
+
+class SandboxNotFound(SandboxError, LookupError):
+    """No sandbox with that id under this manager's data dir."""
+
+
+class SandboxStateError(SandboxError):
+    """The operation does not fit the sandbox's state (destroyed, paused...)."""
+
+
+class PathEscape(SandboxError, PermissionError):
+    """A files-API path tried to leave the sandbox root (refused by openat2 RESOLVE_IN_ROOT)."""
+
+
+class UnsupportedOption(SandboxError, ValueError):
+    """A requested property this slice does not enforce yet (e.g. disk limits)."""

@@ -1,0 +1,675 @@
+"""Sandboxes on one host: an image's writable overlay run by crun, with exec, files,
+pause/resume, checkpoint/restore, receipts, and cleanup that survives a crash.
+
+Layout under ``<data-dir>/sandbox/``::
+
+    runtime/             crun --root (its own container state)
+    boxes/<id>/state.json  what the manager knows (written before anything it names exists)
+    boxes/<id>/bundle/   config.json (+ per-exec process documents)
+    boxes/<id>/rootfs/   the writable overlay (a HostMounts mount)
+    receipts/<id>.jsonl  append-only log of every action (kept after destroy)
+
+Store-facing calls (create, restore, checkpoint) are coroutines; runtime and
+file calls are blocking and meant for a thread when the caller is async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from layerstore.objects import Resolved
+from layerstore.store import Store
+from lazyfetch import kmount
+from lazyfetch.mounts import HostMounts, MountError
+from sandbox.errors import (
+    RuntimeFailed,
+    SandboxError,
+    SandboxNotFound,
+    SandboxStateError,
+    UnsupportedOption,
+)
+from sandbox.files import RootFiles
+from sandbox.runtime import CgroupLayout, OciRuntime, preflight_cgroups
+from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec
+from snapshots.checkpoint import Checkpoint, Snapshots
+
+log = logging.getLogger("layerbox.sandbox")
+
+MiB = 1 << 20
+READ_CHUNK = 64 << 10
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int | None  # crun's exit status; 128+N when signal N ended the process
+    signal: int | None
+    stdout: bytes
+    stderr: bytes
+    truncated: bool  # output beyond output_cap was read and dropped
+    duration: float
+    timed_out: bool = False
+    oom_killed: bool = False
+
+
+def become_subreaper() -> None:
+    """For a long-lived manager service: orphans of crun land here, not on a slow PID 1."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise SandboxError(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
+
+
+# -- /proc helpers --------------------------------------------------------------------------
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, starttime ticks) of ``pid``, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return int(fields[1]), int(fields[19])
+
+
+def _process_table() -> dict[int, tuple[int, int]]:
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _proc_stat(int(name))
+            if st is not None:
+                table[int(name)] = st
+    return table
+
+
+def _descendants(roots: set[int], table: Mapping[int, tuple[int, int]]) -> set[int]:
+    found = set(r for r in roots if r in table)
+    grew = True
+    while grew:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in found and pid not in found}
+        found |= more
+        grew = bool(more)
+    return found
+
+
+def _uid_gid(files: RootFiles, user: str) -> tuple[int, int]:
+    """An OCI ``User`` ("", "name", "uid", "uid:gid", "name:group") looked up in the rootfs."""
+    if not user:
+        return 0, 0
+    name, _, group = user.partition(":")
+
+    def lookup(path: str, key: str, field: int) -> int | None:
+        if key.isdigit():
+            return int(key)
+        try:
+            text = files.read(path).decode(errors="replace")
+        except OSError:
+            return None
+        for line in text.splitlines():
+            parts = line.split(":")
+            if len(parts) > field and parts[0] == key:
+                return int(parts[field])
+        return None
+
+    uid = lookup("/etc/passwd", name, 2)
+    if uid is None:
+        raise SandboxError(f"user {name!r} is not in the image's /etc/passwd")
+    if group:
+        gid = lookup("/etc/group", group, 2)
+        if gid is None:
+            raise SandboxError(f"group {group!r} is not in the image's /etc/group")
+        return uid, gid
+    if name.isdigit():
+        return uid, uid
+    gid = lookup("/etc/passwd", name, 3)
+    return uid, gid if gid is not None else uid
+
+
+def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+class Sandbox:
+    """One running sandbox; get it from :class:`SandboxManager`, not by constructing it."""
+
+    def __init__(self, manager: SandboxManager, sid: str) -> None:
+        self.manager = manager
+        self.id = sid
+        self.dir = manager.boxes / sid
+        self.rootfs = self.dir / "rootfs"
+        self.bundle = self.dir / "bundle"
+        self.files = RootFiles(self.rootfs)
+        self._exec_seq = 0
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def state(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads((self.dir / "state.json").read_text()))
+        except FileNotFoundError:
+            raise SandboxNotFound(f"sandbox {self.id}: no state under {self.manager.boxes}") from None
+
+    def _update(self, **changes: Any) -> None:
+        st = self.state
+        st.update(changes)
+        _write_json(self.dir / "state.json", st)
+
+    @property
+    def pid(self) -> int:
+        return int(self.state["pid"])
+
+    def _receipt(self, action: str, **fields: Any) -> dict[str, Any]:
+        st = self.state if (self.dir / "state.json").exists() else {}
+        rec = {"id": uuid.uuid4().hex[:16], "sandbox": self.id, "action": action, "time": time.time(),
+               "image": st.get("image_digest"), "labels": st.get("labels", {}), **fields}
+        self.manager._append_receipt(self.id, rec)
+        if st:
+            self._update(last_active=time.time())
+        return rec
+
+    def receipts(self) -> builtins.list[dict[str, Any]]:
+        return self.manager.receipts(self.id)
+
+    def _require_running(self) -> None:
+        st = self.state
+        if st.get("status") != "running":
+            raise SandboxStateError(f"sandbox {self.id} is {st.get('status')}, not running")
+
+    # -- exec ---------------------------------------------------------------------------------------
+    def exec(self, cmd: Sequence[str] | str, *, env: Mapping[str, str] | None = None, cwd: str | None = None,
+             timeout: float | None = None, stdin: bytes | None = None, output_cap: int = MiB,
+             on_stdout: Callable[[bytes], None] | None = None,
+             on_stderr: Callable[[bytes], None] | None = None) -> ExecResult:
+        """Run ``cmd`` (a string goes through ``/bin/sh -c``) and collect at most ``output_cap`` bytes per stream.
+
+        Output past the cap is still read (so the command never blocks on a full
+        pipe) but dropped, and ``truncated`` is set.  On ``timeout`` the process,
+        every descendant and every orphan it left to the sandbox's init are
+        SIGKILLed under the freezer, and the result has ``timed_out``.
+        """
+        self._require_running()
+        st = self.state
+        args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        merged = {**st["env"], **(env or {})}
+        workdir = cwd or st["cwd"]
+        self._exec_seq += 1
+        tag = f"exec-{os.getpid()}-{self._exec_seq}-{uuid.uuid4().hex[:6]}"
+        process_file, pid_file = self.bundle / f"{tag}.json", self.bundle / f"{tag}.pid"
+        _write_json(process_file, build_process(args, env=merged, cwd=workdir, uid=st["uid"], gid=st["gid"]))
+        oom_before = self.manager._oom_kills(st)
+        started = time.perf_counter()
+        proc = self.manager.runtime.exec(self.id, process_file, pid_file=pid_file,
+                                         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL)
+        exec_start = _proc_stat(proc.pid)
+        timed_out = False
+        try:
+            out, err, truncated, digests, sizes, timed_out = self._pump(
+                proc, stdin, output_cap, timeout, on_stdout, on_stderr, pid_file,
+                exec_start[1] if exec_start else 0)
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            process_file.unlink(missing_ok=True)
+            pid_file.unlink(missing_ok=True)
+        duration = time.perf_counter() - started
+        rc = proc.returncode
+        sig = signal.SIGKILL.value if timed_out else (rc - 128 if rc is not None and 128 < rc <= 128 + 64 else None)
+        oom = self.manager._oom_kills(st) > oom_before
+        result = ExecResult(rc, sig, out, err, truncated, round(duration, 6), timed_out, oom)
+        self._receipt("exec", command=args, cwd=workdir, exit_code=rc, signal=sig, timed_out=timed_out,
+                      oom_killed=oom, stdout_bytes=sizes[0], stderr_bytes=sizes[1],
+                      stdout_blake3=digests[0], stderr_blake3=digests[1], truncated=truncated,
+                      duration=result.duration)
+        return result
+
+    def _pump(self, proc: subprocess.Popen[bytes], stdin: bytes | None, cap: int, timeout: float | None,
+              on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
+              pid_file: Path, since: int
+              ) -> tuple[bytes, bytes, bool, tuple[str, str], tuple[int, int], bool]:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        bufs = [bytearray(), bytearray()]
+        hashes = [blake3.blake3(), blake3.blake3()]
+        sizes = [0, 0]
+        callbacks = [on_stdout, on_stderr]
+        truncated = False
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ, 0)
+        sel.register(proc.stderr, selectors.EVENT_READ, 1)
+        pending = memoryview(stdin or b"")
+        if proc.stdin is not None:
+            os.set_blocking(proc.stdin.fileno(), False)
+            if pending:
+                sel.register(proc.stdin, selectors.EVENT_WRITE, 2)
+            else:
+                proc.stdin.close()
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        exited_at: float | None = None
+        timed_out = False
+        try:
+            while sel.get_map():
+                now = time.monotonic()
+                if deadline is not None and now >= deadline and not timed_out:
+                    timed_out = True
+                    self._kill_exec(pid_file, since)
+                    deadline = now + 5.0  # then give up on crun exec itself
+                elif deadline is not None and timed_out and now >= deadline:
+                    break
+                if exited_at is None and proc.poll() is not None:
+                    exited_at = now
+                if exited_at is not None and now - exited_at > 1.0:
+                    break  # background processes still hold the pipes: stop reading them
+                wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - now))
+                for key, _ in sel.select(wait):
+                    idx = key.data
+                    if idx == 2:
+                        assert proc.stdin is not None
+                        try:
+                            n = os.write(proc.stdin.fileno(), pending[:READ_CHUNK])
+                        except BrokenPipeError:
+                            n = len(pending)
+                        pending = pending[n:]
+                        if not pending:
+                            sel.unregister(proc.stdin)
+                            proc.stdin.close()
+                        continue
+                    data = os.read(key.fd, READ_CHUNK)
+                    if not data:
+                        sel.unregister(key.fileobj)
+                        continue
+                    sizes[idx] += len(data)
+                    hashes[idx].update(data)
+                    room = cap - len(bufs[idx])
+                    if room < len(data):
+                        truncated = True
+                    if room > 0:
+                        bufs[idx] += data[:room]
+                    cb = callbacks[idx]
+                    if cb is not None:
+                        cb(data)
+        finally:
+            sel.close()
+            for f in (proc.stdout, proc.stderr, proc.stdin):
+                if f is not None and not f.closed:
+                    f.close()
+        return (bytes(bufs[0]), bytes(bufs[1]), truncated, (hashes[0].hexdigest(), hashes[1].hexdigest()),
+                (sizes[0], sizes[1]), timed_out)
+
+    def _kill_exec(self, pid_file: Path, since: int) -> None:
+        """SIGKILL an exec's process tree and the orphans it left to init, with the sandbox frozen."""
+        try:
+            root = int(pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return  # not started yet: killing crun exec's group is enough
+        init = self.pid
+        frozen = False
+        try:
+            with contextlib.suppress(RuntimeFailed):
+                self.manager.runtime.pause(self.id)
+                frozen = True
+            for _ in range(5):
+                table = _process_table()
+                orphans = {pid for pid, (ppid, start) in table.items() if ppid == init and start >= since}
+                victims = _descendants({root} | orphans, table) - {init}
+                if not victims:
+                    break
+                for pid in victims:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                if frozen:  # killed tasks only die once thawed
+                    self.manager.runtime.resume(self.id)
+                    frozen = False
+                time.sleep(0.05)
+                with contextlib.suppress(RuntimeFailed):
+                    self.manager.runtime.pause(self.id)
+                    frozen = True
+        finally:
+            if frozen:
+                self.manager.runtime.resume(self.id)
+
+    # -- files --------------------------------------------------------------------------------------
+    def read(self, path: str) -> bytes:
+        data = self.files.read(path)
+        self._receipt("read", path=path, bytes=len(data))
+        return data
+
+    def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        self.files.write(path, data, mode)
+        self._receipt("write", path=path, bytes=len(data), blake3=blake3.blake3(data).hexdigest())
+
+    def upload(self, path: str, src: Any, mode: int = 0o644) -> int:
+        n = self.files.upload(path, src, mode)
+        self._receipt("upload", path=path, bytes=n)
+        return n
+
+    def download(self, path: str, dst: Any) -> int:
+        n = self.files.download(path, dst)
+        self._receipt("download", path=path, bytes=n)
+        return n
+
+    def list(self, path: str = "/") -> list[dict[str, Any]]:
+        return self.files.list(path)
+
+    def stat(self, path: str) -> os.stat_result:
+        return self.files.stat(path)
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        self.files.remove(path, recursive=recursive)
+        self._receipt("remove", path=path)
+
+    # -- pause / resume -----------------------------------------------------------------------------
+    def pause(self, *, reclaim: bool = True) -> dict[str, Any]:
+        """Freeze every process, then push the sandbox's page cache out of memory."""
+        self._require_running()
+        self.manager.runtime.pause(self.id)
+        self._update(status="paused")
+        freed = self.manager._reclaim(self.state) if reclaim else None
+        rec = self._receipt("pause", reclaim=freed)
+        return {"reclaim": freed, "receipt": rec["id"]}
+
+    def resume(self) -> None:
+        if self.state.get("status") != "paused":
+            raise SandboxStateError(f"sandbox {self.id} is {self.state.get('status')}, not paused")
+        self.manager.runtime.resume(self.id)
+        self._update(status="running")
+        self._receipt("resume")
+
+    @contextlib.contextmanager
+    def _frozen(self) -> Iterator[None]:
+        if self.state.get("status") == "paused":
+            yield
+            return
+        self.manager.runtime.pause(self.id)
+        try:
+            yield
+        finally:
+            self.manager.runtime.resume(self.id)
+
+    # -- checkpoint ---------------------------------------------------------------------------------
+    async def checkpoint(self, *, name: str | None = None, labels: Mapping[str, str] | None = None,
+                         trajectory_offset: int | None = None, policy_version: str | None = None) -> Checkpoint:
+        """Capture the rootfs' writes (processes frozen meanwhile) as a checkpoint in the store."""
+        st = self.state
+        if st.get("status") not in ("running", "paused"):
+            raise SandboxStateError(f"sandbox {self.id} is {st.get('status')}")
+        last = self.manager.receipts(self.id)
+        async with await self.manager._store() as store:
+            ckpt = await Snapshots(store, self.manager.host).checkpoint(
+                str(self.rootfs), name=name, labels={**st.get("labels", {}), **(labels or {})},
+                trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
+                receipt_id=last[-1]["id"] if last else None, policy_version=policy_version, freeze=self._frozen)
+        self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
+                      bytes_changed=ckpt.bytes_changed)
+        return ckpt
+
+    def destroy(self) -> None:
+        self.manager.destroy(self.id)
+
+
+class SandboxManager:
+    """Sandboxes of one host (one data dir) against one store."""
+
+    def __init__(self, data_dir: str | os.PathLike[str], store_url: str | None = None, *,
+                 runtime: str = "crun") -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.store_url = store_url
+        self.root = self.data_dir / "sandbox"
+        self.boxes = self.root / "boxes"
+        self.receipts_dir = self.root / "receipts"
+        self.runtime = OciRuntime(self.root / "runtime", binary=runtime)
+        self.host = HostMounts(self.data_dir, store_url)
+        # one cgroup parent per data dir: two managers on one machine never share cgroups
+        self.cgroup_parent = "layerbox-" + hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:10]
+        self._layout: CgroupLayout | None = None
+
+    @property
+    def layout(self) -> CgroupLayout:
+        if self._layout is None:
+            self._layout = preflight_cgroups()
+        return self._layout
+
+    async def _store(self) -> Store:
+        return await Store.open(self.store_url, self.data_dir)
+
+    def get(self, sid: str) -> Sandbox:
+        box = Sandbox(self, sid)
+        box.state  # noqa: B018  (raises SandboxNotFound)
+        return box
+
+    def list(self) -> list[dict[str, Any]]:
+        out = []
+        for path in sorted(self.boxes.glob("*/state.json")):
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                out.append(json.loads(path.read_text()))
+        return out
+
+    # -- create / restore -----------------------------------------------------------------------------
+    async def create(self, ref: str, *, cpu: float = 1.0, memory: int = 512 * MiB, pids: int = 256,
+                     disk: int | None = None, env: Mapping[str, str] | None = None, workdir: str | None = None,
+                     user: str | None = None, labels: Mapping[str, str] | None = None, ttl: float | None = None,
+                     idle_timeout: float | None = None) -> Sandbox:
+        """Start a sandbox on a writable overlay of ``ref``; returns once ``exec`` works."""
+        async with await self._store() as store:
+            resolved = await store.resolve(ref)
+        return await self._launch(resolved, ref, None, cpu=cpu, memory=memory, pids=pids, disk=disk, env=env,
+                                  workdir=workdir, user=user, labels=labels, ttl=ttl, idle_timeout=idle_timeout)
+
+    async def restore(self, checkpoint_ref: str, *, policy_version: str | None = None, **options: Any) -> Sandbox:
+        """A new sandbox whose rootfs is ``checkpoint_ref`` (made on this host or any other)."""
+        async with await self._store() as store:
+            resolved = await Snapshots(store, self.host).verify_bound(checkpoint_ref, policy_version=policy_version)
+        return await self._launch(resolved, checkpoint_ref, policy_version, **options)
+
+    async def _launch(self, resolved: Resolved, ref: str, policy_version: str | None, *, cpu: float = 1.0,
+                      memory: int = 512 * MiB, pids: int = 256, disk: int | None = None,
+                      env: Mapping[str, str] | None = None, workdir: str | None = None, user: str | None = None,
+                      labels: Mapping[str, str] | None = None, ttl: float | None = None,
+                      idle_timeout: float | None = None) -> Sandbox:
+        if disk is not None:
+            raise UnsupportedOption("disk limits are not enforced yet (no project quota on the upper dir); "
+                                    "pass disk=None")
+        layout = self.layout
+        sid = "lb-" + uuid.uuid4().hex[:12]
+        box = Sandbox(self, sid)
+        box.bundle.mkdir(parents=True)
+        box.rootfs.mkdir()
+        self.receipts_dir.mkdir(parents=True, exist_ok=True)
+        limits = Limits(cpu=cpu, memory=memory, pids=pids)
+        state: dict[str, Any] = {
+            "id": sid, "status": "creating", "ref": ref, "image_digest": resolved.digest, "kind": resolved.kind,
+            "labels": dict(labels or {}), "limits": asdict(limits), "ttl": ttl, "idle_timeout": idle_timeout,
+            "created": time.time(), "last_active": time.time(), "cgroups_path": f"/{self.cgroup_parent}/{sid}",
+            "pid": None,
+        }
+        _write_json(box.dir / "state.json", state)  # first: a crash from here on is reconciled
+        started = time.perf_counter()
+        try:
+            if resolved.kind == "checkpoint":
+                async with await self._store() as store:
+                    await Snapshots(store, self.host).restore(ref, str(box.rootfs), policy_version=policy_version)
+            else:
+                await asyncio.to_thread(self.host.mount, resolved, box.rootfs, writable=True)
+            mounted = time.perf_counter()
+            await asyncio.to_thread(self._start, box, resolved, state, limits, layout, env, workdir, user)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.destroy(sid)
+            raise
+        box._receipt("create", ref=ref, cpu=cpu, memory=memory, pids=pids,
+                     mount_seconds=round(mounted - started, 6),
+                     start_seconds=round(time.perf_counter() - mounted, 6))
+        return box
+
+    def _start(self, box: Sandbox, resolved: Resolved, state: dict[str, Any], limits: Limits,
+               layout: CgroupLayout, env: Mapping[str, str] | None, workdir: str | None, user: str | None) -> None:
+        cfg = resolved.config.get("config", resolved.config) or {}
+        image_env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if "=" in e)
+        image_env.setdefault("PATH", DEFAULT_PATH)
+        merged_env = {**image_env, "HOME": image_env.get("HOME", "/root"), **(env or {})}
+        uid, gid = _uid_gid(box.files, user if user is not None else cfg.get("User") or "")
+        cwd = workdir or cfg.get("WorkingDir") or "/"
+        process = build_process(IDLE_INIT, env=merged_env, cwd="/", uid=0, gid=0)
+        spec = build_spec(str(box.rootfs), process, hostname=box.id, cgroups_path=state["cgroups_path"],
+                          limits=limits, cgroup_version=layout.version)
+        _write_json(box.bundle / "config.json", spec)
+        state.update(env=merged_env, cwd=cwd, uid=uid, gid=gid, status="starting")
+        _write_json(box.dir / "state.json", state)
+        self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid")
+        self.runtime.start(box.id)
+        state.update(pid=int((box.dir / "init.pid").read_text()), status="running")
+        _write_json(box.dir / "state.json", state)
+
+    # -- destroy / reconcile ----------------------------------------------------------------------------
+    def destroy(self, sid: str) -> None:
+        """Kill and delete the container, drop its rootfs (upper discarded), cgroups and state. Idempotent."""
+        box = Sandbox(self, sid)
+        known = (box.dir / "state.json").exists()
+        if self.runtime.state(sid) is not None:
+            try:
+                self.runtime.delete(sid, force=True)
+            except RuntimeFailed:
+                with contextlib.suppress(RuntimeFailed):
+                    self.runtime.resume(sid)  # a frozen init cannot die
+                self.runtime.delete(sid, force=True)
+        if kmount.is_mountpoint(box.rootfs):
+            try:
+                self.host.umount(box.rootfs, discard=True)
+            except MountError:
+                kmount.umount(box.rootfs, lazy=True, missing_ok=True)
+        else:
+            with contextlib.suppress(MountError):
+                self.host.umount(box.rootfs, discard=True)  # forget a stale record
+        self._remove_cgroups(f"/{self.cgroup_parent}/{sid}")
+        if known:
+            self._append_receipt(sid, {"id": uuid.uuid4().hex[:16], "sandbox": sid, "action": "destroy",
+                                       "time": time.time()})
+        shutil.rmtree(box.dir, ignore_errors=True)
+        if not any(self.boxes.glob("*/state.json")):
+            self._remove_cgroups(f"/{self.cgroup_parent}")
+
+    def _remove_cgroups(self, path: str) -> None:
+        for d in self.layout.dirs(path):
+            if d.exists():
+                for _ in range(20):  # a killed init can linger as a zombie of a slow PID 1
+                    try:
+                        d.rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        time.sleep(0.05)
+                else:
+                    log.warning("cgroup %s still busy; left for the next reconcile", d)
+
+    def reconcile(self) -> dict[str, builtins.list[str]]:
+        """After a crash: adopt sandboxes that still run, clean up everything else we own."""
+        report: dict[str, builtins.list[str]] = {"adopted": [], "destroyed": [], "orphans": []}
+        states = {p.parent.name: p for p in self.boxes.glob("*/state.json")} if self.boxes.exists() else {}
+        containers = {c["id"]: c for c in self.runtime.list()} if self.runtime.root.exists() else {}
+        mounted = set(self.host.status()["mounts"])
+        for sid in sorted(set(states) | set(containers)):
+            box = Sandbox(self, sid)
+            c = containers.get(sid)
+            ok = (sid in states and c is not None and c.get("status") in ("running", "paused")
+                  and str(box.rootfs) in mounted)
+            if ok and c is not None:
+                with contextlib.suppress(Exception):
+                    box._update(status=c["status"], pid=c.get("pid"))
+                    report["adopted"].append(sid)
+                    continue
+            self.destroy(sid)
+            report["destroyed" if sid in states else "orphans"].append(sid)
+        # mounts of boxes whose state vanished
+        for mp in self.host.status()["mounts"]:
+            if mp.startswith(str(self.boxes) + "/") and Path(mp).parent.name not in report["adopted"]:
+                self.host.umount(mp, discard=True)
+                report["orphans"].append(mp)
+        for sid in self.expired():
+            self.destroy(sid)
+            report["destroyed"].append(sid)
+            report["adopted"].remove(sid)
+        if not report["adopted"]:
+            self._remove_cgroups(f"/{self.cgroup_parent}")
+        return report
+
+    def expired(self, now: float | None = None) -> builtins.list[str]:
+        """Sandboxes past their TTL or idle timeout (the caller destroys them)."""
+        now = time.time() if now is None else now
+        out = []
+        for st in self.list():
+            if (st.get("ttl") is not None and now - st["created"] > st["ttl"]) or (
+                    st.get("idle_timeout") is not None and now - st["last_active"] > st["idle_timeout"]):
+                out.append(st["id"])
+        return out
+
+    def close(self, *, stop_daemon: bool = True) -> None:
+        """Destroy every sandbox and release this host's layer mounts."""
+        for st in self.list():
+            self.destroy(st["id"])
+        self.host.umount_all(stop_daemon=stop_daemon)
+
+    # -- receipts and cgroup files ------------------------------------------------------------------
+    def _append_receipt(self, sid: str, rec: Mapping[str, Any]) -> None:
+        self.receipts_dir.mkdir(parents=True, exist_ok=True)
+        line = (json.dumps(rec, sort_keys=True) + "\n").encode()
+        fd = os.open(self.receipts_dir / f"{sid}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+    def receipts(self, sid: str) -> builtins.list[dict[str, Any]]:
+        path = self.receipts_dir / f"{sid}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def _oom_kills(self, state: Mapping[str, Any]) -> int:
+        d = self.layout.controller_dir("memory", state["cgroups_path"])
+        name = "memory.events" if self.layout.version == 2 else "memory.oom_control"
+        try:
+            for line in (d / name).read_text().splitlines() if d else []:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except OSError:
+            pass
+        return 0
+
+    def _reclaim(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
+        d = self.layout.controller_dir("memory", state["cgroups_path"])
+        if d is None:
+            return None
+        usage_file = d / ("memory.current" if self.layout.version == 2 else "memory.usage_in_bytes")
+        before = int(usage_file.read_text())
+        try:
+            if self.layout.version == 2:
+                (d / "memory.reclaim").write_text(str(before))
+            else:
+                (d / "memory.force_empty").write_text("0")
+        except OSError as exc:  # EAGAIN/EBUSY: reclaimed what it could
+            log.info("reclaim of %s stopped early: %s", d, exc)
+        return {"before": before, "after": int(usage_file.read_text())}

@@ -1,0 +1,210 @@
+"""``OciRuntime``: the one wrapper around crun, and the host preflight it needs.
+
+Every process this package starts goes through :func:`spawn` (argv lists, a
+new session so a timeout can kill the whole process group, stderr captured).
+One-shot runtime commands use :meth:`OciRuntime._run`, which adds the timeout
+and turns a non-zero exit into :class:`RuntimeFailed` carrying crun's stderr;
+``exec`` streams and so gets the ``Popen`` itself.
+
+The runtime's state lives under ``--root`` (the manager's data dir), so two
+managers (two tests, two "hosts") never see each other's containers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from sandbox.errors import HostUnsupported, RuntimeFailed, RuntimeTimeout
+
+log = logging.getLogger("layerbox.sandbox")
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+DEFAULT_TIMEOUT = 30.0
+
+
+def spawn(argv: Sequence[str], *, stdin: int | IO[Any] | None = subprocess.DEVNULL,
+          stdout: int | IO[Any] | None = subprocess.PIPE,
+          stderr: int | IO[Any] | None = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (never through a shell) in its own session / process group."""
+    try:
+        return subprocess.Popen(list(argv), stdin=stdin, stdout=stdout, stderr=stderr,
+                                start_new_session=True, close_fds=True)
+    except FileNotFoundError as exc:
+        raise HostUnsupported(f"{argv[0]}: not installed (apt-get install crun util-linux)") from exc
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process group ``spawn`` gave ``proc`` and reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    """How this host mounts cgroups: ``v2`` (unified) or ``v1`` (legacy or hybrid)."""
+
+    version: int
+    v1: dict[str, Path] = field(default_factory=dict)  # controller -> hierarchy mount
+
+    def dirs(self, cgroups_path: str) -> list[Path]:
+        """Every directory a container with ``cgroups_path`` has (or had) on this host."""
+        rel = cgroups_path.lstrip("/")
+        if self.version == 2:
+            return [CGROUP_ROOT / rel]
+        return sorted({root / rel for root in self.v1.values()})
+
+    def controller_dir(self, controller: str, cgroups_path: str) -> Path | None:
+        rel = cgroups_path.lstrip("/")
+        if self.version == 2:
+            return CGROUP_ROOT / rel
+        root = self.v1.get(controller)
+        return root / rel if root else None
+
+
+def _cgroup_mounts() -> list[tuple[str, str, set[str]]]:
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fstype, _source, options = (right.split() + ["", "", ""])[:3]
+            if fstype in ("cgroup", "cgroup2"):
+                mountpoint = left.split()[4].replace("\\040", " ")
+                out.append((fstype, mountpoint, set(options.split(","))))
+    return out
+
+
+def _mount_cgroup_v1(controller: str, target: Path) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    target.mkdir(parents=True, exist_ok=True)
+    if libc.mount(b"cgroup", os.fsencode(target), b"cgroup", 0, controller.encode()) != 0:
+        err = ctypes.get_errno()
+        raise HostUnsupported(f"moving {controller} to a cgroup v1 hierarchy at {target} failed: "
+                              f"{os.strerror(err)}; crun refuses hybrid cgroups while cgroup2 holds controllers")
+
+
+def preflight_cgroups() -> CgroupLayout:
+    """Detect the cgroup layout; on a hybrid host move ``hugetlb`` off cgroup2 so crun accepts it.
+
+    crun refuses a hybrid layout whose cgroup2 tree still holds controllers
+    ("drop all controllers from cgroupv2").  The only one seen there is
+    hugetlb, which is moved to its own v1 hierarchy; anything else is an error
+    naming the controllers.
+    """
+    mounts = _cgroup_mounts()
+    if any(fs == "cgroup2" and Path(mp) == CGROUP_ROOT for fs, mp, _ in mounts):
+        return CgroupLayout(2)
+    v1 = {c: Path(mp) for fs, mp, opts in mounts if fs == "cgroup" for c in opts
+          if c in ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "hugetlb",
+                   "net_cls", "net_prio", "perf_event", "rdma", "misc")}
+    if not v1:
+        raise HostUnsupported("no cgroup v1 controllers and no cgroup2 at /sys/fs/cgroup: mount cgroups first")
+    for fs, mp, _ in mounts:
+        if fs != "cgroup2":
+            continue
+        try:
+            held = set(Path(mp, "cgroup.controllers").read_text().split())
+        except OSError:
+            continue
+        if not held:
+            continue
+        if held - {"hugetlb"}:
+            raise HostUnsupported(f"hybrid cgroups: the cgroup2 tree at {mp} holds {sorted(held)}; crun needs "
+                                  "them on v1 hierarchies (or boot with a pure cgroup v2 layout)")
+        target = CGROUP_ROOT / "hugetlb"
+        log.warning("hybrid cgroups: moving hugetlb from cgroup2 (%s) to cgroup v1 at %s for crun", mp, target)
+        _mount_cgroup_v1("hugetlb", target)
+        v1["hugetlb"] = target
+    return CgroupLayout(1, v1)
+
+
+class OciRuntime:
+    """crun with a private ``--root``; every method is one crun command."""
+
+    def __init__(self, root: str | os.PathLike[str], *, binary: str = "crun",
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.root = Path(root)
+        self.binary = shutil.which(binary) or binary
+        self.timeout = timeout
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.binary, "--root", str(self.root), *args]
+
+    def _run(self, *args: str, timeout: float | None = None, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+        # Temp files, not pipes: `crun create` hands its stdio to the container's init,
+        # which would hold a pipe open (and a communicate() waiting) for its whole life.
+        self.root.mkdir(parents=True, exist_ok=True)
+        argv = self.argv(*args)
+        limit = timeout or self.timeout
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            proc = spawn(argv, stdout=out, stderr=err)
+            try:
+                proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                err.seek(0)
+                raise RuntimeTimeout(f"{' '.join(argv)}: no answer in {limit}s (process group killed): "
+                                     f"{err.read(4096).decode(errors='replace').strip()}", argv=argv) from None
+            finally:
+                if proc.poll() is None:
+                    kill_group(proc)
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+        if check and proc.returncode != 0:
+            text = stderr.decode(errors="replace").strip()
+            raise RuntimeFailed(f"{' '.join(argv)} exited {proc.returncode}: {text}", argv=argv,
+                                returncode=proc.returncode, stderr=text)
+        return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def create(self, cid: str, bundle: str | os.PathLike[str], *, pid_file: str | os.PathLike[str]) -> None:
+        self._run("create", "--bundle", str(bundle), "--pid-file", str(pid_file), cid)
+
+    def start(self, cid: str) -> None:
+        self._run("start", cid)
+
+    def state(self, cid: str) -> dict[str, Any] | None:
+        """crun's JSON state, or None when crun does not know ``cid``."""
+        proc = self._run("state", cid, check=False)
+        if proc.returncode != 0:
+            return None
+        return dict(json.loads(proc.stdout))
+
+    def list(self) -> list[dict[str, Any]]:
+        proc = self._run("list", "--format", "json")
+        text = proc.stdout.decode().strip()
+        return list(json.loads(text)) if text else []
+
+    def kill(self, cid: str, sig: str = "KILL", *, all_processes: bool = True) -> None:
+        self._run("kill", *(["--all"] if all_processes else []), cid, sig)
+
+    def pause(self, cid: str) -> None:
+        self._run("pause", cid)
+
+    def resume(self, cid: str) -> None:
+        self._run("resume", cid)
+
+    def delete(self, cid: str, *, force: bool = True) -> None:
+        self._run("delete", *(["--force"] if force else []), cid)
+
+    def exec(self, cid: str, process_json: str | os.PathLike[str], *, pid_file: str | os.PathLike[str],
+             stdin: int | IO[Any] | None) -> subprocess.Popen[bytes]:
+        """Start ``crun exec`` with a full OCI process document; the caller streams and reaps it."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return spawn(self.argv("exec", "--process", str(process_json), "--pid-file", str(pid_file), cid),
+                     stdin=stdin)

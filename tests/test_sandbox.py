@@ -1,0 +1,318 @@
+"""Sandboxes with real crun, a real kernel and a real store (the Debian fixture image with python3)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.env import require
+
+from lazyfetch import kmount
+from sandbox.errors import UnsupportedOption
+from sandbox.manager import Sandbox, SandboxManager
+from sandbox.spec import CAPABILITIES
+from tests.support.hosts import publish_sync
+
+pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
+
+FIXTURE = "/work/shared/fixtures/debian-bookworm.oci.tar"
+REF = "img/python"
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def assert_clean(mgr: SandboxManager) -> None:
+    assert mgr.runtime.list() == []
+    assert kmount.mounts_under(mgr.data_dir) == []
+    assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    require("root")
+    if not os.path.exists(FIXTURE):
+        pytest.skip(f"{FIXTURE} missing")
+    root = tmp_path_factory.mktemp("sbx-store")
+    url = f"file://{root / 'store'}"
+    publish_sync(url, root / "pub", f"oci-archive:{FIXTURE}:python", REF)
+    return url
+
+
+@pytest.fixture(scope="module")
+def manager(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxManager]:
+    mgr = SandboxManager(tmp_path_factory.mktemp("sbx-host1"), store_url)
+    try:
+        yield mgr
+    finally:
+        mgr.close()
+        assert_clean(mgr)
+
+
+@pytest.fixture
+def boxes(manager: SandboxManager) -> Iterator[Any]:
+    """Create sandboxes on the module's manager; every one is destroyed when the test ends."""
+    made: list[Sandbox] = []
+
+    def make(ref: str = REF, **kw: Any) -> Sandbox:
+        box = run(manager.create(ref, **kw))
+        made.append(box)
+        return box
+
+    yield make
+    for box in made:
+        box.destroy()
+    assert manager.runtime.list() == []
+    assert [m for m in kmount.mounts_under(manager.boxes)] == []
+
+
+def test_lifecycle_checkpoint_and_restore_on_second_host(
+        boxes: Any, manager: SandboxManager, store_url: str, tmp_path: Path) -> None:
+    started = time.perf_counter()
+    box = boxes(labels={"task": "t1"}, env={"GREETING": "hi"})
+    first = box.exec(["python3", "-c", "print(1+1)"])
+    latency = time.perf_counter() - started
+    assert (first.exit_code, first.stdout, first.truncated) == (0, b"2\n", False)
+    assert latency < 10
+    assert box.exec("echo $GREETING; pwd; id -u").stdout == b"hi\n/\n0\n"
+    assert box.exec("cat", stdin=b"piped in").stdout == b"piped in"
+    assert box.exec("echo err >&2; exit 3").stderr == b"err\n"
+
+    box.write("/root/notes.txt", b"hello sandbox\n", mode=0o600)
+    assert box.read("/root/notes.txt") == b"hello sandbox\n"
+    assert box.exec("cat /root/notes.txt").stdout == b"hello sandbox\n"  # same view inside
+    box.exec("mkdir -p /work && echo made-inside > /work/in.txt")
+    assert box.read("/work/in.txt") == b"made-inside\n"
+    names = {e["name"]: e for e in box.list("/root")}
+    assert names["notes.txt"]["type"] == "file"
+    assert box.stat("/root/notes.txt").st_mode & 0o777 == 0o600
+    box.write("/root/gone", b"x")
+    box.remove("/root/gone")
+    assert "gone" not in {e["name"] for e in box.list("/root")}
+
+    streamed: list[bytes] = []
+    res = box.exec("for i in 1 2 3; do echo $i; done", on_stdout=streamed.append)
+    assert b"".join(streamed) == res.stdout == b"1\n2\n3\n"
+
+    paused = box.pause()
+    assert box.state["status"] == "paused"
+    assert paused["reclaim"]["after"] <= paused["reclaim"]["before"]
+    box.resume()
+    assert box.exec("echo back").stdout == b"back\n"
+
+    ckpt = run(box.checkpoint(labels={"step": "1"}))
+    assert ckpt.layers >= 2
+    box.destroy()
+    box.destroy()  # idempotent
+
+    receipts = box.receipts()
+    actions = [r["action"] for r in receipts]
+    assert actions[0] == "create"
+    assert actions.count("exec") == 8
+    assert {"pause", "resume", "checkpoint", "write", "remove", "destroy"} <= set(actions)
+    first_exec = next(r for r in receipts if r["action"] == "exec")
+    assert first_exec["command"] == ["python3", "-c", "print(1+1)"]
+    assert first_exec["exit_code"] == 0
+    assert first_exec["stdout_bytes"] == 2
+    assert first_exec["image"] == receipts[0]["image"]
+    assert first_exec["labels"] == {"task": "t1"}
+    import blake3
+    assert first_exec["stdout_blake3"] == blake3.blake3(b"2\n").hexdigest()
+
+    second = SandboxManager(tmp_path / "host2", store_url)
+    try:
+        restored = run(second.restore(ckpt.name))
+        assert restored.read("/root/notes.txt") == b"hello sandbox\n"
+        assert restored.exec("cat /work/in.txt; python3 -c 'print(6*7)'").stdout == b"made-inside\n42\n"
+        restored.destroy()
+    finally:
+        second.close()
+    assert_clean(second)
+
+
+def test_confinement(boxes: Any) -> None:
+    box = boxes()
+    status = dict(line.split(":\t", 1) for line in
+                  box.exec("cat /proc/self/status").stdout.decode().splitlines() if ":\t" in line)
+    assert status["Seccomp"].strip() == "2"
+    assert status["NoNewPrivs"].strip() == "1"
+    cap_bits = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4, "CAP_KILL": 5,
+                "CAP_SETGID": 6, "CAP_SETUID": 7, "CAP_NET_BIND_SERVICE": 10}
+    assert int(status["CapBnd"], 16) == sum(1 << cap_bits[c] for c in CAPABILITIES)
+    denied = box.exec("unshare -U true; echo 1 > /proc/sys/kernel/hostname; mount -t tmpfs x /mnt;"
+                      "python3 -c 'import ctypes; l=ctypes.CDLL(None, use_errno=True); "
+                      "print(l.syscall(321, 0, 0, 0), ctypes.get_errno())'")  # bpf(2)
+    err = denied.stderr.decode()
+    assert "unshare failed: Operation not permitted" in err
+    assert "Read-only file system" in err
+    assert "permission denied" in err.lower()
+    assert denied.stdout.strip() == b"-1 1"
+    assert box.exec("ls /dev | sort").stdout.split() == sorted(
+        b"core fd full mqueue null ptmx pts random shm stderr stdin stdout tty urandom zero".split())
+    with pytest.raises(UnsupportedOption):
+        run(box.manager.create(REF, disk=1 << 30))
+
+
+def _cgroup_procs(box: Sandbox) -> set[int]:
+    d = box.manager.layout.controller_dir("pids", box.state["cgroups_path"])
+    assert d is not None
+    return {int(x) for x in (d / "cgroup.procs").read_text().split()}
+
+
+def test_exec_timeout_kills_the_tree_and_orphans(boxes: Any) -> None:
+    box = boxes()
+    baseline = _cgroup_procs(box)
+    t0 = time.perf_counter()
+    res = box.exec("sleep 901 & (setsid sh -c 'sleep 902 & sleep 903' &) ; echo started; sleep 904", timeout=1.5)
+    assert time.perf_counter() - t0 < 8
+    assert res.timed_out
+    assert res.signal == 9
+    assert res.stdout == b"started\n"
+    def leftovers() -> list[bytes]:
+        out = []
+        for pid in _cgroup_procs(box) - baseline:
+            try:
+                out.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+            except OSError:
+                continue  # reaped meanwhile
+        # the idle init may have restarted its own `sleep 3600`; nothing else may remain
+        return [c for c in out if c != b"sleep\x003600\x00"]
+
+    deadline = time.monotonic() + 5
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.05)  # killed tasks leave the cgroup once reaped by the sandbox's init
+    assert leftovers() == []
+    assert b"sleep 90" not in box.exec("ps -eo args 2>/dev/null || cat /proc/[0-9]*/cmdline").stdout
+    assert box.exec("echo alive").stdout == b"alive\n"
+
+
+def test_output_cap_drops_50mb_without_buffering(boxes: Any) -> None:
+    box = boxes()
+    tracemalloc.start()
+    try:
+        res = box.exec("head -c 50000000 /dev/zero; echo tail >&2", output_cap=1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert res.exit_code == 0
+    assert res.truncated
+    assert len(res.stdout) == 1 << 20
+    assert res.stderr == b"tail\n"
+    assert peak < 8 << 20, peak
+    receipt = box.receipts()[-1]
+    assert (receipt["stdout_bytes"], receipt["truncated"]) == (50_000_000, True)
+
+
+def test_fork_bomb_hits_pids_limit(boxes: Any) -> None:
+    box = boxes(pids=64)
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    res = box.exec(["python3", "-c", bomb], timeout=3)
+    assert res.timed_out
+    d = box.manager.layout.controller_dir("pids", box.state["cgroups_path"])
+    assert d is not None
+    events = dict(line.split() for line in (d / "pids.events").read_text().splitlines())
+    assert int(events["max"]) > 0
+    t0 = time.perf_counter()
+    subprocess.run(["true"], check=True)
+    assert time.perf_counter() - t0 < 2
+    assert box.exec("echo survived", timeout=10).stdout == b"survived\n"
+
+
+def test_memory_hog_is_oom_killed_and_sandbox_survives(boxes: Any) -> None:
+    box = boxes(memory=64 << 20)
+    res = box.exec(["python3", "-c", "b = bytearray(400 << 20); print('allocated')"], timeout=30)
+    assert res.oom_killed
+    assert (res.exit_code, res.signal) == (137, 9)
+    assert b"allocated" not in res.stdout
+    assert box.exec("echo still here").stdout == b"still here\n"
+    assert box.receipts()[-2]["oom_killed"] is True
+
+
+def test_symlinks_cannot_leave_the_root(boxes: Any, tmp_path: Path) -> None:
+    box = boxes()
+    victim = tmp_path / "victim"
+    victim.write_text("host file\n")
+    box.exec(f"ln -s /etc/shadow /root/abs; ln -s ../../../../../../../etc/shadow /root/rel; "
+             f"ln -s {victim} /root/out; ln -s /proc/self/root/etc/hostname /root/magic")
+    own = box.exec("cat /etc/shadow").stdout
+    host_shadow = Path("/etc/shadow").read_bytes()
+    assert box.read("/root/abs") == own
+    assert box.read("/root/rel") == own
+    assert box.read("../../../../etc/shadow") == own
+    if own != host_shadow:
+        assert box.read("/root/abs") != host_shadow
+    with pytest.raises(FileNotFoundError):
+        box.write("/root/out", b"pwned")  # resolves to <root>/<tmp_path>/victim: no such directory
+    assert victim.read_text() == "host file\n"
+    with pytest.raises(OSError):  # noqa: PT011  (ELOOP/PathEscape: magic links refused)
+        box.read("/root/magic")
+    assert box.stat("/root/abs").st_size == len("/etc/shadow")  # the link itself
+
+
+def test_network_is_loopback_only(boxes: Any) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    accepted: list[Any] = []
+    server.settimeout(5)
+
+    def accept() -> None:
+        try:
+            accepted.append(server.accept())
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    try:
+        box = boxes()
+        assert box.exec("ls /sys/class/net").stdout.split() == [b"lo"]
+        probe = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                 f"    print('connected')\nexcept OSError as e:\n    print(type(e).__name__)\n")
+        assert box.exec(["python3", "-c", probe]).stdout == b"ConnectionRefusedError\n"
+        loop = ("import socket\ns=socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+                "c=socket.create_connection(s.getsockname()); print('lo works')\n")
+        assert box.exec(["python3", "-c", loop]).stdout == b"lo works\n"
+    finally:
+        server.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        server.close()
+        thread.join()
+    assert accepted == []
+
+
+def test_reconcile_after_manager_crash(manager: SandboxManager, store_url: str) -> None:
+    survivor = run(manager.create(REF))
+    dead = run(manager.create(REF))
+    try:
+        dead_pid = dead.pid
+        manager.runtime.kill(dead.id)  # its init dies while "the manager is down"
+        deadline = time.monotonic() + 5
+        while (manager.runtime.state(dead.id) or {}).get("status") != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        half = manager.boxes / "lb-halfcreated"
+        half.mkdir(parents=True)
+        (half / "state.json").write_text('{"id": "lb-halfcreated", "status": "creating"}')
+
+        fresh = SandboxManager(manager.data_dir, store_url)  # same data dir, new process state
+        report = fresh.reconcile()
+        assert report["adopted"] == [survivor.id]
+        assert sorted(report["destroyed"]) == sorted([dead.id, "lb-halfcreated"])
+        assert not half.exists()
+        assert fresh.get(survivor.id).exec("echo adopted").stdout == b"adopted\n"
+        assert [c["id"] for c in fresh.runtime.list()] == [survivor.id]
+        assert not Path(f"/proc/{dead_pid}/cmdline").exists() or not Path(f"/proc/{dead_pid}/cmdline").read_bytes()
+    finally:
+        manager.destroy(survivor.id)
+        manager.destroy(dead.id)
+    assert manager.runtime.list() == []
