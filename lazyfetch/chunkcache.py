@@ -522,17 +522,21 @@ class ChunkCache:
             self._log_put_failure(problem)
             return False
         self._reap()  # the space of what was evicted for us, before we write
+        failure: CacheFull | None = None
         try:
             tmp = self._write_tmp(digest, data)
         except CacheFull as exc:
+            failure = exc
+        except BaseException:
             with self._lock:
                 self._reserved -= need
-                self._put_failures += 1
-            self._log_put_failure(exc)
-            return False
+            raise
         with self._lock:
             self._reserved -= need
-            failure = self._commit_locked(digest, length, tmp)
+            if failure is None:
+                failure = self._commit_locked(digest, length, tmp)
+            else:
+                self._put_failures += 1
         self._reap()
         if failure is None:
             return True
@@ -550,7 +554,7 @@ class ChunkCache:
             self._touch_locked(digest, existing)
             return None
         try:
-            # under the lock: an evictor may be unlinking this very name
+            # under the lock: an evictor may be moving this very name aside
             os.rename(tmp, self._path(digest))
         except OSError as exc:
             self._remove_path(tmp, False)

@@ -14,7 +14,6 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -466,8 +465,7 @@ def test_killed_process_leaves_a_usable_cache(tmp_path: Path) -> None:
         first = make_chunk(0, 3000)
         cache.put(*first)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    subprocess.run([sys.executable, "-c", _CRASHING_WRITER, str(tmp_path), "30"],
-                   check=True, env=env, timeout=60)
+    run([sys.executable, "-c", _CRASHING_WRITER, str(tmp_path), "30"], env=env, timeout=60)
     with ChunkCache(tmp_path, MiB) as cache:
         assert cache.count == 29
         assert not cache.contains(first[0])
