@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -19,6 +20,16 @@ START_TIMEOUT = 30.0
 
 class DaemonUnavailable(LazyfetchError):
     pass
+
+
+def socket_path(data_dir: str | os.PathLike[str]) -> Path:
+    """The daemon's control socket: in the data dir, unless that path is too long for AF_UNIX."""
+    path = Path(data_dir) / "lazyfetch.sock"
+    if len(os.fsencode(path)) < 100:
+        return path
+    # sun_path holds 108 bytes: deep data dirs (pytest's temp paths) get a short, stable name
+    digest = hashlib.sha256(os.fsencode(Path(data_dir).resolve())).hexdigest()[:20]
+    return Path("/run/layerbox") / f"lazyfetch-{digest}.sock"
 
 
 def _alive(pid: int) -> bool:
@@ -49,7 +60,7 @@ class _UnixConnection(http.client.HTTPConnection):
 class DaemonClient:
     def __init__(self, data_dir: str | os.PathLike[str], *, timeout: float = 600.0) -> None:
         self.data_dir = Path(data_dir)
-        self.socket = self.data_dir / "lazyfetch.sock"
+        self.socket = socket_path(self.data_dir)
         self.timeout = timeout
 
     def request(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
@@ -105,15 +116,27 @@ class DaemonClient:
         else:
             proc = None
         deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            h = self.health()
-            if h and h.get("ready"):
-                return h
-            if proc is not None and proc.poll() is not None:
-                tail = (self.data_dir / "lazyfetch.out").read_text(errors="replace")[-2000:]
-                raise DaemonUnavailable(f"lazyfetch daemon exited with {proc.returncode}:\n{tail}")
-            time.sleep(0.02)
-        raise DaemonUnavailable(f"lazyfetch daemon for {self.data_dir} did not become ready in {START_TIMEOUT:.0f} s")
+        try:
+            while time.monotonic() < deadline:
+                h = self.health()
+                if h and h.get("ready"):
+                    return h
+                if proc is not None and proc.poll() is not None:
+                    tail = (self.data_dir / "lazyfetch.out").read_text(errors="replace")[-2000:]
+                    raise DaemonUnavailable(f"lazyfetch daemon exited with {proc.returncode}:\n{tail}")
+                time.sleep(0.02)
+            raise DaemonUnavailable(
+                f"lazyfetch daemon for {self.data_dir} did not become ready in {START_TIMEOUT:.0f} s")
+        except BaseException:
+            # interrupted or failed while it starts: a daemon nobody can reach must not live on
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            raise
 
     def stop(self, timeout: float = 30.0) -> bool:
         h = self.health()

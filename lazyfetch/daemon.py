@@ -32,6 +32,7 @@ from layerstore.store import Store
 from lazyfetch import kmount
 from lazyfetch.blobfs import BlobFS, BlobLayer
 from lazyfetch.chunkcache import ChunkCache
+from lazyfetch.client import socket_path
 from lazyfetch.fetcher import Fetcher
 from lazyfetch.metrics import Metrics
 
@@ -57,7 +58,7 @@ class DaemonConfig:
 
     @property
     def socket(self) -> Path:
-        return self.data_dir / "lazyfetch.sock"
+        return socket_path(self.data_dir)
 
     @property
     def meta_dir(self) -> Path:
@@ -276,6 +277,7 @@ def run(cfg: DaemonConfig) -> int:
     on_loop(runner.setup())
     with contextlib.suppress(FileNotFoundError):
         cfg.socket.unlink()
+    cfg.socket.parent.mkdir(parents=True, exist_ok=True)
     site = web.UnixSite(runner, str(cfg.socket))
     on_loop(site.start())
     os.chmod(cfg.socket, 0o600)

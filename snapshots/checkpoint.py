@@ -73,24 +73,24 @@ class Checkpoint:
         return asdict(self)
 
 
-def _signature(st: os.stat_result) -> Signature:
-    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid, st.st_gid]
-
-
 def scan(upper: Path) -> dict[str, Signature]:
-    """Every entry of the upper directory by relative path (surrogate-escaped str keys)."""
+    """Every entry of the upper directory by relative path (surrogate-escaped str keys).
+
+    This stat() of every entry is the one cost of a checkpoint that grows with
+    the upper directory rather than with the change (about 5-8 us per entry).
+    """
     out: dict[str, Signature] = {}
     base = os.fsencode(upper)
-    stack = [b""]
+    skip = len(base) + 1
+    stack = [base]
     while stack:
-        rel = stack.pop()
-        with os.scandir(os.path.join(base, rel) if rel else base) as it:
+        with os.scandir(stack.pop()) as it:
             for d in it:
-                path = os.path.join(rel, d.name) if rel else d.name
                 st = d.stat(follow_symlinks=False)
-                out[os.fsdecode(path)] = _signature(st)
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(path)
+                out[os.fsdecode(d.path[skip:])] = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                                                   st.st_mode, st.st_uid, st.st_gid]
+                if d.is_dir(follow_symlinks=False):
+                    stack.append(d.path)
     return out
 
 
