@@ -1,5 +1,5 @@
 # layerbox developer entry points.  On a fresh Debian 12 machine, as root:
-#   make demo   build a Debian sample, convert it to an EROFS layer, mount it, run a command in it
+#   make demo   build a Debian sample, publish it, mount it lazily, run a command, checkpoint, restore
 #   make test   ruff, mypy and pytest (root-only tests included)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
