@@ -28,6 +28,8 @@ from lazyfetch.metrics import Metrics
 
 log = logging.getLogger("layerbox.lazyfetch")
 
+READ_AHEAD = 512 << 10  # uncompressed bytes of following chunks fetched along with a miss
+
 
 @dataclass
 class BlobLayer:
@@ -136,6 +138,7 @@ class BlobFS(Operations):
         fetched: dict[bytes, bytes] = {}
         if missing:
             self.metrics.misses.inc(len(missing))
+            missing += self._read_ahead(layer, records[-1])
             fetched = self.fetcher.fetch_blocking(missing)
             layer.raw_fetched += sum(len(v) for v in fetched.values())
         with self.cache.pinned(r.digest for r in records):
@@ -158,6 +161,26 @@ class BlobFS(Operations):
                 out[a - offset : b - offset] = piece
         self.metrics.bytes_served.inc(len(out))
         return bytes(out)
+
+    def _read_ahead(self, layer: BlobLayer, last: BlobRecord) -> list[bytes]:
+        """Chunks right after a miss, up to READ_AHEAD bytes: fetched in the same request.
+
+        Publishing packs chunks in blob order, so the next chunks are usually the
+        next frames of the same pack and cost no extra request; sequential readers
+        then wait on the store once per window instead of once per chunk.
+        """
+        i = bisect.bisect_left(layer.starts, last.block * F.BLOCK_SIZE) + 1
+        extra: list[bytes] = []
+        budget = READ_AHEAD
+        while i < len(layer.records) and budget > 0:
+            rec = layer.records[i]
+            budget -= rec.length
+            if budget < 0:
+                break
+            if not self.cache.contains(rec.digest):
+                extra.append(rec.digest)
+            i += 1
+        return extra
 
     def _record(self, layer: BlobLayer, records: list[BlobRecord]) -> None:
         if time.monotonic() > layer.trace_until:

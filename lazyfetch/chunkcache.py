@@ -498,6 +498,10 @@ class ChunkCache:
                     return None, "corrupt: its content no longer hashes to its name"
                 return whole[start:start + want], None
             data = os.pread(fd, want, start) if want else b""
+            if want:
+                # the kernel keeps what it read in EROFS's page cache already: a second
+                # copy in this file's page cache would hold every served byte twice
+                os.posix_fadvise(fd, start, want, os.POSIX_FADV_DONTNEED)
         except OSError as exc:  # EIO from a failing disk: refetching is the cure
             return None, f"unreadable: {exc}"
         if len(data) != want:
@@ -601,6 +605,9 @@ class ChunkCache:
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view):]
+                    # start writeback now so the pages can be dropped instead of lingering
+                    # as a second copy of what the reader gets from memory
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
                 return tmp

@@ -99,6 +99,12 @@ class Daemon:
     async def register(self, entry: LayerEntry, image: str | None) -> dict[str, str]:
         hexd = hex_digest(entry.digest)
         meta_path = self.cfg.meta_dir / f"{hexd}.erofs"
+        paths = {"meta": str(meta_path), "blob": str(self.cfg.fuse_dir / hexd)}
+        known = self.fs.layers.get(hexd)
+        if known is not None and meta_path.exists():
+            if image:
+                known.images.add(image)
+            return paths  # registered already: mounting a cached image costs no parsing
         async with self._register_lock:
             if meta_path.exists():
                 raw = meta_path.read_bytes()
@@ -114,7 +120,7 @@ class Daemon:
             await self.store.load_layer_locations(entry)
             layer = BlobLayer(entry.digest, img.blob_size, list(img.blob_map), images={image} if image else set())
             self.fs.add_layer(layer)
-        return {"meta": str(meta_path), "blob": str(self.cfg.fuse_dir / hexd)}
+        return paths
 
     async def start_trace_or_prefetch(self, image: str, layers: list[str]) -> str:
         """Replay the image's stored access trace, or record one if there is none yet."""

@@ -252,3 +252,182 @@ def test_bench_store_quick_json(tmp_path: Path, fixture: str) -> None:
 
     leftovers = list(work.iterdir())
     assert leftovers == [], f"the benchmark left files behind: {leftovers}"
+
+
+SNAPSHOTS_BENCH = Path(__file__).resolve().parents[1] / "bench" / "snapshots.py"
+
+
+@pytest.mark.slow
+@pytest.mark.root("erofs", "overlay", "fuse")
+def test_bench_snapshots_quick_json(tmp_path: Path) -> None:
+    """--quick: every step checkpointed and restored on a fresh host, against tar | zstd; nothing left behind."""
+    from lazyfetch import kmount
+
+    require("cmd:tar")
+    require("cmd:zstd")
+    work = tmp_path / "work"
+    work.mkdir()
+    doc = json.loads(run([sys.executable, SNAPSHOTS_BENCH, "--quick", "--json", "--tmpdir", work],
+                         timeout=900).stdout)
+
+    assert doc["schema"] == "layerbox.bench.snapshots.v1"
+    s = doc["settings"]
+    assert (s["tree_mb"], s["changes_mb"], s["bulk_mb"]) == (50, [1, 5], 50)
+    base = doc["base"]
+    assert base["file_bytes"] == 50 * 1_000_000
+    assert base["large_files"] == 2
+    assert base["small_files"] > 100
+    assert base["publish"]["bytes"] == base["file_bytes"]
+
+    steps = doc["steps"]
+    assert [st["kind"] for st in steps] == ["mixed", "mixed", "in-place", "bulk", "mixed"]
+    assert [st["written_bytes"] for st in steps] == [1_000_000, 5_000_000, 1_000_000, 50_000_000, 1_000_000]
+    layers = [st["checkpoint"]["layers"] for st in steps]
+    assert layers == list(range(2, 2 + len(steps)))  # one layer per checkpoint on top of the image
+    for st in steps:
+        c = st["checkpoint"]
+        _positive(c, "bytes_captured", "bytes_uploaded", "entries", "seconds", "freeze_seconds")
+        _positive(st["naive"], "seconds", "bytes")
+        assert c["freeze_seconds"] <= c["seconds"]
+        # random data does not compress: the naive archive is at least the upper's file bytes
+        assert st["naive"]["bytes"] >= st["upper_bytes"]
+        assert st["uploaded_over_written"] == pytest.approx(c["bytes_uploaded"] / st["written_bytes"])
+        if st["kind"] != "in-place":
+            # a modified file is captured whole: at most twice what was written into it
+            assert st["written_bytes"] <= c["bytes_captured"] <= 2 * st["written_bytes"]
+        r = st["restore"]
+        assert r["ours"]["layers"] == c["layers"]
+        _positive(r["ours"], "restore_seconds", "first_read_seconds", "bytes_fetched", "meta_bytes")
+        assert r["ours"]["first_read_seconds"] == pytest.approx(
+            r["ours"]["restore_seconds"] + r["ours"]["read_seconds"])
+        assert r["ours"]["bytes_fetched"] < st["upper_bytes"]  # lazily: not the whole checkpoint
+        assert r["naive"]["bytes"] == st["naive"]["bytes"]
+    uppers = [st["upper_bytes"] for st in steps]
+    assert uppers == sorted(uppers)
+
+    inplace = steps[2]
+    # the large file is captured whole but only its rewritten chunk is new to the store
+    assert inplace["checkpoint"]["bytes_captured"] >= inplace["copied_up_bytes"]
+    assert inplace["checkpoint"]["bytes_uploaded"] < inplace["copied_up_bytes"] / 2
+    first, bulk, last = steps[0], steps[3], steps[-1]
+    # incremental: the last 1 MB does not capture again what the bulk step wrote
+    assert last["checkpoint"]["bytes_captured"] < bulk["written_bytes"] / 10
+    assert last["naive"]["bytes"] > bulk["written_bytes"]  # the naive method pays for all of it
+
+    g = doc["goals"]["proportional"]
+    assert (g["first"], g["last"]) == (first["name"], last["name"])
+    for key in ("seconds_met", "uploaded_met", "uploaded_over_written_met", "met"):
+        assert isinstance(g[key], bool), key
+    assert g["uploaded_ratio"] == pytest.approx(
+        last["checkpoint"]["bytes_uploaded"] / first["checkpoint"]["bytes_uploaded"])
+
+    assert doc["cleanup"] == {"mounts_left": [], "workdir_removed": True, "problems": []}
+    assert kmount.mounts_under(work) == []
+    leftovers = list(work.iterdir())
+    assert leftovers == [], f"the benchmark left files behind: {leftovers}"
+
+
+LAZY_BENCH = Path(__file__).resolve().parents[1] / "bench" / "lazy.py"
+LAZY_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "debian-bookworm.oci.tar"
+LAZY_CASES = [("minbase", "cat"), ("python", "cat"), ("python", "python"), ("big", "cat"), ("big", "python")]
+
+
+@pytest.mark.slow
+@pytest.mark.root("erofs", "overlay", "fuse")
+def test_bench_lazy_quick_json(tmp_path: Path) -> None:
+    """--quick on the file backend: every figure is there and agrees with the others; no timings checked."""
+    for program in ("skopeo", "umoci", "strace", "fincore", "unshare"):
+        require(f"cmd:{program}")
+    if not LAZY_FIXTURE.exists():
+        pytest.skip(f"{LAZY_FIXTURE} is absent (the shared fixtures are not beside this checkout)")
+    work = tmp_path / "work"
+    work.mkdir()
+    doc = json.loads(run([sys.executable, LAZY_BENCH, "--quick", "--backends", "file", "--json",
+                          "--fixture", LAZY_FIXTURE, "--tmpdir", work], timeout=1800).stdout)
+
+    assert doc["schema"] == "layerbox.bench.lazy.v1"
+    s = doc["settings"]
+    assert (s["backends"], s["repeat"], s["mounts"], s["filler_mb"]) == (["file"], 1, 10, 32)
+    images = doc["images"]
+    assert [(tag, images[tag]["layers"]) for tag in images] == [("minbase", 1), ("python", 3), ("big", 4)]
+    assert images["minbase"]["compressed_bytes"] < images["python"]["compressed_bytes"] < images["big"]["compressed_bytes"]
+    # the filler is incompressible: the big image adds at least its size, in gzip and in files
+    assert images["big"]["compressed_bytes"] - images["python"]["compressed_bytes"] >= 32_000_000
+    assert images["big"]["file_bytes"] - images["python"]["file_bytes"] == 32_000_000
+
+    eager = {(c["image"], c["command"]): c for c in doc["eager"]["cases"]}
+    assert list(eager) == LAZY_CASES
+    for (tag, _), case in eager.items():
+        assert len(case["runs"]) == 1
+        m = case["median"]
+        assert m["bytes_downloaded"] == images[tag]["compressed_bytes"]
+        assert m["first_output"] >= m["download"] + m["unpack"] > 0
+        assert case["opened"]["files"] > 0
+        assert 0 < case["opened"]["bytes"] < images[tag]["file_bytes"]
+    assert eager[("python", "python")]["opened"]["bytes"] > eager[("python", "cat")]["opened"]["bytes"]
+    assert eager[("big", "python")]["opened"] == eager[("python", "python")]["opened"]
+    task = doc["eager"]["task"]
+    assert task["opened"]["bytes"] > eager[("python", "python")]["opened"]["bytes"]
+
+    file = doc["backends"]["file"]
+    assert [p["image"] for p in file["publish"]] == list(images)
+    for p in file["publish"]:
+        assert p["file_bytes"] == images[p["image"]]["file_bytes"]
+    for tag in images:
+        assert file["store"][tag]["metadata_bytes"] > file["store"][tag]["meta_bytes"] > 0
+    cases = {(c["image"], c["command"]): c for c in file["first_output"]}
+    assert list(cases) == LAZY_CASES
+    for key, case in cases.items():
+        lazy, pf = case["lazy"]["median"], case["prefetch"]["median"]
+        for m in (lazy, pf):
+            assert m["first_output"] >= m["resolve"] + m["daemon"] + m["prefetch"] + m["mount"] - 1e-9
+            assert m["bytes_served"] > 0
+        assert 0 < lazy["bytes_fetched"] < images[key[0]]["compressed_bytes"]
+        assert lazy["prefetch"] == 0
+        # the whole image (zstd chunks are about as large as its gzip layers), not what was read
+        assert pf["bytes_fetched"] > max(0.5 * images[key[0]]["compressed_bytes"], 2 * lazy["bytes_fetched"])
+        assert lazy["store_requests"] > 0
+        assert case["opened_bytes"] == eager[key]["opened"]["bytes"]
+        assert case["fetched_over_opened"] == pytest.approx(lazy["bytes_fetched"] / case["opened_bytes"])
+        assert case["fetched_over_served"] == pytest.approx(lazy["bytes_fetched"] / lazy["bytes_served"])
+
+    replay = file["replay"]
+    assert replay["cold"]["trace"] == "recording"
+    assert replay["trace"]["trace"] == "replaying"
+    assert replay["trace_bytes"] > 0
+    assert replay["cold"]["bytes_fetched"] > 0
+    assert replay["trace"]["chunks_prefetched"] > 0
+    for run_name in ("cached", "hot"):  # the same host again: nothing comes from the store
+        assert replay[run_name]["bytes_fetched"] == 0, run_name
+        assert replay[run_name]["store_requests"] == 0, run_name
+
+    read, plain = file["read"], doc["plain"]
+    assert read["bytes"] == plain["bytes"] > 0  # the same files, through the mount and unpacked
+    assert read["files"] == plain["files"]
+    passes = read["passes"]
+    assert set(passes) == {"store", "chunk_cache", "warm", "fuse"}
+    for p in passes.values():
+        assert p["bytes"] == read["bytes"]
+        assert p["mb_per_s"] == pytest.approx(p["bytes"] / 1e6 / p["seconds"])
+    assert passes["store"]["bytes_fetched"] > 0
+    for name in ("chunk_cache", "warm", "fuse"):
+        assert passes[name]["bytes_fetched"] == 0, name
+    for pc in (read["page_cache"], plain["page_cache"]):
+        assert pc["bytes_read"] == read["bytes"]
+        assert pc["files_resident"] > 0
+    assert plain["page_cache"]["chunk_cache_resident"] == 0
+
+    times = file["mount_times"]
+    assert list(times) == ["ro", "ro_shared", "rw", "rw_shared"]
+    for name, t in times.items():
+        assert t["n"] == 10
+        assert 0 < t["mount"]["p50"] <= t["mount"]["p99"] <= t["mount"]["max"]
+        assert t["layer_mounts_created"] == (0 if t["layers_shared"] else 3), name
+
+    goals = doc["goals"]["file"]
+    for goal in goals.values():
+        assert isinstance(goal["met"], bool)
+    assert [(c["image"], c["command"]) for c in goals["fetch_over_read"]["cases"]] == LAZY_CASES
+    assert doc["leftover_mounts"] == []
+    assert doc["mounts_after_cleanup"] == []
+    assert list(work.iterdir()) == [], "the benchmark left files behind"
