@@ -1,0 +1,510 @@
+"""The sandbox edge service: an HTTP API over one :class:`SandboxManager`.
+
+Every request carries ``Authorization: Bearer <token>``; a token belongs to one
+project.  A sandbox belongs to the project that created it (recorded as the
+``layerbox.project`` label in its state, so ownership survives a restart) and
+is invisible to every other project: their requests get 404, never 403, so ids
+leak nothing.  Each project has a quota on live sandboxes; past it, create
+answers 429 with a retryable error body.
+
+Errors are ``{"error": {"code", "message", "retryable"}}``.  ``POST .../exec``
+answers with a chunked stream of newline-delimited JSON events::
+
+    {"type": "stdout", "data": "<base64>"}
+    {"type": "stderr", "data": "<base64>"}
+    {"type": "exit", "exit_code": 0, "signal": null, "truncated": false, "duration": 0.01,
+     "timed_out": false, "oom_killed": false}
+    {"type": "error", "error": {...}}          (instead of "exit" when the exec failed)
+
+The manager's runtime and file calls block, so each goes through
+``asyncio.to_thread``.  The service binds 127.0.0.1 only; put a TLS proxy in
+front of it for anything remote.
+
+Tokens file (JSON)::
+
+    {"projects": {"alpha": {"tokens": ["..."], "max_sandboxes": 10, "disabled": false}}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from sandbox.errors import (
+    PathEscape,
+    RuntimeTimeout,
+    SandboxError,
+    SandboxNotFound,
+    SandboxStateError,
+    UnsupportedOption,
+)
+from sandbox.manager import Sandbox, SandboxManager
+
+log = logging.getLogger("layerbox.sandbox.service")
+
+PROJECT_LABEL = "layerbox.project"
+ISOLATION = "container"  # what this service runs: crun containers, never microVMs
+DEFAULT_QUOTA = 10
+MAX_BODY = 64 << 20
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+# -- configuration --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Project:
+    name: str
+    max_sandboxes: int = DEFAULT_QUOTA
+    disabled: bool = False
+
+
+@dataclass
+class AuthConfig:
+    """Bearer token -> project."""
+
+    tokens: dict[str, Project] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> AuthConfig:
+        out: dict[str, Project] = {}
+        for name, spec in (doc.get("projects") or {}).items():
+            project = Project(name, int(spec.get("max_sandboxes", DEFAULT_QUOTA)), bool(spec.get("disabled", False)))
+            for token in spec.get("tokens") or []:
+                if not isinstance(token, str) or len(token) < 16:
+                    raise ValueError(f"project {name!r}: tokens must be strings of at least 16 characters")
+                if token in out:
+                    raise ValueError(f"project {name!r}: a token is shared with project {out[token].name!r}")
+                out[token] = project
+        return cls(out)
+
+    @classmethod
+    def load(cls, path: str | Path) -> AuthConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# -- errors as responses ----------------------------------------------------------------------------
+class ApiError(Exception):
+    """An error answered as JSON with ``status``; raised inside handlers only."""
+
+    def __init__(self, status: int, code: str, message: str, *, retryable: bool = False,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.retryable = status, code, message, retryable
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "retryable": self.retryable}}
+
+
+def _as_api_error(exc: BaseException) -> ApiError:
+    """The one place library exceptions become HTTP statuses."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, SandboxNotFound):
+        return ApiError(404, "not_found", str(exc))
+    if isinstance(exc, SandboxStateError):
+        return ApiError(409, "conflict", str(exc))
+    if isinstance(exc, PathEscape):
+        return ApiError(403, "path_escape", str(exc))
+    if isinstance(exc, UnsupportedOption):
+        return ApiError(400, "unsupported_option", str(exc))
+    if isinstance(exc, RuntimeTimeout):
+        return ApiError(503, "runtime_timeout", str(exc), retryable=True)
+    if isinstance(exc, FileNotFoundError):
+        return ApiError(404, "file_not_found", f"no such file or directory: {exc.filename or exc}")
+    if isinstance(exc, (IsADirectoryError, NotADirectoryError, FileExistsError)):
+        return ApiError(409, "file_conflict", f"{exc.strerror}: {exc.filename or exc}")
+    if isinstance(exc, PermissionError):
+        return ApiError(403, "permission_denied", str(exc))
+    if isinstance(exc, OSError):
+        return ApiError(400, "os_error", str(exc))
+    if isinstance(exc, SandboxError):
+        return ApiError(500, "sandbox_error", str(exc))
+    return ApiError(500, "internal", f"{type(exc).__name__}: {exc}")
+
+
+def _view(state: Mapping[str, Any]) -> dict[str, Any]:
+    labels = {k: v for k, v in (state.get("labels") or {}).items() if k != PROJECT_LABEL}
+    return {"id": state.get("id"), "status": state.get("status"), "image": state.get("ref"),
+            "image_digest": state.get("image_digest"), "labels": labels, "limits": state.get("limits"),
+            "created": state.get("created"), "last_active": state.get("last_active"), "isolation": ISOLATION}
+
+
+def _project_of(state: Mapping[str, Any]) -> str | None:
+    labels = state.get("labels") or {}
+    return labels.get(PROJECT_LABEL) if isinstance(labels, dict) else None
+
+
+# -- the service ----------------------------------------------------------------------------------------
+class SandboxService:
+    """Routes, auth, quotas and metrics over one manager; build the app with :meth:`app`."""
+
+    def __init__(self, manager: SandboxManager, auth: AuthConfig) -> None:
+        self.manager = manager
+        self.auth = auth
+        self._pending: dict[str, int] = {}  # creates in flight per project (they count against the quota)
+        self._quota_lock = asyncio.Lock()
+        self.registry = CollectorRegistry()  # per service: two services in one process never collide
+        self.m_sandboxes = Gauge("layerbox_sandboxes", "Live sandboxes", ["project", "status"],
+                                 registry=self.registry)
+        self.m_execs = Counter("layerbox_execs", "Commands run", ["project"], registry=self.registry)
+        self.m_exec_seconds = Histogram("layerbox_exec_duration_seconds", "Command duration",
+                                        registry=self.registry)
+        self.m_errors = Counter("layerbox_api_errors", "Error responses", ["code"], registry=self.registry)
+        self.m_requests = Counter("layerbox_api_requests", "Requests", ["route", "status"],
+                                  registry=self.registry)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY)
+        r = app.router
+        r.add_get("/openapi.json", self.openapi)
+        r.add_get("/metrics", self.metrics)
+        r.add_post("/v1/sandboxes", self.create)
+        r.add_get("/v1/sandboxes", self.list)
+        r.add_get("/v1/sandboxes/{id}", self.get)
+        r.add_delete("/v1/sandboxes/{id}", self.delete)
+        r.add_post("/v1/sandboxes/{id}/exec", self.exec)
+        r.add_get("/v1/sandboxes/{id}/files", self.files_get)
+        r.add_put("/v1/sandboxes/{id}/files", self.files_put)
+        r.add_delete("/v1/sandboxes/{id}/files", self.files_delete)
+        r.add_post("/v1/sandboxes/{id}/pause", self.pause)
+        r.add_post("/v1/sandboxes/{id}/resume", self.resume)
+        r.add_post("/v1/sandboxes/{id}/checkpoint", self.checkpoint)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:  # aiohttp's own 404/405 for unknown routes
+            err = ApiError(exc.status, "http", exc.reason)
+            resp = self._error_response(err)
+        except Exception as exc:
+            err = _as_api_error(exc)
+            if err.status >= 500:
+                log.exception("%s %s failed", request.method, request.path)
+            resp = self._error_response(err)
+        self.m_requests.labels(route, str(resp.status)).inc()
+        return resp
+
+    def _error_response(self, err: ApiError) -> web.Response:
+        self.m_errors.labels(err.code).inc()
+        return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+    # -- auth and ownership --------------------------------------------------------------------------
+    def _project(self, request: web.Request) -> Project:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(401, "unauthenticated", "missing 'Authorization: Bearer <token>' header",
+                           headers={"WWW-Authenticate": "Bearer"})
+        project = self.auth.tokens.get(token.strip())
+        if project is None:
+            raise ApiError(401, "unauthenticated", "unknown token", headers={"WWW-Authenticate": "Bearer"})
+        if project.disabled:
+            raise ApiError(403, "forbidden", f"project {project.name!r} is disabled")
+        return project
+
+    async def _box(self, request: web.Request, project: Project) -> Sandbox:
+        sid = request.match_info["id"]
+        not_found = ApiError(404, "not_found", f"no sandbox {sid!r} in project {project.name!r}")
+        try:
+            box = await asyncio.to_thread(self.manager.get, sid)
+            state = await asyncio.to_thread(lambda: box.state)
+        except SandboxNotFound:
+            raise not_found from None
+        if _project_of(state) != project.name:
+            raise not_found
+        return box
+
+    @staticmethod
+    async def _json(request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        try:
+            doc = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, "bad_request", f"body is not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ApiError(400, "bad_request", "body must be a JSON object")
+        return doc
+
+    @staticmethod
+    def _path(request: web.Request) -> str:
+        path = request.query.get("path")
+        if not path:
+            raise ApiError(400, "bad_request", "query parameter 'path' is required")
+        return path
+
+    def _owned(self, project: Project) -> list[dict[str, Any]]:
+        return [st for st in self.manager.list() if _project_of(st) == project.name]
+
+    # -- sandboxes -----------------------------------------------------------------------------------
+    async def create(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        body = await self._json(request)
+        image = body.get("image")
+        if not isinstance(image, str) or not image:
+            raise ApiError(400, "bad_request", "'image' (an image or checkpoint ref) is required")
+        isolation = body.get("isolation", ISOLATION)
+        if isolation != ISOLATION:
+            raise ApiError(400, "unsupported_isolation",
+                           f"isolation {isolation!r} is not available: this service runs {ISOLATION!r} only")
+        labels = body.get("labels") or {}
+        if not isinstance(labels, dict) or any(not isinstance(k, str) or k.startswith("layerbox.") for k in labels):
+            raise ApiError(400, "bad_request", "labels must be a string map without 'layerbox.' keys")
+        allowed = {"cpu", "memory", "pids", "env", "workdir", "ttl", "idle_timeout"}
+        options = {k: body[k] for k in allowed if body.get(k) is not None}
+        unknown = set(body) - allowed - {"image", "isolation", "labels"}
+        if unknown:
+            raise ApiError(400, "bad_request", f"unknown fields: {sorted(unknown)}")
+        async with self._quota_lock:
+            live = len(await asyncio.to_thread(self._owned, project)) + self._pending.get(project.name, 0)
+            if live >= project.max_sandboxes:
+                raise ApiError(429, "quota_exceeded",
+                               f"project {project.name!r} has {live} of {project.max_sandboxes} sandboxes; "
+                               "destroy one or retry later", retryable=True, headers={"Retry-After": "5"})
+            self._pending[project.name] = self._pending.get(project.name, 0) + 1
+        try:
+            box = await self.manager.create(image, labels={**labels, PROJECT_LABEL: project.name}, **options)
+        finally:
+            self._pending[project.name] -= 1
+        return web.json_response(_view(await asyncio.to_thread(lambda: box.state)), status=201)
+
+    async def list(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        owned = await asyncio.to_thread(self._owned, project)
+        return web.json_response({"sandboxes": [_view(st) for st in owned]})
+
+    async def get(self, request: web.Request) -> web.Response:
+        box = await self._box(request, self._project(request))
+        return web.json_response(_view(await asyncio.to_thread(lambda: box.state)))
+
+    async def delete(self, request: web.Request) -> web.Response:
+        box = await self._box(request, self._project(request))
+        await asyncio.to_thread(self.manager.destroy, box.id)
+        return web.Response(status=204)
+
+    async def pause(self, request: web.Request) -> web.Response:
+        box = await self._box(request, self._project(request))
+        out = await asyncio.to_thread(box.pause)
+        return web.json_response(out)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        box = await self._box(request, self._project(request))
+        await asyncio.to_thread(box.resume)
+        return web.json_response(_view(await asyncio.to_thread(lambda: box.state)))
+
+    async def checkpoint(self, request: web.Request) -> web.Response:
+        box = await self._box(request, self._project(request))
+        body = await self._json(request)
+        labels = body.get("labels") or {}
+        if not isinstance(labels, dict) or any(str(k).startswith("layerbox.") for k in labels):
+            raise ApiError(400, "bad_request", "labels must be a string map without 'layerbox.' keys")
+        ckpt = await box.checkpoint(name=body.get("name"), labels=labels)
+        return web.json_response(ckpt.to_json(), status=201)
+
+    # -- exec ----------------------------------------------------------------------------------------
+    async def exec(self, request: web.Request) -> web.StreamResponse:
+        project = self._project(request)
+        box = await self._box(request, project)
+        body = await self._json(request)
+        cmd = body.get("cmd")
+        if not (isinstance(cmd, str) and cmd) and not (
+                isinstance(cmd, list) and cmd and all(isinstance(c, str) for c in cmd)):
+            raise ApiError(400, "bad_request", "'cmd' must be a shell string or a non-empty list of strings")
+        stdin: bytes | None = None
+        if body.get("stdin") is not None:
+            try:
+                stdin = base64.b64decode(body["stdin"], validate=True)
+            except (binascii.Error, TypeError):
+                raise ApiError(400, "bad_request", "'stdin' must be base64") from None
+        state = await asyncio.to_thread(lambda: box.state)
+        if state.get("status") != "running":
+            raise ApiError(409, "conflict", f"sandbox {box.id} is {state.get('status')}, not running")
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+
+        def forward(kind: str) -> Callable[[bytes], None]:
+            def push(data: bytes) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, data))
+            return push
+
+        run = asyncio.ensure_future(asyncio.to_thread(
+            box.exec, cmd, env=body.get("env"), cwd=body.get("cwd"), timeout=body.get("timeout"), stdin=stdin,
+            output_cap=int(body.get("output_cap") or 1 << 20),
+            on_stdout=forward("stdout"), on_stderr=forward("stderr")))
+        # queued after every callback the thread scheduled before it returned
+        run.add_done_callback(lambda _: events.put_nowait(None))
+        self.m_execs.labels(project.name).inc()
+
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        try:
+            while (item := await events.get()) is not None:
+                kind, data = item
+                await resp.write(json.dumps({"type": kind, "data": base64.b64encode(data).decode()}).encode()
+                                 + b"\n")
+        except ConnectionResetError:  # the client left; the command still runs to its end or timeout
+            await asyncio.wait([run])
+            return resp
+        try:
+            result = run.result()
+        except Exception as exc:
+            err = _as_api_error(exc)
+            self.m_errors.labels(err.code).inc()
+            final: dict[str, Any] = {"type": "error", **err.body()}
+        else:
+            self.m_exec_seconds.observe(result.duration)
+            final = {"type": "exit", "exit_code": result.exit_code, "signal": result.signal,
+                     "truncated": result.truncated, "duration": result.duration,
+                     "timed_out": result.timed_out, "oom_killed": result.oom_killed}
+        await resp.write(json.dumps(final).encode() + b"\n")
+        await resp.write_eof()
+        return resp
+
+    # -- files ---------------------------------------------------------------------------------------
+    async def files_get(self, request: web.Request) -> web.Response:
+        box = await self._box(request, self._project(request))
+        path = self._path(request)
+        if request.query.get("list") in ("1", "true"):
+            return web.json_response({"path": path, "entries": await asyncio.to_thread(box.list, path)})
+        data = await asyncio.to_thread(box.read, path)
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    async def files_put(self, request: web.Request) -> web.Response:
+        box = await self._box(request, self._project(request))
+        path = self._path(request)
+        try:
+            mode = int(request.query.get("mode", "644"), 8)
+        except ValueError:
+            raise ApiError(400, "bad_request", "'mode' must be octal, e.g. 644") from None
+        data = await request.read()
+        await asyncio.to_thread(box.write, path, data, mode)
+        return web.json_response({"path": path, "bytes": len(data)}, status=201)
+
+    async def files_delete(self, request: web.Request) -> web.Response:
+        box = await self._box(request, self._project(request))
+        path = self._path(request)
+        await asyncio.to_thread(box.remove, path, recursive=request.query.get("recursive") in ("1", "true"))
+        return web.Response(status=204)
+
+    # -- description and metrics -----------------------------------------------------------------------
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        def render() -> bytes:
+            counts: dict[tuple[str, str], int] = {}
+            for st in self.manager.list():
+                key = (_project_of(st) or "", str(st.get("status")))
+                counts[key] = counts.get(key, 0) + 1
+            self.m_sandboxes.clear()
+            for (proj, status), n in counts.items():
+                self.m_sandboxes.labels(proj, status).set(n)
+            return generate_latest(self.registry)
+
+        body = await asyncio.to_thread(render)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# -- OpenAPI (hand-written: exactly the routes above) ------------------------------------------------
+def _op(summary: str, responses: dict[str, str], *, body: str | None = None, query: tuple[str, ...] = (),
+        path_id: bool = True) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "security": [{"bearer": []}],
+                          "responses": {code: {"description": d} for code, d in
+                                        {**responses, "401": "missing or unknown token",
+                                         "403": "project disabled"}.items()}}
+    params = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}] if path_id else []
+    params += [{"name": q, "in": "query", "required": q == "path", "schema": {"type": "string"}} for q in query]
+    if params:
+        op["parameters"] = params
+    if body == "json":
+        op["requestBody"] = {"content": {"application/json": {"schema": {"type": "object"}}}}
+    elif body == "bytes":
+        op["requestBody"] = {"content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                  "format": "binary"}}}}
+    if path_id:
+        op["responses"].setdefault("404", {"description": "no such sandbox in this project"})
+    return op
+
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.0.3",
+    "info": {"title": "layerbox sandbox service", "version": "1"},
+    "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                   "schemas": {"Error": {"type": "object", "properties": {"error": {
+                       "type": "object", "properties": {"code": {"type": "string"}, "message": {"type": "string"},
+                                                        "retryable": {"type": "boolean"}}}}}}},
+    "paths": {
+        "/v1/sandboxes": {
+            "post": _op("Create a sandbox from an image or checkpoint ref "
+                        "(image, cpu, memory, pids, env, workdir, labels, ttl, idle_timeout, isolation)",
+                        {"201": "the sandbox", "400": "bad request or unsupported isolation",
+                         "429": "project quota reached (retryable)"}, body="json", path_id=False),
+            "get": _op("List this project's sandboxes", {"200": "sandboxes"}, path_id=False),
+        },
+        "/v1/sandboxes/{id}": {
+            "get": _op("Describe a sandbox", {"200": "the sandbox"}),
+            "delete": _op("Destroy a sandbox", {"204": "destroyed"}),
+        },
+        "/v1/sandboxes/{id}/exec": {
+            "post": _op("Run a command (cmd, env, cwd, timeout, stdin as base64, output_cap); the response "
+                        "streams newline-delimited JSON events: stdout/stderr (base64 data), then exit or error",
+                        {"200": "application/x-ndjson event stream", "409": "sandbox not running"}, body="json"),
+        },
+        "/v1/sandboxes/{id}/files": {
+            "get": _op("Read a file, or list a directory with list=1", {"200": "bytes or a JSON listing"},
+                       query=("path", "list")),
+            "put": _op("Write a file (mode in octal)", {"201": "written"}, body="bytes", query=("path", "mode")),
+            "delete": _op("Remove a file or (recursive=1) a directory", {"204": "removed"},
+                          query=("path", "recursive")),
+        },
+        "/v1/sandboxes/{id}/pause": {"post": _op("Freeze the sandbox and reclaim its memory",
+                                                 {"200": "reclaim report", "409": "not running"})},
+        "/v1/sandboxes/{id}/resume": {"post": _op("Thaw a paused sandbox", {"200": "the sandbox",
+                                                                            "409": "not paused"})},
+        "/v1/sandboxes/{id}/checkpoint": {"post": _op("Checkpoint the rootfs into the store (name, labels)",
+                                                      {"201": "the checkpoint"}, body="json")},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI"}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
+    },
+}
+
+
+# -- entry point --------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sandbox.service", description=__doc__.split("\n")[0])
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--store", required=True, help="store URL (file://... or s3://...)")
+    parser.add_argument("--port", type=int, default=8470)
+    parser.add_argument("--tokens", required=True, help="JSON file: projects, their tokens and quotas")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    try:
+        auth = AuthConfig.load(args.tokens)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--tokens {args.tokens}: {exc}")
+    manager = SandboxManager(args.data_dir, args.store)
+    report = manager.reconcile()  # adopt what survived a previous run, clean up the rest
+    log.info("reconciled: %s", report)
+    web.run_app(SandboxService(manager, auth).app(), host="127.0.0.1", port=args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

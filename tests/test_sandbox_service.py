@@ -1,0 +1,209 @@
+"""The sandbox service and its SDK end to end: real crun, a real store, the HTTP API on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from aiohttp import web
+from support.env import require
+
+from lazyfetch import kmount
+from sandbox.manager import SandboxManager
+from sandbox.sdk import (
+    AsyncSandbox,
+    AuthError,
+    NotFound,
+    QuotaExceeded,
+    Sandbox,
+    UnsupportedIsolation,
+)
+from sandbox.service import AuthConfig, SandboxService
+from tests.support.hosts import publish_sync
+
+pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
+
+FIXTURE = "/work/shared/fixtures/debian-bookworm.oci.tar"
+REF = "img/python"
+ALPHA, BETA, GAMMA = "alpha-token-0123456789", "beta-token-0123456789", "gamma-token-0123456789"
+TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 2},
+                       "beta": {"tokens": [BETA], "max_sandboxes": 1},
+                       "gamma": {"tokens": [GAMMA], "disabled": True}}}
+
+
+def assert_clean(mgr: SandboxManager) -> None:
+    assert mgr.runtime.list() == []
+    assert kmount.mounts_under(mgr.data_dir) == []
+    assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
+
+
+class ServerThread:
+    """The service on its own event loop in a thread (so tests can use the blocking SDK too)."""
+
+    def __init__(self, service: SandboxService) -> None:
+        self.service = service
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(service.app())
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.url = ""
+
+    def start(self) -> None:
+        self.thread.start()
+
+        async def up() -> str:
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            host, port = self.runner.addresses[0][:2]
+            return f"http://{host}:{port}"
+
+        self.url = asyncio.run_coroutine_threadsafe(up(), self.loop).result(30)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxManager]:
+    require("root")
+    if not os.path.exists(FIXTURE):
+        pytest.skip(f"{FIXTURE} missing")
+    root = tmp_path_factory.mktemp("svc-store")
+    url = f"file://{root / 'store'}"
+    publish_sync(url, root / "pub", f"oci-archive:{FIXTURE}:python", REF)
+    mgr = SandboxManager(tmp_path_factory.mktemp("svc-host"), url)
+    try:
+        yield mgr
+    finally:
+        mgr.close()
+        assert_clean(mgr)
+
+
+@pytest.fixture(scope="module")
+def server(manager: SandboxManager) -> Iterator[ServerThread]:
+    srv = ServerThread(SandboxService(manager, AuthConfig.from_dict(TOKENS)))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:
+    """The service URL; every sandbox a test leaves behind is destroyed, then nothing may remain."""
+    try:
+        yield server.url
+    finally:
+        leftovers = [st["id"] for st in manager.list()]
+        for sid in leftovers:
+            manager.destroy(sid)
+        assert manager.runtime.list() == []
+        assert kmount.mounts_under(manager.boxes) == []
+    assert leftovers == [], "the test (or kill) left sandboxes behind"
+
+
+def get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_lifecycle_through_the_blocking_sdk(url: str) -> None:
+    with Sandbox.create(REF, url=url, token=ALPHA, env={"GREETING": "hi"}) as sb:
+        streamed: list[str] = []
+        res = sb.commands.run("for i in 1 2 3; do echo $i; done; echo $GREETING", on_stdout=streamed.append)
+        assert (res.exit_code, res.stdout, res.truncated) == (0, "1\n2\n3\nhi\n", False)
+        assert "".join(streamed) == res.stdout
+        assert sb.commands.run(["python3", "-c", "import sys; sys.exit(3)"]).exit_code == 3
+        assert sb.commands.run("cat", stdin="piped").stdout == "piped"
+
+        sb.files.write("/root/notes.txt", "hello sandbox\n", mode=0o600)
+        assert sb.files.read("/root/notes.txt") == "hello sandbox\n"
+        assert sb.files.read("/root/notes.txt", format="bytes") == b"hello sandbox\n"
+        assert sb.commands.run("cat /root/notes.txt").stdout == "hello sandbox\n"
+        entries = {e["name"]: e for e in sb.files.list("/root")}
+        assert (entries["notes.txt"]["type"], entries["notes.txt"]["mode"]) == ("file", 0o600)
+        sb.files.remove("/root/notes.txt")
+        assert "notes.txt" not in {e["name"] for e in sb.files.list("/root")}
+        with pytest.raises(NotFound):
+            sb.files.read("/root/notes.txt")
+
+        sb.pause()
+        assert sb.refresh()["status"] == "paused"
+        again = Sandbox.connect(sb.sandbox_id, url=url, token=ALPHA)  # resumes it
+        try:
+            assert again.info["status"] == "running"
+            assert again.commands.run("echo back").stdout == "back\n"
+        finally:
+            again.close()  # the session only; the sandbox lives on
+
+        ckpt = sb.checkpoint(labels={"step": "1"})
+        assert ckpt["layers"] >= 2
+        sid = sb.sandbox_id
+    with pytest.raises(NotFound):  # the with block killed it
+        Sandbox.connect(sid, url=url, token=ALPHA)
+
+
+def test_auth_ownership_quota_and_isolation(url: str, manager: SandboxManager) -> None:
+    async def scenario() -> None:
+        with pytest.raises(UnsupportedIsolation, match="microvm"):  # refused before any request:
+            await AsyncSandbox.create(REF, url="http://127.0.0.1:9", token=ALPHA, isolation="microvm")
+        with pytest.raises(AuthError) as unknown:
+            await AsyncSandbox.create(REF, url=url, token="not-a-token-at-all")
+        assert unknown.value.status == 401
+        with pytest.raises(AuthError) as disabled:
+            await AsyncSandbox.create(REF, url=url, token=GAMMA)
+        assert disabled.value.status == 403
+
+        async with await AsyncSandbox.create(REF, url=url, token=BETA) as sb:
+            seen: list[str] = []
+            res = await sb.commands.run("echo out; echo err >&2; exit 4", on_stderr=seen.append)
+            assert (res.exit_code, res.stdout, res.stderr, seen) == (4, "out\n", "err\n", ["err\n"])
+            with pytest.raises(NotFound):  # alpha cannot see beta's sandbox
+                await AsyncSandbox.connect(sb.sandbox_id, url=url, token=ALPHA)
+            status, body = get(f"{url}/v1/sandboxes", ALPHA)
+            assert (status, json.loads(body)) == (200, {"sandboxes": []})
+            status, _ = get(f"{url}/v1/sandboxes/{sb.sandbox_id}/files?path=/etc/hostname", ALPHA)
+            assert status == 404
+            with pytest.raises(QuotaExceeded) as quota:
+                await AsyncSandbox.create(REF, url=url, token=BETA)
+            assert quota.value.retryable
+            assert quota.value.status == 429
+            assert "1 of 1" in str(quota.value)
+        assert [st["id"] for st in manager.list()] == []
+
+    asyncio.run(scenario())
+    status, _ = get(f"{url}/v1/sandboxes")
+    assert status == 401
+
+
+def test_openapi_lists_exactly_the_routes_and_metrics_count(url: str, server: ServerThread) -> None:
+    status, body = get(f"{url}/openapi.json")
+    assert status == 200
+    doc = json.loads(body)
+    assert doc["openapi"].startswith("3.")
+    described = {(m.upper(), p) for p, ops in doc["paths"].items() for m in ops}
+    served = {(r.method, r.resource.canonical) for r in server.service.app().router.routes()
+              if r.method != "HEAD" and r.resource is not None}
+    assert described == served
+
+    assert get(f"{url}/v1/sandboxes/lb-nope", ALPHA)[0] == 404
+    status, body = get(f"{url}/metrics")
+    assert status == 200
+    text = body.decode()
+    assert 'layerbox_api_errors_total{code="not_found"}' in text
+    for family in ("layerbox_execs_total", "layerbox_sandboxes", "layerbox_exec_duration_seconds"):
+        assert f"# HELP {family} " in text
