@@ -20,9 +20,9 @@ import struct
 import threading
 import urllib.parse
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import zstandard
 
@@ -89,62 +89,42 @@ class _Decompressor:
             self._put(exc)
 
     def _gunzip(self) -> None:
-        # a layer may be several concatenated gzip members (pigz, some registries)
-        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        member_started = False
-        for block in self._blocks():
-            data = block
-            while data:
-                try:
-                    out = d.decompress(data)
-                except zlib.error as exc:
-                    raise BadArchive(
-                        f"{self._source}: corrupt gzip data near compressed byte "
-                        f"{self.compressed_bytes - len(data)}: {exc}; the file is damaged, fetch it again"
-                    ) from None
-                member_started = True
-                if out and not self._put(out):
-                    return
-                if d.eof:
-                    data = d.unused_data
-                    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
-                    member_started = False
-                    if data.strip(b"\0") == b"":  # trailing zero padding after the last member
-                        data = b""
-                else:
-                    data = b""
-        if member_started and not d.eof:
-            raise BadArchive(
-                f"{self._source}: gzip stream is truncated after {self.compressed_bytes} compressed bytes; "
-                "the file was cut short (incomplete download or copy)"
-            )
+        # a layer may be several concatenated gzip members (pigz, some registries),
+        # and gzip writers may pad the last member with zeros
+        self._inflate("gzip", lambda: zlib.decompressobj(16 + zlib.MAX_WBITS), zlib.error, zero_padding=True)
 
     def _unzstd(self) -> None:
         dctx = zstandard.ZstdDecompressor()
-        d = dctx.decompressobj()
-        in_frame = False
+        self._inflate("zstd", dctx.decompressobj, zstandard.ZstdError, zero_padding=False)
+
+    def _inflate(self, label: str, new: Callable[[], Any], error: type[Exception], *, zero_padding: bool) -> None:
+        """Decompress every frame or member of the raw stream, one after another."""
+        d = new()
+        started = False
         for block in self._blocks():
             data = block
             while data:
                 try:
                     out = d.decompress(data)
-                except zstandard.ZstdError as exc:
+                except error as exc:
                     raise BadArchive(
-                        f"{self._source}: corrupt zstd data near compressed byte "
+                        f"{self._source}: corrupt {label} data near compressed byte "
                         f"{self.compressed_bytes - len(data)}: {exc}; the file is damaged, fetch it again"
                     ) from None
-                in_frame = True
+                started = True
                 if out and not self._put(out):
                     return
                 if d.eof:
                     data = d.unused_data
-                    d = dctx.decompressobj()
-                    in_frame = False
+                    d = new()
+                    started = False
+                    if zero_padding and data.strip(b"\0") == b"":
+                        data = b""
                 else:
                     data = b""
-        if in_frame and not d.eof:
+        if started and not d.eof:
             raise BadArchive(
-                f"{self._source}: zstd stream is truncated after {self.compressed_bytes} compressed bytes; "
+                f"{self._source}: {label} stream is truncated after {self.compressed_bytes} compressed bytes; "
                 "the file was cut short (incomplete download or copy)"
             )
 
