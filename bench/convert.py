@@ -51,6 +51,8 @@ import zstandard
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import _f, _table, rate  # shared by the benchmarks
+
 from converters.errors import ConvertError  # noqa: E402
 from converters.layer import check_chunk_size, convert_stream  # noqa: E402
 from converters.oci import TRANSPORTS, LayerBlob, inspect_image, parse_image_ref  # noqa: E402
@@ -552,10 +554,6 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
-def rate(nbytes: int, seconds: float) -> float | None:
-    return nbytes / MB / seconds if seconds > 0 else None
-
-
 def ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
@@ -665,21 +663,6 @@ def goals(total: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- output --------------------------------------------------------------------
-
-
-def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
-    """Columns right-aligned except the first ``left`` ones."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for row in [header, *rows]:
-        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _f(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _mb(n: int) -> str:

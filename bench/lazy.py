@@ -59,6 +59,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import _f, _table, aws_environment, log, rate  # shared by the benchmarks
+
 from converters.errors import ConvertError  # noqa: E402
 from converters.oci import inspect_image  # noqa: E402
 from converters.publish import publish  # noqa: E402
@@ -101,9 +103,6 @@ COMMAND_TIMEOUT = 600.0
 TOOL_TIMEOUT = 1800.0
 TRACE_WAIT = 30.0  # seconds past the trace window to wait for the trace object
 SETTLE_TIMEOUT = 120.0  # for a replayed trace's prefetch to finish
-AWS_LEAKS = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
-             "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
-             "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
 GOAL_FETCH_OVER_READ = 1.3  # bytes fetched <= this x the bytes of the files the command opened
 GOAL_SIZE_RATIO = 1.25  # first output on the largest image <= this x on the smallest
@@ -112,10 +111,6 @@ GOAL_CACHED_ONCE = 1.1  # page cache per byte read through the mount <= this x t
 
 class BenchError(Exception):
     """The benchmark cannot run or a step failed; the message says what to do."""
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -870,10 +865,6 @@ def bench_backend(ctx: Ctx, images: Mapping[str, ImageInput], opened: Mapping[tu
 # -- statistics --------------------------------------------------------------------------------
 
 
-def rate(nbytes: int, seconds: float) -> float | None:
-    return nbytes / MB / seconds if seconds > 0 else None
-
-
 def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -934,20 +925,6 @@ def goals(doc: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # -- output ------------------------------------------------------------------------------------
-
-
-def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for row in [header, *rows]:
-        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _f(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _mb(n: float | None, digits: int = 2) -> str:
@@ -1126,26 +1103,6 @@ def _pc(pc: Mapping[str, Any]) -> list[str]:
 
 
 # -- command line ------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def aws_environment(endpoint: str, home: Path) -> Iterator[None]:
-    """Point boto3 (ours and the daemons') at the moto server with fake credentials only."""
-    saved = dict(os.environ)
-    try:
-        for name in AWS_LEAKS:
-            os.environ.pop(name, None)
-        os.environ.update({
-            "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_CONFIG_FILE": str(home / "no-aws-config"),
-            "AWS_SHARED_CREDENTIALS_FILE": str(home / "no-aws-credentials"),
-            "AWS_EC2_METADATA_DISABLED": "true",
-        })
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def run_backend(kind: str, work: Path, images: Mapping[str, ImageInput], opened: Mapping[tuple[str, str], Any],

@@ -56,6 +56,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import _f, _table, log  # shared by the benchmarks
+
 from converters.layer import DEFAULT_CHUNK_SIZE  # noqa: E402
 from converters.publish import PublishResult, publish  # noqa: E402
 from layerstore.errors import LayerboxError  # noqa: E402
@@ -84,10 +86,6 @@ GOAL_UPLOAD_PER_WRITTEN = 2.0  # no step may upload more than this many times wh
 
 class BenchError(Exception):
     """The benchmark cannot run or a tool failed; the message says what to do."""
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 class Signals:
@@ -596,20 +594,6 @@ def goals(steps: list[dict[str, Any]]) -> dict[str, Any]:
 # -- output -------------------------------------------------------------------------------------
 
 
-def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for row in [header, *rows]:
-        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _f(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def _mb(n: int | float) -> str:
     return f"{n / MB:.2f}"
 
@@ -772,7 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bulk-mb", type=int, default=None, metavar="N",
                    help="the bulk step that fills the upper directory (default: the tree size)")
     p.add_argument("--large-files", type=int, default=None, metavar="N",
-                   help=f"large files in the base tree, holding {LARGE_SHARE:.0%} of it (default 4; 2 with --quick)")
+                   help=f"large files in the base tree, holding {LARGE_SHARE:.0%}% of it (default 4; 2 with --quick)")
     p.add_argument("--seed", type=int, default=20240601, help="seed for sizes and picks (the data is os.urandom)")
     p.add_argument("--tmpdir", type=Path, default=Path("/var/tmp"), metavar="DIR",
                    help="where the tree, the store, the hosts and the archives go (default /var/tmp); removed at exit")

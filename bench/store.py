@@ -55,6 +55,8 @@ import zstandard
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import _f, _table, aws_environment, log, rate  # shared by the benchmarks
+
 from converters.errors import ConvertError  # noqa: E402
 from converters.oci import inspect_image  # noqa: E402
 from converters.publish import PublishResult, publish  # noqa: E402
@@ -77,17 +79,10 @@ PACKAGES = (
 )
 LARGE_EDIT = "botocore"  # the one-file change in a large workspace (else the largest one)
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc")  # a source tree, not an installed one
-AWS_LEAKS = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
-             "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
-             "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
 
 class BenchError(Exception):
     """The benchmark cannot run; the message says what to do."""
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- what a registry would hold -------------------------------------------------------------
@@ -479,10 +474,6 @@ async def open_store(url: str, data_dir: Path) -> tuple[Store, CountingBackend, 
 # -- one backend ------------------------------------------------------------------------------
 
 
-def rate(nbytes: int, seconds: float) -> float | None:
-    return nbytes / MB / seconds if seconds > 0 else None
-
-
 def per_mb(count: int, nbytes: int) -> float | None:
     return count / (nbytes / MB) if nbytes > 0 else None
 
@@ -678,26 +669,6 @@ async def bench_backend(kind: str, url: str, fresh_url: Callable[[], str], input
 # -- S3 -----------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def aws_environment(endpoint: str, home: Path) -> Iterator[None]:
-    """Point boto3 at the moto server with fake credentials only; restore the environment after."""
-    saved = dict(os.environ)
-    try:
-        for name in AWS_LEAKS:
-            os.environ.pop(name, None)
-        os.environ.update({
-            "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_CONFIG_FILE": str(home / "no-aws-config"),
-            "AWS_SHARED_CREDENTIALS_FILE": str(home / "no-aws-credentials"),
-            "AWS_EC2_METADATA_DISABLED": "true",
-        })
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def run_s3(inputs: Inputs, work: Path) -> dict[str, Any]:
     try:
         from tests.support.moto import MotoServer
@@ -729,20 +700,6 @@ def run_file(inputs: Inputs, work: Path) -> dict[str, Any]:
 
 
 # -- output -------------------------------------------------------------------------------------
-
-
-def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = []
-    for row in [header, *rows]:
-        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
-        lines.append("  ".join(cells).rstrip())
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _f(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def _mb(n: int | float) -> str:

@@ -1,0 +1,60 @@
+"""Helpers every benchmark uses: logging, rates, tables, a fake-credentials AWS environment.
+
+The benchmarks run as scripts (``python bench/NAME.py``), so they import this as ``common``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+MB = 1_000_000
+
+AWS_LEAKS = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
+             "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE",
+             "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def rate(nbytes: int, seconds: float) -> float | None:
+    return nbytes / MB / seconds if seconds > 0 else None
+
+
+@contextlib.contextmanager
+def aws_environment(endpoint: str, home: Path) -> Iterator[None]:
+    """Point boto3 at the moto server with fake credentials only; restore the environment after."""
+    saved = dict(os.environ)
+    try:
+        for name in AWS_LEAKS:
+            os.environ.pop(name, None)
+        os.environ.update({
+            "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_CONFIG_FILE": str(home / "no-aws-config"),
+            "AWS_SHARED_CREDENTIALS_FILE": str(home / "no-aws-credentials"),
+            "AWS_EC2_METADATA_DISABLED": "true",
+        })
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, *rows]:
+        cells = [c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
