@@ -18,7 +18,7 @@ from typing import Any
 from layerstore.erofs.reader import ErofsImage
 from layerstore.errors import FormatError
 from layerstore.locks import store_lock
-from layerstore.objects import hex_digest, resolve_document
+from layerstore.objects import doc_references, hex_digest, resolve_document
 from layerstore.packs import parse_index, split_pack
 from layerstore.store import Store
 
@@ -57,10 +57,7 @@ async def _mark(store: Store, report: GcReport) -> tuple[set[str], set[str], set
         docs.add(digest)
         doc = await store.get_doc(digest)
         resolved = resolve_document(digest, doc)
-        for part in (doc.get("parts") or {}).values():  # compositions keep their parts alive
-            pending.append(part["digest"])
-        if doc.get("parent"):  # checkpoints keep their parents alive
-            pending.append(doc["parent"])
+        pending.extend(doc_references(doc))
         for layer in resolved.layers:
             if layer.digest in layers:
                 continue

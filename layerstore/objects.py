@@ -29,6 +29,9 @@ from layerstore.errors import FormatError, LayerstoreError
 SCHEMA_IMAGE = "layerbox.image.v1"
 SCHEMA_COMPOSITION = "layerbox.composition.v1"
 SCHEMA_REF = "layerbox.ref.v1"
+# Documents without layers, kept alive by the refs or checkpoints that name them.
+SCHEMA_RECEIPTS = "layerbox.receipts.v1"
+SCHEMA_RUN = "layerbox.run.v1"
 REF_HISTORY = 50
 PART_ORDER = ("base", "workspace", "toolkit")  # lowest first: the mission's base + workspace + toolkit
 
@@ -209,9 +212,21 @@ class Resolved:
 def resolve_document(digest: str, doc: Mapping[str, Any]) -> Resolved:
     schema = doc.get("schema")
     what = f"document {digest}"
-    kinds = {SCHEMA_IMAGE: "image", SCHEMA_COMPOSITION: "composition"}
+    kinds = {SCHEMA_IMAGE: "image", SCHEMA_COMPOSITION: "composition", SCHEMA_RECEIPTS: "receipts",
+             SCHEMA_RUN: "run"}
     kind = kinds.get(str(schema)) or ("checkpoint" if str(schema).startswith("layerbox.checkpoint.") else None)
     if kind is None:
         raise FormatError(f"{what}: unknown schema {schema!r} (a newer layerbox may have written it)")
     layers = tuple(LayerEntry.from_json(layer, what) for layer in doc.get("layers", []))
     return Resolved(digest, kind, layers, doc.get("config") or {}, doc)
+
+
+def doc_references(doc: Mapping[str, Any]) -> list[str]:
+    """Digests of the documents ``doc`` keeps alive (what gc follows besides layers)."""
+    out = [part["digest"] for part in (doc.get("parts") or {}).values()]  # a composition's parts
+    if doc.get("parent"):  # a checkpoint's parent
+        out.append(doc["parent"])
+    out.extend((doc.get("attachments") or {}).values())  # e.g. a checkpoint's receipts
+    for entry in (doc.get("sandboxes") or {}).values():  # a run manifest's checkpoints
+        out.append(entry["checkpoint_digest"])
+    return [str(d) for d in out]

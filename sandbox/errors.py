@@ -44,3 +44,15 @@ class PathEscape(SandboxError, PermissionError):
 
 class UnsupportedOption(SandboxError, ValueError):
     """A requested property this slice does not enforce yet (e.g. disk limits)."""
+
+
+class JobNotAdmitting(SandboxStateError):
+    """The sandbox's job is being preempted or was preempted: retry after ``resume``."""
+
+    retryable = True
+
+
+class CommandInProgress(SandboxStateError):
+    """A command with this idempotency key is still running; retry to get its result."""
+
+    retryable = True

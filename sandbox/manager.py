@@ -7,7 +7,9 @@ Layout under ``<data-dir>/sandbox/``::
     boxes/<id>/state.json  what the manager knows (written before anything it names exists)
     boxes/<id>/bundle/   config.json (+ per-exec process documents)
     boxes/<id>/rootfs/   the writable overlay (a HostMounts mount)
+    boxes/<id>/disk.img, disk/  the sandbox's own ext4 (only with a disk limit; holds the upper)
     receipts/<id>.jsonl  append-only log of every action (kept after destroy)
+    leases.json          job leases and their admission state (sandbox/leases.py)
 
 Store-facing calls (create, restore, checkpoint) are coroutines; runtime and
 file calls are blocking and meant for a thread when the caller is async.
@@ -16,6 +18,7 @@ file calls are blocking and meant for a thread when the caller is async.
 from __future__ import annotations
 
 import asyncio
+import base64
 import builtins
 import contextlib
 import hashlib
@@ -26,6 +29,7 @@ import selectors
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,11 +39,14 @@ from typing import Any
 
 import blake3
 
-from layerstore.objects import Resolved
+from layerstore.objects import SCHEMA_RECEIPTS, Resolved
 from layerstore.store import Store
 from lazyfetch import kmount
 from lazyfetch.mounts import HostMounts, MountError
+from sandbox import disk as sbdisk
 from sandbox.errors import (
+    CommandInProgress,
+    JobNotAdmitting,
     RuntimeFailed,
     SandboxError,
     SandboxNotFound,
@@ -47,6 +54,7 @@ from sandbox.errors import (
     UnsupportedOption,
 )
 from sandbox.files import RootFiles
+from sandbox.leases import Leases
 from sandbox.runtime import CgroupLayout, OciRuntime, preflight_cgroups
 from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec
 from snapshots.checkpoint import Checkpoint, Snapshots
@@ -56,6 +64,9 @@ log = logging.getLogger("layerbox.sandbox")
 MiB = 1 << 20
 READ_CHUNK = 64 << 10
 PR_SET_CHILD_SUBREAPER = 36
+# Output kept in the receipt of a command with an idempotency key, so a retry gets it back.
+KEYED_OUTPUT_CAP = 256 << 10
+CPU_CLASSES = ("latency", "best-effort")
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,18 @@ class ExecResult:
     duration: float
     timed_out: bool = False
     oom_killed: bool = False
+    interrupted: str | None = None  # "preempt" or "disconnect": the manager stopped it early
+    replayed: bool = False  # answered from the receipt of an earlier run with the same idempotency key
+
+
+class Cancel(threading.Event):
+    """Set it (with a reason) to stop a running exec: its process tree is killed."""
+
+    reason = "cancelled"
+
+    def cancel(self, reason: str) -> None:
+        self.reason = reason
+        self.set()
 
 
 def become_subreaper() -> None:
@@ -143,6 +166,18 @@ def _uid_gid(files: RootFiles, user: str) -> tuple[int, int]:
     return uid, gid if gid is not None else uid
 
 
+def _replay(rec: Mapping[str, Any]) -> ExecResult:
+    """The result an earlier run under the same idempotency key recorded."""
+    if rec["action"] == "exec_started":  # the manager died or the job was preempted mid-command
+        return ExecResult(None, None, b"", b"", False, 0.0, interrupted="unknown", replayed=True)
+    return ExecResult(rec.get("exit_code"), rec.get("signal"), base64.b64decode(rec.get("stdout", "")),
+                      base64.b64decode(rec.get("stderr", "")),
+                      bool(rec.get("truncated")) or rec.get("stdout_bytes", 0) > KEYED_OUTPUT_CAP
+                      or rec.get("stderr_bytes", 0) > KEYED_OUTPUT_CAP,
+                      float(rec.get("duration", 0.0)), bool(rec.get("timed_out")), bool(rec.get("oom_killed")),
+                      rec.get("interrupted"), replayed=True)
+
+
 def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
@@ -170,9 +205,10 @@ class Sandbox:
             raise SandboxNotFound(f"sandbox {self.id}: no state under {self.manager.boxes}") from None
 
     def _update(self, **changes: Any) -> None:
-        st = self.state
-        st.update(changes)
-        _write_json(self.dir / "state.json", st)
+        with self.manager._lock:  # read-modify-write: exec threads and preemption both write here
+            st = self.state
+            st.update(changes)
+            _write_json(self.dir / "state.json", st)
 
     @property
     def pid(self) -> int:
@@ -199,33 +235,81 @@ class Sandbox:
     def exec(self, cmd: Sequence[str] | str, *, env: Mapping[str, str] | None = None, cwd: str | None = None,
              timeout: float | None = None, stdin: bytes | None = None, output_cap: int = MiB,
              on_stdout: Callable[[bytes], None] | None = None,
-             on_stderr: Callable[[bytes], None] | None = None) -> ExecResult:
+             on_stderr: Callable[[bytes], None] | None = None,
+             idempotency_key: str | None = None, cancel: Cancel | None = None) -> ExecResult:
         """Run ``cmd`` (a string goes through ``/bin/sh -c``) and collect at most ``output_cap`` bytes per stream.
 
         Output past the cap is still read (so the command never blocks on a full
-        pipe) but dropped, and ``truncated`` is set.  On ``timeout`` the process,
-        every descendant and every orphan it left to the sandbox's init are
-        SIGKILLed under the freezer, and the result has ``timed_out``.
+        pipe) but dropped, and ``truncated`` is set.  On ``timeout`` or when
+        ``cancel`` is set, the process, every descendant and every orphan it
+        left to the sandbox's init are SIGKILLed under the freezer.
+
+        With ``idempotency_key``, a command that already ran under that key in
+        this sandbox (or in the checkpoint it was restored from) is not run
+        again: its recorded result comes back with ``replayed`` set.
         """
-        self._require_running()
-        st = self.state
+        cancel = cancel or Cancel()
         args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        merged = {**st["env"], **(env or {})}
-        workdir = cwd or st["cwd"]
         self._exec_seq += 1
         tag = f"exec-{os.getpid()}-{self._exec_seq}-{uuid.uuid4().hex[:6]}"
+        with self.manager._lock:
+            # admission and registration under one lock: preemption either sees this exec or refuses it
+            self._require_running()
+            st = self.state
+            if not st.get("admitting", True):
+                raise JobNotAdmitting(f"sandbox {self.id}: job {st.get('job')!r} is being preempted; "
+                                      "retry after it is resumed")
+            if idempotency_key is not None:
+                if (self.id, idempotency_key) in self.manager._keys_running:
+                    raise CommandInProgress(f"sandbox {self.id}: a command with idempotency key "
+                                            f"{idempotency_key!r} is still running")
+                earlier = self._keyed_receipt(idempotency_key)
+                if earlier is not None:
+                    return _replay(earlier)
+                self.manager._keys_running.add((self.id, idempotency_key))
+            self.manager._inflight.setdefault(self.id, {})[tag] = cancel
+        try:
+            if idempotency_key is not None:
+                # a crash during the command leaves this behind: a retry then learns it was interrupted
+                self._receipt("exec_started", command=args, idempotency_key=idempotency_key)
+            return self._exec(tag, st, args, env, cwd, timeout, stdin, output_cap, on_stdout, on_stderr,
+                              idempotency_key, cancel)
+        finally:
+            with self.manager._lock:
+                running = self.manager._inflight.get(self.id, {})
+                running.pop(tag, None)
+                if not running:
+                    self.manager._inflight.pop(self.id, None)
+                if idempotency_key is not None:
+                    self.manager._keys_running.discard((self.id, idempotency_key))
+
+    def _keyed_receipt(self, key: str) -> dict[str, Any] | None:
+        found = None
+        for rec in self.receipts():
+            if rec.get("idempotency_key") == key and rec.get("action") in ("exec", "exec_started"):
+                if found is None or rec["action"] == "exec":
+                    found = rec
+        return found
+
+    def _exec(self, tag: str, st: Mapping[str, Any], args: builtins.list[str], env: Mapping[str, str] | None,
+              cwd: str | None, timeout: float | None, stdin: bytes | None, output_cap: int,
+              on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
+              idempotency_key: str | None, cancel: Cancel) -> ExecResult:
+        merged = {**st["env"], **(env or {})}
+        workdir = cwd or st["cwd"]
         process_file, pid_file = self.bundle / f"{tag}.json", self.bundle / f"{tag}.pid"
         _write_json(process_file, build_process(args, env=merged, cwd=workdir, uid=st["uid"], gid=st["gid"]))
         oom_before = self.manager._oom_kills(st)
         started = time.perf_counter()
         proc = self.manager.runtime.exec(self.id, process_file, pid_file=pid_file,
-                                         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL)
+                                         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                                         sched_idle=st.get("cpu_class") == "best-effort")
         exec_start = _proc_stat(proc.pid)
         timed_out = False
         try:
             out, err, truncated, digests, sizes, timed_out = self._pump(
                 proc, stdin, output_cap, timeout, on_stdout, on_stderr, pid_file,
-                exec_start[1] if exec_start else 0)
+                exec_start[1] if exec_start else 0, cancel)
         finally:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -235,18 +319,26 @@ class Sandbox:
             pid_file.unlink(missing_ok=True)
         duration = time.perf_counter() - started
         rc = proc.returncode
-        sig = signal.SIGKILL.value if timed_out else (rc - 128 if rc is not None and 128 < rc <= 128 + 64 else None)
+        interrupted = cancel.reason if cancel.is_set() else None
+        killed = timed_out or interrupted is not None
+        sig = signal.SIGKILL.value if killed else (rc - 128 if rc is not None and 128 < rc <= 128 + 64 else None)
         oom = self.manager._oom_kills(st) > oom_before
-        result = ExecResult(rc, sig, out, err, truncated, round(duration, 6), timed_out, oom)
+        result = ExecResult(rc, sig, out, err, truncated, round(duration, 6), timed_out, oom, interrupted)
+        keyed: dict[str, Any] = {}
+        if idempotency_key is not None:
+            keyed = {"idempotency_key": idempotency_key,
+                     "stdout": base64.b64encode(out[:KEYED_OUTPUT_CAP]).decode(),
+                     "stderr": base64.b64encode(err[:KEYED_OUTPUT_CAP]).decode()}
         self._receipt("exec", command=args, cwd=workdir, exit_code=rc, signal=sig, timed_out=timed_out,
-                      oom_killed=oom, stdout_bytes=sizes[0], stderr_bytes=sizes[1],
+                      oom_killed=oom, interrupted=interrupted, stdout_bytes=sizes[0], stderr_bytes=sizes[1],
                       stdout_blake3=digests[0], stderr_blake3=digests[1], truncated=truncated,
-                      duration=result.duration)
+                      duration=result.duration, cpu_class=st.get("cpu_class", "latency"),
+                      policy_version=st.get("policy_version"), **keyed)
         return result
 
     def _pump(self, proc: subprocess.Popen[bytes], stdin: bytes | None, cap: int, timeout: float | None,
               on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
-              pid_file: Path, since: int
+              pid_file: Path, since: int, cancel: Cancel
               ) -> tuple[bytes, bytes, bool, tuple[str, str], tuple[int, int], bool]:
         assert proc.stdout is not None
         assert proc.stderr is not None
@@ -267,15 +359,19 @@ class Sandbox:
                 proc.stdin.close()
         deadline = time.monotonic() + timeout if timeout is not None else None
         exited_at: float | None = None
-        timed_out = False
+        timed_out = killed = False
         try:
             while sel.get_map():
                 now = time.monotonic()
-                if deadline is not None and now >= deadline and not timed_out:
-                    timed_out = True
+                if cancel.is_set() and not killed:
+                    killed = True
+                    self._kill_exec(pid_file, since)
+                    deadline = now + 5.0
+                elif deadline is not None and now >= deadline and not killed:
+                    timed_out = killed = True
                     self._kill_exec(pid_file, since)
                     deadline = now + 5.0  # then give up on crun exec itself
-                elif deadline is not None and timed_out and now >= deadline:
+                elif deadline is not None and killed and now >= deadline:
                     break
                 if exited_at is None and proc.poll() is not None:
                     exited_at = now
@@ -416,10 +512,14 @@ class Sandbox:
             raise SandboxStateError(f"sandbox {self.id} is {st.get('status')}")
         last = self.manager.receipts(self.id)
         async with await self.manager._store() as store:
+            # receipts travel with the checkpoint: a restored sandbox knows its history and idempotency keys
+            receipts = await store.put_doc({"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last})
             ckpt = await Snapshots(store, self.manager.host).checkpoint(
                 str(self.rootfs), name=name, labels={**st.get("labels", {}), **(labels or {})},
                 trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
-                receipt_id=last[-1]["id"] if last else None, policy_version=policy_version, freeze=self._frozen)
+                receipt_id=last[-1]["id"] if last else None,
+                policy_version=policy_version if policy_version is not None else st.get("policy_version"),
+                freeze=self._frozen, attachments={"receipts": receipts})
         self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
                       bytes_changed=ckpt.bytes_changed)
         return ckpt
@@ -440,9 +540,13 @@ class SandboxManager:
         self.receipts_dir = self.root / "receipts"
         self.runtime = OciRuntime(self.root / "runtime", binary=runtime)
         self.host = HostMounts(self.data_dir, store_url)
+        self.leases = Leases(self.root / "leases.json")
         # one cgroup parent per data dir: two managers on one machine never share cgroups
         self.cgroup_parent = "layerbox-" + hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:10]
         self._layout: CgroupLayout | None = None
+        self._lock = threading.RLock()
+        self._inflight: dict[str, dict[str, Cancel]] = {}  # sandbox -> running execs (this process)
+        self._keys_running: set[tuple[str, str]] = set()
 
     @property
     def layout(self) -> CgroupLayout:
@@ -458,67 +562,101 @@ class SandboxManager:
         box.state  # noqa: B018  (raises SandboxNotFound)
         return box
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self, *, job: str | None = None) -> list[dict[str, Any]]:
         out = []
         for path in sorted(self.boxes.glob("*/state.json")):
             with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-                out.append(json.loads(path.read_text()))
+                st = json.loads(path.read_text())
+                if job is None or st.get("job") == job:
+                    out.append(st)
         return out
 
+    def inflight(self, sid: str) -> int:
+        with self._lock:
+            return len(self._inflight.get(sid, {}))
+
     # -- create / restore -----------------------------------------------------------------------------
-    async def create(self, ref: str, *, cpu: float = 1.0, memory: int = 512 * MiB, pids: int = 256,
-                     disk: int | None = None, env: Mapping[str, str] | None = None, workdir: str | None = None,
-                     user: str | None = None, labels: Mapping[str, str] | None = None, ttl: float | None = None,
-                     idle_timeout: float | None = None) -> Sandbox:
-        """Start a sandbox on a writable overlay of ``ref``; returns once ``exec`` works."""
+    async def create(self, ref: str, **options: Any) -> Sandbox:
+        """Start a sandbox on a writable overlay of ``ref``; returns once ``exec`` works.
+
+        Options: ``cpu`` (CPUs of quota), ``memory`` and ``disk`` (bytes),
+        ``pids``, ``cpu_class`` ("latency" or "best-effort"), ``env``,
+        ``workdir``, ``user``, ``labels``, ``ttl`` and ``idle_timeout``
+        (seconds), ``job`` and ``lease_ttl`` (the caller's lease),
+        ``policy_version``.
+        """
         async with await self._store() as store:
             resolved = await store.resolve(ref)
-        return await self._launch(resolved, ref, None, cpu=cpu, memory=memory, pids=pids, disk=disk, env=env,
-                                  workdir=workdir, user=user, labels=labels, ttl=ttl, idle_timeout=idle_timeout)
+        return await self._launch(resolved, ref, **options)
 
-    async def restore(self, checkpoint_ref: str, *, policy_version: str | None = None, **options: Any) -> Sandbox:
+    async def restore(self, checkpoint_ref: str, *, policy_version: str | None = None,
+                      **options: Any) -> Sandbox:
         """A new sandbox whose rootfs is ``checkpoint_ref`` (made on this host or any other)."""
         async with await self._store() as store:
             resolved = await Snapshots(store, self.host).verify_bound(checkpoint_ref, policy_version=policy_version)
-        return await self._launch(resolved, checkpoint_ref, policy_version, **options)
+            receipts: builtins.list[dict[str, Any]] = []
+            attached = (resolved.doc.get("attachments") or {}).get("receipts")
+            if attached:
+                receipts = list((await store.get_doc(attached)).get("receipts", []))
+        return await self._launch(resolved, checkpoint_ref, policy_version=policy_version,
+                                  inherited=receipts, **options)
 
-    async def _launch(self, resolved: Resolved, ref: str, policy_version: str | None, *, cpu: float = 1.0,
-                      memory: int = 512 * MiB, pids: int = 256, disk: int | None = None,
+    async def _launch(self, resolved: Resolved, ref: str, *, cpu: float = 1.0, memory: int = 512 * MiB,
+                      pids: int = 256, disk: int | None = None, cpu_class: str = "latency",
                       env: Mapping[str, str] | None = None, workdir: str | None = None, user: str | None = None,
                       labels: Mapping[str, str] | None = None, ttl: float | None = None,
-                      idle_timeout: float | None = None) -> Sandbox:
-        if disk is not None:
-            raise UnsupportedOption("disk limits are not enforced yet (no project quota on the upper dir); "
-                                    "pass disk=None")
+                      idle_timeout: float | None = None, job: str | None = None, lease_ttl: float | None = None,
+                      policy_version: str | None = None, admitting: bool = True,
+                      inherited: Sequence[Mapping[str, Any]] = ()) -> Sandbox:
+        if cpu_class not in CPU_CLASSES:
+            raise UnsupportedOption(f"cpu_class {cpu_class!r}: choose one of {CPU_CLASSES}")
+        if job is not None:
+            lease = self.leases.get(job)
+            if lease is not None and lease.state != "active" and admitting:
+                raise JobNotAdmitting(f"job {job!r} is {lease.state}; resume its run manifest first")
+            self.leases.renew(job, lease_ttl)
         layout = self.layout
         sid = "lb-" + uuid.uuid4().hex[:12]
         box = Sandbox(self, sid)
         box.bundle.mkdir(parents=True)
         box.rootfs.mkdir()
         self.receipts_dir.mkdir(parents=True, exist_ok=True)
-        limits = Limits(cpu=cpu, memory=memory, pids=pids)
+        limits = Limits(cpu=cpu, memory=memory, pids=pids, best_effort=cpu_class == "best-effort")
+        options = {"cpu": cpu, "memory": memory, "pids": pids, "disk": disk, "cpu_class": cpu_class,
+                   "ttl": ttl, "idle_timeout": idle_timeout, "workdir": workdir, "user": user,
+                   "env": dict(env or {})}
         state: dict[str, Any] = {
             "id": sid, "status": "creating", "ref": ref, "image_digest": resolved.digest, "kind": resolved.kind,
             "labels": dict(labels or {}), "limits": asdict(limits), "ttl": ttl, "idle_timeout": idle_timeout,
             "created": time.time(), "last_active": time.time(), "cgroups_path": f"/{self.cgroup_parent}/{sid}",
-            "pid": None,
+            "pid": None, "job": job, "cpu_class": cpu_class, "disk": disk, "policy_version": policy_version,
+            "admitting": admitting, "options": options,
+            "layer_digests": [layer.digest for layer in resolved.layers],
         }
         _write_json(box.dir / "state.json", state)  # first: a crash from here on is reconciled
+        for rec in inherited:  # the history of the checkpoint this sandbox continues
+            self._append_receipt(sid, {**rec, "inherited": True})
         started = time.perf_counter()
         try:
+            upper = None
+            if disk is not None:
+                mnt = await asyncio.to_thread(sbdisk.make_disk, box.dir / "disk.img", box.dir / "disk", disk)
+                upper = str(mnt / "upper")
             if resolved.kind == "checkpoint":
                 async with await self._store() as store:
-                    await Snapshots(store, self.host).restore(ref, str(box.rootfs), policy_version=policy_version)
+                    await Snapshots(store, self.host).restore(ref, str(box.rootfs), upper=upper,
+                                                              policy_version=policy_version)
             else:
-                await asyncio.to_thread(self.host.mount, resolved, box.rootfs, writable=True)
+                await asyncio.to_thread(self.host.mount, resolved, box.rootfs, writable=True, upper=upper)
             mounted = time.perf_counter()
             await asyncio.to_thread(self._start, box, resolved, state, limits, layout, env, workdir, user)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.destroy(sid)
             raise
-        box._receipt("create", ref=ref, cpu=cpu, memory=memory, pids=pids,
-                     mount_seconds=round(mounted - started, 6),
+        box._receipt("create" if resolved.kind != "checkpoint" else "restore", ref=ref, cpu=cpu, memory=memory,
+                     pids=pids, disk=disk, cpu_class=cpu_class, job=job, policy_version=policy_version,
+                     layer_digests=state["layer_digests"], mount_seconds=round(mounted - started, 6),
                      start_seconds=round(time.perf_counter() - mounted, 6))
         return box
 
@@ -536,10 +674,55 @@ class SandboxManager:
         _write_json(box.bundle / "config.json", spec)
         state.update(env=merged_env, cwd=cwd, uid=uid, gid=gid, status="starting")
         _write_json(box.dir / "state.json", state)
-        self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid")
+        self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid", sched_idle=limits.best_effort)
         self.runtime.start(box.id)
         state.update(pid=int((box.dir / "init.pid").read_text()), status="running")
         _write_json(box.dir / "state.json", state)
+
+    # -- jobs ---------------------------------------------------------------------------------------------
+    def renew(self, job: str, ttl: float | None = None) -> dict[str, Any]:
+        return asdict(self.leases.renew(job, ttl))
+
+    def pause_job(self, job: str) -> builtins.list[str]:
+        """Freeze every running sandbox of ``job`` (and reclaim their page cache)."""
+        done = []
+        for st in self.list(job=job):
+            if st.get("status") == "running":
+                Sandbox(self, st["id"]).pause()
+                done.append(st["id"])
+        return done
+
+    def resume_job(self, job: str) -> builtins.list[str]:
+        done = []
+        for st in self.list(job=job):
+            if st.get("status") == "paused":
+                Sandbox(self, st["id"]).resume()
+                done.append(st["id"])
+        return done
+
+    def reap(self, now: float | None = None) -> dict[str, builtins.list[str]]:
+        """Destroy sandboxes past their TTL or lease; pause those idle past their idle timeout."""
+        now = time.time() if now is None else now
+        report: dict[str, builtins.list[str]] = {"destroyed": [], "paused": []}
+        expired_jobs = {lease.job for lease in self.leases.all() if lease.expired(now)}
+        for st in self.list():
+            sid = st["id"]
+            try:
+                if st.get("status") in ("creating", "starting"):
+                    continue
+                if (st.get("ttl") is not None and now - st["created"] > st["ttl"]) or st.get("job") in expired_jobs:
+                    self.destroy(sid)
+                    report["destroyed"].append(sid)
+                elif (st.get("idle_timeout") is not None and st.get("status") == "running"
+                      and now - st["last_active"] > st["idle_timeout"] and not self.inflight(sid)):
+                    Sandbox(self, sid).pause()
+                    report["paused"].append(sid)
+            except (SandboxError, MountError, OSError) as exc:  # one bad sandbox must not stop the reaper
+                log.warning("reaper: sandbox %s: %s", sid, exc)
+        for job in expired_jobs:
+            if not self.list(job=job):
+                self.leases.drop(job)
+        return report
 
     # -- destroy / reconcile ----------------------------------------------------------------------------
     def destroy(self, sid: str) -> None:
@@ -561,6 +744,7 @@ class SandboxManager:
         else:
             with contextlib.suppress(MountError):
                 self.host.umount(box.rootfs, discard=True)  # forget a stale record
+        sbdisk.remove_disk(box.dir / "disk.img", box.dir / "disk")
         self._remove_cgroups(f"/{self.cgroup_parent}/{sid}")
         if known:
             self._append_receipt(sid, {"id": uuid.uuid4().hex[:16], "sandbox": sid, "action": "destroy",
@@ -587,9 +771,10 @@ class SandboxManager:
         """After a crash: adopt sandboxes that still run, clean up everything else we own."""
         report: dict[str, builtins.list[str]] = {"adopted": [], "destroyed": [], "orphans": []}
         states = {p.parent.name: p for p in self.boxes.glob("*/state.json")} if self.boxes.exists() else {}
+        leftovers = {p.name for p in self.boxes.iterdir() if p.is_dir()} if self.boxes.exists() else set()
         containers = {c["id"]: c for c in self.runtime.list()} if self.runtime.root.exists() else {}
         mounted = set(self.host.status()["mounts"])
-        for sid in sorted(set(states) | set(containers)):
+        for sid in sorted(set(states) | set(containers) | leftovers):
             box = Sandbox(self, sid)
             c = containers.get(sid)
             ok = (sid in states and c is not None and c.get("status") in ("running", "paused")
@@ -606,23 +791,12 @@ class SandboxManager:
             if mp.startswith(str(self.boxes) + "/") and Path(mp).parent.name not in report["adopted"]:
                 self.host.umount(mp, discard=True)
                 report["orphans"].append(mp)
-        for sid in self.expired():
-            self.destroy(sid)
+        for sid in self.reap()["destroyed"]:  # TTLs and leases ran on while the manager was down
             report["destroyed"].append(sid)
             report["adopted"].remove(sid)
         if not report["adopted"]:
             self._remove_cgroups(f"/{self.cgroup_parent}")
         return report
-
-    def expired(self, now: float | None = None) -> builtins.list[str]:
-        """Sandboxes past their TTL or idle timeout (the caller destroys them)."""
-        now = time.time() if now is None else now
-        out = []
-        for st in self.list():
-            if (st.get("ttl") is not None and now - st["created"] > st["ttl"]) or (
-                    st.get("idle_timeout") is not None and now - st["last_active"] > st["idle_timeout"]):
-                out.append(st["id"])
-        return out
 
     def close(self, *, stop_daemon: bool = True) -> None:
         """Destroy every sandbox and release this host's layer mounts."""

@@ -34,13 +34,23 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 DEFAULT_TIMEOUT = 30.0
 
 
+def _sched_idle() -> None:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 def spawn(argv: Sequence[str], *, stdin: int | IO[Any] | None = subprocess.DEVNULL,
           stdout: int | IO[Any] | None = subprocess.PIPE,
-          stderr: int | IO[Any] | None = subprocess.PIPE) -> subprocess.Popen[bytes]:
-    """Start ``argv`` (never through a shell) in its own session / process group."""
+          stderr: int | IO[Any] | None = subprocess.PIPE, sched_idle: bool = False) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (never through a shell) in its own session / process group.
+
+    ``sched_idle`` puts the child under SCHED_IDLE before it execs; the policy
+    is inherited across fork and exec, so everything crun starts for it
+    (the container process and its children) runs only when a CPU is idle.
+    """
     try:
         return subprocess.Popen(list(argv), stdin=stdin, stdout=stdout, stderr=stderr,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True,
+                                preexec_fn=_sched_idle if sched_idle else None)
     except FileNotFoundError as exc:
         raise HostUnsupported(f"{argv[0]}: not installed (apt-get install crun util-linux)") from exc
 
@@ -144,14 +154,15 @@ class OciRuntime:
     def argv(self, *args: str) -> list[str]:
         return [self.binary, "--root", str(self.root), *args]
 
-    def _run(self, *args: str, timeout: float | None = None, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    def _run(self, *args: str, timeout: float | None = None, check: bool = True,
+             sched_idle: bool = False) -> subprocess.CompletedProcess[bytes]:
         # Temp files, not pipes: `crun create` hands its stdio to the container's init,
         # which would hold a pipe open (and a communicate() waiting) for its whole life.
         self.root.mkdir(parents=True, exist_ok=True)
         argv = self.argv(*args)
         limit = timeout or self.timeout
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            proc = spawn(argv, stdout=out, stderr=err)
+            proc = spawn(argv, stdout=out, stderr=err, sched_idle=sched_idle)
             try:
                 proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
@@ -172,8 +183,9 @@ class OciRuntime:
         return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def create(self, cid: str, bundle: str | os.PathLike[str], *, pid_file: str | os.PathLike[str]) -> None:
-        self._run("create", "--bundle", str(bundle), "--pid-file", str(pid_file), cid)
+    def create(self, cid: str, bundle: str | os.PathLike[str], *, pid_file: str | os.PathLike[str],
+               sched_idle: bool = False) -> None:
+        self._run("create", "--bundle", str(bundle), "--pid-file", str(pid_file), cid, sched_idle=sched_idle)
 
     def start(self, cid: str) -> None:
         self._run("start", cid)
@@ -203,8 +215,8 @@ class OciRuntime:
         self._run("delete", *(["--force"] if force else []), cid)
 
     def exec(self, cid: str, process_json: str | os.PathLike[str], *, pid_file: str | os.PathLike[str],
-             stdin: int | IO[Any] | None) -> subprocess.Popen[bytes]:
+             stdin: int | IO[Any] | None, sched_idle: bool = False) -> subprocess.Popen[bytes]:
         """Start ``crun exec`` with a full OCI process document; the caller streams and reaps it."""
         self.root.mkdir(parents=True, exist_ok=True)
         return spawn(self.argv("exec", "--process", str(process_json), "--pid-file", str(pid_file), cid),
-                     stdin=stdin)
+                     stdin=stdin, sched_idle=sched_idle)

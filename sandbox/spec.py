@@ -58,14 +58,16 @@ class Limits:
     cpu: float = 1.0  # CPUs' worth of quota
     memory: int = 512 << 20  # bytes, no swap
     pids: int = 256
+    best_effort: bool = False  # the lowest CPU weight: it yields to every latency-sensitive sandbox
 
     def resources(self) -> dict[str, Any]:
         period = 100_000
+        shares = 2 if self.best_effort else max(2, int(1024 * self.cpu))
         return {
             "memory": {"limit": self.memory, "swap": self.memory},
             "pids": {"limit": self.pids},
             "cpu": {"quota": max(1000, int(self.cpu * period)), "period": period,
-                    "shares": max(2, int(1024 * self.cpu))},
+                    "shares": shares},
             "devices": [{"allow": False, "access": "rwm"}]
             + [{"allow": True, "type": "c", "major": ma, "minor": mi, "access": "rwm"} for _, ma, mi in DEVICES]
             + [{"allow": True, "type": "c", "major": 136, "access": "rwm"},  # /dev/pts/*

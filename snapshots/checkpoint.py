@@ -184,13 +184,16 @@ class Snapshots:
         trajectory_offset: int | None = None, receipt_id: str | None = None, caller: str | None = None,
         policy_version: str | None = None, freeze: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE, before_ref: Callable[[], None] | None = None,
+        attachments: Mapping[str, str] | None = None,
     ) -> Checkpoint:
         """Capture the mount's writes since its parent as a new checkpoint.
 
         ``freeze`` (a context manager factory, e.g. a cgroup freezer) keeps
         writers still while the upper directory is scanned and the changed
         files are converted; uploading happens after it is released.
-        Without it the caller guarantees quiescence.  ``before_ref`` is a
+        Without it the caller guarantees quiescence.  ``attachments`` names
+        documents already in the store (e.g. the sandbox's receipts) that the
+        checkpoint keeps alive.  ``before_ref`` is a
         test hook run once every object is stored, before the ref moves.
         """
         started = time.perf_counter()
@@ -237,6 +240,7 @@ class Snapshots:
             "caller": caller or f"uid:{os.getuid()}@{socket.gethostname()}",
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "labels": dict(labels or {}),
+            "attachments": dict(attachments or {}),
             "stats": {"entries": len(include) + len(whiteouts), "bytes_changed": result.bytes},
         }
         digest = await self.store.put_doc(doc, stats)

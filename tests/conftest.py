@@ -20,6 +20,7 @@ from support.env import require
 from lazyfetch import kmount
 from lazyfetch.errors import KernelMountError
 from tests.support.hosts import hosts  # noqa: F401  (a fixture for every test module)
+from tests.support.sandboxes import boxes, manager, store_url  # noqa: F401  (module scope: one per module)
 
 
 @pytest.fixture

@@ -2,78 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
 import socket
 import subprocess
 import threading
 import time
 import tracemalloc
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from support.env import require
+from support.sandboxes import REF, assert_clean, run
 
-from lazyfetch import kmount
 from sandbox.errors import UnsupportedOption
 from sandbox.manager import Sandbox, SandboxManager
 from sandbox.spec import CAPABILITIES
-from tests.support.hosts import publish_sync
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
-
-FIXTURE = "/work/shared/fixtures/debian-bookworm.oci.tar"
-REF = "img/python"
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-def assert_clean(mgr: SandboxManager) -> None:
-    assert mgr.runtime.list() == []
-    assert kmount.mounts_under(mgr.data_dir) == []
-    assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
-
-
-@pytest.fixture(scope="module")
-def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    require("root")
-    if not os.path.exists(FIXTURE):
-        pytest.skip(f"{FIXTURE} missing")
-    root = tmp_path_factory.mktemp("sbx-store")
-    url = f"file://{root / 'store'}"
-    publish_sync(url, root / "pub", f"oci-archive:{FIXTURE}:python", REF)
-    return url
-
-
-@pytest.fixture(scope="module")
-def manager(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxManager]:
-    mgr = SandboxManager(tmp_path_factory.mktemp("sbx-host1"), store_url)
-    try:
-        yield mgr
-    finally:
-        mgr.close()
-        assert_clean(mgr)
-
-
-@pytest.fixture
-def boxes(manager: SandboxManager) -> Iterator[Any]:
-    """Create sandboxes on the module's manager; every one is destroyed when the test ends."""
-    made: list[Sandbox] = []
-
-    def make(ref: str = REF, **kw: Any) -> Sandbox:
-        box = run(manager.create(ref, **kw))
-        made.append(box)
-        return box
-
-    yield make
-    for box in made:
-        box.destroy()
-    assert manager.runtime.list() == []
-    assert [m for m in kmount.mounts_under(manager.boxes)] == []
 
 
 def test_lifecycle_checkpoint_and_restore_on_second_host(
@@ -159,8 +103,8 @@ def test_confinement(boxes: Any) -> None:
     assert denied.stdout.strip() == b"-1 1"
     assert box.exec("ls /dev | sort").stdout.split() == sorted(
         b"core fd full mqueue null ptmx pts random shm stderr stdin stdout tty urandom zero".split())
-    with pytest.raises(UnsupportedOption):
-        run(box.manager.create(REF, disk=1 << 30))
+    with pytest.raises(UnsupportedOption, match="cpu_class"):
+        run(box.manager.create(REF, cpu_class="realtime"))
 
 
 def _cgroup_procs(box: Sandbox) -> set[int]:

@@ -1,0 +1,232 @@
+"""Jobs on one host and across hosts: leases, the reaper, CPU classes, disk limits, preemption and resume."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.sandboxes import REF, assert_clean, run
+
+from layerstore import gc
+from layerstore.store import Store
+from sandbox.errors import CommandInProgress, JobNotAdmitting, SandboxError
+from sandbox.manager import Cancel, ExecResult, SandboxManager
+from sandbox.runs import preempt, resume_run
+
+pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
+
+SCHED_IDLE = 5
+
+
+def _policy(stat: bytes) -> int:
+    """The scheduling policy field of /proc/<pid>/stat."""
+    text = stat.decode()
+    return int(text[text.rindex(")") + 2:].split()[38])
+
+
+def test_disk_limit_stops_a_fill_and_leaves_the_host_alone(boxes: Any, manager: SandboxManager) -> None:
+    box = boxes(disk=64 << 20)
+    fill = box.exec("dd if=/dev/urandom of=/root/fill bs=1M count=200; sync; echo rc=$?", timeout=60)
+    assert b"No space left on device" in fill.stderr
+    size = int(box.exec("stat -c %s /root/fill").stdout)
+    assert 40 << 20 < size <= 64 << 20
+    assert box.exec("echo still fine").stdout == b"still fine\n"
+    box.exec("rm /root/fill")
+    assert box.exec("head -c 1000000 /dev/zero > /root/small && echo ok").stdout == b"ok\n"
+    image = box.dir / "disk.img"
+    # however hard the sandbox writes, the host's data disk pays at most the limit
+    assert image.stat().st_blocks * 512 <= 64 << 20
+    box.destroy()
+    assert not image.exists()
+    loops = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert str(image) not in loops
+
+
+def test_best_effort_runs_under_sched_idle_with_the_lowest_weight(boxes: Any, manager: SandboxManager) -> None:
+    be = boxes(cpu_class="best-effort")
+    ls = boxes()
+    assert _policy(be.exec("cat /proc/self/stat").stdout) == SCHED_IDLE
+    assert _policy(ls.exec("cat /proc/self/stat").stdout) == 0  # SCHED_OTHER
+    assert os.sched_getscheduler(be.pid) == SCHED_IDLE  # init, and so every orphan it adopts
+    assert os.sched_getscheduler(ls.pid) == 0
+    cpu_dir = manager.layout.controller_dir("cpu", be.state["cgroups_path"])
+    assert cpu_dir is not None
+    weight = cpu_dir / ("cpu.weight" if manager.layout.version == 2 else "cpu.shares")
+    assert int(weight.read_text()) == (1 if manager.layout.version == 2 else 2)
+    receipt = [r for r in be.receipts() if r["action"] == "exec"][-1]
+    assert receipt["cpu_class"] == "best-effort"
+
+
+def test_lease_expiry_reaps_the_jobs_sandboxes(boxes: Any, manager: SandboxManager) -> None:
+    kept = boxes(job="job-kept", lease_ttl=60)
+    doomed = [boxes(job="job-crashed", lease_ttl=1), boxes(job="job-crashed", lease_ttl=1)]
+    report = manager.reap(now=time.time() + 5)  # the client stopped renewing 5 s ago
+    assert sorted(report["destroyed"]) == sorted(b.id for b in doomed)
+    assert {st["id"] for st in manager.list()} >= {kept.id}
+    assert not {b.id for b in doomed} & {st["id"] for st in manager.list()}
+    assert manager.leases.get("job-crashed") is None
+    manager.renew("job-kept", 1)
+    assert manager.reap(now=time.time() + 0.5)["destroyed"] == []  # renewed: still inside its lease
+    assert kept.exec("echo alive").stdout == b"alive\n"
+
+
+def test_idle_sandbox_pauses_itself_and_ttl_destroys(boxes: Any, manager: SandboxManager) -> None:
+    idle = boxes(idle_timeout=2)
+    short = boxes(ttl=3)
+    idle.exec("true")
+    report = manager.reap(now=time.time() + 2.5)
+    assert report["paused"] == [idle.id]
+    assert idle.state["status"] == "paused"
+    assert "pause" in [r["action"] for r in idle.receipts()]
+    report = manager.reap(now=time.time() + 3.5)
+    assert report["destroyed"] == [short.id]
+    idle.resume()
+    assert idle.exec("echo awake").stdout == b"awake\n"
+
+
+def test_pause_and_resume_a_whole_job(boxes: Any, manager: SandboxManager) -> None:
+    a, b, other = boxes(job="j-pr"), boxes(job="j-pr"), boxes(job="j-other")
+    assert sorted(manager.pause_job("j-pr")) == sorted([a.id, b.id])
+    assert (a.state["status"], b.state["status"], other.state["status"]) == ("paused", "paused", "running")
+    assert sorted(manager.resume_job("j-pr")) == sorted([a.id, b.id])
+    assert a.exec("echo a").stdout == b"a\n"
+
+
+def test_idempotency_key_runs_a_command_once(boxes: Any) -> None:
+    box = boxes()
+    first = box.exec("echo run >> /root/count; wc -l < /root/count", idempotency_key="k1")
+    again = box.exec("echo run >> /root/count; wc -l < /root/count", idempotency_key="k1")
+    assert (first.stdout, first.replayed) == (b"1\n", False)
+    assert (again.stdout, again.exit_code, again.replayed) == (b"1\n", 0, True)
+    assert box.read("/root/count") == b"run\n"
+    # a concurrent retry while the first run is still going is refused, not run twice
+    started = threading.Event()
+    results: list[ExecResult] = []
+    t = threading.Thread(target=lambda: results.append(
+        box.exec("sleep 1; echo slow", idempotency_key="k2", on_stdout=lambda _: None)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while not box.manager.inflight(box.id) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started.set()
+    with pytest.raises(CommandInProgress):
+        box.exec("echo never", idempotency_key="k2")
+    t.join()
+    assert results[0].stdout == b"slow\n"
+    assert box.exec("echo never", idempotency_key="k2").stdout == b"slow\n"
+
+
+def test_cancel_kills_a_running_command(boxes: Any) -> None:
+    box = boxes()
+    cancel = Cancel()
+    threading.Timer(0.5, cancel.cancel, args=("disconnect",)).start()
+    res = box.exec("sleep 60 & sleep 60; echo never", cancel=cancel, timeout=30)
+    assert res.interrupted == "disconnect"
+    assert res.stdout == b""
+    assert not res.timed_out
+    assert box.exec("ps -e -o comm= | grep -c sleep || true").stdout.strip() in (b"0", b"1")  # init's own sleep
+    assert [r for r in box.receipts() if r["action"] == "exec"][0]["interrupted"] == "disconnect"
+
+
+def test_preempt_checkpoints_the_job_and_resume_restores_it_elsewhere(
+        manager: SandboxManager, store_url: str, tmp_path: Path) -> None:
+    job = "train/run-7"
+    a = run(manager.create(REF, job=job, labels={"env": "a"}))
+    b = run(manager.create(REF, job=job, disk=32 << 20, cpu_class="best-effort"))
+    bystander = run(manager.create(REF, job="someone-else"))
+    host2 = SandboxManager(tmp_path / "host2", store_url)
+    try:
+        a.exec("echo step1 > /root/progress")
+        b.write("/root/data.bin", os.urandom(100_000))
+        keyed = a.exec("echo once >> /root/log; cat /root/log", idempotency_key="step-1")
+        # a command still running when preemption starts is interrupted once the grace period ends
+        long_result: list[ExecResult] = []
+        t = threading.Thread(target=lambda: long_result.append(a.exec("sleep 60; echo done")))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not manager.inflight(a.id) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        async def go() -> Any:
+            task = asyncio.create_task(preempt(manager, job, timeout=1.0))
+            await asyncio.sleep(0.3)
+            with pytest.raises(JobNotAdmitting):  # no new commands once preemption began
+                await asyncio.to_thread(a.exec, "echo late")
+            return await task
+
+        result = run(go())
+        t.join()
+        assert long_result[0].interrupted == "preempt"
+        assert sorted(result.sandboxes) == sorted([a.id, b.id])
+        assert {st["id"] for st in manager.list()} == {bystander.id}  # the host is free of the job
+        assert manager.leases.get(job).state == "preempted"
+        entry = result.manifest["sandboxes"][a.id]
+        assert entry["image_digest"] == a_digest(manager, store_url)
+        assert entry["last_receipt"] is not None
+        with pytest.raises(JobNotAdmitting):
+            run(manager.create(REF, job=job))
+
+        # the checkpoints survive a gc even once their own refs are gone: the run manifest holds them
+        async def drop_refs_and_gc() -> None:
+            async with await Store.open(store_url, tmp_path / "gc") as store:
+                for e in result.manifest["sandboxes"].values():
+                    await store.delete_ref(e["checkpoint"])
+                await gc.collect(store, grace=0)
+        run(drop_refs_and_gc())
+
+        resumed = run(resume_run(host2, result.ref))
+        new_a, new_b = host2.get(resumed.sandboxes[a.id]), host2.get(resumed.sandboxes[b.id])
+        assert new_a.exec("cat /root/progress").stdout == b"step1\n"
+        assert len(new_b.read("/root/data.bin")) == 100_000
+        assert new_b.state["cpu_class"] == "best-effort"
+        assert new_b.state["disk"] == 32 << 20
+        assert new_a.state["labels"]["env"] == "a"
+        # the client retries the keyed command after resume: answered from the receipts, not run again
+        retry = new_a.exec("echo once >> /root/log; cat /root/log", idempotency_key="step-1")
+        assert (retry.replayed, retry.stdout) == (True, keyed.stdout)
+        assert new_a.read("/root/log") == b"once\n"
+        actions = [r["action"] for r in new_a.receipts()]
+        # the history before preemption came with the checkpoint; then the restore and the resume
+        assert actions.index("preempt_requested") < actions.index("restore") < actions.index("resumed")
+        assert actions.count("exec") >= 2
+        assert host2.leases.get(job).state == "active"
+    finally:
+        host2.close()
+        for box in (a, b, bystander):
+            manager.destroy(box.id)
+    assert_clean(host2)
+
+
+def a_digest(manager: SandboxManager, store_url: str) -> str:
+    async def go() -> str:
+        async with await Store.open(store_url, manager.data_dir) as store:
+            return (await store.resolve(REF)).digest
+    return str(run(go()))
+
+
+def test_resume_refuses_a_manifest_whose_checkpoint_changed(manager: SandboxManager) -> None:
+    job = "j-tamper"
+    box = run(manager.create(REF, job=job))
+    box.exec("echo x > /root/x")
+    result = run(preempt(manager, job))
+
+    async def tamper() -> str:
+        async with await Store.open(manager.store_url, manager.data_dir) as store:
+            doc = dict(result.manifest)
+            entry = dict(doc["sandboxes"][box.id])
+            entry["layer_digests"] = entry["layer_digests"][:-1]  # claims one layer fewer than it has
+            doc["sandboxes"] = {box.id: entry}
+            digest = await store.put_doc(doc)
+            await store.set_ref("runs/tampered:latest", digest, "run")
+            return "runs/tampered:latest"
+
+    ref = run(tamper())
+    with pytest.raises(SandboxError, match="manifest binds"):
+        run(resume_run(manager, ref))
+    assert [st for st in manager.list(job=job)] == []  # what it restored was destroyed again
