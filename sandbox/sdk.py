@@ -86,6 +86,8 @@ class CommandResult:
     duration: float = 0.0
     timed_out: bool = False
     oom_killed: bool = False
+    interrupted: str | None = None  # "preempt"/"disconnect": the service stopped it early
+    replayed: bool = False  # an earlier run under the same idempotency key answered
 
 
 # -- async core ---------------------------------------------------------------------------------------
@@ -121,14 +123,18 @@ class AsyncCommands:
                   on_stderr: Callable[[str], Any] | None = None,
                   timeout: float | None = None,  # noqa: ASYNC109
                   env: Mapping[str, str] | None = None, cwd: str | None = None, stdin: bytes | str | None = None,
-                  output_cap: int | None = None) -> CommandResult:
+                  output_cap: int | None = None, idempotency_key: str | None = None) -> CommandResult:
         """Run ``cmd`` (a string goes through ``/bin/sh -c``); callbacks get decoded output as it arrives.
 
         A non-zero exit is reported in ``exit_code``, not raised; a ``timeout``
-        kills the command tree and sets ``timed_out``.
+        kills the command tree and sets ``timed_out``.  With an
+        ``idempotency_key``, retrying (also after a preempted job was resumed
+        elsewhere) returns the first run's result instead of running again.
+        Leaving the stream early (cancelling this coroutine) kills the command.
         """
         body: dict[str, Any] = {"cmd": cmd if isinstance(cmd, str) else list(cmd), "timeout": timeout,
-                                "env": dict(env) if env else None, "cwd": cwd, "output_cap": output_cap}
+                                "env": dict(env) if env else None, "cwd": cwd, "output_cap": output_cap,
+                                "idempotency_key": idempotency_key}
         if stdin is not None:
             raw = stdin.encode() if isinstance(stdin, str) else stdin
             body["stdin"] = base64.b64encode(raw).decode()
@@ -170,7 +176,8 @@ class AsyncCommands:
         return CommandResult(final["exit_code"], out["stdout"].decode(errors="replace"),
                              out["stderr"].decode(errors="replace"), final.get("signal"),
                              bool(final.get("truncated")), float(final.get("duration") or 0.0),
-                             bool(final.get("timed_out")), bool(final.get("oom_killed")))
+                             bool(final.get("timed_out")), bool(final.get("oom_killed")), final.get("interrupted"),
+                             bool(final.get("replayed")))
 
 
 class AsyncFiles:
@@ -226,15 +233,31 @@ class AsyncSandbox:
                      cpu: float | None = None, memory: int | None = None, pids: int | None = None,
                      env: Mapping[str, str] | None = None, workdir: str | None = None,
                      labels: Mapping[str, str] | None = None, ttl: float | None = None,
-                     idle_timeout: float | None = None) -> AsyncSandbox:
+                     idle_timeout: float | None = None, job: str | None = None, lease_ttl: float | None = None,
+                     cpu_class: str | None = None, disk: int | None = None,
+                     network: Sequence[Mapping[str, Any]] | None = None) -> AsyncSandbox:
+        """Start a sandbox.  ``job`` names the caller's lease (renewed by every request on the job's
+        sandboxes and by :meth:`AsyncJob.renew`); when it lapses for ``lease_ttl`` seconds the
+        service destroys the job's sandboxes.  ``network`` is a list of egress allow rules."""
         _check_isolation(isolation)  # before any request
         body = {"image": image, "isolation": isolation, "cpu": cpu, "memory": memory, "pids": pids,
                 "env": dict(env) if env else None, "workdir": workdir, "labels": dict(labels or {}),
-                "ttl": ttl, "idle_timeout": idle_timeout}
+                "ttl": ttl, "idle_timeout": idle_timeout, "job": job, "lease_ttl": lease_ttl,
+                "cpu_class": cpu_class, "disk": disk, "network": list(network) if network is not None else None}
+        return await cls._post(url, token, "/v1/sandboxes", body)
+
+    @classmethod
+    async def restore(cls, checkpoint: str, *, url: str, token: str, policy_version: str | None = None,
+                      **options: Any) -> AsyncSandbox:
+        """A new sandbox from ``checkpoint`` (made on any host of the same store)."""
+        body = {"checkpoint": checkpoint, "policy_version": policy_version, **options}
+        return await cls._post(url, token, "/v1/sandboxes/restore", body)
+
+    @classmethod
+    async def _post(cls, url: str, token: str, path: str, body: Mapping[str, Any]) -> AsyncSandbox:
         client = _Client(url, token)
         try:
-            info = await client.json("POST", "/v1/sandboxes", json_body={k: v for k, v in body.items()
-                                                                         if v is not None})
+            info = await client.json("POST", path, json_body={k: v for k, v in body.items() if v is not None})
         except BaseException:
             await client.close()
             raise
@@ -270,6 +293,15 @@ class AsyncSandbox:
         return dict(await self._client.json("POST", f"/v1/sandboxes/{self.sandbox_id}/checkpoint",
                                             json_body=body))
 
+    async def receipts(self) -> list[dict[str, Any]]:
+        """Every action recorded for this sandbox (and the checkpoint it was restored from)."""
+        return list((await self._client.json("GET", f"/v1/sandboxes/{self.sandbox_id}/receipts"))["receipts"])
+
+    async def set_network(self, rules: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Replace the egress allow rules (default deny) while the sandbox runs."""
+        return dict(await self._client.json("PUT", f"/v1/sandboxes/{self.sandbox_id}/network",
+                                            json_body={"rules": list(rules)}))
+
     async def kill(self) -> None:
         """Destroy the sandbox (idempotent: an already gone one is fine) and close the session."""
         try:
@@ -289,6 +321,62 @@ class AsyncSandbox:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.kill()
+
+
+class AsyncJob:
+    """All sandboxes of one job at once: the lease, pause/resume, and preemption."""
+
+    def __init__(self, job: str, *, url: str, token: str) -> None:
+        self.job = job
+        self._client = _Client(url, token)
+        self._base = f"/v1/jobs/{job}"
+
+    async def renew(self, ttl: float | None = None) -> dict[str, Any]:
+        return dict(await self._client.json("POST", self._base + "/renew", json_body={"ttl": ttl}))
+
+    async def pause(self) -> list[str]:
+        return list((await self._client.json("POST", self._base + "/pause"))["sandboxes"])
+
+    async def resume(self) -> list[str]:
+        return list((await self._client.json("POST", self._base + "/resume"))["sandboxes"])
+
+    async def preempt(self, *, grace: float = 30.0) -> dict[str, Any]:
+        """Checkpoint every sandbox of the job into a run manifest and free the host; returns the run."""
+        return dict(await self._client.json("POST", self._base + "/preempt", json_body={"timeout": grace}))
+
+    @staticmethod
+    async def resume_run(manifest: str, *, url: str, token: str) -> dict[str, Any]:
+        """Restore a preempted job (on the service at ``url``); returns old -> new sandbox ids."""
+        client = _Client(url, token)
+        try:
+            return dict(await client.json("POST", "/v1/runs/resume", json_body={"manifest": manifest}))
+        finally:
+            await client.close()
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def __aenter__(self) -> AsyncJob:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def call(image: str, cmd: str | Sequence[str] | None = None, *, url: str, token: str,
+               function: str | None = None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+               timeout: float = 30.0) -> dict[str, Any]:  # noqa: ASYNC109 (the call's limit, enforced there)
+    """A short stateless call on a warm container of ``image`` (a fresh writable layer each time)."""
+    client = _Client(url, token)
+    try:
+        body = {"image": image, "cmd": cmd if cmd is None or isinstance(cmd, str) else list(cmd),
+                "function": function, "args": list(args), "kwargs": dict(kwargs or {}), "timeout": timeout}
+        out = dict(await client.json("POST", "/v1/calls", json_body={k: v for k, v in body.items() if v is not None}))
+    finally:
+        await client.close()
+    for stream in ("stdout", "stderr"):
+        out[stream] = base64.b64decode(out.get(stream) or "").decode(errors="replace")
+    return out
 
 
 # -- sync wrapper ---------------------------------------------------------------------------------------
@@ -371,6 +459,16 @@ class Sandbox:
     @classmethod
     def connect(cls, sandbox_id: str, *, url: str, token: str) -> Sandbox:
         return cls._open(lambda: AsyncSandbox.connect(sandbox_id, url=url, token=token))
+
+    @classmethod
+    def restore(cls, checkpoint: str, *, url: str, token: str, **options: Any) -> Sandbox:
+        return cls._open(lambda: AsyncSandbox.restore(checkpoint, url=url, token=token, **options))
+
+    def receipts(self) -> list[dict[str, Any]]:
+        return self._loop.run(self._inner.receipts())
+
+    def set_network(self, rules: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return self._loop.run(self._inner.set_network(rules))
 
     def refresh(self) -> dict[str, Any]:
         return self._loop.run(self._inner.refresh())
