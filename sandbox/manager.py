@@ -249,6 +249,7 @@ class Sandbox:
         again: its recorded result comes back with ``replayed`` set.
         """
         cancel = cancel or Cancel()
+        replay: ExecResult | None = None
         args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         self._exec_seq += 1
         tag = f"exec-{os.getpid()}-{self._exec_seq}-{uuid.uuid4().hex[:6]}"
@@ -264,10 +265,16 @@ class Sandbox:
                     raise CommandInProgress(f"sandbox {self.id}: a command with idempotency key "
                                             f"{idempotency_key!r} is still running")
                 earlier = self._keyed_receipt(idempotency_key)
-                if earlier is not None:
-                    return _replay(earlier)
-                self.manager._keys_running.add((self.id, idempotency_key))
-            self.manager._inflight.setdefault(self.id, {})[tag] = cancel
+                replay = _replay(earlier) if earlier is not None else None
+                if replay is None:
+                    self.manager._keys_running.add((self.id, idempotency_key))
+            if replay is None:
+                self.manager._inflight.setdefault(self.id, {})[tag] = cancel
+        if replay is not None:
+            for data, cb in ((replay.stdout, on_stdout), (replay.stderr, on_stderr)):
+                if data and cb is not None:  # a streaming caller sees the answer the same way
+                    cb(data)
+            return replay
         try:
             if idempotency_key is not None:
                 # a crash during the command leaves this behind: a retry then learns it was interrupted

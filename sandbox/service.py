@@ -5,7 +5,10 @@ project.  A sandbox belongs to the project that created it (recorded as the
 ``layerbox.project`` label in its state, so ownership survives a restart) and
 is invisible to every other project: their requests get 404, never 403, so ids
 leak nothing.  Each project has a quota on live sandboxes; past it, create
-answers 429 with a retryable error body.
+answers 429 with a retryable error body.  Past the quota, the edge admits a
+create only if the host really has room (:mod:`sandbox.admission`); otherwise
+it answers 503 ``capacity`` (retryable, with Retry-After) naming what is short.
+``GET /v1/load`` is the load report placement clients choose edges by.
 
 Errors are ``{"error": {"code", "message", "retryable"}}``.  ``POST .../exec``
 answers with a chunked stream of newline-delimited JSON events::
@@ -33,6 +36,7 @@ import base64
 import binascii
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +46,17 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from sandbox.admission import (
+    DEFAULT_DISK,
+    DEFAULT_MEMORY,
+    DEFAULT_PIDS,
+    RESOURCES,
+    Admission,
+    AdmissionConfig,
+    CapacityExceeded,
+    Demand,
+    parse_size,
+)
 from sandbox.errors import (
     PathEscape,
     RuntimeTimeout,
@@ -108,10 +123,26 @@ class ApiError(Exception):
         return {"error": {"code": self.code, "message": self.message, "retryable": self.retryable}}
 
 
+class _CapacityError(ApiError):
+    """503 ``capacity``: the body also names the short resources, for clients that act on them."""
+
+    def __init__(self, exc: CapacityExceeded) -> None:
+        super().__init__(503, "capacity", str(exc), retryable=True,
+                         headers={"Retry-After": str(max(1, round(exc.retry_after)))})
+        self.resources = exc.resources
+
+    def body(self) -> dict[str, Any]:
+        doc = super().body()
+        doc["error"]["resources"] = list(self.resources)
+        return doc
+
+
 def _as_api_error(exc: BaseException) -> ApiError:
     """The one place library exceptions become HTTP statuses."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, CapacityExceeded):
+        return _CapacityError(exc)
     if isinstance(exc, SandboxNotFound):
         return ApiError(404, "not_found", str(exc))
     if isinstance(exc, SandboxStateError):
@@ -142,6 +173,10 @@ def _view(state: Mapping[str, Any]) -> dict[str, Any]:
             "created": state.get("created"), "last_active": state.get("last_active"), "isolation": ISOLATION}
 
 
+def _number(value: Any, default: int) -> int:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else default
+
+
 def _project_of(state: Mapping[str, Any]) -> str | None:
     labels = state.get("labels") or {}
     return labels.get(PROJECT_LABEL) if isinstance(labels, dict) else None
@@ -151,9 +186,11 @@ def _project_of(state: Mapping[str, Any]) -> str | None:
 class SandboxService:
     """Routes, auth, quotas and metrics over one manager; build the app with :meth:`app`."""
 
-    def __init__(self, manager: SandboxManager, auth: AuthConfig) -> None:
+    def __init__(self, manager: SandboxManager, auth: AuthConfig, admission: Admission | None = None) -> None:
         self.manager = manager
         self.auth = auth
+        self.admission = admission or Admission(AdmissionConfig(), disk_path=manager.data_dir,
+                                                boxes=manager.boxes)
         self._pending: dict[str, int] = {}  # creates in flight per project (they count against the quota)
         self._quota_lock = asyncio.Lock()
         self.registry = CollectorRegistry()  # per service: two services in one process never collide
@@ -165,6 +202,12 @@ class SandboxService:
         self.m_errors = Counter("layerbox_api_errors", "Error responses", ["code"], registry=self.registry)
         self.m_requests = Counter("layerbox_api_requests", "Requests", ["route", "status"],
                                   registry=self.registry)
+        self.m_free = Gauge("layerbox_admission_free", "Free capacity after reserves and creates in flight "
+                            "(bytes for memory and disk)", ["resource"], registry=self.registry)
+        self.m_rejected = Counter("layerbox_admission_rejections", "Creates refused for capacity, by the "
+                                  "first short resource", ["resource"], registry=self.registry)
+        for resource in RESOURCES:  # every series exists from the start, at zero
+            self.m_rejected.labels(resource)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY)
@@ -182,6 +225,7 @@ class SandboxService:
         r.add_post("/v1/sandboxes/{id}/pause", self.pause)
         r.add_post("/v1/sandboxes/{id}/resume", self.resume)
         r.add_post("/v1/sandboxes/{id}/checkpoint", self.checkpoint)
+        r.add_get("/v1/load", self.load)
         return app
 
     @web.middleware
@@ -194,7 +238,7 @@ class SandboxService:
             resp = self._error_response(err)
         except Exception as exc:
             err = _as_api_error(exc)
-            if err.status >= 500:
+            if err.status >= 500 and not isinstance(err, _CapacityError):  # a rejection is a normal answer
                 log.exception("%s %s failed", request.method, request.path)
             resp = self._error_response(err)
         self.m_requests.labels(route, str(resp.status)).inc()
@@ -277,8 +321,16 @@ class SandboxService:
                                f"project {project.name!r} has {live} of {project.max_sandboxes} sandboxes; "
                                "destroy one or retry later", retryable=True, headers={"Retry-After": "5"})
             self._pending[project.name] = self._pending.get(project.name, 0) + 1
+        # a malformed limit is charged the default here; the manager refuses it with a proper error
+        demand = Demand(memory=_number(options.get("memory"), DEFAULT_MEMORY),
+                        pids=_number(options.get("pids"), DEFAULT_PIDS), disk=DEFAULT_DISK)
         try:
-            box = await self.manager.create(image, labels={**labels, PROJECT_LABEL: project.name}, **options)
+            with self.admission.reserve(demand):
+                box = await self.manager.create(image, labels={**labels, PROJECT_LABEL: project.name}, **options)
+        except CapacityExceeded as exc:
+            self.m_rejected.labels(exc.resources[0]).inc()
+            log.info("create refused: %s", exc)
+            raise
         finally:
             self._pending[project.name] -= 1
         return web.json_response(_view(await asyncio.to_thread(lambda: box.state)), status=201)
@@ -404,6 +456,10 @@ class SandboxService:
         return web.Response(status=204)
 
     # -- description and metrics -----------------------------------------------------------------------
+    async def load(self, request: web.Request) -> web.Response:
+        self._project(request)  # any valid token may read it; it names no sandbox
+        return web.json_response(self.admission.report())
+
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(OPENAPI)
 
@@ -416,6 +472,8 @@ class SandboxService:
             self.m_sandboxes.clear()
             for (proj, status), n in counts.items():
                 self.m_sandboxes.labels(proj, status).set(n)
+            for resource, free in self.admission.free().items():
+                self.m_free.labels(resource).set(free)
             return generate_latest(self.registry)
 
         body = await asyncio.to_thread(render)
@@ -455,7 +513,9 @@ OPENAPI: dict[str, Any] = {
             "post": _op("Create a sandbox from an image or checkpoint ref "
                         "(image, cpu, memory, pids, env, workdir, labels, ttl, idle_timeout, isolation)",
                         {"201": "the sandbox", "400": "bad request or unsupported isolation",
-                         "429": "project quota reached (retryable)"}, body="json", path_id=False),
+                         "429": "project quota reached (retryable)",
+                         "503": "edge out of capacity (code 'capacity', retryable, Retry-After; "
+                                "error.resources names what is short)"}, body="json", path_id=False),
             "get": _op("List this project's sandboxes", {"200": "sandboxes"}, path_id=False),
         },
         "/v1/sandboxes/{id}": {
@@ -480,6 +540,8 @@ OPENAPI: dict[str, Any] = {
                                                                             "409": "not paused"})},
         "/v1/sandboxes/{id}/checkpoint": {"post": _op("Checkpoint the rootfs into the store (name, labels)",
                                                       {"201": "the checkpoint"}, body="json")},
+        "/v1/load": {"get": _op("Load report: sandboxes live/in flight/max, free memory/pids/disk, load "
+                                "average, score, accepting", {"200": "the load report"}, path_id=False)},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI"}}}},
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
     },
@@ -493,6 +555,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", required=True, help="store URL (file://... or s3://...)")
     parser.add_argument("--port", type=int, default=8470)
     parser.add_argument("--tokens", required=True, help="JSON file: projects, their tokens and quotas")
+    defaults = AdmissionConfig()
+    parser.add_argument("--edge-id", help="name in load reports and errors (default: HOSTNAME:PORT)")
+    parser.add_argument("--max-sandboxes", type=int, default=defaults.max_sandboxes,
+                        help="live sandboxes this edge admits (default %(default)s)")
+    parser.add_argument("--memory-reserve", type=parse_size, default=defaults.memory_reserve,
+                        help="memory kept for the host, e.g. 2G (default %(default)s bytes)")
+    parser.add_argument("--disk-reserve", type=parse_size, default=defaults.disk_reserve,
+                        help="disk kept free in --data-dir, e.g. 1G (default %(default)s bytes)")
+    parser.add_argument("--pids-reserve", type=int, default=defaults.pids_reserve,
+                        help="tasks kept for the host (default %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     try:
@@ -502,7 +574,11 @@ def main(argv: list[str] | None = None) -> int:
     manager = SandboxManager(args.data_dir, args.store)
     report = manager.reconcile()  # adopt what survived a previous run, clean up the rest
     log.info("reconciled: %s", report)
-    web.run_app(SandboxService(manager, auth).app(), host="127.0.0.1", port=args.port)
+    admission = Admission(AdmissionConfig(edge_id=args.edge_id or f"{socket.gethostname()}:{args.port}",
+                                          max_sandboxes=args.max_sandboxes, memory_reserve=args.memory_reserve,
+                                          disk_reserve=args.disk_reserve, pids_reserve=args.pids_reserve),
+                          disk_path=manager.data_dir, boxes=manager.boxes)
+    web.run_app(SandboxService(manager, auth, admission).app(), host="127.0.0.1", port=args.port)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import threading
@@ -230,3 +231,30 @@ def test_resume_refuses_a_manifest_whose_checkpoint_changed(manager: SandboxMana
     with pytest.raises(SandboxError, match="manifest binds"):
         run(resume_run(manager, ref))
     assert [st for st in manager.list(job=job)] == []  # what it restored was destroyed again
+
+
+def test_command_line_jobs(manager: SandboxManager, store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.cli import main
+
+    common = ["--data-dir", str(manager.data_dir), "--store", store_url]
+    assert main(["sandbox", "create", REF, "--job", "cli-job", "--disk", "32M", "--cpu-class", "best-effort",
+                 *common]) == 0
+    sid = capsys.readouterr().out.strip()
+    try:
+        assert manager.get(sid).state["disk"] == 32 << 20
+        for _ in range(2):
+            assert main(["sandbox", "exec", *common, "--idempotency-key", "k", sid, "--",
+                         "sh", "-c", "echo x >> /root/n; wc -l < /root/n"]) == 0
+        assert capsys.readouterr().out == "1\n1\n"  # the retry printed the first answer, did not run again
+        assert main(["sandbox", "preempt", "cli-job", *common, "--json"]) == 0
+        ref = json.loads(capsys.readouterr().out)["ref"]
+        assert manager.list(job="cli-job") == []
+        assert main(["sandbox", "resume-run", ref, *common, "--json"]) == 0
+        new = json.loads(capsys.readouterr().out)["sandboxes"][sid]
+        assert manager.get(new).read("/root/n") == b"x\n"
+        assert main(["sandbox", "receipts", new, *common]) == 0
+        assert '"action": "resumed"' in capsys.readouterr().out
+    finally:
+        for st in manager.list(job="cli-job"):
+            manager.destroy(st["id"])
+        manager.destroy(sid)

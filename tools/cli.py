@@ -12,6 +12,7 @@ import contextlib
 import json
 import stat
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -607,13 +608,15 @@ def _sandbox_cmd(args: argparse.Namespace) -> int:
     mgr = _sandbox_manager(args)
     action = args.sandbox_command
     if action == "create":
-        box = asyncio.run(mgr.create(args.ref, cpu=args.cpu, memory=args.memory, pids=args.pids))
+        box = asyncio.run(mgr.create(args.ref, cpu=args.cpu, memory=args.memory, pids=args.pids, disk=args.disk,
+                                     cpu_class=args.cpu_class, job=args.job, lease_ttl=args.lease_ttl,
+                                     ttl=args.ttl, idle_timeout=args.idle_timeout))
         _emit(args, box.state, lambda: print(box.id))
     elif action == "exec":
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if not cmd:
             raise SystemExit("layerbox sandbox exec: give a command after --")
-        res = mgr.get(args.id).exec(cmd, timeout=args.timeout,
+        res = mgr.get(args.id).exec(cmd, timeout=args.timeout, idempotency_key=args.idempotency_key,
                                      on_stdout=None if args.json else sys.stdout.buffer.write,
                                      on_stderr=None if args.json else sys.stderr.buffer.write)
         if args.json:
@@ -640,6 +643,30 @@ def _sandbox_cmd(args: argparse.Namespace) -> int:
     elif action == "reconcile":
         report = mgr.reconcile()
         _emit(args, report, lambda: print(json.dumps(report)))
+    elif action == "reap":
+        report = mgr.reap()
+        _emit(args, report, lambda: print(json.dumps(report)))
+    elif action == "receipts":
+        rows = mgr.receipts(args.id)
+        _emit(args, rows, lambda: print("\n".join(json.dumps(r, sort_keys=True) for r in rows)))
+    elif action == "renew":
+        lease = mgr.renew(args.job, args.ttl)
+        until = time.strftime('%H:%M:%S', time.localtime(lease['expires']))
+        _emit(args, lease, lambda: print(f"{args.job} until {until}"))
+    elif action in ("pause-job", "resume-job"):
+        ids = mgr.pause_job(args.job) if action == "pause-job" else mgr.resume_job(args.job)
+        _emit(args, ids, lambda: print("\n".join(ids)))
+    elif action == "preempt":
+        from sandbox.runs import preempt
+
+        run = asyncio.run(preempt(mgr, args.job, timeout=args.grace))
+        _emit(args, run.to_json(), lambda: print(f"{run.ref} -> {run.digest} ({len(run.sandboxes)} sandboxes, "
+                                                 f"{run.seconds:.2f}s)"))
+    elif action == "resume-run":
+        from sandbox.runs import resume_run
+
+        run = asyncio.run(resume_run(mgr, args.manifest))
+        _emit(args, run.to_json(), lambda: print("\n".join(f"{old} -> {new}" for old, new in run.sandboxes.items())))
     return 0
 
 
@@ -655,9 +682,16 @@ def _add_sandbox_parser(sub: Any) -> None:
     c.add_argument("--memory", type=_size, default=512 << 20)
     c.add_argument("--cpu", type=float, default=1.0)
     c.add_argument("--pids", type=int, default=256)
+    c.add_argument("--disk", type=_size, default=None, help="size of the sandbox's own writable disk")
+    c.add_argument("--cpu-class", choices=("latency", "best-effort"), default="latency")
+    c.add_argument("--job", default=None, help="the job (lease) the sandbox belongs to")
+    c.add_argument("--lease-ttl", type=float, default=None, help="seconds the job's lease lasts without renewal")
+    c.add_argument("--ttl", type=float, default=None, help="destroy after this many seconds")
+    c.add_argument("--idle-timeout", type=float, default=None, help="pause after this many idle seconds")
     e = sbs.add_parser("exec", parents=[common], help="run a command: exec [--data-dir D --store URL --timeout S] ID -- CMD...")
     e.add_argument("id")
     e.add_argument("--timeout", type=float, default=None)
+    e.add_argument("--idempotency-key", default=None, help="never run a command with this key twice")
     e.add_argument("cmd", nargs=argparse.REMAINDER)
     sbs.add_parser("ls", parents=[common], help="list sandboxes")
     for name in ("pause", "resume"):
@@ -670,6 +704,18 @@ def _add_sandbox_parser(sub: Any) -> None:
     rm = sbs.add_parser("rm", parents=[common], help="destroy sandboxes")
     rm.add_argument("ids", nargs="+")
     sbs.add_parser("reconcile", parents=[common], help="adopt or clean up after a crashed manager")
+    sbs.add_parser("reap", parents=[common], help="destroy expired sandboxes (TTL, lease), pause idle ones")
+    sbs.add_parser("receipts", parents=[common], help="a sandbox's receipts, one JSON per line").add_argument("id")
+    rn = sbs.add_parser("renew", parents=[common], help="renew a job's lease")
+    rn.add_argument("job")
+    rn.add_argument("--ttl", type=float, default=None)
+    for name in ("pause-job", "resume-job"):
+        sbs.add_parser(name, parents=[common], help=f"{name.split('-')[0]} every sandbox of a job").add_argument("job")
+    pe = sbs.add_parser("preempt", parents=[common], help="checkpoint a job into a run manifest, free the host")
+    pe.add_argument("job")
+    pe.add_argument("--grace", type=float, default=30.0, help="seconds in-flight commands may still run")
+    rr = sbs.add_parser("resume-run", parents=[common], help="restore a preempted job from its run manifest")
+    rr.add_argument("manifest")
     sb.set_defaults(func=_sandbox_cmd)
 
 if __name__ == "__main__":

@@ -1,0 +1,390 @@
+"""Admission on each edge and placement across three edges: real services, real crun, one killed mid-test.
+
+Three ``python -m sandbox.service`` processes on 127.0.0.1 share one file store
+holding the fixture image.  ``a`` and ``b`` admit up to four sandboxes each;
+``c`` is configured with ``--max-sandboxes 0`` so that it refuses every create.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.env import require
+
+from lazyfetch import kmount
+from sandbox.admission import Admission, AdmissionConfig, CapacityExceeded, Demand, GiB, MiB, score
+from sandbox.manager import SandboxManager
+from sandbox.placement import Edge, Placement, PlacementError
+from sandbox.sdk import AsyncSandbox
+from tests.support.hosts import publish_sync
+
+pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
+
+FIXTURE = "/work/shared/fixtures/debian-bookworm.oci.tar"
+REF = "img/python"
+TOKEN = "placement-token-0123456789"
+TOKENS = {"projects": {"p": {"tokens": [TOKEN], "max_sandboxes": 10}}}
+REPO = Path(__file__).resolve().parent.parent
+READY_TIMEOUT = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http(method: str, url: str, body: Any = None) -> tuple[int, dict[str, str], Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={
+        "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            raw, status, headers = r.read(), r.status, dict(r.headers)
+    except urllib.error.HTTPError as e:
+        raw, status, headers = e.read(), e.code, dict(e.headers)
+    try:
+        return status, headers, json.loads(raw) if raw else None
+    except ValueError:
+        return status, headers, raw.decode(errors="replace")
+
+
+class EdgeProcess:
+    """One edge service as a child process with its own data dir and port."""
+
+    def __init__(self, name: str, root: Path, store_url: str, tokens: Path, *extra: str) -> None:
+        self.name, self.store_url = name, store_url
+        self.data_dir = root / name
+        self.log = root / f"{name}.log"
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [sys.executable, "-m", "sandbox.service", "--data-dir", str(self.data_dir),
+                     "--store", store_url, "--port", str(self.port), "--tokens", str(tokens),
+                     "--edge-id", name, *extra]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+            self.proc = subprocess.Popen(self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # readiness is the service answering its own API, not a fixed delay
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"edge {self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if http("GET", f"{self.url}/v1/load")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"edge {self.name} not ready after {READY_TIMEOUT} s:\n{self.tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)  # the port is closed once it is reaped
+
+    def stop(self) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else "(no log)"
+
+    def sandboxes(self) -> list[str]:
+        status, _, body = http("GET", f"{self.url}/v1/sandboxes")
+        assert status == 200, body
+        return [sb["id"] for sb in body["sandboxes"]]
+
+    def clean_up(self) -> list[str]:
+        """After the process is gone: destroy what it left, unmount, stop its lazyfetch daemon."""
+        mgr = SandboxManager(self.data_dir, self.store_url)
+        problems = []
+        try:
+            mgr.reconcile()
+            left = [st["id"] for st in mgr.list()]
+            if left:
+                problems.append(f"{self.name}: sandboxes left behind: {left}")
+            mgr.close()
+        except Exception as exc:  # keep cleaning the other edges; reported at the end
+            problems.append(f"{self.name}: cleanup failed: {exc!r}")
+        if mgr.runtime.root.exists() and mgr.runtime.list():
+            problems.append(f"{self.name}: containers left: {mgr.runtime.list()}")
+        if kmount.mounts_under(self.data_dir):
+            problems.append(f"{self.name}: mounts left: {kmount.mounts_under(self.data_dir)}")
+        if [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]:
+            problems.append(f"{self.name}: cgroups left under {mgr.cgroup_parent}")
+        if mgr.host.client.health() is not None:
+            problems.append(f"{self.name}: lazyfetch daemon still running")
+        return problems
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EdgeProcess]]:
+    require("root")
+    if not os.path.exists(FIXTURE):
+        pytest.skip(f"{FIXTURE} missing")
+    root = tmp_path_factory.mktemp("placement")
+    store = f"file://{root / 'store'}"
+    publish_sync(store, root / "pub", f"oci-archive:{FIXTURE}:python", REF)
+    tokens = root / "tokens.json"
+    tokens.write_text(json.dumps(TOKENS))
+    # a small memory reserve: other test runs share this host, and a rejection here must be deliberate
+    common = ("--memory-reserve", "256M", "--disk-reserve", "256M")
+    edges = {"a": EdgeProcess("a", root, store, tokens, "--max-sandboxes", "4", *common),
+             "b": EdgeProcess("b", root, store, tokens, "--max-sandboxes", "4", *common),
+             "c": EdgeProcess("c", root, store, tokens, "--max-sandboxes", "0", *common)}
+    try:
+        for e in edges.values():
+            e.start()
+        yield edges
+    finally:
+        for e in edges.values():
+            e.stop()
+        problems = [p for e in edges.values() for p in e.clean_up()]
+        assert not problems, problems
+
+
+@pytest.fixture
+def edges(cluster: dict[str, EdgeProcess]) -> Iterator[dict[str, EdgeProcess]]:
+    """Every edge up (a test may have killed one); every sandbox a test leaves is destroyed, then fails it."""
+    for e in cluster.values():
+        if not e.alive():
+            e.start()  # its reconcile cleans up what the killed process left
+    leftovers: dict[str, list[str]] = {}
+    try:
+        yield cluster
+    finally:
+        for e in cluster.values():
+            if not e.alive():
+                continue
+            ids = e.sandboxes()
+            for sid in ids:
+                http("DELETE", f"{e.url}/v1/sandboxes/{sid}")
+            if ids:
+                leftovers[e.name] = ids
+            assert e.sandboxes() == []
+    assert leftovers == {}, "the test left sandboxes behind"
+
+
+def edge_of(edges: dict[str, EdgeProcess], sb: AsyncSandbox) -> str:
+    """Which edge holds ``sb``, asked of the live edges themselves."""
+    return next(name for name, e in edges.items() if e.alive() and sb.sandbox_id in e.sandboxes())
+
+
+# -- one edge ----------------------------------------------------------------------------------------
+def test_load_report_shape_and_it_follows_creates(edges: dict[str, EdgeProcess]) -> None:
+    a = edges["a"]
+    status, _, report = http("GET", f"{a.url}/v1/load")
+    assert status == 200
+    assert report["edge"] == "a"
+    assert report["accepting"] is True
+    assert report["short"] == []
+    assert report["sandboxes"] == {"live": 0, "in_flight": 0, "max": 4, "free": 4}
+    assert report["memory"]["reserve"] == 256 * MiB
+    assert 0 < report["memory"]["free"] == report["memory"]["available"] - 256 * MiB
+    assert report["pids"]["tasks"] > 0
+    assert report["pids"]["free"] > 0
+    assert 0 < report["disk"]["free"] <= report["disk"]["total"]
+    assert report["load"]["cpus"] >= 1
+    assert report["load"]["avg1"] >= 0
+    assert report["score"] == score(report) > 0
+    req = urllib.request.Request(f"{a.url}/v1/load")  # no token: the report is not public
+    with pytest.raises(urllib.error.HTTPError) as unauth:
+        urllib.request.urlopen(req, timeout=10)
+    assert unauth.value.code == 401
+
+    async def with_one() -> dict[str, Any]:
+        async with await AsyncSandbox.create(REF, url=a.url, token=TOKEN):
+            return http("GET", f"{a.url}/v1/load")[2]
+
+    during = asyncio.run(with_one())
+    assert during["sandboxes"] == {"live": 1, "in_flight": 0, "max": 4, "free": 3}
+    assert during["score"] == score(during)
+    after = http("GET", f"{a.url}/v1/load")[2]
+    assert after["sandboxes"]["live"] == 0
+
+
+def rejections(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    prefix = 'layerbox_admission_rejections_total{resource="'
+    return {line[len(prefix):].split('"')[0]: float(line.split()[-1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def test_admission_rejects_for_real_and_creates_nothing(edges: dict[str, EdgeProcess]) -> None:
+    a, c = edges["a"], edges["c"]
+    before = rejections(a.url)
+    # more memory than this host has: MemAvailable is real, so the edge must refuse
+    status, headers, body = http("POST", f"{a.url}/v1/sandboxes", {"image": REF, "memory": 1 << 50})
+    assert status == 503, body
+    err = body["error"]
+    assert (err["code"], err["retryable"], err["resources"]) == ("capacity", True, ["memory"])
+    assert "needs 1048576 GiB memory" in err["message"]
+    assert "after the 256 MiB host reserve" in err["message"]
+    assert int(headers["Retry-After"]) >= 1
+
+    status, _, body = http("POST", f"{a.url}/v1/sandboxes", {"image": REF, "pids": 1 << 30})
+    assert status == 503, body
+    assert body["error"]["resources"] == ["pids"]
+    assert f"needs {1 << 30} pids" in body["error"]["message"]
+
+    status, _, body = http("POST", f"{c.url}/v1/sandboxes", {"image": REF})
+    assert status == 503, body
+    assert body["error"]["resources"] == ["sandboxes"]
+    assert "needs 1 sandbox slot, 0 of 0 free" in body["error"]["message"]
+    assert http("GET", f"{c.url}/v1/load")[2]["accepting"] is False
+
+    # nothing was started: no sandbox, no box directory, nothing mounted
+    for e in (a, c):
+        assert e.sandboxes() == []
+        boxes = e.data_dir / "sandbox" / "boxes"
+        assert not boxes.exists() or list(boxes.iterdir()) == []
+        assert kmount.mounts_under(boxes) == []
+    after = rejections(a.url)
+    assert {r: after[r] - before[r] for r in after} == {"sandboxes": 0, "memory": 1, "pids": 1, "disk": 0}
+    metrics = urllib.request.urlopen(f"{a.url}/metrics", timeout=10).read().decode()
+    assert 'layerbox_admission_free{resource="sandboxes"} 4.0' in metrics
+
+
+def test_creates_in_flight_hold_their_reservation(tmp_path: Path) -> None:
+    adm = Admission(AdmissionConfig(edge_id="t", max_sandboxes=1, memory_reserve=0, disk_reserve=0),
+                    disk_path=tmp_path, boxes=tmp_path / "boxes")
+    with adm.reserve(Demand(memory=1 * GiB)):
+        held = adm.report()
+        assert held["sandboxes"]["in_flight"] == 1
+        assert held["memory"]["in_flight"] == 1 * GiB
+        assert held["accepting"] is False
+        assert held["short"] == ["sandboxes"]
+        assert held["memory"]["free"] == max(held["memory"]["available"] - 1 * GiB, 0)
+        with pytest.raises(CapacityExceeded, match=r"0 of 1 free \(0 live, 1 create in flight\)") as exc:
+            with adm.reserve(Demand()):
+                pass
+        assert exc.value.resources == ("sandboxes",)
+    after = adm.report()
+    assert after["sandboxes"]["in_flight"] == 0
+    assert after["memory"]["in_flight"] == 0
+    assert after["accepting"] is True
+
+
+# -- placement across the three edges ------------------------------------------------------------------
+def _placement(edges: dict[str, EdgeProcess], **kw: Any) -> Placement:
+    return Placement([Edge(e.url, TOKEN) for e in edges.values()], **kw)
+
+
+def test_placement_spreads_and_skips_the_edge_that_rejects(edges: dict[str, EdgeProcess]) -> None:
+    async def scenario() -> None:
+        # refreshes are explicit here so the order of events is exact; k=2 of the two accepting edges
+        async with _placement(edges, k=2, refresh_interval=3600) as placement:
+            made: list[AsyncSandbox] = []
+            try:
+                for _ in range(4):
+                    made.append(await placement.create(REF, memory=256 * MiB))
+                    await placement.refresh()
+                where = sorted(edge_of(edges, sb) for sb in made)
+                assert where == ["a", "a", "b", "b"]  # each create went to the emptier edge
+                stats = placement.stats()
+                assert stats[edges["c"].url]["chosen"] == 0  # its report said it was not accepting
+
+                # nobody has this much memory: every edge answers, the error lists all three answers
+                with pytest.raises(PlacementError) as err:
+                    await placement.create(REF, memory=1 << 50)
+                answers = dict(err.value.answers)
+                assert set(answers) == {e.url for e in edges.values()}
+                assert all(a.startswith("rejected:") and "memory" in a for a in answers.values()), answers
+                assert "0 of 0 free" in answers[edges["c"].url]
+                assert err.value.retryable
+                stats = placement.stats()
+                assert [stats[edges[n].url]["rejected"] for n in "abc"] == [1, 1, 1]
+                assert all(s["failed"] == 0 and s["state"] == "closed" for s in stats.values())
+            finally:
+                for sb in made:
+                    await sb.kill()
+
+    asyncio.run(scenario())
+
+
+def test_background_refresh_keeps_reports_fresh(edges: dict[str, EdgeProcess]) -> None:
+    async def scenario() -> None:
+        async with _placement(edges, refresh_interval=0.1) as placement:
+            assert all(s["refreshed"] == 1 and s["report_age"] is not None for s in placement.stats().values())
+            # the loop, not this test, brings new reports for every edge
+            async with asyncio.timeout(30):
+                await placement.next_refresh()
+                await placement.next_refresh()
+            assert all(s["refreshed"] == 3 and s["failed"] == 0 for s in placement.stats().values())
+
+    asyncio.run(scenario())
+
+
+def test_a_killed_edge_is_skipped_and_ejected(edges: dict[str, EdgeProcess]) -> None:
+    a, b = edges["a"], edges["b"]
+
+    async def scenario() -> None:
+        async with asyncio.timeout(120):  # no request may hang on the dead edge
+            async with _placement(edges, k=2, refresh_interval=3600, fail_threshold=2,
+                                  cooldown=3600) as placement:
+                made: list[AsyncSandbox] = []
+                try:
+                    # b gets one sandbox so a is strictly the best edge in the placement's view...
+                    made.append(await AsyncSandbox.create(REF, url=b.url, token=TOKEN))
+                    await placement.refresh()
+                    assert placement.choose() == Edge(a.url, TOKEN)
+                    a.kill()  # ...and then a dies without a word
+
+                    made.append(await placement.create(REF))  # tried a, refused connection, went to b
+                    assert edge_of(edges, made[-1]) == "b"
+                    sa = placement.stats()[a.url]
+                    assert (sa["chosen"], sa["failed"], sa["created"], sa["state"]) == (1, 1, 0, "closed")
+                    assert "Connect" in sa["last_error"]
+
+                    await placement.refresh()  # the second failure in a row ejects it
+                    sa = placement.stats()[a.url]
+                    assert (sa["failed"], sa["ejected"], sa["state"]) == (2, 1, "ejected")
+
+                    made.append(await placement.create(REF))
+                    assert edge_of(edges, made[-1]) == "b"
+                    sa = placement.stats()[a.url]
+                    assert sa["chosen"] == 1  # not tried again while ejected
+                    await placement.refresh()  # and not probed either before the cooldown
+                    assert placement.stats()[a.url]["failed"] == 2
+
+                    # b short of memory for this one, c refusing, a ejected: a clear answer, not a hang
+                    with pytest.raises(PlacementError) as err:
+                        await placement.create(REF, memory=1 << 50)
+                    answers = dict(err.value.answers)
+                    assert answers[a.url].startswith("ejected after repeated failures: load refresh:")
+                    assert answers[b.url].startswith("rejected:")
+                    assert "memory" in answers[b.url]
+                    assert answers[edges["c"].url].startswith("rejected:")
+                finally:
+                    for sb in made:
+                        await sb.kill()
+
+    asyncio.run(scenario())
+    assert b.sandboxes() == []
