@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -30,6 +31,33 @@ from layerstore.packs import ChunkLocation
 
 MAP_SIZE = 8 << 30  # address space only; the file grows with use
 
+# LMDB allows one open environment per file per process: every MetadataCache on the
+# same path shares it (a service creating sandboxes concurrently opens many Stores).
+_ENVS: dict[str, tuple[lmdb.Environment, int]] = {}
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire(path: Path) -> lmdb.Environment:
+    key = os.path.realpath(path)
+    with _ENVS_LOCK:
+        env, users = _ENVS.get(key, (None, 0))
+        if env is None:
+            env = lmdb.open(key, map_size=MAP_SIZE, max_dbs=8, subdir=True,
+                            lock=True, readahead=False, metasync=False, sync=False)
+        _ENVS[key] = (env, users + 1)
+        return env
+
+
+def _release(path: Path) -> None:
+    key = os.path.realpath(path)
+    with _ENVS_LOCK:
+        env, users = _ENVS[key]
+        if users > 1:
+            _ENVS[key] = (env, users - 1)
+        else:
+            del _ENVS[key]
+            env.close()
+
 
 class MetadataCache:
     def __init__(self, data_dir: str | os.PathLike[str], store_url: str) -> None:
@@ -38,8 +66,8 @@ class MetadataCache:
         self.path = Path(data_dir) / "cache" / tag
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / "STORE").write_text(store_url + "\n")
-        self.env = lmdb.open(str(self.path), map_size=MAP_SIZE, max_dbs=8, subdir=True,
-                             lock=True, readahead=False, metasync=False, sync=False)
+        self.env = _acquire(self.path)
+        self._closed = False
         self._docs = self.env.open_db(b"docs")
         self._meta = self.env.open_db(b"meta")
         self._chunks = self.env.open_db(b"chunks")
@@ -47,7 +75,9 @@ class MetadataCache:
         self._refs = self.env.open_db(b"refs")
 
     def close(self) -> None:
-        self.env.close()
+        if not self._closed:
+            self._closed = True
+            _release(self.path)
 
     # -- immutable blobs ------------------------------------------------------------
     def get_doc(self, digest: str) -> bytes | None:

@@ -9,6 +9,7 @@ Layout under ``<data-dir>/sandbox/``::
     boxes/<id>/rootfs/   the writable overlay (a HostMounts mount)
     boxes/<id>/disk.img, disk/  the sandbox's own ext4 (only with a disk limit; holds the upper)
     receipts/<id>.jsonl  append-only log of every action (kept after destroy)
+    <data-dir>/net/      network namespaces and address allocations (sandbox/network.py)
     leases.json          job leases and their admission state (sandbox/leases.py)
 
 Store-facing calls (create, restore, checkpoint) are coroutines; runtime and
@@ -55,6 +56,7 @@ from sandbox.errors import (
 )
 from sandbox.files import RootFiles
 from sandbox.leases import Leases
+from sandbox.network import NetworkManager, diff_counters
 from sandbox.runtime import CgroupLayout, OciRuntime, preflight_cgroups
 from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec
 from snapshots.checkpoint import Checkpoint, Snapshots
@@ -307,6 +309,8 @@ class Sandbox:
         process_file, pid_file = self.bundle / f"{tag}.json", self.bundle / f"{tag}.pid"
         _write_json(process_file, build_process(args, env=merged, cwd=workdir, uid=st["uid"], gid=st["gid"]))
         oom_before = self.manager._oom_kills(st)
+        policed = st.get("network") is not None
+        egress_before = self.manager.net.counters(self.id) if policed else None
         started = time.perf_counter()
         proc = self.manager.runtime.exec(self.id, process_file, pid_file=pid_file,
                                          stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
@@ -332,6 +336,8 @@ class Sandbox:
         oom = self.manager._oom_kills(st) > oom_before
         result = ExecResult(rc, sig, out, err, truncated, round(duration, 6), timed_out, oom, interrupted)
         keyed: dict[str, Any] = {}
+        if egress_before is not None:  # what the network policy allowed and denied during the command
+            keyed["egress"] = diff_counters(egress_before, self.manager.net.counters(self.id))
         if idempotency_key is not None:
             keyed = {"idempotency_key": idempotency_key,
                      "stdout": base64.b64encode(out[:KEYED_OUTPUT_CAP]).decode(),
@@ -482,6 +488,19 @@ class Sandbox:
         self.files.remove(path, recursive=recursive)
         self._receipt("remove", path=path)
 
+    # -- network ------------------------------------------------------------------------------------
+    def set_network(self, rules: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Replace the egress allow rules while the sandbox runs (it must have been created with a network)."""
+        st = self.state
+        if st.get("network") is None:
+            raise SandboxStateError(f"sandbox {self.id} was created without a network (loopback only); "
+                                    "create it with network=[...] to police egress")
+        policy = self.manager.net.set_policy(self.id, [dict(r) for r in rules])
+        options = {**st.get("options", {}), "network": [dict(r) for r in rules]}
+        self._update(network={**st["network"], "policy": policy}, options=options)
+        self._receipt("network", version=policy.get("version"), rules=policy.get("rules"))
+        return policy
+
     # -- pause / resume -----------------------------------------------------------------------------
     def pause(self, *, reclaim: bool = True) -> dict[str, Any]:
         """Freeze every process, then push the sandbox's page cache out of memory."""
@@ -539,7 +558,7 @@ class SandboxManager:
     """Sandboxes of one host (one data dir) against one store."""
 
     def __init__(self, data_dir: str | os.PathLike[str], store_url: str | None = None, *,
-                 runtime: str = "crun") -> None:
+                 runtime: str = "crun", subnet: str | None = None) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.store_url = store_url
         self.root = self.data_dir / "sandbox"
@@ -554,6 +573,16 @@ class SandboxManager:
         self._lock = threading.RLock()
         self._inflight: dict[str, dict[str, Cancel]] = {}  # sandbox -> running execs (this process)
         self._keys_running: set[tuple[str, str]] = set()
+        self._net: NetworkManager | None = None
+        # a /16 per data dir, so two managers (two tests, two "hosts" on one machine) never overlap
+        self.subnet = subnet or f"10.{64 + int(hashlib.sha256(str(self.data_dir).encode()).hexdigest(), 16) % 64}.0.0/16"
+
+    @property
+    def net(self) -> NetworkManager:
+        """Network namespaces for sandboxes with egress rules (made on first use: it reads host routes)."""
+        if self._net is None:
+            self._net = NetworkManager(self.data_dir / "net", subnet=self.subnet)
+        return self._net
 
     @property
     def layout(self) -> CgroupLayout:
@@ -594,6 +623,8 @@ class SandboxManager:
         """
         async with await self._store() as store:
             resolved = await store.resolve(ref)
+        if resolved.kind == "checkpoint":  # through restore: its bound digests and policy are checked first
+            return await self.restore(ref, **options)
         return await self._launch(resolved, ref, **options)
 
     async def restore(self, checkpoint_ref: str, *, policy_version: str | None = None,
@@ -614,6 +645,7 @@ class SandboxManager:
                       labels: Mapping[str, str] | None = None, ttl: float | None = None,
                       idle_timeout: float | None = None, job: str | None = None, lease_ttl: float | None = None,
                       policy_version: str | None = None, admitting: bool = True,
+                      network: Sequence[Mapping[str, Any]] | None = None,
                       inherited: Sequence[Mapping[str, Any]] = ()) -> Sandbox:
         if cpu_class not in CPU_CLASSES:
             raise UnsupportedOption(f"cpu_class {cpu_class!r}: choose one of {CPU_CLASSES}")
@@ -631,7 +663,7 @@ class SandboxManager:
         limits = Limits(cpu=cpu, memory=memory, pids=pids, best_effort=cpu_class == "best-effort")
         options = {"cpu": cpu, "memory": memory, "pids": pids, "disk": disk, "cpu_class": cpu_class,
                    "ttl": ttl, "idle_timeout": idle_timeout, "workdir": workdir, "user": user,
-                   "env": dict(env or {})}
+                   "env": dict(env or {}), "network": [dict(r) for r in network] if network is not None else None}
         state: dict[str, Any] = {
             "id": sid, "status": "creating", "ref": ref, "image_digest": resolved.digest, "kind": resolved.kind,
             "labels": dict(labels or {}), "limits": asdict(limits), "ttl": ttl, "idle_timeout": idle_timeout,
@@ -656,7 +688,12 @@ class SandboxManager:
             else:
                 await asyncio.to_thread(self.host.mount, resolved, box.rootfs, writable=True, upper=upper)
             mounted = time.perf_counter()
-            await asyncio.to_thread(self._start, box, resolved, state, limits, layout, env, workdir, user)
+            netns = None
+            if network is not None:  # default deny with these allow rules; None = loopback only
+                info = await asyncio.to_thread(self.net.create, sid, [dict(r) for r in network])
+                netns = str(info.path)
+                state["network"] = {**info.to_dict(), "policy": self.net.policy(sid)}
+            await asyncio.to_thread(self._start, box, resolved, state, limits, layout, env, workdir, user, netns)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.destroy(sid)
@@ -668,7 +705,8 @@ class SandboxManager:
         return box
 
     def _start(self, box: Sandbox, resolved: Resolved, state: dict[str, Any], limits: Limits,
-               layout: CgroupLayout, env: Mapping[str, str] | None, workdir: str | None, user: str | None) -> None:
+               layout: CgroupLayout, env: Mapping[str, str] | None, workdir: str | None, user: str | None,
+               netns: str | None) -> None:
         cfg = resolved.config.get("config", resolved.config) or {}
         image_env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if "=" in e)
         image_env.setdefault("PATH", DEFAULT_PATH)
@@ -677,7 +715,7 @@ class SandboxManager:
         cwd = workdir or cfg.get("WorkingDir") or "/"
         process = build_process(IDLE_INIT, env=merged_env, cwd="/", uid=0, gid=0)
         spec = build_spec(str(box.rootfs), process, hostname=box.id, cgroups_path=state["cgroups_path"],
-                          limits=limits, cgroup_version=layout.version)
+                          limits=limits, cgroup_version=layout.version, netns_path=netns)
         _write_json(box.bundle / "config.json", spec)
         state.update(env=merged_env, cwd=cwd, uid=uid, gid=gid, status="starting")
         _write_json(box.dir / "state.json", state)
@@ -752,6 +790,8 @@ class SandboxManager:
             with contextlib.suppress(MountError):
                 self.host.umount(box.rootfs, discard=True)  # forget a stale record
         sbdisk.remove_disk(box.dir / "disk.img", box.dir / "disk")
+        if (self.data_dir / "net").exists():
+            self.net.destroy(sid)  # after the container: nothing holds the namespace any more
         self._remove_cgroups(f"/{self.cgroup_parent}/{sid}")
         if known:
             self._append_receipt(sid, {"id": uuid.uuid4().hex[:16], "sandbox": sid, "action": "destroy",
@@ -763,7 +803,7 @@ class SandboxManager:
     def _remove_cgroups(self, path: str) -> None:
         for d in self.layout.dirs(path):
             if d.exists():
-                for _ in range(20):  # a killed init can linger as a zombie of a slow PID 1
+                for _ in range(100):  # a killed init can linger (a zombie of a slow PID 1, a loaded host)
                     try:
                         d.rmdir()
                         break
@@ -798,6 +838,11 @@ class SandboxManager:
             if mp.startswith(str(self.boxes) + "/") and Path(mp).parent.name not in report["adopted"]:
                 self.host.umount(mp, discard=True)
                 report["orphans"].append(mp)
+        if (self.data_dir / "net").exists():
+            for sid in self.net.list():
+                if sid not in report["adopted"]:
+                    self.net.destroy(sid)
+                    report["orphans"].append(f"netns:{sid}")
         for sid in self.reap()["destroyed"]:  # TTLs and leases ran on while the manager was down
             report["destroyed"].append(sid)
             report["adopted"].remove(sid)

@@ -27,7 +27,8 @@ from layerstore.objects import SCHEMA_RUN
 from sandbox.errors import SandboxError, SandboxStateError
 from sandbox.manager import Sandbox, SandboxManager
 
-RESTORE_OPTIONS = ("cpu", "memory", "pids", "disk", "cpu_class", "env", "workdir", "user", "ttl", "idle_timeout")
+RESTORE_OPTIONS = ("cpu", "memory", "pids", "disk", "cpu_class", "env", "workdir", "user", "ttl", "idle_timeout",
+                   "network")
 
 
 class RunMismatch(SandboxError):

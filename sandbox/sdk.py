@@ -26,11 +26,13 @@ import asyncio
 import base64
 import codecs
 import json
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+import os
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, BinaryIO, Literal, TypeVar, overload
 
+import aiofiles
 import aiohttp
 
 from sandbox.errors import SandboxError
@@ -200,6 +202,38 @@ class AsyncFiles:
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> None:
         raw = data.encode() if isinstance(data, str) else data
         await self._sb._client.request("PUT", self._base, data=raw, params={"path": path, "mode": f"{mode:o}"})
+
+    async def upload(self, path: str, src: str | os.PathLike[str] | BinaryIO, *, mode: int = 0o644) -> int:
+        """Stream a local file (a path or a binary file object) of any size into the sandbox."""
+        params = {"path": path, "mode": f"{mode:o}"}
+        if isinstance(src, (str, os.PathLike)):
+            async with aiofiles.open(src, "rb") as f:
+                async def chunks() -> AsyncIterator[bytes]:
+                    while data := await f.read(1 << 20):
+                        yield data
+                doc = await self._sb._client.json("PUT", self._base, data=chunks(), params=params)
+        else:
+            doc = await self._sb._client.json("PUT", self._base, data=src, params=params)  # aiohttp streams it
+        return int(doc["bytes"])
+
+    async def download(self, path: str, dst: str | os.PathLike[str] | BinaryIO) -> int:
+        """Stream a sandbox file of any size to a local path or binary file object."""
+        client = self._sb._client
+        total = 0
+        async with client.session.get(client.url + self._base, params={"path": path},
+                                      timeout=aiohttp.ClientTimeout(total=None)) as r:
+            if r.status >= 400:
+                raise _error(r.status, await r.read())
+            if isinstance(dst, (str, os.PathLike)):
+                async with aiofiles.open(dst, "wb") as f:
+                    async for chunk in r.content.iter_chunked(1 << 20):
+                        await f.write(chunk)
+                        total += len(chunk)
+            else:
+                async for chunk in r.content.iter_chunked(1 << 20):
+                    dst.write(chunk)
+                    total += len(chunk)
+        return total
 
     async def list(self, path: str = "/") -> list[dict[str, Any]]:
         doc = await self._sb._client.json("GET", self._base, params={"path": path, "list": "1"})
@@ -424,6 +458,12 @@ class Files:
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
         self._loop.run(self._inner.remove(path, recursive=recursive))
+
+    def upload(self, path: str, src: str | os.PathLike[str] | BinaryIO, *, mode: int = 0o644) -> int:
+        return self._loop.run(self._inner.upload(path, src, mode=mode))
+
+    def download(self, path: str, dst: str | os.PathLike[str] | BinaryIO) -> int:
+        return self._loop.run(self._inner.download(path, dst))
 
 
 class Sandbox:

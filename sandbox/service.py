@@ -34,9 +34,13 @@ import argparse
 import asyncio
 import base64
 import binascii
+import contextlib
+import io
 import json
 import logging
 import socket
+import stat
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +50,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from layerstore.errors import LayerboxError
 from sandbox.admission import (
     DEFAULT_DISK,
     DEFAULT_MEMORY,
@@ -65,14 +70,21 @@ from sandbox.errors import (
     SandboxStateError,
     UnsupportedOption,
 )
-from sandbox.manager import Sandbox, SandboxManager
+from sandbox.manager import Cancel, Sandbox, SandboxManager
+from sandbox.runs import preempt, resume_run
 
 log = logging.getLogger("layerbox.sandbox.service")
 
 PROJECT_LABEL = "layerbox.project"
 ISOLATION = "container"  # what this service runs: crun containers, never microVMs
 DEFAULT_QUOTA = 10
-MAX_BODY = 64 << 20
+MAX_BODY = 64 << 20  # JSON bodies; file uploads stream and have no limit but the sandbox's disk
+DEFAULT_JOB = "default"
+DEFAULT_LEASE_TTL = 600.0
+REAP_INTERVAL = 5.0
+STREAM_QUEUE = 64  # exec events buffered per request: a slow reader slows the command, never the host
+CREATE_OPTIONS = frozenset({"cpu", "memory", "pids", "env", "workdir", "ttl", "idle_timeout", "cpu_class", "disk",
+                            "network"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -146,7 +158,7 @@ def _as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, SandboxNotFound):
         return ApiError(404, "not_found", str(exc))
     if isinstance(exc, SandboxStateError):
-        return ApiError(409, "conflict", str(exc))
+        return ApiError(409, "conflict", str(exc), retryable=bool(getattr(exc, "retryable", False)))
     if isinstance(exc, PathEscape):
         return ApiError(403, "path_escape", str(exc))
     if isinstance(exc, UnsupportedOption):
@@ -168,9 +180,13 @@ def _as_api_error(exc: BaseException) -> ApiError:
 
 def _view(state: Mapping[str, Any]) -> dict[str, Any]:
     labels = {k: v for k, v in (state.get("labels") or {}).items() if k != PROJECT_LABEL}
+    job = state.get("job")
     return {"id": state.get("id"), "status": state.get("status"), "image": state.get("ref"),
             "image_digest": state.get("image_digest"), "labels": labels, "limits": state.get("limits"),
-            "created": state.get("created"), "last_active": state.get("last_active"), "isolation": ISOLATION}
+            "created": state.get("created"), "last_active": state.get("last_active"), "isolation": ISOLATION,
+            "job": job.partition("/")[2] if isinstance(job, str) else None, "cpu_class": state.get("cpu_class"),
+            "disk": state.get("disk"), "admitting": state.get("admitting", True),
+            "network": state.get("network")}
 
 
 def _number(value: Any, default: int) -> int:
@@ -186,9 +202,16 @@ def _project_of(state: Mapping[str, Any]) -> str | None:
 class SandboxService:
     """Routes, auth, quotas and metrics over one manager; build the app with :meth:`app`."""
 
-    def __init__(self, manager: SandboxManager, auth: AuthConfig, admission: Admission | None = None) -> None:
+    def __init__(self, manager: SandboxManager, auth: AuthConfig, admission: Admission | None = None, *,
+                 lease_ttl: float = DEFAULT_LEASE_TTL, reap_interval: float = REAP_INTERVAL,
+                 fncall_pool: int = 2) -> None:
         self.manager = manager
         self.auth = auth
+        self.lease_ttl = lease_ttl
+        self.reap_interval = reap_interval
+        self.fncall_pool = fncall_pool
+        self._calls: Any = None  # sandbox.fncall.FnCalls, made on the first call
+        self._reaper: asyncio.Task[None] | None = None
         self.admission = admission or Admission(AdmissionConfig(), disk_path=manager.data_dir,
                                                 boxes=manager.boxes)
         self._pending: dict[str, int] = {}  # creates in flight per project (they count against the quota)
@@ -226,7 +249,41 @@ class SandboxService:
         r.add_post("/v1/sandboxes/{id}/resume", self.resume)
         r.add_post("/v1/sandboxes/{id}/checkpoint", self.checkpoint)
         r.add_get("/v1/load", self.load)
+        r.add_post("/v1/sandboxes/restore", self.restore)
+        r.add_get("/v1/sandboxes/{id}/receipts", self.receipts)
+        r.add_put("/v1/sandboxes/{id}/network", self.network)
+        r.add_post("/v1/jobs/{job}/renew", self.job_renew)
+        r.add_post("/v1/jobs/{job}/pause", self.job_pause)
+        r.add_post("/v1/jobs/{job}/resume", self.job_resume)
+        r.add_post("/v1/jobs/{job}/preempt", self.job_preempt)
+        r.add_post("/v1/runs/resume", self.run_resume)
+        r.add_post("/v1/calls", self.call)
+        app.on_startup.append(self._start_background)
+        app.on_cleanup.append(self._stop_background)
         return app
+
+    # -- background: the reaper ------------------------------------------------------------------------
+    async def _start_background(self, app: web.Application) -> None:
+        self._reaper = asyncio.create_task(self._reap_forever())
+
+    async def _stop_background(self, app: web.Application) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        if self._calls is not None:
+            await self._calls.close()
+
+    async def _reap_forever(self) -> None:
+        """Destroy sandboxes past their TTL or lease, pause idle ones; a failure waits for the next round."""
+        while True:
+            await asyncio.sleep(self.reap_interval)
+            try:
+                report = await asyncio.to_thread(self.manager.reap)
+                if report["destroyed"] or report["paused"]:
+                    log.info("reaper: %s", report)
+            except Exception:
+                log.exception("reaper round failed")
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -261,6 +318,26 @@ class SandboxService:
             raise ApiError(403, "forbidden", f"project {project.name!r} is disabled")
         return project
 
+    @staticmethod
+    def _job(project: Project, name: Any) -> str:
+        """Jobs are per project: the manager sees ``<project>/<job>``."""
+        if name is None:
+            name = DEFAULT_JOB
+        if not isinstance(name, str) or not name or len(name) > 128 or "/" in name:
+            raise ApiError(400, "bad_request", "'job' must be 1-128 characters without '/'")
+        return f"{project.name}/{name}"
+
+    def _touch_lease(self, state: Mapping[str, Any]) -> None:
+        """Any request on a job's sandbox renews its lease (rate-limited to a quarter of the ttl)."""
+        job = state.get("job")
+        if not job:
+            return
+        lease = self.manager.leases.get(job)
+        if lease is None or lease.state != "active":
+            return
+        if lease.expires - time.time() < 0.75 * lease.ttl:
+            self.manager.leases.renew(job)
+
     async def _box(self, request: web.Request, project: Project) -> Sandbox:
         sid = request.match_info["id"]
         not_found = ApiError(404, "not_found", f"no sandbox {sid!r} in project {project.name!r}")
@@ -271,6 +348,7 @@ class SandboxService:
             raise not_found from None
         if _project_of(state) != project.name:
             raise not_found
+        await asyncio.to_thread(self._touch_lease, state)
         return box
 
     @staticmethod
@@ -306,14 +384,35 @@ class SandboxService:
         if isolation != ISOLATION:
             raise ApiError(400, "unsupported_isolation",
                            f"isolation {isolation!r} is not available: this service runs {ISOLATION!r} only")
-        labels = body.get("labels") or {}
-        if not isinstance(labels, dict) or any(not isinstance(k, str) or k.startswith("layerbox.") for k in labels):
-            raise ApiError(400, "bad_request", "labels must be a string map without 'layerbox.' keys")
-        allowed = {"cpu", "memory", "pids", "env", "workdir", "ttl", "idle_timeout"}
-        options = {k: body[k] for k in allowed if body.get(k) is not None}
-        unknown = set(body) - allowed - {"image", "isolation", "labels"}
-        if unknown:
-            raise ApiError(400, "bad_request", f"unknown fields: {sorted(unknown)}")
+        options = self._options(project, body, extra={"image", "isolation"})
+        return await self._launch(project, options, lambda: self.manager.create(image, **options))
+
+    async def restore(self, request: web.Request) -> web.Response:
+        """A new sandbox from a checkpoint this project made (on any edge of the store)."""
+        project = self._project(request)
+        body = await self._json(request)
+        ref = body.get("checkpoint")
+        if not isinstance(ref, str) or not ref:
+            raise ApiError(400, "bad_request", "'checkpoint' (a checkpoint ref or digest) is required")
+        policy = body.get("policy_version")
+        options = self._options(project, body, extra={"checkpoint", "policy_version"})
+        await self._own_checkpoint(project, ref)
+        return await self._launch(project, options,
+                                  lambda: self.manager.restore(ref, policy_version=policy, **options))
+
+    async def _own_checkpoint(self, project: Project, ref: str) -> None:
+        not_found = ApiError(404, "not_found", f"no checkpoint {ref!r} in project {project.name!r}")
+        async with await self.manager._store() as store:
+            try:
+                resolved = await store.resolve(ref, refresh=True)
+            except LayerboxError:
+                raise not_found from None
+        if resolved.kind != "checkpoint" or (resolved.doc.get("labels") or {}).get(PROJECT_LABEL) != project.name:
+            raise not_found
+
+    async def _launch(self, project: Project, options: Mapping[str, Any],
+                      start: Callable[[], Awaitable[Sandbox]]) -> web.Response:
+        """Quota, then admission, then ``start``; both checks count creates still in flight."""
         async with self._quota_lock:
             live = len(await asyncio.to_thread(self._owned, project)) + self._pending.get(project.name, 0)
             if live >= project.max_sandboxes:
@@ -323,10 +422,11 @@ class SandboxService:
             self._pending[project.name] = self._pending.get(project.name, 0) + 1
         # a malformed limit is charged the default here; the manager refuses it with a proper error
         demand = Demand(memory=_number(options.get("memory"), DEFAULT_MEMORY),
-                        pids=_number(options.get("pids"), DEFAULT_PIDS), disk=DEFAULT_DISK)
+                        pids=_number(options.get("pids"), DEFAULT_PIDS),
+                        disk=_number(options.get("disk"), DEFAULT_DISK))
         try:
             with self.admission.reserve(demand):
-                box = await self.manager.create(image, labels={**labels, PROJECT_LABEL: project.name}, **options)
+                box = await start()
         except CapacityExceeded as exc:
             self.m_rejected.labels(exc.resources[0]).inc()
             log.info("create refused: %s", exc)
@@ -334,6 +434,19 @@ class SandboxService:
         finally:
             self._pending[project.name] -= 1
         return web.json_response(_view(await asyncio.to_thread(lambda: box.state)), status=201)
+
+    def _options(self, project: Project, body: Mapping[str, Any], *, extra: set[str]) -> dict[str, Any]:
+        labels = body.get("labels") or {}
+        if not isinstance(labels, dict) or any(not isinstance(k, str) or k.startswith("layerbox.") for k in labels):
+            raise ApiError(400, "bad_request", "labels must be a string map without 'layerbox.' keys")
+        unknown = set(body) - CREATE_OPTIONS - extra - {"labels", "job", "lease_ttl"}
+        if unknown:
+            raise ApiError(400, "bad_request", f"unknown fields: {sorted(unknown)}")
+        options = {k: body[k] for k in CREATE_OPTIONS if body.get(k) is not None}
+        options["labels"] = {**labels, PROJECT_LABEL: project.name}
+        options["job"] = self._job(project, body.get("job"))
+        options["lease_ttl"] = body.get("lease_ttl") or self.lease_ttl
+        return options
 
     async def list(self, request: web.Request) -> web.Response:
         project = self._project(request)
@@ -368,6 +481,87 @@ class SandboxService:
         ckpt = await box.checkpoint(name=body.get("name"), labels=labels)
         return web.json_response(ckpt.to_json(), status=201)
 
+    async def receipts(self, request: web.Request) -> web.Response:
+        box = await self._box(request, self._project(request))
+        return web.json_response({"sandbox": box.id, "receipts": await asyncio.to_thread(box.receipts)})
+
+    async def network(self, request: web.Request) -> web.Response:
+        box = await self._box(request, self._project(request))
+        body = await self._json(request)
+        rules = body.get("rules")
+        if not isinstance(rules, list):
+            raise ApiError(400, "bad_request", "'rules' must be a list of egress allow rules")
+        return web.json_response(await asyncio.to_thread(box.set_network, rules))
+
+    # -- jobs and runs ---------------------------------------------------------------------------------
+    async def job_renew(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        job = self._job(project, request.match_info["job"])
+        ttl = (await self._json(request)).get("ttl") if request.can_read_body else None
+        if ttl is not None and not (isinstance(ttl, (int, float)) and ttl > 0):
+            raise ApiError(400, "bad_request", "'ttl' must be a positive number of seconds")
+        lease = await asyncio.to_thread(self.manager.renew, job, ttl)
+        return web.json_response({**lease, "job": request.match_info["job"]})
+
+    async def job_pause(self, request: web.Request) -> web.Response:
+        job = self._job(self._project(request), request.match_info["job"])
+        return web.json_response({"sandboxes": await asyncio.to_thread(self.manager.pause_job, job)})
+
+    async def job_resume(self, request: web.Request) -> web.Response:
+        job = self._job(self._project(request), request.match_info["job"])
+        return web.json_response({"sandboxes": await asyncio.to_thread(self.manager.resume_job, job)})
+
+    async def job_preempt(self, request: web.Request) -> web.Response:
+        job = self._job(self._project(request), request.match_info["job"])
+        body = await self._json(request) if request.can_read_body else {}
+        grace = body.get("timeout", 30.0)
+        if not isinstance(grace, (int, float)) or grace < 0:
+            raise ApiError(400, "bad_request", "'timeout' must be a number of seconds >= 0")
+        if not await asyncio.to_thread(self.manager.list, job=job):
+            raise ApiError(404, "not_found", f"job {request.match_info['job']!r} has no sandboxes here")
+        run = await preempt(self.manager, job, timeout=float(grace))
+        return web.json_response(run.to_json(), status=201)
+
+    async def run_resume(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        ref = (await self._json(request)).get("manifest")
+        if not isinstance(ref, str) or not ref:
+            raise ApiError(400, "bad_request", "'manifest' (a run manifest ref or digest) is required")
+        async with await self.manager._store() as store:
+            try:
+                doc = (await store.resolve(ref, refresh=True)).doc
+            except LayerboxError:
+                doc = {}
+        if not str(doc.get("job", "")).startswith(project.name + "/"):
+            raise ApiError(404, "not_found", f"no run manifest {ref!r} in project {project.name!r}")
+        run = await resume_run(self.manager, ref, lease_ttl=self.lease_ttl)
+        return web.json_response(run.to_json(), status=201)
+
+    # -- FnCall --------------------------------------------------------------------------------------------
+    async def call(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        body = await self._json(request)
+        image, cmd, function = body.get("image"), body.get("cmd"), body.get("function")
+        if not isinstance(image, str) or not image:
+            raise ApiError(400, "bad_request", "'image' is required")
+        if (cmd is None) == (function is None):
+            raise ApiError(400, "bad_request", "give exactly one of 'cmd' and 'function'")
+        timeout = body.get("timeout", 30.0)
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ApiError(400, "bad_request", "'timeout' must be a positive number of seconds")
+        if self._calls is None:
+            from sandbox.fncall import FnCalls
+
+            self._calls = FnCalls(self.manager, size=self.fncall_pool)
+        self.m_execs.labels(project.name).inc()
+        result = await self._calls.call(image, cmd, function=function, args=body.get("args") or (),
+                                        kwargs=body.get("kwargs") or None, timeout=float(timeout))
+        return web.json_response({
+            "exit_code": result.exit_code, "stdout": base64.b64encode(result.stdout).decode(),
+            "stderr": base64.b64encode(result.stderr).decode(), "value": result.value, "error": result.error,
+            "timed_out": result.timed_out, "truncated": result.truncated, "duration": result.duration,
+            "wait_seconds": result.wait_seconds})
+
     # -- exec ----------------------------------------------------------------------------------------
     async def exec(self, request: web.Request) -> web.StreamResponse:
         project = self._project(request)
@@ -383,37 +577,62 @@ class SandboxService:
                 stdin = base64.b64decode(body["stdin"], validate=True)
             except (binascii.Error, TypeError):
                 raise ApiError(400, "bad_request", "'stdin' must be base64") from None
+        key = body.get("idempotency_key")
+        if key is not None and (not isinstance(key, str) or not key or len(key) > 200):
+            raise ApiError(400, "bad_request", "'idempotency_key' must be a string of 1-200 characters")
         state = await asyncio.to_thread(lambda: box.state)
         if state.get("status") != "running":
             raise ApiError(409, "conflict", f"sandbox {box.id} is {state.get('status')}, not running")
+        cap = _number(body.get("output_cap"), 1 << 20)
 
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+        # bounded: the exec thread blocks when the client reads slowly, and the pipe then stops the command
+        events: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue(STREAM_QUEUE)
+        cancel = Cancel()
 
         def forward(kind: str) -> Callable[[bytes], None]:
+            sent = 0
+
             def push(data: bytes) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, data))
+                nonlocal sent
+                room = cap - sent  # past the cap nothing more is streamed (the result says truncated)
+                if room <= 0 or cancel.is_set():
+                    return
+                sent += min(room, len(data))
+                fut = asyncio.run_coroutine_threadsafe(events.put((kind, data[:room])), loop)
+                while not cancel.is_set():
+                    try:
+                        fut.result(timeout=0.5)
+                        return
+                    except TimeoutError:
+                        continue
+                fut.cancel()
             return push
 
         run = asyncio.ensure_future(asyncio.to_thread(
             box.exec, cmd, env=body.get("env"), cwd=body.get("cwd"), timeout=body.get("timeout"), stdin=stdin,
-            output_cap=int(body.get("output_cap") or 1 << 20),
-            on_stdout=forward("stdout"), on_stderr=forward("stderr")))
-        # queued after every callback the thread scheduled before it returned
-        run.add_done_callback(lambda _: events.put_nowait(None))
+            output_cap=cap, on_stdout=forward("stdout"), on_stderr=forward("stderr"), idempotency_key=key,
+            cancel=cancel))
         self.m_execs.labels(project.name).inc()
 
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         try:
-            while (item := await events.get()) is not None:
-                kind, data = item
+            while not (run.done() and events.empty()):
+                if request.transport is None or request.transport.is_closing():
+                    raise ConnectionResetError("client went away")
+                try:
+                    kind, data = await asyncio.wait_for(events.get(), 0.5)  # type: ignore[misc]
+                except TimeoutError:
+                    continue
                 await resp.write(json.dumps({"type": kind, "data": base64.b64encode(data).decode()}).encode()
                                  + b"\n")
-        except ConnectionResetError:  # the client left; the command still runs to its end or timeout
+        except (ConnectionResetError, asyncio.CancelledError):
+            # the client left: kill the command (its receipt says so) instead of running it unobserved
+            cancel.cancel("disconnect")
             await asyncio.wait([run])
-            return resp
+            raise
         try:
             result = run.result()
         except Exception as exc:
@@ -424,19 +643,34 @@ class SandboxService:
             self.m_exec_seconds.observe(result.duration)
             final = {"type": "exit", "exit_code": result.exit_code, "signal": result.signal,
                      "truncated": result.truncated, "duration": result.duration,
-                     "timed_out": result.timed_out, "oom_killed": result.oom_killed}
+                     "timed_out": result.timed_out, "oom_killed": result.oom_killed,
+                     "interrupted": result.interrupted, "replayed": result.replayed}
         await resp.write(json.dumps(final).encode() + b"\n")
         await resp.write_eof()
         return resp
 
     # -- files ---------------------------------------------------------------------------------------
-    async def files_get(self, request: web.Request) -> web.Response:
+    async def files_get(self, request: web.Request) -> web.StreamResponse:
         box = await self._box(request, self._project(request))
         path = self._path(request)
         if request.query.get("list") in ("1", "true"):
             return web.json_response({"path": path, "entries": await asyncio.to_thread(box.list, path)})
-        data = await asyncio.to_thread(box.read, path)
-        return web.Response(body=data, content_type="application/octet-stream")
+        st = await asyncio.to_thread(box.stat, path)  # errors (404, 403, 409) before the body starts
+        if not stat.S_ISREG(st.st_mode):
+            raise ApiError(409, "file_conflict", f"{path} is not a regular file (list a directory with list=1)")
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        loop = asyncio.get_running_loop()
+
+        class Sink(io.RawIOBase):  # the thread's file writes become response chunks, one at a time
+            def write(self, data: Any) -> int:
+                asyncio.run_coroutine_threadsafe(resp.write(bytes(data)), loop).result()
+                return len(data)
+
+        await asyncio.to_thread(box.download, path, Sink())
+        await resp.write_eof()
+        return resp
 
     async def files_put(self, request: web.Request) -> web.Response:
         box = await self._box(request, self._project(request))
@@ -445,9 +679,16 @@ class SandboxService:
             mode = int(request.query.get("mode", "644"), 8)
         except ValueError:
             raise ApiError(400, "bad_request", "'mode' must be octal, e.g. 644") from None
-        data = await request.read()
-        await asyncio.to_thread(box.write, path, data, mode)
-        return web.json_response({"path": path, "bytes": len(data)}, status=201)
+        loop = asyncio.get_running_loop()
+        content = request.content
+
+        class Source(io.RawIOBase):  # the request body, read by the upload thread as it arrives
+            def read(self, size: int = -1) -> bytes:
+                n = size if size > 0 else 1 << 20
+                return asyncio.run_coroutine_threadsafe(content.read(n), loop).result()
+
+        written = await asyncio.to_thread(box.upload, path, Source(), mode)
+        return web.json_response({"path": path, "bytes": written}, status=201)
 
     async def files_delete(self, request: web.Request) -> web.Response:
         box = await self._box(request, self._project(request))
@@ -510,8 +751,9 @@ OPENAPI: dict[str, Any] = {
                                                         "retryable": {"type": "boolean"}}}}}}},
     "paths": {
         "/v1/sandboxes": {
-            "post": _op("Create a sandbox from an image or checkpoint ref "
-                        "(image, cpu, memory, pids, env, workdir, labels, ttl, idle_timeout, isolation)",
+            "post": _op("Create a sandbox from an image or checkpoint ref (image, cpu, memory, pids, disk, "
+                        "cpu_class latency|best-effort, env, workdir, labels, ttl, idle_timeout, job, lease_ttl, "
+                        "network: egress allow rules, isolation)",
                         {"201": "the sandbox", "400": "bad request or unsupported isolation",
                          "429": "project quota reached (retryable)",
                          "503": "edge out of capacity (code 'capacity', retryable, Retry-After; "
@@ -523,9 +765,13 @@ OPENAPI: dict[str, Any] = {
             "delete": _op("Destroy a sandbox", {"204": "destroyed"}),
         },
         "/v1/sandboxes/{id}/exec": {
-            "post": _op("Run a command (cmd, env, cwd, timeout, stdin as base64, output_cap); the response "
-                        "streams newline-delimited JSON events: stdout/stderr (base64 data), then exit or error",
-                        {"200": "application/x-ndjson event stream", "409": "sandbox not running"}, body="json"),
+            "post": _op("Run a command (cmd, env, cwd, timeout, stdin as base64, output_cap, idempotency_key); "
+                        "the response streams newline-delimited JSON events: stdout/stderr (base64 data, at most "
+                        "output_cap bytes each), then exit (with interrupted, replayed) or error. Closing the "
+                        "connection kills the command.",
+                        {"200": "application/x-ndjson event stream",
+                         "409": "sandbox not running, job preempted or key still running (retryable)"},
+                        body="json"),
         },
         "/v1/sandboxes/{id}/files": {
             "get": _op("Read a file, or list a directory with list=1", {"200": "bytes or a JSON listing"},
@@ -540,6 +786,35 @@ OPENAPI: dict[str, Any] = {
                                                                             "409": "not paused"})},
         "/v1/sandboxes/{id}/checkpoint": {"post": _op("Checkpoint the rootfs into the store (name, labels)",
                                                       {"201": "the checkpoint"}, body="json")},
+        "/v1/sandboxes/restore": {"post": _op(
+            "Start a sandbox on a checkpoint of this project (checkpoint, policy_version, and create's options)",
+            {"201": "the sandbox", "404": "no such checkpoint in this project", "409": "policy or digests differ",
+             "429": "project quota reached (retryable)", "503": "edge out of capacity (retryable)"},
+            body="json", path_id=False)},
+        "/v1/sandboxes/{id}/receipts": {"get": _op("The sandbox's receipts, oldest first",
+                                                   {"200": "receipts"})},
+        "/v1/sandboxes/{id}/network": {"put": _op("Replace the egress allow rules (rules: [{cidr|host, ports, "
+                                                  "protocol}]) while the sandbox runs",
+                                                  {"200": "the effective policy", "400": "bad rule",
+                                                   "409": "created without a network"}, body="json")},
+        "/v1/jobs/{job}/renew": {"post": _op("Renew the job's lease (ttl)", {"200": "the lease"}, body="json",
+                                             path_id=False)},
+        "/v1/jobs/{job}/pause": {"post": _op("Pause every sandbox of the job", {"200": "paused ids"},
+                                             path_id=False)},
+        "/v1/jobs/{job}/resume": {"post": _op("Resume every paused sandbox of the job", {"200": "resumed ids"},
+                                              path_id=False)},
+        "/v1/jobs/{job}/preempt": {"post": _op("Drain the job (in-flight commands get timeout seconds), "
+                                               "checkpoint every sandbox, write a run manifest, free the host",
+                                               {"201": "the run", "404": "no sandboxes of that job here"},
+                                               body="json", path_id=False)},
+        "/v1/runs/resume": {"post": _op("Restore a preempted job from its run manifest (manifest); commands "
+                                        "are admitted once every sandbox is up",
+                                        {"201": "old -> new sandbox ids", "404": "no such run in this project",
+                                         "409": "digests or policy differ"}, body="json", path_id=False)},
+        "/v1/calls": {"post": _op("FnCall: run cmd, or a Python function (function source, args, kwargs), on a "
+                                  "warm container of image, in a fresh writable layer",
+                                  {"200": "exit code, output (base64), value, error, timings"}, body="json",
+                                  path_id=False)},
         "/v1/load": {"get": _op("Load report: sandboxes live/in flight/max, free memory/pids/disk, load "
                                 "average, score, accepting", {"200": "the load report"}, path_id=False)},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI"}}}},

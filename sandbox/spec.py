@@ -119,7 +119,8 @@ def build_process(args: Sequence[str], *, env: Mapping[str, str], cwd: str, uid:
 
 
 def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroups_path: str,
-               limits: Limits, cgroup_version: int) -> dict[str, Any]:
+               limits: Limits, cgroup_version: int, netns_path: str | None = None) -> dict[str, Any]:
+    """``netns_path``: join that network namespace (sandbox.network) instead of a new empty one."""
     resources = limits.resources()
     if cgroup_version == 1:
         resources["memory"].pop("swap")  # memsw exists only with swap accounting on
@@ -145,7 +146,8 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
              "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
         ],
         "linux": {
-            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
+            "namespaces": [{"type": t, "path": netns_path} if t == "network" and netns_path else {"type": t}
+                           for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
             "cgroupsPath": cgroups_path,
             "resources": resources,
             "devices": [{"path": p, "type": "c", "major": ma, "minor": mi, "fileMode": 0o666, "uid": 0, "gid": 0}

@@ -90,7 +90,7 @@ def manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxManager
 
 @pytest.fixture(scope="module")
 def server(manager: SandboxManager) -> Iterator[ServerThread]:
-    srv = ServerThread(SandboxService(manager, AuthConfig.from_dict(TOKENS)))
+    srv = ServerThread(SandboxService(manager, AuthConfig.from_dict(TOKENS), reap_interval=0.3))
     srv.start()
     try:
         yield srv

@@ -1,0 +1,291 @@
+"""FnCall warm pools with real crun, a real kernel and a real store (the Debian fixture image with python3)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from support.env import require
+
+from lazyfetch import kmount
+from sandbox.errors import SandboxError
+from sandbox.fncall import (
+    POOL_ID_LABEL,
+    POOL_LABEL,
+    CallArgumentError,
+    FnCalls,
+    PoolClosed,
+    PoolCreateFailed,
+    WarmPool,
+    measure,
+)
+from sandbox.manager import SandboxManager
+from tests.support.hosts import publish_sync
+
+pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
+
+FIXTURE = "/work/shared/fixtures/debian-bookworm.oci.tar"
+REF = "img/python"
+
+
+def assert_clean(mgr: SandboxManager) -> None:
+    assert mgr.runtime.list() == []
+    assert kmount.mounts_under(mgr.data_dir) == []
+    assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
+
+
+def assert_no_boxes(mgr: SandboxManager) -> None:
+    assert mgr.runtime.list() == []
+    assert mgr.list() == []
+    assert kmount.mounts_under(mgr.boxes) == []
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    require("root")
+    if not os.path.exists(FIXTURE):
+        pytest.skip(f"{FIXTURE} missing")
+    root = tmp_path_factory.mktemp("fncall-store")
+    url = f"file://{root / 'store'}"
+    publish_sync(url, root / "pub", f"oci-archive:{FIXTURE}:python", REF)
+    return url
+
+
+@pytest.fixture(scope="module")
+def manager(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxManager]:
+    mgr = SandboxManager(tmp_path_factory.mktemp("fncall-host"), store_url)
+    try:
+        yield mgr
+    finally:
+        mgr.close()
+        assert_clean(mgr)
+
+
+@pytest.fixture
+def mgr(manager: SandboxManager) -> Iterator[SandboxManager]:
+    """The module's manager; every test must leave no sandbox behind (checked even after a failure)."""
+    try:
+        yield manager
+    finally:
+        leftovers = manager.list()
+        for st in leftovers:
+            manager.destroy(st["id"])
+    assert leftovers == []
+    assert_no_boxes(manager)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+GREETER = '''
+import os
+
+def helper(x):
+    return x * 2
+
+def greet(name, *, times=1, tags=()):
+    print("hello from", name)
+    return {"name": name, "doubled": helper(times), "tags": sorted(tags), "uid": os.getuid(), "none": None}
+'''
+
+
+def test_shell_and_function_calls(mgr: SandboxManager) -> None:
+    async def body() -> None:
+        async with WarmPool(mgr, REF, size=2, labels={"team": "t1"}, env={"GREETING": "hi"}) as pool:
+            states = mgr.list()
+            assert len(states) == 2
+            assert all(st["labels"] == {"team": "t1", POOL_LABEL: REF, POOL_ID_LABEL: pool.id} for st in states)
+
+            res = await pool.call("echo $GREETING; echo err >&2; exit 3")
+            assert (res.exit_code, res.stdout, res.stderr) == (3, b"hi\n", b"err\n")
+            assert (res.value, res.error, res.timed_out, res.truncated) == (None, None, False, False)
+            assert res.sandbox in {st["id"] for st in states}
+            assert 0 <= res.wait_seconds <= res.duration
+
+            res = await pool.call(["cat"], stdin=b"piped in")
+            assert res.stdout == b"piped in"
+
+            res = await pool.call(function=GREETER, args=["ada"], kwargs={"times": 21, "tags": ["b", "a"]})
+            assert res.error is None, res.error
+            assert res.exit_code == 0
+            assert res.value == {"name": "ada", "doubled": 42, "tags": ["a", "b"], "uid": 0, "none": None}
+            assert res.stdout == b"hello from ada\n"  # the answer frame is not part of stdout
+
+            res = await pool.call(function=GREETER, entry="helper", args=[[1]])
+            assert res.value == [1, 1]
+
+            res = await pool.call(function="async def f(a, b):\n    return a / b\n", args=[1, 4])
+            assert res.value == 0.25
+
+            res = await pool.call(function="def f():\n    print('partial')\n    raise ValueError('boom')\n")
+            assert res.value is None
+            assert res.exit_code == 1
+            assert res.stdout == b"partial\n"
+            assert res.error is not None
+            assert res.error.startswith("ValueError: boom\nTraceback (most recent call last):")
+            assert 'File "<function>", line 3, in f' in res.error
+
+            res = await pool.call(function="def f():\n    return {1, 2}\n")
+            assert res.value is None
+            assert res.error is not None
+            assert res.error.startswith("TypeError: the return value of f() is not JSON-serializable")
+
+            res = await pool.call(function="x = 1\n")
+            assert res.error is not None
+            assert res.error.startswith("ValueError: the function source defines no top-level function")
+
+            res = await pool.call(function="def f(:\n")
+            assert res.error is not None
+            assert res.error.startswith("SyntaxError:")
+
+            res = await pool.call(function="import sys\ndef f():\n    sys.stdout.close()\n    return 'still'\n")
+            assert res.value == "still"
+
+            late = ("import subprocess\ndef f():\n"
+                    "    subprocess.Popen('while kill -0 $PPID 2>/dev/null; do :; done; echo late', shell=True)\n"
+                    "    return 2\n")
+            res = await pool.call(function=late)
+            assert (res.value, res.error) == (2, None)
+            assert res.stdout == b"late\n"  # printed after the answer by a process the function left behind
+
+            res = await pool.call(function="def f():\n    print('x' * 5000)\n    return 1\n", output_cap=1000)
+            assert res.truncated
+            assert res.error is not None
+            assert res.error.startswith("OutputTruncated:")
+
+            with pytest.raises(CallArgumentError):
+                await pool.call(function=GREETER, args=[object()])
+            with pytest.raises(CallArgumentError):
+                await pool.call("true", function=GREETER)
+            with pytest.raises(CallArgumentError):
+                await pool.call()
+            with pytest.raises(CallArgumentError):
+                await pool.call(function=GREETER, stdin=b"x")
+            assert pool.stats()["calls"] == 12  # the refused calls never took a sandbox
+
+        with pytest.raises(PoolClosed):
+            await pool.call("true")
+
+    run(body())
+
+
+def test_each_call_gets_a_fresh_layer(mgr: SandboxManager) -> None:
+    async def body() -> None:
+        async with WarmPool(mgr, REF, size=1) as pool:
+            first = await pool.call("echo secret > /root/left; echo t > /tmp/left; sleep 600 & echo $!")
+            assert first.exit_code == 0
+            second = await pool.call("cat /root/left /tmp/left; ps -eo args 2>/dev/null "
+                                     "|| cat /proc/[0-9]*/cmdline")
+            assert second.sandbox != first.sandbox
+            assert b"secret" not in second.stdout
+            assert b"No such file or directory" in second.stderr
+            assert b"sleep 600" not in second.stdout
+            assert b"sleep\x00600" not in second.stdout
+            await pool.settle()
+            ids = {st["id"] for st in mgr.list()}
+            assert first.sandbox not in ids
+            assert second.sandbox not in ids
+
+    run(body())
+
+
+def test_timeout_kills_the_call_and_discards_the_sandbox(mgr: SandboxManager) -> None:
+    async def body() -> None:
+        async with WarmPool(mgr, REF, size=1) as pool:
+            res = await pool.call("echo started; sleep 600", timeout=1)
+            assert res.timed_out
+            assert res.stdout == b"started\n"
+            res = await pool.call(function="def spin():\n    while True:\n        pass\n", timeout=1)
+            assert res.timed_out
+            assert res.value is None
+            assert res.error is not None
+            assert res.error.startswith("TimeoutError:")
+            await pool.settle()
+            assert [st["id"] for st in mgr.list()] != [res.sandbox]
+            assert (await pool.call("echo alive")).stdout == b"alive\n"
+
+    run(body())
+
+
+def test_concurrent_calls_queue_and_the_pool_refills(mgr: SandboxManager) -> None:
+    async def body() -> None:
+        async with WarmPool(mgr, REF, size=2) as pool:
+            assert pool.stats()["ready"] == 2
+            results = await asyncio.gather(*(
+                pool.call(function="def f(i):\n    return i * i\n", args=[i]) for i in range(4)))
+            assert [r.value for r in results] == [0, 1, 4, 9]
+            assert len({r.sandbox for r in results}) == 4
+            waited = [r for r in results if r.wait_seconds > 0.0]
+            assert len(waited) >= 2
+            stats = pool.stats()
+            assert (stats["calls"], stats["misses"]) == (4, 2)  # two were ready, two had to wait
+            await pool.settle()
+            stats = pool.stats()
+            assert (stats["ready"], stats["busy"], stats["waiting"], stats["creating"]) == (2, 0, 0, 0)
+            assert (stats["created"], stats["destroyed"], stats["failures"]) == (6, 4, 0)
+            assert len(mgr.list()) == 2
+
+            # a caller cancelled while it waits does not take (or leak) the sandbox made for it
+            first, second = pool.call("true"), pool.call("true")
+            assert [r.exit_code for r in await asyncio.gather(first, second)] == [0, 0]
+            waiting = asyncio.ensure_future(pool.call("true"))
+            await asyncio.sleep(0)  # it runs until it waits for a sandbox
+            assert pool.stats()["waiting"] == 1
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            await pool.settle()
+            stats = pool.stats()
+            assert (stats["ready"], stats["waiting"], stats["calls"]) == (2, 0, 7)
+            assert len(mgr.list()) == 2
+        stats = pool.stats()
+        assert stats["destroyed"] == stats["created"]
+
+    run(body())
+
+
+def test_creation_failures_reach_callers(mgr: SandboxManager) -> None:
+    async def body() -> None:
+        with pytest.raises(PoolCreateFailed, match="img/absent"):
+            await WarmPool(mgr, "img/absent", size=2).start()
+
+        pool = WarmPool(mgr, REF, size=1, user="no-such-user")  # refused after the rootfs is mounted
+        try:
+            with pytest.raises(PoolCreateFailed, match="no-such-user") as info:
+                await pool.call("true")
+            assert isinstance(info.value.__cause__, SandboxError)
+            results = await asyncio.gather(pool.call("true"), pool.call("true"), return_exceptions=True)
+            assert all(isinstance(r, PoolCreateFailed) for r in results)
+            assert pool.stats()["failures"] >= 3
+        finally:
+            await pool.close()
+
+    run(body())
+
+
+def test_fncalls_pools_by_image_and_close_leaves_nothing(mgr: SandboxManager) -> None:
+    async def body() -> None:
+        calls = FnCalls(mgr, size=1)
+        try:
+            res = await calls.call(REF, "cat /etc/debian_version")
+            assert res.exit_code == 0
+            assert res.wait_seconds > 0  # the pool was made by this first call
+            res = await calls.call(REF, function="def f(**kw):\n    return kw\n", kwargs={"a": [1]})
+            assert res.value == {"a": [1]}
+            assert list(calls.stats()) == [REF]
+            assert calls.stats()[REF]["calls"] == 2
+            report = await measure(mgr, REF, calls=3, size=1)
+            for key in ("true_warm", "true_back_to_back", "function_warm", "function_back_to_back"):
+                assert report[key]["n"] == 3
+                assert 0 < report[key]["p50"] <= report[key]["p99"]
+        finally:
+            await calls.close()
+        assert_no_boxes(mgr)
+        with pytest.raises(PoolClosed):
+            await calls.call(REF, "true")
+
+    run(body())
