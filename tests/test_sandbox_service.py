@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from aiohttp import web
 from support.env import require
 
 from lazyfetch import kmount
@@ -26,6 +24,7 @@ from sandbox.sdk import (
 )
 from sandbox.service import AuthConfig, SandboxService
 from tests.support.hosts import publish_sync
+from tests.support.sandboxes import ServerThread
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -41,35 +40,6 @@ def assert_clean(mgr: SandboxManager) -> None:
     assert mgr.runtime.list() == []
     assert kmount.mounts_under(mgr.data_dir) == []
     assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
-
-
-class ServerThread:
-    """The service on its own event loop in a thread (so tests can use the blocking SDK too)."""
-
-    def __init__(self, service: SandboxService) -> None:
-        self.service = service
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(service.app())
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.url = ""
-
-    def start(self) -> None:
-        self.thread.start()
-
-        async def up() -> str:
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            host, port = self.runner.addresses[0][:2]
-            return f"http://{host}:{port}"
-
-        self.url = asyncio.run_coroutine_threadsafe(up(), self.loop).result(30)
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from lazyfetch import kmount
 from sandbox.manager import Sandbox, SandboxManager
+from sandbox.service import SandboxService
 from support.env import require
 from tests.support.hosts import publish_sync
 
@@ -68,3 +71,32 @@ def boxes(manager: SandboxManager) -> Iterator[Any]:
         box.destroy()
     assert manager.runtime.list() == []
     assert [m for m in kmount.mounts_under(manager.boxes)] == []
+
+
+class ServerThread:
+    """The service on its own event loop in a thread (so tests can use the blocking SDK too)."""
+
+    def __init__(self, service: SandboxService) -> None:
+        self.service = service
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(service.app())
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.url = ""
+
+    def start(self) -> None:
+        self.thread.start()
+
+        async def up() -> str:
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            host, port = self.runner.addresses[0][:2]
+            return f"http://{host}:{port}"
+
+        self.url = asyncio.run_coroutine_threadsafe(up(), self.loop).result(30)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
