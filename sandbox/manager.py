@@ -311,6 +311,7 @@ class Sandbox:
         oom_before = self.manager._oom_kills(st)
         policed = st.get("network") is not None
         egress_before = self.manager.net.counters(self.id) if policed else None
+        cpu_before = self.manager._cpu_usage(st)
         started = time.perf_counter()
         proc = self.manager.runtime.exec(self.id, process_file, pid_file=pid_file,
                                          stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
@@ -336,6 +337,12 @@ class Sandbox:
         oom = self.manager._oom_kills(st) > oom_before
         result = ExecResult(rc, sig, out, err, truncated, round(duration, 6), timed_out, oom, interrupted)
         keyed: dict[str, Any] = {}
+        cpu_after = self.manager._cpu_usage(st)
+        # the sandbox's cgroup over the command's span (background processes included)
+        keyed["resources"] = {
+            "cpu_seconds": round(cpu_after - cpu_before, 6) if cpu_before is not None and cpu_after is not None
+            else None,
+            "memory_peak": self.manager._memory_peak(st), "pids": self.manager._pids_current(st)}
         if egress_before is not None:  # what the network policy allowed and denied during the command
             keyed["egress"] = diff_counters(egress_before, self.manager.net.counters(self.id))
         if idempotency_key is not None:
@@ -884,6 +891,31 @@ class SandboxManager:
         except OSError:
             pass
         return 0
+
+    def _cgroup_read(self, state: Mapping[str, Any], controller: str, v1: str, v2: str) -> str | None:
+        d = self.layout.controller_dir(controller, state["cgroups_path"])
+        try:
+            return (d / (v2 if self.layout.version == 2 else v1)).read_text() if d else None
+        except OSError:
+            return None
+
+    def _cpu_usage(self, state: Mapping[str, Any]) -> float | None:
+        """CPU seconds the sandbox's cgroup has used so far."""
+        text = self._cgroup_read(state, "cpuacct", "cpuacct.usage", "cpu.stat")
+        if text is None:
+            return None
+        if self.layout.version == 1:
+            return int(text) / 1e9
+        fields = dict(line.split() for line in text.splitlines() if line.strip())
+        return int(fields.get("usage_usec", 0)) / 1e6
+
+    def _memory_peak(self, state: Mapping[str, Any]) -> int | None:
+        text = self._cgroup_read(state, "memory", "memory.max_usage_in_bytes", "memory.peak")
+        return int(text) if text and text.strip().isdigit() else None
+
+    def _pids_current(self, state: Mapping[str, Any]) -> int | None:
+        text = self._cgroup_read(state, "pids", "pids.current", "pids.current")
+        return int(text) if text and text.strip().isdigit() else None
 
     def _reclaim(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
         d = self.layout.controller_dir("memory", state["cgroups_path"])

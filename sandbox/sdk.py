@@ -357,6 +357,15 @@ class AsyncSandbox:
         await self.kill()
 
 
+async def capabilities(*, url: str, token: str) -> dict[str, Any]:
+    """What the service at ``url`` provides (isolation kinds, limits, network, checkpoint kinds)."""
+    client = _Client(url, token)
+    try:
+        return dict(await client.json("GET", "/v1/capabilities"))
+    finally:
+        await client.close()
+
+
 class AsyncJob:
     """All sandboxes of one job at once: the lease, pause/resume, and preemption."""
 

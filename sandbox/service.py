@@ -258,6 +258,7 @@ class SandboxService:
         r.add_post("/v1/jobs/{job}/preempt", self.job_preempt)
         r.add_post("/v1/runs/resume", self.run_resume)
         r.add_post("/v1/calls", self.call)
+        r.add_get("/v1/capabilities", self.capabilities)
         app.on_startup.append(self._start_background)
         app.on_cleanup.append(self._stop_background)
         return app
@@ -701,6 +702,10 @@ class SandboxService:
         self._project(request)  # any valid token may read it; it names no sandbox
         return web.json_response(self.admission.report())
 
+    async def capabilities(self, request: web.Request) -> web.Response:
+        self._project(request)
+        return web.json_response(CAPABILITIES)
+
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(OPENAPI)
 
@@ -719,6 +724,19 @@ class SandboxService:
 
         body = await asyncio.to_thread(render)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# What this backend can do; a request for anything else is refused, never downgraded.
+CAPABILITIES: dict[str, Any] = {
+    "isolation": [ISOLATION],
+    "cpu_classes": ["latency", "best-effort"],
+    "limits": ["cpu", "memory", "pids", "disk"],
+    "network": {"default": "deny", "egress_rules": ["cidr", "host", "ports", "protocol"], "runtime_changes": True},
+    "checkpoint": {"filesystem": True, "processes": False},
+    "preemption": True,
+    "fncall": True,
+    "streaming": "ndjson",
+}
 
 
 # -- OpenAPI (hand-written: exactly the routes above) ------------------------------------------------
@@ -815,6 +833,9 @@ OPENAPI: dict[str, Any] = {
                                   "warm container of image, in a fresh writable layer",
                                   {"200": "exit code, output (base64), value, error, timings"}, body="json",
                                   path_id=False)},
+        "/v1/capabilities": {"get": _op("What this backend provides (isolation kinds, limits, network, "
+                                        "checkpoint kinds); ask for nothing else", {"200": "capabilities"},
+                                        path_id=False)},
         "/v1/load": {"get": _op("Load report: sandboxes live/in flight/max, free memory/pids/disk, load "
                                 "average, score, accepting", {"200": "the load report"}, path_id=False)},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI"}}}},

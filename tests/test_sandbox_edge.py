@@ -21,7 +21,15 @@ from support.sandboxes import REF, ServerThread, assert_clean
 
 from lazyfetch import kmount
 from sandbox.manager import SandboxManager
-from sandbox.sdk import AsyncJob, AsyncSandbox, NotFound, Sandbox, call
+from sandbox.sdk import (
+    AsyncJob,
+    AsyncSandbox,
+    NotFound,
+    Sandbox,
+    UnsupportedIsolation,
+    call,
+    capabilities,
+)
 from sandbox.service import AuthConfig, SandboxService
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
@@ -191,6 +199,11 @@ def test_streamed_upload_and_download_of_a_large_file(url: str, tmp_path: Path) 
 
 def test_fncall_through_the_service(url: str) -> None:
     async def scenario() -> None:
+        caps = await capabilities(url=url, token=ALPHA)
+        assert caps["isolation"] == ["container"]
+        assert caps["checkpoint"] == {"filesystem": True, "processes": False}
+        with pytest.raises(UnsupportedIsolation):
+            await AsyncSandbox.create(REF, url=url, token=ALPHA, isolation="microvm")
         r1 = await call(REF, "echo hi > /tmp/mark; cat /tmp/mark", url=url, token=ALPHA)
         assert (r1["exit_code"], r1["stdout"]) == (0, "hi\n")
         r2 = await call(REF, "cat /tmp/mark", url=url, token=ALPHA)

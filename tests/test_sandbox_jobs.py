@@ -258,3 +258,12 @@ def test_command_line_jobs(manager: SandboxManager, store_url: str, capsys: pyte
         for st in manager.list(job="cli-job"):
             manager.destroy(st["id"])
         manager.destroy(sid)
+
+
+def test_exec_receipts_record_resource_use(boxes: Any) -> None:
+    box = boxes()
+    box.exec(["python3", "-c", "x = bytearray(64 << 20); sum(range(3 * 10**6))"])
+    res = [r for r in box.receipts() if r["action"] == "exec"][-1]["resources"]
+    assert res["cpu_seconds"] > 0.01
+    assert res["memory_peak"] >= 64 << 20
+    assert res["pids"] >= 1
