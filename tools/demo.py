@@ -313,6 +313,7 @@ class Report:
     fetch: dict[str, Any] = field(default_factory=dict)
     write: dict[str, Any] = field(default_factory=dict)
     checkpoint: dict[str, Any] | None = None
+    sandbox: dict[str, Any] = field(default_factory=dict)
     left_mounted: list[str] = field(default_factory=list)
 
 
@@ -744,6 +745,72 @@ def lazy_run(mounts: HostMounts, root: Path, report: Report, say: Say) -> None:
             print(f"layerbox demo: cleanup: {problem}", file=sys.stderr, flush=True)
 
 
+def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
+    """The same image as crun sandboxes: create to first command (cold, then warm), write,
+    pause/resume, checkpoint, and restore on a second fresh host; everything is destroyed after."""
+    from sandbox.manager import SandboxManager
+
+    hosts = [root / "sandbox-host", root / "sandbox-host-restore"]
+    for path in hosts:  # what a previous (killed) demo left
+        if path.exists():
+            SandboxManager(path, store_url).reconcile()
+            SandboxManager(path, store_url).close()
+            shutil.rmtree(path, ignore_errors=True)
+    first, second = SandboxManager(hosts[0], store_url), SandboxManager(hosts[1], store_url)
+    out: dict[str, Any] = {}
+    try:
+        started = time.perf_counter()
+        box = asyncio.run(first.create(IMAGE_NAME, memory=256 << 20, pids=128))
+        res = box.exec(list(GUEST_COMMAND))
+        out["cold_create_to_first_exec"] = time.perf_counter() - started
+        if res.exit_code != 0:
+            raise DemoError(f"sandbox {box.id}: {shlex.join(GUEST_COMMAND)} exited {res.exit_code}: "
+                            f"{res.stderr.decode(errors='replace')}")
+        say(f"sandbox   {out['cold_create_to_first_exec']:8.3f} s  crun sandbox {box.id} created on a fresh host "
+            f"and ran {shlex.join(GUEST_COMMAND)} (cold: daemon start and layer mounts included)")
+        started = time.perf_counter()
+        warm = asyncio.run(first.create(IMAGE_NAME, memory=256 << 20, pids=128))
+        warm.exec(["true"])
+        out["warm_create_to_first_exec"] = time.perf_counter() - started
+        say(f"sandbox   {out['warm_create_to_first_exec']:8.3f} s  a second sandbox {warm.id} to its first command "
+            "(layers already mounted)")
+        warm.destroy()
+        box.exec(["/bin/sh", "-c", f"printf %s {shlex.quote(WRITE_TEXT)} > {shlex.quote(WRITE_PATH)}"])
+        paused = time.perf_counter()
+        box.pause()
+        out["pause"] = time.perf_counter() - paused
+        resumed = time.perf_counter()
+        box.resume()
+        out["resume"] = time.perf_counter() - resumed
+        say(f"pause     {out['pause']:8.3f} s  frozen and page cache reclaimed; resume {out['resume']:.3f} s")
+        ckpt = asyncio.run(box.checkpoint(labels={"demo": "sandbox"}))
+        out["checkpoint"] = ckpt.to_json()
+        say(f"checkpoint {ckpt.seconds:7.3f} s  of the running sandbox (frozen {ckpt.freeze_seconds * 1000:.1f} ms, "
+            f"{ckpt.bytes_uploaded / 1024:.1f} KiB uploaded) -> {ckpt.name}")
+        started = time.perf_counter()
+        restored = asyncio.run(second.restore(ckpt.name))
+        back = restored.exec(["/bin/cat", WRITE_PATH])
+        out["restore_to_first_exec"] = time.perf_counter() - started
+        if back.stdout.decode() != WRITE_TEXT:
+            raise DemoError(f"restored sandbox {restored.id} reads {back.stdout!r} at {WRITE_PATH}")
+        fetched = second.host.client.request("GET", "/stats")["bytes_fetched"]
+        out["restore_bytes_fetched"] = fetched
+        say(f"restore   {out['restore_to_first_exec']:8.3f} s  sandbox {restored.id} on a second fresh host reads "
+            f"{WRITE_PATH} back; that host fetched {fetched / MB:.1f} MB from the store")
+        out["receipts"] = len(box.receipts())
+    finally:
+        with interrupts_held():
+            for mgr in (first, second):
+                mgr.close()
+        for path in hosts:
+            if left := kmount.mounts_under(path):
+                raise DemoError(f"sandbox cleanup left mounts: {', '.join(left)}")
+    report.sandbox = out
+    for step, key in (("sandbox_cold", "cold_create_to_first_exec"), ("sandbox_warm", "warm_create_to_first_exec"),
+                      ("sandbox_restore", "restore_to_first_exec")):
+        report.step_seconds[step] = out[key]
+
+
 # --- output ---------------------------------------------------------------------------
 
 
@@ -770,6 +837,9 @@ def print_summary(report: Report, stream: TextIO) -> None:
         f"  fetched {share:.1f} % of the image's data ({_mb(fetch['bytes_fetched_uncompressed'])}; "
         f"{_mb(fetch['bytes_fetched'])} compressed in {fetch['store_requests']} store requests)",
         f"  writes  {report.write['upper_path']}",
+        f"sandbox   create to first command {steps['sandbox_cold']:.3f} s cold, {steps['sandbox_warm']:.3f} s warm; "
+        f"restore on another host {steps['sandbox_restore']:.3f} s "
+        f"({_mb(report.sandbox['restore_bytes_fetched'])} fetched)",
         # first_output is part of command: the total counts it once
         f"total     {sum(v for k, v in steps.items() if k != 'first_output'):.2f} s ("
         + ", ".join(f"{k} {v:.3f}" for k, v in steps.items() if k != "first_output")
@@ -787,7 +857,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=(
             "Publish a Debian 12 minbase image to the demo's own store, mount it lazily and "
             "writable on a fresh host dir, run `cat /etc/os-release` inside it and write a "
-            "file (root)."
+            "file, checkpoint and restore it; then the same as crun sandboxes (root)."
         ),
     )
     parser.add_argument(
@@ -819,6 +889,7 @@ def demo(data: Path, *, rebuild: bool, say: Say) -> Report:
             "upper": str(host / "upper"),
         }
         lazy_run(HostMounts(host, report.store), root, report, say)
+        sandbox_run(root, report.store, report, say)
     return report
 
 
