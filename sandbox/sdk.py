@@ -327,9 +327,13 @@ class AsyncSandbox:
         return dict(await self._client.json("POST", f"/v1/sandboxes/{self.sandbox_id}/checkpoint",
                                             json_body=body))
 
-    async def receipts(self) -> list[dict[str, Any]]:
-        """Every action recorded for this sandbox (and the checkpoint it was restored from)."""
-        return list((await self._client.json("GET", f"/v1/sandboxes/{self.sandbox_id}/receipts"))["receipts"])
+    async def receipts(self, *, action: str | None = None, since: float | None = None,
+                       idempotency_key: str | None = None) -> list[dict[str, Any]]:
+        """Actions recorded for this sandbox (and the checkpoint it was restored from), oldest first."""
+        params = {k: str(v) for k, v in {"action": action, "since": since,
+                                         "idempotency_key": idempotency_key}.items() if v is not None}
+        doc = await self._client.json("GET", f"/v1/sandboxes/{self.sandbox_id}/receipts", params=params)
+        return list(doc["receipts"])
 
     async def set_network(self, rules: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Replace the egress allow rules (default deny) while the sandbox runs."""
@@ -513,8 +517,8 @@ class Sandbox:
     def restore(cls, checkpoint: str, *, url: str, token: str, **options: Any) -> Sandbox:
         return cls._open(lambda: AsyncSandbox.restore(checkpoint, url=url, token=token, **options))
 
-    def receipts(self) -> list[dict[str, Any]]:
-        return self._loop.run(self._inner.receipts())
+    def receipts(self, **filters: Any) -> list[dict[str, Any]]:
+        return self._loop.run(self._inner.receipts(**filters))
 
     def set_network(self, rules: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return self._loop.run(self._inner.set_network(rules))

@@ -483,8 +483,21 @@ class SandboxService:
         return web.json_response(ckpt.to_json(), status=201)
 
     async def receipts(self, request: web.Request) -> web.Response:
+        """Receipts, oldest first; ``action``, ``since`` (Unix time) and ``idempotency_key`` filter them."""
         box = await self._box(request, self._project(request))
-        return web.json_response({"sandbox": box.id, "receipts": await asyncio.to_thread(box.receipts)})
+        rows = await asyncio.to_thread(box.receipts)
+        q = request.query
+        if "action" in q:
+            rows = [r for r in rows if r.get("action") == q["action"]]
+        if "idempotency_key" in q:
+            rows = [r for r in rows if r.get("idempotency_key") == q["idempotency_key"]]
+        if "since" in q:
+            try:
+                since = float(q["since"])
+            except ValueError:
+                raise ApiError(400, "bad_request", "'since' must be a Unix time in seconds") from None
+            rows = [r for r in rows if float(r.get("time", 0)) >= since]
+        return web.json_response({"sandbox": box.id, "receipts": rows})
 
     async def network(self, request: web.Request) -> web.Response:
         box = await self._box(request, self._project(request))
@@ -809,8 +822,9 @@ OPENAPI: dict[str, Any] = {
             {"201": "the sandbox", "404": "no such checkpoint in this project", "409": "policy or digests differ",
              "429": "project quota reached (retryable)", "503": "edge out of capacity (retryable)"},
             body="json", path_id=False)},
-        "/v1/sandboxes/{id}/receipts": {"get": _op("The sandbox's receipts, oldest first",
-                                                   {"200": "receipts"})},
+        "/v1/sandboxes/{id}/receipts": {"get": _op("The sandbox's receipts, oldest first (filters: action, "
+                                                   "since, idempotency_key)", {"200": "receipts"},
+                                                   query=("action", "since", "idempotency_key"))},
         "/v1/sandboxes/{id}/network": {"put": _op("Replace the egress allow rules (rules: [{cidr|host, ports, "
                                                   "protocol}]) while the sandbox runs",
                                                   {"200": "the effective policy", "400": "bad rule",

@@ -90,6 +90,10 @@ def test_preempt_a_job_and_resume_it_through_the_sdk(url: str, manager: SandboxM
         assert new_a.info["job"] == "train-1"
         receipts = await new_a.receipts()
         assert [r["action"] for r in receipts].count("exec") == 1  # inherited; the retry ran nothing
+        keyed = await new_a.receipts(action="exec", idempotency_key="s1")
+        assert len(keyed) == 1
+        assert keyed[0]["inherited"] is True
+        assert await new_a.receipts(since=time.time() + 3600) == []
         # a checkpoint restores through the SDK as a fresh sandbox of the same project
         ckpt = await new_b.checkpoint(labels={"k": "v"})
         copy = await AsyncSandbox.restore(ckpt["name"], url=url, token=ALPHA, job="train-2")
