@@ -16,13 +16,16 @@ STAMP := $(VENV)/.layerbox-installed
 DEB_PACKAGES := python3 python3-venv python3-dev erofs-utils fuse3 zstd mmdebstrap \
 	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2 crun nftables
 KERNEL_FILESYSTEMS := erofs overlay fuse
+# Benchmark-only packages (the peers bench/sandbox.py measures against); never needed by the tests.
+BENCH_DEB_PACKAGES := podman
 
 DEMO_ARGS ?=
 
-.PHONY: help deps venv lint typecheck test demo clean
+.PHONY: help deps bench-deps venv lint typecheck test demo clean
 
 help:
 	@echo "make deps      install missing Debian packages, load erofs/overlay/fuse (root)"
+	@echo "make bench-deps  deps + the benchmarks' peer tools ($(BENCH_DEB_PACKAGES)) (root)"
 	@echo "make venv      create $(VENV) and pip install -e '.[test]' (again when pyproject.toml changes)"
 	@echo "make lint      ruff check ."
 	@echo "make test      deps + venv, then ruff, mypy, pytest"
@@ -53,6 +56,10 @@ deps:
 	  modprobe "$$fs" 2>/dev/null || true; \
 	  has_fs "$$fs" || echo "deps: warning: the kernel has no '$$fs' filesystem (modprobe $$fs failed)" >&2; \
 	done
+
+# The same check-then-install as deps, for BENCH_DEB_PACKAGES only.
+bench-deps: deps
+	@$(MAKE) --no-print-directory deps DEB_PACKAGES="$(BENCH_DEB_PACKAGES)"
 
 venv: deps $(STAMP)
 

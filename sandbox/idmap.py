@@ -1,18 +1,22 @@
-"""User-namespace plumbing for sandboxes: a mapping holder and idmapped mounts.
+"""User-namespace plumbing for sandboxes: a mapping holder and idmapped overlays.
 
 A sandbox in a user namespace runs its root as an unprivileged host uid
 (``host_base``), but its rootfs is an overlay of EROFS layers and an upper
-directory whose files are owned by host uid 0.  An idmapped mount of the
-rootfs shifts ownership for the container only: host uid 0 files appear as
-``host_base`` (container root), and what container root writes is stored as
-host uid 0, so the upper directory (and the checkpoints made from it) keep
-the image's ownership.  The host-side mount the manager's file API uses is
-left as it is.
+directory whose files are owned by host uid 0.  Idmapped mounts shift that
+ownership: host uid 0 files appear as ``host_base`` (container root), and
+what container root writes is stored as uid 0, so the upper directory (and
+the checkpoints made from it) keep the image's ownership.
 
-The kernel takes the mapping of an idmapped mount from a user namespace fd
-(``mount_setattr(2)`` with ``MOUNT_ATTR_IDMAP``).  The namespace only has to
-exist while the mount is made: the mount keeps its own reference, so the
-holder process is killed straight away.
+Overlayfs itself cannot be idmapped (``mount_setattr`` gives EINVAL on this
+kernel, 6.18); its layers can.  So the rootfs overlay is rebuilt on idmapped,
+detached copies of the same EROFS layers and upper (:func:`remap_rootfs`).
+The host then sees the shifted ids too, and host root (kuid 0, unmapped)
+cannot create files there: host-side writers act as container root with
+:func:`fs_identity`.
+
+The kernel takes an idmapped mount's mapping from a user namespace fd
+(``mount_setattr(2)`` with ``MOUNT_ATTR_IDMAP``); the namespace only has to
+exist while the mount is made, so its holder process is reaped at once.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ import os
 import platform
 import signal
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Final
 
 from lazyfetch import kmount
 
 CLONE_NEWUSER: Final = 0x10000000
+_PR_GET_SECUREBITS: Final = 27
+_PR_SET_SECUREBITS: Final = 28
+_SECBIT_NO_SETUID_FIXUP: Final = 1 << 2
 
 # <linux/mount.h>
 OPEN_TREE_CLONE: Final = 0x1
@@ -131,41 +139,171 @@ def userns(host_base: int, size: int) -> Iterator[int]:
 
 
 # -- idmapped mounts ----------------------------------------------------------------------------
-def idmapped_clone(src: str | os.PathLike[str], target: str | os.PathLike[str], ns_fd: int, *,
-                   recursive: bool = False) -> None:
-    """Attach a copy of the mount at ``src`` on ``target``, idmapped through the user namespace ``ns_fd``.
+def idmapped_tree(src: str | os.PathLike[str], ns_fd: int) -> int:
+    """A detached, idmapped copy of the mount at ``src`` (an O_CLOEXEC fd; close it when done).
 
-    ``src`` stays as it is.  The copy is a detached mount (``open_tree`` with
-    ``OPEN_TREE_CLONE``) until ``move_mount`` attaches it, so a refusal leaves
-    nothing behind.  Raises :class:`IdmapError` naming the step and errno:
-    EINVAL from ``mount_setattr`` means the filesystem does not support
-    idmapped mounts.
+    Overlayfs accepts such a tree as a layer through ``/proc/self/fd/<fd>``
+    and keeps its own private clone (Linux 6.15+ allows detached mounts there),
+    so the copy never appears in any mount table and needs no cleanup.
     """
-    src_b, dst_b = os.fsencode(os.path.abspath(src)), os.fsencode(os.path.abspath(target))
-    flags = OPEN_TREE_CLONE | os.O_CLOEXEC | (AT_RECURSIVE if recursive else 0)
-    step = "open_tree"
+    src_b = os.fsencode(os.path.abspath(src))
     try:
-        tree = _syscall("open_tree", _AT_FDCWD, src_b, flags)
+        tree = _syscall("open_tree", _AT_FDCWD, src_b, OPEN_TREE_CLONE | os.O_CLOEXEC)
     except OSError as exc:
         raise IdmapError(exc.errno or errno.EIO, f"open_tree({os.fsdecode(src_b)!r}): {exc.strerror}") from exc
     try:
-        step = "mount_setattr(MOUNT_ATTR_IDMAP)"
-        attr = _MOUNT_ATTR.pack(MOUNT_ATTR_IDMAP, 0, 0, ns_fd)
-        _syscall("mount_setattr", tree, b"", AT_EMPTY_PATH | (AT_RECURSIVE if recursive else 0),
-                 attr, _MOUNT_ATTR.size)
-        step = "move_mount"
-        _syscall("move_mount", tree, b"", _AT_FDCWD, dst_b, MOVE_MOUNT_F_EMPTY_PATH)
+        _syscall("mount_setattr", tree, b"", AT_EMPTY_PATH, _MOUNT_ATTR.pack(MOUNT_ATTR_IDMAP, 0, 0, ns_fd),
+                 _MOUNT_ATTR.size)
     except OSError as exc:
-        hint = ""
-        if step.startswith("mount_setattr") and exc.errno == errno.EINVAL:
-            hint = " (the filesystem does not support idmapped mounts, or the mount is already idmapped)"
-        raise IdmapError(exc.errno or errno.EIO,
-                         f"{step} of {os.fsdecode(src_b)!r} onto {os.fsdecode(dst_b)!r}: {exc.strerror}{hint}"
-                         ) from exc
+        os.close(tree)
+        hint = " (this filesystem does not support idmapped mounts)" if exc.errno == errno.EINVAL else ""
+        raise IdmapError(exc.errno or errno.EIO, f"mount_setattr(MOUNT_ATTR_IDMAP) of {os.fsdecode(src_b)!r}: "
+                         f"{exc.strerror}{hint}") from exc
+    return tree
+
+
+def idmapped_clone(src: str | os.PathLike[str], target: str | os.PathLike[str], ns_fd: int) -> None:
+    """Attach an idmapped copy of the mount at ``src`` on ``target`` (``src`` stays as it is).
+
+    Works for EROFS and ext4/tmpfs-like filesystems; overlayfs itself refuses
+    (EINVAL from ``mount_setattr``): use :func:`mount_idmapped_overlay`.
+    """
+    tree = idmapped_tree(src, ns_fd)
+    try:
+        _syscall("move_mount", tree, b"", _AT_FDCWD, os.fsencode(os.path.abspath(target)), MOVE_MOUNT_F_EMPTY_PATH)
+    except OSError as exc:
+        raise IdmapError(exc.errno or errno.EIO, f"move_mount onto {os.fspath(target)!r}: {exc.strerror}") from exc
     finally:
         os.close(tree)
 
 
+@contextlib.contextmanager
+def fs_identity(uid: int, gid: int) -> Iterator[None]:
+    """Run the block with this thread's fsuid/fsgid set to ``uid``/``gid``, capabilities kept.
+
+    Overlayfs does its upper-layer work (workdir, copy-up, whiteouts) with the
+    credentials of whoever mounted it.  Host root (kuid 0) has no mapping in
+    the idmapped upper, so every such write would fail with EOVERFLOW and the
+    overlay would come up read-only; as fsuid ``host_base`` those writes land
+    on disk as uid 0.  SECBIT_NO_SETUID_FIXUP keeps CAP_CHOWN/DAC_OVERRIDE/...
+    in the captured credentials (copy-up chowns, and reads files root can).
+    fsuid and securebits are per-thread, so other threads are unaffected.
+    """
+    libc = kmount._libc()
+    old_bits = int(libc.prctl(_PR_GET_SECUREBITS, 0, 0, 0, 0))
+    if old_bits < 0 or libc.prctl(_PR_SET_SECUREBITS, old_bits | _SECBIT_NO_SETUID_FIXUP, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise IdmapError(err, f"prctl(PR_SET_SECUREBITS): {os.strerror(err)} (needs CAP_SETPCAP)")
+    libc.setfsgid(gid)
+    libc.setfsuid(uid)
+    try:
+        yield
+    finally:
+        libc.setfsuid(0)
+        libc.setfsgid(0)
+        libc.prctl(_PR_SET_SECUREBITS, old_bits, 0, 0, 0)
+
+
+def mount_idmapped_overlay(target: str | os.PathLike[str], lowers: Sequence[str], upper: str, work: str,
+                           host_base: int, size: int, *, ns_fd: int | None = None) -> None:
+    """Mount on ``target`` an overlay whose layers are idmapped copies (0..size-1 -> host_base..).
+
+    ``lowers`` are topmost first, as for :func:`lazyfetch.kmount.mount_overlay`.
+    ``upper`` and ``work`` must share a mount (overlayfs requires it); the
+    mount holding them is idmapped once.  The overlay is made with fsuid
+    ``host_base`` (see :func:`fs_identity`), in the initial user namespace,
+    so it keeps ``trusted.overlay.*`` xattrs: uppers stay interchangeable
+    with the manager's plain overlays and checkpoints.  ``ns_fd``: a user
+    namespace with exactly this mapping, kept by the caller (saves the ~2 ms
+    of :func:`userns_fd` per sandbox); one is made and dropped otherwise.
+    """
+    if not lowers:
+        raise ValueError("an overlay needs at least one lower layer")
+    base = os.path.commonpath([os.path.abspath(upper), os.path.abspath(work)])
+    trees: list[int] = []
+    try:
+        with contextlib.ExitStack() as stack:
+            fd = ns_fd if ns_fd is not None else stack.enter_context(userns(host_base, size))
+            for lower in lowers:
+                trees.append(idmapped_tree(lower, fd))
+            trees.append(idmapped_tree(base, fd))
+        top = f"/proc/self/fd/{trees[-1]}"
+        with fs_identity(host_base, host_base):
+            kmount.mount_overlay([f"/proc/self/fd/{t}" for t in trees[:-1]], target,
+                                 upper=os.path.join(top, os.path.relpath(upper, base)),
+                                 work=os.path.join(top, os.path.relpath(work, base)))
+    finally:
+        for t in trees:
+            os.close(t)
+    # the kernel mounts an overlay read-only instead of failing when its workdir is unusable
+    # (statvfs, not mountinfo: one read of a large mount table costs more than the whole mount)
+    if os.statvfs(target).f_flag & os.ST_RDONLY:
+        with contextlib.suppress(OSError):
+            kmount.umount(target, lazy=True, missing_ok=True)
+        raise IdmapError(errno.EROFS, f"idmapped overlay on {os.fspath(target)!r} came up read-only "
+                         "(dmesg: overlayfs could not use its workdir)")
+
+
+@dataclass(frozen=True)
+class OverlayLayers:
+    lowers: list[str]  # topmost first
+    upper: str | None
+    work: str | None
+
+
+def _mount_at(path: str | os.PathLike[str]) -> kmount.MountInfo | None:
+    real = os.path.realpath(path)
+    found = [m for m in kmount.read_mountinfo() if m.mountpoint == real]
+    return found[-1] if found else None  # the topmost of stacked mounts
+
+
+def overlay_layers(mountpoint: str | os.PathLike[str]) -> OverlayLayers:
+    """The layers of the overlay mounted at ``mountpoint``, from the kernel's own record (mountinfo)."""
+    info = _mount_at(mountpoint)
+    if info is None or info.fstype != "overlay":
+        raise IdmapError(errno.EINVAL, f"{os.fspath(mountpoint)!r} is not an overlay mount")
+    lowers: list[str] = []
+    upper = work = None
+    # options are comma-separated; commas inside values are octal-escaped by the kernel
+    for option in info.super_options.split(","):
+        key, _, value = option.partition("=")
+        if key == "lowerdir+":
+            lowers.append(value)
+        elif key == "lowerdir":
+            if ":" in value:  # legacy colon list (kernel < 6.8): escaping rules differ, not handled
+                raise IdmapError(errno.EINVAL, f"{os.fspath(mountpoint)!r}: legacy multi-lowerdir overlay")
+            lowers.append(value)
+        elif key == "upperdir":
+            upper = value
+        elif key == "workdir":
+            work = value
+        elif key == "datadir+":
+            raise IdmapError(errno.EINVAL, f"{os.fspath(mountpoint)!r}: data-only layers are not handled")
+    if any(p.startswith("/proc/") for p in [*lowers, upper or "", work or ""]):
+        raise IdmapError(errno.EINVAL, f"{os.fspath(mountpoint)!r} is already an overlay of fd-passed layers")
+    return OverlayLayers(lowers, upper, work)
+
+
+def remap_rootfs(rootfs: str | os.PathLike[str], host_base: int, size: int, *,
+                 ns_fd: int | None = None) -> OverlayLayers:
+    """Replace the writable overlay at ``rootfs`` by the same overlay on idmapped layers.
+
+    Same lowers, upper and work, same mount point: whatever unmounts the
+    original (``HostMounts.umount``) unmounts this one.  If the idmapped
+    overlay cannot be made, the original is mounted back before raising.
+    """
+    layers = overlay_layers(rootfs)
+    if layers.upper is None or layers.work is None:
+        raise IdmapError(errno.EINVAL, f"{os.fspath(rootfs)!r} is a read-only overlay (no upper)")
+    kmount.umount(rootfs)
+    try:
+        mount_idmapped_overlay(rootfs, layers.lowers, layers.upper, layers.work, host_base, size, ns_fd=ns_fd)
+    except BaseException:
+        kmount.mount_overlay(layers.lowers, rootfs, upper=layers.upper, work=layers.work)
+        raise
+    return layers
+
+
 def unmount(target: str | os.PathLike[str]) -> None:
-    """Remove the idmapped mount at ``target`` if there is one (lazily: a dying container may hold it)."""
+    """Remove the mount at ``target`` if there is one (lazily: a dying container may still hold it)."""
     kmount.umount(target, lazy=True, missing_ok=True)

@@ -119,14 +119,21 @@ def build_process(args: Sequence[str], *, env: Mapping[str, str], cwd: str, uid:
 
 
 def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroups_path: str,
-               limits: Limits, cgroup_version: int, netns_path: str | None = None) -> dict[str, Any]:
-    """``netns_path``: join that network namespace (sandbox.network) instead of a new empty one."""
+               limits: Limits, cgroup_version: int, netns_path: str | None = None,
+               userns: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``netns_path``: join that network namespace (sandbox.network) instead of a new empty one.
+
+    ``userns``: ``(host_base, size)`` runs the sandbox in a new user namespace
+    mapping its uids and gids 0..size-1 to host_base.. (root inside is an
+    unprivileged host uid); the rootfs must then be an idmapped overlay
+    (sandbox.idmap) or its root-owned files show up as ``nobody``.
+    """
     resources = limits.resources()
     if cgroup_version == 1:
         resources["memory"].pop("swap")  # memsw exists only with swap accounting on
     profile = seccomp_profile()
     ro = ["nosuid", "noexec", "nodev", "ro"]
-    return {
+    spec: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": dict(process),
         "root": {"path": rootfs, "readonly": False},
@@ -157,3 +164,10 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
             "seccomp": profile,
         },
     }
+    if userns is not None:
+        host_base, size = userns
+        mapping = [{"containerID": 0, "hostID": host_base, "size": size}]
+        spec["linux"]["namespaces"].append({"type": "user"})
+        spec["linux"]["uidMappings"] = mapping
+        spec["linux"]["gidMappings"] = mapping
+    return spec

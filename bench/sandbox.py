@@ -1,0 +1,1186 @@
+"""Benchmark: sandboxes (SandboxManager: a writable lazy overlay run by crun) against podman and plain crun.
+
+One run, on the fixture's ``python`` image published to a ``file://`` store
+and, for the peers, loaded into podman's storage (``skopeo copy`` from the
+archive, never a pull) and unpacked once into a plain rootfs (``umoci
+unpack``); every container has no network (``--network none`` / a new network
+namespace with only ``lo``) and the same limits (1 CPU, 512 MiB, 256 pids,
+nofile 1024):
+
+* **create to first exec** with cached layers, ``--latency`` times per method,
+  methods interleaved: ``manager.create`` + ``box.exec(["/bin/true"])``
+  (layers mounted by the call, and with another sandbox holding them);
+  ``podman run --rm IMAGE /bin/true``; ``podman create`` + ``start`` +
+  ``exec``; crun on the unpacked rootfs with a config from
+  ``sandbox.spec.build_spec`` (the same isolation as ours): ``create`` +
+  ``start`` + ``exec``, and ``crun run``.  Teardown is timed apart, so each
+  method has a *first exec* and a *cycle* (first exec + teardown) figure.
+* **sustained creations**: ``--concurrency`` workers doing create + first
+  exec + destroy cycles for ``--sustain-seconds``, for ours and the peers.
+* **idle sandboxes**: ``--idle N`` created and held, then the host's memory
+  per sandbox (MemAvailable and "used" deltas) against the sandboxes' own
+  processes (Pss of every process in their cgroups, and the cgroups' memory
+  usage), the difference being the per-sandbox overhead outside them; then
+  all destroyed, timed.
+* **pause / resume** latency, with and without page-cache reclaim, and the
+  peers' ``pause``/``resume`` (``podman pause``/``unpause``, ``crun
+  pause``/``resume``).
+* **FnCall** latency through ``sandbox.fncall.WarmPool`` (when that module
+  exists): a command and a python function.
+
+Everything the run creates (sandboxes, mounts, the daemon, crun containers and
+their cgroups, podman containers) is removed in ``finally``, on Ctrl-C and on
+SIGTERM/SIGHUP; the podman image stays in podman's storage as a cache.
+Run ``python bench/sandbox.py --help``; bench/README.md explains every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import _f, _table, log  # shared by the benchmarks
+
+from converters.publish import publish  # noqa: E402
+from layerstore.errors import LayerboxError  # noqa: E402
+from layerstore.store import Store  # noqa: E402
+from lazyfetch import kmount  # noqa: E402
+from sandbox.manager import Sandbox, SandboxManager  # noqa: E402
+from sandbox.runtime import CgroupLayout, OciRuntime  # noqa: E402
+from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec  # noqa: E402
+
+SCHEMA = "layerbox.bench.sandbox.v1"
+MiB = 1 << 20
+FIXTURE_NAME = "debian-bookworm.oci.tar"
+TAG = "python"
+REF = "bench/python"
+PODMAN_IMAGE = "localhost/layerbox-bench:python"
+TRUE = ["/bin/true"]
+ENV = {"PATH": DEFAULT_PATH, "HOME": "/root"}
+LIMITS = Limits()  # what manager.create uses by default: 1 CPU, 512 MiB, 256 pids
+PODMAN_GLOBAL = ["--cgroup-manager", "cgroupfs", "--events-backend", "file"]  # no systemd on these hosts
+PODMAN_LIMITS = ["--network", "none", "--cpus", f"{LIMITS.cpu:g}", "--memory", f"{LIMITS.memory // MiB}m",
+                 "--pids-limit", str(LIMITS.pids), "--ulimit", "nofile=1024:1024",
+                 # podman's default nproc is above this host's hard limit, which crun may not raise
+                 "--ulimit", "nproc=4096:4096"]
+PAGE_CACHE_CMD = ["/usr/bin/python3", "-c", "import json, email, http.client, decimal, sqlite3"]
+FN_SOURCE = "def f(x):\n    return x+1"
+TOOL_TIMEOUT = 120.0
+STEP_TIMEOUT = 300.0
+SUN_PATH_MAX = 107
+
+GOAL_IDLE = 1000
+GOAL_OVERHEAD_MIB = 5.0
+
+
+class BenchError(Exception):
+    """The benchmark cannot run or a step failed; the message says what to do."""
+
+
+# -- small helpers ------------------------------------------------------------------------------
+
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def summary(values: Sequence[float]) -> dict[str, Any]:
+    return {"n": len(values), "p50": pct(values, 50), "p99": pct(values, 99),
+            "min": min(values) if values else None, "max": max(values) if values else None}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def run_tool(argv: Sequence[str], timeout: float = TOOL_TIMEOUT, *, check: bool = True) -> str:
+    """Run a command (own session: a terminal's Ctrl-C reaches only us) and return its stdout."""
+    try:
+        proc = subprocess.run(list(argv), stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+                              start_new_session=True, check=False)
+    except FileNotFoundError:
+        raise BenchError(f"{argv[0]}: not installed (make bench-deps)") from None
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"{' '.join(argv)}: no answer in {timeout:.0f} s") from None
+    if check and proc.returncode != 0:
+        raise BenchError(f"{' '.join(argv)} exited {proc.returncode}: "
+                         f"{proc.stderr.decode(errors='replace').strip()[-2000:]}")
+    return proc.stdout.decode(errors="replace")
+
+
+def timed_tool(argv: Sequence[str], timeout: float = TOOL_TIMEOUT) -> float:
+    start = time.perf_counter()
+    run_tool(argv, timeout)
+    return time.perf_counter() - start
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        lines = run_tool(argv, 30).strip().splitlines()
+    except BenchError:
+        return "unknown"
+    return lines[0] if lines else "unknown"
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
+    return out
+
+
+def used_bytes(m: dict[str, int]) -> int:
+    """The classic 'used' of free(1): neither free nor page cache, buffers or reclaimable slab."""
+    return m["MemTotal"] - m["MemFree"] - m["Buffers"] - m["Cached"] - m.get("SReclaimable", 0)
+
+
+def pss_rss(pid: int) -> tuple[int, int]:
+    """(Pss, Rss) bytes of a process from smaps_rollup; (0, 0) when it is gone."""
+    pss = rss = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    pss = int(line.split()[1]) * 1024
+                elif line.startswith("Rss:"):
+                    rss = int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0, 0
+    return pss, rss
+
+
+def count_fds(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
+
+def host_counters() -> dict[str, Any]:
+    """What a host runs out of when it holds many sandboxes."""
+    procs = [n for n in os.listdir("/proc") if n.isdigit()]
+    threads = 0
+    for pid in procs:
+        with contextlib.suppress(OSError):
+            threads += len(os.listdir(f"/proc/{pid}/task"))
+    with open("/proc/sys/fs/file-nr") as f:
+        file_nr = int(f.read().split()[0])
+    m = meminfo()
+    return {"processes": len(procs), "threads": threads, "pid_max": int(Path("/proc/sys/kernel/pid_max").read_text()),
+            "host_mounts": len(kmount.read_mountinfo()), "open_files": file_nr,
+            "file_max": int(Path("/proc/sys/fs/file-max").read_text()),
+            "mem_available": m["MemAvailable"], "used": used_bytes(m),
+            "bench_fds": count_fds(os.getpid())}
+
+
+# -- the work directory, cleanup ----------------------------------------------------------------
+
+
+def host_dir(work: Path) -> Path:
+    """The manager's data dir; its daemon listens on DATA_DIR/lazyfetch.sock, so the path must stay short."""
+    path = work / "h"
+    sock = os.fsencode(path / "lazyfetch.sock")
+    if len(sock) > SUN_PATH_MAX:
+        raise BenchError(f"{os.fsdecode(sock)} is {len(sock)} bytes, more than a unix socket path may be "
+                         f"({SUN_PATH_MAX}); pass a shorter --tmpdir")
+    return path
+
+
+@dataclass
+class Peers:
+    """The peer tools' state: podman containers carry a per-run label, plain crun has its own --root."""
+
+    run_id: str
+    work: Path
+    podman: bool
+    layout: CgroupLayout | None = None
+    rootfs: Path | None = None
+    crun: OciRuntime = field(init=False)
+    cgroup_parent: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.crun = OciRuntime(self.work / "crun")
+        self.cgroup_parent = f"layerbox-bench-{self.run_id}"
+
+    def podman_argv(self, *args: str) -> list[str]:
+        return ["podman", *PODMAN_GLOBAL, *args]
+
+    def label(self) -> list[str]:
+        return ["--label", f"layerbox-bench={self.run_id}"]
+
+    def cleanup(self) -> list[str]:
+        problems: list[str] = []
+        if self.podman:
+            try:
+                ids = run_tool(self.podman_argv("ps", "-a", "-q", "--filter", f"label=layerbox-bench={self.run_id}"),
+                               60).split()
+                if ids:
+                    run_tool(self.podman_argv("rm", "-f", "-t", "0", *ids), 300)
+                    left = run_tool(self.podman_argv("ps", "-a", "-q", "--filter",
+                                                     f"label=layerbox-bench={self.run_id}"), 60).split()
+                    if left:
+                        problems.append(f"podman containers left: {left}")
+            except BenchError as exc:
+                problems.append(f"podman cleanup: {exc}")
+        if self.crun.root.exists():
+            try:
+                for c in self.crun.list():
+                    with contextlib.suppress(LayerboxError):
+                        self.crun.delete(c["id"], force=True)
+                if self.crun.list():
+                    problems.append(f"crun containers left under {self.crun.root}")
+            except LayerboxError as exc:
+                problems.append(f"crun cleanup: {exc}")
+        if self.layout is not None:
+            for d in self.layout.dirs("/" + self.cgroup_parent):
+                for child in sorted(d.glob("*/"), reverse=True) if d.exists() else []:
+                    with contextlib.suppress(OSError):
+                        child.rmdir()
+                if d.exists():
+                    try:
+                        d.rmdir()
+                    except OSError as exc:
+                        problems.append(f"cgroup {d}: {exc.strerror}")
+        return problems
+
+
+def cleanup(work: Path, manager: SandboxManager | None, peers: Peers | None) -> dict[str, Any]:
+    """Destroy every sandbox and peer container, stop the daemon, unmount, remove the work directory."""
+    problems: list[str] = []
+    if manager is not None:
+        try:
+            manager.close()
+        except Exception as exc:  # keep tearing down; report at the end
+            problems.append(f"manager.close: {type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):
+                manager.host.umount_all(stop_daemon=True)
+        with contextlib.suppress(Exception):
+            left = [c["id"] for c in manager.runtime.list()] if manager.runtime.root.exists() else []
+            if left:
+                problems.append(f"sandboxes left in crun: {left}")
+        with contextlib.suppress(Exception):
+            left_cg = [str(d) for d in manager.layout.dirs("/" + manager.cgroup_parent) if d.exists()]
+            if left_cg:
+                problems.append(f"cgroups left: {left_cg}")
+    if peers is not None:
+        problems += peers.cleanup()
+    left_mounts = kmount.mounts_under(work)
+    for mp in reversed(left_mounts):  # not expected: detach so the host survives, and report it
+        try:
+            kmount.umount(mp, lazy=True, missing_ok=True)
+        except OSError as exc:
+            problems.append(f"{mp}: {exc}")
+    removed = False
+    if not kmount.mounts_under(work):  # never rmtree through a mount
+        shutil.rmtree(work, ignore_errors=True)
+        removed = not work.exists()
+    return {"mounts_left": left_mounts, "workdir_removed": removed, "problems": problems}
+
+
+# -- setup --------------------------------------------------------------------------------------
+
+
+def find_fixture(option: str | None) -> Path:
+    if option:
+        path = Path(option)
+        if not path.is_file():
+            raise BenchError(f"--fixture {option}: no such file (the oci-archive with tag {TAG})")
+        return path.resolve()
+    here = Path(__file__).resolve().parents[1]
+    for candidate in (here.parent / "shared" / "fixtures" / FIXTURE_NAME, Path("/work/shared/fixtures") / FIXTURE_NAME):
+        if candidate.is_file():
+            return candidate
+    raise BenchError(f"the fixture image ../shared/fixtures/{FIXTURE_NAME} is not here; pass --fixture PATH")
+
+
+async def publish_image(url: str, data_dir: Path, src: str, work: Path) -> dict[str, Any]:
+    start = time.perf_counter()
+    async with await Store.open(url, data_dir) as store:
+        r = await publish(store, src, REF, work_dir=work)
+    return {"digest": r.digest, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def podman_load(peers: Peers, fixture: Path) -> dict[str, Any]:
+    """The fixture's python tag in podman's storage: copied from the archive once, then cached."""
+    exists = subprocess.run(peers.podman_argv("image", "exists", PODMAN_IMAGE), capture_output=True,
+                            start_new_session=True, check=False).returncode == 0
+    seconds = None
+    if not exists:
+        log(f"podman: skopeo copy oci-archive:{fixture}:{TAG} containers-storage:{PODMAN_IMAGE}")
+        seconds = timed_tool(["skopeo", "copy", "-q", f"oci-archive:{fixture}:{TAG}",
+                              f"containers-storage:{PODMAN_IMAGE}"], 900)
+    image_id = run_tool(peers.podman_argv("image", "inspect", "--format", "{{.Id}}", PODMAN_IMAGE)).strip()
+    return {"image": PODMAN_IMAGE, "id": image_id, "cached": exists, "load_seconds": seconds}
+
+
+def unpack_plain(peers: Peers, fixture: Path) -> dict[str, Any]:
+    """The image unpacked once into a directory (what crun runs without layerbox)."""
+    start = time.perf_counter()
+    layout, bundle = peers.work / "plain-oci", peers.work / "plain"
+    run_tool(["skopeo", "copy", "-q", f"oci-archive:{fixture}:{TAG}", f"oci:{layout}:{TAG}"], 900)
+    run_tool(["umoci", "unpack", "--image", f"{layout}:{TAG}", str(bundle)], 900)
+    shutil.rmtree(layout, ignore_errors=True)
+    peers.rootfs = bundle / "rootfs"
+    return {"rootfs": str(peers.rootfs), "seconds": round(time.perf_counter() - start, 3)}
+
+
+# -- one create, per method ------------------------------------------------------------------------
+
+# manager.create opens a Store (an lmdb environment) per call, and py-lmdb refuses a second open of
+# one environment in a process ("already open in this process"): concurrent creates on one manager
+# fail.  Until the manager shares its Store, creates are serialized here; exec and destroy overlap.
+_CREATE_LOCK: asyncio.Lock | None = None
+
+
+async def create_box(manager: SandboxManager) -> Sandbox:
+    global _CREATE_LOCK
+    if _CREATE_LOCK is None:
+        _CREATE_LOCK = asyncio.Lock()
+    async with _CREATE_LOCK:
+        return await manager.create(REF)
+
+
+@dataclass
+class Cycle:
+    first_exec: float | None  # None: not separable (podman run, crun run)
+    total: float  # first exec + teardown
+
+
+async def ours_cycle(manager: SandboxManager) -> Cycle:
+    start = time.perf_counter()
+    box = await create_box(manager)
+    try:
+        r = await asyncio.to_thread(box.exec, TRUE)
+        first = time.perf_counter() - start
+        if r.exit_code != 0:
+            raise BenchError(f"exec /bin/true in {box.id} exited {r.exit_code}: {r.stderr[-500:]!r}")
+    finally:
+        await asyncio.to_thread(manager.destroy, box.id)
+    return Cycle(first, time.perf_counter() - start)
+
+
+def podman_run_cycle(peers: Peers) -> Cycle:
+    total = timed_tool(peers.podman_argv("run", "--rm", *peers.label(), *PODMAN_LIMITS, PODMAN_IMAGE, *TRUE))
+    return Cycle(None, total)
+
+
+def podman_cse_cycle(peers: Peers) -> Cycle:
+    name = f"lbb-{peers.run_id}-{uuid.uuid4().hex[:8]}"
+    start = time.perf_counter()
+    try:
+        run_tool(peers.podman_argv("create", "-q", "--name", name, *peers.label(), *PODMAN_LIMITS,
+                                   PODMAN_IMAGE, *IDLE_INIT))
+        run_tool(peers.podman_argv("start", name))
+        run_tool(peers.podman_argv("exec", name, *TRUE))
+        first = time.perf_counter() - start
+    finally:
+        run_tool(peers.podman_argv("rm", "-f", "-t", "0", name), check=False)
+    return Cycle(first, time.perf_counter() - start)
+
+
+def plain_bundle(peers: Peers, cid: str, args: Sequence[str]) -> Path:
+    assert peers.rootfs is not None
+    assert peers.layout is not None
+    bundle = peers.work / "bundles" / cid
+    bundle.mkdir(parents=True)
+    spec = build_spec(str(peers.rootfs), build_process(args, env=ENV, cwd="/", uid=0, gid=0), hostname=cid,
+                      cgroups_path=f"/{peers.cgroup_parent}/{cid}", limits=LIMITS,
+                      cgroup_version=peers.layout.version)
+    (bundle / "config.json").write_text(json.dumps(spec))
+    return bundle
+
+
+def plain_exec(peers: Peers, cid: str, args: Sequence[str]) -> None:
+    bundle = peers.work / "bundles" / cid
+    tag = uuid.uuid4().hex[:8]
+    proc_file, pid_file = bundle / f"exec-{tag}.json", bundle / f"exec-{tag}.pid"
+    proc_file.write_text(json.dumps(build_process(args, env=ENV, cwd="/", uid=0, gid=0)))
+    proc = peers.crun.exec(cid, proc_file, pid_file=pid_file, stdin=subprocess.DEVNULL)
+    try:
+        _out, err = proc.communicate(timeout=TOOL_TIMEOUT)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    if proc.returncode != 0:
+        raise BenchError(f"crun exec {cid} {' '.join(args)} exited {proc.returncode}: {err.decode(errors='replace')}")
+
+
+def plain_start(peers: Peers) -> str:
+    cid = f"lbb-{uuid.uuid4().hex[:10]}"
+    bundle = plain_bundle(peers, cid, IDLE_INIT)
+    peers.crun.create(cid, bundle, pid_file=bundle / "init.pid")
+    peers.crun.start(cid)
+    return cid
+
+
+def plain_delete(peers: Peers, cid: str) -> None:
+    peers.crun.delete(cid, force=True)
+    shutil.rmtree(peers.work / "bundles" / cid, ignore_errors=True)
+
+
+def crun_cse_cycle(peers: Peers) -> Cycle:
+    start = time.perf_counter()
+    cid = ""
+    try:
+        cid = plain_start(peers)
+        plain_exec(peers, cid, TRUE)
+        first = time.perf_counter() - start
+    finally:
+        if cid:
+            plain_delete(peers, cid)
+    return Cycle(first, time.perf_counter() - start)
+
+
+def crun_run_cycle(peers: Peers) -> Cycle:
+    cid = f"lbb-{uuid.uuid4().hex[:10]}"
+    start = time.perf_counter()
+    try:
+        bundle = plain_bundle(peers, cid, TRUE)
+        run_tool(peers.crun.argv("run", "--bundle", str(bundle), cid))
+    finally:
+        shutil.rmtree(peers.work / "bundles" / cid, ignore_errors=True)
+    return Cycle(None, time.perf_counter() - start)
+
+
+# -- sections -------------------------------------------------------------------------------------
+
+METHODS = {
+    "ours": "manager.create + exec /bin/true (layers mounted by the call) | destroy",
+    "ours, layers held": "the same while another sandbox holds the image's layers (only the overlay is mounted)",
+    "podman run --rm": "podman run --rm IMAGE /bin/true, end to end (includes the removal)",
+    "podman create+start+exec": "podman create IMAGE IDLE_INIT + start + exec /bin/true | rm -f -t 0",
+    "crun plain create+start+exec": "crun create + start (IDLE_INIT) + exec /bin/true on the unpacked rootfs | delete -f",
+    "crun plain run": "crun run with /bin/true as the process, end to end (includes the delete)",
+}
+
+
+async def latency_section(manager: SandboxManager, peers: Peers, n: int, use_podman: bool) -> dict[str, Any]:
+    methods: dict[str, Callable[[], Awaitable[Cycle]]] = {
+        "ours": lambda: ours_cycle(manager),
+        "crun plain create+start+exec": lambda: asyncio.to_thread(crun_cse_cycle, peers),
+        "crun plain run": lambda: asyncio.to_thread(crun_run_cycle, peers),
+    }
+    if use_podman:
+        methods["podman run --rm"] = lambda: asyncio.to_thread(podman_run_cycle, peers)
+        methods["podman create+start+exec"] = lambda: asyncio.to_thread(podman_cse_cycle, peers)
+    log("latency: warm-up (one untimed cycle per method)")
+    for fn in methods.values():
+        await fn()
+    runs: dict[str, list[Cycle]] = {name: [] for name in [*methods, "ours, layers held"]}
+    for i in range(n):
+        log(f"latency: round {i + 1}/{n}")
+        for name, fn in methods.items():
+            runs[name].append(await fn())
+    holder = await manager.create(REF)
+    try:
+        await ours_cycle(manager)  # warm-up with shared layers
+        for i in range(n):
+            log(f"latency: layers held, {i + 1}/{n}")
+            runs["ours, layers held"].append(await ours_cycle(manager))
+    finally:
+        await asyncio.to_thread(manager.destroy, holder.id)
+    out: dict[str, Any] = {}
+    for name, cycles in runs.items():
+        firsts = [c.first_exec for c in cycles if c.first_exec is not None]
+        out[name] = {"what": METHODS[name], "first_exec": summary(firsts) if firsts else None,
+                     "cycle": summary([c.total for c in cycles]),
+                     "runs": [{"first_exec": c.first_exec, "total": c.total} for c in cycles]}
+    ours = out["ours"]
+    ratios: dict[str, Any] = {}
+    for peer, data in out.items():
+        if peer.startswith("ours"):
+            continue
+        peer_first = data["first_exec"]["p50"] if data["first_exec"] else data["cycle"]["p50"]
+        ratios[peer] = {
+            "first_exec_p50": ratio(ours["first_exec"]["p50"], peer_first),
+            "first_exec_p99": ratio(ours["first_exec"]["p99"],
+                                    data["first_exec"]["p99"] if data["first_exec"] else data["cycle"]["p99"]),
+            "cycle_p50": ratio(ours["cycle"]["p50"], data["cycle"]["p50"]),
+            "peer_first_exec_is_end_to_end": data["first_exec"] is None,
+        }
+    return {"methods": out, "ours_over_peer": ratios}
+
+
+async def sustain_section(manager: SandboxManager, peers: Peers, seconds: float, concurrency: int,
+                          peer_names: Sequence[str]) -> dict[str, Any]:
+    async def drive(name: str, cycle: Callable[[], Awaitable[Cycle]],
+                    alive: Callable[[], int] | None) -> dict[str, Any]:
+        log(f"sustain: {name}, {concurrency} workers for {seconds:.0f} s")
+        start = time.perf_counter()
+        deadline = start + seconds
+        totals: list[float] = []
+        errors: list[str] = []
+        peak = 0
+
+        async def worker() -> None:
+            while time.perf_counter() < deadline:
+                try:
+                    c = await cycle()
+                    totals.append(c.total)
+                except (BenchError, LayerboxError) as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}"[:500])
+                    await asyncio.sleep(0.1)
+
+        async def sampler() -> int:
+            nonlocal peak
+            while time.perf_counter() < deadline:
+                if alive is not None:
+                    peak = max(peak, await asyncio.to_thread(alive))
+                await asyncio.sleep(min(1.0, max(0.0, deadline - time.perf_counter())))
+            return await asyncio.to_thread(alive) if alive is not None else -1
+
+        sampling = asyncio.create_task(sampler())
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        at_deadline = await sampling
+        elapsed = time.perf_counter() - start
+        return {"method": name, "concurrency": concurrency, "seconds": round(elapsed, 2), "cycles": len(totals),
+                "per_second": len(totals) / elapsed if elapsed > 0 else None,
+                "cycle": summary(totals), "errors": len(errors), "first_errors": errors[:3],
+                "alive_at_deadline": at_deadline if at_deadline >= 0 else None, "alive_peak": peak if alive else None}
+
+    def ours_alive() -> int:
+        return len(manager.list())
+
+    def plain_alive() -> int:
+        return len(peers.crun.list())
+
+    rows = [await drive("ours", lambda: ours_cycle(manager), ours_alive)]
+    if "podman" in peer_names:
+        rows.append(await drive("podman run --rm", lambda: asyncio.to_thread(podman_run_cycle, peers), None))
+    if "crun" in peer_names:
+        rows.append(await drive("crun plain create+start+exec", lambda: asyncio.to_thread(crun_cse_cycle, peers),
+                                plain_alive))
+    for row in rows[1:]:
+        row["ours_over_peer"] = ratio(rows[0]["per_second"], row["per_second"])
+    return {"rows": rows}
+
+
+def own_memory(manager: SandboxManager, boxes: Sequence[Sandbox]) -> dict[str, Any]:
+    """The sandboxes' own processes: Pss/Rss from smaps_rollup, and what their memory cgroups hold."""
+    pss = rss = procs = usage = kmem = cg_rss = cg_cache = 0
+    for box in boxes:
+        d = manager.layout.controller_dir("memory", box.state["cgroups_path"])
+        if d is None:
+            continue
+        v2 = manager.layout.version == 2
+        with contextlib.suppress(OSError):
+            for line in (d / "cgroup.procs").read_text().split():
+                p, r = pss_rss(int(line))
+                pss, rss, procs = pss + p, rss + r, procs + 1
+        with contextlib.suppress(OSError, ValueError):
+            usage += int((d / ("memory.current" if v2 else "memory.usage_in_bytes")).read_text())
+        with contextlib.suppress(OSError, ValueError):
+            kmem += int((d / "memory.kmem.usage_in_bytes").read_text())
+        with contextlib.suppress(OSError, ValueError):
+            stat: dict[str, str] = {}
+            for line in (d / "memory.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                stat[key] = value
+            cg_rss += int(stat.get("total_rss", stat.get("anon", "0")))
+            cg_cache += int(stat.get("total_cache", stat.get("file", "0")))
+    return {"processes": procs, "pss": pss, "rss": rss, "cgroup_usage": usage, "cgroup_kmem": kmem,
+            "cgroup_rss": cg_rss, "cgroup_cache": cg_cache}
+
+
+def host_side(manager: SandboxManager) -> dict[str, int]:
+    """Pss of the processes outside the sandboxes that grow with them: this process and the daemon."""
+    out = {"bench_pss": pss_rss(os.getpid())[0], "daemon_pss": 0, "daemon_fds": -1}
+    with contextlib.suppress(Exception):
+        health = manager.host.client.health()
+        if health:
+            out["daemon_pss"] = pss_rss(int(health["pid"]))[0]
+            out["daemon_fds"] = count_fds(int(health["pid"]))
+    return out
+
+
+async def settle(seconds: float) -> dict[str, int]:
+    """Let deferred frees (RCU, workqueues) run, then read /proc/meminfo (median of three reads)."""
+    await asyncio.sleep(seconds)
+    reads = []
+    for _ in range(3):
+        reads.append(meminfo())
+        await asyncio.sleep(0.5)
+    return {k: sorted(r[k] for r in reads)[1] for k in reads[0]}
+
+
+async def idle_section(manager: SandboxManager, n: int, concurrency: int, settle_s: float) -> dict[str, Any]:
+    log(f"idle: baseline (settle {settle_s:.0f} s)")
+    before = await settle(settle_s)
+    side_before = host_side(manager)
+    counters_before = await asyncio.to_thread(host_counters)
+    boxes: list[Sandbox] = []
+    create_s: list[float] = []
+    failure: dict[str, Any] | None = None
+    stop = False
+    next_index = 0
+    start = time.perf_counter()
+
+    async def creator() -> None:
+        nonlocal stop, failure, next_index
+        while not stop and next_index < n:
+            next_index += 1
+            t0 = time.perf_counter()
+            try:
+                box = await create_box(manager)
+            except (LayerboxError, OSError) as exc:
+                if failure is None:
+                    failure = {"count_reached": len(boxes), "error": f"{type(exc).__name__}: {exc}"[:2000],
+                               "counters": await asyncio.to_thread(host_counters)}
+                stop = True
+                return
+            create_s.append(time.perf_counter() - t0)
+            boxes.append(box)
+            if len(boxes) % 100 == 0:
+                log(f"idle: {len(boxes)} sandboxes, {len(boxes) / (time.perf_counter() - start):.1f}/s, "
+                    f"MemAvailable {meminfo()['MemAvailable'] / MiB:.0f} MiB")
+
+    try:
+        await asyncio.gather(*(creator() for _ in range(concurrency)))
+        create_elapsed = time.perf_counter() - start
+        held = len(boxes)
+        log(f"idle: {held} held after {create_elapsed:.1f} s; measuring")
+        # a few execs on the loaded host, and the idle sandboxes' own memory
+        probe = random.Random(1).sample(boxes, min(20, held)) if held else []
+        exec_s = []
+        for box in probe:
+            t0 = time.perf_counter()
+            r = await asyncio.to_thread(box.exec, TRUE)
+            exec_s.append(time.perf_counter() - t0)
+            if r.exit_code != 0:
+                raise BenchError(f"exec in idle sandbox {box.id} exited {r.exit_code}")
+        after = await settle(settle_s)
+        counters_at_peak = await asyncio.to_thread(host_counters)
+        own = await asyncio.to_thread(own_memory, manager, boxes)
+        side_after = host_side(manager)
+    finally:
+        log(f"idle: destroying {len(boxes)}")
+        destroy_s: list[float] = []
+        queue = list(boxes)
+        d_start = time.perf_counter()
+
+        async def destroyer() -> None:
+            while queue:
+                box = queue.pop()
+                t0 = time.perf_counter()
+                await asyncio.to_thread(manager.destroy, box.id)
+                destroy_s.append(time.perf_counter() - t0)
+
+        await asyncio.gather(*(destroyer() for _ in range(concurrency)))
+        destroy_elapsed = time.perf_counter() - d_start
+    end = await settle(settle_s)
+    avail_drop = before["MemAvailable"] - after["MemAvailable"]
+    used_growth = used_bytes(after) - used_bytes(before)
+    per: dict[str, float | None] = {}
+    if held:
+        per = {
+            "mem_available_drop": avail_drop / held,
+            "used_growth": used_growth / held,
+            "own_pss": own["pss"] / held,
+            "own_rss": own["rss"] / held,
+            "cgroup_usage": own["cgroup_usage"] / held,
+            "overhead_available": (avail_drop - own["pss"]) / held,
+            "overhead_used": (used_growth - own["pss"]) / held,
+            "daemon_pss": (side_after["daemon_pss"] - side_before["daemon_pss"]) / held,
+            "bench_pss": (side_after["bench_pss"] - side_before["bench_pss"]) / held,
+        }
+        for key in ("Slab", "SUnreclaim", "SReclaimable", "KernelStack", "PageTables", "Shmem", "AnonPages",
+                    "Cached", "Percpu", "VmallocUsed"):
+            per[f"delta_{key}"] = (after.get(key, 0) - before.get(key, 0)) / held
+        # kernel memory the sandboxes' objects pin (namespaces, cgroups, mounts, tasks): less noisy than the
+        # host-wide figures, which also move with every other job on the host
+        per["kernel_attributable"] = sum(per[f"delta_{k}"] or 0.0 for k in (
+            "SUnreclaim", "Percpu", "KernelStack", "PageTables", "VmallocUsed"))
+    tenth = max(1, len(create_s) // 10)
+    return {
+        "requested": n, "held": held, "concurrency": concurrency, "failure": failure,
+        "create_seconds": round(create_elapsed, 2), "create_per_second": held / create_elapsed if create_elapsed else None,
+        "create": summary(create_s), "create_first_tenth_p50": pct(create_s[:tenth], 50),
+        "create_last_tenth_p50": pct(create_s[-tenth:], 50),
+        "exec_when_held": summary(exec_s),
+        "destroy_seconds": round(destroy_elapsed, 2),
+        "destroy_per_second": len(destroy_s) / destroy_elapsed if destroy_elapsed else None,
+        "destroy": summary(destroy_s),
+        "destroy_first_tenth_p50": pct(destroy_s[:tenth], 50), "destroy_last_tenth_p50": pct(destroy_s[-tenth:], 50),
+        "meminfo_before": before, "meminfo_after": after, "meminfo_end": end,
+        "mem_available_drop": avail_drop, "used_growth": used_growth,
+        "residual_after_destroy": before["MemAvailable"] - end["MemAvailable"],
+        "own": own, "host_side_before": side_before, "host_side_after": side_after,
+        "per_sandbox": per, "counters_before": counters_before, "counters_at_peak": counters_at_peak,
+        "settle_seconds": settle_s,
+    }
+
+
+async def pause_section(manager: SandboxManager, peers: Peers, n: int, use_podman: bool) -> dict[str, Any]:
+    box = await manager.create(REF)
+    rows: dict[str, list[float]] = {"pause (reclaim)": [], "resume after reclaim": [],
+                                    "pause (no reclaim)": [], "resume": []}
+    reclaimed: list[int] = []
+    no_reclaim_api = None
+    try:
+        for i in range(n):
+            log(f"pause/resume: {i + 1}/{n}")
+            await asyncio.to_thread(box.exec, PAGE_CACHE_CMD)  # gives the reclaim page cache to push out
+            t0 = time.perf_counter()
+            info = box.pause()
+            t1 = time.perf_counter()
+            box.resume()
+            t2 = time.perf_counter()
+            rows["pause (reclaim)"].append(t1 - t0)
+            rows["resume after reclaim"].append(t2 - t1)
+            rec = info.get("reclaim") if isinstance(info, dict) else None
+            if rec:
+                reclaimed.append(int(rec["before"]) - int(rec["after"]))
+            if no_reclaim_api is None or no_reclaim_api:
+                await asyncio.to_thread(box.exec, PAGE_CACHE_CMD)
+                t0 = time.perf_counter()
+                try:
+                    box.pause(reclaim=False)
+                except TypeError:
+                    no_reclaim_api = False
+                    continue
+                no_reclaim_api = True
+                t1 = time.perf_counter()
+                box.resume()
+                t2 = time.perf_counter()
+                rows["pause (no reclaim)"].append(t1 - t0)
+                rows["resume"].append(t2 - t1)
+    finally:
+        await asyncio.to_thread(manager.destroy, box.id)
+    out: dict[str, Any] = {name: summary(v) for name, v in rows.items() if v}
+    out["reclaimed_bytes_p50"] = pct(reclaimed, 50) if reclaimed else None
+    # peers: the freezer alone (crun pause/resume of a plain container) and podman pause/unpause
+    cid = await asyncio.to_thread(plain_start, peers)
+    try:
+        pr: list[float] = []
+        rr: list[float] = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            peers.crun.pause(cid)
+            t1 = time.perf_counter()
+            peers.crun.resume(cid)
+            pr.append(t1 - t0)
+            rr.append(time.perf_counter() - t1)
+        out["crun pause"], out["crun resume"] = summary(pr), summary(rr)
+    finally:
+        await asyncio.to_thread(plain_delete, peers, cid)
+    if use_podman:
+        name = f"lbb-{peers.run_id}-pause"
+        try:
+            run_tool(peers.podman_argv("create", "-q", "--name", name, *peers.label(), *PODMAN_LIMITS,
+                                       PODMAN_IMAGE, *IDLE_INIT))
+            run_tool(peers.podman_argv("start", name))
+            pr, rr = [], []
+            for _ in range(n):
+                pr.append(timed_tool(peers.podman_argv("pause", name)))
+                rr.append(timed_tool(peers.podman_argv("unpause", name)))
+            out["podman pause"], out["podman unpause"] = summary(pr), summary(rr)
+        finally:
+            run_tool(peers.podman_argv("rm", "-f", "-t", "0", name), check=False)
+    return out
+
+
+async def fncall_section(manager: SandboxManager, n: int) -> dict[str, Any]:
+    try:
+        fncall = importlib.import_module("sandbox.fncall")
+    except ModuleNotFoundError as exc:
+        if exc.name != "sandbox.fncall":
+            return {"available": False, "error": f"sandbox.fncall failed to import: {exc}"}
+        return {"available": False, "error": "sandbox.fncall not available"}
+    except Exception as exc:  # the module exists but is broken: say how
+        return {"available": False, "error": f"sandbox.fncall failed to import: {type(exc).__name__}: {exc}"}
+    out: dict[str, Any] = {"available": True}
+    pool: Any = None
+    try:
+        pool = fncall.WarmPool(manager, REF, size=2)
+        t0 = time.perf_counter()
+        await asyncio.wait_for(pool.start(), STEP_TIMEOUT)
+        out["start_seconds"] = time.perf_counter() - t0
+        cases: dict[str, Callable[[], Awaitable[Any]]] = {
+            "cmd true": lambda: pool.call("true"),
+            "python f(1)": lambda: pool.call(function=FN_SOURCE, args=[1]),
+        }
+        for name, call in cases.items():
+            first = await asyncio.wait_for(call(), STEP_TIMEOUT)  # warm-up
+            wall: list[float] = []
+            reported: list[float] = []
+            for i in range(n):
+                if i % 10 == 0:
+                    log(f"fncall: {name} {i + 1}/{n}")
+                t0 = time.perf_counter()
+                r = await asyncio.wait_for(call(), STEP_TIMEOUT)
+                wall.append(time.perf_counter() - t0)
+                d = getattr(r, "duration", None)
+                if isinstance(d, int | float):
+                    reported.append(float(d))
+            out[name] = {"wall": summary(wall), "duration": summary(reported) if reported else None,
+                         "first_result": repr(first)[:300]}
+    except Exception as exc:  # report and carry on: the module is being written in parallel
+        out["error"] = f"{type(exc).__name__}: {exc}"[:1000]
+    finally:
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(pool.close(), STEP_TIMEOUT)
+    return out
+
+
+# -- the run ------------------------------------------------------------------------------------------
+
+
+async def run_bench(args: argparse.Namespace, work: Path, fixture: Path, manager: SandboxManager,
+                    peers: Peers) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    log(f"publish oci-archive:{fixture}:{TAG} -> {REF} (file store)")
+    results["publish"] = await publish_image(manager.store_url or "", work / "pub", f"oci-archive:{fixture}:{TAG}",
+                                             work / "convert")
+    peers.layout = manager.layout  # crun's cgroup preflight (hybrid hosts) done once, for both
+    if args.podman:
+        results["podman"] = await asyncio.to_thread(podman_load, peers, fixture)
+    log("plain rootfs: skopeo copy + umoci unpack")
+    results["plain"] = await asyncio.to_thread(unpack_plain, peers, fixture)
+    log("ours: first sandbox (starts the daemon, fetches the chunks /bin/true needs)")
+    t0 = time.perf_counter()
+    first = await ours_cycle(manager)
+    results["first_create_seconds"] = {"first_exec": first.first_exec, "wall": time.perf_counter() - t0}
+    sections = args.sections
+    if "latency" in sections:
+        results["latency"] = await latency_section(manager, peers, args.latency, args.podman)
+    if "pause" in sections:
+        results["pause"] = await pause_section(manager, peers, args.pauses, args.podman)
+    if "fncall" in sections:
+        results["fncall"] = await fncall_section(manager, args.calls)
+    if "sustain" in sections:
+        peer_names = [p for p in args.sustain_peers if p != "podman" or args.podman]
+        results["sustain"] = await sustain_section(manager, peers, args.sustain_seconds, args.concurrency,
+                                                   peer_names)
+    if "idle" in sections:
+        results["idle"] = await idle_section(manager, args.idle, args.concurrency, args.settle)
+    return results
+
+
+# -- output ---------------------------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _mib(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value / MiB:.{digits}f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def render(doc: dict[str, Any]) -> str:
+    s, env = doc["settings"], doc["environment"]
+    out = [
+        f"layerbox sandbox benchmark: image {s['fixture']}:{TAG} ({REF}, file store); limits {LIMITS.cpu:g} CPU, "
+        f"{LIMITS.memory // MiB} MiB, {LIMITS.pids} pids; no network for every method",
+        f"{env['cpus']} CPUs, {env['mem_total'] / (1 << 30):.1f} GiB; kernel {env['kernel']}; cgroup v{env['cgroup']}; "
+        f"{env['crun']}; {env['podman']}; Python {env['python']}; load {env['loadavg_start']} -> {env['loadavg_end']}; "
+        f"wall {env.get('wall_seconds', '-')} s",
+        f"publish {_f(doc['publish']['seconds'])} s; plain rootfs unpack {_f(doc['plain']['seconds'])} s; "
+        f"first sandbox of the run (daemon start, chunk fetches) {_ms(doc['first_create_seconds']['first_exec'])} ms"
+        + (f"; podman image {'cached' if doc['podman']['cached'] else 'loaded in ' + _f(doc['podman']['load_seconds']) + ' s'}"
+           if doc.get("podman") else ""),
+        "",
+    ]
+    lat = doc.get("latency")
+    if lat:
+        n = lat["methods"]["ours"]["cycle"]["n"]
+        out.append(f"Create to first exec, cached layers (ms; n={n} per method, methods interleaved; p99 = nearest "
+                   "rank; cycle = first exec + teardown)")
+        rows = []
+        for name, m in lat["methods"].items():
+            fe = m["first_exec"]
+            rows.append([name, _ms(fe["p50"]) if fe else "(end to end)", _ms(fe["p99"]) if fe else "-",
+                         _ms(m["cycle"]["p50"]), _ms(m["cycle"]["p99"]), _ms(m["cycle"]["min"])])
+        out.append(_table(["method", "first exec p50", "p99", "cycle p50", "cycle p99", "cycle min"], rows))
+        for name in lat["methods"]:
+            out.append(f"  {name}: {METHODS[name]}")
+        out.append("Ratios ours/peer (< 1.00x: ours is faster):")
+        for peer, r in lat["ours_over_peer"].items():
+            note = " (peer's figure is end to end, removal included)" if r["peer_first_exec_is_end_to_end"] else ""
+            out.append(f"  ours/{peer}: first exec p50 {_x(r['first_exec_p50'])}, p99 {_x(r['first_exec_p99'])}{note}; "
+                       f"cycle p50 {_x(r['cycle_p50'])}")
+        out.append("")
+    sus = doc.get("sustain")
+    if sus:
+        out.append("Sustained creations (create + first exec + destroy cycles, back to back per worker)")
+        rows = []
+        for r in sus["rows"]:
+            rows.append([r["method"], str(r["concurrency"]), _f(r["seconds"], 1), str(r["cycles"]),
+                         _f(r["per_second"], 1), _ms(r["cycle"]["p50"]), _ms(r["cycle"]["p99"]), str(r["errors"]),
+                         "-" if r["alive_at_deadline"] is None else str(r["alive_at_deadline"]),
+                         "-" if r["alive_peak"] is None else str(r["alive_peak"]), _x(r.get("ours_over_peer"))])
+        out.append(_table(["method", "workers", "s", "cycles", "per s", "cycle p50 ms", "p99 ms", "errors",
+                           "alive at end", "alive peak", "ours/peer per s"], rows))
+        for r in sus["rows"]:
+            for e in r["first_errors"]:
+                out.append(f"  error ({r['method']}): {e}")
+        out.append("")
+    idle = doc.get("idle")
+    if idle:
+        p = idle["per_sandbox"]
+        out.append(f"Idle sandboxes: {idle['held']} of {idle['requested']} held ({idle['concurrency']} creators); "
+                   f"goal {GOAL_IDLE} at <= {GOAL_OVERHEAD_MIB:g} MiB each beyond their own processes")
+        if idle["failure"]:
+            f = idle["failure"]
+            out.append(f"  STOPPED at {f['count_reached']}: {f['error']}")
+            out.append(f"  counters then: {json.dumps(f['counters'])}")
+        out.append(f"  created in {_f(idle['create_seconds'], 1)} s = {_f(idle['create_per_second'], 1)}/s "
+                   f"(held, not destroyed); create p50 {_ms(idle['create']['p50'])} ms, p99 {_ms(idle['create']['p99'])} ms; "
+                   f"first tenth p50 {_ms(idle['create_first_tenth_p50'])} ms -> last tenth {_ms(idle['create_last_tenth_p50'])} ms")
+        out.append(f"  exec /bin/true in {idle['exec_when_held']['n']} of them while all are held: "
+                   f"p50 {_ms(idle['exec_when_held']['p50'])} ms, p99 {_ms(idle['exec_when_held']['p99'])} ms")
+        out.append(f"  destroyed in {_f(idle['destroy_seconds'], 1)} s = {_f(idle['destroy_per_second'], 1)}/s; "
+                   f"destroy p50 {_ms(idle['destroy']['p50'])} ms, p99 {_ms(idle['destroy']['p99'])} ms; first tenth "
+                   f"p50 {_ms(idle['destroy_first_tenth_p50'])} ms -> last tenth {_ms(idle['destroy_last_tenth_p50'])} ms")
+        if p:
+            rows = [
+                ["host MemAvailable drop", _mib(p["mem_available_drop"]), _mib(idle["mem_available_drop"], 0)],
+                ["host used growth (free's classic used)", _mib(p["used_growth"]), _mib(idle["used_growth"], 0)],
+                [f"own processes Pss ({idle['own']['processes']} procs)", _mib(p["own_pss"]), _mib(idle["own"]["pss"], 0)],
+                ["own processes Rss", _mib(p["own_rss"]), _mib(idle["own"]["rss"], 0)],
+                ["own cgroups memory usage", _mib(p["cgroup_usage"]), _mib(idle["own"]["cgroup_usage"], 0)],
+                ["overhead = MemAvailable drop - own Pss", _mib(p["overhead_available"]),
+                 _mib(idle["mem_available_drop"] - idle["own"]["pss"], 0)],
+                ["overhead = used growth - own Pss", _mib(p["overhead_used"]),
+                 _mib(idle["used_growth"] - idle["own"]["pss"], 0)],
+                ["  of which: Slab (SUnreclaim)", f"{_mib(p['delta_Slab'])} ({_mib(p['delta_SUnreclaim'])})", ""],
+                ["  Percpu / VmallocUsed", f"{_mib(p['delta_Percpu'])} / {_mib(p['delta_VmallocUsed'])}", ""],
+                ["  KernelStack / PageTables", f"{_mib(p['delta_KernelStack'])} / {_mib(p['delta_PageTables'])}", ""],
+                ["kernel attributable (SUnreclaim+Percpu+KernelStack+PageTables+Vmalloc)",
+                 _mib(p["kernel_attributable"]), ""],
+                ["  Shmem / Cached", f"{_mib(p['delta_Shmem'])} / {_mib(p['delta_Cached'])}", ""],
+                ["  lazyfetch daemon Pss / bench (manager) Pss", f"{_mib(p['daemon_pss'])} / {_mib(p['bench_pss'])}", ""],
+            ]
+            out.append(_table(["memory", "MiB per sandbox", "MiB total"], rows))
+            c = idle["counters_at_peak"]
+            out.append(f"  at peak: {c['processes']} processes, {c['threads']} threads (pid_max {c['pid_max']}), "
+                       f"{c['host_mounts']} host mounts (before: {idle['counters_before']['host_mounts']}), "
+                       f"{c['open_files']} open files, daemon fds {idle['host_side_after']['daemon_fds']}, "
+                       f"bench fds {c['bench_fds']}")
+            out.append(f"  MemAvailable after destroying all vs before: {_mib(idle['residual_after_destroy'], 1)} MiB lower")
+            ok = idle["held"] >= GOAL_IDLE and (p["overhead_available"] or 0) <= GOAL_OVERHEAD_MIB * MiB
+            out.append(f"  goal: {'MET' if ok else 'MISSED'} ({idle['held']} held, "
+                       f"{_mib(p['overhead_available'])} MiB overhead each by MemAvailable)")
+        out.append("")
+    pause = doc.get("pause")
+    if pause:
+        out.append(f"Pause / resume (ms; reclaim after {' '.join(PAGE_CACHE_CMD[:2])} ... each round)")
+        rows = [[name, str(v["n"]), _ms(v["p50"]), _ms(v["p99"])] for name, v in pause.items()
+                if isinstance(v, dict)]
+        out.append(_table(["operation", "n", "p50", "p99"], rows))
+        out.append(f"  page cache pushed out per reclaiming pause: {_mib(pause['reclaimed_bytes_p50'])} MiB (p50)")
+        ours_p = pause.get("pause (no reclaim)", pause.get("pause (reclaim)"))
+        for peer in ("crun pause", "podman pause"):
+            if peer in pause and ours_p:
+                out.append(f"  ours/{peer} p50: {_x(ratio(ours_p['p50'], pause[peer]['p50']))} (no-reclaim pause)")
+        out.append("")
+    fn = doc.get("fncall")
+    if fn is not None:
+        if not fn.get("available"):
+            out.append(f"FnCall: {fn['error']}")
+        else:
+            out.append(f"FnCall (WarmPool size 2; pool start {_f(fn.get('start_seconds'), 2)} s; ms)")
+            rows = []
+            for name in ("cmd true", "python f(1)"):
+                if name in fn:
+                    d = fn[name]["duration"]
+                    rows.append([name, str(fn[name]["wall"]["n"]), _ms(fn[name]["wall"]["p50"]),
+                                 _ms(fn[name]["wall"]["p99"]), _ms(d["p50"]) if d else "-", _ms(d["p99"]) if d else "-"])
+            out.append(_table(["call", "n", "wall p50", "wall p99", "r.duration p50", "p99"], rows))
+            if fn.get("error"):
+                out.append(f"  error: {fn['error']}")
+        out.append("")
+    c = doc.get("cleanup", {})
+    out.append(f"cleanup: mounts left {c.get('mounts_left')}, workdir removed {c.get('workdir_removed')}, "
+               f"problems {c.get('problems')}")
+    return "\n".join(out)
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+SECTIONS = ("latency", "pause", "fncall", "sustain", "idle")
+
+
+def _list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{', '.join(bad)}: choose from {', '.join(choices)}")
+        return items
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench/sandbox.py",
+        description="Sandboxes (create to first exec, sustained creations, idle sandboxes per host and memory "
+        "each, pause/resume, FnCall) against podman run and plain crun on an unpacked rootfs, in one run.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="10 latency rounds, 10 s sustain, 50 idle, 10 pauses, 20 calls: a smoke test")
+    p.add_argument("--latency", type=int, default=None, metavar="N", help="rounds per method (default 30; 10 quick)")
+    p.add_argument("--sustain-seconds", type=float, default=None, metavar="S",
+                   help="seconds of create+exec+destroy cycles per method (default 60; 10 quick)")
+    p.add_argument("--sustain-peers", type=_list(("podman", "crun")), default=["podman", "crun"], metavar="LIST",
+                   help="peers of the sustain section: podman, crun (default both; '' for ours only)")
+    p.add_argument("--concurrency", type=int, default=2, metavar="C",
+                   help="workers creating/destroying at once in sustain and idle (default 2)")
+    p.add_argument("--idle", type=int, default=None, metavar="N", help="idle sandboxes to hold (default 1000; 50 quick)")
+    p.add_argument("--settle", type=float, default=None, metavar="S",
+                   help="seconds to wait before each memory reading (default 10; 3 quick)")
+    p.add_argument("--pauses", type=int, default=None, metavar="N", help="pause/resume rounds (default 50; 10 quick)")
+    p.add_argument("--calls", type=int, default=None, metavar="N", help="FnCall calls per case (default 100; 20 quick)")
+    p.add_argument("--sections", type=_list(SECTIONS), default=list(SECTIONS), metavar="LIST",
+                   help=f"which sections to run (default {','.join(SECTIONS)})")
+    p.add_argument("--no-podman", dest="podman", action="store_false", help="leave podman out (not installed)")
+    p.add_argument("--fixture", default=None, metavar="PATH",
+                   help=f"the oci-archive with tag {TAG} (default ../shared/fixtures/{FIXTURE_NAME})")
+    p.add_argument("--tmpdir", type=Path, default=Path("/var/tmp"), metavar="DIR",
+                   help="where the store, the data dir, the plain rootfs go (default /var/tmp); removed at exit")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
+    return p
+
+
+@contextlib.contextmanager
+def signals_as_exit() -> Iterator[None]:
+    """SIGTERM/SIGHUP outside the event loop unwind through every finally, like Ctrl-C."""
+    def terminate(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            old[sig] = signal.signal(sig, terminate)
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    q = args.quick
+    args.latency = args.latency if args.latency is not None else (10 if q else 30)
+    args.sustain_seconds = args.sustain_seconds if args.sustain_seconds is not None else (10.0 if q else 60.0)
+    args.idle = args.idle if args.idle is not None else (50 if q else 1000)
+    args.settle = args.settle if args.settle is not None else (3.0 if q else 10.0)
+    args.pauses = args.pauses if args.pauses is not None else (10 if q else 50)
+    args.calls = args.calls if args.calls is not None else (20 if q else 100)
+    if min(args.latency, args.idle, args.pauses, args.calls, args.concurrency) < 1 or args.sustain_seconds <= 0 \
+            or args.settle < 0:
+        print("bench/sandbox.py: counts must be at least 1, --sustain-seconds positive", file=sys.stderr)
+        return 2
+    if os.geteuid() != 0:
+        print("bench/sandbox.py: needs root (mounts, cgroups, crun)", file=sys.stderr)
+        return 1
+    needed = ["crun", "skopeo", "umoci"] + (["podman"] if args.podman else [])
+    missing = [t for t in needed if shutil.which(t) is None]
+    if missing:
+        print(f"bench/sandbox.py: missing {', '.join(missing)} (make bench-deps; --no-podman leaves podman out)",
+              file=sys.stderr)
+        return 1
+    started = time.time()
+    load_start = loadavg()
+    args.tmpdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="lb-sbx-", dir=args.tmpdir))
+    (work / "convert").mkdir()
+    doc: dict[str, Any] = {}
+    status = 0
+    manager: SandboxManager | None = None
+    peers = Peers(uuid.uuid4().hex[:8], work, args.podman)
+    try:
+        with signals_as_exit():
+            try:
+                fixture = find_fixture(args.fixture)
+                manager = SandboxManager(host_dir(work), f"file://{work / 'store'}")
+                results = asyncio.run(run_bench(args, work, fixture, manager, peers))
+                doc = {
+                    "schema": SCHEMA,
+                    "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+                    | {"fixture": str(fixture), "ref": REF, "limits": dataclasses.asdict(LIMITS),
+                       "podman_flags": PODMAN_LIMITS},
+                    "environment": {
+                        "workdir": str(work), "cpus": os.cpu_count(), "mem_total": meminfo()["MemTotal"],
+                        "kernel": platform.release(), "python": platform.python_version(),
+                        "cgroup": manager.layout.version, "crun": tool_version(["crun", "--version"]),
+                        "podman": tool_version(["podman", "--version"]) if args.podman else "no podman",
+                        "loadavg_start": load_start, "loadavg_end": loadavg(),
+                        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+                    },
+                    **results,
+                }
+            finally:
+                log("cleaning up: sandboxes, daemon, mounts, crun and podman containers, the workdir")
+                done = cleanup(work, manager, peers)
+                if doc:
+                    doc["cleanup"] = done
+                    doc["environment"]["wall_seconds"] = round(time.time() - started, 1)
+                if done["mounts_left"] or not done["workdir_removed"] or done["problems"]:
+                    log(f"bench/sandbox.py: cleanup incomplete: {done}")
+                    status = 1
+                else:
+                    log(f"cleanup: nothing left under {work}; workdir removed")
+    except BenchError as exc:
+        log(f"bench/sandbox.py: {exc}")
+        return 1
+    except LayerboxError as exc:
+        log(f"bench/sandbox.py: layerbox failed: {type(exc).__name__}: {exc}")
+        return 1
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log("bench/sandbox.py: interrupted; everything it created was removed")
+        return 130
+    if args.json:
+        json.dump(doc, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(render(doc))
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
