@@ -1,7 +1,8 @@
 """Host mounts: one kernel EROFS mount per layer, shared and reference-counted,
 and one overlayfs (or read-only bind) per user mount point.
 
-State lives in ``<data-dir>/state/mounts.json`` and is only touched under an
+State lives in ``<data-dir>/state/mounts.json`` (compact JSON: ``layers``,
+``mounts``, and each layer's entry once in ``entries``) and is only touched under an
 exclusive ``flock`` on ``<data-dir>/state/lock``, so concurrent ``layerbox
 mount`` calls on one host serialise.  The state is a cache of what the kernel
 knows: every operation first reconciles it with /proc/self/mountinfo and the
@@ -72,13 +73,19 @@ class HostMounts:
         with open(self.state_dir / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             path = self.state_dir / "mounts.json"
-            state = json.loads(path.read_text()) if path.exists() else {}
+            raw = path.read_bytes() if path.exists() else b"{}"
+            state = json.loads(raw)
             state.setdefault("layers", {})
             state.setdefault("mounts", {})
+            state.setdefault("entries", {})  # layer hex digest -> its layer entry, once per layer
             yield state
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            # Compact, and only when changed: a host with 1,000 sandboxes rewrote ~3 MB of
+            # indented JSON (with every layer entry repeated per mount) on each mount.
+            out = json.dumps(state, separators=(",", ":")).encode()
+            if out != raw:
+                tmp = path.with_suffix(".tmp")
+                tmp.write_bytes(out)
+                os.replace(tmp, path)
 
     def _reconcile(self, state: dict[str, Any], instance: str | None) -> set[str]:
         """Drop what the kernel no longer has; return layers mounted by a dead daemon."""
@@ -94,6 +101,9 @@ class HostMounts:
                 stale.add(hexd)
         for info in state["layers"].values():
             info["users"] = [u for u in info["users"] if u in state["mounts"]]
+        used = {h for rec in state["mounts"].values() for h in rec["layers"]}
+        for hexd in [h for h in state["entries"] if h not in used]:
+            del state["entries"][hexd]
         return stale
 
     # -- operations ------------------------------------------------------------------------
@@ -130,7 +140,9 @@ class HostMounts:
                 lowers.append(info["mountpoint"])
             record = self._mount_user(target, lowers, writable, upper)
             record.update(digest=resolved.digest, layers=[hex_digest(x.digest) for x in resolved.layers],
-                          entries=[x.to_json() for x in resolved.layers], kind=resolved.kind)
+                          kind=resolved.kind)
+            for layer in resolved.layers:
+                state["entries"].setdefault(hex_digest(layer.digest), layer.to_json())
             state["mounts"][target] = record
             for hexd in record["layers"]:
                 users = state["layers"][hexd]["users"]
@@ -178,8 +190,9 @@ class HostMounts:
             del state["layers"][hexd]
         for mp in users:
             rec = state["mounts"][mp]
+            entries = rec.get("entries") or [state["entries"][h] for h in rec["layers"]]  # older state: per mount
             reply = self.client.request("POST", "/layers", {"image": rec["digest"], "trace": False,
-                                                             "layers": rec["entries"]})
+                                                             "layers": entries})
             lowers = []
             for hexd, paths in zip(rec["layers"], reply["layers"], strict=True):
                 if hexd not in state["layers"]:
