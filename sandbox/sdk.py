@@ -235,6 +235,17 @@ class AsyncFiles:
                     total += len(chunk)
         return total
 
+    async def stat(self, path: str) -> dict[str, Any]:
+        """type, size, mode, uid, gid, mtime of one entry (a symlink is reported, not followed)."""
+        return dict(await self._sb._client.json("GET", self._base, params={"path": path, "stat": "1"}))
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path)
+        except NotFound:
+            return False
+        return True
+
     async def list(self, path: str = "/") -> list[dict[str, Any]]:
         doc = await self._sb._client.json("GET", self._base, params={"path": path, "list": "1"})
         return list(doc["entries"])
@@ -474,6 +485,12 @@ class Files:
 
     def upload(self, path: str, src: str | os.PathLike[str] | BinaryIO, *, mode: int = 0o644) -> int:
         return self._loop.run(self._inner.upload(path, src, mode=mode))
+
+    def stat(self, path: str) -> dict[str, Any]:
+        return self._loop.run(self._inner.stat(path))
+
+    def exists(self, path: str) -> bool:
+        return self._loop.run(self._inner.exists(path))
 
     def download(self, path: str, dst: str | os.PathLike[str] | BinaryIO) -> int:
         return self._loop.run(self._inner.download(path, dst))

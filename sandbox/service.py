@@ -670,6 +670,11 @@ class SandboxService:
         if request.query.get("list") in ("1", "true"):
             return web.json_response({"path": path, "entries": await asyncio.to_thread(box.list, path)})
         st = await asyncio.to_thread(box.stat, path)  # errors (404, 403, 409) before the body starts
+        if request.query.get("stat") in ("1", "true"):
+            kinds = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
+            return web.json_response({"path": path, "type": kinds.get(stat.S_IFMT(st.st_mode), "other"),
+                                      "size": st.st_size, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
+                                      "gid": st.st_gid, "mtime": st.st_mtime})
         if not stat.S_ISREG(st.st_mode):
             raise ApiError(409, "file_conflict", f"{path} is not a regular file (list a directory with list=1)")
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
@@ -805,8 +810,9 @@ OPENAPI: dict[str, Any] = {
                         body="json"),
         },
         "/v1/sandboxes/{id}/files": {
-            "get": _op("Read a file, or list a directory with list=1", {"200": "bytes or a JSON listing"},
-                       query=("path", "list")),
+            "get": _op("Read a file (streamed), list a directory with list=1, or stat=1 for one entry's "
+                       "type, size, mode, owner and mtime (a symlink itself)", {"200": "bytes or JSON"},
+                       query=("path", "list", "stat")),
             "put": _op("Write a file (mode in octal)", {"201": "written"}, body="bytes", query=("path", "mode")),
             "delete": _op("Remove a file or (recursive=1) a directory", {"204": "removed"},
                           query=("path", "recursive")),

@@ -194,6 +194,11 @@ def test_streamed_upload_and_download_of_a_large_file(url: str, tmp_path: Path) 
         assert sb.files.upload("/root/big.bin", src) == 80 << 20
         inside = sb.commands.run("sha256sum /root/big.bin").stdout.split()[0]
         assert inside == hashlib.sha256(src.read_bytes()).hexdigest()
+        st = sb.files.stat("/root/big.bin")
+        assert (st["type"], st["size"], st["mode"], st["uid"]) == ("file", 80 << 20, 0o644, 0)
+        assert sb.files.stat("/root")["type"] == "dir"
+        assert sb.files.exists("/etc/os-release")
+        assert not sb.files.exists("/root/nope")
         dst = tmp_path / "back.bin"
         assert sb.files.download("/root/big.bin", dst) == 80 << 20
         assert dst.read_bytes() == src.read_bytes()
