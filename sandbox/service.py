@@ -84,7 +84,7 @@ DEFAULT_LEASE_TTL = 600.0
 REAP_INTERVAL = 5.0
 STREAM_QUEUE = 64  # exec events buffered per request: a slow reader slows the command, never the host
 CREATE_OPTIONS = frozenset({"cpu", "memory", "pids", "env", "workdir", "ttl", "idle_timeout", "cpu_class", "disk",
-                            "network"})
+                            "network", "userns"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -229,6 +229,15 @@ class SandboxService:
                             "(bytes for memory and disk)", ["resource"], registry=self.registry)
         self.m_rejected = Counter("layerbox_admission_rejections", "Creates refused for capacity, by the "
                                   "first short resource", ["resource"], registry=self.registry)
+        self.m_reaped = Counter("layerbox_reaped", "Sandboxes the reaper acted on", ["action"],
+                                registry=self.registry)
+        self.m_preempt_seconds = Histogram("layerbox_preempt_duration_seconds", "Preempting a job, drain to "
+                                           "manifest", registry=self.registry)
+        self.m_call_seconds = Histogram("layerbox_fncall_duration_seconds", "FnCall latency (queueing included)",
+                                        buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30),
+                                        registry=self.registry)
+        for action in ("destroyed", "paused"):
+            self.m_reaped.labels(action)
         for resource in RESOURCES:  # every series exists from the start, at zero
             self.m_rejected.labels(resource)
 
@@ -283,6 +292,8 @@ class SandboxService:
                 report = await asyncio.to_thread(self.manager.reap)
                 if report["destroyed"] or report["paused"]:
                     log.info("reaper: %s", report)
+                for action, ids in report.items():
+                    self.m_reaped.labels(action).inc(len(ids))
             except Exception:
                 log.exception("reaper round failed")
 
@@ -534,6 +545,7 @@ class SandboxService:
         if not await asyncio.to_thread(self.manager.list, job=job):
             raise ApiError(404, "not_found", f"job {request.match_info['job']!r} has no sandboxes here")
         run = await preempt(self.manager, job, timeout=float(grace))
+        self.m_preempt_seconds.observe(run.seconds)
         return web.json_response(run.to_json(), status=201)
 
     async def run_resume(self, request: web.Request) -> web.Response:
@@ -570,6 +582,7 @@ class SandboxService:
         self.m_execs.labels(project.name).inc()
         result = await self._calls.call(image, cmd, function=function, args=body.get("args") or (),
                                         kwargs=body.get("kwargs") or None, timeout=float(timeout))
+        self.m_call_seconds.observe(result.duration)
         return web.json_response({
             "exit_code": result.exit_code, "stdout": base64.b64encode(result.stdout).decode(),
             "stderr": base64.b64encode(result.stderr).decode(), "value": result.value, "error": result.error,

@@ -175,5 +175,6 @@ def test_openapi_lists_exactly_the_routes_and_metrics_count(url: str, server: Se
     assert status == 200
     text = body.decode()
     assert 'layerbox_api_errors_total{code="not_found"}' in text
-    for family in ("layerbox_execs_total", "layerbox_sandboxes", "layerbox_exec_duration_seconds"):
+    for family in ("layerbox_execs_total", "layerbox_sandboxes", "layerbox_exec_duration_seconds",
+                   "layerbox_reaped_total", "layerbox_preempt_duration_seconds", "layerbox_fncall_duration_seconds"):
         assert f"# HELP {family} " in text
