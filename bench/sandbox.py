@@ -15,7 +15,7 @@ nofile 1024):
   ``sandbox.spec.build_spec`` (the same isolation as ours): ``create`` +
   ``start`` + ``exec``, and ``crun run``.  Teardown is timed apart, so each
   method has a *first exec* and a *cycle* (first exec + teardown) figure.
-* **sustained creations**: ``--concurrency`` workers doing create + first
+* **sustained creations**: ``--concurrency`` workers (creates concurrent too) doing create + first
   exec + destroy cycles for ``--sustain-seconds``, for ours and the peers.
 * **idle sandboxes**: ``--idle N`` created and held, then the host's memory
   per sandbox (MemAvailable and "used" deltas) against the sandboxes' own
@@ -27,6 +27,9 @@ nofile 1024):
   pause``/``resume``).
 * **FnCall** latency through ``sandbox.fncall.WarmPool`` (when that module
   exists): a command and a python function.
+* **CPU classes**: ``/bin/true`` and a short ``python3`` job in a latency-sensitive
+  sandbox, alone, next to best-effort neighbours burning every CPU, and next to
+  the same neighbours in the default class (``--only cpu-class`` runs it alone).
 
 Everything the run creates (sandboxes, mounts, the daemon, crun containers and
 their cgroups, podman containers) is removed in ``finally``, on Ctrl-C and on
@@ -66,7 +69,7 @@ from converters.publish import publish  # noqa: E402
 from layerstore.errors import LayerboxError  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 from lazyfetch import kmount  # noqa: E402
-from sandbox.manager import Sandbox, SandboxManager  # noqa: E402
+from sandbox.manager import Cancel, Sandbox, SandboxManager  # noqa: E402
 from sandbox.runtime import CgroupLayout, OciRuntime  # noqa: E402
 from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec  # noqa: E402
 
@@ -362,20 +365,6 @@ def unpack_plain(peers: Peers, fixture: Path) -> dict[str, Any]:
 
 # -- one create, per method ------------------------------------------------------------------------
 
-# manager.create opens a Store (an lmdb environment) per call, and py-lmdb refuses a second open of
-# one environment in a process ("already open in this process"): concurrent creates on one manager
-# fail.  Until the manager shares its Store, creates are serialized here; exec and destroy overlap.
-_CREATE_LOCK: asyncio.Lock | None = None
-
-
-async def create_box(manager: SandboxManager) -> Sandbox:
-    global _CREATE_LOCK
-    if _CREATE_LOCK is None:
-        _CREATE_LOCK = asyncio.Lock()
-    async with _CREATE_LOCK:
-        return await manager.create(REF)
-
-
 @dataclass
 class Cycle:
     first_exec: float | None  # None: not separable (podman run, crun run)
@@ -384,7 +373,7 @@ class Cycle:
 
 async def ours_cycle(manager: SandboxManager) -> Cycle:
     start = time.perf_counter()
-    box = await create_box(manager)
+    box = await manager.create(REF)
     try:
         r = await asyncio.to_thread(box.exec, TRUE)
         first = time.perf_counter() - start
@@ -659,7 +648,7 @@ async def idle_section(manager: SandboxManager, n: int, concurrency: int, settle
             next_index += 1
             t0 = time.perf_counter()
             try:
-                box = await create_box(manager)
+                box = await manager.create(REF)
             except (LayerboxError, OSError) as exc:
                 if failure is None:
                     failure = {"count_reached": len(boxes), "error": f"{type(exc).__name__}: {exc}"[:2000],
@@ -861,6 +850,190 @@ async def fncall_section(manager: SandboxManager, n: int) -> dict[str, Any]:
     return out
 
 
+# -- CPU classes ------------------------------------------------------------------------------------
+
+# A small fixed CPU job (interpreter start + ~3 ms of arithmetic) and the cheapest command.
+CPU_COMMANDS = {"/bin/true": TRUE, "python3 sum(range(200000))": ["python3", "-c", "sum(range(200000))"]}
+# One burner process: spins until the stop file exists (checked every ~20k iterations) or `limit` seconds pass,
+# then prints its iterations, wall and CPU seconds and its scheduling policy (SCHED_IDLE is 5).
+BURN_SOURCE = """\
+import os, sys, time
+stop, limit = sys.argv[1], float(sys.argv[2])
+t0, c0, n = time.monotonic(), time.process_time(), 0
+print("go", flush=True)
+while True:
+    for _ in range(20000):
+        pass
+    n += 1
+    if os.path.exists(stop) or time.monotonic() - t0 > limit:
+        break
+print(n * 20000, time.monotonic() - t0, time.process_time() - c0, os.sched_getscheduler(0))
+"""
+BURN_LIMIT = 900.0  # a burner ends by itself after this even if nobody stops it
+CPU_CASES = {"alone": "no neighbour running",
+             "best-effort": "neighbours with cpu_class='best-effort' burning CPU",
+             "latency": "the same neighbours with the default class (latency) burning CPU"}
+
+
+class Burners:
+    """``per_box`` spinning processes in each neighbour, each an exec in a thread; stopped by a file, or killed."""
+
+    def __init__(self, boxes: Sequence[Sandbox], per_box: int, tag: str) -> None:
+        self.boxes, self.per_box = list(boxes), per_box
+        self.stop_path = f"/tmp/lb-bench-stop-{tag}"
+        self.cancels: list[Cancel] = []
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.started: list[bool] = []  # appended from the exec threads (atomic)
+
+    def _on_stdout(self, data: bytes) -> None:
+        if data.startswith(b"go"):
+            self.started.append(True)
+
+    async def start(self) -> None:
+        wait = 60.0
+        argv = ["python3", "-c", BURN_SOURCE, self.stop_path, str(BURN_LIMIT)]
+        for box in self.boxes:
+            for _ in range(self.per_box):
+                cancel = Cancel()
+                self.cancels.append(cancel)
+                self.tasks.append(asyncio.create_task(asyncio.to_thread(
+                    box.exec, argv, timeout=BURN_LIMIT + 60, cancel=cancel, on_stdout=self._on_stdout)))
+        deadline = time.monotonic() + wait
+        while len(self.started) < len(self.tasks):
+            failed = [t for t in self.tasks if t.done()]
+            if failed:
+                why = failed[0].exception() or failed[0].result()
+                raise BenchError(f"a burner ended before it started: {why!r}"[:1000])
+            if time.monotonic() > deadline:
+                raise BenchError(f"{len(self.started)} of {len(self.tasks)} burners started in {wait:.0f} s")
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # let the scheduler settle on the new load
+
+    async def stop(self) -> dict[str, Any]:
+        """Ask the burners to stop (the file) and collect what they did."""
+        for box in self.boxes:
+            await asyncio.to_thread(box.write, self.stop_path, b"")
+        done, pending = await asyncio.wait(self.tasks, timeout=30) if self.tasks else (set(), set())
+        if pending:
+            raise BenchError(f"{len(pending)} burners did not stop within 30 s of the stop file")
+        iterations = wall = cpu = 0.0
+        policies: set[int] = set()
+        for task in self.tasks:
+            r = task.result()
+            fields = r.stdout.decode(errors="replace").split()
+            if r.exit_code != 0 or len(fields) < 5:
+                raise BenchError(f"burner exited {r.exit_code}: {r.stdout[-300:]!r} {r.stderr[-500:]!r}")
+            iterations += float(fields[1])
+            wall = max(wall, float(fields[2]))
+            cpu += float(fields[3])
+            policies.add(int(fields[4]))
+        self.tasks = []
+        return {"burners": len(done), "iterations": iterations, "wall_seconds": wall, "cpu_seconds": cpu,
+                "iterations_per_second": iterations / wall if wall else None,
+                "cpus_used": cpu / wall if wall else None,
+                "sched_policies": sorted(policies)}
+
+    async def kill(self) -> None:
+        """On any failure: kill every burner's process tree (the manager freezes and SIGKILLs it)."""
+        for cancel in self.cancels:
+            cancel.cancel("bench cleanup")
+        if self.tasks:
+            await asyncio.wait(self.tasks, timeout=60)
+            for task in self.tasks:
+                if task.done() and not task.cancelled():
+                    task.exception()  # retrieved: no "exception never retrieved" noise
+        self.tasks = []
+
+
+def cpu_weight(manager: SandboxManager, box: Sandbox) -> str | None:
+    """The sandbox cgroup's cpu.shares (v1) or cpu.weight (v2), as the kernel has it."""
+    d = manager.layout.controller_dir("cpu", box.state["cgroups_path"])
+    if d is None:
+        return None
+    for name in ("cpu.shares", "cpu.weight"):
+        with contextlib.suppress(OSError):
+            return f"{name}={(d / name).read_text().strip()}"
+    return None
+
+
+async def cpu_class_section(manager: SandboxManager, rounds: int, blocks: int, n_neighbours: int,
+                            burners: int) -> dict[str, Any]:
+    """Latency of short commands in a latency-sensitive sandbox: alone, next to best-effort burners, next to
+    latency-class burners; cases interleaved block by block (rotating the order) so drift in the host's other
+    load spreads over all three."""
+    load_start = loadavg()
+    boxes: list[Sandbox] = []
+    active: Burners | None = None
+    samples: dict[str, dict[str, list[float]]] = {case: {cmd: [] for cmd in CPU_COMMANDS} for case in CPU_CASES}
+    throughput: dict[str, list[dict[str, Any]]] = {"best-effort": [], "latency": []}
+    try:
+        log(f"cpu-class: creating the measured sandbox and {n_neighbours} + {n_neighbours} neighbours "
+            "(best-effort, latency), concurrently")
+        made = await asyncio.gather(
+            manager.create(REF),
+            *(manager.create(REF, cpu_class="best-effort") for _ in range(n_neighbours)),
+            *(manager.create(REF) for _ in range(n_neighbours)), return_exceptions=True)
+        boxes = [b for b in made if isinstance(b, Sandbox)]
+        errors = [b for b in made if isinstance(b, BaseException)]
+        if errors:
+            raise BenchError(f"cpu-class: {len(errors)} of {len(made)} concurrent creates failed: "
+                             f"{type(errors[0]).__name__}: {errors[0]}"[:1500])
+        target, neighbours = made[0], {"best-effort": made[1:1 + n_neighbours], "latency": made[1 + n_neighbours:]}
+        assert isinstance(target, Sandbox)
+        weights = {"measured": cpu_weight(manager, target),
+                   **{case: sorted({str(cpu_weight(manager, b)) for b in bs}) for case, bs in neighbours.items()}}
+        for cmd in CPU_COMMANDS.values():  # warm-up: the chunks python3 needs, the page cache
+            await asyncio.to_thread(target.exec, cmd, timeout=STEP_TIMEOUT)
+        per_block = [rounds // blocks + (1 if i < rounds % blocks else 0) for i in range(blocks)]
+        order = list(CPU_CASES)
+        for b, count in enumerate(per_block):
+            for case in order[b % 3:] + order[:b % 3]:
+                log(f"cpu-class: block {b + 1}/{blocks}, {case}: {count} rounds (load {loadavg()})")
+                if case != "alone":
+                    active = Burners(neighbours[case], burners, f"{b}-{case}")
+                    await active.start()
+                for _ in range(count):
+                    for name, cmd in CPU_COMMANDS.items():
+                        t0 = time.perf_counter()
+                        r = await asyncio.to_thread(target.exec, cmd, timeout=STEP_TIMEOUT)
+                        samples[case][name].append(time.perf_counter() - t0)
+                        if r.exit_code != 0:
+                            raise BenchError(f"{name} in {target.id} exited {r.exit_code}: {r.stderr[-500:]!r}")
+                        await asyncio.sleep(0.02)  # a pause between requests, as a served sandbox sees them
+                if active is not None:
+                    throughput[case].append(await active.stop())
+                    active = None
+    finally:
+        if active is not None:
+            log("cpu-class: killing the burners")
+            await active.kill()
+        log(f"cpu-class: destroying {len(boxes)} sandboxes")
+        for box in boxes:
+            try:
+                await asyncio.to_thread(manager.destroy, box.id)
+            except Exception as exc:  # manager.close() in the final cleanup tries again and reports
+                log(f"cpu-class: destroy {box.id}: {type(exc).__name__}: {exc}")
+    out: dict[str, Any] = {"rounds": rounds, "blocks": blocks, "neighbours": n_neighbours,
+                           "burners_per_neighbour": burners, "cases": CPU_CASES, "cpu_weights": weights,
+                           "loadavg_start": load_start, "loadavg_end": loadavg(), "latency": {}, "ratios": {},
+                           "neighbour_throughput": {}}
+    for case, by_cmd in samples.items():
+        out["latency"][case] = {name: summary(v) | {"runs": v} for name, v in by_cmd.items()}
+    for name in CPU_COMMANDS:
+        alone = out["latency"]["alone"][name]
+        out["ratios"][name] = {f"{case}/alone": {q: ratio(out["latency"][case][name][q], alone[q]) for q in ("p50", "p99")}
+                               for case in ("best-effort", "latency")}
+    for case, phases in throughput.items():
+        wall = sum(p["wall_seconds"] for p in phases)
+        its = sum(p["iterations"] for p in phases)
+        cpu = sum(p["cpu_seconds"] for p in phases)
+        out["neighbour_throughput"][case] = {
+            "phases": phases, "wall_seconds": wall, "iterations_per_second": its / wall if wall else None,
+            "cpus_used": cpu / wall if wall else None,
+            "sched_policies": sorted({x for p in phases for x in p["sched_policies"]})}
+    return out
+
+
 # -- the run ------------------------------------------------------------------------------------------
 
 
@@ -871,15 +1044,18 @@ async def run_bench(args: argparse.Namespace, work: Path, fixture: Path, manager
     results["publish"] = await publish_image(manager.store_url or "", work / "pub", f"oci-archive:{fixture}:{TAG}",
                                              work / "convert")
     peers.layout = manager.layout  # crun's cgroup preflight (hybrid hosts) done once, for both
-    if args.podman:
+    sections = args.sections
+    # the peers' images only when a section compares with them
+    need_peers = bool({"latency", "pause"} & set(sections)) or ("sustain" in sections and args.sustain_peers)
+    if args.podman and need_peers:
         results["podman"] = await asyncio.to_thread(podman_load, peers, fixture)
-    log("plain rootfs: skopeo copy + umoci unpack")
-    results["plain"] = await asyncio.to_thread(unpack_plain, peers, fixture)
+    if need_peers:
+        log("plain rootfs: skopeo copy + umoci unpack")
+        results["plain"] = await asyncio.to_thread(unpack_plain, peers, fixture)
     log("ours: first sandbox (starts the daemon, fetches the chunks /bin/true needs)")
     t0 = time.perf_counter()
     first = await ours_cycle(manager)
     results["first_create_seconds"] = {"first_exec": first.first_exec, "wall": time.perf_counter() - t0}
-    sections = args.sections
     if "latency" in sections:
         results["latency"] = await latency_section(manager, peers, args.latency, args.podman)
     if "pause" in sections:
@@ -892,6 +1068,9 @@ async def run_bench(args: argparse.Namespace, work: Path, fixture: Path, manager
                                                    peer_names)
     if "idle" in sections:
         results["idle"] = await idle_section(manager, args.idle, args.concurrency, args.settle)
+    if "cpu-class" in sections:
+        results["cpu_class"] = await cpu_class_section(manager, args.cpu_rounds, args.cpu_blocks,
+                                                       args.cpu_neighbours, args.cpu_burners)
     return results
 
 
@@ -910,6 +1089,40 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
+def render_cpu_class(cc: dict[str, Any]) -> list[str]:
+    n = cc["latency"]["alone"]["/bin/true"]["n"]
+    out = [f"CPU classes: commands in a latency-sensitive sandbox (ms; n={n} per command and case, cases interleaved "
+           f"in {cc['blocks']} block{'s' if cc['blocks'] != 1 else ''}); neighbours: {cc['neighbours']} sandboxes x {cc['burners_per_neighbour']} "
+           f"spinning python3 processes; load {cc['loadavg_start']} -> {cc['loadavg_end']}"]
+    rows = []
+    for name in CPU_COMMANDS:
+        alone = cc["latency"]["alone"][name]
+        for case in CPU_CASES:
+            v = cc["latency"][case][name]
+            rows.append([name if case == "alone" else "", case, str(v["n"]), _ms(v["p50"]), _ms(v["p99"]),
+                         _ms(v["max"]), "-" if case == "alone" else _x(ratio(v["p50"], alone["p50"])),
+                         "-" if case == "alone" else _x(ratio(v["p99"], alone["p99"]))])
+    out.append(_table(["command", "neighbours", "n", "p50", "p99", "max", "p50/alone", "p99/alone"], rows))
+    for case, what in CPU_CASES.items():
+        out.append(f"  {case}: {what}")
+    for name, r in cc["ratios"].items():
+        be, lat = r["best-effort/alone"], r["latency/alone"]
+        out.append(f"  {name}: (b) best-effort/alone p50 {_x(be['p50'])}, p99 {_x(be['p99'])}; "
+                   f"(c) latency/alone p50 {_x(lat['p50'])}, p99 {_x(lat['p99'])}")
+    rows = []
+    for case, t in cc["neighbour_throughput"].items():
+        rows.append([case, str(cc["cpu_weights"].get(case)), ",".join(str(p) for p in t["sched_policies"]),
+                     _f(t["wall_seconds"], 1),
+                     "-" if t["iterations_per_second"] is None else f"{t['iterations_per_second'] / 1e6:.1f}",
+                     _f(t["cpus_used"], 2)])
+    out.append(_table(["neighbours", "cgroup cpu weight", "sched policy", "burn s", "M iterations/s (all)",
+                       "CPUs used"], rows))
+    out.append(f"  measured sandbox: {cc['cpu_weights'].get('measured')}; sched policy 5 = SCHED_IDLE, 0 = SCHED_OTHER; "
+               f"CPUs used = the burners' CPU seconds / wall seconds ({os.cpu_count()} CPUs here)")
+    out.append("")
+    return out
+
+
 def render(doc: dict[str, Any]) -> str:
     s, env = doc["settings"], doc["environment"]
     out = [
@@ -918,7 +1131,8 @@ def render(doc: dict[str, Any]) -> str:
         f"{env['cpus']} CPUs, {env['mem_total'] / (1 << 30):.1f} GiB; kernel {env['kernel']}; cgroup v{env['cgroup']}; "
         f"{env['crun']}; {env['podman']}; Python {env['python']}; load {env['loadavg_start']} -> {env['loadavg_end']}; "
         f"wall {env.get('wall_seconds', '-')} s",
-        f"publish {_f(doc['publish']['seconds'])} s; plain rootfs unpack {_f(doc['plain']['seconds'])} s; "
+        f"publish {_f(doc['publish']['seconds'])} s; "
+        f"plain rootfs unpack {_f(doc['plain']['seconds']) + ' s' if doc.get('plain') else 'skipped'}; "
         f"first sandbox of the run (daemon start, chunk fetches) {_ms(doc['first_create_seconds']['first_exec'])} ms"
         + (f"; podman image {'cached' if doc['podman']['cached'] else 'loaded in ' + _f(doc['podman']['load_seconds']) + ' s'}"
            if doc.get("podman") else ""),
@@ -1033,6 +1247,9 @@ def render(doc: dict[str, Any]) -> str:
             if fn.get("error"):
                 out.append(f"  error: {fn['error']}")
         out.append("")
+    cc = doc.get("cpu_class")
+    if cc:
+        out.extend(render_cpu_class(cc))
     c = doc.get("cleanup", {})
     out.append(f"cleanup: mounts left {c.get('mounts_left')}, workdir removed {c.get('workdir_removed')}, "
                f"problems {c.get('problems')}")
@@ -1041,7 +1258,7 @@ def render(doc: dict[str, Any]) -> str:
 
 # -- main ---------------------------------------------------------------------------------------------
 
-SECTIONS = ("latency", "pause", "fncall", "sustain", "idle")
+SECTIONS = ("latency", "pause", "fncall", "sustain", "idle", "cpu-class")
 
 
 def _list(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -1058,10 +1275,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench/sandbox.py",
         description="Sandboxes (create to first exec, sustained creations, idle sandboxes per host and memory "
-        "each, pause/resume, FnCall) against podman run and plain crun on an unpacked rootfs, in one run.",
+        "each, pause/resume, FnCall) against podman run and plain crun on an unpacked rootfs, and command latency "
+        "next to best-effort and latency-class neighbours burning CPU, in one run.",
     )
     p.add_argument("--quick", action="store_true",
-                   help="10 latency rounds, 10 s sustain, 50 idle, 10 pauses, 20 calls: a smoke test")
+                   help="10 latency rounds, 10 s sustain, 50 idle, 10 pauses, 20 calls, 12 cpu-class rounds: "
+                   "a smoke test")
     p.add_argument("--latency", type=int, default=None, metavar="N", help="rounds per method (default 30; 10 quick)")
     p.add_argument("--sustain-seconds", type=float, default=None, metavar="S",
                    help="seconds of create+exec+destroy cycles per method (default 60; 10 quick)")
@@ -1074,7 +1293,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait before each memory reading (default 10; 3 quick)")
     p.add_argument("--pauses", type=int, default=None, metavar="N", help="pause/resume rounds (default 50; 10 quick)")
     p.add_argument("--calls", type=int, default=None, metavar="N", help="FnCall calls per case (default 100; 20 quick)")
-    p.add_argument("--sections", type=_list(SECTIONS), default=list(SECTIONS), metavar="LIST",
+    p.add_argument("--cpu-rounds", type=int, default=None, metavar="N",
+                   help="cpu-class: runs of each command per case (default 60; 12 quick)")
+    p.add_argument("--cpu-blocks", type=int, default=None, metavar="B",
+                   help="cpu-class: the cases are interleaved in B blocks (default 3; 1 quick)")
+    p.add_argument("--cpu-neighbours", type=int, default=2, metavar="N",
+                   help="cpu-class: neighbour sandboxes burning CPU (default 2)")
+    p.add_argument("--cpu-burners", type=int, default=os.cpu_count() or 1, metavar="P",
+                   help="cpu-class: spinning processes per neighbour (default: the host's CPUs)")
+    p.add_argument("--sections", "--only", type=_list(SECTIONS), default=list(SECTIONS), metavar="LIST",
                    help=f"which sections to run (default {','.join(SECTIONS)})")
     p.add_argument("--no-podman", dest="podman", action="store_false", help="leave podman out (not installed)")
     p.add_argument("--fixture", default=None, metavar="PATH",
@@ -1111,7 +1338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.settle = args.settle if args.settle is not None else (3.0 if q else 10.0)
     args.pauses = args.pauses if args.pauses is not None else (10 if q else 50)
     args.calls = args.calls if args.calls is not None else (20 if q else 100)
-    if min(args.latency, args.idle, args.pauses, args.calls, args.concurrency) < 1 or args.sustain_seconds <= 0 \
+    args.cpu_rounds = args.cpu_rounds if args.cpu_rounds is not None else (12 if q else 60)
+    args.cpu_blocks = args.cpu_blocks if args.cpu_blocks is not None else (1 if q else 3)
+    if min(args.latency, args.idle, args.pauses, args.calls, args.concurrency, args.cpu_rounds, args.cpu_blocks,
+           args.cpu_neighbours, args.cpu_burners) < 1 or args.sustain_seconds <= 0 \
             or args.settle < 0:
         print("bench/sandbox.py: counts must be at least 1, --sustain-seconds positive", file=sys.stderr)
         return 2
@@ -1119,6 +1349,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("bench/sandbox.py: needs root (mounts, cgroups, crun)", file=sys.stderr)
         return 1
     needed = ["crun", "skopeo", "umoci"] + (["podman"] if args.podman else [])
+    if args.cpu_blocks > args.cpu_rounds:
+        print("bench/sandbox.py: --cpu-blocks must not exceed --cpu-rounds", file=sys.stderr)
+        return 2
     missing = [t for t in needed if shutil.which(t) is None]
     if missing:
         print(f"bench/sandbox.py: missing {', '.join(missing)} (make bench-deps; --no-podman leaves podman out)",
