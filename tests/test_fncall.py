@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from support.env import require
 
 from lazyfetch import kmount
 from sandbox.errors import SandboxError
@@ -23,45 +21,18 @@ from sandbox.fncall import (
     measure,
 )
 from sandbox.manager import SandboxManager
-from tests.support.hosts import publish_sync
+from tests.support.sandboxes import REF
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
-FIXTURE = "/work/shared/fixtures/debian-bookworm.oci.tar"
-REF = "img/python"
 
 
-def assert_clean(mgr: SandboxManager) -> None:
-    assert mgr.runtime.list() == []
-    assert kmount.mounts_under(mgr.data_dir) == []
-    assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
 
 
 def assert_no_boxes(mgr: SandboxManager) -> None:
     assert mgr.runtime.list() == []
     assert mgr.list() == []
     assert kmount.mounts_under(mgr.boxes) == []
-
-
-@pytest.fixture(scope="module")
-def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    require("root")
-    if not os.path.exists(FIXTURE):
-        pytest.skip(f"{FIXTURE} missing")
-    root = tmp_path_factory.mktemp("fncall-store")
-    url = f"file://{root / 'store'}"
-    publish_sync(url, root / "pub", f"oci-archive:{FIXTURE}:python", REF)
-    return url
-
-
-@pytest.fixture(scope="module")
-def manager(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxManager]:
-    mgr = SandboxManager(tmp_path_factory.mktemp("fncall-host"), store_url)
-    try:
-        yield mgr
-    finally:
-        mgr.close()
-        assert_clean(mgr)
 
 
 @pytest.fixture

@@ -22,19 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.env import require
 
 from lazyfetch import kmount
 from sandbox.admission import Admission, AdmissionConfig, CapacityExceeded, Demand, GiB, MiB, score
 from sandbox.manager import SandboxManager
 from sandbox.placement import Edge, Placement, PlacementError
 from sandbox.sdk import AsyncSandbox
-from tests.support.hosts import publish_sync
+from tests.support.sandboxes import REF
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
-FIXTURE = "/work/shared/fixtures/debian-bookworm.oci.tar"
-REF = "img/python"
 TOKEN = "placement-token-0123456789"
 TOKENS = {"projects": {"p": {"tokens": [TOKEN], "max_sandboxes": 10}}}
 REPO = Path(__file__).resolve().parent.parent
@@ -145,13 +142,9 @@ class EdgeProcess:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EdgeProcess]]:
-    require("root")
-    if not os.path.exists(FIXTURE):
-        pytest.skip(f"{FIXTURE} missing")
+def cluster(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EdgeProcess]]:
     root = tmp_path_factory.mktemp("placement")
-    store = f"file://{root / 'store'}"
-    publish_sync(store, root / "pub", f"oci-archive:{FIXTURE}:python", REF)
+    store = store_url  # one store with the fixture image, shared by the three edges
     tokens = root / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
     # a small memory reserve: other test runs share this host, and a rejection here must be deliberate

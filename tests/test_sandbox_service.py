@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from support.env import require
 
 from lazyfetch import kmount
 from sandbox.manager import SandboxManager
@@ -23,39 +21,16 @@ from sandbox.sdk import (
     UnsupportedIsolation,
 )
 from sandbox.service import AuthConfig, SandboxService
-from tests.support.hosts import publish_sync
-from tests.support.sandboxes import ServerThread
+from tests.support.sandboxes import REF, ServerThread
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
-FIXTURE = "/work/shared/fixtures/debian-bookworm.oci.tar"
-REF = "img/python"
 ALPHA, BETA, GAMMA = "alpha-token-0123456789", "beta-token-0123456789", "gamma-token-0123456789"
 TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 2},
                        "beta": {"tokens": [BETA], "max_sandboxes": 1},
                        "gamma": {"tokens": [GAMMA], "disabled": True}}}
 
 
-def assert_clean(mgr: SandboxManager) -> None:
-    assert mgr.runtime.list() == []
-    assert kmount.mounts_under(mgr.data_dir) == []
-    assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
-
-
-@pytest.fixture(scope="module")
-def manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandboxManager]:
-    require("root")
-    if not os.path.exists(FIXTURE):
-        pytest.skip(f"{FIXTURE} missing")
-    root = tmp_path_factory.mktemp("svc-store")
-    url = f"file://{root / 'store'}"
-    publish_sync(url, root / "pub", f"oci-archive:{FIXTURE}:python", REF)
-    mgr = SandboxManager(tmp_path_factory.mktemp("svc-host"), url)
-    try:
-        yield mgr
-    finally:
-        mgr.close()
-        assert_clean(mgr)
 
 
 @pytest.fixture(scope="module")
