@@ -6,24 +6,34 @@ inside the sandbox pointing at ``/etc/shadow`` names the sandbox's own
 ``/etc/shadow``, never the host's.  Magic links (``/proc/self/root``-style)
 are refused.  Hosts without openat2 (Linux < 5.6) get :class:`HostUnsupported`
 rather than a weaker, racy userspace resolver.
+
+A sandbox in a user namespace (``idmap=(host_base, size)``) has an idmapped
+rootfs: the host sees its ids shifted by ``host_base`` and host root, which
+has no mapping there, cannot create files in it (EOVERFLOW).  Writes then run
+as the sandbox's root (:func:`sandbox.idmap.fs_identity`), so they land as
+uid 0 like the sandbox's own, and :meth:`RootFiles.stat` reports ids as the
+sandbox sees them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import stat
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
+from sandbox import idmap as _idmap
 from sandbox.errors import HostUnsupported, PathEscape
 
 SYS_OPENAT2 = 437  # same number on x86_64 and the generic table (arm64)
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
 CHUNK = 1 << 20
+OVERFLOW_ID = 65534  # what the kernel shows for an id without a mapping (nobody)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -61,10 +71,31 @@ def _split(path: str) -> tuple[str, str]:
 
 
 class RootFiles:
-    """read/write/list/stat/remove plus chunked upload/download, all confined to ``root``."""
+    """read/write/list/stat/remove plus chunked upload/download, all confined to ``root``.
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    ``idmap``: ``(host_base, size)`` of a user-namespaced sandbox's idmapped rootfs.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, idmap: tuple[int, int] | None = None) -> None:
         self.root = Path(root)
+        self.idmap = idmap
+
+    def _as_sandbox_root(self) -> contextlib.AbstractContextManager[None]:
+        """Writes in an idmapped rootfs must come from a mapped fsuid (this thread only)."""
+        if self.idmap is None:
+            return contextlib.nullcontext()
+        return _idmap.fs_identity(self.idmap[0], self.idmap[0])
+
+    def _inside(self, st: os.stat_result) -> os.stat_result:
+        if self.idmap is None:
+            return st
+        base, size = self.idmap
+        # (the 10 tuple fields, the named-only ones: ns times, blocks...)
+        seq, extra = cast("tuple[tuple[Any, ...], dict[str, Any]]", st.__reduce__()[1])
+        fields = list(seq)
+        for i in (4, 5):  # st_uid, st_gid
+            fields[i] = fields[i] - base if base <= fields[i] < base + size else OVERFLOW_ID
+        return os.stat_result(fields, extra)
 
     def _open(self, path: str, flags: int, mode: int = 0) -> int:
         root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -96,10 +127,15 @@ class RootFiles:
         return total
 
     def upload(self, path: str, src: BinaryIO, mode: int = 0o644, chunk: int = CHUNK) -> int:
-        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with self._as_sandbox_root():  # creation and copy-up; the writes need no identity after open
+            fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+            try:
+                os.fchmod(fd, mode)
+            except BaseException:
+                os.close(fd)
+                raise
         total = 0
         try:
-            os.fchmod(fd, mode)
             while data := src.read(chunk):
                 view = memoryview(data)
                 while view:
@@ -118,7 +154,8 @@ class RootFiles:
     def mkdir(self, path: str, mode: int = 0o755) -> None:
         dfd, name = self._parent(path)
         try:
-            os.mkdir(name, mode, dir_fd=dfd)
+            with self._as_sandbox_root():
+                os.mkdir(name, mode, dir_fd=dfd)
         finally:
             os.close(dfd)
 
@@ -127,12 +164,12 @@ class RootFiles:
         if path.strip("/") in ("", "."):
             fd = self._open("/", os.O_PATH)
             try:
-                return os.fstat(fd)
+                return self._inside(os.fstat(fd))
             finally:
                 os.close(fd)
         dfd, name = self._parent(path)
         try:
-            return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            return self._inside(os.stat(name, dir_fd=dfd, follow_symlinks=False))
         finally:
             os.close(dfd)
 
@@ -152,13 +189,14 @@ class RootFiles:
         dfd, name = self._parent(path)
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                if recursive:
-                    _rmtree_at(dfd, name)
+            with self._as_sandbox_root():  # whiteouts in the upper are created like files
+                if stat.S_ISDIR(st.st_mode):
+                    if recursive:
+                        _rmtree_at(dfd, name)
+                    else:
+                        os.rmdir(name, dir_fd=dfd)
                 else:
-                    os.rmdir(name, dir_fd=dfd)
-            else:
-                os.unlink(name, dir_fd=dfd)
+                    os.unlink(name, dir_fd=dfd)
         finally:
             os.close(dfd)
 

@@ -24,12 +24,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
+import json
 import os
 import platform
 import signal
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 from lazyfetch import kmount
@@ -307,3 +310,80 @@ def remap_rootfs(rootfs: str | os.PathLike[str], host_base: int, size: int, *,
 def unmount(target: str | os.PathLike[str]) -> None:
     """Remove the mount at ``target`` if there is one (lazily: a dying container may still hold it)."""
     kmount.umount(target, lazy=True, missing_ok=True)
+
+
+# -- per-sandbox uid ranges ---------------------------------------------------------------------
+RANGE_SIZE: Final = 65536  # uids 0..65535 inside: what Debian-style images use (nobody is 65534)
+
+
+class RangesExhausted(IdmapError):
+    """Every uid range of this manager's pool is taken (one per user-namespaced sandbox)."""
+
+    retryable = True
+
+
+class RangePool:
+    """Distinct ``RANGE_SIZE`` host uid ranges, one per sandbox, allocated from ``slots`` ranges at ``first``.
+
+    ``first, first + RANGE_SIZE, ...``: slot ``k`` is host uids
+    ``first + k*RANGE_SIZE ..``, so two sandboxes of one pool never share a
+    host uid (root of one is not the owner of the other's processes or files).
+    The table (``path``, sid -> slot) is rewritten whole under an flock, so a
+    CLI and the service on one data dir allocate consistently.  The lowest free
+    slot is taken, which keeps the set of ranges (and the user namespace fds a
+    manager caches per range) small.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], first: int, slots: int) -> None:
+        if first <= 0 or slots <= 0 or first + slots * RANGE_SIZE > 1 << 32:
+            raise ValueError(f"uid pool {first}+{slots}x{RANGE_SIZE} is not a valid non-root uid range")
+        self.path = Path(path)
+        self.first = first
+        self.slots = slots
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, int]]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                table: dict[str, int] = dict(json.loads(self.path.read_text()).get("sandboxes", {}))
+            except FileNotFoundError:
+                table = {}
+            before = dict(table)
+            yield table
+            if table != before:
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text(json.dumps({"version": 1, "first": self.first, "size": RANGE_SIZE,
+                                           "sandboxes": table}, indent=1, sort_keys=True))
+                os.replace(tmp, self.path)
+
+    def base(self, slot: int) -> int:
+        return self.first + slot * RANGE_SIZE
+
+    def allocate(self, sid: str) -> tuple[int, int]:
+        """``(host_base, RANGE_SIZE)`` for ``sid`` (the same one again if it already has a range)."""
+        with self._locked() as table:
+            if sid not in table:
+                used = set(table.values())
+                free = next((k for k in range(self.slots) if k not in used), None)
+                if free is None:
+                    raise RangesExhausted(errno.EAGAIN, f"all {self.slots} uid ranges of {self.path} are in use "
+                                          "(one per user-namespaced sandbox): destroy one, or reconcile if "
+                                          "sandboxes died with their manager")
+                table[sid] = free
+            return self.base(table[sid]), RANGE_SIZE
+
+    def release(self, sid: str) -> None:
+        """Free ``sid``'s range (nothing happens if it has none)."""
+        if not self.path.exists():
+            return
+        with self._locked() as table:
+            table.pop(sid, None)
+
+    def owners(self) -> dict[str, int]:
+        """sid -> host_base of every allocated range."""
+        if not self.path.exists():
+            return {}
+        with self._locked() as table:
+            return {sid: self.base(slot) for sid, slot in table.items()}

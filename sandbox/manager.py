@@ -9,6 +9,7 @@ Layout under ``<data-dir>/sandbox/``::
     boxes/<id>/rootfs/   the writable overlay (a HostMounts mount)
     boxes/<id>/disk.img, disk/  the sandbox's own ext4 (only with a disk limit; holds the upper)
     receipts/<id>.jsonl  append-only log of every action (kept after destroy)
+    userns.json          host uid ranges of user-namespaced sandboxes (sandbox/idmap.py RangePool)
     <data-dir>/net/      network namespaces and address allocations (sandbox/network.py)
     leases.json          job leases and their admission state (sandbox/leases.py)
 
@@ -22,6 +23,7 @@ import asyncio
 import base64
 import builtins
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -45,6 +47,7 @@ from layerstore.store import Store
 from lazyfetch import kmount
 from lazyfetch.mounts import HostMounts, MountError
 from sandbox import disk as sbdisk
+from sandbox import idmap
 from sandbox.errors import (
     CommandInProgress,
     JobNotAdmitting,
@@ -69,6 +72,11 @@ PR_SET_CHILD_SUBREAPER = 36
 # Output kept in the receipt of a command with an idempotency key, so a retry gets it back.
 KEYED_OUTPUT_CAP = 256 << 10
 CPU_CLASSES = ("latency", "best-effort")
+# Host uids of user-namespaced sandboxes: 64 regions of USERNS_SLOTS ranges from 2^30, one region per
+# data dir (like the subnet), so two managers on one machine rarely share a uid; far above the
+# 100000.. ranges /etc/subuid hands to users.
+USERNS_FIRST = 1 << 30
+USERNS_SLOTS = 256
 
 
 @dataclass(frozen=True)
@@ -195,8 +203,16 @@ class Sandbox:
         self.dir = manager.boxes / sid
         self.rootfs = self.dir / "rootfs"
         self.bundle = self.dir / "bundle"
-        self.files = RootFiles(self.rootfs)
         self._exec_seq = 0
+
+    @functools.cached_property
+    def files(self) -> RootFiles:
+        """The host file API of this rootfs (idmap-aware when the sandbox has a user namespace)."""
+        try:
+            mapping = self.state.get("userns")
+        except SandboxNotFound:
+            mapping = None
+        return RootFiles(self.rootfs, idmap=(int(mapping[0]), int(mapping[1])) if mapping else None)
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -565,7 +581,10 @@ class SandboxManager:
     """Sandboxes of one host (one data dir) against one store."""
 
     def __init__(self, data_dir: str | os.PathLike[str], store_url: str | None = None, *,
-                 runtime: str = "crun", subnet: str | None = None) -> None:
+                 runtime: str = "crun", subnet: str | None = None,
+                 userns_range: tuple[int, int] | None = None) -> None:
+        """``userns_range``: ``(first host uid, number of 65536-uid ranges)`` for sandboxes created
+        with ``userns=True``; by default a region from 2^30 chosen by the data dir."""
         self.data_dir = Path(data_dir).resolve()
         self.store_url = store_url
         self.root = self.data_dir / "sandbox"
@@ -583,6 +602,11 @@ class SandboxManager:
         self._net: NetworkManager | None = None
         # a /16 per data dir, so two managers (two tests, two "hosts" on one machine) never overlap
         self.subnet = subnet or f"10.{64 + int(hashlib.sha256(str(self.data_dir).encode()).hexdigest(), 16) % 64}.0.0/16"
+        if userns_range is None:
+            region = int(hashlib.sha256(str(self.data_dir).encode()).hexdigest(), 16) % 64
+            userns_range = (USERNS_FIRST + region * USERNS_SLOTS * idmap.RANGE_SIZE, USERNS_SLOTS)
+        self.uid_ranges = idmap.RangePool(self.root / "userns.json", *userns_range)
+        self._userns_fds: dict[int, int] = {}  # host_base -> user namespace fd with that mapping (kept)
 
     @property
     def net(self) -> NetworkManager:
@@ -626,7 +650,9 @@ class SandboxManager:
         ``pids``, ``cpu_class`` ("latency" or "best-effort"), ``env``,
         ``workdir``, ``user``, ``labels``, ``ttl`` and ``idle_timeout``
         (seconds), ``job`` and ``lease_ttl`` (the caller's lease),
-        ``policy_version``.
+        ``policy_version``, ``network`` (egress allow rules), ``userns``
+        (run in a user namespace on its own host uid range: root inside is
+        an unprivileged host uid; not with ``network`` yet).
         """
         async with await self._store() as store:
             resolved = await store.resolve(ref)
@@ -652,10 +678,17 @@ class SandboxManager:
                       labels: Mapping[str, str] | None = None, ttl: float | None = None,
                       idle_timeout: float | None = None, job: str | None = None, lease_ttl: float | None = None,
                       policy_version: str | None = None, admitting: bool = True,
-                      network: Sequence[Mapping[str, Any]] | None = None,
+                      network: Sequence[Mapping[str, Any]] | None = None, userns: bool = False,
                       inherited: Sequence[Mapping[str, Any]] = ()) -> Sandbox:
         if cpu_class not in CPU_CLASSES:
             raise UnsupportedOption(f"cpu_class {cpu_class!r}: choose one of {CPU_CLASSES}")
+        if userns and network is not None:
+            raise UnsupportedOption("userns=True with network=[...]: the policed network namespace belongs to "
+                                    "host root, so crun cannot mount a sysfs for it from the sandbox's user "
+                                    "namespace and would show the host's /sys (host interface names); "
+                                    "choose one of the two")
+        if userns:
+            self._check_traversable()
         if job is not None:
             lease = self.leases.get(job)
             if lease is not None and lease.state != "active" and admitting:
@@ -671,6 +704,19 @@ class SandboxManager:
         options = {"cpu": cpu, "memory": memory, "pids": pids, "disk": disk, "cpu_class": cpu_class,
                    "ttl": ttl, "idle_timeout": idle_timeout, "workdir": workdir, "user": user,
                    "env": dict(env or {}), "network": [dict(r) for r in network] if network is not None else None}
+        mapping: tuple[int, int] | None = None
+        if userns:
+            options["userns"] = True
+            try:
+                mapping = self.uid_ranges.allocate(sid)
+                # crun enters the user namespace before it mounts the rootfs: the sandbox's root
+                # (an unprivileged host uid) must be able to traverse every directory to it
+                for d in (self.data_dir, self.root, self.boxes, box.dir):
+                    d.chmod(d.stat().st_mode & 0o7777 | 0o001)
+            except BaseException:
+                self.uid_ranges.release(sid)
+                shutil.rmtree(box.dir, ignore_errors=True)
+                raise
         state: dict[str, Any] = {
             "id": sid, "status": "creating", "ref": ref, "image_digest": resolved.digest, "kind": resolved.kind,
             "labels": dict(labels or {}), "limits": asdict(limits), "ttl": ttl, "idle_timeout": idle_timeout,
@@ -679,6 +725,8 @@ class SandboxManager:
             "admitting": admitting, "options": options,
             "layer_digests": [layer.digest for layer in resolved.layers],
         }
+        if mapping is not None:
+            state["userns"] = list(mapping)
         _write_json(box.dir / "state.json", state)  # first: a crash from here on is reconciled
         for rec in inherited:  # the history of the checkpoint this sandbox continues
             self._append_receipt(sid, {**rec, "inherited": True})
@@ -694,13 +742,16 @@ class SandboxManager:
                                                               policy_version=policy_version)
             else:
                 await asyncio.to_thread(self.host.mount, resolved, box.rootfs, writable=True, upper=upper)
+            if mapping is not None:  # on a thread: the overlay is made under a per-thread fsuid
+                await asyncio.to_thread(self._remap_rootfs, box, mapping)
             mounted = time.perf_counter()
             netns = None
             if network is not None:  # default deny with these allow rules; None = loopback only
                 info = await asyncio.to_thread(self.net.create, sid, [dict(r) for r in network])
                 netns = str(info.path)
                 state["network"] = {**info.to_dict(), "policy": self.net.policy(sid)}
-            await asyncio.to_thread(self._start, box, resolved, state, limits, layout, env, workdir, user, netns)
+            await asyncio.to_thread(self._start, box, resolved, state, limits, layout, env, workdir, user, netns,
+                                    mapping)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.destroy(sid)
@@ -708,12 +759,35 @@ class SandboxManager:
         box._receipt("create" if resolved.kind != "checkpoint" else "restore", ref=ref, cpu=cpu, memory=memory,
                      pids=pids, disk=disk, cpu_class=cpu_class, job=job, policy_version=policy_version,
                      layer_digests=state["layer_digests"], mount_seconds=round(mounted - started, 6),
-                     start_seconds=round(time.perf_counter() - mounted, 6))
+                     start_seconds=round(time.perf_counter() - mounted, 6),
+                     **({"userns": list(mapping)} if mapping is not None else {}))
         return box
+
+    def _check_traversable(self) -> None:
+        """Refuse a user namespace when a directory above the data dir is closed to other uids."""
+        for d in reversed(self.data_dir.parents):
+            mode = d.stat().st_mode
+            if not mode & 0o001:
+                raise UnsupportedOption(
+                    f"userns=True: {d} is mode {mode & 0o7777:04o}, so a sandbox's root (an unprivileged host "
+                    f"uid) cannot reach its rootfs under {self.boxes}; crun enters the user namespace before "
+                    f"it mounts the rootfs. `chmod o+x {d}` or use a data dir whose parents are searchable")
+
+    def _userns_fd(self, host_base: int, size: int) -> int:
+        """A user namespace fd mapping 0..size-1 to host_base.., made once per range and kept."""
+        with self._lock:
+            fd = self._userns_fds.get(host_base)
+            if fd is None:
+                fd = self._userns_fds[host_base] = idmap.userns_fd(host_base, size)
+            return fd
+
+    def _remap_rootfs(self, box: Sandbox, mapping: tuple[int, int]) -> None:
+        base, size = mapping
+        idmap.remap_rootfs(box.rootfs, base, size, ns_fd=self._userns_fd(base, size))
 
     def _start(self, box: Sandbox, resolved: Resolved, state: dict[str, Any], limits: Limits,
                layout: CgroupLayout, env: Mapping[str, str] | None, workdir: str | None, user: str | None,
-               netns: str | None) -> None:
+               netns: str | None, userns: tuple[int, int] | None = None) -> None:
         cfg = resolved.config.get("config", resolved.config) or {}
         image_env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if "=" in e)
         image_env.setdefault("PATH", DEFAULT_PATH)
@@ -722,14 +796,32 @@ class SandboxManager:
         cwd = workdir or cfg.get("WorkingDir") or "/"
         process = build_process(IDLE_INIT, env=merged_env, cwd="/", uid=0, gid=0)
         spec = build_spec(str(box.rootfs), process, hostname=box.id, cgroups_path=state["cgroups_path"],
-                          limits=limits, cgroup_version=layout.version, netns_path=netns)
+                          limits=limits, cgroup_version=layout.version, netns_path=netns, userns=userns)
         _write_json(box.bundle / "config.json", spec)
         state.update(env=merged_env, cwd=cwd, uid=uid, gid=gid, status="starting")
         _write_json(box.dir / "state.json", state)
         self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid", sched_idle=limits.best_effort)
         self.runtime.start(box.id)
         state.update(pid=int((box.dir / "init.pid").read_text()), status="running")
+        if userns is not None:
+            self._await_init_exec(box.id, state["pid"])
         _write_json(box.dir / "state.json", state)
+
+    def _await_init_exec(self, sid: str, pid: int, limit: float = 10.0) -> None:
+        """Return once the init has exec'd: ``crun start`` returns while it may still be crun, and a
+        ``crun exec`` into a user-namespaced container then fails (setns EPERM: the process changed its
+        credentials and is not dumpable until execve).  /proc offers no event for an exec, hence the poll."""
+        runtime_comm = os.path.basename(self.runtime.binary)[:15]
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() != runtime_comm:
+                    return
+            except OSError:
+                raise RuntimeFailed(f"sandbox {sid}: init {pid} died while starting") from None
+            if time.monotonic() > deadline:
+                raise RuntimeFailed(f"sandbox {sid}: init {pid} did not exec its command within {limit}s")
+            time.sleep(0.001)
 
     # -- jobs ---------------------------------------------------------------------------------------------
     def renew(self, job: str, ttl: float | None = None) -> dict[str, Any]:
@@ -800,6 +892,7 @@ class SandboxManager:
         if (self.data_dir / "net").exists():
             self.net.destroy(sid)  # after the container: nothing holds the namespace any more
         self._remove_cgroups(f"/{self.cgroup_parent}/{sid}")
+        self.uid_ranges.release(sid)  # after the container: no process of the range is left
         if known:
             self._append_receipt(sid, {"id": uuid.uuid4().hex[:16], "sandbox": sid, "action": "destroy",
                                        "time": time.time()})
@@ -850,6 +943,10 @@ class SandboxManager:
                 if sid not in report["adopted"]:
                     self.net.destroy(sid)
                     report["orphans"].append(f"netns:{sid}")
+        for sid in self.uid_ranges.owners():  # a range allocated by a manager that died before its state
+            if sid not in report["adopted"]:
+                self.uid_ranges.release(sid)
+                report["orphans"].append(f"userns:{sid}")
         for sid in self.reap()["destroyed"]:  # TTLs and leases ran on while the manager was down
             report["destroyed"].append(sid)
             report["adopted"].remove(sid)
@@ -862,6 +959,10 @@ class SandboxManager:
         for st in self.list():
             self.destroy(st["id"])
         self.host.umount_all(stop_daemon=stop_daemon)
+        with self._lock:
+            for fd in self._userns_fds.values():
+                os.close(fd)
+            self._userns_fds.clear()
 
     # -- receipts and cgroup files ------------------------------------------------------------------
     def _append_receipt(self, sid: str, rec: Mapping[str, Any]) -> None:

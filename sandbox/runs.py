@@ -28,7 +28,7 @@ from sandbox.errors import SandboxError, SandboxStateError
 from sandbox.manager import Sandbox, SandboxManager
 
 RESTORE_OPTIONS = ("cpu", "memory", "pids", "disk", "cpu_class", "env", "workdir", "user", "ttl", "idle_timeout",
-                   "network")
+                   "network", "userns")
 
 
 class RunMismatch(SandboxError):

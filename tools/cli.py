@@ -610,7 +610,7 @@ def _sandbox_cmd(args: argparse.Namespace) -> int:
     if action == "create":
         box = asyncio.run(mgr.create(args.ref, cpu=args.cpu, memory=args.memory, pids=args.pids, disk=args.disk,
                                      cpu_class=args.cpu_class, job=args.job, lease_ttl=args.lease_ttl,
-                                     ttl=args.ttl, idle_timeout=args.idle_timeout))
+                                     ttl=args.ttl, idle_timeout=args.idle_timeout, userns=args.userns))
         _emit(args, box.state, lambda: print(box.id))
     elif action == "exec":
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -688,6 +688,8 @@ def _add_sandbox_parser(sub: Any) -> None:
     c.add_argument("--lease-ttl", type=float, default=None, help="seconds the job's lease lasts without renewal")
     c.add_argument("--ttl", type=float, default=None, help="destroy after this many seconds")
     c.add_argument("--idle-timeout", type=float, default=None, help="pause after this many idle seconds")
+    c.add_argument("--userns", action="store_true",
+                   help="run in a user namespace: root inside is an unprivileged host uid (its own range)")
     e = sbs.add_parser("exec", parents=[common], help="run a command: exec [--data-dir D --store URL --timeout S] ID -- CMD...")
     e.add_argument("id")
     e.add_argument("--timeout", type=float, default=None)
