@@ -873,13 +873,12 @@ class SandboxManager:
         """Kill and delete the container, drop its rootfs (upper discarded), cgroups and state. Idempotent."""
         box = Sandbox(self, sid)
         known = (box.dir / "state.json").exists()
-        if self.runtime.state(sid) is not None:
-            try:
-                self.runtime.delete(sid, force=True)
-            except RuntimeFailed:
-                with contextlib.suppress(RuntimeFailed):
-                    self.runtime.resume(sid)  # a frozen init cannot die
-                self.runtime.delete(sid, force=True)
+        try:  # `crun delete --force` of an unknown container succeeds: no state query first
+            self.runtime.delete(sid, force=True)
+        except RuntimeFailed:
+            with contextlib.suppress(RuntimeFailed):
+                self.runtime.resume(sid)  # a frozen init cannot die
+            self.runtime.delete(sid, force=True)
         if kmount.is_mountpoint(box.rootfs):
             try:
                 self.host.umount(box.rootfs, discard=True)
@@ -903,15 +902,19 @@ class SandboxManager:
     def _remove_cgroups(self, path: str) -> None:
         for d in self.layout.dirs(path):
             if d.exists():
-                for _ in range(100):  # a killed init can linger (a zombie of a slow PID 1, a loaded host)
+                deadline, pause = time.monotonic() + 5.0, 0.002
+                while True:  # a killed init lingers a few ms (longer: a zombie of a slow PID 1, a loaded host)
                     try:
                         d.rmdir()
                         break
                     except FileNotFoundError:
                         break
                     except OSError:
-                        time.sleep(0.05)
-                else:
+                        if time.monotonic() > deadline:
+                            break
+                        time.sleep(pause)
+                        pause = min(pause * 2, 0.05)
+                if d.exists():
                     log.warning("cgroup %s still busy; left for the next reconcile", d)
 
     def reconcile(self) -> dict[str, builtins.list[str]]:

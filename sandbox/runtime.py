@@ -17,6 +17,7 @@ import ctypes.util
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -53,6 +54,23 @@ def spawn(argv: Sequence[str], *, stdin: int | IO[Any] | None = subprocess.DEVNU
                                 preexec_fn=_sched_idle if sched_idle else None)
     except FileNotFoundError as exc:
         raise HostUnsupported(f"{argv[0]}: not installed (apt-get install crun util-linux)") from exc
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """``proc.wait(timeout)`` woken by the exit itself: Popen.wait with a timeout polls with
+    sleeps of up to 50 ms, which added several ms to every crun command (measured)."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except OSError:  # already reaped, or no pidfd (Linux < 5.3)
+        return proc.wait(timeout=timeout)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+    finally:
+        os.close(fd)
+    return proc.wait()
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
@@ -164,7 +182,7 @@ class OciRuntime:
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             proc = spawn(argv, stdout=out, stderr=err, sched_idle=sched_idle)
             try:
-                proc.wait(timeout=limit)
+                wait_exit(proc, limit)
             except subprocess.TimeoutExpired:
                 kill_group(proc)
                 err.seek(0)
