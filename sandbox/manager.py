@@ -682,11 +682,6 @@ class SandboxManager:
                       inherited: Sequence[Mapping[str, Any]] = ()) -> Sandbox:
         if cpu_class not in CPU_CLASSES:
             raise UnsupportedOption(f"cpu_class {cpu_class!r}: choose one of {CPU_CLASSES}")
-        if userns and network is not None:
-            raise UnsupportedOption("userns=True with network=[...]: the policed network namespace belongs to "
-                                    "host root, so crun cannot mount a sysfs for it from the sandbox's user "
-                                    "namespace and would show the host's /sys (host interface names); "
-                                    "choose one of the two")
         if userns:
             self._check_traversable()
         if job is not None:
@@ -747,7 +742,10 @@ class SandboxManager:
             mounted = time.perf_counter()
             netns = None
             if network is not None:  # default deny with these allow rules; None = loopback only
-                info = await asyncio.to_thread(self.net.create, sid, [dict(r) for r in network])
+                # with a user namespace the network namespace must belong to it, or crun cannot
+                # mount a sysfs for it and falls back to the host's /sys (host interface names)
+                ns_fd = self._userns_fd(*mapping) if mapping is not None else None
+                info = await asyncio.to_thread(self.net.create, sid, [dict(r) for r in network], userns_fd=ns_fd)
                 netns = str(info.path)
                 state["network"] = {**info.to_dict(), "policy": self.net.policy(sid)}
             await asyncio.to_thread(self._start, box, resolved, state, limits, layout, env, workdir, user, netns,
@@ -795,8 +793,12 @@ class SandboxManager:
         uid, gid = _uid_gid(box.files, user if user is not None else cfg.get("User") or "")
         cwd = workdir or cfg.get("WorkingDir") or "/"
         process = build_process(IDLE_INIT, env=merged_env, cwd="/", uid=0, gid=0)
+        # a policed network namespace was made inside the manager's user namespace for this range:
+        # the sandbox joins that one, so the network namespace is its own
+        joined = f"/proc/{os.getpid()}/fd/{self._userns_fd(*userns)}" if userns and netns else None
         spec = build_spec(str(box.rootfs), process, hostname=box.id, cgroups_path=state["cgroups_path"],
-                          limits=limits, cgroup_version=layout.version, netns_path=netns, userns=userns)
+                          limits=limits, cgroup_version=layout.version, netns_path=netns, userns=userns,
+                          userns_path=joined)
         _write_json(box.bundle / "config.json", spec)
         state.update(env=merged_env, cwd=cwd, uid=uid, gid=gid, status="starting")
         _write_json(box.dir / "state.json", state)

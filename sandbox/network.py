@@ -254,6 +254,32 @@ def _on_thread(fn: Callable[[], T], *, netns: Path | None = None, new: Path | No
     return cast(T, box["value"])
 
 
+def _netns_in_userns(path: Path, userns_fd: int) -> None:
+    """A new network namespace owned by the user namespace ``userns_fd``, bind-mounted at ``path``.
+
+    A threaded process cannot enter a user namespace, so a child does (nsenter, which gets
+    every capability in it) and unshares the network there; host root then bind-mounts the
+    child's namespace, which outlives the child.
+    """
+    argv = ["nsenter", f"--user=/proc/self/fd/{userns_fd}", "--",
+            "unshare", "--net", "--", "sh", "-c", "echo ready; read _"]
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                pass_fds=(userns_fd,), start_new_session=True)
+    except FileNotFoundError:
+        raise HostUnsupported("nsenter/unshare are missing (apt-get install util-linux)") from None
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline() != b"ready\n":
+            err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+            raise NetworkError(f"a network namespace in the sandbox's user namespace: {' '.join(argv)} "
+                               f"failed: {err}")
+        _check(_libc.mount(os.fsencode(f"/proc/{proc.pid}/ns/net"), os.fsencode(path), None, MS_BIND, None),
+               f"bind mount of a new network namespace at {path}")
+    finally:
+        kill_group(proc)
+
+
 def _run(argv: Sequence[str], stdin: str = "", *, what: str) -> str:
     """Run one ip/nft command (argv list, own process group, timeout kills the group)."""
     proc = spawn(argv, stdin=subprocess.PIPE)
@@ -354,9 +380,12 @@ class NetworkManager:
     def host_if(self, sid: str) -> str:
         return self.if_prefix + blake3.blake3(_valid_sid(sid).encode()).hexdigest()[:9]
 
-    def create(self, sid: str, rules: Sequence[EgressRule | Mapping[str, Any]] = ()) -> NetnsInfo:
+    def create(self, sid: str, rules: Sequence[EgressRule | Mapping[str, Any]] = (), *,
+               userns_fd: int | None = None) -> NetnsInfo:
         """Make the sandbox's netns, veth, addresses and (default-deny) table; ``rules`` start allowed.
 
+        With ``userns_fd`` the namespace is owned by that user namespace (the sandbox's), so
+        the runtime can mount a sysfs of its own for it; host root still configures it.
         On any failure everything made so far is removed again.
         """
         parsed = parse_rules(rules)
@@ -376,7 +405,10 @@ class NetworkManager:
         info = self._info(sid, index)
         try:
             path.touch(exist_ok=False)
-            _on_thread(lambda: None, new=path)
+            if userns_fd is None:
+                _on_thread(lambda: None, new=path)
+            else:
+                _netns_in_userns(path, userns_fd)
             _run(["ip", "-batch", "-"], what=f"sandbox {sid}: host side of veth {host_if}", stdin=(
                 f"link add {host_if} type veth peer name eth0 netns {path}\n"
                 f"addr add {info.host_address}/{info.prefixlen} dev {host_if}\n"
@@ -387,6 +419,10 @@ class NetworkManager:
                       f"link set eth0 up\nroute add default via {info.host_address} dev eth0\n")
 
             def configure() -> None:
+                # (a namespace made in a user namespace did not get the "no IPv6 on new links" default)
+                v6 = Path("/proc/sys/net/ipv6/conf/eth0/disable_ipv6")
+                if v6.exists():
+                    v6.write_text("1")
                 # the table first: eth0 comes up already policed
                 _run(["nft", "-f", "-"], ruleset, what=f"sandbox {sid}: egress table")
                 _run(["ip", "-batch", "-"], inside, what=f"sandbox {sid}: addresses inside")

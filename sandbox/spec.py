@@ -120,13 +120,16 @@ def build_process(args: Sequence[str], *, env: Mapping[str, str], cwd: str, uid:
 
 def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroups_path: str,
                limits: Limits, cgroup_version: int, netns_path: str | None = None,
-               userns: tuple[int, int] | None = None) -> dict[str, Any]:
+               userns: tuple[int, int] | None = None, userns_path: str | None = None) -> dict[str, Any]:
     """``netns_path``: join that network namespace (sandbox.network) instead of a new empty one.
 
     ``userns``: ``(host_base, size)`` runs the sandbox in a new user namespace
     mapping its uids and gids 0..size-1 to host_base.. (root inside is an
     unprivileged host uid); the rootfs must then be an idmapped overlay
-    (sandbox.idmap) or its root-owned files show up as ``nobody``.
+    (sandbox.idmap) or its root-owned files show up as ``nobody``.  With
+    ``userns_path`` the sandbox joins that user namespace (which must have this
+    mapping) instead: a network namespace made inside it is then the sandbox's
+    own, so the runtime can mount a sysfs for it.
     """
     resources = limits.resources()
     if cgroup_version == 1:
@@ -167,7 +170,10 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
     if userns is not None:
         host_base, size = userns
         mapping = [{"containerID": 0, "hostID": host_base, "size": size}]
-        spec["linux"]["namespaces"].append({"type": "user"})
-        spec["linux"]["uidMappings"] = mapping
-        spec["linux"]["gidMappings"] = mapping
+        if userns_path is not None:
+            spec["linux"]["namespaces"].append({"type": "user", "path": userns_path})
+        else:
+            spec["linux"]["namespaces"].append({"type": "user"})
+            spec["linux"]["uidMappings"] = mapping
+            spec["linux"]["gidMappings"] = mapping
     return spec
