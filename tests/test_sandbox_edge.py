@@ -135,6 +135,16 @@ def test_abuse_is_contained(url: str, manager: SandboxManager) -> None:
                 await attacker.files.read(f"/../../../{victim.sandbox_id}/rootfs/root/secret")
             with pytest.raises(NotFound):
                 await attacker.files.read(f"{victim_root}/root/secret")
+            # the host's daemon socket (filesystem path or abstract name) is out of reach
+            from lazyfetch.client import socket_path
+            sock = str(socket_path(manager.data_dir))
+            assert Path(sock).is_socket()  # it is there, and the host can use it
+            reach = await attacker.commands.run(
+                ["python3", "-c", "import socket, sys\nfor a in (sys.argv[1], '\\0' + sys.argv[1]):\n"
+                 "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(a); print('reached')\n"
+                 "    except OSError as e:\n        print(e.errno)\n", sock])
+            assert "reached" not in reach.stdout
+            assert len(reach.stdout.split()) == 2
             # a fork bomb and a memory hog stay inside; both sandboxes keep answering
             await attacker.commands.run("python3 -c 'import os\nwhile 1:\n  try: os.fork()\n  except OSError: pass'",
                                         timeout=5)
