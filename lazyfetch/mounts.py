@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,11 @@ class HostMounts:
         self.client = DaemonClient(self.data_dir)
         self.state_dir = self.data_dir / "state"
         self.layer_root = self.data_dir / "layers"
+        # Called as (mountpoint, "detached") before a user mount on stale layers is taken down
+        # and (mountpoint, "restacked") once it is back on the new daemon: whoever runs
+        # processes on the mount (a container holds its own copy of the overlay, still on the
+        # dead daemon) restarts them.  Runs under the state lock: it must not call back here.
+        self.on_remount: Callable[[str, str], None] | None = None
 
     # -- state --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -184,6 +189,7 @@ class HostMounts:
         users = sorted({u for h in stale for u in state["layers"][h]["users"]})
         log.warning("daemon restarted: remounting %d layer(s) and %d mount(s)", len(stale), len(users))
         for mp in users:
+            self._notify(mp, "detached")
             kmount.umount(mp, lazy=True, missing_ok=True)
         for hexd in stale:
             kmount.umount(state["layers"][hexd]["mountpoint"], lazy=True, missing_ok=True)
@@ -206,6 +212,15 @@ class HostMounts:
                 kmount.mount_overlay(lowers, mp)
             for hexd in rec["layers"]:
                 state["layers"][hexd]["users"] = sorted(set(state["layers"][hexd]["users"]) | {mp})
+            self._notify(mp, "restacked")
+
+    def _notify(self, mountpoint: str, phase: str) -> None:
+        if self.on_remount is None:
+            return
+        try:
+            self.on_remount(mountpoint, phase)
+        except Exception:  # the mount itself is fine; its user is told in the log
+            log.exception("remount hook for %s (%s) failed", mountpoint, phase)
 
     def remount(self) -> int:
         """Bring every mount back onto the current daemon (after a daemon restart)."""

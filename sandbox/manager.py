@@ -592,6 +592,7 @@ class SandboxManager:
         self.receipts_dir = self.root / "receipts"
         self.runtime = OciRuntime(self.root / "runtime", binary=runtime)
         self.host = HostMounts(self.data_dir, store_url)
+        self.host.on_remount = self._on_remount
         self.leases = Leases(self.root / "leases.json")
         # one cgroup parent per data dir: two managers on one machine never share cgroups
         self.cgroup_parent = "layerbox-" + hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:10]
@@ -825,6 +826,60 @@ class SandboxManager:
                 raise RuntimeFailed(f"sandbox {sid}: init {pid} did not exec its command within {limit}s")
             time.sleep(0.001)
 
+    # -- the lazyfetch daemon died: restart what ran on it --------------------------------------------
+    def _on_remount(self, mountpoint: str, phase: str) -> None:
+        """A container keeps its own copy of the rootfs overlay, on layers of the dead daemon (every
+        read fails with EIO).  Before the overlay is re-stacked, its container goes (so no two
+        overlays use the upper at once); afterwards a new container starts on the same bundle:
+        processes are lost, files are kept, like a reboot."""
+        path = Path(mountpoint)
+        if path.name != "rootfs" or path.parent.parent != self.boxes:
+            return
+        box = Sandbox(self, path.parent.name)
+        try:
+            st = box.state
+        except SandboxNotFound:
+            return
+        if phase == "detached":
+            try:
+                self.runtime.delete(box.id, force=True)
+            except RuntimeFailed:
+                with contextlib.suppress(RuntimeFailed):
+                    self.runtime.resume(box.id)
+                self.runtime.delete(box.id, force=True)
+            return
+        if st.get("userns"):
+            self._remap_rootfs(box, (int(st["userns"][0]), int(st["userns"][1])))
+        self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid",
+                            sched_idle=st.get("cpu_class") == "best-effort")
+        self.runtime.start(box.id)
+        pid = int((box.dir / "init.pid").read_text())
+        if st.get("userns"):
+            self._await_init_exec(box.id, pid)
+        box._update(pid=pid, status="running")
+        if st.get("status") == "paused":
+            box.pause()
+        box._receipt("restarted", reason="the lazyfetch daemon restarted: the rootfs was remounted on it; "
+                                         "processes were lost, files kept", was=st.get("status"))
+        log.warning("sandbox %s restarted on a new lazyfetch daemon (processes lost, files kept)", box.id)
+
+    def heal(self) -> int:
+        """If the lazyfetch daemon died under running sandboxes, start a new one and restart them."""
+        if not any(st.get("status") in ("running", "paused") for st in self.list()):
+            return 0
+        health = self.host.client.health()
+        if health is not None and not self._stale_layers(health["instance"]):
+            return 0
+        return self.host.remount()
+
+    def _stale_layers(self, instance: str) -> bool:
+        state_file = self.host.state_dir / "mounts.json"
+        try:
+            layers = json.loads(state_file.read_text()).get("layers", {})
+        except (OSError, ValueError):
+            return False
+        return any(info.get("instance") != instance for info in layers.values())
+
     # -- jobs ---------------------------------------------------------------------------------------------
     def renew(self, job: str, ttl: float | None = None) -> dict[str, Any]:
         return asdict(self.leases.renew(job, ttl))
@@ -952,6 +1007,8 @@ class SandboxManager:
             if sid not in report["adopted"]:
                 self.uid_ranges.release(sid)
                 report["orphans"].append(f"userns:{sid}")
+        if report["adopted"]:
+            self.heal()  # the daemon may have died with the manager: their rootfs reads would fail
         for sid in self.reap()["destroyed"]:  # TTLs and leases ran on while the manager was down
             report["destroyed"].append(sid)
             report["adopted"].remove(sid)

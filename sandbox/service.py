@@ -289,6 +289,7 @@ class SandboxService:
         while True:
             await asyncio.sleep(self.reap_interval)
             try:
+                await asyncio.to_thread(self.manager.heal)  # a dead lazyfetch daemon: restart its sandboxes
                 report = await asyncio.to_thread(self.manager.reap)
                 if report["destroyed"] or report["paused"]:
                     log.info("reaper: %s", report)

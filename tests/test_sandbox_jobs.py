@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -267,3 +268,30 @@ def test_exec_receipts_record_resource_use(boxes: Any) -> None:
     assert res["cpu_seconds"] > 0.01
     assert res["memory_peak"] >= 64 << 20
     assert res["pids"] >= 1
+
+
+def test_a_dead_lazyfetch_daemon_restarts_its_sandboxes(boxes: Any, manager: SandboxManager) -> None:
+    """The daemon serving the layers dies: every read in a running sandbox fails (its overlay is on the
+    dead daemon's layers).  heal() starts a new daemon, re-stacks the rootfs on it with the same upper,
+    and restarts each container: processes are lost, files are kept, and each receipt says why."""
+    on_disk = boxes(disk=32 << 20)
+    plain = boxes(cpu_class="best-effort")
+    on_disk.exec("echo kept > /root/kept")
+    plain.exec("echo also > /root/also")
+    health = manager.host.client.health()
+    assert health is not None
+    os.kill(health["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while manager.host.client.health() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    broken = plain.exec("head -c 1 /usr/bin/python3 > /dev/null; echo rc=$?")
+    assert b"Input/output error" in broken.stderr or b"rc=0" not in broken.stdout
+    assert manager.heal() >= 1
+    assert on_disk.exec("cat /root/kept; head -1 /etc/os-release").stdout.startswith(b"kept\nPRETTY_NAME=")
+    assert plain.exec("cat /root/also; python3 -c 'print(6*7)'").stdout == b"also\n42\n"
+    assert _policy(plain.exec("cat /proc/self/stat").stdout) == SCHED_IDLE  # restarted in its class
+    for box in (on_disk, plain):
+        restarted = [r for r in box.receipts() if r["action"] == "restarted"]
+        assert len(restarted) == 1
+        assert "processes were lost" in restarted[0]["reason"]
+    assert manager.heal() == 0  # nothing stale any more

@@ -612,3 +612,27 @@ def test_manager_creation_cost(manager: SandboxManager) -> None:
     med = {k: round(sorted(v)[2] * 1000, 1) for k, v in runs.items()}
     print(f"\nmanager create, median of 5 (ms): {med}")
     assert med["userns"] < med["plain"] + 200
+
+
+def test_userns_sandbox_survives_a_lazyfetch_daemon_restart(manager: SandboxManager) -> None:
+    """heal() re-stacks the rootfs and restarts the container: the idmapping must come back with it."""
+    import signal
+
+    box = run(manager.create(REF, userns=True))
+    try:
+        box.exec("echo kept > /root/kept")
+        health = manager.host.client.health()
+        assert health is not None
+        os.kill(health["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while manager.host.client.health() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert manager.heal() >= 1
+        assert box.exec("cat /root/kept; id -u; stat -c %u /etc/passwd").stdout == b"kept\n0\n0\n"
+        base = box.state["userns"][0]
+        assert _host_ids(box.state["pid"])[0] == base  # the new init runs in the range again
+        box.exec("echo after > /root/after")
+        upper = Path(box.manager.host.status()["mounts"][str(box.rootfs)]["upper"])
+        assert (upper / "root" / "after").stat().st_uid == 0  # written through the idmapped overlay
+    finally:
+        box.destroy()
