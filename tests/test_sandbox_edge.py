@@ -110,6 +110,10 @@ def test_preempt_a_job_and_resume_it_through_the_sdk(url: str, manager: SandboxM
 
 
 def test_abuse_is_contained(url: str, manager: SandboxManager) -> None:
+    from lazyfetch.client import socket_path
+
+    sock = str(socket_path(manager.data_dir))
+
     async def scenario() -> None:
         async with await AsyncSandbox.create(REF, url=url, token=ALPHA, disk=48 << 20, pids=64,
                                              memory=128 << 20) as victim, \
@@ -136,9 +140,6 @@ def test_abuse_is_contained(url: str, manager: SandboxManager) -> None:
             with pytest.raises(NotFound):
                 await attacker.files.read(f"{victim_root}/root/secret")
             # the host's daemon socket (filesystem path or abstract name) is out of reach
-            from lazyfetch.client import socket_path
-            sock = str(socket_path(manager.data_dir))
-            assert Path(sock).is_socket()  # it is there, and the host can use it
             reach = await attacker.commands.run(
                 ["python3", "-c", "import socket, sys\nfor a in (sys.argv[1], '\\0' + sys.argv[1]):\n"
                  "    s = socket.socket(socket.AF_UNIX)\n    try:\n        s.connect(a); print('reached')\n"
@@ -154,6 +155,7 @@ def test_abuse_is_contained(url: str, manager: SandboxManager) -> None:
             assert (await attacker.commands.run("echo alive")).stdout == "alive\n"
 
     asyncio.run(scenario())
+    assert Path(sock).is_socket()  # it was there all along, for the host
 
 
 def test_leaving_the_exec_stream_kills_the_command(url: str, manager: SandboxManager) -> None:
