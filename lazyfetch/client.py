@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import http.client
 import json
@@ -16,6 +17,7 @@ from typing import Any
 from lazyfetch.errors import LazyfetchError
 
 START_TIMEOUT = 30.0
+EXIT_ALREADY_RUNNING = 3  # lazyfetch.daemon's exit status when another daemon holds the data dir
 
 
 class DaemonUnavailable(LazyfetchError):
@@ -94,6 +96,20 @@ class DaemonClient:
         h = self.health()
         if h and h.get("ready"):
             return h
+        # one starter at a time (threads of one process, or several processes): two daemons on
+        # one data dir would stack two FUSE mounts on blobs/, and layers registered with the
+        # first would vanish under the second
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.data_dir / "lazyfetch.start.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return self._start_locked(store_url, s3_endpoint=s3_endpoint, cache_size=cache_size,
+                                      fetch_timeout=fetch_timeout, trace_seconds=trace_seconds)
+
+    def _start_locked(self, store_url: str | None, *, s3_endpoint: str | None, cache_size: int | None,
+                      fetch_timeout: float | None, trace_seconds: float | None) -> dict[str, Any]:
+        h = self.health()
+        if h and h.get("ready"):
+            return h
         if h is None:
             argv = [sys.executable, "-m", "lazyfetch.daemon", "--data-dir", str(self.data_dir)]
             if store_url:
@@ -122,6 +138,9 @@ class DaemonClient:
                 if h and h.get("ready"):
                     return h
                 if proc is not None and proc.poll() is not None:
+                    if proc.returncode == EXIT_ALREADY_RUNNING:  # one started outside this client: wait for it
+                        proc = None
+                        continue
                     tail = (self.data_dir / "lazyfetch.out").read_text(errors="replace")[-2000:]
                     raise DaemonUnavailable(f"lazyfetch daemon exited with {proc.returncode}:\n{tail}")
                 time.sleep(0.02)

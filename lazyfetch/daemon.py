@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ from layerstore.store import Store
 from lazyfetch import kmount
 from lazyfetch.blobfs import BlobFS, BlobLayer
 from lazyfetch.chunkcache import ChunkCache
-from lazyfetch.client import socket_path
+from lazyfetch.client import EXIT_ALREADY_RUNNING, socket_path
 from lazyfetch.fetcher import Fetcher
 from lazyfetch.metrics import Metrics
 
@@ -264,9 +265,25 @@ def _clear_stale_fuse(path: Path) -> None:
 
 
 def run(cfg: DaemonConfig) -> int:
+    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    # held for the daemon's life: a second daemon on this data dir would detach the first's
+    # FUSE mount ("stale") and take its socket, and every layer registered with it would vanish
+    lock = open(cfg.data_dir / "lazyfetch.lock", "a")  # noqa: SIM115 (held until exit)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.error("another lazyfetch daemon serves %s; not starting a second one", cfg.data_dir)
+        lock.close()
+        return EXIT_ALREADY_RUNNING
+    try:
+        return _serve(cfg)
+    finally:
+        lock.close()
+
+
+def _serve(cfg: DaemonConfig) -> int:
     from fuse import FUSE
 
-    cfg.data_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_fuse(cfg.fuse_dir)  # before touching it: a dead FUSE mount fails stat()
     cfg.fuse_dir.mkdir(parents=True, exist_ok=True)
     loop = asyncio.new_event_loop()

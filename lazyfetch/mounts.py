@@ -115,6 +115,10 @@ class HostMounts:
     def _daemon(self) -> dict[str, Any]:
         return self.client.ensure_running(self.store_url, s3_endpoint=self.s3_endpoint, **self.daemon_options)
 
+    def start_daemon(self) -> dict[str, Any]:
+        """Start this host's daemon now (its ~0.3-0.5 s Python start-up) rather than in the first mount."""
+        return self._daemon()
+
     def mount(self, resolved: Resolved, mountpoint: str | os.PathLike[str], *, writable: bool = False,
               upper: str | os.PathLike[str] | None = None, trace: bool = True) -> MountResult:
         start = time.perf_counter()

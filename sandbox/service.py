@@ -212,6 +212,7 @@ class SandboxService:
         self.fncall_pool = fncall_pool
         self._calls: Any = None  # sandbox.fncall.FnCalls, made on the first call
         self._reaper: asyncio.Task[None] | None = None
+        self._warm: asyncio.Task[Any] | None = None
         self.admission = admission or Admission(AdmissionConfig(), disk_path=manager.data_dir,
                                                 boxes=manager.boxes)
         self._pending: dict[str, int] = {}  # creates in flight per project (they count against the quota)
@@ -275,8 +276,14 @@ class SandboxService:
     # -- background: the reaper ------------------------------------------------------------------------
     async def _start_background(self, app: web.Application) -> None:
         self._reaper = asyncio.create_task(self._reap_forever())
+        if self.manager.store_url:
+            # the first create should not pay for the lazyfetch daemon's start-up
+            self._warm = asyncio.create_task(asyncio.to_thread(self.manager.host.start_daemon))
 
     async def _stop_background(self, app: web.Application) -> None:
+        if self._warm is not None:
+            with contextlib.suppress(Exception):
+                await self._warm
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -298,3 +298,27 @@ def test_fixture_image_runs_from_a_lazy_mount(hosts, tmp_path: Path) -> None:
     assert tests.returncode == 0, tests.stderr
     st = host.stats()
     assert st["bytes_fetched"] < 0.2 * 86_000_000  # far less than the image's compressed layers
+
+
+def test_a_second_daemon_on_a_data_dir_refuses_and_disturbs_nothing(hosts, tmp_path: Path) -> None:
+    """Before the daemon held a lock, a second one (two callers starting it at once) detached the
+    first's FUSE mount and took its socket: every mounted layer then read ENOENT or EIO."""
+    url = f"file://{tmp_path / 'store'}"
+    src = make_source(tmp_path / "src")
+    publish_sync(url, tmp_path / "pub", str(src), "t/one")
+    host = hosts(url)
+    mp = host.mount("t/one")
+    before = host.mounts.client.health()
+    assert before is not None
+    second = subprocess.run([sys.executable, "-m", "lazyfetch.daemon", "--data-dir", str(host.data_dir),
+                             "--store", url], capture_output=True, text=True, timeout=60,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert second.returncode == 3, second.stderr
+    assert "another lazyfetch daemon serves" in second.stderr
+    after = host.mounts.client.health()
+    assert after is not None
+    assert (after["pid"], after["instance"]) == (before["pid"], before["instance"])
+    assert_trees_equal(src, mp)  # the mounted layer still reads through the first daemon
+    # and concurrent starts from this side serialise on the client's lock: one daemon, one FUSE mount
+    fuse = [m for m in kmount.read_mountinfo() if m.mountpoint == str(host.data_dir / "blobs")]
+    assert len(fuse) == 1

@@ -60,6 +60,15 @@ def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:
     assert leftovers == [], "the test left sandboxes behind"
 
 
+def test_the_service_starts_the_lazyfetch_daemon_before_the_first_create(
+        server: ServerThread, manager: SandboxManager) -> None:
+    assert manager.list() == []  # first in this module: nothing has mounted anything yet
+    deadline = time.monotonic() + 30
+    while manager.host.client.health() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert manager.host.client.health() is not None
+
+
 def test_preempt_a_job_and_resume_it_through_the_sdk(url: str, manager: SandboxManager) -> None:
     async def scenario() -> None:
         a = await AsyncSandbox.create(REF, url=url, token=ALPHA, job="train-1", labels={"role": "a"})
