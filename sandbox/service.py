@@ -568,7 +568,29 @@ class SandboxService:
                 doc = {}
         if not str(doc.get("job", "")).startswith(project.name + "/"):
             raise ApiError(404, "not_found", f"no run manifest {ref!r} in project {project.name!r}")
-        run = await resume_run(self.manager, ref, lease_ttl=self.lease_ttl)
+        entries = list((doc.get("sandboxes") or {}).values())
+        # the whole job or nothing: quota and capacity for every sandbox before the first restore
+        async with self._quota_lock:
+            live = len(await asyncio.to_thread(self._owned, project)) + self._pending.get(project.name, 0)
+            if live + len(entries) > project.max_sandboxes:
+                raise ApiError(429, "quota_exceeded",
+                               f"project {project.name!r} has {live} of {project.max_sandboxes} sandboxes; "
+                               f"resuming this run needs {len(entries)} more", retryable=True,
+                               headers={"Retry-After": "5"})
+            self._pending[project.name] = self._pending.get(project.name, 0) + len(entries)
+        try:
+            with contextlib.ExitStack() as held:
+                for entry in entries:
+                    opts = entry.get("options") or {}
+                    held.enter_context(self.admission.reserve(Demand(
+                        memory=_number(opts.get("memory"), DEFAULT_MEMORY), pids=_number(opts.get("pids"), DEFAULT_PIDS),
+                        disk=_number(opts.get("disk"), DEFAULT_DISK))))
+                run = await resume_run(self.manager, ref, lease_ttl=self.lease_ttl)
+        except CapacityExceeded as exc:
+            self.m_rejected.labels(exc.resources[0]).inc()
+            raise
+        finally:
+            self._pending[project.name] -= len(entries)
         return web.json_response(run.to_json(), status=201)
 
     # -- FnCall --------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from sandbox.sdk import (
     AsyncJob,
     AsyncSandbox,
     NotFound,
+    QuotaExceeded,
     Sandbox,
     UnsupportedIsolation,
     call,
@@ -309,3 +310,25 @@ def test_service_crash_with_sandboxes_running_is_reconciled(store_url: str, tmp_
         mgr.close()
     assert_clean(mgr)
     assert kmount.mounts_under(data_dir) == []
+
+
+def test_resume_checks_quota_for_the_whole_job_first(url: str, manager: SandboxManager) -> None:
+    async def scenario() -> None:
+        a = await AsyncSandbox.create(REF, url=url, token=BETA, job="pair")
+        b = await AsyncSandbox.create(REF, url=url, token=BETA, job="pair")
+        job = AsyncJob("pair", url=url, token=BETA)
+        run = await job.preempt(grace=0)
+        squatter = await AsyncSandbox.create(REF, url=url, token=BETA)  # beta's quota is 2
+        with pytest.raises(QuotaExceeded, match="needs 2 more"):
+            await AsyncJob.resume_run(run["ref"], url=url, token=BETA)
+        assert [st["id"] for st in manager.list(job="beta/pair")] == []  # nothing half-restored
+        await squatter.kill()
+        resumed = await AsyncJob.resume_run(run["ref"], url=url, token=BETA)
+        assert sorted(resumed["sandboxes"]) == sorted([a.sandbox_id, b.sandbox_id])
+        for sid in resumed["sandboxes"].values():
+            await (await AsyncSandbox.connect(sid, url=url, token=BETA)).kill()
+        await job.close()
+        await a.close()
+        await b.close()
+
+    asyncio.run(scenario())
