@@ -103,6 +103,12 @@ class FnCallError(SandboxError):
     """Root of warm-pool failures."""
 
 
+class PoolsBusy(FnCallError):
+    """Every warm pool has calls running and no new one may be made: retry shortly."""
+
+    retryable = True
+
+
 class PoolClosed(FnCallError):
     """The pool was closed before (or while) the call waited for a sandbox."""
 
@@ -260,6 +266,8 @@ class WarmPool:
         self._busy += 1
         run = asyncio.ensure_future(asyncio.to_thread(
             box.exec, req.cmd, timeout=timeout, stdin=req.stdin, output_cap=output_cap))
+        # before the caller resumes (callbacks run in order): a finished call is not "busy"
+        run.add_done_callback(self._not_busy)
         # the exec thread cannot be interrupted: even a cancelled caller's sandbox is
         # destroyed only after its exec ends
         self._spawn(self._discard(box, run))
@@ -374,9 +382,11 @@ class WarmPool:
             if not run.cancelled() and run.exception() is not None:
                 log.info("warm pool %s: exec in %s failed: %s", self.id, box.id, run.exception())
         finally:
-            self._busy -= 1
             self._refill()
         await self._destroy(box)
+
+    def _not_busy(self, _: object) -> None:
+        self._busy -= 1
 
     async def _destroy(self, box: Sandbox) -> None:
         try:
@@ -391,11 +401,13 @@ class WarmPool:
 class FnCalls:
     """Warm pools keyed by image ref, each created on first use with the same size and options."""
 
-    def __init__(self, manager: SandboxManager, *, size: int = 2, **create_options: Any) -> None:
+    def __init__(self, manager: SandboxManager, *, size: int = 2, max_pools: int = 8,
+                 **create_options: Any) -> None:
         self.manager = manager
         self.size = size
-        self._options = create_options
-        self._pools: dict[str, WarmPool] = {}
+        self.max_pools = max_pools  # every pool holds `size` sandboxes: callers naming ever new images
+        self._options = create_options  # must not grow the host's sandbox count without bound
+        self._pools: dict[str, WarmPool] = {}  # least recently used first
         self._closed = False
 
     async def __aenter__(self) -> FnCalls:
@@ -418,8 +430,24 @@ class FnCalls:
                    timeout: float = 30.0,  # noqa: ASYNC109  (bounds the exec inside the sandbox)
                    stdin: bytes | None = None, output_cap: int = 1 << 20) -> CallResult:
         """:meth:`WarmPool.call` on ``image``'s pool (the first call waits for its first sandbox)."""
-        return await self.pool(image).call(cmd, function=function, entry=entry, args=args, kwargs=kwargs,
-                                           timeout=timeout, stdin=stdin, output_cap=output_cap)
+        pool = self._pools.pop(image, None)
+        if pool is not None:
+            self._pools[image] = pool  # most recently used last
+        else:
+            await self._make_room()
+            pool = self.pool(image)
+        return await pool.call(cmd, function=function, entry=entry, args=args, kwargs=kwargs,
+                               timeout=timeout, stdin=stdin, output_cap=output_cap)
+
+    async def _make_room(self) -> None:
+        """Close the least recently used idle pools until a new one fits under ``max_pools``."""
+        while len(self._pools) >= self.max_pools:
+            idle = next((ref for ref, p in self._pools.items()
+                         if not p.stats()["busy"] and not p.stats()["waiting"]), None)
+            if idle is None:
+                raise PoolsBusy(f"all {self.max_pools} warm pools have calls running; retry shortly "
+                                "or raise max_pools")
+            await self._pools.pop(idle).close()
 
     def stats(self) -> dict[str, dict[str, Any]]:
         return {ref: pool.stats() for ref, pool in self._pools.items()}

@@ -174,6 +174,8 @@ def _as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, OSError):
         return ApiError(400, "os_error", str(exc))
     if isinstance(exc, SandboxError):
+        if getattr(exc, "retryable", False):  # e.g. every warm pool busy, a runtime timeout
+            return ApiError(503, "busy", str(exc), retryable=True, headers={"Retry-After": "1"})
         return ApiError(500, "sandbox_error", str(exc))
     return ApiError(500, "internal", f"{type(exc).__name__}: {exc}")
 

@@ -17,6 +17,7 @@ from sandbox.fncall import (
     FnCalls,
     PoolClosed,
     PoolCreateFailed,
+    PoolsBusy,
     WarmPool,
     measure,
 )
@@ -258,5 +259,31 @@ def test_fncalls_pools_by_image_and_close_leaves_nothing(mgr: SandboxManager) ->
         assert_no_boxes(mgr)
         with pytest.raises(PoolClosed):
             await calls.call(REF, "true")
+
+    run(body())
+
+
+def test_fncalls_keeps_at_most_max_pools(mgr: SandboxManager) -> None:
+    """Callers naming ever new images must not grow the host's sandbox count: idle pools are closed
+    (least recently used first), and with every pool busy a new image is refused, retryably."""
+    async def body() -> None:
+        async with await mgr._store() as store:
+            digest = (await store.resolve(REF)).digest  # the same image under a second name
+        calls = FnCalls(mgr, size=1, max_pools=1)
+        try:
+            assert (await calls.call(REF, "true")).exit_code == 0
+            assert (await calls.call(digest, "true")).exit_code == 0
+            assert list(calls.stats()) == [digest]  # REF's idle pool was closed for it
+            await calls.pool(digest).settle()
+            assert {st["labels"][POOL_LABEL] for st in mgr.list()} == {digest}
+            slow = asyncio.create_task(calls.call(digest, "sleep 2"))
+            await asyncio.sleep(0.5)
+            with pytest.raises(PoolsBusy) as err:
+                await calls.call(REF, "true")
+            assert err.value.retryable
+            assert (await slow).exit_code == 0
+        finally:
+            await calls.close()
+        assert_no_boxes(mgr)
 
     run(body())
