@@ -126,6 +126,12 @@ async def resume_run(manager: SandboxManager, ref: str, *, job: str | None = Non
         raise SandboxError(f"{ref} is a {resolved.kind}, not a run manifest")
     manifest = dict(resolved.doc)
     job = job or manifest["job"]
+    lease = manager.leases.get(job)
+    if lease is not None and lease.state == "draining":
+        raise SandboxStateError(f"job {job!r} is being preempted on this host; resume once that finished")
+    for st in manager.list(job=job):  # left by a resume that died half-way: never admitted anything
+        if not st.get("admitting", True):
+            await asyncio.to_thread(manager.destroy, st["id"])
     restored: list[Sandbox] = []
     mapping: dict[str, str] = {}
     try:

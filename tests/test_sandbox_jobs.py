@@ -295,3 +295,24 @@ def test_a_dead_lazyfetch_daemon_restarts_its_sandboxes(boxes: Any, manager: San
         assert len(restarted) == 1
         assert "processes were lost" in restarted[0]["reason"]
     assert manager.heal() == 0  # nothing stale any more
+
+
+def test_resume_after_a_resume_that_died_half_way(manager: SandboxManager) -> None:
+    """A resume that crashed left a restored sandbox that never admitted a command: the next resume
+    replaces it instead of adding a second copy of the job's sandbox."""
+    job = "j-half"
+    box = run(manager.create(REF, job=job))
+    box.exec("echo x > /root/x")
+    result = run(preempt(manager, job))
+    entry = result.manifest["sandboxes"][box.id]
+    leftover = run(manager.restore(entry["checkpoint_digest"], job=job, admitting=False))
+    try:
+        resumed = run(resume_run(manager, result.ref))
+        live = [st["id"] for st in manager.list(job=job)]
+        assert live == [resumed.sandboxes[box.id]]
+        assert leftover.id not in live
+        assert manager.get(live[0]).exec("cat /root/x").stdout == b"x\n"
+    finally:
+        for st in manager.list(job=job):
+            manager.destroy(st["id"])
+        manager.destroy(leftover.id)
