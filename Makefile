@@ -14,7 +14,7 @@ STAMP := $(VENV)/.layerbox-installed
 
 # Later issues add: crun nftables docker-registry criu.
 DEB_PACKAGES := python3 python3-venv python3-dev erofs-utils fuse3 zstd mmdebstrap \
-	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2 crun nftables
+	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2 crun nftables iproute2
 KERNEL_FILESYSTEMS := erofs overlay fuse
 # Benchmark-only packages (the peers bench/sandbox.py measures against); never needed by the tests.
 BENCH_DEB_PACKAGES := podman
