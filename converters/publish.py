@@ -11,12 +11,16 @@ documents are content-addressed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import os
+import shutil
+import socket
 import stat
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -31,6 +35,60 @@ from layerstore.objects import ImageDoc, LayerEntry
 from layerstore.store import ChunkUploader, Progress, Store, UploadStats
 
 IMAGE_SCHEMES = ("oci:", "oci-archive:", "docker-archive:", "docker://")
+WORK_PREFIX = "publish-"
+OWNER_FILE = "owner"  # in a publish's work directory; flock'ed while the publish runs
+
+
+@contextlib.contextmanager
+def _work_dir(work_dir: str | os.PathLike[str] | None) -> Iterator[Path]:
+    """A private ``publish-*/work`` directory, its ``owner`` file locked until it is removed.
+
+    The owner file gets its name only once locked, and the directory is
+    removed before the lock is released, so ``sweep_work_dirs`` can never
+    take a live publish's directory.
+    """
+    tmp = Path(tempfile.mkdtemp(prefix=WORK_PREFIX, dir=work_dir))
+    fd = -1
+    try:
+        fd = os.open(tmp / ".owner", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()} {time.time():.0f}\n".encode())
+        os.rename(tmp / ".owner", tmp / OWNER_FILE)
+        work = tmp / "work"
+        work.mkdir()
+        yield work
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if fd >= 0:
+            os.close(fd)
+
+
+def sweep_work_dirs(work_dir: str | os.PathLike[str] | None = None) -> list[str]:
+    """Remove the work directories of publishes that were killed; returns their paths.
+
+    Each publish converts inside ``<work_dir>/publish-*/work`` and holds
+    ``flock`` on ``publish-*/owner`` until it ends, so a directory whose owner
+    file can be locked belongs to a dead process (also one in another PID
+    namespace on this host).  Directories without an owner file (a publish
+    that died before locking it, or an older layerbox) are left alone.
+    """
+    base = Path(work_dir) if work_dir is not None else Path(tempfile.gettempdir())
+    removed = []
+    for path in sorted(base.glob(WORK_PREFIX + "*")):
+        try:
+            fd = os.open(path / OWNER_FILE, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # not ours, not yet locked, or already gone
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its publish is running
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+        finally:
+            os.close(fd)
+    return removed
 
 
 @dataclass(frozen=True)
@@ -133,10 +191,11 @@ async def publish(
     """
     start = time.perf_counter()
     stats = UploadStats()
+    await asyncio.to_thread(sweep_work_dirs, work_dir)
     async with store_lock(store.backend, "publish"):
         await store.sync_index()
-        with tempfile.TemporaryDirectory(prefix="publish-", dir=work_dir) as tmp:
-            layers, config, source = await asyncio.to_thread(_convert_source, src, Path(tmp), chunk_size, platform)
+        with _work_dir(work_dir) as work:
+            layers, config, source = await asyncio.to_thread(_convert_source, src, work, chunk_size, platform)
             converted = time.perf_counter()
             entries = await upload_layers(store, layers, stats, chunk_size=chunk_size, progress=progress)
         doc_digest = await store.put_doc(ImageDoc(tuple(entries), config, source).to_json(), stats)

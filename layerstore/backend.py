@@ -47,6 +47,12 @@ Contract (checked by tests/test_backend_conformance.py against every backend):
   ``a/x``), sorted by key (byte order).  Objects written or deleted while a
   listing runs may or may not appear in it.
 - ``delete`` of a missing key is not an error.
+- ``sweep_leftovers(older_than)`` removes the backend's own debris of writes
+  that were interrupted (POSIX temporary files, S3 incomplete multipart
+  uploads) and last changed more than ``older_than`` seconds ago, and returns
+  a description of each; ``dry_run`` only reports.  It never touches objects.
+  A write still in progress whose debris is older than ``older_than`` fails
+  (it never half-succeeds); callers pass a generous age.
 - All methods are safe to call concurrently from one event loop, and (for
   the shared stores) from other processes and hosts on the same store.
 """
@@ -99,6 +105,9 @@ class CredentialsError(BackendError):
 
 class InvalidKey(BackendError, ValueError):
     """A key that the store layout does not allow."""
+
+
+Leftovers = list[str]  # what sweep_leftovers found (a name: the classes define a ``list`` method)
 
 
 @dataclass(frozen=True)
@@ -169,6 +178,10 @@ class Backend(ABC):
     @abstractmethod
     async def delete(self, key: str) -> None:
         """Remove the object; a missing one is not an error."""
+
+    async def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
+        """Remove debris of interrupted writes older than ``older_than`` seconds; what it found."""
+        return []
 
     async def close(self) -> None:
         """Release connections and threads; the backend is unusable afterwards."""

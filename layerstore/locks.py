@@ -38,13 +38,39 @@ def _describe(locks: list[ObjectInfo]) -> str:
     return ", ".join(info.key for info in locks[:5])
 
 
+async def prune_stale_locks(backend: Backend, older_than: float, *, keep: str = "",
+                            dry_run: bool = False) -> list[str]:
+    """Delete lock objects not refreshed for ``older_than`` seconds; returns their keys.
+
+    Only for a gc holding its exclusive lock (``keep``, never deleted).  A
+    holder refreshes its lock every ``LOCK_TTL / 3``, so a lock older than
+    ``LOCK_TTL`` is already ignored by everyone: deleting it changes nothing
+    for a live holder, whose next refresh simply writes it again.  Values
+    below ``LOCK_TTL`` are refused.
+    """
+    if older_than < LOCK_TTL:
+        raise ValueError(f"stale locks are those older than {LOCK_TTL:g} s at least, not {older_than:g}")
+    now = time.time()
+    doomed = [info.key async for info in backend.list("locks/")
+              if info.key != keep and now - info.mtime >= older_than]
+    if not dry_run:
+        for key in doomed:
+            await backend.delete(key)
+    return doomed
+
+
 @contextlib.asynccontextmanager
-async def store_lock(backend: Backend, kind: str, *, ttl: float = LOCK_TTL) -> AsyncIterator[str]:
-    """Hold a ``publish`` (shared) or ``gc`` (exclusive) lock for the block's duration."""
+async def store_lock(backend: Backend, kind: str, *, ttl: float = LOCK_TTL,
+                     op: str | None = None) -> AsyncIterator[str]:
+    """Hold a ``publish`` (shared) or ``gc`` (exclusive) lock for the block's duration.
+
+    ``op`` names what the holder does (``compose``, ``tag``; default ``kind``),
+    for people reading the lock's body.
+    """
     exclusive = kind == "gc"
     key = f"locks/{kind}-{uuid.uuid4().hex}"
-    body = json.dumps({"kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
-                       "time": time.time()}).encode()
+    body = json.dumps({"kind": kind, "op": op or kind, "host": socket.gethostname(),
+                       "pid": os.getpid(), "time": time.time()}).encode()
 
     async def conflicting() -> list[ObjectInfo]:
         live = await _live_locks(backend, None if exclusive else "gc", time.time())

@@ -8,6 +8,7 @@ Keys (docs/FORMAT.md, "Store layout"):
     docs/<xx>/<doc digest>     JSON documents: image, composition, checkpoint
     refs/<repo>:<tag>          mutable name -> document digest, with history
     locks/<kind>-<id>          publish and gc locks (layerstore/locks.py)
+    config                     the store's layout version and id (parse_store_config)
 
 Every immutable object is named by the blake3 of its (uncompressed) content,
 so a reader can always check what it got.  Documents are canonical JSON
@@ -29,6 +30,9 @@ from layerstore.errors import FormatError, LayerstoreError
 SCHEMA_IMAGE = "layerbox.image.v1"
 SCHEMA_COMPOSITION = "layerbox.composition.v1"
 SCHEMA_REF = "layerbox.ref.v1"
+SCHEMA_STORE = "layerbox.store"
+STORE_LAYOUT = 1  # the key layout this code reads and writes (docs/FORMAT.md "The store config")
+CONFIG_KEY = "config"
 # Documents without layers, kept alive by the refs or checkpoints that name them.
 SCHEMA_RECEIPTS = "layerbox.receipts.v1"
 SCHEMA_RUN = "layerbox.run.v1"
@@ -124,6 +128,58 @@ def load_json(data: bytes, what: str) -> dict[str, Any]:
         raise FormatError(f"{what}: not a JSON document ({exc})") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("schema"), str):
         raise FormatError(f"{what}: a document must be a JSON object with a 'schema' field")
+    return doc
+
+
+def parse_ref_doc(data: bytes, key: str, what: str) -> dict[str, Any]:
+    """The ref object stored under ``key``, checked strictly (docs/FORMAT.md "Refs").
+
+    ``what`` names the store and key in messages.  Raises :class:`FormatError`
+    for anything but a ``layerbox.ref.v1`` object whose ``name`` is the key's
+    name, whose ``digest`` is a document digest, whose ``kind`` is a string and
+    whose ``history`` is a list of objects with a ``digest``.
+    """
+    doc = load_json(data, what)
+    if doc["schema"] != SCHEMA_REF:
+        raise FormatError(f"{what}: schema {doc['schema']!r} is not {SCHEMA_REF!r} "
+                          "(a newer layerbox may have written it, or the object is not a ref)")
+    name = ref_name_from_key(key)
+    if doc.get("name") != name:
+        raise FormatError(f"{what}: names ref {doc.get('name')!r}, but its key says {name!r} "
+                          "(copied or renamed by hand? move it with `layerbox tag`)")
+    digest = doc.get("digest")
+    if not isinstance(digest, str) or not _HEX64.match(digest.removeprefix("blake3:")) \
+            or not digest.startswith("blake3:"):
+        raise FormatError(f"{what}: 'digest' must be a document digest blake3:<64 hex>, not {digest!r}")
+    if not isinstance(doc.get("kind", "image"), str):
+        raise FormatError(f"{what}: 'kind' must be a string, not {doc.get('kind')!r}")
+    history = doc.get("history", [])
+    if not isinstance(history, list) or not all(
+            isinstance(h, dict) and isinstance(h.get("digest"), str) for h in history):
+        raise FormatError(f"{what}: 'history' must be a list of objects with a 'digest'")
+    return doc
+
+
+class StoreVersionError(FormatError):
+    """The store's layout is newer than this code understands."""
+
+
+def new_store_config(store_id: str, created: str) -> dict[str, Any]:
+    return {"schema": SCHEMA_STORE, "layout": STORE_LAYOUT, "id": store_id, "created": created}
+
+
+def parse_store_config(data: bytes, what: str) -> dict[str, Any]:
+    """The ``config`` object, checked; refuses a layout newer than ``STORE_LAYOUT``."""
+    doc = load_json(data, what)
+    layout = doc.get("layout")
+    if doc["schema"] != SCHEMA_STORE or not isinstance(layout, int) or isinstance(layout, bool) \
+            or layout < 1 or not isinstance(doc.get("id"), str):
+        raise FormatError(f"{what}: not a layerbox store config (want schema {SCHEMA_STORE!r}, "
+                          "an integer 'layout' and a string 'id')")
+    if layout > STORE_LAYOUT:
+        raise StoreVersionError(
+            f"{what}: the store uses layout {layout}, this layerbox knows layouts up to "
+            f"{STORE_LAYOUT}: upgrade layerbox on this host before using the store")
     return doc
 
 

@@ -121,15 +121,23 @@ def parse_index(index: bytes, pack_id: bytes, name: str) -> list[tuple[bytes, Ch
     return out
 
 
-def split_pack(pack: bytes, name: str) -> tuple[bytes, list[tuple[bytes, ChunkLocation]]]:
-    """Check a whole pack's framing; returns (index bytes, records)."""
-    if len(pack) < PACK_FOOTER.size:
-        raise FormatError(f"{name}: {len(pack)} bytes is too short for a pack")
-    magic, version, count, index_at = PACK_FOOTER.unpack_from(pack, len(pack) - PACK_FOOTER.size)
+def parse_footer(footer: bytes, size: int, name: str) -> tuple[int, int]:
+    """A pack's last ``PACK_FOOTER.size`` bytes -> (record count, index offset), checked
+    against the pack's ``size``."""
+    if size < PACK_FOOTER.size or len(footer) != PACK_FOOTER.size:
+        raise FormatError(f"{name}: {size} bytes is too short for a pack")
+    magic, version, count, index_at = PACK_FOOTER.unpack(footer)
     if magic != PACK_MAGIC or version != PACK_VERSION:
         raise FormatError(f"{name}: not a layerbox pack (magic {magic!r}, version {version})")
+    if index_at + count * PACK_RECORD.size + PACK_FOOTER.size != size:
+        raise FormatError(f"{name}: footer says {count} records at {index_at}, "
+                          f"which does not fit a pack of {size} bytes")
+    return count, index_at
+
+
+def split_pack(pack: bytes, name: str) -> tuple[bytes, list[tuple[bytes, ChunkLocation]]]:
+    """Check a whole pack's framing; returns (index bytes, records)."""
+    count, index_at = parse_footer(pack[-PACK_FOOTER.size:], len(pack), name)
     index = pack[index_at : len(pack) - PACK_FOOTER.size]
-    if len(index) != count * PACK_RECORD.size:
-        raise FormatError(f"{name}: pack index holds {len(index)} bytes for {count} records")
     pack_id = blake3.blake3(pack).digest()
     return index, parse_index(index, pack_id, name)

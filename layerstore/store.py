@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +29,10 @@ import blake3
 
 from layerstore.backend import Backend, ObjectNotFound, PreconditionFailed
 from layerstore.cache import MetadataCache
-from layerstore.errors import FormatError, LayerstoreError
+from layerstore.errors import LayerstoreError
+from layerstore.locks import store_lock
 from layerstore.objects import (
+    CONFIG_KEY,
     PART_ORDER,
     REF_HISTORY,
     SCHEMA_REF,
@@ -45,7 +48,10 @@ from layerstore.objects import (
     index_key,
     load_json,
     meta_key,
+    new_store_config,
     pack_key,
+    parse_ref_doc,
+    parse_store_config,
     ref_key,
     ref_name_from_key,
     resolve_document,
@@ -115,6 +121,8 @@ class Store:
         self.url = backend.url
         self.ref_max_age = ref_max_age
         self._index_synced = 0.0
+        self._layout_checked = False  # the config object was read (or found absent) and accepted
+        self._config_stored = False  # ... and it exists in the store
 
     @classmethod
     async def open(
@@ -136,10 +144,39 @@ class Store:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    # -- the store config -----------------------------------------------------------------
+    async def check_layout(self, *, create: bool = False) -> None:
+        """Refuse a store whose ``config`` names a newer layout; with ``create``, store one.
+
+        Checked once per ``Store`` before the first read or write that reaches
+        the backend (reads served from the host cache need no check).  A store
+        without ``config`` (empty, or older than the object) is layout 1; the
+        first write stores the object with put-if-absent, so of two racing
+        first writers one wins and both then read the winner's.
+        """
+        if self._layout_checked and (self._config_stored or not create):
+            return
+        what = f"{self.url}: {CONFIG_KEY}"
+        try:
+            data: bytes | None = await self.backend.get(CONFIG_KEY)
+        except ObjectNotFound:
+            data = None
+        if data is None and create:
+            fresh = canonical(new_store_config(uuid.uuid4().hex, _now()))
+            if not await self.backend.put_if_absent(CONFIG_KEY, fresh):
+                data = await self.backend.get(CONFIG_KEY)  # another writer's, or our retried one
+            else:
+                data = fresh
+        if data is not None:
+            parse_store_config(data, what)
+            self._config_stored = True
+        self._layout_checked = True
+
     # -- documents ----------------------------------------------------------------------
     async def put_doc(self, doc: Mapping[str, Any], stats: UploadStats | None = None) -> str:
         data = canonical(doc)
         digest = digest_of(data)
+        await self.check_layout(create=True)
         # always ask the store: this host's cache may remember objects a gc
         # elsewhere has since deleted, and a document is small
         wrote = await self.backend.put_if_absent(doc_key(digest), data)
@@ -154,6 +191,7 @@ class Store:
         data = self.cache.get_doc(digest)
         if data is None:
             key = doc_key(digest)
+            await self.check_layout()
             data = await self.backend.get(key)
             actual = digest_of(data)
             if actual != digest:
@@ -165,10 +203,12 @@ class Store:
     async def has_meta(self, layer: str) -> bool:
         if self.cache.get_meta(layer) is not None:
             return True
+        await self.check_layout()
         return await self.backend.head(meta_key(layer)) is not None
 
     async def put_meta(self, image: bytes, stats: UploadStats | None = None) -> str:
         digest = digest_of(image)
+        await self.check_layout(create=True)
         # a HEAD, not the local cache, decides: the cache may outlive a gc elsewhere
         if await self.backend.head(meta_key(digest)) is None:
             frame = await asyncio.to_thread(compress, image)
@@ -186,6 +226,7 @@ class Store:
         image = self.cache.get_meta(layer)
         if image is None:
             key = meta_key(layer)
+            await self.check_layout()
             frame = await self.backend.get(key)
             try:
                 image = await asyncio.to_thread(decompress, frame, 1 << 31)
@@ -200,6 +241,7 @@ class Store:
     # -- chunk index ----------------------------------------------------------------------
     async def sync_index(self, *, force: bool = False) -> int:
         """Load every pack index not yet in the cache; returns how many were new."""
+        await self.check_layout()
         known = self.cache.known_packs()
         new: list[str] = []
         present: set[bytes] = set()
@@ -235,6 +277,8 @@ class Store:
                 "the image may have been garbage-collected or published incompletely"
             )
         key = pack_key(loc.pack)
+        if not self._layout_checked:
+            await self.check_layout()
         frame = await self.backend.get(key, loc.offset, loc.offset + loc.length)
         return await asyncio.to_thread(self._check_chunk, key, frame, digest, loc)
 
@@ -249,20 +293,24 @@ class Store:
         return data
 
     # -- refs -------------------------------------------------------------------------------
-    async def read_ref(self, name: str) -> RefState:
-        key = ref_key(name)
+    async def _get_ref_object(self, key: str) -> tuple[str, bytes] | None:
+        """(etag, bytes) of the ref object, or None; the etag is taken before the bytes."""
+        await self.check_layout()
         try:
             info = await self.backend.head(key)
             if info is None:
-                raise ObjectNotFound(key, self.url)
-            data = await self.backend.get(key)
+                return None
+            return info.etag, await self.backend.get(key)
         except ObjectNotFound:
-            raise RefNotFound(f"{self.url}: no ref {name!r}; `layerbox ls` lists the refs") from None
-        doc = load_json(data, f"{self.url}: {key}")
-        if doc.get("schema") != SCHEMA_REF or not isinstance(doc.get("digest"), str):
-            raise FormatError(f"{self.url}: {key} is not a ref document (schema {doc.get('schema')!r})")
-        hex_digest(doc["digest"])
-        etag = info.etag
+            return None
+
+    async def read_ref(self, name: str) -> RefState:
+        key = ref_key(name)
+        found = await self._get_ref_object(key)
+        if found is None:
+            raise RefNotFound(f"{self.url}: no ref {name!r}; `layerbox ls` lists the refs")
+        etag, data = found
+        doc = parse_ref_doc(data, key, f"{self.url}: {key}")
         state = RefState(ref_name_from_key(key), doc["digest"], doc.get("kind", "image"), etag,
                          tuple(doc.get("history", ())))
         self.cache.put_ref(state.name, state.digest, etag)
@@ -278,6 +326,8 @@ class Store:
         """
         key = ref_key(name)
         canonical_name = ref_name_from_key(key)
+        digest = "blake3:" + hex_digest(digest)
+        await self.check_layout(create=True)
         for _ in range(20):
             try:
                 current = await self.read_ref(name)
@@ -292,11 +342,18 @@ class Store:
             history = history[:REF_HISTORY]
             doc = {"schema": SCHEMA_REF, "name": canonical_name, "digest": digest, "kind": kind,
                    "updated": _now(), "host": socket.gethostname(), "history": history}
+            data = canonical(doc)
             try:
-                etag = await self.backend.put_conditional(key, canonical(doc), current.etag if current else None)
+                etag = await self.backend.put_conditional(key, data, current.etag if current else None)
             except PreconditionFailed:
-                await asyncio.sleep(0.01)
-                continue
+                # A retried attempt whose first try landed reports PreconditionFailed
+                # too: if the ref now holds exactly our bytes, the write is done (going
+                # round again would add our own value to the history a second time).
+                found = await self._get_ref_object(key)
+                if found is None or found[1] != data:
+                    await asyncio.sleep(0.01)
+                    continue
+                etag = found[0]
             if stats is not None:
                 stats.requests += 2
             self.cache.put_ref(canonical_name, digest, etag)
@@ -304,6 +361,7 @@ class Store:
         raise PreconditionFailed(key, self.url, "too much contention; try again")
 
     async def list_refs(self, prefix: str = "") -> list[RefState]:
+        await self.check_layout()
         out = []
         async for info in self.backend.list("refs/" + prefix):
             name = ref_name_from_key(info.key)
@@ -327,14 +385,25 @@ class Store:
         return resolve_document(digest, await self.get_doc(digest))
 
     async def tag(self, source: str, name: str) -> RefState:
-        resolved = await self.resolve(source, refresh=True)
-        return await self.set_ref(name, resolved.digest, resolved.kind)
+        """Point ``name`` at what ``source`` resolves to.
+
+        Holds the shared writer lock (as a publish does) from resolving to
+        moving the ref, so that no gc can delete the target in between.
+        """
+        async with store_lock(self.backend, "publish", op="tag"):
+            resolved = await self.resolve(source, refresh=True)
+            return await self.set_ref(name, resolved.digest, resolved.kind)
 
     async def compose(self, name: str, parts: Mapping[str, str]) -> RefState:
         """Resolve base/workspace/toolkit refs into one composition document and ref it."""
         unknown = set(parts) - set(PART_ORDER)
         if unknown or "base" not in parts:
             raise LayerstoreError(f"compose needs a base and only {', '.join(PART_ORDER)} parts (got {sorted(parts)})")
+        # the shared writer lock, as in tag: no gc between resolving the parts and the ref
+        async with store_lock(self.backend, "publish", op="compose"):
+            return await self._compose(name, parts)
+
+    async def _compose(self, name: str, parts: Mapping[str, str]) -> RefState:
         resolved_parts: list[Part] = []
         layers: list[LayerEntry] = []
         config: dict[str, Any] = {}
@@ -401,13 +470,18 @@ class ChunkUploader:
         self._sem = asyncio.Semaphore(concurrency)
         self._tasks: set[asyncio.Task[None]] = set()
         self._progress = progress
+        self._confirmed: dict[bytes, bool] = {}  # pack id -> exists in the store (HEAD this run)
         self.locations: dict[bytes, ChunkLocation] = {}
 
     async def add_many(self, chunks: Iterable[tuple[bytes, Callable[[], bytes]]]) -> None:
         """(digest, read function) pairs; compression runs on worker threads in batches."""
         batch: list[tuple[bytes, Callable[[], bytes]]] = []
         for digest, read in chunks:
-            loc = self.locations.get(digest) or self.store.cache.locate(digest)
+            loc = self.locations.get(digest)
+            if loc is None:
+                loc = self.store.cache.locate(digest)
+                if loc is not None and not await self._pack_exists(loc.pack):
+                    loc = None  # the cache outlived a gc: store the chunk again
             if loc is not None or digest in self._pack:
                 if loc is not None:
                     self.locations[digest] = loc
@@ -420,6 +494,23 @@ class ChunkUploader:
                 batch = []
         if batch:
             await self._compress_batch(batch)
+
+    async def _pack_exists(self, pack_id: bytes) -> bool:
+        """Whether a pack the host cache names is still in the store (one HEAD per pack per run).
+
+        The cache only accumulates locations; a gc on any host may have deleted
+        the pack since (``sync_index`` forgets such packs, but not every writer
+        syncs first, e.g. a checkpoint).  Deduplicating against a deleted pack
+        would make the new document name a chunk that does not exist.
+        """
+        known = self._confirmed.get(pack_id)
+        if known is None:
+            known = await self.store.backend.head(pack_key(pack_id)) is not None
+            self.stats.requests += 1
+            if not known:
+                self.store.cache.forget_packs([pack_id])
+            self._confirmed[pack_id] = known
+        return known
 
     async def _compress_batch(self, batch: list[tuple[bytes, Callable[[], bytes]]]) -> None:
         def work(item: tuple[bytes, Callable[[], bytes]]) -> tuple[bytes, bytes, int]:
@@ -454,6 +545,7 @@ class ChunkUploader:
     async def _upload(self, pack_id: bytes, data: bytes, index: bytes,
                       records: list[tuple[bytes, ChunkLocation]]) -> None:
         try:
+            await self.store.check_layout(create=True)
             if await self.store.backend.put_if_absent(pack_key(pack_id), data):
                 self.stats.bytes_uploaded += len(data)
             await self.store.backend.put_if_absent(index_key(pack_id), index)

@@ -562,13 +562,13 @@ class Sandbox:
         last = self.manager.receipts(self.id)
         async with await self.manager._store() as store:
             # receipts travel with the checkpoint: a restored sandbox knows its history and idempotency keys
-            receipts = await store.put_doc({"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last})
+            receipts = {"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last}
             ckpt = await Snapshots(store, self.manager.host).checkpoint(
                 str(self.rootfs), name=name, labels={**st.get("labels", {}), **(labels or {})},
                 trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
                 receipt_id=last[-1]["id"] if last else None,
                 policy_version=policy_version if policy_version is not None else st.get("policy_version"),
-                freeze=self._frozen, attachments={"receipts": receipts})
+                freeze=self._frozen, attach_docs={"receipts": receipts})
         self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
                       bytes_changed=ckpt.bytes_changed)
         return ckpt

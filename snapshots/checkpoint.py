@@ -44,6 +44,7 @@ from converters.dirsource import walk_directory
 from converters.layer import DEFAULT_CHUNK_SIZE, convert_entries
 from converters.publish import LocalLayer, upload_layers
 from converters.tarstream import KIND_CHR, Entry
+from layerstore.locks import store_lock
 from layerstore.objects import LayerEntry, meta_key, pack_key
 from layerstore.store import Store, UploadStats
 from lazyfetch.mounts import HostMounts, MountResult
@@ -184,7 +185,7 @@ class Snapshots:
         trajectory_offset: int | None = None, receipt_id: str | None = None, caller: str | None = None,
         policy_version: str | None = None, freeze: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE, before_ref: Callable[[], None] | None = None,
-        attachments: Mapping[str, str] | None = None,
+        attachments: Mapping[str, str] | None = None, attach_docs: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> Checkpoint:
         """Capture the mount's writes since its parent as a new checkpoint.
 
@@ -192,8 +193,9 @@ class Snapshots:
         writers still while the upper directory is scanned and the changed
         files are converted; uploading happens after it is released.
         Without it the caller guarantees quiescence.  ``attachments`` names
-        documents already in the store (e.g. the sandbox's receipts) that the
-        checkpoint keeps alive.  ``before_ref`` is a
+        documents already in the store that the checkpoint keeps alive;
+        ``attach_docs`` are documents to store with it (e.g. the sandbox's
+        receipts), under the same lock as the checkpoint itself.  ``before_ref`` is a
         test hook run once every object is stored, before the ref moves.
         """
         started = time.perf_counter()
@@ -203,52 +205,58 @@ class Snapshots:
         rec = self._load_record(target, mount["digest"])
         parent = await self.store.resolve(rec["parent"])
         upper = Path(mount["upper"])
-        with tempfile.TemporaryDirectory(prefix="checkpoint-", dir=self.host.data_dir) as tmp:
-            meta, blob = Path(tmp) / "layer.erofs", Path(tmp) / "layer.blob"
-            def capture() -> tuple[dict[str, Signature], set[str], list[str], Any, float]:
-                frozen = time.perf_counter()
-                with freeze() if freeze else contextlib.nullcontext():
-                    now = scan(upper)
-                    include, whiteouts = plan(upper, now, rec["manifest"])
-                    result = convert_entries(_entries(upper, include, whiteouts), meta, blob,
-                                             chunk_size=chunk_size, oci_whiteouts=False)
-                return now, include, whiteouts, result, time.perf_counter() - frozen
+        # shared with publishes, exclusive with gc: nothing this checkpoint dedups against or
+        # references can be collected between its upload and its ref
+        async with store_lock(self.store.backend, "publish", op="checkpoint"):
+            with tempfile.TemporaryDirectory(prefix="checkpoint-", dir=self.host.data_dir) as tmp:
+                meta, blob = Path(tmp) / "layer.erofs", Path(tmp) / "layer.blob"
+                def capture() -> tuple[dict[str, Signature], set[str], list[str], Any, float]:
+                    frozen = time.perf_counter()
+                    with freeze() if freeze else contextlib.nullcontext():
+                        now = scan(upper)
+                        include, whiteouts = plan(upper, now, rec["manifest"])
+                        result = convert_entries(_entries(upper, include, whiteouts), meta, blob,
+                                                 chunk_size=chunk_size, oci_whiteouts=False)
+                    return now, include, whiteouts, result, time.perf_counter() - frozen
 
-            now, include, whiteouts, result, freeze_seconds = await asyncio.to_thread(capture)
-            stats = UploadStats()
-            entries = await upload_layers(self.store, [LocalLayer(meta, blob, {"checkpoint_of": target})],
-                                          stats, chunk_size=chunk_size)
-        new_layer = entries[0]
-        base = parent.doc.get("base", parent.digest) if parent.kind == "checkpoint" else parent.digest
-        layers = [*parent.layers, new_layer]
-        doc = {
-            "schema": SCHEMA,
-            "parent": parent.digest,
-            "parent_kind": parent.kind,
-            "base": base,
-            "layers": [layer.to_json() for layer in layers],
-            "config": dict(parent.config),
-            "bound": {
-                "layer_digests": [layer.digest for layer in layers],
-                "format_version": FORMAT_VERSION,
-                "runtime": RUNTIME,
-                "kernel": platform.release(),
-                "policy_version": policy_version,
-            },
-            "trajectory_offset": trajectory_offset,
-            "receipt_id": receipt_id,
-            "caller": caller or f"uid:{os.getuid()}@{socket.gethostname()}",
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "labels": dict(labels or {}),
-            "attachments": dict(attachments or {}),
-            "stats": {"entries": len(include) + len(whiteouts), "bytes_changed": result.bytes},
-        }
-        digest = await self.store.put_doc(doc, stats)
-        if before_ref is not None:
-            before_ref()
-        seq = rec["seq"] + 1
-        ref_name = name or f"checkpoints/{rec['id']}:{seq}"
-        await self.store.set_ref(ref_name, digest, "checkpoint", stats=stats)
+                now, include, whiteouts, result, freeze_seconds = await asyncio.to_thread(capture)
+                stats = UploadStats()
+                entries = await upload_layers(self.store, [LocalLayer(meta, blob, {"checkpoint_of": target})],
+                                              stats, chunk_size=chunk_size)
+            new_layer = entries[0]
+            attached = dict(attachments or {})
+            for key, attach in (attach_docs or {}).items():
+                attached[key] = await self.store.put_doc(attach, stats)
+            base = parent.doc.get("base", parent.digest) if parent.kind == "checkpoint" else parent.digest
+            layers = [*parent.layers, new_layer]
+            doc = {
+                "schema": SCHEMA,
+                "parent": parent.digest,
+                "parent_kind": parent.kind,
+                "base": base,
+                "layers": [layer.to_json() for layer in layers],
+                "config": dict(parent.config),
+                "bound": {
+                    "layer_digests": [layer.digest for layer in layers],
+                    "format_version": FORMAT_VERSION,
+                    "runtime": RUNTIME,
+                    "kernel": platform.release(),
+                    "policy_version": policy_version,
+                },
+                "trajectory_offset": trajectory_offset,
+                "receipt_id": receipt_id,
+                "caller": caller or f"uid:{os.getuid()}@{socket.gethostname()}",
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "labels": dict(labels or {}),
+                "attachments": attached,
+                "stats": {"entries": len(include) + len(whiteouts), "bytes_changed": result.bytes},
+            }
+            digest = await self.store.put_doc(doc, stats)
+            if before_ref is not None:
+                before_ref()
+            seq = rec["seq"] + 1
+            ref_name = name or f"checkpoints/{rec['id']}:{seq}"
+            await self.store.set_ref(ref_name, digest, "checkpoint", stats=stats)
         rec.update(parent=digest, manifest=now, seq=seq, upper=mount["upper"])
         self._save_record(target, rec)
         return Checkpoint(

@@ -31,6 +31,7 @@ from converters.tarstream import (
     Entry,
 )
 from layerstore.erofs.reader import ErofsImage, Inode
+from layerstore.locks import store_lock
 from layerstore.store import Store, UploadStats
 from snapshots.errors import SnapshotError
 
@@ -108,21 +109,23 @@ async def squash(store: Store, ref: str, *, name: str | None = None) -> dict[str
                 entry.link = image.readlink(node.nid)
             yield entry, (reader(image, node) if kind == KIND_REG and node.size else None)
 
-    with tempfile.TemporaryDirectory(prefix="squash-") as tmp:
-        meta, blob = Path(tmp) / "layer.erofs", Path(tmp) / "layer.blob"
-        chunk_size = max(layer.chunk_size for layer in ours) or 1 << 20
-        await asyncio.to_thread(convert_entries, entries(), meta, blob, chunk_size=chunk_size, oci_whiteouts=False)
-        stats = UploadStats()
-        (layer,) = await upload_layers(store, [LocalLayer(meta, blob, {"squashed": [x.digest for x in ours]})],
-                                       stats, chunk_size=chunk_size)
-    doc = dict(resolved.doc)
-    layers = [*base.layers, layer]
-    doc["layers"] = [x.to_json() for x in layers]
-    doc["bound"] = {**doc.get("bound", {}), "layer_digests": [x.digest for x in layers]}
-    doc["parent"] = base.digest
-    doc["parent_kind"] = base.kind
-    doc["squashed_from"] = resolved.digest
-    digest = await store.put_doc(doc, stats)
-    target = name or ref
-    await store.set_ref(target, digest, "checkpoint")
+    # shared with publishes, exclusive with gc: nothing this squash reuses can go meanwhile
+    async with store_lock(store.backend, "publish", op="squash"):
+        with tempfile.TemporaryDirectory(prefix="squash-") as tmp:
+            meta, blob = Path(tmp) / "layer.erofs", Path(tmp) / "layer.blob"
+            chunk_size = max(layer.chunk_size for layer in ours) or 1 << 20
+            await asyncio.to_thread(convert_entries, entries(), meta, blob, chunk_size=chunk_size, oci_whiteouts=False)
+            stats = UploadStats()
+            (layer,) = await upload_layers(store, [LocalLayer(meta, blob, {"squashed": [x.digest for x in ours]})],
+                                           stats, chunk_size=chunk_size)
+        doc = dict(resolved.doc)
+        layers = [*base.layers, layer]
+        doc["layers"] = [x.to_json() for x in layers]
+        doc["bound"] = {**doc.get("bound", {}), "layer_digests": [x.digest for x in layers]}
+        doc["parent"] = base.digest
+        doc["parent_kind"] = base.kind
+        doc["squashed_from"] = resolved.digest
+        digest = await store.put_doc(doc, stats)
+        target = name or ref
+        await store.set_ref(target, digest, "checkpoint")
     return {"name": target, "digest": digest, "squashed": len(ours), "bytes_uploaded": stats.bytes_uploaded}

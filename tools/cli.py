@@ -224,7 +224,8 @@ async def _gc(args: argparse.Namespace) -> int:
     from layerstore.gc import collect
 
     async with await _open_store(args) as store:
-        report = await collect(store, grace=args.grace, dry_run=args.dry_run)
+        report = await collect(store, grace=args.grace, dry_run=args.dry_run,
+                               stale_locks_after=args.stale_locks_after)
 
     def human() -> None:
         verb = "would delete" if report.dry_run else "deleted"
@@ -236,6 +237,16 @@ async def _gc(args: argparse.Namespace) -> int:
             print(f"{report.partly_dead_packs} packs hold {report.dead_bytes_in_live_packs / 1e6:.1f} MB of dead chunks")
         for key in report.deleted if report.dry_run else []:
             print(f"  {key}")
+        for what, keys in (("stale lock objects", report.stale_locks),
+                           ("leftovers of interrupted writes", report.leftovers)):
+            if keys:
+                print(f"{verb} {len(keys)} {what}")
+                for key in keys if report.dry_run else []:
+                    print(f"  {key}")
+        for key in report.unreadable_packs:
+            print(f"KEPT {key}: its own index is unreadable (run `layerbox verify`)", file=sys.stderr)
+        for key in report.disagreeing_index_copies:
+            print(f"BAD {key}: differs from its pack's own index (run `layerbox verify`)", file=sys.stderr)
 
     _emit(args, report.to_json(), human)
     return 0
@@ -483,7 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     gc = sub.add_parser("gc", parents=[common], help="delete objects no ref reaches")
     gc.add_argument("--dry-run", action="store_true")
     gc.add_argument("--grace", type=float, default=3600.0,
-                    help="seconds an unreferenced object is kept (uploads in progress)")
+                    help="seconds an unreferenced object is kept (uploads in progress); also the age "
+                         "of temporary files of interrupted writes that gc removes")
+    gc.add_argument("--stale-locks-after", type=float, default=24 * 3600.0,
+                    help="delete lock objects not refreshed for this many seconds (at least 900)")
     gc.set_defaults(func=_run_async(_gc))
 
     host = argparse.ArgumentParser(add_help=False)

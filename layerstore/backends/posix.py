@@ -6,8 +6,8 @@ with ``.``, see :func:`~layerstore.backend.check_key`) and ``list`` never
 shows them:
 
 - ``.tmp-<16 hex>`` a write in progress, or one a crash interrupted.  Such a
-  file is garbage once it is older than any write can take; nothing here
-  deletes it, because another host may still be writing it.
+  file is garbage once it is older than any write can take:
+  ``sweep_leftovers`` (run by gc with its grace period) deletes those.
 - ``.<name>.lock`` the lock file that serializes ``put_conditional`` on
   ``<name>`` (see below).  Never deleted: removing a lock file somebody waits
   on would let two writers in.
@@ -72,6 +72,7 @@ from layerstore.backend import (
     BackendError,
     CredentialsError,
     InvalidKey,
+    Leftovers,
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
@@ -386,6 +387,34 @@ class PosixBackend(Backend):
     async def delete(self, key: str) -> None:
         check_key(key)
         await self._run("delete", key, self._delete_sync, self._path(key))
+
+    async def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
+        """Temporary files (``.tmp-*``) not modified for ``older_than`` seconds, deleted.
+
+        A write in progress rewrites its temporary file's mtime with every
+        piece, and gives it its name within moments of the last one; a
+        temporary file that stayed unchanged for long belongs to a write
+        that died.  Lock files are never touched.
+        """
+        return await self._run("sweep_leftovers", "", self._sweep_sync, older_than, dry_run)
+
+    def _sweep_sync(self, older_than: float, dry_run: bool) -> Leftovers:
+        cutoff = time.time() - older_than
+        found: Leftovers = []
+        for directory, _, files in os.walk(self.root):
+            for name in files:
+                if not name.startswith(TEMP_PREFIX):
+                    continue
+                path = os.path.join(directory, name)
+                try:
+                    if os.lstat(path).st_mtime > cutoff:
+                        continue
+                    if not dry_run:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    continue  # renamed or removed meanwhile
+                found.append(path)
+        return sorted(found)
 
     def _delete_sync(self, path: Path) -> None:
         try:

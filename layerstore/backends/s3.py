@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +47,7 @@ from layerstore.backend import (
     Backend,
     BackendError,
     CredentialsError,
+    Leftovers,
     ObjectInfo,
     ObjectNotFound,
     PreconditionFailed,
@@ -376,6 +379,33 @@ class S3Backend(Backend):
         check_key(key)
         await self._call("delete", key, lambda client: client.delete_object(
             Bucket=self.bucket, Key=self._key(key)))
+
+    async def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
+        """Abort multipart uploads under the prefix started more than ``older_than`` s ago.
+
+        A killed writer leaves its parts behind (billed, invisible to ``list``);
+        S3 gives no "last changed" time, so the age is from the upload's start.
+        """
+        def uploads(client: Any) -> list[tuple[str, str, float]]:
+            out = []
+            for page in client.get_paginator("list_multipart_uploads").paginate(
+                    Bucket=self.bucket, Prefix=self._root):
+                for up in page.get("Uploads", []):
+                    out.append((up["Key"], up["UploadId"], up["Initiated"].timestamp()))
+            return out
+
+        def abort(client: Any, name: str, upload_id: str) -> None:
+            client.abort_multipart_upload(Bucket=self.bucket, Key=name, UploadId=upload_id)
+
+        cutoff = time.time() - older_than
+        found: Leftovers = []
+        for name, upload_id, started in await self._call("sweep_leftovers", "", uploads):
+            if started > cutoff:
+                continue
+            if not dry_run:
+                await self._call("sweep_leftovers", name, functools.partial(abort, name=name, upload_id=upload_id))
+            found.append(f"s3://{self.bucket}/{name} (multipart upload {upload_id})")
+        return found
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None

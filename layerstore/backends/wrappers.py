@@ -21,7 +21,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from layerstore.backend import Backend, BackendError, ObjectInfo, PreconditionFailed, TransientError
+from layerstore.backend import (
+    Backend,
+    BackendError,
+    Leftovers,
+    ObjectInfo,
+    PreconditionFailed,
+    TransientError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +157,9 @@ class RetryingBackend(Backend):
             if iterator is not None:
                 await _aclose(iterator)
 
+    async def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
+        return await self.inner.sweep_leftovers(older_than, dry_run=dry_run)
+
     async def close(self) -> None:
         await self.inner.close()
 
@@ -209,6 +219,9 @@ class LimitedBackend(Backend):
         finally:
             await _aclose(iterator)
 
+    async def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
+        return await self.inner.sweep_leftovers(older_than, dry_run=dry_run)
+
     async def close(self) -> None:
         await self.inner.close()
 
@@ -218,6 +231,7 @@ class _Fault:
     error: Callable[[str, str], BackendError] | None = None  # (op, key) -> the error to raise
     stall: float = 0.0  # seconds to wait before the call (or the error)
     after_items: int = 0  # list only: fail after yielding this many objects
+    lose_reply: bool = False  # let the call reach inner, then raise a TransientError
 
 
 class FaultyBackend(Backend):
@@ -226,7 +240,8 @@ class FaultyBackend(Backend):
     Operations are named like the methods (``"get"``, ``"put"``, ``"list"``,
     ...).  ``fail_next("put", 2)`` makes the next two puts raise a
     :class:`TransientError` before reaching ``inner``; ``stall_next("get",
-    1, 5.0)`` makes the next get wait 5 s first.  ``fail_everything = True``
+    1, 5.0)`` makes the next get wait 5 s first; ``lose_reply_next("put")`` lets
+    the next put happen, then raises as if its reply was lost.  ``fail_everything = True``
     makes every call fail (a store that is gone).  ``calls`` counts calls per
     operation; ``max_in_flight`` is the most calls seen at once.
     """
@@ -253,6 +268,10 @@ class FaultyBackend(Backend):
         self._faults.setdefault(op, []).extend(
             _Fault(error=error or self._transient, after_items=after_items) for _ in range(times))
 
+    def lose_reply_next(self, op: str, times: int = 1) -> None:
+        """The next ``times`` calls of ``op`` happen, then raise a TransientError (a lost reply)."""
+        self._faults.setdefault(op, []).extend(_Fault(lose_reply=True) for _ in range(times))
+
     def stall_next(self, op: str, times: int = 1, seconds: float = 3600.0) -> None:
         """The next ``times`` calls of ``op`` wait ``seconds`` before going on."""
         self._faults.setdefault(op, []).extend(_Fault(stall=seconds) for _ in range(times))
@@ -274,8 +293,11 @@ class FaultyBackend(Backend):
         self.in_flight += 1  # a stalled call is in flight too
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            await self._enter(op, key)
-            return await call()
+            fault = await self._enter(op, key)
+            result = await call()
+            if fault is not None and fault.lose_reply:
+                raise self._transient(op, key)
+            return result
         finally:
             self.in_flight -= 1
 
@@ -315,6 +337,9 @@ class FaultyBackend(Backend):
                 yielded += 1
         finally:
             await _aclose(iterator)
+
+    async def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
+        return await self.inner.sweep_leftovers(older_than, dry_run=dry_run)
 
     async def close(self) -> None:
         await self.inner.close()
