@@ -22,7 +22,7 @@ from layerstore.objects import pack_key
 from layerstore.store import Store
 from lazyfetch import kmount
 from tests.support.hosts import Host, publish_sync, resolve_sync  # noqa: F401
-from tests.support.moto import MotoServer, aws_test_env, moto_fixture  # noqa: F401
+from tests.support.moto import MotoServer, aws_test_env, file_and_s3_store_url, moto_fixture  # noqa: F401
 from tests.support.treecmp import assert_trees_equal
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse")]
@@ -31,14 +31,6 @@ moto = moto_fixture("module")
 CHUNK = 1 << 20
 
 
-@pytest.fixture(params=["file", "s3"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path / 'store'}"
-    server: MotoServer = request.getfixturevalue("moto")
-    request.getfixturevalue("aws_test_env")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
-    return f"s3://{server.new_bucket()}/lb"
 
 
 def make_source(root: Path, big_mb: int = 0, seed: int = 0) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import threading
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.sandboxes import REF, assert_clean, run
+from support.sandboxes import REF, assert_clean, kill_daemon, run
 
 from layerstore import gc
 from layerstore.store import Store
@@ -278,12 +277,7 @@ def test_a_dead_lazyfetch_daemon_restarts_its_sandboxes(boxes: Any, manager: San
     plain = boxes(cpu_class="best-effort")
     on_disk.exec("echo kept > /root/kept")
     plain.exec("echo also > /root/also")
-    health = manager.host.client.health()
-    assert health is not None
-    os.kill(health["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while manager.host.client.health() is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    kill_daemon(manager)
     broken = plain.exec("head -c 1 /usr/bin/python3 > /dev/null; echo rc=$?")
     assert b"Input/output error" in broken.stderr or b"rc=0" not in broken.stdout
     assert manager.heal() >= 1

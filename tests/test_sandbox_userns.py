@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from support.env import require
-from support.sandboxes import REF, assert_clean, run
+from support.sandboxes import REF, assert_clean, kill_daemon, run
 
 from lazyfetch import kmount
 from sandbox import idmap
@@ -616,17 +616,10 @@ def test_manager_creation_cost(manager: SandboxManager) -> None:
 
 def test_userns_sandbox_survives_a_lazyfetch_daemon_restart(manager: SandboxManager) -> None:
     """heal() re-stacks the rootfs and restarts the container: the idmapping must come back with it."""
-    import signal
-
     box = run(manager.create(REF, userns=True))
     try:
         box.exec("echo kept > /root/kept")
-        health = manager.host.client.health()
-        assert health is not None
-        os.kill(health["pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while manager.host.client.health() is not None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        kill_daemon(manager)
         assert manager.heal() >= 1
         assert box.exec("cat /root/kept; id -u; stat -c %u /etc/passwd").stdout == b"kept\n0\n0\n"
         base = box.state["userns"][0]

@@ -20,7 +20,7 @@ from layerstore.verify import verify
 from snapshots.checkpoint import Snapshots
 from snapshots.errors import CheckpointMismatch, SnapshotError
 from tests.support.hosts import Host, publish_sync
-from tests.support.moto import MotoServer, aws_test_env, moto_fixture  # noqa: F401
+from tests.support.moto import MotoServer, aws_test_env, file_and_s3_store_url, moto_fixture  # noqa: F401
 from tests.support.treecmp import assert_trees_equal
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse")]
@@ -70,14 +70,6 @@ def snapshot_view(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.fixture(params=["file", "s3"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path / 'store'}"
-    server: MotoServer = request.getfixturevalue("moto")
-    request.getfixturevalue("aws_test_env")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
-    return f"s3://{server.new_bucket()}/lb"
 
 
 def test_checkpoint_restores_on_another_host(hosts, store_url: str, tmp_path: Path) -> None:

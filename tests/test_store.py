@@ -24,7 +24,7 @@ from layerstore.objects import DigestMismatch, doc_key, meta_key, pack_key
 from layerstore.store import Store
 from layerstore.verify import verify
 from tests.support.env import in_ci
-from tests.support.moto import MotoServer, aws_test_env, moto_fixture  # noqa: F401
+from tests.support.moto import MotoServer, aws_test_env, file_and_s3_store_url, moto_fixture  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO.parent / "shared" / "fixtures" / "debian-bookworm.oci.tar"
@@ -33,14 +33,6 @@ FIXTURE = REPO.parent / "shared" / "fixtures" / "debian-bookworm.oci.tar"
 moto = moto_fixture("module")
 
 
-@pytest.fixture(params=["file", "s3"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path / 'store'}"
-    server: MotoServer = request.getfixturevalue("moto")
-    request.getfixturevalue("aws_test_env")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)  # subprocesses (CLI, publishers) see it too
-    return f"s3://{server.new_bucket()}/layerbox"
 
 
 @pytest_asyncio.fixture

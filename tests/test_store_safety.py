@@ -37,20 +37,12 @@ from layerstore.objects import (
 from layerstore.packs import PACK_RECORD
 from layerstore.store import Store, UploadStats
 from layerstore.verify import verify
-from tests.support.moto import MotoServer, aws_test_env, moto_fixture  # noqa: F401
+from tests.support.moto import MotoServer, aws_test_env, file_and_s3_store_url, moto_fixture  # noqa: F401
 from tests.test_store import make_tree, read_back
 
 moto = moto_fixture("module")
 
 
-@pytest.fixture(params=["file", "s3"])
-def store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "file":
-        return f"file://{tmp_path / 'store'}"
-    server: MotoServer = request.getfixturevalue("moto")
-    request.getfixturevalue("aws_test_env")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
-    return f"s3://{server.new_bucket()}/layerbox"
 
 
 @pytest_asyncio.fixture

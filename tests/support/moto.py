@@ -146,3 +146,15 @@ def aws_test_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture(params=["file", "s3"], name="store_url")
+def file_and_s3_store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``store_url`` for modules that run each test on a file store and on moto S3 (import it, and
+    define ``moto = moto_fixture(...)`` in the module).  Subprocesses see the endpoint too."""
+    if request.param == "file":
+        return f"file://{tmp_path / 'store'}"
+    server: MotoServer = request.getfixturevalue("moto")
+    request.getfixturevalue("aws_test_env")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    return f"s3://{server.new_bucket()}/layerbox"

@@ -100,3 +100,16 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+def kill_daemon(mgr: SandboxManager) -> None:
+    """SIGKILL the host's lazyfetch daemon and wait until it no longer answers."""
+    import signal
+    import time
+
+    health = mgr.host.client.health()
+    assert health is not None
+    os.kill(health["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while mgr.host.client.health() is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
