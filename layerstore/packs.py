@@ -69,7 +69,14 @@ def decompress(frame: bytes, raw_length: int) -> bytes:
         raise FormatError(f"zstd frame claims {stated} bytes where at most {raw_length} are expected")
     if stated >= 0:
         return zstandard.ZstdDecompressor().decompress(frame, max_output_size=raw_length)
-    out = zstandard.ZstdDecompressor().decompressobj().decompress(frame)
+    # no stated size: read at most one byte past the bound, so a bomb costs raw_length + 1 bytes
+    with zstandard.ZstdDecompressor().stream_reader(frame, read_across_frames=False) as reader:
+        out = reader.read(raw_length + 1)
+        while len(out) <= raw_length:
+            more = reader.read(raw_length + 1 - len(out))
+            if not more:
+                break
+            out += more
     if len(out) > raw_length:
         raise FormatError(f"zstd frame holds more than the {raw_length} bytes expected")
     return out
