@@ -2,9 +2,13 @@
 
 ``verify`` without a ref checks the whole store: each pack's own hash and
 framing, every chunk in it against its digest, every index copy against its
-pack, every metadata image and document against its name.  With a ref it
-checks just what that ref reaches.  Every bad object is reported by key;
-nothing stops at the first problem.
+pack (and index copies whose pack is gone), every metadata image and
+document against its name, and that every ref names an existing document.
+With a ref it checks just what that ref reaches: the documents it keeps alive
+(a composition's parts, a checkpoint's parents and attachments, a run's
+checkpoints), their layers' metadata images, and that every chunk of every
+blob map is in one of the packs its layer entry names.  Every bad object is
+reported by key; nothing stops at the first problem.
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ from layerstore.erofs.reader import ErofsImage
 from layerstore.errors import LayerstoreError
 from layerstore.objects import (
     digest_of,
+    doc_key,
+    doc_references,
     hex_digest,
     index_key,
     load_json,
+    meta_key,
     pack_key,
     resolve_document,
 )
@@ -47,15 +54,17 @@ class VerifyReport:
         return doc
 
 
-def _check_pack(key: str, data: bytes, wanted: set[bytes] | None) -> tuple[list[str], int]:
+def _check_pack(key: str, data: bytes, wanted: set[bytes] | None) -> tuple[list[str], int, set[bytes]]:
+    """Problems, chunks checked, and the digests of the sound chunks found."""
     pack_hex = key.rsplit("/", 1)[-1]
     problems = []
+    found: set[bytes] = set()
     if blake3.blake3(data).hexdigest() != pack_hex:
         problems.append(f"{key}: content does not hash to its name")
     try:
         _, records = split_pack(data, key)
     except LayerstoreError as exc:
-        return problems + [str(exc)], 0
+        return problems + [str(exc)], 0, found
     checked = 0
     for digest, loc in records:
         if wanted is not None and digest not in wanted:
@@ -68,39 +77,71 @@ def _check_pack(key: str, data: bytes, wanted: set[bytes] | None) -> tuple[list[
             continue
         if blake3.blake3(chunk).digest() != digest:
             problems.append(f"{key}: chunk {digest.hex()} at {loc.offset}: content does not match its digest")
+        else:
+            found.add(digest)
         checked += 1
-    return problems, checked
+    return problems, checked, found
 
 
 async def verify(store: Store, ref: str | None = None) -> VerifyReport:
     report = VerifyReport()
     wanted: set[bytes] | None = None
     packs: list[str] = []
+    # chunk digest -> the layers whose blob map needs it (with a ref)
+    needed_by: dict[bytes, set[str]] = {}
     if ref is None:
         async for info in store.backend.list("packs/"):
             packs.append(info.key)
         for prefix in ("docs/", "meta/"):
             async for info in store.backend.list(prefix):
                 await _check_named(store, info.key, report)
+        await _check_refs(store, report)
+        have = {key.rsplit("/", 1)[-1] for key in packs}
+        async for info in store.backend.list("index/"):
+            if info.key.rsplit("/", 1)[-1] not in have:
+                report.problems.append(f"{info.key}: index copy of a pack that is not in the store "
+                                       "(gc removes it; until then hosts may load it)")
     else:
         wanted = set()
         resolved = await store.resolve(ref, refresh=True)
-        await _check_named(store, f"docs/{hex_digest(resolved.digest)[:2]}/{hex_digest(resolved.digest)}", report)
         pack_set: set[str] = set()
-        for layer in resolved.layers:
-            key = f"meta/{hex_digest(layer.digest)[:2]}/{hex_digest(layer.digest)}"
-            image_bytes = await _check_named(store, key, report)
-            if image_bytes is not None:
-                wanted.update(rec.digest for rec in ErofsImage(image_bytes, key).blob_map)
-            pack_set.update(layer.packs)
+        layers_seen: set[str] = set()
+        pending, docs_seen = [resolved.digest], set()
+        while pending:  # every document the ref keeps alive, and every layer of those
+            digest = "blake3:" + hex_digest(pending.pop())
+            if digest in docs_seen:
+                continue
+            docs_seen.add(digest)
+            doc_bytes = await _check_named(store, doc_key(digest), report)
+            if doc_bytes is None:
+                continue
+            doc = load_json(doc_bytes, doc_key(digest))
+            pending.extend(doc_references(doc))
+            try:
+                layers = resolve_document(digest, doc).layers
+            except LayerstoreError:
+                continue  # reported by _check_named
+            for layer in layers:
+                if layer.digest in layers_seen:
+                    continue
+                layers_seen.add(layer.digest)
+                key = meta_key(layer.digest)
+                image_bytes = await _check_named(store, key, report)
+                if image_bytes is not None:
+                    for rec in ErofsImage(image_bytes, key).blob_map:
+                        wanted.add(rec.digest)
+                        needed_by.setdefault(rec.digest, set()).add(layer.digest)
+                pack_set.update(layer.packs)
         packs = [pack_key(p) for p in sorted(pack_set)]
+    found: set[bytes] = set()
     for key in packs:
         try:
             data = await store.backend.get(key)
         except ObjectNotFound:
             report.problems.append(f"{key}: missing")
             continue
-        problems, checked = await asyncio.to_thread(_check_pack, key, data, wanted)
+        problems, checked, sound = await asyncio.to_thread(_check_pack, key, data, wanted)
+        found |= sound
         report.problems.extend(problems)
         report.chunks += checked
         report.checked += 1
@@ -112,7 +153,29 @@ async def verify(store: Store, ref: str | None = None) -> VerifyReport:
                 report.problems.append(f"{index_key(pack_hex)}: differs from the index inside {key}")
         except ObjectNotFound:
             report.problems.append(f"{index_key(pack_hex)}: missing (chunks in {key} cannot be located)")
+    if wanted is not None:
+        # a chunk the blob map needs but no named pack holds soundly: reads of it will fail
+        absent = sorted(wanted - found)
+        for chunk in absent[:20]:
+            report.problems.append(f"chunk {chunk.hex()} of layer {sorted(needed_by[chunk])[0]}: in none of the "
+                                   "packs its layer entry names (or only damaged there)")
+        if len(absent) > 20:
+            report.problems.append(f"... and {len(absent) - 20} more chunks in none of their packs")
     return report
+
+
+async def _check_refs(store: Store, report: VerifyReport) -> None:
+    """Every ref names a document that is in the store."""
+    async for info in store.backend.list("refs/"):
+        try:
+            state = await store.read_ref(info.key.removeprefix("refs/"))
+        except ObjectNotFound:
+            continue  # deleted while listing
+        except LayerstoreError as exc:
+            report.problems.append(f"{info.key}: {exc}")
+            continue
+        if await store.backend.head(doc_key(state.digest)) is None:
+            report.problems.append(f"{info.key}: points at {state.digest}, which is not in the store")
 
 
 async def _check_named(store: Store, key: str, report: VerifyReport) -> bytes | None:

@@ -30,6 +30,7 @@ from layerstore.objects import (
     ImageDoc,
     StoreVersionError,
     canonical,
+    doc_key,
     index_key,
     pack_key,
     ref_key,
@@ -298,3 +299,44 @@ async def test_unsynced_upload_does_not_dedup_against_a_deleted_pack(store_url: 
         digest = await b.put_doc(ImageDoc(tuple(entries), {}, {}).to_json())
         await b.set_ref("u/n3", digest, "image")
         assert (await verify(b, "u/n3")).ok
+
+
+# -- verify reaches everything ----------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_verify_finds_dangling_refs_and_orphan_index_copies(store: Store, tmp_path: Path) -> None:
+    await publish(store, str(make_tree(tmp_path / "a", {"f": b"alpha" * 1000})), "v/a")
+    assert (await verify(store)).ok
+    ghost = "blake3:" + "ab" * 32
+    await store.set_ref("v/ghost", ghost, "image")  # a ref whose document never existed
+    orphan = index_key("cd" * 32)
+    await store.backend.put(orphan, b"\0" * 8)  # an index copy without its pack
+    problems = (await verify(store)).problems
+    assert any(p.startswith("refs/v/ghost") and ghost in p for p in problems), problems
+    assert any(p.startswith(orphan) for p in problems), problems
+
+
+@pytest.mark.asyncio
+async def test_verify_with_a_ref_checks_every_chunk_is_in_a_named_pack(store: Store, tmp_path: Path) -> None:
+    await publish(store, str(make_tree(tmp_path / "one", {"f": os.urandom(300_000)})), "v/one")
+    await publish(store, str(make_tree(tmp_path / "two", {"g": os.urandom(300_000)})), "v/two")
+    one, two = await store.resolve("v/one"), await store.resolve("v/two")
+    assert set(one.layers[0].packs) != set(two.layers[0].packs)
+    # an image whose layer entry names the wrong packs: every document and image hashes fine
+    doc = json.loads(json.dumps(two.doc))
+    doc["layers"][0]["packs"] = list(one.layers[0].packs)
+    await store.set_ref("v/wrong", await store.put_doc(doc), "image")
+    assert (await verify(store, "v/two")).ok
+    problems = (await verify(store, "v/wrong")).problems
+    assert any("in none of the packs" in p and two.layers[0].digest in p for p in problems), problems
+
+
+@pytest.mark.asyncio
+async def test_verify_with_a_ref_follows_composition_parts(store: Store, tmp_path: Path) -> None:
+    await publish(store, str(make_tree(tmp_path / "base", {"b": b"base"})), "v/base")
+    await publish(store, str(make_tree(tmp_path / "ws", {"w": b"workspace"})), "v/ws")
+    await store.compose("v/env", {"base": "v/base", "workspace": "v/ws"})
+    assert (await verify(store, "v/env")).ok
+    part = (await store.resolve("v/ws")).digest
+    await store.backend.delete(doc_key(part))  # the workspace's own document goes missing
+    problems = (await verify(store, "v/env")).problems
+    assert any(p.startswith(doc_key(part)) and "missing" in p for p in problems), problems
