@@ -431,3 +431,41 @@ def test_bench_lazy_quick_json(tmp_path: Path) -> None:
     assert doc["leftover_mounts"] == []
     assert doc["mounts_after_cleanup"] == []
     assert list(work.iterdir()) == [], "the benchmark left files behind"
+
+
+SANDBOX_BENCH = Path(__file__).resolve().parents[1] / "bench" / "sandbox.py"
+
+
+@pytest.mark.slow
+@pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun", "cmd:umoci")
+def test_bench_sandbox_small_json(tmp_path: Path) -> None:
+    """Every section but the long ones, tiny sizes, no podman: the figures are there and agree with each
+    other, the CPU classes were applied, and nothing is left behind.  No timing is checked."""
+    from lazyfetch import kmount
+
+    work = tmp_path / "work"
+    work.mkdir()
+    doc = json.loads(run([sys.executable, SANDBOX_BENCH, "--quick", "--no-podman", "--sections",
+                          "latency,pause,fncall,idle,cpu-class", "--idle", "6", "--latency", "2", "--pauses", "2",
+                          "--calls", "3", "--cpu-rounds", "2", "--json", "--tmpdir", work], timeout=900).stdout)
+    assert doc["schema"] == "layerbox.bench.sandbox.v1"
+    methods = doc["latency"]["methods"]
+    for name in ("ours", "crun plain create+start+exec"):
+        m = methods[name]
+        assert m["first_exec"]["n"] == m["cycle"]["n"] == 2
+        assert 0 < m["first_exec"]["p50"] <= m["first_exec"]["p99"]
+        for r in m["runs"]:
+            assert r["first_exec"] <= r["total"]  # the cycle includes the first exec
+    for op in ("pause (reclaim)", "resume after reclaim", "pause (no reclaim)", "resume"):
+        assert doc["pause"][op]["n"] == 2
+    f = doc["fncall"]
+    assert f["available"] is True
+    assert f["cmd true"]["wall"]["n"] == f["python f(1)"]["wall"]["n"] == 3
+    idle = doc["idle"]
+    assert (idle["requested"], idle["held"], idle["failure"]) == (6, 6, None)
+    weights = doc["cpu_class"]["cpu_weights"]
+    assert set(weights["best-effort"]) == {"cpu.shares=2"} or set(weights["best-effort"]) == {"cpu.weight=1"}
+    assert weights["latency"] != weights["best-effort"]
+    assert doc["cleanup"] == {"mounts_left": [], "workdir_removed": True, "problems": []}
+    assert kmount.mounts_under(work) == []
+    assert list(work.iterdir()) == []
