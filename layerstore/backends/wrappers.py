@@ -54,7 +54,41 @@ class RetriesExhausted(TransientError):
         self.attempts = attempts
 
 
-class RetryingBackend(Backend):
+class _Wrapper(Backend):
+    """A backend around ``inner``: every keyed call goes through :meth:`_through`."""
+
+    inner: Backend
+
+    async def _through(self, op: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
+        raise NotImplementedError
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return await self._through("get", key, lambda: self.inner.get(key, start, end))
+
+    async def head(self, key: str) -> ObjectInfo | None:
+        return await self._through("head", key, lambda: self.inner.head(key))
+
+    async def put(self, key: str, data: bytes) -> None:
+        await self._through("put", key, lambda: self.inner.put(key, data))
+
+    async def put_if_absent(self, key: str, data: bytes) -> bool:
+        return await self._through("put_if_absent", key, lambda: self.inner.put_if_absent(key, data))
+
+    async def put_conditional(self, key: str, data: bytes, if_match: str | None) -> str:
+        return await self._through("put_conditional", key,
+                                   lambda: self.inner.put_conditional(key, data, if_match))
+
+    async def delete(self, key: str) -> None:
+        await self._through("delete", key, lambda: self.inner.delete(key))
+
+    async def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
+        return await self.inner.sweep_leftovers(older_than, dry_run=dry_run)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+class RetryingBackend(_Wrapper):
     """Retries ``retryable`` errors with exponential back-off and full jitter.
 
     Attempt ``n`` (from 1) that fails waits a random time in
@@ -86,7 +120,7 @@ class RetryingBackend(Backend):
                     self.url, op, key, attempt, self.attempts, delay, exc)
         await asyncio.sleep(delay)
 
-    async def _retry(self, op: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
+    async def _through(self, op: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
         started = time.monotonic()
         attempt = 1
         while True:
@@ -105,25 +139,6 @@ class RetryingBackend(Backend):
                     raise RetriesExhausted(exc, attempt, time.monotonic() - started) from exc
                 await self._backoff(op, key, attempt, exc)
                 attempt += 1
-
-    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        return await self._retry("get", key, lambda: self.inner.get(key, start, end))
-
-    async def head(self, key: str) -> ObjectInfo | None:
-        return await self._retry("head", key, lambda: self.inner.head(key))
-
-    async def put(self, key: str, data: bytes) -> None:
-        await self._retry("put", key, lambda: self.inner.put(key, data))
-
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
-        return await self._retry("put_if_absent", key, lambda: self.inner.put_if_absent(key, data))
-
-    async def put_conditional(self, key: str, data: bytes, if_match: str | None) -> str:
-        return await self._retry("put_conditional", key,
-                                 lambda: self.inner.put_conditional(key, data, if_match))
-
-    async def delete(self, key: str) -> None:
-        await self._retry("delete", key, lambda: self.inner.delete(key))
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         started = time.monotonic()
@@ -157,14 +172,8 @@ class RetryingBackend(Backend):
             if iterator is not None:
                 await _aclose(iterator)
 
-    async def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
-        return await self.inner.sweep_leftovers(older_than, dry_run=dry_run)
 
-    async def close(self) -> None:
-        await self.inner.close()
-
-
-class LimitedBackend(Backend):
+class LimitedBackend(_Wrapper):
     """At most ``max_concurrency`` calls in flight on ``inner`` (an asyncio.Semaphore).
 
     A listing holds a slot only while it fetches its next object (a page or a
@@ -182,30 +191,6 @@ class LimitedBackend(Backend):
     def __repr__(self) -> str:
         return f"LimitedBackend({self.inner!r}, {self.max_concurrency})"
 
-    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        async with self._slots:
-            return await self.inner.get(key, start, end)
-
-    async def head(self, key: str) -> ObjectInfo | None:
-        async with self._slots:
-            return await self.inner.head(key)
-
-    async def put(self, key: str, data: bytes) -> None:
-        async with self._slots:
-            await self.inner.put(key, data)
-
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
-        async with self._slots:
-            return await self.inner.put_if_absent(key, data)
-
-    async def put_conditional(self, key: str, data: bytes, if_match: str | None) -> str:
-        async with self._slots:
-            return await self.inner.put_conditional(key, data, if_match)
-
-    async def delete(self, key: str) -> None:
-        async with self._slots:
-            await self.inner.delete(key)
-
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         iterator = aiter(self.inner.list(prefix))
         try:
@@ -219,11 +204,9 @@ class LimitedBackend(Backend):
         finally:
             await _aclose(iterator)
 
-    async def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
-        return await self.inner.sweep_leftovers(older_than, dry_run=dry_run)
-
-    async def close(self) -> None:
-        await self.inner.close()
+    async def _through(self, op: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
+        async with self._slots:
+            return await call()
 
 
 @dataclass
@@ -234,7 +217,7 @@ class _Fault:
     lose_reply: bool = False  # let the call reach inner, then raise a TransientError
 
 
-class FaultyBackend(Backend):
+class FaultyBackend(_Wrapper):
     """Test-only: injects failures and stalls a real service cannot produce on cue.
 
     Operations are named like the methods (``"get"``, ``"put"``, ``"list"``,
@@ -289,7 +272,7 @@ class FaultyBackend(Backend):
                 raise fault.error(op, key)
         return fault
 
-    async def _call(self, op: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
+    async def _through(self, op: str, key: str, call: Callable[[], Awaitable[T]]) -> T:
         self.in_flight += 1  # a stalled call is in flight too
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -300,25 +283,6 @@ class FaultyBackend(Backend):
             return result
         finally:
             self.in_flight -= 1
-
-    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        return await self._call("get", key, lambda: self.inner.get(key, start, end))
-
-    async def head(self, key: str) -> ObjectInfo | None:
-        return await self._call("head", key, lambda: self.inner.head(key))
-
-    async def put(self, key: str, data: bytes) -> None:
-        await self._call("put", key, lambda: self.inner.put(key, data))
-
-    async def put_if_absent(self, key: str, data: bytes) -> bool:
-        return await self._call("put_if_absent", key, lambda: self.inner.put_if_absent(key, data))
-
-    async def put_conditional(self, key: str, data: bytes, if_match: str | None) -> str:
-        return await self._call("put_conditional", key,
-                                lambda: self.inner.put_conditional(key, data, if_match))
-
-    async def delete(self, key: str) -> None:
-        await self._call("delete", key, lambda: self.inner.delete(key))
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         self.in_flight += 1
@@ -337,9 +301,3 @@ class FaultyBackend(Backend):
                 yielded += 1
         finally:
             await _aclose(iterator)
-
-    async def sweep_leftovers(self, older_than: float, *, dry_run: bool = False) -> Leftovers:
-        return await self.inner.sweep_leftovers(older_than, dry_run=dry_run)
-
-    async def close(self) -> None:
-        await self.inner.close()
