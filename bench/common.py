@@ -1,4 +1,5 @@
-"""Helpers every benchmark uses: logging, rates, tables, a fake-credentials AWS environment.
+"""Helpers every benchmark uses: its error, logging, rates, tables, the JSON-or-table output,
+a fake-credentials AWS environment.
 
 The benchmarks run as scripts (``python bench/NAME.py``), so they import this as ``common``.
 """
@@ -6,10 +7,12 @@ The benchmarks run as scripts (``python bench/NAME.py``), so they import this as
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 MB = 1_000_000
 
@@ -18,8 +21,21 @@ AWS_LEAKS = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFA
              "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI")
 
 
+class BenchError(Exception):
+    """The benchmark cannot run or a step failed; the message says what to do."""
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def emit(doc: dict[str, Any], as_json: bool, render: Callable[[dict[str, Any]], str]) -> None:
+    """The run's result on stdout: one JSON document, or the tables."""
+    if as_json:
+        json.dump(doc, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        print(render(doc))
 
 
 def rate(nbytes: int, seconds: float) -> float | None:

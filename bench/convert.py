@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import os
 import platform
 import re
@@ -51,7 +50,7 @@ import zstandard
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import _f, _table, rate  # shared by the benchmarks
+from common import BenchError, _f, _table, emit, rate  # shared by the benchmarks
 
 from converters.errors import ConvertError  # noqa: E402
 from converters.layer import check_chunk_size, convert_stream  # noqa: E402
@@ -70,9 +69,6 @@ TOOL_TIMEOUT = 3600.0
 GOAL_NATIVE_RATIO = 1.0  # native_seconds / layerbox_seconds must be at least this
 GOAL_FLOOR_RATIO = 3.0  # layerbox_seconds / floor_seconds must be at most this
 
-
-class BenchError(Exception):
-    """The benchmark cannot run or a tool failed; the message says what to do."""
 
 
 # -- inputs --------------------------------------------------------------------
@@ -836,11 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         log("bench/convert.py: interrupted; temporary files removed")
         return 130
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(render(doc))
+    emit(doc, args.json, render)
     return 0
 
 

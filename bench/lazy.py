@@ -59,7 +59,15 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import _f, _table, aws_environment, log, rate  # shared by the benchmarks
+from common import (  # shared by the benchmarks
+    BenchError,
+    _f,
+    _table,
+    aws_environment,
+    emit,
+    log,
+    rate,
+)
 
 from converters.errors import ConvertError  # noqa: E402
 from converters.oci import inspect_image  # noqa: E402
@@ -108,9 +116,6 @@ GOAL_FETCH_OVER_READ = 1.3  # bytes fetched <= this x the bytes of the files the
 GOAL_SIZE_RATIO = 1.25  # first output on the largest image <= this x on the smallest
 GOAL_CACHED_ONCE = 1.1  # page cache per byte read through the mount <= this x the plain directory's
 
-
-class BenchError(Exception):
-    """The benchmark cannot run or a step failed; the message says what to do."""
 
 
 # -- processes ---------------------------------------------------------------------------------
@@ -1275,11 +1280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     if leftovers or doc["mounts_after_cleanup"]:
         log(f"bench/lazy.py: mounts were left behind: {leftovers}; after cleanup: {doc['mounts_after_cleanup']}")
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(render(doc))
+    emit(doc, args.json, render)
     return 1 if leftovers or doc["mounts_after_cleanup"] else 0
 
 

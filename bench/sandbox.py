@@ -63,7 +63,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import _f, _table, log  # shared by the benchmarks
+from common import BenchError, _f, _table, emit, log  # shared by the benchmarks
 
 from converters.publish import publish  # noqa: E402
 from layerstore.errors import LayerboxError  # noqa: E402
@@ -96,9 +96,6 @@ SUN_PATH_MAX = 107
 GOAL_IDLE = 1000
 GOAL_OVERHEAD_MIB = 5.0
 
-
-class BenchError(Exception):
-    """The benchmark cannot run or a step failed; the message says what to do."""
 
 
 # -- small helpers ------------------------------------------------------------------------------
@@ -1407,11 +1404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         log("bench/sandbox.py: interrupted; everything it created was removed")
         return 130
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
-    else:
-        print(render(doc))
+    emit(doc, args.json, render)
     return status
 
 

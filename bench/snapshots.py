@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import json
 import math
 import os
 import platform
@@ -56,7 +55,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import _f, _table, log  # shared by the benchmarks
+from common import BenchError, _f, _table, emit, log  # shared by the benchmarks
 
 from converters.layer import DEFAULT_CHUNK_SIZE  # noqa: E402
 from converters.publish import PublishResult, publish  # noqa: E402
@@ -83,9 +82,6 @@ TOP_DIRS, SUB_DIRS = 16, 8  # the base's small files live in small/dNN/eN/
 GOAL_FACTOR = 2.0  # the last 1 MB step may cost at most this many times the first one's
 GOAL_UPLOAD_PER_WRITTEN = 2.0  # no step may upload more than this many times what it wrote
 
-
-class BenchError(Exception):
-    """The benchmark cannot run or a tool failed; the message says what to do."""
 
 
 class Signals:
@@ -822,11 +818,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         log("bench/snapshots.py: interrupted")
         return 130
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(render(doc))
+    emit(doc, args.json, render)
     return status
 
 

@@ -30,7 +30,6 @@ import contextlib
 import gzip
 import hashlib
 import io
-import json
 import os
 import platform
 import random
@@ -55,7 +54,15 @@ import zstandard
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import _f, _table, aws_environment, log, rate  # shared by the benchmarks
+from common import (  # shared by the benchmarks
+    BenchError,
+    _f,
+    _table,
+    aws_environment,
+    emit,
+    log,
+    rate,
+)
 
 from converters.errors import ConvertError  # noqa: E402
 from converters.oci import inspect_image  # noqa: E402
@@ -80,9 +87,6 @@ PACKAGES = (
 LARGE_EDIT = "botocore"  # the one-file change in a large workspace (else the largest one)
 SKIP = shutil.ignore_patterns("__pycache__", "*.pyc")  # a source tree, not an installed one
 
-
-class BenchError(Exception):
-    """The benchmark cannot run; the message says what to do."""
 
 
 # -- what a registry would hold -------------------------------------------------------------
@@ -983,11 +987,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         log("bench/store.py: interrupted; stores, trees and the moto server removed")
         return 130
-    if args.json:
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(render(doc))
+    emit(doc, args.json, render)
     return 0
 
 
