@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import signal
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -74,3 +77,46 @@ def _table(header: list[str], rows: list[list[str]], left: int = 1) -> str:
 
 def _f(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def remove_tree(path: Path) -> None:
+    """rm -rf, also when extracted directories lack write permission (non-root runs)."""
+
+    def fix(func: Callable[..., Any], failed: str, _exc: Any) -> None:
+        parent = os.path.dirname(failed)
+        with contextlib.suppress(OSError):
+            os.chmod(parent, 0o700)
+            if os.path.isdir(failed) and not os.path.islink(failed):
+                os.chmod(failed, 0o700)
+        func(failed)
+
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, onerror=fix)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+@contextlib.contextmanager
+def workspace(base: Path, prefix: str, *, before_removal: Callable[[Path], None] | None = None,
+              after_removal: Callable[[], None] | None = None) -> Iterator[Path]:
+    """A fresh directory under ``base``, removed however the benchmark ends (SIGTERM and SIGHUP
+    unwind through every ``finally`` like Ctrl-C does)."""
+    base.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+    def terminate(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield path
+    finally:
+        try:
+            if before_removal is not None:
+                before_removal(path)
+            remove_tree(path)
+            if after_removal is not None:
+                after_removal()
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)

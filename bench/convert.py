@@ -36,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +49,15 @@ import zstandard
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import BenchError, _f, _table, emit, rate  # shared by the benchmarks
+from common import (  # shared by the benchmarks
+    BenchError,
+    _f,
+    _table,
+    emit,
+    rate,
+    remove_tree,
+    workspace,
+)
 
 from converters.errors import ConvertError  # noqa: E402
 from converters.layer import check_chunk_size, convert_stream  # noqa: E402
@@ -297,23 +304,6 @@ class NativeTools:
 # -- temporary files -----------------------------------------------------------
 
 
-def remove_tree(path: Path) -> None:
-    """rm -rf, also when extracted directories lack write permission (non-root runs)."""
-
-    def fix(func: Callable[..., Any], failed: str, _exc: Any) -> None:
-        parent = os.path.dirname(failed)
-        with contextlib.suppress(OSError):
-            os.chmod(parent, 0o700)
-            if os.path.isdir(failed) and not os.path.islink(failed):
-                os.chmod(failed, 0o700)
-        func(failed)
-
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, onerror=fix)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def ext4_without_journal(device: str) -> bool:
     """True for an ext4 filesystem mounted without a journal (see ``discard``)."""
     try:
@@ -357,30 +347,6 @@ def discard(path: Path, work: Path) -> None:
     trash = work / "trash"
     trash.mkdir(exist_ok=True)
     path.rename(trash / f"{path.name}-{time.monotonic_ns()}")
-
-
-@contextlib.contextmanager
-def workspace(base: Path) -> Iterator[Path]:
-    """A fresh directory under ``base``, removed however the benchmark ends."""
-    base.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="layerbox-bench-", dir=base))
-
-    def terminate(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)  # unwinds through the finally below
-
-    old = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield path
-    finally:
-        try:
-            remove_tree(path)
-            os.sync()  # clean inode tables shorten ext4's recently-deleted window (see discard)
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-
-
-# -- the three methods ---------------------------------------------------------
 
 
 CPU = tuple[float, float]  # user, system seconds
@@ -797,7 +763,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if fstype in ("tmpfs", "ramfs"):
             log(f"warning: {args.tmpdir} is on {fstype}: disk writes are not measured; pass --tmpdir DIR on a disk")
         nojournal = fstype == "ext4" and ext4_without_journal(device)
-        with workspace(args.tmpdir) as work:
+        # clean inode tables shorten ext4's recently-deleted window (see discard)
+        with workspace(args.tmpdir, "layerbox-bench-", after_removal=os.sync) as work:
             tools.probe(work)
             layers = resolve_inputs(specs, work, log)
             if not layers:

@@ -49,7 +49,6 @@ import struct
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +66,8 @@ from common import (  # shared by the benchmarks
     emit,
     log,
     rate,
+    remove_tree,
+    workspace,
 )
 
 from converters.errors import ConvertError  # noqa: E402
@@ -227,13 +228,6 @@ def resident_bytes(paths: Sequence[str | os.PathLike[str]]) -> int:
 
 
 # -- files -------------------------------------------------------------------------------------
-
-
-def remove_tree(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def regular_files(root: Path) -> list[str]:
@@ -1162,28 +1156,10 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
-@contextlib.contextmanager
-def workspace(base: Path) -> Iterator[Path]:
-    """A fresh directory under ``base``: at exit everything mounted below it is unmounted and it is
-    removed, however the benchmark ends."""
-    base.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="layerbox-bench-lazy-", dir=base))
-
-    def terminate(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)  # unwinds through every finally (hosts, moto, this)
-
-    old = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield path
-    finally:
-        try:
-            for mp in kmount.mounts_under(path):  # only after a failure inside a host's teardown
-                log(f"unmounting leftover {mp}")
-                kmount.umount(mp, lazy=True, missing_ok=True)
-            remove_tree(path)
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
+def unmount_leftovers(path: Path) -> None:
+    for mp in kmount.mounts_under(path):  # only after a failure inside a host's teardown
+        log(f"unmounting leftover {mp}")
+        kmount.umount(mp, lazy=True, missing_ok=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1233,7 +1209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_host()
         fixture = find_fixture(args.fixture)
-        with workspace(args.tmpdir) as work:
+        with workspace(args.tmpdir, "layerbox-bench-lazy-", before_removal=unmount_leftovers) as work:
             try:
                 trash = Trash(work / "trash")
                 images = prepare_images(fixture, work, args.filler_mb)

@@ -44,7 +44,7 @@ import tempfile
 import time
 import zlib
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -62,6 +62,8 @@ from common import (  # shared by the benchmarks
     emit,
     log,
     rate,
+    remove_tree,
+    workspace,
 )
 
 from converters.errors import ConvertError  # noqa: E402
@@ -145,13 +147,6 @@ class Inputs:
     def product_bytes(self) -> int:
         """Every environment as one full image (base + toolkit + workspace layers), none shared."""
         return sum(self.gz([*self.base_layers, *self.toolkit_layers, *w.layers]) for w in self.workspaces)
-
-
-def remove_tree(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def tar_gzip_size(tree: Path, top: str) -> tuple[int, int, float]:
@@ -899,26 +894,6 @@ def describe_inputs(inputs: Inputs) -> dict[str, Any]:
 # -- command line ---------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def workspace(base: Path) -> Iterator[Path]:
-    """A fresh directory under ``base``, removed however the benchmark ends."""
-    base.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix="layerbox-bench-store-", dir=base))
-
-    def terminate(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)  # unwinds through every finally (stores, moto, this)
-
-    old = {sig: signal.signal(sig, terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield path
-    finally:
-        try:
-            remove_tree(path)
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench/store.py",
@@ -960,7 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     started = time.time()
     try:
-        with workspace(args.tmpdir) as work:
+        with workspace(args.tmpdir, "layerbox-bench-store-") as work:
             inputs = prepare_inputs(args, work)
             results: dict[str, Any] = {}
             for name in backends:
