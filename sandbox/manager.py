@@ -395,25 +395,34 @@ class Sandbox:
                 proc.stdin.close()
         deadline = time.monotonic() + timeout if timeout is not None else None
         exited_at: float | None = None
+        kill_since: float | None = None  # when a cancel or the timeout asked for the kill
         timed_out = killed = False
         try:
             while sel.get_map():
                 now = time.monotonic()
-                if cancel.is_set() and not killed:
-                    killed = True
-                    self._kill_exec(pid_file, since)
-                    deadline = now + 5.0
-                elif deadline is not None and now >= deadline and not killed:
-                    timed_out = killed = True
-                    self._kill_exec(pid_file, since)
-                    deadline = now + 5.0  # then give up on crun exec itself
-                elif deadline is not None and killed and now >= deadline:
+                if not killed and kill_since is None:
+                    if cancel.is_set():
+                        kill_since = now
+                    elif deadline is not None and now >= deadline:
+                        timed_out, kill_since = True, now
+                if not killed and kill_since is not None:
+                    # the command's pid is known only once crun has written it: until then (a
+                    # cancel right after the start, a loaded host) keep trying, and after 5 s
+                    # without one kill crun exec itself
+                    if self._kill_exec(pid_file, since) or proc.poll() is not None or now - kill_since > 5.0:
+                        if proc.poll() is None and now - kill_since > 5.0:
+                            proc.kill()
+                        killed = True
+                        deadline = now + 5.0  # then give up on crun exec itself
+                elif killed and deadline is not None and now >= deadline:
                     break
                 if exited_at is None and proc.poll() is not None:
                     exited_at = now
                 if exited_at is not None and now - exited_at > 1.0:
                     break  # background processes still hold the pipes: stop reading them
                 wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - now))
+                if kill_since is not None and not killed:
+                    wait = 0.01
                 for key, _ in sel.select(wait):
                     idx = key.data
                     if idx == 2:
@@ -449,12 +458,15 @@ class Sandbox:
         return (bytes(bufs[0]), bytes(bufs[1]), truncated, (hashes[0].hexdigest(), hashes[1].hexdigest()),
                 (sizes[0], sizes[1]), timed_out)
 
-    def _kill_exec(self, pid_file: Path, since: int) -> None:
-        """SIGKILL an exec's process tree and the orphans it left to init, with the sandbox frozen."""
+    def _kill_exec(self, pid_file: Path, since: int) -> bool:
+        """SIGKILL an exec's process tree and the orphans it left to init, with the sandbox frozen.
+
+        False when crun has not yet written the command's pid (nothing was killed).
+        """
         try:
             root = int(pid_file.read_text().strip())
         except (OSError, ValueError):
-            return  # not started yet: killing crun exec's group is enough
+            return False
         init = self.pid
         frozen = False
         try:
@@ -480,6 +492,7 @@ class Sandbox:
         finally:
             if frozen:
                 self.manager.runtime.resume(self.id)
+        return True
 
     # -- files --------------------------------------------------------------------------------------
     def read(self, path: str) -> bytes:

@@ -16,6 +16,7 @@ from support.sandboxes import REF, assert_clean, run
 from sandbox.errors import UnsupportedOption
 from sandbox.manager import Sandbox, SandboxManager
 from sandbox.spec import CAPABILITIES
+from tests.support.sandboxes import PROCESS_ARGS
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -136,7 +137,7 @@ def test_exec_timeout_kills_the_tree_and_orphans(boxes: Any) -> None:
     while leftovers() and time.monotonic() < deadline:
         time.sleep(0.05)  # killed tasks leave the cgroup once reaped by the sandbox's init
     assert leftovers() == []
-    assert b"sleep 90" not in box.exec("ps -eo args 2>/dev/null || cat /proc/[0-9]*/cmdline").stdout
+    assert b"\nsleep 90 " not in b"\n" + box.exec(PROCESS_ARGS).stdout
     assert box.exec("echo alive").stdout == b"alive\n"
 
 

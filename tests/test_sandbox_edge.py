@@ -32,6 +32,7 @@ from sandbox.sdk import (
     capabilities,
 )
 from sandbox.service import AuthConfig, SandboxService
+from tests.support.sandboxes import PROCESS_ARGS
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -183,7 +184,7 @@ def test_leaving_the_exec_stream_kills_the_command(url: str, manager: SandboxMan
                     break
                 await asyncio.sleep(0.1)
             assert execs[0]["interrupted"] == "disconnect"
-            left = await sb.commands.run("ps -eo args= | grep -c '^sleep 300' || true")
+            left = await sb.commands.run(PROCESS_ARGS + " | grep -c '^sleep 300 ' || true")
             assert left.stdout.strip() == "0"
 
     asyncio.run(scenario())

@@ -19,6 +19,7 @@ from layerstore.store import Store
 from sandbox.errors import CommandInProgress, JobNotAdmitting, SandboxError
 from sandbox.manager import Cancel, ExecResult, SandboxManager
 from sandbox.runs import preempt, resume_run
+from tests.support.sandboxes import PROCESS_ARGS
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -131,8 +132,21 @@ def test_cancel_kills_a_running_command(boxes: Any) -> None:
     assert res.interrupted == "disconnect"
     assert res.stdout == b""
     assert not res.timed_out
-    assert box.exec("ps -e -o comm= | grep -c sleep || true").stdout.strip() in (b"0", b"1")  # init's own sleep
+    assert box.exec(PROCESS_ARGS + " | grep -c '^sleep 60 ' || true").stdout.strip() == b"0"
     assert [r for r in box.receipts() if r["action"] == "exec"][0]["interrupted"] == "disconnect"
+
+
+def test_a_cancel_before_the_command_started_still_kills_it(boxes: Any) -> None:
+    # the kill needs the pid crun writes after it forks; a cancel that came first (a client
+    # gone at once, a loaded host) found no pid, and only crun's process group was killed:
+    # what left it (setsid) ran on
+    box = boxes()
+    cancel = Cancel()
+    cancel.cancel("disconnect")
+    res = box.exec("setsid sleep 60 & sleep 60; echo never", cancel=cancel, timeout=30)
+    assert res.interrupted == "disconnect"
+    assert res.stdout == b""
+    assert box.exec(PROCESS_ARGS + " | grep -c '^sleep 60 ' || true").stdout.strip() == b"0"
 
 
 def test_preempt_checkpoints_the_job_and_resume_restores_it_elsewhere(

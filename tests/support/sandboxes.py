@@ -23,6 +23,9 @@ from tests.support.hosts import publish_sync
 
 FIXTURE = "/work/shared/fixtures/debian-bookworm.oci.tar"
 REF = "img/python"
+# the fixture image has no ps: one line per process inside the sandbox, its arguments joined by
+# spaces (and a trailing one), read from /proc; count matches with `| grep -c '^sleep 60 '`
+PROCESS_ARGS = "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null && echo; done"
 
 
 def run(coro: Any) -> Any:
