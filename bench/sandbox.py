@@ -27,6 +27,9 @@ nofile 1024):
   pause``/``resume``).
 * **FnCall** latency through ``sandbox.fncall.WarmPool`` (when that module
   exists): a command and a python function.
+* **policed network**: create to first exec and exec with a default-deny egress
+  policy against none, and one egress counter read in-process (libnftables)
+  against the ``nft`` command in the same namespace.
 * **CPU classes**: ``/bin/true`` and a short ``python3`` job in a latency-sensitive
   sandbox, alone, next to best-effort neighbours burning every CPU, and next to
   the same neighbours in the default class (``--only cpu-class`` runs it alone).
@@ -803,6 +806,64 @@ async def pause_section(manager: SandboxManager, peers: Peers, n: int, use_podma
     return out
 
 
+NET_RULES = [{"cidr": "192.0.2.0/24", "ports": 443, "protocol": "tcp"}]  # TEST-NET-1: never contacted
+
+
+async def network_section(manager: SandboxManager, n: int) -> dict[str, Any]:
+    """What a policed network (own netns, veth, default-deny table, egress receipts) costs.
+
+    Create to first exec and a held sandbox's exec, with and without a policy,
+    interleaved; then one counter read (two per policed exec) through libnftables
+    in-process against ``nft -j list table`` run in the same namespace, which is
+    what the manager did before.
+    """
+    rows: dict[str, list[float]] = {"create+first exec, no network": [], "create+first exec, policed": [],
+                                    "exec, no network": [], "exec, policed": []}
+    for i in range(n):
+        log(f"network: create round {i + 1}/{n}")
+        for name, options in (("no network", {}), ("policed", {"network": NET_RULES})):
+            t0 = time.perf_counter()
+            box = await manager.create(REF, **options)
+            try:
+                await asyncio.to_thread(box.exec, TRUE)
+                rows[f"create+first exec, {name}"].append(time.perf_counter() - t0)
+            finally:
+                await asyncio.to_thread(manager.destroy, box.id)
+    plain = await manager.create(REF)
+    policed = await manager.create(REF, network=NET_RULES)
+    out: dict[str, Any] = {}
+    try:
+        for _ in range(n):
+            for name, box in (("no network", plain), ("policed", policed)):
+                t0 = time.perf_counter()
+                await asyncio.to_thread(box.exec, TRUE)
+                rows[f"exec, {name}"].append(time.perf_counter() - t0)
+        net = manager.net
+        lib: list[float] = []
+        tool: list[float] = []
+        argv = ["nsenter", f"--net={net.netns_path(policed.id)}", "nft", "-j", "list", "table", "inet", "layerbox"]
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await asyncio.to_thread(net.counters, policed.id)
+            lib.append(time.perf_counter() - t0)
+            tool.append(await asyncio.to_thread(timed_tool, argv))
+        out["counters (libnftables, in-process)"] = summary(lib)
+        out["counters (nsenter + nft -j list table)"] = summary(tool)
+        t0 = time.perf_counter()
+        await asyncio.to_thread(net.set_policy, policed.id, [*NET_RULES, {"cidr": "198.51.100.0/24"}])
+        out["set_policy_seconds"] = time.perf_counter() - t0
+    finally:
+        for box in (plain, policed):
+            await asyncio.to_thread(manager.destroy, box.id)
+    out.update({name: summary(v) for name, v in rows.items()})
+    out["policed_over_plain"] = {
+        "create": ratio(out["create+first exec, policed"]["p50"], out["create+first exec, no network"]["p50"]),
+        "exec": ratio(out["exec, policed"]["p50"], out["exec, no network"]["p50"]),
+        "counters_lib_over_tool": ratio(out["counters (libnftables, in-process)"]["p50"],
+                                        out["counters (nsenter + nft -j list table)"]["p50"])}
+    return out
+
+
 async def fncall_section(manager: SandboxManager, n: int) -> dict[str, Any]:
     try:
         fncall = importlib.import_module("sandbox.fncall")
@@ -1059,6 +1120,8 @@ async def run_bench(args: argparse.Namespace, work: Path, fixture: Path, manager
         results["pause"] = await pause_section(manager, peers, args.pauses, args.podman)
     if "fncall" in sections:
         results["fncall"] = await fncall_section(manager, args.calls)
+    if "network" in sections:
+        results["network"] = await network_section(manager, args.net_rounds)
     if "sustain" in sections:
         peer_names = [p for p in args.sustain_peers if p != "podman" or args.podman]
         results["sustain"] = await sustain_section(manager, peers, args.sustain_seconds, args.concurrency,
@@ -1244,6 +1307,18 @@ def render(doc: dict[str, Any]) -> str:
             if fn.get("error"):
                 out.append(f"  error: {fn['error']}")
         out.append("")
+    net = doc.get("network")
+    if net:
+        out.append(f"Policed network (own netns + veth + default-deny nftables table, egress counted per exec; "
+                   f"rules {json.dumps(NET_RULES)}; ms)")
+        rows = [[name, str(v["n"]), _ms(v["p50"]), _ms(v["p99"])] for name, v in net.items()
+                if isinstance(v, dict) and "p50" in v]
+        out.append(_table(["operation", "n", "p50", "p99"], rows))
+        r = net["policed_over_plain"]
+        out.append(f"  policed/no network p50: create+first exec {_x(r['create'])}, exec {_x(r['exec'])}; "
+                   f"counter read in-process/nft command {_x(r['counters_lib_over_tool'])}; "
+                   f"set_policy {_ms(net['set_policy_seconds'])} ms")
+        out.append("")
     cc = doc.get("cpu_class")
     if cc:
         out.extend(render_cpu_class(cc))
@@ -1255,7 +1330,7 @@ def render(doc: dict[str, Any]) -> str:
 
 # -- main ---------------------------------------------------------------------------------------------
 
-SECTIONS = ("latency", "pause", "fncall", "sustain", "idle", "cpu-class")
+SECTIONS = ("latency", "pause", "fncall", "network", "sustain", "idle", "cpu-class")
 
 
 def _list(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -1290,6 +1365,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait before each memory reading (default 10; 3 quick)")
     p.add_argument("--pauses", type=int, default=None, metavar="N", help="pause/resume rounds (default 50; 10 quick)")
     p.add_argument("--calls", type=int, default=None, metavar="N", help="FnCall calls per case (default 100; 20 quick)")
+    p.add_argument("--net-rounds", type=int, default=None, metavar="N",
+                   help="network: rounds of each case (default 30; 5 quick)")
     p.add_argument("--cpu-rounds", type=int, default=None, metavar="N",
                    help="cpu-class: runs of each command per case (default 60; 12 quick)")
     p.add_argument("--cpu-blocks", type=int, default=None, metavar="B",
@@ -1335,10 +1412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.settle = args.settle if args.settle is not None else (3.0 if q else 10.0)
     args.pauses = args.pauses if args.pauses is not None else (10 if q else 50)
     args.calls = args.calls if args.calls is not None else (20 if q else 100)
+    args.net_rounds = args.net_rounds if args.net_rounds is not None else (5 if q else 30)
     args.cpu_rounds = args.cpu_rounds if args.cpu_rounds is not None else (12 if q else 60)
     args.cpu_blocks = args.cpu_blocks if args.cpu_blocks is not None else (1 if q else 3)
-    if min(args.latency, args.idle, args.pauses, args.calls, args.concurrency, args.cpu_rounds, args.cpu_blocks,
-           args.cpu_neighbours, args.cpu_burners) < 1 or args.sustain_seconds <= 0 \
+    if min(args.latency, args.idle, args.pauses, args.calls, args.net_rounds, args.concurrency, args.cpu_rounds,
+           args.cpu_blocks, args.cpu_neighbours, args.cpu_burners) < 1 or args.sustain_seconds <= 0 \
             or args.settle < 0:
         print("bench/sandbox.py: counts must be at least 1, --sustain-seconds positive", file=sys.stderr)
         return 2

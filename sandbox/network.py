@@ -31,10 +31,12 @@ and none can be missed.
 The sandbox's processes lack CAP_NET_ADMIN and seccomp denies setns and user
 namespaces, so nothing inside can change the table (see docs/SECURITY.md).
 
-Every method is blocking (it runs ``ip``/``nft``, a few ms each); async callers
-use ``asyncio.to_thread``. Work inside a namespace runs on a short-lived thread
-that has ``setns``'d into it: a network namespace is per thread, and the
-children that thread spawns inherit it, so no ``nsenter`` exec is needed.
+Every method is blocking (``ip`` runs as a command, a few ms; nftables goes
+through libnftables in-process, a fraction of a ms); async callers use
+``asyncio.to_thread``. Work inside a namespace runs on a short-lived thread that
+has ``setns``'d into it: a network namespace is per thread, the children that
+thread spawns inherit it, and so does the netlink socket libnftables opens on
+it, so no ``nsenter`` exec is needed.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from typing import Any, Literal, TypeVar, cast, get_args
 
 import blake3
 
+from sandbox import nftables
 from sandbox.errors import HostUnsupported, SandboxError, SandboxNotFound
 from sandbox.runtime import kill_group, spawn
 
@@ -295,6 +298,14 @@ def _run(argv: Sequence[str], stdin: str = "", *, what: str) -> str:
     return out.decode()
 
 
+def _nft(script: str, *, what: str, json_output: bool = False) -> str:
+    """Run an nft script in the calling thread's netns (in-process: see sandbox/nftables.py)."""
+    try:
+        return nftables.run(script, json_output=json_output)
+    except nftables.NftError as exc:
+        raise NetworkError(f"{what}: nft refused the script: {exc}") from None
+
+
 def _write_sysctl(path: str, value: str) -> None:
     with open(path, "w") as f:
         f.write(value)
@@ -351,9 +362,12 @@ class NetworkManager:
 
     def __init__(self, state_dir: str | os.PathLike[str], *, subnet: str = "10.213.0.0/16",
                  masquerade: bool = False) -> None:
-        for tool, package in (("ip", "iproute2"), ("nft", "nftables")):
-            if shutil.which(tool) is None:
-                raise HostUnsupported(f"{tool}: not installed (apt-get install {package})")
+        if shutil.which("ip") is None:
+            raise HostUnsupported("ip: not installed (apt-get install iproute2)")
+        try:
+            nftables.available()
+        except nftables.NftUnavailable as exc:
+            raise HostUnsupported(str(exc)) from None
         self.state_dir = Path(state_dir)
         self.netns_dir = self.state_dir / "netns"
         self.netns_dir.mkdir(parents=True, exist_ok=True)
@@ -424,7 +438,7 @@ class NetworkManager:
                 if v6.exists():
                     v6.write_text("1")
                 # the table first: eth0 comes up already policed
-                _run(["nft", "-f", "-"], ruleset, what=f"sandbox {sid}: egress table")
+                _nft(ruleset, what=f"sandbox {sid}: egress table")
                 _run(["ip", "-batch", "-"], inside, what=f"sandbox {sid}: addresses inside")
 
             _on_thread(configure, netns=path)
@@ -452,8 +466,7 @@ class NetworkManager:
         self._entry(sid)
         policy = self._effective(sid, parsed)
         commands = self._allow_commands(policy, flush=True)
-        _on_thread(lambda: _run(["nft", "-f", "-"], commands, what=f"sandbox {sid}: set egress policy"),
-                   netns=self._live(sid, path))
+        _on_thread(lambda: _nft(commands, what=f"sandbox {sid}: set egress policy"), netns=self._live(sid, path))
         with self._locked() as state:
             if sid not in state:
                 raise SandboxNotFound(f"sandbox {sid}: its network was destroyed while setting the policy")
@@ -468,7 +481,7 @@ class NetworkManager:
         only counted in ``denied``.
         """
         path = self._live(sid, self.netns_path(sid))
-        text = _on_thread(lambda: _run(["nft", "-j", "list", "table", "inet", TABLE], what=f"sandbox {sid}: counters"),
+        text = _on_thread(lambda: _nft(f"list table inet {TABLE}", what=f"sandbox {sid}: counters", json_output=True),
                           netns=path)
         out: dict[str, Any] = {"version": self._entry(sid)["policy"]["version"],
                                "accepted": {"packets": 0, "bytes": 0}, "denied": {"packets": 0, "bytes": 0},
@@ -522,8 +535,7 @@ class NetworkManager:
     def teardown_host(self) -> None:
         """Remove the host NAT table (``masquerade=True``); sandboxes keep running without NAT."""
         # add-then-delete: idempotent without nft >= 1.0.8's `destroy`
-        _run(["nft", "-f", "-"], f"add table ip {self._nat_table}\ndelete table ip {self._nat_table}\n",
-             what="remove host NAT table")
+        _nft(f"add table ip {self._nat_table}\ndelete table ip {self._nat_table}\n", what="remove host NAT table")
 
     # -- helpers --------------------------------------------------------------------------------
     @property
@@ -605,7 +617,7 @@ class NetworkManager:
     def _ensure_host_nat(self) -> None:
         log.warning("masquerade on: setting net.ipv4.ip_forward=1 and NAT table ip %s for %s",
                     self._nat_table, self.subnet)
-        _run(["nft", "-f", "-"], what="host NAT table", stdin=(
+        _nft(what="host NAT table", script=(
             f"add table ip {self._nat_table}\nflush table ip {self._nat_table}\n"
             f"table ip {self._nat_table} {{\n  chain postrouting {{\n"
             "    type nat hook postrouting priority srcnat; policy accept;\n"

@@ -446,8 +446,8 @@ def test_bench_sandbox_small_json(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
     doc = json.loads(run([sys.executable, SANDBOX_BENCH, "--quick", "--no-podman", "--sections",
-                          "latency,pause,fncall,idle,cpu-class", "--idle", "6", "--latency", "2", "--pauses", "2",
-                          "--calls", "3", "--cpu-rounds", "2", "--json", "--tmpdir", work], timeout=900).stdout)
+                          "latency,pause,fncall,network,idle,cpu-class", "--idle", "6", "--latency", "2",
+                          "--pauses", "2", "--calls", "3", "--net-rounds", "2", "--cpu-rounds", "2", "--json", "--tmpdir", work], timeout=900).stdout)
     assert doc["schema"] == "layerbox.bench.sandbox.v1"
     methods = doc["latency"]["methods"]
     for name in ("ours", "crun plain create+start+exec"):
@@ -461,6 +461,10 @@ def test_bench_sandbox_small_json(tmp_path: Path) -> None:
     f = doc["fncall"]
     assert f["available"] is True
     assert f["cmd true"]["wall"]["n"] == f["python f(1)"]["wall"]["n"] == 3
+    net = doc["network"]
+    for case in ("create+first exec, no network", "create+first exec, policed", "exec, no network",
+                 "exec, policed", "counters (libnftables, in-process)", "counters (nsenter + nft -j list table)"):
+        assert net[case]["n"] == 2
     idle = doc["idle"]
     assert (idle["requested"], idle["held"], idle["failure"]) == (6, 6, None)
     weights = doc["cpu_class"]["cpu_weights"]
