@@ -118,8 +118,11 @@ def test_shell_and_function_calls(mgr: SandboxManager) -> None:
             res = await pool.call(function="import sys\ndef f():\n    sys.stdout.close()\n    return 'still'\n")
             assert res.value == "still"
 
-            late = ("import subprocess\ndef f():\n"
-                    "    subprocess.Popen('while kill -0 $PPID 2>/dev/null; do :; done; echo late', shell=True)\n"
+            # the pid is passed, not read as $PPID: on a loaded host the shell may start after the
+            # function's process is gone, and its $PPID is then init's
+            late = ("import os, subprocess\ndef f():\n"
+                    "    subprocess.Popen('while kill -0 %d 2>/dev/null; do :; done; echo late' % os.getpid(),"
+                    " shell=True)\n"
                     "    return 2\n")
             res = await pool.call(function=late)
             assert (res.value, res.error) == (2, None)
