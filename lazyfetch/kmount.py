@@ -106,6 +106,8 @@ def _libc() -> ctypes.CDLL:
     libc.mount.restype = ctypes.c_int
     libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
     libc.umount2.restype = ctypes.c_int
+    libc.statx.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+    libc.statx.restype = ctypes.c_int
     # syscall() is variadic: no argtypes; every integer is passed as c_long
     # because glibc reads each variadic argument as a long.
     libc.syscall.restype = ctypes.c_long
@@ -601,10 +603,63 @@ def read_mountinfo() -> list[MountInfo]:
         return [_parse_mountinfo_line(line) for line in f.read().splitlines() if line]
 
 
+def _escape(path: str) -> bytes:
+    # the kernel's show_path escaping (seq_path with " \t\n\\")
+    return (os.fsencode(path).replace(b"\\", b"\\134").replace(b" ", b"\\040")
+            .replace(b"\t", b"\\011").replace(b"\n", b"\\012"))
+
+
+def _raw_mountpoints() -> list[bytes]:
+    # Only field 5 (the mount point), still escaped.  A host holding 1,000 sandboxes has
+    # 1,000+ mounts, and each create and destroy asks several times: parsing every
+    # field of every line (read_mountinfo) cost ~13 ms per sandbox cycle at 300 held.
+    with open(_MOUNTINFO, "rb") as f:
+        return [line.split(b" ", 5)[4] for line in f.read().splitlines() if line]
+
+
+def mountpoints() -> list[str]:
+    """Every mount point of this process's mount table, in mount order."""
+    return [_unescape(mp) if b"\\" in mp else os.fsdecode(mp) for mp in _raw_mountpoints()]
+
+
+_AT_SYMLINK_NOFOLLOW: Final = 0x100
+_AT_NO_AUTOMOUNT: Final = 0x800
+_AT_STATX_DONT_SYNC: Final = 0x4000
+_STATX_ATTR_MOUNT_ROOT: Final = 0x2000
+_STATX_BUF: Final = 256  # sizeof(struct statx)
+_STATX_ATTRIBUTES = struct.Struct("=Q")  # stx_attributes at 8, stx_attributes_mask at 56
+
+
+def _statx_mount_root(path: bytes) -> bool | None:
+    """statx's own answer (Linux >= 5.8), or None when it has none and mountinfo must say."""
+    libc = _libc()
+    buf = ctypes.create_string_buffer(_STATX_BUF)
+    # DONT_SYNC: a FUSE mount point answers from cached attributes, so a hung daemon
+    # cannot hang the question
+    flags = _AT_SYMLINK_NOFOLLOW | _AT_NO_AUTOMOUNT | _AT_STATX_DONT_SYNC
+    if libc.statx(_AT_FDCWD, path, flags, 0, buf) != 0:
+        err = ctypes.get_errno()
+        return False if err in (errno.ENOENT, errno.ENOTDIR) else None
+    (supported,) = _STATX_ATTRIBUTES.unpack_from(buf, 56)
+    if not supported & _STATX_ATTR_MOUNT_ROOT:
+        return None
+    (attributes,) = _STATX_ATTRIBUTES.unpack_from(buf, 8)
+    return bool(attributes & _STATX_ATTR_MOUNT_ROOT)
+
+
 def is_mountpoint(path: StrPath) -> bool:
-    """Whether something is mounted exactly on ``path`` (after resolving symlinks)."""
+    """Whether something is mounted exactly on ``path`` (after resolving symlinks).
+
+    One statx call: the mount table is read only where statx cannot tell (a dead
+    FUSE daemon's mount point answers ENOTCONN), since reading it costs ~5 ms with
+    600 sandboxes' mounts on the host.
+    """
     real = os.path.realpath(path)
-    return any(m.mountpoint == real for m in read_mountinfo())
+    answer = _statx_mount_root(os.fsencode(real))
+    if answer is not None:
+        return answer
+    wanted = _escape(real)
+    return any(mp == wanted for mp in _raw_mountpoints())
 
 
 def mounts_under(prefix: StrPath) -> list[str]:
@@ -612,9 +667,8 @@ def mounts_under(prefix: StrPath) -> list[str]:
 
     A path with several stacked mounts appears once per mount, topmost first.
     """
-    real = os.path.realpath(prefix)
-    below = real.rstrip("/") + "/"
-    found = [m.mountpoint for m in reversed(read_mountinfo())
-             if m.mountpoint == real or m.mountpoint.startswith(below)]
+    real = _escape(os.path.realpath(prefix))
+    below = real.rstrip(b"/") + b"/"
+    found = [_unescape(mp) for mp in reversed(_raw_mountpoints()) if mp == real or mp.startswith(below)]
     # sorted() is stable, so stacked mounts keep their topmost-first order.
     return sorted(found, key=lambda p: p.rstrip("/").count("/"), reverse=True)

@@ -94,7 +94,7 @@ class HostMounts:
 
     def _reconcile(self, state: dict[str, Any], instance: str | None) -> set[str]:
         """Drop what the kernel no longer has; return layers mounted by a dead daemon."""
-        mounted = {m.mountpoint for m in kmount.read_mountinfo()}
+        mounted = set(kmount.mountpoints())
         for mp in [mp for mp in state["mounts"] if mp not in mounted]:
             log.info("forgetting %s: no longer mounted", mp)
             del state["mounts"][mp]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -203,8 +204,8 @@ def test_mount_state_from_mountinfo(
     image: tuple[Path, Path, Path], tmp_path: Path, mounts: Mounts
 ) -> None:
     _, meta, blob = image
-    # Space, tab and backslash appear as \040, \011 and \134 in mountinfo.
-    outer = tmp_path / "with space\tand\\backslash"
+    # Space, tab, newline and backslash appear as \040, \011, \012 and \134 in mountinfo.
+    outer = tmp_path / "with space\tand\\backslash\nand newline"
     outer.mkdir()
     mounts.erofs(meta, blob, at=outer)
     alias = tmp_path / "alias"
@@ -214,6 +215,29 @@ def test_mount_state_from_mountinfo(
     assert not kmount.is_mountpoint(outer / "dir")
     assert not kmount.is_mountpoint(tmp_path)
     assert kmount.mounts_under(tmp_path) == [str(outer)]
+    assert kmount.mounts_under(outer) == [str(outer)]
+    assert str(outer) in kmount.mountpoints()
+    assert [m.mountpoint for m in kmount.read_mountinfo()] == kmount.mountpoints()
+
+
+@pytest.mark.root
+def test_is_mountpoint_sees_a_bind_mount_on_the_same_filesystem(tmp_path: Path) -> None:
+    # same device and inode as before the mount: only the mount table (or statx's
+    # mount-root attribute) can tell
+    target = tmp_path / "self"
+    target.mkdir()
+    (target / "file").write_text("x")
+    assert not kmount.is_mountpoint(target)
+    subprocess.run(["mount", "--bind", str(target), str(target)], check=True)
+    try:
+        assert kmount.is_mountpoint(target)
+        assert kmount.is_mountpoint(tmp_path / "self" / ".." / "self")
+        assert not kmount.is_mountpoint(target / "file")
+        assert not kmount.is_mountpoint(tmp_path / "absent")
+        assert kmount.is_mountpoint("/")
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+    assert not kmount.is_mountpoint(target)
 
 
 @pytest.mark.root("erofs", "overlay")
