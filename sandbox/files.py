@@ -5,7 +5,9 @@ and absolute symlinks are resolved as if the rootfs were ``/``, so a symlink
 inside the sandbox pointing at ``/etc/shadow`` names the sandbox's own
 ``/etc/shadow``, never the host's.  Magic links (``/proc/self/root``-style)
 are refused.  Hosts without openat2 (Linux < 5.6) get :class:`HostUnsupported`
-rather than a weaker, racy userspace resolver.
+rather than a weaker, racy userspace resolver.  Each operation's path work
+also runs on a thread that Landlock confines to the root (:mod:`sandbox.landlock`),
+so even a path our code got wrong cannot reach the host's files.
 
 A sandbox in a user namespace (``idmap=(host_base, size)``) has an idmapped
 rootfs: the host sees its ids shifted by ``host_base`` and host root, which
@@ -17,16 +19,18 @@ sandbox sees them.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, TypeVar, cast
 
 from sandbox import idmap as _idmap
+from sandbox import landlock
 from sandbox.errors import HostUnsupported, PathEscape
 
 SYS_OPENAT2 = 437  # same number on x86_64 and the generic table (arm64)
@@ -34,6 +38,8 @@ RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
 CHUNK = 1 << 20
 OVERFLOW_ID = 65534  # what the kernel shows for an id without a mapping (nobody)
+
+T = TypeVar("T")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -86,6 +92,10 @@ class RootFiles:
             return contextlib.nullcontext()
         return _idmap.fs_identity(self.idmap[0], self.idmap[0])
 
+    def _confined(self, fn: Callable[[], T]) -> T:
+        """Run one operation's path work on a thread Landlock keeps inside the root (see landlock.py)."""
+        return landlock.run_confined(self.root, fn)
+
     def _inside(self, st: os.stat_result) -> os.stat_result:
         if self.idmap is None:
             return st
@@ -109,7 +119,7 @@ class RootFiles:
         return self._open(parent, os.O_PATH | os.O_DIRECTORY), name
 
     def iter_read(self, path: str, chunk: int = CHUNK) -> Iterator[bytes]:
-        fd = self._open(path, os.O_RDONLY)
+        fd = self._confined(lambda: self._open(path, os.O_RDONLY))
         try:
             while data := os.read(fd, chunk):
                 yield data
@@ -127,13 +137,17 @@ class RootFiles:
         return total
 
     def upload(self, path: str, src: BinaryIO, mode: int = 0o644, chunk: int = CHUNK) -> int:
-        with self._as_sandbox_root():  # creation and copy-up; the writes need no identity after open
-            fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-            try:
-                os.fchmod(fd, mode)
-            except BaseException:
-                os.close(fd)
-                raise
+        def create() -> int:
+            with self._as_sandbox_root():  # creation and copy-up; the writes need no identity after open
+                fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+                try:
+                    os.fchmod(fd, mode)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                return fd
+
+        fd = self._confined(create)
         total = 0
         try:
             while data := src.read(chunk):
@@ -152,6 +166,9 @@ class RootFiles:
         return self.upload(path, io.BytesIO(data), mode)
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
+        self._confined(lambda: self._mkdir(path, mode))
+
+    def _mkdir(self, path: str, mode: int) -> None:
         dfd, name = self._parent(path)
         try:
             with self._as_sandbox_root():
@@ -161,6 +178,9 @@ class RootFiles:
 
     def stat(self, path: str) -> os.stat_result:
         """lstat of the entry itself (a symlink is reported, not followed)."""
+        return self._confined(lambda: self._stat(path))
+
+    def _stat(self, path: str) -> os.stat_result:
         if path.strip("/") in ("", "."):
             fd = self._open("/", os.O_PATH)
             try:
@@ -174,6 +194,9 @@ class RootFiles:
             os.close(dfd)
 
     def list(self, path: str = "/") -> list[dict[str, Any]]:
+        return self._confined(lambda: self._list(path))
+
+    def _list(self, path: str) -> builtins.list[dict[str, Any]]:
         fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
         out = []
         try:
@@ -186,6 +209,9 @@ class RootFiles:
         return out
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
+        self._confined(lambda: self._remove(path, recursive))
+
+    def _remove(self, path: str, recursive: bool) -> None:
         dfd, name = self._parent(path)
         try:
             st = os.stat(name, dir_fd=dfd, follow_symlinks=False)

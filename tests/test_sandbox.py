@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import threading
@@ -11,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.sandboxes import REF, assert_clean, run
+from support.sandboxes import PROCESS_ARGS, REF, assert_clean, run
 
+from sandbox import landlock
 from sandbox.errors import UnsupportedOption
+from sandbox.files import RootFiles
 from sandbox.manager import Sandbox, SandboxManager
 from sandbox.spec import CAPABILITIES
-from tests.support.sandboxes import PROCESS_ARGS
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -202,6 +204,39 @@ def test_symlinks_cannot_leave_the_root(boxes: Any, tmp_path: Path) -> None:
     with pytest.raises(OSError):  # noqa: PT011  (ELOOP/PathEscape: magic links refused)
         box.read("/root/magic")
     assert box.stat("/root/abs").st_size == len("/etc/shadow")  # the link itself
+
+
+def test_files_api_threads_are_fenced_by_landlock(tmp_path: Path) -> None:
+    # the second fence behind openat2: whatever path the files API's code produced, the
+    # thread doing the work cannot touch anything outside the sandbox's root
+    assert landlock.abi() >= 1, "Landlock is unavailable: boot with lsm=...,landlock"
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "etc").mkdir(parents=True)
+    outside.mkdir()
+    secret = outside / "secret"
+    secret.write_text("host\n")
+    files = RootFiles(root)
+    files.write("/etc/a", b"inside")
+    files.mkdir("/d")
+    assert files.read("/etc/a") == b"inside"
+    assert [e["name"] for e in files.list("/")] == ["d", "etc"]
+    # a bug that opened a host path directly, inside the fenced thread
+    with pytest.raises(PermissionError):
+        landlock.run_confined(root, lambda: secret.read_text())
+    with pytest.raises(PermissionError):
+        landlock.run_confined(root, lambda: secret.unlink())
+    with pytest.raises(PermissionError):
+        landlock.run_confined(root, lambda: (outside / "new").write_text("x"))
+    with pytest.raises(PermissionError):  # a rename out of the root is a write outside it
+        landlock.run_confined(root, lambda: os.rename(root / "etc" / "a", outside / "moved"))
+    assert landlock.run_confined(root, lambda: (root / "etc" / "a").read_bytes()) == b"inside"
+    assert sorted(p.name for p in outside.iterdir()) == ["secret"]
+    assert secret.read_text() == "host\n"
+    # only the operation's own thread was fenced: the caller (a pool thread) is not
+    assert secret.read_text() == "host\n"
+    (outside / "still-writable").write_text("y")
+    files.remove("/d")
+    assert not (root / "d").exists()
 
 
 def test_network_is_loopback_only(boxes: Any) -> None:

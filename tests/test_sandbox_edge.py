@@ -17,7 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from support.sandboxes import REF, ServerThread, assert_clean
+from support.sandboxes import PROCESS_ARGS, REF, ServerThread, assert_clean
 
 from lazyfetch import kmount
 from sandbox.manager import SandboxManager
@@ -32,7 +32,6 @@ from sandbox.sdk import (
     capabilities,
 )
 from sandbox.service import AuthConfig, SandboxService
-from tests.support.sandboxes import PROCESS_ARGS
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 

@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.sandboxes import REF, assert_clean, kill_daemon, run
+from support.sandboxes import PROCESS_ARGS, REF, assert_clean, kill_daemon, run
 
 from layerstore import gc
 from layerstore.store import Store
 from sandbox.errors import CommandInProgress, JobNotAdmitting, SandboxError
 from sandbox.manager import Cancel, ExecResult, SandboxManager
 from sandbox.runs import preempt, resume_run
-from tests.support.sandboxes import PROCESS_ARGS
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
