@@ -11,6 +11,12 @@ daemon died or was restarted) is stale: its reads fail with EIO.  Such layers
 are remounted on the new daemon's blob files, and every user mount stacked on
 them is detached and mounted again with the same upper and work directories,
 which brings the sandboxes' views back.
+
+A writable mount can be *detached* (:meth:`HostMounts.detach`) once a process
+with its own mount namespace (a container, whose root it is) holds it: it
+leaves the host's mount table but keeps its record, its upper and its layers
+until :meth:`HostMounts.umount`.  Every new mount namespace copies the host's
+table, so with 1,000 sandboxes' overlays in it each container create cost ~2x.
 """
 
 from __future__ import annotations
@@ -55,6 +61,12 @@ class MountResult:
         return dict(self.__dict__)
 
 
+def _start_time(pid: int) -> int:
+    """The process's start time in clock ticks (tells a reused pid apart)."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return int(text[text.rindex(")") + 2:].split()[19])
+
+
 class HostMounts:
     def __init__(self, data_dir: str | os.PathLike[str], store_url: str | None = None, *,
                  s3_endpoint: str | None = None, daemon_options: dict[str, Any] | None = None) -> None:
@@ -69,7 +81,8 @@ class HostMounts:
         # and (mountpoint, "restacked") once it is back on the new daemon: whoever runs
         # processes on the mount (a container holds its own copy of the overlay, still on the
         # dead daemon) restarts them.  Runs under the state lock: it must not call back here.
-        self.on_remount: Callable[[str, str], None] | None = None
+        # A pid returned from "restacked" holds the new mount: it is detached (see detach).
+        self.on_remount: Callable[[str, str], int | None] | None = None
 
     # -- state --------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -95,7 +108,8 @@ class HostMounts:
     def _reconcile(self, state: dict[str, Any], instance: str | None) -> set[str]:
         """Drop what the kernel no longer has; return layers mounted by a dead daemon."""
         mounted = set(kmount.mountpoints())
-        for mp in [mp for mp in state["mounts"] if mp not in mounted]:
+        # a detached mount is in its holder's namespace, not in ours: it stays until umount
+        for mp in [mp for mp, rec in state["mounts"].items() if mp not in mounted and not rec.get("detached")]:
             log.info("forgetting %s: no longer mounted", mp)
             del state["mounts"][mp]
         stale = set()
@@ -216,15 +230,51 @@ class HostMounts:
                 kmount.mount_overlay(lowers, mp)
             for hexd in rec["layers"]:
                 state["layers"][hexd]["users"] = sorted(set(state["layers"][hexd]["users"]) | {mp})
-            self._notify(mp, "restacked")
+            rec.pop("detached", None)
+            holder = self._notify(mp, "restacked")
+            if isinstance(holder, int):
+                try:
+                    self._detach(rec, mp, holder)
+                except MountError as exc:  # still mounted here: correct, only slower for others
+                    log.warning("%s", exc)
 
-    def _notify(self, mountpoint: str, phase: str) -> None:
+    def _notify(self, mountpoint: str, phase: str) -> int | None:
         if self.on_remount is None:
-            return
+            return None
         try:
-            self.on_remount(mountpoint, phase)
+            return self.on_remount(mountpoint, phase)
         except Exception:  # the mount itself is fine; its user is told in the log
             log.exception("remount hook for %s (%s) failed", mountpoint, phase)
+            return None
+
+    def detach(self, mountpoint: str | os.PathLike[str], holder_pid: int) -> None:
+        """Take the writable mount at ``mountpoint`` out of this host's mount table.
+
+        ``holder_pid`` is a process whose own mount namespace holds the mount (a
+        container whose root it is): the overlay lives on there.  The record, its
+        upper and its layers stay until :meth:`umount`; checkpoints read the upper
+        from the record.
+        """
+        target = os.path.realpath(mountpoint)
+        with self._locked() as state:
+            rec = state["mounts"].get(target)
+            if rec is None:
+                raise MountError(f"{target} is not a layerbox mount on this host ({self.data_dir})")
+            self._detach(rec, target, holder_pid)
+
+    def _detach(self, rec: dict[str, Any], target: str, pid: int) -> None:
+        if not rec.get("writable"):
+            raise MountError(f"{target}: only writable mounts are detached")
+        try:
+            theirs = os.readlink(f"/proc/{pid}/ns/mnt")
+            start = _start_time(pid)
+        except OSError as exc:
+            raise MountError(f"{target}: holder process {pid} is gone ({exc.strerror}); not detached") from None
+        if theirs == os.readlink("/proc/self/ns/mnt"):
+            # detaching here would take the mount from the holder too
+            raise MountError(f"{target}: process {pid} shares this mount namespace; not detached")
+        kmount.umount(target, lazy=True, missing_ok=True)
+        rec["detached"] = {"pid": pid, "start": start}
 
     def remount(self) -> int:
         """Bring every mount back onto the current daemon (after a daemon restart)."""

@@ -25,6 +25,7 @@ import ctypes
 import errno
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
@@ -34,6 +35,7 @@ from sandbox import landlock
 from sandbox.errors import HostUnsupported, PathEscape
 
 SYS_OPENAT2 = 437  # same number on x86_64 and the generic table (arm64)
+RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
 CHUNK = 1 << 20
@@ -49,9 +51,9 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def openat2_in_root(root_fd: int, path: str, flags: int, mode: int = 0) -> int:
-    """``openat2(root_fd, path, {flags, mode, RESOLVE_IN_ROOT|RESOLVE_NO_MAGICLINKS})``."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+def openat2_in_root(root_fd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
+    """``openat2(root_fd, path, {flags, mode, RESOLVE_IN_ROOT|RESOLVE_NO_MAGICLINKS|resolve})``."""
+    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | resolve)
     for _ in range(64):
         fd = _libc.syscall(SYS_OPENAT2, root_fd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
         if fd >= 0:
@@ -80,11 +82,19 @@ class RootFiles:
     """read/write/list/stat/remove plus chunked upload/download, all confined to ``root``.
 
     ``idmap``: ``(host_base, size)`` of a user-namespaced sandbox's idmapped rootfs.
+    ``open_root`` returns an ``O_PATH`` descriptor of the root for each operation
+    (a running sandbox's root is ``/proc/<init>/root`` once its overlay has left the
+    host's mount table); ``no_xdev`` keeps resolution on the root's own mount (that
+    root also has the sandbox's /proc, /sys and /dev mounted on it).
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, idmap: tuple[int, int] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, idmap: tuple[int, int] | None = None,
+                 open_root: Callable[[], int] | None = None, no_xdev: bool = False) -> None:
         self.root = Path(root)
         self.idmap = idmap
+        self._open_root = open_root
+        self._resolve = RESOLVE_NO_XDEV if no_xdev else 0
+        self._local = threading.local()  # the root descriptor of the operation on this thread
 
     def _as_sandbox_root(self) -> contextlib.AbstractContextManager[None]:
         """Writes in an idmapped rootfs must come from a mapped fsuid (this thread only)."""
@@ -92,9 +102,30 @@ class RootFiles:
             return contextlib.nullcontext()
         return _idmap.fs_identity(self.idmap[0], self.idmap[0])
 
+    def _root_fd(self) -> int:
+        if self._open_root is not None:
+            return self._open_root()
+        return os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
     def _confined(self, fn: Callable[[], T]) -> T:
-        """Run one operation's path work on a thread Landlock keeps inside the root (see landlock.py)."""
-        return landlock.run_confined(self.root, fn)
+        """Run one operation's path work on a thread Landlock keeps inside the root (see landlock.py).
+
+        The root is opened here, as the caller (host root), and used by every path the
+        operation resolves, so an operation sees one root even if the sandbox restarts.
+        """
+        root_fd = self._root_fd()
+
+        def work() -> T:
+            self._local.root_fd = root_fd
+            try:
+                return fn()
+            finally:
+                self._local.root_fd = None
+
+        try:
+            return landlock.run_confined(root_fd, work)
+        finally:
+            os.close(root_fd)
 
     def _inside(self, st: os.stat_result) -> os.stat_result:
         if self.idmap is None:
@@ -108,11 +139,10 @@ class RootFiles:
         return os.stat_result(fields, extra)
 
     def _open(self, path: str, flags: int, mode: int = 0) -> int:
-        root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            return openat2_in_root(root_fd, path, flags, mode)
-        finally:
-            os.close(root_fd)
+        root_fd = getattr(self._local, "root_fd", None)
+        if root_fd is None:
+            raise RuntimeError("RootFiles._open outside an operation (use _confined)")
+        return openat2_in_root(root_fd, path, flags, mode, self._resolve)
 
     def _parent(self, path: str) -> tuple[int, str]:
         parent, name = _split(path)
@@ -218,7 +248,7 @@ class RootFiles:
             with self._as_sandbox_root():  # whiteouts in the upper are created like files
                 if stat.S_ISDIR(st.st_mode):
                     if recursive:
-                        _rmtree_at(dfd, name)
+                        _rmtree_at(dfd, name, self._resolve)
                     else:
                         os.rmdir(name, dir_fd=dfd)
                 else:
@@ -234,13 +264,14 @@ def _kind(mode: int) -> str:
     return "other"
 
 
-def _rmtree_at(dfd: int, name: str) -> None:
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+def _rmtree_at(dfd: int, name: str, resolve: int) -> None:
+    # (resolve: RESOLVE_NO_XDEV keeps the walk off the sandbox's /proc, /sys and /dev)
+    fd = openat2_in_root(dfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, 0, resolve)
     try:
         for child in os.listdir(fd):
             st = os.stat(child, dir_fd=fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
-                _rmtree_at(fd, child)
+                _rmtree_at(fd, child, resolve)
             else:
                 os.unlink(child, dir_fd=fd)
     finally:

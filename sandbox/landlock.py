@@ -96,19 +96,20 @@ def _restrict_to(root_fd: int) -> None:
         os.close(ruleset)
 
 
-def run_confined(root: str | os.PathLike[str], fn: Callable[[], T]) -> T:
+def run_confined(root: str | os.PathLike[str] | int, fn: Callable[[], T]) -> T:
     """``fn()`` on a new thread that can reach nothing outside ``root``; its result or exception.
 
-    Without Landlock on this host, ``fn()`` runs here, unconfined.
+    ``root`` is a directory path or a descriptor of one (the caller keeps it).
+    Without Landlock on this host, ``fn()`` still runs on its own thread, unconfined.
     """
-    if abi() == 0:
-        return fn()
-    root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    own = not isinstance(root, int)
+    root_fd: int = root if isinstance(root, int) else os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            _restrict_to(root_fd)
+            if abi() > 0:
+                _restrict_to(root_fd)
             box["value"] = fn()
         except BaseException as exc:  # handed to the calling thread
             box["error"] = exc
@@ -118,7 +119,8 @@ def run_confined(root: str | os.PathLike[str], fn: Callable[[], T]) -> T:
         thread.start()
         thread.join()
     finally:
-        os.close(root_fd)
+        if own:
+            os.close(root_fd)
     if "error" in box:
         raise box["error"]
     value: T = box["value"]

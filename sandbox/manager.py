@@ -6,7 +6,9 @@ Layout under ``<data-dir>/sandbox/``::
     runtime/             crun --root (its own container state)
     boxes/<id>/state.json  what the manager knows (written before anything it names exists)
     boxes/<id>/bundle/   config.json (+ per-exec process documents)
-    boxes/<id>/rootfs/   the writable overlay (a HostMounts mount)
+    boxes/<id>/rootfs/   the writable overlay (a HostMounts mount), mounted here only until the
+                         container is created: then its init's mount namespace holds it and it
+                         leaves the host's mount table (files go through /proc/<init>/root)
     boxes/<id>/disk.img, disk/  the sandbox's own ext4 (only with a disk limit; holds the upper)
     receipts/<id>.jsonl  append-only log of every action (kept after destroy)
     userns.json          host uid ranges of user-namespaced sandboxes (sandbox/idmap.py RangePool)
@@ -212,7 +214,30 @@ class Sandbox:
             mapping = self.state.get("userns")
         except SandboxNotFound:
             mapping = None
-        return RootFiles(self.rootfs, idmap=(int(mapping[0]), int(mapping[1])) if mapping else None)
+        return RootFiles(self.rootfs, idmap=(int(mapping[0]), int(mapping[1])) if mapping else None,
+                         open_root=self._open_root, no_xdev=True)
+
+    def _open_root(self) -> int:
+        """The rootfs on the host while it is mounted there (creating), else the container's root."""
+        flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+        if kmount.is_mountpoint(self.rootfs):
+            return os.open(self.rootfs, flags)
+        st = self.state
+        pid, start = st.get("pid"), st.get("init_start")
+        if pid is None or start is None or st.get("status") not in ("running", "paused"):
+            raise SandboxStateError(f"sandbox {self.id} is {st.get('status')}: its files are reachable only "
+                                    "while it runs (or is paused)")
+        try:
+            fd = os.open(f"/proc/{pid}/root", flags)
+        except OSError:
+            fd = -1
+        # opened first, checked after: a pid reused in between shows another start time
+        if fd < 0 or (_proc_stat(int(pid)) or (0, -1))[1] != start:
+            if fd >= 0:
+                os.close(fd)
+            raise SandboxStateError(f"sandbox {self.id}: its init ({pid}) is gone; destroy it or restore "
+                                    "its last checkpoint")
+        return fd
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -817,11 +842,23 @@ class SandboxManager:
         state.update(env=merged_env, cwd=cwd, uid=uid, gid=gid, status="starting")
         _write_json(box.dir / "state.json", state)
         self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid", sched_idle=limits.best_effort)
+        pid = self._hold_rootfs(box)
         self.runtime.start(box.id)
-        state.update(pid=int((box.dir / "init.pid").read_text()), status="running")
+        state.update(pid=pid, init_start=(_proc_stat(pid) or (0, None))[1], status="running")
         if userns is not None:
             self._await_init_exec(box.id, state["pid"])
         _write_json(box.dir / "state.json", state)
+
+    def _hold_rootfs(self, box: Sandbox) -> int:
+        """Hand the rootfs overlay to the created container (its init's mount namespace holds it)
+        and take it out of the host's mount table: each create copies that table, so 1,000
+        sandboxes' overlays in it made a create ~2x slower.  Returns the init's pid."""
+        pid = int((box.dir / "init.pid").read_text())
+        try:
+            self.host.detach(box.rootfs, pid)
+        except MountError as exc:  # still correct while mounted here, only slower for later creates
+            log.warning("sandbox %s: rootfs stays in the host's mount table: %s", box.id, exc)
+        return pid
 
     def _await_init_exec(self, sid: str, pid: int, limit: float = 10.0) -> None:
         """Return once the init has exec'd: ``crun start`` returns while it may still be crun, and a
@@ -840,19 +877,19 @@ class SandboxManager:
             time.sleep(0.001)
 
     # -- the lazyfetch daemon died: restart what ran on it --------------------------------------------
-    def _on_remount(self, mountpoint: str, phase: str) -> None:
+    def _on_remount(self, mountpoint: str, phase: str) -> int | None:
         """A container keeps its own copy of the rootfs overlay, on layers of the dead daemon (every
         read fails with EIO).  Before the overlay is re-stacked, its container goes (so no two
         overlays use the upper at once); afterwards a new container starts on the same bundle:
         processes are lost, files are kept, like a reboot."""
         path = Path(mountpoint)
         if path.name != "rootfs" or path.parent.parent != self.boxes:
-            return
+            return None
         box = Sandbox(self, path.parent.name)
         try:
             st = box.state
         except SandboxNotFound:
-            return
+            return None
         if phase == "detached":
             try:
                 self.runtime.delete(box.id, force=True)
@@ -860,7 +897,7 @@ class SandboxManager:
                 with contextlib.suppress(RuntimeFailed):
                     self.runtime.resume(box.id)
                 self.runtime.delete(box.id, force=True)
-            return
+            return None
         if st.get("userns"):
             self._remap_rootfs(box, (int(st["userns"][0]), int(st["userns"][1])))
         self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid",
@@ -869,12 +906,13 @@ class SandboxManager:
         pid = int((box.dir / "init.pid").read_text())
         if st.get("userns"):
             self._await_init_exec(box.id, pid)
-        box._update(pid=pid, status="running")
+        box._update(pid=pid, init_start=(_proc_stat(pid) or (0, None))[1], status="running")
         if st.get("status") == "paused":
             box.pause()
         box._receipt("restarted", reason="the lazyfetch daemon restarted: the rootfs was remounted on it; "
                                          "processes were lost, files kept", was=st.get("status"))
         log.warning("sandbox %s restarted on a new lazyfetch daemon (processes lost, files kept)", box.id)
+        return pid  # HostMounts detaches the new overlay: this init holds it (called under its lock)
 
     def heal(self) -> int:
         """If the lazyfetch daemon died under running sandboxes, start a new one and restart them."""
@@ -1001,7 +1039,9 @@ class SandboxManager:
                   and str(box.rootfs) in mounted)
             if ok and c is not None:
                 with contextlib.suppress(Exception):
-                    box._update(status=c["status"], pid=c.get("pid"))
+                    pid = c.get("pid")
+                    box._update(status=c["status"], pid=pid,
+                                init_start=(_proc_stat(int(pid)) or (0, None))[1] if pid else None)
                     report["adopted"].append(sid)
                     continue
             self.destroy(sid)

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 from support.sandboxes import PROCESS_ARGS, REF, assert_clean, run
 
+from lazyfetch import kmount
 from sandbox import landlock
-from sandbox.errors import UnsupportedOption
+from sandbox.errors import PathEscape, UnsupportedOption
 from sandbox.files import RootFiles
 from sandbox.manager import Sandbox, SandboxManager
 from sandbox.spec import CAPABILITIES
@@ -237,6 +238,29 @@ def test_files_api_threads_are_fenced_by_landlock(tmp_path: Path) -> None:
     (outside / "still-writable").write_text("y")
     files.remove("/d")
     assert not (root / "d").exists()
+
+
+def test_rootfs_leaves_the_host_mount_table_once_the_container_holds_it(boxes: Any) -> None:
+    # every container create copies the host's mount table: sandboxes' overlays must not pile up in it
+    first = boxes()
+    mounts_with_one = len(kmount.mountpoints())
+    others = [boxes() for _ in range(3)]
+    assert len(kmount.mountpoints()) == mounts_with_one  # the layers are shared; no overlay is added
+    for box in (first, *others):
+        assert not kmount.is_mountpoint(box.rootfs)
+        assert box.manager.host.status()["mounts"][str(box.rootfs)]["detached"]["pid"] == box.pid
+    # the files API reaches the running container's root, and only its own mount of it
+    first.write("/root/note", b"through /proc/<init>/root")
+    assert first.exec("cat /root/note").stdout == b"through /proc/<init>/root"
+    assert "root" in {e["name"] for e in first.list("/")}
+    assert first.exec("test -r /proc/1/environ && echo yes").stdout == b"yes\n"
+    with pytest.raises(PathEscape):  # the sandbox's /proc is another mount: not through the files API
+        first.read("/proc/1/environ")
+    with pytest.raises(OSError):  # noqa: PT011  (EXDEV: the walk does not enter /dev's tmpfs)
+        first.remove("/dev", recursive=True)
+    assert first.exec("test -c /dev/null && echo ok").stdout == b"ok\n"
+    with pytest.raises(FileNotFoundError):  # another sandbox's root is another tree
+        others[0].read("/root/note")
 
 
 def test_network_is_loopback_only(boxes: Any) -> None:

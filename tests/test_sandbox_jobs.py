@@ -16,6 +16,7 @@ from support.sandboxes import PROCESS_ARGS, REF, assert_clean, kill_daemon, run
 
 from layerstore import gc
 from layerstore.store import Store
+from lazyfetch import kmount
 from sandbox.errors import CommandInProgress, JobNotAdmitting, SandboxError
 from sandbox.manager import Cancel, ExecResult, SandboxManager
 from sandbox.runs import preempt, resume_run
@@ -302,6 +303,11 @@ def test_a_dead_lazyfetch_daemon_restarts_its_sandboxes(boxes: Any, manager: San
         assert len(restarted) == 1
         assert "processes were lost" in restarted[0]["reason"]
     assert manager.heal() == 0  # nothing stale any more
+    for box in (on_disk, plain):  # the re-stacked overlays went to the new containers too
+        assert not kmount.is_mountpoint(box.rootfs)
+        assert manager.host.status()["mounts"][str(box.rootfs)]["detached"]["pid"] == box.pid
+        box.write("/root/after", b"files reach the new container")
+        assert box.exec("cat /root/after").stdout == b"files reach the new container"
 
 
 def test_resume_after_a_resume_that_died_half_way(manager: SandboxManager) -> None:
