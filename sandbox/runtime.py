@@ -12,6 +12,7 @@ managers (two tests, two "hosts") never see each other's containers.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -216,9 +217,30 @@ class OciRuntime:
         return dict(json.loads(proc.stdout))
 
     def list(self) -> list[dict[str, Any]]:
-        proc = self._run("list", "--format", "json")
-        text = proc.stdout.decode().strip()
-        return list(json.loads(text)) if text else []
+        """Every container under ``--root``, as ``crun list`` reports them.
+
+        ``crun list`` fails as a whole when one container's state file vanishes between
+        its directory scan and its read (a delete running beside it: seen under
+        sustained create/delete) or cannot be read at all.  Then each container is
+        asked alone; one that is gone is left out, one that cannot be read is logged.
+        """
+        proc = self._run("list", "--format", "json", check=False)
+        if proc.returncode == 0:
+            text = proc.stdout.decode().strip()
+            return list(json.loads(text)) if text else []
+        out = []
+        for entry in sorted(self.root.iterdir()) if self.root.exists() else []:
+            if not entry.is_dir():
+                continue
+            st = self.state(entry.name)
+            if st is not None:
+                out.append({key: st.get(key) for key in ("id", "pid", "status", "bundle", "created", "owner")})
+            else:
+                with contextlib.suppress(OSError):  # (gone meanwhile: nothing to say)
+                    if any(entry.iterdir()):
+                        log.warning("crun --root %s: container %s has an unreadable state; left out of the "
+                                    "list", self.root, entry.name)
+        return out
 
     def kill(self, cid: str, sig: str = "KILL", *, all_processes: bool = True) -> None:
         self._run("kill", *(["--all"] if all_processes else []), cid, sig)
