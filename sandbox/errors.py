@@ -56,3 +56,7 @@ class CommandInProgress(SandboxStateError):
     """A command with this idempotency key is still running; retry to get its result."""
 
     retryable = True
+
+
+class ReceiptsBroken(SandboxError):
+    """A receipt log's hash chain does not hold: a record was edited, removed, reordered or cut."""

@@ -25,6 +25,7 @@ import asyncio
 import base64
 import builtins
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -53,6 +54,7 @@ from sandbox import idmap
 from sandbox.errors import (
     CommandInProgress,
     JobNotAdmitting,
+    ReceiptsBroken,
     RuntimeFailed,
     SandboxError,
     SandboxNotFound,
@@ -194,6 +196,49 @@ def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
     os.replace(tmp, path)
+
+
+def receipt_line(rec: Mapping[str, Any]) -> bytes:
+    """A receipt as its log stores it: canonical JSON (sorted keys, ASCII), no newline."""
+    return json.dumps(rec, sort_keys=True).encode()
+
+
+def verify_receipt_chain(records: Sequence[Mapping[str, Any]], *, what: str) -> str | None:
+    """Check that each record's ``prev`` is the blake3 of the record before it (null for the
+    first); return the hash of the last record (the log's head), None for no records.
+
+    Records without ``prev`` are accepted only before the first chained one (logs written
+    before the chain existed).  An edited, removed or reordered record breaks the chain at
+    the record after it; a log cut at its end is caught only against a head kept elsewhere.
+    """
+    prev: str | None = None
+    chained = False
+    for i, rec in enumerate(records):
+        if "prev" in rec:
+            if rec["prev"] != prev:
+                raise ReceiptsBroken(
+                    f"{what}: record {i} (id {rec.get('id')}, {rec.get('action')}) follows a record hashing to "
+                    f"{prev}, not {rec['prev']}: a record before it was edited, removed or reordered")
+            chained = True
+        elif chained:
+            raise ReceiptsBroken(f"{what}: record {i} (id {rec.get('id')}) has no 'prev' after chained records")
+        prev = blake3.blake3(receipt_line(rec)).hexdigest()
+    return prev
+
+
+def _last_line_hash(fd: int, size: int) -> str | None:
+    """blake3 of the file's last line (read backwards; a line may hold 256 KiB of output)."""
+    if size == 0:
+        return None
+    buf, pos = b"", size
+    while pos > 0:
+        step = min(1 << 16, pos)
+        pos -= step
+        buf = os.pread(fd, step, pos) + buf
+        cut = buf.rfind(b"\n", 0, len(buf) - 1)
+        if cut >= 0:
+            return blake3.blake3(buf[cut + 1:].rstrip(b"\n")).hexdigest()
+    return blake3.blake3(buf.rstrip(b"\n")).hexdigest()
 
 
 class Sandbox:
@@ -598,9 +643,10 @@ class Sandbox:
         if st.get("status") not in ("running", "paused"):
             raise SandboxStateError(f"sandbox {self.id} is {st.get('status')}")
         last = self.manager.receipts(self.id)
+        head = verify_receipt_chain(last, what=f"sandbox {self.id}'s receipts")  # never carry a broken log on
         async with await self.manager._store() as store:
             # receipts travel with the checkpoint: a restored sandbox knows its history and idempotency keys
-            receipts = {"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last}
+            receipts = {"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last, "head": head}
             ckpt = await Snapshots(store, self.manager.host).checkpoint(
                 str(self.rootfs), name=name, labels={**st.get("labels", {}), **(labels or {})},
                 trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
@@ -636,6 +682,8 @@ class SandboxManager:
         self.cgroup_parent = "layerbox-" + hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:10]
         self._layout: CgroupLayout | None = None
         self._lock = threading.RLock()
+        self._receipt_locks: dict[str, threading.Lock] = {}
+        self._receipt_heads: dict[str, tuple[int, str]] = {}  # log size -> hash of its last line
         self._inflight: dict[str, dict[str, Cancel]] = {}  # sandbox -> running execs (this process)
         self._keys_running: set[tuple[str, str]] = set()
         self._net: NetworkManager | None = None
@@ -707,7 +755,12 @@ class SandboxManager:
             receipts: builtins.list[dict[str, Any]] = []
             attached = (resolved.doc.get("attachments") or {}).get("receipts")
             if attached:
-                receipts = list((await store.get_doc(attached)).get("receipts", []))
+                doc = await store.get_doc(attached)
+                receipts = list(doc.get("receipts", []))
+                head = verify_receipt_chain(receipts, what=f"the receipts of checkpoint {checkpoint_ref}")
+                if "head" in doc and doc["head"] != head:
+                    raise ReceiptsBroken(f"the receipts of checkpoint {checkpoint_ref} end at {head}, but the "
+                                         f"document names {doc['head']} as their last: records were cut off")
         return await self._launch(resolved, checkpoint_ref, policy_version=policy_version,
                                   inherited=receipts, **options)
 
@@ -1003,6 +1056,9 @@ class SandboxManager:
         if known:
             self._append_receipt(sid, {"id": uuid.uuid4().hex[:16], "sandbox": sid, "action": "destroy",
                                        "time": time.time()})
+        with self._lock:  # the log is complete: nothing more is appended to it here
+            self._receipt_heads.pop(sid, None)
+            self._receipt_locks.pop(sid, None)
         shutil.rmtree(box.dir, ignore_errors=True)
         if not any(self.boxes.glob("*/state.json")):
             self._remove_cgroups(f"/{self.cgroup_parent}")
@@ -1081,14 +1137,33 @@ class SandboxManager:
 
     # -- receipts and cgroup files ------------------------------------------------------------------
     def _append_receipt(self, sid: str, rec: Mapping[str, Any]) -> None:
+        """Append one record, chained to the one before it (``prev``: blake3 of that line).
+
+        Appends to one log serialise on a thread lock and an flock (a CLI and the service may
+        share a data dir); the head's hash is kept per log and re-read from the file when
+        another process appended meanwhile.
+        """
         self.receipts_dir.mkdir(parents=True, exist_ok=True)
-        line = (json.dumps(rec, sort_keys=True) + "\n").encode()
-        fd = os.open(self.receipts_dir / f"{sid}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                     0o600)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        with self._lock:
+            lock = self._receipt_locks.setdefault(sid, threading.Lock())
+        with lock:
+            fd = os.open(self.receipts_dir / f"{sid}.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                         0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                size = os.fstat(fd).st_size
+                head = self._receipt_heads.get(sid)
+                prev = head[1] if head is not None and head[0] == size else _last_line_hash(fd, size)
+                line = receipt_line({**rec, "prev": prev})
+                os.write(fd, line + b"\n")
+                self._receipt_heads[sid] = (size + len(line) + 1, blake3.blake3(line).hexdigest())
+            finally:
+                os.close(fd)
+
+    def verify_receipts(self, sid: str) -> dict[str, Any]:
+        """Check the sandbox's receipt log end to end: ``{"records": n, "head": hash of the last}``."""
+        records = self.receipts(sid)
+        return {"records": len(records), "head": verify_receipt_chain(records, what=f"sandbox {sid}'s receipts")}
 
     def receipts(self, sid: str) -> builtins.list[dict[str, Any]]:
         path = self.receipts_dir / f"{sid}.jsonl"

@@ -64,13 +64,14 @@ from sandbox.admission import (
 )
 from sandbox.errors import (
     PathEscape,
+    ReceiptsBroken,
     RuntimeTimeout,
     SandboxError,
     SandboxNotFound,
     SandboxStateError,
     UnsupportedOption,
 )
-from sandbox.manager import Cancel, Sandbox, SandboxManager
+from sandbox.manager import Cancel, Sandbox, SandboxManager, verify_receipt_chain
 from sandbox.runs import preempt, resume_run
 
 log = logging.getLogger("layerbox.sandbox.service")
@@ -165,6 +166,8 @@ def _as_api_error(exc: BaseException) -> ApiError:
         return ApiError(400, "unsupported_option", str(exc))
     if isinstance(exc, RuntimeTimeout):
         return ApiError(503, "runtime_timeout", str(exc), retryable=True)
+    if isinstance(exc, ReceiptsBroken):  # an integrity fault on this host: not the caller's, not transient
+        return ApiError(500, "receipts_broken", str(exc))
     if isinstance(exc, FileNotFoundError):
         return ApiError(404, "file_not_found", f"no such file or directory: {exc.filename or exc}")
     if isinstance(exc, (IsADirectoryError, NotADirectoryError, FileExistsError)):
@@ -507,6 +510,8 @@ class SandboxService:
         """Receipts, oldest first; ``action``, ``since`` (Unix time) and ``idempotency_key`` filter them."""
         box = await self._box(request, self._project(request))
         rows = await asyncio.to_thread(box.receipts)
+        # checked whole before any filter: the head lets a caller notice a log cut at its end
+        head = verify_receipt_chain(rows, what=f"sandbox {box.id}'s receipts")
         q = request.query
         if "action" in q:
             rows = [r for r in rows if r.get("action") == q["action"]]
@@ -518,7 +523,7 @@ class SandboxService:
             except ValueError:
                 raise ApiError(400, "bad_request", "'since' must be a Unix time in seconds") from None
             rows = [r for r in rows if float(r.get("time", 0)) >= since]
-        return web.json_response({"sandbox": box.id, "receipts": rows})
+        return web.json_response({"sandbox": box.id, "head": head, "receipts": rows})
 
     async def network(self, request: web.Request) -> web.Response:
         box = await self._box(request, self._project(request))

@@ -11,14 +11,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 from support.sandboxes import PROCESS_ARGS, REF, assert_clean, kill_daemon, run
 
 from layerstore import gc
 from layerstore.store import Store
 from lazyfetch import kmount
-from sandbox.errors import CommandInProgress, JobNotAdmitting, SandboxError
-from sandbox.manager import Cancel, ExecResult, SandboxManager
+from sandbox.errors import CommandInProgress, JobNotAdmitting, ReceiptsBroken, SandboxError
+from sandbox.manager import Cancel, ExecResult, SandboxManager, receipt_line, verify_receipt_chain
 from sandbox.runs import preempt, resume_run
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
@@ -267,7 +268,10 @@ def test_command_line_jobs(manager: SandboxManager, store_url: str, capsys: pyte
         new = json.loads(capsys.readouterr().out)["sandboxes"][sid]
         assert manager.get(new).read("/root/n") == b"x\n"
         assert main(["sandbox", "receipts", new, *common]) == 0
-        assert '"action": "resumed"' in capsys.readouterr().out
+        printed = capsys.readouterr().out
+        assert '"action": "resumed"' in printed
+        assert main(["sandbox", "receipts", new, "--verify", *common]) == 0
+        assert capsys.readouterr().out.startswith(f"{len(printed.splitlines())} records, chain intact, head ")
     finally:
         for st in manager.list(job="cli-job"):
             manager.destroy(st["id"])
@@ -281,6 +285,79 @@ def test_exec_receipts_record_resource_use(boxes: Any) -> None:
     assert res["cpu_seconds"] > 0.01
     assert res["memory_peak"] >= 64 << 20
     assert res["pids"] >= 1
+
+
+def test_receipt_chain_rules() -> None:
+    def chain(*recs: dict[str, Any]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for rec in recs:
+            prev = blake3.blake3(receipt_line(out[-1])).hexdigest() if out else None
+            out.append({**rec, "prev": prev})
+        return out
+
+    assert verify_receipt_chain([], what="t") is None
+    log = chain({"id": "a"}, {"id": "b"}, {"id": "c"})
+    assert verify_receipt_chain(log, what="t") == blake3.blake3(receipt_line(log[-1])).hexdigest()
+    legacy = [{"id": "old1"}, {"id": "old2"}]  # written before the chain existed: a prefix only
+    joined = [*legacy, {"id": "new", "prev": blake3.blake3(receipt_line(legacy[-1])).hexdigest()}]
+    assert verify_receipt_chain(joined, what="t")
+    with pytest.raises(ReceiptsBroken, match="no 'prev' after chained records"):
+        verify_receipt_chain([*log, {"id": "d"}], what="t")
+    with pytest.raises(ReceiptsBroken, match="record 1"):  # reordered
+        verify_receipt_chain([log[0], log[2], log[1]], what="t")
+    with pytest.raises(ReceiptsBroken, match="record 0"):  # the first must start the chain
+        verify_receipt_chain(log[1:], what="t")
+
+
+def test_receipts_are_hash_chained_and_travel_with_checkpoints(boxes: Any, manager: SandboxManager) -> None:
+    box = boxes()
+    box.exec("echo one > /root/f")
+    box.write("/root/g", b"two")
+    box.pause()
+    box.resume()
+    # appends from many threads at once still form one chain
+    threads = [threading.Thread(target=box.write, args=(f"/root/t{i}", b"x")) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records = box.receipts()
+    assert records[0]["prev"] is None
+    assert all(isinstance(r["prev"], str) for r in records[1:])
+    checked = manager.verify_receipts(box.id)
+    assert checked["records"] == len(records) >= 12
+    log_file = manager.receipts_dir / f"{box.id}.jsonl"
+    original = log_file.read_bytes()
+    lines = original.splitlines(keepends=True)
+    try:
+        # an edited record breaks the chain at the record after it
+        edited = json.loads(lines[1])
+        edited["exit_code"] = 0 if edited.get("exit_code") else 1
+        log_file.write_bytes(b"".join([lines[0], json.dumps(edited, sort_keys=True).encode() + b"\n", *lines[2:]]))
+        with pytest.raises(ReceiptsBroken, match=r"record 2 \("):
+            manager.verify_receipts(box.id)
+        # so does a removed one
+        log_file.write_bytes(b"".join([lines[0], *lines[2:]]))
+        with pytest.raises(ReceiptsBroken, match=r"record 1 \("):
+            manager.verify_receipts(box.id)
+        with pytest.raises(ReceiptsBroken):  # and a checkpoint refuses to carry it on
+            run(box.checkpoint())
+    finally:
+        log_file.write_bytes(original)
+    # another process appended meanwhile (the head is re-read from the file, not trusted from memory)
+    other = SandboxManager(manager.data_dir, manager.store_url)
+    other._append_receipt(box.id, {"id": "from-another-process", "sandbox": box.id, "action": "note"})
+    box.exec("true")
+    assert manager.verify_receipts(box.id)["records"] == len(records) + 2
+    # a restored sandbox inherits the history, chained again in its own log
+    ckpt = run(box.checkpoint())
+    restored = run(manager.restore(ckpt.name))
+    try:
+        inherited = [r for r in restored.receipts() if r.get("inherited")]
+        assert [r["id"] for r in inherited] == [r["id"] for r in box.receipts()[:len(inherited)]]
+        assert manager.verify_receipts(restored.id)["records"] == len(restored.receipts())
+    finally:
+        manager.destroy(restored.id)
 
 
 def test_a_dead_lazyfetch_daemon_restarts_its_sandboxes(boxes: Any, manager: SandboxManager) -> None:

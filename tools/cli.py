@@ -661,8 +661,12 @@ def _sandbox_cmd(args: argparse.Namespace) -> int:
         report = mgr.reap()
         _emit(args, report, lambda: print(json.dumps(report)))
     elif action == "receipts":
-        rows = mgr.receipts(args.id)
-        _emit(args, rows, lambda: print("\n".join(json.dumps(r, sort_keys=True) for r in rows)))
+        if args.verify:  # the whole log's chain; a broken one is an error naming the record
+            checked = mgr.verify_receipts(args.id)
+            _emit(args, checked, lambda: print(f"{checked['records']} records, chain intact, head {checked['head']}"))
+        else:
+            rows = mgr.receipts(args.id)
+            _emit(args, rows, lambda: print("\n".join(json.dumps(r, sort_keys=True) for r in rows)))
     elif action == "renew":
         lease = mgr.renew(args.job, args.ttl)
         until = time.strftime('%H:%M:%S', time.localtime(lease['expires']))
@@ -721,7 +725,9 @@ def _add_sandbox_parser(sub: Any) -> None:
     rm.add_argument("ids", nargs="+")
     sbs.add_parser("reconcile", parents=[common], help="adopt or clean up after a crashed manager")
     sbs.add_parser("reap", parents=[common], help="destroy expired sandboxes (TTL, lease), pause idle ones")
-    sbs.add_parser("receipts", parents=[common], help="a sandbox's receipts, one JSON per line").add_argument("id")
+    sp = sbs.add_parser("receipts", parents=[common], help="a sandbox's receipts, one JSON per line")
+    sp.add_argument("id")
+    sp.add_argument("--verify", action="store_true", help="check the log's hash chain instead of printing it")
     rn = sbs.add_parser("renew", parents=[common], help="renew a job's lease")
     rn.add_argument("job")
     rn.add_argument("--ttl", type=float, default=None)
