@@ -10,11 +10,9 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from converters.publish import publish
 from layerstore.backend import ObjectNotFound
@@ -24,24 +22,19 @@ from layerstore.objects import DigestMismatch, doc_key, meta_key, pack_key
 from layerstore.store import Store
 from layerstore.verify import verify
 from tests.support.env import in_ci
-from tests.support.moto import MotoServer, aws_test_env, file_and_s3_store_url, moto_fixture  # noqa: F401
+from tests.support.moto import (  # noqa: F401
+    MotoServer,
+    aws_test_env,
+    file_and_s3_store_url,
+    moto_fixture,
+    opened_store,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO.parent / "shared" / "fixtures" / "debian-bookworm.oci.tar"
 
 
 moto = moto_fixture("module")
-
-
-
-
-@pytest_asyncio.fixture
-async def store(store_url: str, tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(store_url, tmp_path / "host1")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 def make_tree(root: Path, files: dict[str, bytes]) -> Path:

@@ -11,13 +11,11 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import blake3
 import boto3
 import pytest
-import pytest_asyncio
 
 from converters.layer import convert
 from converters.publish import LocalLayer, publish, sweep_work_dirs, upload_layers
@@ -38,21 +36,16 @@ from layerstore.objects import (
 from layerstore.packs import PACK_RECORD
 from layerstore.store import Store, UploadStats
 from layerstore.verify import verify
-from tests.support.moto import MotoServer, aws_test_env, file_and_s3_store_url, moto_fixture  # noqa: F401
+from tests.support.moto import (  # noqa: F401
+    MotoServer,
+    aws_test_env,
+    file_and_s3_store_url,
+    moto_fixture,
+    opened_store,
+)
 from tests.test_store import make_tree, read_back
 
 moto = moto_fixture("module")
-
-
-
-
-@pytest_asyncio.fixture
-async def store(store_url: str, tmp_path: Path) -> AsyncIterator[Store]:
-    s = await Store.open(store_url, tmp_path / "host1")
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def _only_pack(store: Store) -> str:

@@ -24,11 +24,14 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
+
+from layerstore.store import Store
 
 MOTO_SERVER = Path(sys.executable).with_name("moto_server")
 FAKE_CREDENTIALS = {
@@ -158,3 +161,13 @@ def file_and_s3_store_url(request: pytest.FixtureRequest, tmp_path: Path, monkey
     request.getfixturevalue("aws_test_env")
     monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
     return f"s3://{server.new_bucket()}/layerbox"
+
+
+@pytest_asyncio.fixture(name="store")
+async def opened_store(store_url: str, tmp_path: Path) -> AsyncIterator[Store]:
+    """``store``: a Store on ``store_url`` with its host cache in ``tmp_path/host1``, closed after the test."""
+    s = await Store.open(store_url, tmp_path / "host1")
+    try:
+        yield s
+    finally:
+        await s.close()
