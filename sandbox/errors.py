@@ -60,3 +60,22 @@ class CommandInProgress(SandboxStateError):
 
 class ReceiptsBroken(SandboxError):
     """A receipt log's hash chain does not hold: a record was edited, removed, reordered or cut."""
+
+
+class NotARegularFile(SandboxError, OSError):
+    """A files-API read or write reached a FIFO, a socket or a device node, and refused it before opening it.
+
+    Such an entry answers reads and writes with the host's pipe, socket or device
+    behind it (as host root, outside the sandbox's device cgroup), so the files API
+    only lists, stats and removes it.  ``kind`` names what the entry is ("FIFO",
+    "socket", "character device", "block device"), ``filename`` the path as given,
+    ``errno`` is EINVAL (what truncate(2) answers for a file that is not regular).
+    """
+
+    def __init__(self, err: int, path: str, kind: str) -> None:
+        super().__init__(err, f"{path} is a {kind}: the files API reads and writes only regular files "
+                              "(such an entry can be stat'ed, listed or removed)", path)
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return str(self.strerror)

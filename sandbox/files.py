@@ -9,6 +9,18 @@ rather than a weaker, racy userspace resolver.  Each operation's path work
 also runs on a thread that Landlock confines to the root (:mod:`sandbox.landlock`),
 so even a path our code got wrong cannot reach the host's files.
 
+The sandbox also controls what kind of entry a path names, and opening a FIFO
+blocks, and opening a device node (made in the image, or linked to by the agent)
+reaches the host's device as host root, outside the sandbox's device cgroup.  So
+an entry is first opened ``O_PATH`` (which opens nothing: no FIFO wait, no device
+open), its type checked on that descriptor, and only a regular file is then
+opened for real, by re-opening that very inode through ``/proc/self/fd``: a race
+that swaps in another entry at the path after the check changes nothing.  Anything
+else is refused with :class:`NotARegularFile` (a directory with
+``IsADirectoryError``).  A new file is created with ``O_CREAT|O_EXCL`` in its
+parent, so no existing entry (a dangling symlink, a FIFO raced in) is ever
+followed or opened by the create.
+
 A sandbox in a user namespace (``idmap=(host_base, size)``) has an idmapped
 rootfs: the host sees its ids shifted by ``host_base`` and host root, which
 has no mapping there, cannot create files in it (EOVERFLOW).  Writes then run
@@ -32,7 +44,7 @@ from typing import Any, BinaryIO, TypeVar, cast
 
 from sandbox import idmap as _idmap
 from sandbox import landlock
-from sandbox.errors import HostUnsupported, PathEscape
+from sandbox.errors import HostUnsupported, NotARegularFile, PathEscape
 
 SYS_OPENAT2 = 437  # same number on x86_64 and the generic table (arm64)
 RESOLVE_NO_XDEV = 0x01
@@ -40,6 +52,8 @@ RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
 CHUNK = 1 << 20
 OVERFLOW_ID = 65534  # what the kernel shows for an id without a mapping (nobody)
+_SPECIAL_KINDS = {stat.S_IFIFO: "FIFO (named pipe)", stat.S_IFSOCK: "socket",
+                  stat.S_IFCHR: "character device", stat.S_IFBLK: "block device"}
 
 T = TypeVar("T")
 
@@ -148,8 +162,33 @@ class RootFiles:
         parent, name = _split(path)
         return self._open(parent, os.O_PATH | os.O_DIRECTORY), name
 
+    def _open_file(self, path: str, flags: int) -> int:
+        """The regular file at ``path`` opened with ``flags``; any other entry is refused before it is opened."""
+        pfd = self._open(path, os.O_PATH)
+        try:
+            _require_regular(os.fstat(pfd), path)
+            return _reopen(pfd, flags)
+        finally:
+            os.close(pfd)
+
+    def _create(self, path: str, mode: int) -> int:
+        """``path`` opened for writing and truncated: a new regular file, or an existing one once checked."""
+        dfd, name = self._parent(path)
+        try:
+            # O_EXCL makes a new file or fails: it follows no symlink at ``name`` (a dangling one
+            # aiming elsewhere) and opens no entry the sandbox raced in (a FIFO, a device node)
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode,
+                           dir_fd=dfd)
+        except FileExistsError:
+            pass
+        finally:
+            os.close(dfd)
+        # it exists: resolved from the root like a read (symlinks inside the root are followed),
+        # and truncated only once it is known to be a regular file
+        return self._open_file(path, os.O_WRONLY | os.O_TRUNC)
+
     def iter_read(self, path: str, chunk: int = CHUNK) -> Iterator[bytes]:
-        fd = self._confined(lambda: self._open(path, os.O_RDONLY))
+        fd = self._confined(lambda: self._open_file(path, os.O_RDONLY))
         try:
             while data := os.read(fd, chunk):
                 yield data
@@ -169,7 +208,7 @@ class RootFiles:
     def upload(self, path: str, src: BinaryIO, mode: int = 0o644, chunk: int = CHUNK) -> int:
         def create() -> int:
             with self._as_sandbox_root():  # creation and copy-up; the writes need no identity after open
-                fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+                fd = self._create(path, mode)
                 try:
                     os.fchmod(fd, mode)
                 except BaseException:
@@ -227,6 +266,8 @@ class RootFiles:
         return self._confined(lambda: self._list(path))
 
     def _list(self, path: str) -> builtins.list[dict[str, Any]]:
+        # O_DIRECTORY is checked by the kernel before it opens anything: a FIFO or a device
+        # at ``path`` fails with ENOTDIR unopened; the entries are only lstat'ed
         fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
         out = []
         try:
@@ -255,6 +296,26 @@ class RootFiles:
                     os.unlink(name, dir_fd=dfd)
         finally:
             os.close(dfd)
+
+
+def _require_regular(st: os.stat_result, path: str) -> None:
+    if stat.S_ISREG(st.st_mode):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    raise NotARegularFile(errno.EINVAL, path, _SPECIAL_KINDS.get(stat.S_IFMT(st.st_mode), "special file"))
+
+
+def _reopen(pfd: int, flags: int) -> int:
+    """Open the inode behind the ``O_PATH`` descriptor ``pfd`` for real.
+
+    Through ``/proc/self/fd`` the kernel opens the descriptor's own file, not a path
+    again, so the entry checked is the entry opened.  Landlock checks this open
+    against the file's real path (inside the root); an inode outside it is refused.
+    """
+    # the inode is known to be regular, so O_NONBLOCK and O_NOCTTY change nothing for it; they
+    # keep a FIFO from blocking, and a tty from becoming our terminal, should a check ever be missed
+    return os.open(f"/proc/self/fd/{pfd}", flags | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
 
 
 def _kind(mode: int) -> str:
