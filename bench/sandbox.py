@@ -72,8 +72,9 @@ from converters.publish import publish  # noqa: E402
 from layerstore.errors import LayerboxError  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 from lazyfetch import kmount  # noqa: E402
+from sandbox.cgroups import CgroupLayout  # noqa: E402
 from sandbox.manager import Cancel, Sandbox, SandboxManager  # noqa: E402
-from sandbox.runtime import CgroupLayout, OciRuntime  # noqa: E402
+from sandbox.runtime import OciRuntime  # noqa: E402
 from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec  # noqa: E402
 
 SCHEMA = "layerbox.bench.sandbox.v1"
@@ -586,7 +587,7 @@ def own_memory(manager: SandboxManager, boxes: Sequence[Sandbox]) -> dict[str, A
     """The sandboxes' own processes: Pss/Rss from smaps_rollup, and what their memory cgroups hold."""
     pss = rss = procs = usage = kmem = cg_rss = cg_cache = 0
     for box in boxes:
-        d = manager.layout.controller_dir("memory", box.state["cgroups_path"])
+        d = manager.layout.controller_dir("memory", box.state.cgroups_path)
         if d is None:
             continue
         v2 = manager.layout.version == 2
@@ -1005,7 +1006,7 @@ class Burners:
 
 def cpu_weight(manager: SandboxManager, box: Sandbox) -> str | None:
     """The sandbox cgroup's cpu.shares (v1) or cpu.weight (v2), as the kernel has it."""
-    d = manager.layout.controller_dir("cpu", box.state["cgroups_path"])
+    d = manager.layout.controller_dir("cpu", box.state.cgroups_path)
     if d is None:
         return None
     for name in ("cpu.shares", "cpu.weight"):

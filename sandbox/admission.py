@@ -36,12 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from sandbox.errors import SandboxError
+from sandbox.model import DEFAULT_MEMORY, DEFAULT_PIDS, SandboxOptions
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-
-# The manager's create() defaults; a request that leaves a limit out needs this much.
-DEFAULT_MEMORY = 512 * MiB
-DEFAULT_PIDS = 256
 # The upper dir of an idle sandbox holds a few files; a request that names no disk is charged this.
 DEFAULT_DISK = 64 * MiB
 
@@ -99,6 +96,10 @@ class Demand:
     memory: int = DEFAULT_MEMORY
     pids: int = DEFAULT_PIDS
     disk: int = DEFAULT_DISK
+
+    @classmethod
+    def of(cls, options: SandboxOptions) -> Demand:
+        return cls(options.memory, options.pids, options.disk if options.disk is not None else DEFAULT_DISK)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,23 @@ class UnsupportedOption(SandboxError, ValueError):
     """A requested property this slice does not enforce yet (e.g. disk limits)."""
 
 
+class InvalidField(SandboxError, ValueError):
+    """A request field or sandbox option is malformed or out of range; ``field`` names it.
+
+    Raised where input enters (:mod:`sandbox.model`), before anything uses it; the
+    service answers 400 with the field in the body.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.detail = message
+
+
+class StateUnreadable(SandboxError):
+    """A host-state file (a sandbox's state.json) is not what this version writes; the message names it."""
+
+
 class JobNotAdmitting(SandboxStateError):
     """The sandbox's job is being preempted or was preempted: retry after ``resume``."""
 

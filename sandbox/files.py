@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import ctypes
 import errno
 import os
 import stat
@@ -45,11 +44,8 @@ from typing import Any, BinaryIO, TypeVar, cast
 from sandbox import idmap as _idmap
 from sandbox import landlock
 from sandbox.errors import HostUnsupported, NotARegularFile, PathEscape
+from sandbox.paths import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV, openat2
 
-SYS_OPENAT2 = 437  # same number on x86_64 and the generic table (arm64)
-RESOLVE_NO_XDEV = 0x01
-RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_IN_ROOT = 0x10
 CHUNK = 1 << 20
 OVERFLOW_ID = 65534  # what the kernel shows for an id without a mapping (nobody)
 _SPECIAL_KINDS = {stat.S_IFIFO: "FIFO (named pipe)", stat.S_IFSOCK: "socket",
@@ -57,32 +53,18 @@ _SPECIAL_KINDS = {stat.S_IFIFO: "FIFO (named pipe)", stat.S_IFSOCK: "socket",
 
 T = TypeVar("T")
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
 def openat2_in_root(root_fd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
-    """``openat2(root_fd, path, {flags, mode, RESOLVE_IN_ROOT|RESOLVE_NO_MAGICLINKS|resolve})``."""
-    how = _OpenHow(flags | os.O_CLOEXEC, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | resolve)
-    for _ in range(64):
-        fd = _libc.syscall(SYS_OPENAT2, root_fd, os.fsencode(path), ctypes.byref(how), ctypes.sizeof(how))
-        if fd >= 0:
-            return int(fd)
-        err = ctypes.get_errno()
-        # EAGAIN: a concurrent rename/mount somewhere made the kernel unsure a ".." stayed
-        # inside the root; the documented answer is to try again
-        if err != errno.EAGAIN:
-            break
-    if err == errno.ENOSYS:
-        raise HostUnsupported("openat2(2) is unavailable (Linux >= 5.6 needed): the files API refuses to "
-                              "resolve sandbox paths without RESOLVE_IN_ROOT")
-    if err in (errno.EXDEV, errno.ELOOP, errno.EAGAIN) and flags & os.O_NOFOLLOW == 0:
-        raise PathEscape(err, f"{path}: refused while resolving inside the sandbox root ({os.strerror(err)})", path)
-    raise OSError(err, os.strerror(err), path)
+    """``openat2(root_fd, path, {flags, mode, RESOLVE_IN_ROOT|RESOLVE_NO_MAGICLINKS|resolve})``;
+    a refusal to resolve inside the root (EXDEV, ELOOP, EAGAIN left) is :class:`PathEscape`."""
+    try:
+        return openat2(root_fd, path, flags, mode, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | resolve)
+    except HostUnsupported:
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.EXDEV, errno.ELOOP, errno.EAGAIN) and flags & os.O_NOFOLLOW == 0:
+            raise PathEscape(exc.errno, f"{path}: refused while resolving inside the sandbox root "
+                                        f"({os.strerror(exc.errno)})", path) from None
+        raise
 
 
 def _split(path: str) -> tuple[str, str]:

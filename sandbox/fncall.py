@@ -40,11 +40,11 @@ from typing import Any
 
 from sandbox.errors import SandboxError
 from sandbox.manager import ExecResult, Sandbox, SandboxManager
+from sandbox.model import POOL_ID_LABEL, POOL_LABEL, SandboxOptions
 
 log = logging.getLogger("layerbox.sandbox.fncall")
 
-POOL_LABEL = "layerbox.pool"
-POOL_ID_LABEL = "layerbox.pool.id"
+__all__ = ["POOL_ID_LABEL", "POOL_LABEL", "CallResult", "FnCalls", "WarmPool"]
 MARKER_PREFIX = b"\x1eLBFN:"
 
 # Runs inside the sandbox; imports beyond json are lazy because interpreter start-up is
@@ -194,21 +194,22 @@ def _answer(res: ExecResult, marker: bytes, timeout: float) -> tuple[bytes, Any,
 class WarmPool:
     """``size`` ready sandboxes of ``ref``; every call runs on a fresh one.
 
-    ``create_options`` go to :meth:`SandboxManager.create` (cpu, memory, env,
-    labels...).  Use as ``async with WarmPool(...) as pool`` or call
-    :meth:`start` and :meth:`close`.  All methods must be called from one
-    event loop.
+    ``options`` (a :class:`SandboxOptions`, or its fields as keywords) go to
+    :meth:`SandboxManager.create` for every pool sandbox, with the pool's labels
+    added.  Use as ``async with WarmPool(...) as pool`` or call :meth:`start` and
+    :meth:`close`.  All methods must be called from one event loop.
     """
 
-    def __init__(self, manager: SandboxManager, ref: str, *, size: int = 2, **create_options: Any) -> None:
+    def __init__(self, manager: SandboxManager, ref: str, options: SandboxOptions | None = None, *,
+                 size: int = 2, **fields: Any) -> None:
         if size < 1:
             raise ValueError(f"pool size must be at least 1, not {size}")
         self.manager = manager
         self.ref = ref
         self.size = size
         self.id = "pool-" + uuid.uuid4().hex[:10]
-        labels = {**(create_options.pop("labels", None) or {}), POOL_LABEL: ref, POOL_ID_LABEL: self.id}
-        self._options = {**create_options, "labels": labels}
+        base = options if options is not None else SandboxOptions(**fields)
+        self._options = base.replace(labels={**base.labels, POOL_LABEL: ref, POOL_ID_LABEL: self.id})
         self._ready: deque[Sandbox] = deque()
         self._waiters: deque[asyncio.Future[Sandbox]] = deque()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -360,7 +361,7 @@ class WarmPool:
 
     async def _create_one(self) -> None:
         try:
-            box = await self.manager.create(self.ref, **self._options)
+            box = await self.manager.create(self.ref, self._options)
         except Exception as exc:
             self._creating -= 1
             self._counts["failures"] += 1
@@ -401,12 +402,14 @@ class WarmPool:
 class FnCalls:
     """Warm pools keyed by image ref, each created on first use with the same size and options."""
 
-    def __init__(self, manager: SandboxManager, *, size: int = 2, max_pools: int = 8,
-                 **create_options: Any) -> None:
+    def __init__(self, manager: SandboxManager, options: SandboxOptions | None = None, *, size: int = 2,
+                 max_pools: int = 8, **fields: Any) -> None:
         self.manager = manager
         self.size = size
-        self.max_pools = max_pools  # every pool holds `size` sandboxes: callers naming ever new images
-        self._options = create_options  # must not grow the host's sandbox count without bound
+        # every pool holds `size` sandboxes: callers naming ever new images must not grow the
+        # host's sandbox count without bound
+        self.max_pools = max_pools
+        self._options = options if options is not None else SandboxOptions(**fields)
         self._pools: dict[str, WarmPool] = {}  # least recently used first
         self._closed = False
 
@@ -422,7 +425,7 @@ class FnCalls:
             raise PoolClosed("FnCalls is closed")
         pool = self._pools.get(image)
         if pool is None:
-            pool = self._pools[image] = WarmPool(self.manager, image, size=self.size, **dict(self._options))
+            pool = self._pools[image] = WarmPool(self.manager, image, self._options, size=self.size)
         return pool
 
     async def call(self, image: str, cmd: str | Sequence[str] | None = None, *, function: str | None = None,
@@ -475,7 +478,7 @@ TRIVIAL_FUNCTION = "def f(x):\n    return x + 1\n"
 
 
 async def measure(manager: SandboxManager, ref: str, *, calls: int = 30, size: int = 2,
-                  **create_options: Any) -> dict[str, Any]:
+                  **fields: Any) -> dict[str, Any]:
     """Call latency in seconds of ``true`` and of a trivial function on a warm pool of ``ref``.
 
     ``warm``: the pool is refilled before each call (the latency a caller sees
@@ -485,7 +488,7 @@ async def measure(manager: SandboxManager, ref: str, *, calls: int = 30, size: i
     """
     out: dict[str, Any] = {"ref": ref, "size": size, "calls": calls}
     started = time.perf_counter()
-    async with WarmPool(manager, ref, size=size, **create_options) as pool:
+    async with WarmPool(manager, ref, size=size, **fields) as pool:
         out["start_seconds"] = time.perf_counter() - started
         kinds: dict[str, dict[str, Any]] = {"true": {"cmd": ["true"]},
                                             "function": {"function": TRIVIAL_FUNCTION, "args": [41]}}

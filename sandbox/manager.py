@@ -1,19 +1,23 @@
 """Sandboxes on one host: an image's writable overlay run by crun, with exec, files,
 pause/resume, checkpoint/restore, receipts, and cleanup that survives a crash.
 
-Layout under ``<data-dir>/sandbox/``::
+What lives where (layout in :mod:`sandbox.paths`, formats in docs/FORMAT.md)::
 
-    runtime/             crun --root (its own container state)
-    boxes/<id>/state.json  what the manager knows (written before anything it names exists)
-    boxes/<id>/bundle/   config.json (+ per-exec process documents)
-    boxes/<id>/rootfs/   the writable overlay (a HostMounts mount), mounted here only until the
-                         container is created: then its init's mount namespace holds it and it
-                         leaves the host's mount table (files go through /proc/<init>/root)
-    boxes/<id>/disk.img, disk/  the sandbox's own ext4 (only with a disk limit; holds the upper)
-    receipts/<id>.jsonl  append-only log of every action (kept after destroy)
-    userns.json          host uid ranges of user-namespaced sandboxes (sandbox/idmap.py RangePool)
-    <data-dir>/net/      network namespaces and address allocations (sandbox/network.py)
-    leases.json          job leases and their admission state (sandbox/leases.py)
+    sandbox/runtime/              crun --root (its own container state)
+    sandbox/boxes/<id>/state.json the SandboxState (sandbox.model), written before anything it names exists
+    sandbox/boxes/<id>/bundle/    config.json and each running exec's process document and pid file
+    sandbox/boxes/<id>/rootfs/    the writable overlay (a HostMounts mount), mounted here only until the
+                                  container is created: then its init's mount namespace holds it and it
+                                  leaves the host's mount table (files go through /proc/<init>/root)
+    sandbox/boxes/<id>/disk.img, disk/  the sandbox's own ext4 (only with a disk limit; holds the upper)
+    sandbox/receipts/<id>.jsonl   the receipt log (sandbox.receipts; kept after destroy)
+    sandbox/userns.json           host uid ranges of user-namespaced sandboxes (sandbox.idmap RangePool)
+    sandbox/leases.json           job leases and their admission state (sandbox.leases)
+    net/                          network namespaces and address allocations (sandbox.network)
+
+Every id is checked (:func:`sandbox.model.check_sandbox_id`) before it becomes a path,
+and the manager never reads a file a sandbox can write as its own state: the init's
+pid comes from crun and is trusted only while the kernel puts it in the sandbox's cgroup.
 
 Store-facing calls (create, restore, checkpoint) are coroutines; runtime and
 file calls are blocking and meant for a thread when the caller is async.
@@ -25,13 +29,11 @@ import asyncio
 import base64
 import builtins
 import contextlib
-import fcntl
 import functools
 import hashlib
 import json
 import logging
 import os
-import selectors
 import shutil
 import signal
 import subprocess
@@ -39,7 +41,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ from lazyfetch import kmount
 from lazyfetch.mounts import HostMounts, MountError
 from sandbox import disk as sbdisk
 from sandbox import idmap
+from sandbox.cgroups import CgroupLayout, preflight_cgroups
 from sandbox.errors import (
     CommandInProgress,
     JobNotAdmitting,
@@ -59,52 +62,41 @@ from sandbox.errors import (
     SandboxError,
     SandboxNotFound,
     SandboxStateError,
+    StateUnreadable,
     UnsupportedOption,
 )
+from sandbox.execs import KEYED_OUTPUT_CAP, Cancel, ExecResult, kill_tree, proc_stat, pump, replay
 from sandbox.files import RootFiles
 from sandbox.leases import Leases
+from sandbox.model import (
+    DEFAULT_OUTPUT_CAP,
+    POOL_LABEL,
+    EgressRule,
+    ExecRequest,
+    SandboxOptions,
+    SandboxState,
+    check_sandbox_id,
+    new_sandbox_id,
+    project_namespace,
+)
 from sandbox.network import NetworkManager, diff_counters
-from sandbox.runtime import CgroupLayout, OciRuntime, preflight_cgroups
+from sandbox.paths import SandboxPaths, read_beneath, replace_beneath
+from sandbox.receipts import ReceiptLogs, verify_receipt_chain
+from sandbox.runtime import OciRuntime, kill_group
 from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec
 from snapshots.checkpoint import Checkpoint, Snapshots
 
 log = logging.getLogger("layerbox.sandbox")
 
-MiB = 1 << 20
-READ_CHUNK = 64 << 10
+__all__ = ["Cancel", "ExecResult", "Sandbox", "SandboxManager", "become_subreaper"]
+
 PR_SET_CHILD_SUBREAPER = 36
-# Output kept in the receipt of a command with an idempotency key, so a retry gets it back.
-KEYED_OUTPUT_CAP = 256 << 10
-CPU_CLASSES = ("latency", "best-effort")
 # Host uids of user-namespaced sandboxes: 64 regions of USERNS_SLOTS ranges from 2^30, one region per
 # data dir (like the subnet), so two managers on one machine rarely share a uid; far above the
 # 100000.. ranges /etc/subuid hands to users.
 USERNS_FIRST = 1 << 30
 USERNS_SLOTS = 256
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    exit_code: int | None  # crun's exit status; 128+N when signal N ended the process
-    signal: int | None
-    stdout: bytes
-    stderr: bytes
-    truncated: bool  # output beyond output_cap was read and dropped
-    duration: float
-    timed_out: bool = False
-    oom_killed: bool = False
-    interrupted: str | None = None  # "preempt" or "disconnect": the manager stopped it early
-    replayed: bool = False  # answered from the receipt of an earlier run with the same idempotency key
-
-
-class Cancel(threading.Event):
-    """Set it (with a reason) to stop a running exec: its process tree is killed."""
-
-    reason = "cancelled"
-
-    def cancel(self, reason: str) -> None:
-        self.reason = reason
-        self.set()
+EXEC_PREFIX = "exec-"
 
 
 def become_subreaper() -> None:
@@ -116,39 +108,17 @@ def become_subreaper() -> None:
         raise SandboxError(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
 
 
-# -- /proc helpers --------------------------------------------------------------------------
-def _proc_stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, starttime ticks) of ``pid``, or None when it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return int(fields[1]), int(fields[19])
-
-
-def _process_table() -> dict[int, tuple[int, int]]:
-    table = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = _proc_stat(int(name))
-            if st is not None:
-                table[int(name)] = st
-    return table
-
-
-def _descendants(roots: set[int], table: Mapping[int, tuple[int, int]]) -> set[int]:
-    found = set(r for r in roots if r in table)
-    grew = True
-    while grew:
-        more = {pid for pid, (ppid, _) in table.items() if ppid in found and pid not in found}
-        found |= more
-        grew = bool(more)
-    return found
+def limits_of(options: SandboxOptions) -> Limits:
+    return Limits(cpu=options.cpu, memory=options.memory, pids=options.pids,
+                  best_effort=options.cpu_class == "best-effort")
 
 
 def _uid_gid(files: RootFiles, user: str) -> tuple[int, int]:
-    """An OCI ``User`` ("", "name", "uid", "uid:gid", "name:group") looked up in the rootfs."""
+    """An OCI ``User`` ("", "name", "uid", "uid:gid", "name:group") looked up in the rootfs.
+
+    The rootfs may hold an earlier agent's writes (a restored checkpoint): its passwd is
+    the sandbox's own business, but a malformed line must not become our error.
+    """
     if not user:
         return 0, 0
     name, _, group = user.partition(":")
@@ -162,17 +132,17 @@ def _uid_gid(files: RootFiles, user: str) -> tuple[int, int]:
             return None
         for line in text.splitlines():
             parts = line.split(":")
-            if len(parts) > field and parts[0] == key:
+            if len(parts) > field and parts[0] == key and parts[field].isdigit():
                 return int(parts[field])
         return None
 
     uid = lookup("/etc/passwd", name, 2)
     if uid is None:
-        raise SandboxError(f"user {name!r} is not in the image's /etc/passwd")
+        raise UnsupportedOption(f"user {name!r} is not in the image's /etc/passwd")
     if group:
         gid = lookup("/etc/group", group, 2)
         if gid is None:
-            raise SandboxError(f"group {group!r} is not in the image's /etc/group")
+            raise UnsupportedOption(f"group {group!r} is not in the image's /etc/group")
         return uid, gid
     if name.isdigit():
         return uid, uid
@@ -180,74 +150,13 @@ def _uid_gid(files: RootFiles, user: str) -> tuple[int, int]:
     return uid, gid if gid is not None else uid
 
 
-def _replay(rec: Mapping[str, Any]) -> ExecResult:
-    """The result an earlier run under the same idempotency key recorded."""
-    if rec["action"] == "exec_started":  # the manager died or the job was preempted mid-command
-        return ExecResult(None, None, b"", b"", False, 0.0, interrupted="unknown", replayed=True)
-    return ExecResult(rec.get("exit_code"), rec.get("signal"), base64.b64decode(rec.get("stdout", "")),
-                      base64.b64decode(rec.get("stderr", "")),
-                      bool(rec.get("truncated")) or rec.get("stdout_bytes", 0) > KEYED_OUTPUT_CAP
-                      or rec.get("stderr_bytes", 0) > KEYED_OUTPUT_CAP,
-                      float(rec.get("duration", 0.0)), bool(rec.get("timed_out")), bool(rec.get("oom_killed")),
-                      rec.get("interrupted"), replayed=True)
-
-
-def _write_json(path: Path, doc: Mapping[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-
-
-def receipt_line(rec: Mapping[str, Any]) -> bytes:
-    """A receipt as its log stores it: canonical JSON (sorted keys, ASCII), no newline."""
-    return json.dumps(rec, sort_keys=True).encode()
-
-
-def verify_receipt_chain(records: Sequence[Mapping[str, Any]], *, what: str) -> str | None:
-    """Check that each record's ``prev`` is the blake3 of the record before it (null for the
-    first); return the hash of the last record (the log's head), None for no records.
-
-    Records without ``prev`` are accepted only before the first chained one (logs written
-    before the chain existed).  An edited, removed or reordered record breaks the chain at
-    the record after it; a log cut at its end is caught only against a head kept elsewhere.
-    """
-    prev: str | None = None
-    chained = False
-    for i, rec in enumerate(records):
-        if "prev" in rec:
-            if rec["prev"] != prev:
-                raise ReceiptsBroken(
-                    f"{what}: record {i} (id {rec.get('id')}, {rec.get('action')}) follows a record hashing to "
-                    f"{prev}, not {rec['prev']}: a record before it was edited, removed or reordered")
-            chained = True
-        elif chained:
-            raise ReceiptsBroken(f"{what}: record {i} (id {rec.get('id')}) has no 'prev' after chained records")
-        prev = blake3.blake3(receipt_line(rec)).hexdigest()
-    return prev
-
-
-def _last_line_hash(fd: int, size: int) -> str | None:
-    """blake3 of the file's last line (read backwards; a line may hold 256 KiB of output)."""
-    if size == 0:
-        return None
-    buf, pos = b"", size
-    while pos > 0:
-        step = min(1 << 16, pos)
-        pos -= step
-        buf = os.pread(fd, step, pos) + buf
-        cut = buf.rfind(b"\n", 0, len(buf) - 1)
-        if cut >= 0:
-            return blake3.blake3(buf[cut + 1:].rstrip(b"\n")).hexdigest()
-    return blake3.blake3(buf.rstrip(b"\n")).hexdigest()
-
-
 class Sandbox:
-    """One running sandbox; get it from :class:`SandboxManager`, not by constructing it."""
+    """One sandbox; get it from :class:`SandboxManager` (``get``, ``create``), not by constructing it."""
 
     def __init__(self, manager: SandboxManager, sid: str) -> None:
         self.manager = manager
-        self.id = sid
-        self.dir = manager.boxes / sid
+        self.id = check_sandbox_id(sid)
+        self.dir = manager.paths.box(sid)
         self.rootfs = self.dir / "rootfs"
         self.bundle = self.dir / "bundle"
         self._exec_seq = 0
@@ -256,11 +165,22 @@ class Sandbox:
     def files(self) -> RootFiles:
         """The host file API of this rootfs (idmap-aware when the sandbox has a user namespace)."""
         try:
-            mapping = self.state.get("userns")
+            mapping = self.state.userns
         except SandboxNotFound:
             mapping = None
-        return RootFiles(self.rootfs, idmap=(int(mapping[0]), int(mapping[1])) if mapping else None,
-                         open_root=self._open_root, no_xdev=True)
+        return RootFiles(self.rootfs, idmap=mapping, open_root=self._open_root, no_xdev=True)
+
+    def init_pid(self, st: SandboxState | None = None) -> int:
+        """The container's init, checked: same start time as recorded and a task of this
+        sandbox's own cgroup (a reused pid, or any other process, is refused)."""
+        st = st or self.state
+        if st.pid is None or st.init_start is None or not st.live:
+            raise SandboxStateError(f"sandbox {self.id} is {st.status}: it has no running init")
+        stat = proc_stat(st.pid)
+        if stat is None or stat[1] != st.init_start or not self.manager.layout.holds(st.pid, st.cgroups_path):
+            raise SandboxStateError(f"sandbox {self.id}: its init ({st.pid}) is gone; destroy it or restore "
+                                    "its last checkpoint")
+        return st.pid
 
     def _open_root(self) -> int:
         """The rootfs on the host while it is mounted there (creating), else the container's root."""
@@ -268,300 +188,186 @@ class Sandbox:
         if kmount.is_mountpoint(self.rootfs):
             return os.open(self.rootfs, flags)
         st = self.state
-        pid, start = st.get("pid"), st.get("init_start")
-        if pid is None or start is None or st.get("status") not in ("running", "paused"):
-            raise SandboxStateError(f"sandbox {self.id} is {st.get('status')}: its files are reachable only "
+        if not st.live:
+            raise SandboxStateError(f"sandbox {self.id} is {st.status}: its files are reachable only "
                                     "while it runs (or is paused)")
-        try:
-            fd = os.open(f"/proc/{pid}/root", flags)
-        except OSError:
-            fd = -1
-        # opened first, checked after: a pid reused in between shows another start time
-        if fd < 0 or (_proc_stat(int(pid)) or (0, -1))[1] != start:
-            if fd >= 0:
-                os.close(fd)
-            raise SandboxStateError(f"sandbox {self.id}: its init ({pid}) is gone; destroy it or restore "
-                                    "its last checkpoint")
+        pid = self.init_pid(st)
+        fd = os.open(f"/proc/{pid}/root", flags)
+        try:  # opened first, checked again after: a pid reused in between shows another start time
+            self.init_pid(st)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
     # -- state ------------------------------------------------------------------------------------
     @property
-    def state(self) -> dict[str, Any]:
-        try:
-            return dict(json.loads((self.dir / "state.json").read_text()))
-        except FileNotFoundError:
-            raise SandboxNotFound(f"sandbox {self.id}: no state under {self.manager.boxes}") from None
+    def state(self) -> SandboxState:
+        return self.manager._read_state(self.id)
 
-    def _update(self, **changes: Any) -> None:
+    def _update(self, **changes: Any) -> SandboxState:
         with self.manager._lock:  # read-modify-write: exec threads and preemption both write here
-            st = self.state
-            st.update(changes)
-            _write_json(self.dir / "state.json", st)
+            st = self.state.replace(**changes)
+            self.manager._write_state(st)
+            return st
 
     @property
     def pid(self) -> int:
-        return int(self.state["pid"])
+        return self.init_pid()
 
     def _receipt(self, action: str, **fields: Any) -> dict[str, Any]:
-        st = self.state if (self.dir / "state.json").exists() else {}
+        try:
+            st: SandboxState | None = self.state
+        except SandboxNotFound:
+            st = None
         rec = {"id": uuid.uuid4().hex[:16], "sandbox": self.id, "action": action, "time": time.time(),
-               "image": st.get("image_digest"), "labels": st.get("labels", {}), **fields}
-        self.manager._append_receipt(self.id, rec)
-        if st:
+               "image": st.image_digest if st else None, "labels": dict(st.labels) if st else {}, **fields}
+        self.manager.receipt_logs.append(self.id, rec)
+        if st is not None:
             self._update(last_active=time.time())
         return rec
 
     def receipts(self) -> builtins.list[dict[str, Any]]:
         return self.manager.receipts(self.id)
 
-    def _require_running(self) -> None:
-        st = self.state
-        if st.get("status") != "running":
-            raise SandboxStateError(f"sandbox {self.id} is {st.get('status')}, not running")
+    def _require_running(self, st: SandboxState) -> None:
+        if st.status != "running":
+            raise SandboxStateError(f"sandbox {self.id} is {st.status}, not running")
 
     # -- exec ---------------------------------------------------------------------------------------
-    def exec(self, cmd: Sequence[str] | str, *, env: Mapping[str, str] | None = None, cwd: str | None = None,
-             timeout: float | None = None, stdin: bytes | None = None, output_cap: int = MiB,
+    def exec(self, cmd: Sequence[str] | str | ExecRequest, *, env: Mapping[str, str] | None = None,
+             cwd: str | None = None, timeout: float | None = None, stdin: bytes | None = None,
+             output_cap: int = DEFAULT_OUTPUT_CAP,
              on_stdout: Callable[[bytes], None] | None = None,
              on_stderr: Callable[[bytes], None] | None = None,
-             idempotency_key: str | None = None, cancel: Cancel | None = None) -> ExecResult:
+             idempotency_key: str | None = None, cancel: Cancel | None = None,
+             keep_output: bool = True) -> ExecResult:
         """Run ``cmd`` (a string goes through ``/bin/sh -c``) and collect at most ``output_cap`` bytes per stream.
 
-        Output past the cap is still read (so the command never blocks on a full
-        pipe) but dropped, and ``truncated`` is set.  On ``timeout`` or when
-        ``cancel`` is set, the process, every descendant and every orphan it
-        left to the sandbox's init are SIGKILLed under the freezer.
+        ``cmd`` is an :class:`ExecRequest` or the fields to make one (validated the
+        same way).  Output past the cap is still read (so the command never blocks on
+        a full pipe) but dropped, and ``truncated`` is set; callbacks see at most the
+        cap too.  ``keep_output=False`` keeps no output in the result (a caller that
+        streams it); a keyed command still keeps what its receipt needs.  On
+        ``timeout`` or when ``cancel`` is set, the process, every descendant and every
+        orphan it left to the sandbox's init are SIGKILLed under the freezer.
 
         With ``idempotency_key``, a command that already ran under that key in
         this sandbox (or in the checkpoint it was restored from) is not run
         again: its recorded result comes back with ``replayed`` set.
         """
+        req = cmd if isinstance(cmd, ExecRequest) else ExecRequest(
+            cmd=cmd if isinstance(cmd, str) else tuple(cmd), env=env or {}, cwd=cwd, timeout=timeout, stdin=stdin,
+            output_cap=output_cap, idempotency_key=idempotency_key)
         cancel = cancel or Cancel()
-        replay: ExecResult | None = None
-        args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        key = req.idempotency_key
+        earlier: ExecResult | None = None
         self._exec_seq += 1
-        tag = f"exec-{os.getpid()}-{self._exec_seq}-{uuid.uuid4().hex[:6]}"
-        with self.manager._lock:
+        tag = f"{EXEC_PREFIX}{os.getpid()}-{self._exec_seq}-{uuid.uuid4().hex[:6]}"
+        mgr = self.manager
+        with mgr._lock:
             # admission and registration under one lock: preemption either sees this exec or refuses it
-            self._require_running()
             st = self.state
-            if not st.get("admitting", True):
-                raise JobNotAdmitting(f"sandbox {self.id}: job {st.get('job')!r} is being preempted; "
+            self._require_running(st)
+            if not st.admitting:
+                raise JobNotAdmitting(f"sandbox {self.id}: job {st.job!r} is being preempted; "
                                       "retry after it is resumed")
-            if idempotency_key is not None:
-                if (self.id, idempotency_key) in self.manager._keys_running:
+            if key is not None:
+                if (self.id, key) in mgr._keys_running:
                     raise CommandInProgress(f"sandbox {self.id}: a command with idempotency key "
-                                            f"{idempotency_key!r} is still running")
-                earlier = self._keyed_receipt(idempotency_key)
-                replay = _replay(earlier) if earlier is not None else None
-                if replay is None:
-                    self.manager._keys_running.add((self.id, idempotency_key))
-            if replay is None:
-                self.manager._inflight.setdefault(self.id, {})[tag] = cancel
-        if replay is not None:
-            for data, cb in ((replay.stdout, on_stdout), (replay.stderr, on_stderr)):
+                                            f"{key!r} is still running")
+                rec = mgr.receipt_logs.keyed(self.id, key)
+                earlier = replay(rec) if rec is not None else None
+                if earlier is None:
+                    mgr._keys_running.add((self.id, key))
+            if earlier is None:
+                mgr._inflight.setdefault(self.id, {})[tag] = cancel
+        if earlier is not None:
+            for data, cb in ((earlier.stdout, on_stdout), (earlier.stderr, on_stderr)):
                 if data and cb is not None:  # a streaming caller sees the answer the same way
                     cb(data)
-            return replay
+            return earlier
         try:
-            if idempotency_key is not None:
+            if key is not None:
                 # a crash during the command leaves this behind: a retry then learns it was interrupted
-                self._receipt("exec_started", command=args, idempotency_key=idempotency_key)
-            return self._exec(tag, st, args, env, cwd, timeout, stdin, output_cap, on_stdout, on_stderr,
-                              idempotency_key, cancel)
+                self._receipt("exec_started", command=req.argv, idempotency_key=key)
+            return self._exec(tag, st, req, on_stdout, on_stderr, cancel, keep_output)
         finally:
-            with self.manager._lock:
-                running = self.manager._inflight.get(self.id, {})
+            with mgr._lock:
+                running = mgr._inflight.get(self.id, {})
                 running.pop(tag, None)
                 if not running:
-                    self.manager._inflight.pop(self.id, None)
-                if idempotency_key is not None:
-                    self.manager._keys_running.discard((self.id, idempotency_key))
+                    mgr._inflight.pop(self.id, None)
+                if key is not None:
+                    mgr._keys_running.discard((self.id, key))
 
-    def _keyed_receipt(self, key: str) -> dict[str, Any] | None:
-        found = None
-        for rec in self.receipts():
-            if rec.get("idempotency_key") == key and rec.get("action") in ("exec", "exec_started"):
-                if found is None or rec["action"] == "exec":
-                    found = rec
-        return found
-
-    def _exec(self, tag: str, st: Mapping[str, Any], args: builtins.list[str], env: Mapping[str, str] | None,
-              cwd: str | None, timeout: float | None, stdin: bytes | None, output_cap: int,
-              on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
-              idempotency_key: str | None, cancel: Cancel) -> ExecResult:
-        merged = {**st["env"], **(env or {})}
-        workdir = cwd or st["cwd"]
+    def _exec(self, tag: str, st: SandboxState, req: ExecRequest, on_stdout: Callable[[bytes], None] | None,
+              on_stderr: Callable[[bytes], None] | None, cancel: Cancel, keep_output: bool) -> ExecResult:
+        mgr, cg = self.manager, st.cgroups_path
+        args = req.argv
+        workdir = req.cwd or st.cwd
         process_file, pid_file = self.bundle / f"{tag}.json", self.bundle / f"{tag}.pid"
-        _write_json(process_file, build_process(args, env=merged, cwd=workdir, uid=st["uid"], gid=st["gid"]))
-        oom_before = self.manager._oom_kills(st)
-        policed = st.get("network") is not None
-        egress_before = self.manager.net.counters(self.id) if policed else None
-        cpu_before = self.manager._cpu_usage(st)
+        process = build_process(args, env={**st.env, **req.env}, cwd=workdir, uid=st.uid, gid=st.gid)
+        replace_beneath(mgr.paths.boxes, f"{self.id}/bundle/{tag}.json", json.dumps(process).encode())
+        oom_before = mgr.layout.oom_kills(cg)
+        policed = st.network is not None
+        egress_before = mgr.net.counters(self.id) if policed else None
+        cpu_before = mgr.layout.cpu_seconds(cg)
         started = time.perf_counter()
-        proc = self.manager.runtime.exec(self.id, process_file, pid_file=pid_file,
-                                         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                         sched_idle=st.get("cpu_class") == "best-effort")
-        exec_start = _proc_stat(proc.pid)
-        timed_out = False
+        proc = mgr.runtime.exec(self.id, process_file, pid_file=pid_file,
+                                stdin=subprocess.PIPE if req.stdin is not None else subprocess.DEVNULL,
+                                sched_idle=st.options.cpu_class == "best-effort")
+        exec_start = proc_stat(proc.pid)
+        since = exec_start[1] if exec_start else 0
+        keep = req.output_cap if keep_output else (KEYED_OUTPUT_CAP if req.idempotency_key else 0)
         try:
-            out, err, truncated, digests, sizes, timed_out = self._pump(
-                proc, stdin, output_cap, timeout, on_stdout, on_stderr, pid_file,
-                exec_start[1] if exec_start else 0, cancel)
+            out = pump(proc, req.stdin, cap=req.output_cap, keep=min(keep, req.output_cap), timeout=req.timeout,
+                       on_stdout=on_stdout, on_stderr=on_stderr, cancel=cancel,
+                       kill=lambda: self._kill_exec(pid_file, since, st))
         finally:
             if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                kill_group(proc)
             proc.wait()
             process_file.unlink(missing_ok=True)
             pid_file.unlink(missing_ok=True)
         duration = time.perf_counter() - started
         rc = proc.returncode
         interrupted = cancel.reason if cancel.is_set() else None
-        killed = timed_out or interrupted is not None
-        sig = signal.SIGKILL.value if killed else (rc - 128 if rc is not None and 128 < rc <= 128 + 64 else None)
-        oom = self.manager._oom_kills(st) > oom_before
-        result = ExecResult(rc, sig, out, err, truncated, round(duration, 6), timed_out, oom, interrupted)
-        keyed: dict[str, Any] = {}
-        cpu_after = self.manager._cpu_usage(st)
-        # the sandbox's cgroup over the command's span (background processes included)
-        keyed["resources"] = {
-            "cpu_seconds": round(cpu_after - cpu_before, 6) if cpu_before is not None and cpu_after is not None
-            else None,
-            "memory_peak": self.manager._memory_peak(st), "pids": self.manager._pids_current(st)}
+        killed = out.timed_out or interrupted is not None
+        sig = int(signal.SIGKILL) if killed else (rc - 128 if rc is not None and 128 < rc <= 128 + 64 else None)
+        oom = mgr.layout.oom_kills(cg) > oom_before
+        result = ExecResult(rc, sig, out.stdout, out.stderr, out.truncated, round(duration, 6), out.timed_out,
+                            oom, interrupted)
+        cpu_after = mgr.layout.cpu_seconds(cg)
+        extra: dict[str, Any] = {
+            # the sandbox's cgroup over the command's span (background processes included)
+            "resources": {"cpu_seconds": round(cpu_after - cpu_before, 6)
+                          if cpu_before is not None and cpu_after is not None else None,
+                          "memory_peak": mgr.layout.memory_peak(cg), "pids": mgr.layout.pids_current(cg)}}
         if egress_before is not None:  # what the network policy allowed and denied during the command
-            keyed["egress"] = diff_counters(egress_before, self.manager.net.counters(self.id))
-        if idempotency_key is not None:
-            keyed = {"idempotency_key": idempotency_key,
-                     "stdout": base64.b64encode(out[:KEYED_OUTPUT_CAP]).decode(),
-                     "stderr": base64.b64encode(err[:KEYED_OUTPUT_CAP]).decode()}
-        self._receipt("exec", command=args, cwd=workdir, exit_code=rc, signal=sig, timed_out=timed_out,
-                      oom_killed=oom, interrupted=interrupted, stdout_bytes=sizes[0], stderr_bytes=sizes[1],
-                      stdout_blake3=digests[0], stderr_blake3=digests[1], truncated=truncated,
-                      duration=result.duration, cpu_class=st.get("cpu_class", "latency"),
-                      policy_version=st.get("policy_version"), **keyed)
+            extra["egress"] = diff_counters(egress_before, mgr.net.counters(self.id))
+        if req.idempotency_key is not None:
+            extra.update(idempotency_key=req.idempotency_key,
+                         stdout=base64.b64encode(out.stdout[:KEYED_OUTPUT_CAP]).decode(),
+                         stderr=base64.b64encode(out.stderr[:KEYED_OUTPUT_CAP]).decode())
+        self._receipt("exec", command=args, cwd=workdir, exit_code=rc, signal=sig, timed_out=out.timed_out,
+                      oom_killed=oom, interrupted=interrupted, stdout_bytes=out.sizes[0], stderr_bytes=out.sizes[1],
+                      stdout_blake3=out.digests[0], stderr_blake3=out.digests[1], truncated=out.truncated,
+                      duration=result.duration, cpu_class=st.options.cpu_class,
+                      policy_version=st.policy_version, **extra)
         return result
 
-    def _pump(self, proc: subprocess.Popen[bytes], stdin: bytes | None, cap: int, timeout: float | None,
-              on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
-              pid_file: Path, since: int, cancel: Cancel
-              ) -> tuple[bytes, bytes, bool, tuple[str, str], tuple[int, int], bool]:
-        assert proc.stdout is not None
-        assert proc.stderr is not None
-        bufs = [bytearray(), bytearray()]
-        hashes = [blake3.blake3(), blake3.blake3()]
-        sizes = [0, 0]
-        callbacks = [on_stdout, on_stderr]
-        truncated = False
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ, 0)
-        sel.register(proc.stderr, selectors.EVENT_READ, 1)
-        pending = memoryview(stdin or b"")
-        if proc.stdin is not None:
-            os.set_blocking(proc.stdin.fileno(), False)
-            if pending:
-                sel.register(proc.stdin, selectors.EVENT_WRITE, 2)
-            else:
-                proc.stdin.close()
-        deadline = time.monotonic() + timeout if timeout is not None else None
-        exited_at: float | None = None
-        kill_since: float | None = None  # when a cancel or the timeout asked for the kill
-        timed_out = killed = False
+    def _kill_exec(self, pid_file: Path, since: int, st: SandboxState) -> bool:
+        """Kill an exec's tree; False while crun has not yet written the command's pid."""
         try:
-            while sel.get_map():
-                now = time.monotonic()
-                if not killed and kill_since is None:
-                    if cancel.is_set():
-                        kill_since = now
-                    elif deadline is not None and now >= deadline:
-                        timed_out, kill_since = True, now
-                if not killed and kill_since is not None:
-                    # the command's pid is known only once crun has written it: until then (a
-                    # cancel right after the start, a loaded host) keep trying, and after 5 s
-                    # without one kill crun exec itself
-                    if self._kill_exec(pid_file, since) or proc.poll() is not None or now - kill_since > 5.0:
-                        if proc.poll() is None and now - kill_since > 5.0:
-                            proc.kill()
-                        killed = True
-                        deadline = now + 5.0  # then give up on crun exec itself
-                elif killed and deadline is not None and now >= deadline:
-                    break
-                if exited_at is None and proc.poll() is not None:
-                    exited_at = now
-                if exited_at is not None and now - exited_at > 1.0:
-                    break  # background processes still hold the pipes: stop reading them
-                wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - now))
-                if kill_since is not None and not killed:
-                    wait = 0.01
-                for key, _ in sel.select(wait):
-                    idx = key.data
-                    if idx == 2:
-                        assert proc.stdin is not None
-                        try:
-                            n = os.write(proc.stdin.fileno(), pending[:READ_CHUNK])
-                        except BrokenPipeError:
-                            n = len(pending)
-                        pending = pending[n:]
-                        if not pending:
-                            sel.unregister(proc.stdin)
-                            proc.stdin.close()
-                        continue
-                    data = os.read(key.fd, READ_CHUNK)
-                    if not data:
-                        sel.unregister(key.fileobj)
-                        continue
-                    sizes[idx] += len(data)
-                    hashes[idx].update(data)
-                    room = cap - len(bufs[idx])
-                    if room < len(data):
-                        truncated = True
-                    if room > 0:
-                        bufs[idx] += data[:room]
-                    cb = callbacks[idx]
-                    if cb is not None:
-                        cb(data)
-        finally:
-            sel.close()
-            for f in (proc.stdout, proc.stderr, proc.stdin):
-                if f is not None and not f.closed:
-                    f.close()
-        return (bytes(bufs[0]), bytes(bufs[1]), truncated, (hashes[0].hexdigest(), hashes[1].hexdigest()),
-                (sizes[0], sizes[1]), timed_out)
-
-    def _kill_exec(self, pid_file: Path, since: int) -> bool:
-        """SIGKILL an exec's process tree and the orphans it left to init, with the sandbox frozen.
-
-        False when crun has not yet written the command's pid (nothing was killed).
-        """
-        try:
-            root = int(pid_file.read_text().strip())
+            root = int(read_beneath(self.manager.paths.boxes, f"{self.id}/bundle/{pid_file.name}").strip())
         except (OSError, ValueError):
             return False
-        init = self.pid
-        frozen = False
-        try:
-            with contextlib.suppress(RuntimeFailed):
-                self.manager.runtime.pause(self.id)
-                frozen = True
-            for _ in range(5):
-                table = _process_table()
-                orphans = {pid for pid, (ppid, start) in table.items() if ppid == init and start >= since}
-                victims = _descendants({root} | orphans, table) - {init}
-                if not victims:
-                    break
-                for pid in victims:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                if frozen:  # killed tasks only die once thawed
-                    self.manager.runtime.resume(self.id)
-                    frozen = False
-                time.sleep(0.05)
-                with contextlib.suppress(RuntimeFailed):
-                    self.manager.runtime.pause(self.id)
-                    frozen = True
-        finally:
-            if frozen:
-                self.manager.runtime.resume(self.id)
+        if not self.manager.layout.holds(root, st.cgroups_path):
+            # gone already (nothing left to kill), or not (yet) in the sandbox's cgroup: a pid
+            # that is not the sandbox's own is never signalled, the caller tries again
+            return proc_stat(root) is None
+        kill_tree(self.manager.runtime, self.id, self.init_pid(st), root, since)
         return True
 
     # -- files --------------------------------------------------------------------------------------
@@ -595,38 +401,41 @@ class Sandbox:
         self._receipt("remove", path=path)
 
     # -- network ------------------------------------------------------------------------------------
-    def set_network(self, rules: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    def set_network(self, rules: Sequence[EgressRule | Mapping[str, Any]]) -> dict[str, Any]:
         """Replace the egress allow rules while the sandbox runs (it must have been created with a network)."""
         st = self.state
-        if st.get("network") is None:
+        if st.network is None:
             raise SandboxStateError(f"sandbox {self.id} was created without a network (loopback only); "
                                     "create it with network=[...] to police egress")
-        policy = self.manager.net.set_policy(self.id, [dict(r) for r in rules])
-        options = {**st.get("options", {}), "network": [dict(r) for r in rules]}
-        self._update(network={**st["network"], "policy": policy}, options=options)
+        options = st.options.replace(network=tuple(EgressRule.parse(r) for r in rules))
+        assert options.network is not None
+        policy = self.manager.net.set_policy(self.id, list(options.network))
+        self._update(network={**st.network, "policy": policy}, options=options)
         self._receipt("network", version=policy.get("version"), rules=policy.get("rules"))
         return policy
 
     # -- pause / resume -----------------------------------------------------------------------------
     def pause(self, *, reclaim: bool = True) -> dict[str, Any]:
         """Freeze every process, then push the sandbox's page cache out of memory."""
-        self._require_running()
+        st = self.state
+        self._require_running(st)
         self.manager.runtime.pause(self.id)
         self._update(status="paused")
-        freed = self.manager._reclaim(self.state) if reclaim else None
+        freed = self.manager.layout.reclaim(st.cgroups_path) if reclaim else None
         rec = self._receipt("pause", reclaim=freed)
         return {"reclaim": freed, "receipt": rec["id"]}
 
     def resume(self) -> None:
-        if self.state.get("status") != "paused":
-            raise SandboxStateError(f"sandbox {self.id} is {self.state.get('status')}, not paused")
+        st = self.state
+        if st.status != "paused":
+            raise SandboxStateError(f"sandbox {self.id} is {st.status}, not paused")
         self.manager.runtime.resume(self.id)
         self._update(status="running")
         self._receipt("resume")
 
     @contextlib.contextmanager
     def _frozen(self) -> Iterator[None]:
-        if self.state.get("status") == "paused":
+        if self.state.status == "paused":
             yield
             return
         self.manager.runtime.pause(self.id)
@@ -638,21 +447,27 @@ class Sandbox:
     # -- checkpoint ---------------------------------------------------------------------------------
     async def checkpoint(self, *, name: str | None = None, labels: Mapping[str, str] | None = None,
                          trajectory_offset: int | None = None, policy_version: str | None = None) -> Checkpoint:
-        """Capture the rootfs' writes (processes frozen meanwhile) as a checkpoint in the store."""
+        """Capture the rootfs' writes (processes frozen meanwhile) as a checkpoint in the store.
+
+        ``name`` is the ref to move (default ``checkpoints/<record id>:<n>``, under its
+        project's namespace for a project's sandbox); the checkpoint carries the sandbox's
+        labels (its project among them) and receipts.
+        """
         st = self.state
-        if st.get("status") not in ("running", "paused"):
-            raise SandboxStateError(f"sandbox {self.id} is {st.get('status')}")
+        if not st.live:
+            raise SandboxStateError(f"sandbox {self.id} is {st.status}")
         last = self.manager.receipts(self.id)
         head = verify_receipt_chain(last, what=f"sandbox {self.id}'s receipts")  # never carry a broken log on
         async with await self.manager._store() as store:
             # receipts travel with the checkpoint: a restored sandbox knows its history and idempotency keys
             receipts = {"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last, "head": head}
             ckpt = await Snapshots(store, self.manager.host).checkpoint(
-                str(self.rootfs), name=name, labels={**st.get("labels", {}), **(labels or {})},
+                str(self.rootfs), name=name, labels={**st.labels, **(labels or {})},
                 trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
                 receipt_id=last[-1]["id"] if last else None,
-                policy_version=policy_version if policy_version is not None else st.get("policy_version"),
-                freeze=self._frozen, attach_docs={"receipts": receipts})
+                policy_version=policy_version if policy_version is not None else st.policy_version,
+                freeze=self._frozen, attach_docs={"receipts": receipts},
+                name_prefix=project_namespace(st.project) if st.project else "")
         self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
                       bytes_changed=ckpt.bytes_changed)
         return ckpt
@@ -671,26 +486,27 @@ class SandboxManager:
         with ``userns=True``; by default a region from 2^30 chosen by the data dir."""
         self.data_dir = Path(data_dir).resolve()
         self.store_url = store_url
-        self.root = self.data_dir / "sandbox"
-        self.boxes = self.root / "boxes"
-        self.receipts_dir = self.root / "receipts"
-        self.runtime = OciRuntime(self.root / "runtime", binary=runtime)
+        self.paths = SandboxPaths(self.data_dir)
+        self.root = self.paths.root
+        self.boxes = self.paths.boxes
+        self.receipts_dir = self.paths.receipts
+        self.receipt_logs = ReceiptLogs(self.receipts_dir)
+        self.runtime = OciRuntime(self.paths.runtime, binary=runtime)
         self.host = HostMounts(self.data_dir, store_url)
         self.host.on_remount = self._on_remount
         self.leases = Leases(self.root / "leases.json")
+        digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()
         # one cgroup parent per data dir: two managers on one machine never share cgroups
-        self.cgroup_parent = "layerbox-" + hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:10]
+        self.cgroup_parent = "layerbox-" + digest[:10]
         self._layout: CgroupLayout | None = None
         self._lock = threading.RLock()
-        self._receipt_locks: dict[str, threading.Lock] = {}
-        self._receipt_heads: dict[str, tuple[int, str]] = {}  # log size -> hash of its last line
         self._inflight: dict[str, dict[str, Cancel]] = {}  # sandbox -> running execs (this process)
         self._keys_running: set[tuple[str, str]] = set()
         self._net: NetworkManager | None = None
         # a /16 per data dir, so two managers (two tests, two "hosts" on one machine) never overlap
-        self.subnet = subnet or f"10.{64 + int(hashlib.sha256(str(self.data_dir).encode()).hexdigest(), 16) % 64}.0.0/16"
+        self.subnet = subnet or f"10.{64 + int(digest, 16) % 64}.0.0/16"
         if userns_range is None:
-            region = int(hashlib.sha256(str(self.data_dir).encode()).hexdigest(), 16) % 64
+            region = int(digest, 16) % 64
             userns_range = (USERNS_FIRST + region * USERNS_SLOTS * idmap.RANGE_SIZE, USERNS_SLOTS)
         self.uid_ranges = idmap.RangePool(self.root / "userns.json", *userns_range)
         self._userns_fds: dict[int, int] = {}  # host_base -> user namespace fd with that mapping (kept)
@@ -711,47 +527,96 @@ class SandboxManager:
     async def _store(self) -> Store:
         return await Store.open(self.store_url, self.data_dir)
 
+    # -- state files ---------------------------------------------------------------------------------
+    def _read_state(self, sid: str) -> SandboxState:
+        sid = check_sandbox_id(sid)
+        try:
+            raw = read_beneath(self.boxes, f"{sid}/state.json")
+        except FileNotFoundError:
+            raise SandboxNotFound(f"sandbox {sid}: no such sandbox on this host ({self.boxes})") from None
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise StateUnreadable(f"{self.boxes}/{sid}/state.json: not JSON ({exc})") from None
+        return SandboxState.from_json(doc, where=f"{self.boxes}/{sid}/state.json")
+
+    def _write_state(self, st: SandboxState) -> None:
+        replace_beneath(self.boxes, f"{st.id}/state.json", json.dumps(st.to_json(), sort_keys=True).encode())
+
     def get(self, sid: str) -> Sandbox:
+        """The sandbox ``sid`` (checked against the id grammar first); :class:`SandboxNotFound` if none."""
         box = Sandbox(self, sid)
         box.state  # noqa: B018  (raises SandboxNotFound)
         return box
 
-    def list(self, *, job: str | None = None) -> list[dict[str, Any]]:
+    def _ids(self, *, strays: builtins.list[str] | None = None) -> builtins.list[str]:
+        """Sandbox ids with a directory here; names that are not ids go to ``strays`` (never used as ids)."""
+        try:
+            names = os.listdir(self.boxes)
+        except FileNotFoundError:
+            return []
         out = []
-        for path in sorted(self.boxes.glob("*/state.json")):
-            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-                st = json.loads(path.read_text())
-                if job is None or st.get("job") == job:
-                    out.append(st)
+        for name in sorted(names):
+            try:
+                out.append(check_sandbox_id(name))
+            except SandboxError:
+                if strays is not None:
+                    strays.append(name)
+        return out
+
+    def list(self, *, job: str | None = None) -> builtins.list[SandboxState]:
+        out = []
+        for sid in self._ids():
+            try:
+                st = self._read_state(sid)
+            except SandboxNotFound:
+                continue  # being created (no state yet) or destroyed meanwhile
+            except StateUnreadable as exc:
+                log.warning("%s", exc)
+                continue
+            if job is None or st.job == job:
+                out.append(st)
         return out
 
     def inflight(self, sid: str) -> int:
         with self._lock:
             return len(self._inflight.get(sid, {}))
 
+    def receipts(self, sid: str) -> builtins.list[dict[str, Any]]:
+        return self.receipt_logs.read(sid)
+
+    def verify_receipts(self, sid: str) -> dict[str, Any]:
+        """Check the sandbox's receipt log end to end: ``{"records": n, "head": hash of the last}``."""
+        return self.receipt_logs.verify(sid)
+
     # -- create / restore -----------------------------------------------------------------------------
-    async def create(self, ref: str, **options: Any) -> Sandbox:
+    async def create(self, ref: str, options: SandboxOptions | None = None, *, admitting: bool = True,
+                     name: str | None = None, **fields: Any) -> Sandbox:
         """Start a sandbox on a writable overlay of ``ref``; returns once ``exec`` works.
 
-        Options: ``cpu`` (CPUs of quota), ``memory`` and ``disk`` (bytes),
-        ``pids``, ``cpu_class`` ("latency" or "best-effort"), ``env``,
-        ``workdir``, ``user``, ``labels``, ``ttl`` and ``idle_timeout``
-        (seconds), ``job`` and ``lease_ttl`` (the caller's lease),
-        ``policy_version``, ``network`` (egress allow rules), ``userns``
-        (run in a user namespace on its own host uid range: root inside is
-        an unprivileged host uid; not with ``network`` yet).
+        ``options`` is a :class:`SandboxOptions`, or its fields are given as keywords
+        (validated the same way).  A checkpoint ref goes through :meth:`restore`, so
+        its bound digests and policy are checked first.  ``name`` is what the sandbox
+        says it runs (default ``ref``): a caller that resolved and checked a ref passes
+        its digest as ``ref``, so nothing can move it in between.
         """
+        options = _options(options, fields)
         async with await self._store() as store:
             resolved = await store.resolve(ref)
-        if resolved.kind == "checkpoint":  # through restore: its bound digests and policy are checked first
-            return await self.restore(ref, **options)
-        return await self._launch(resolved, ref, **options)
+        if resolved.kind == "checkpoint":
+            return await self.restore(ref, options, admitting=admitting, name=name)
+        return await self._launch(resolved, ref, options, admitting=admitting, name=name)
 
-    async def restore(self, checkpoint_ref: str, *, policy_version: str | None = None,
-                      **options: Any) -> Sandbox:
-        """A new sandbox whose rootfs is ``checkpoint_ref`` (made on this host or any other)."""
+    async def restore(self, checkpoint_ref: str, options: SandboxOptions | None = None, *, admitting: bool = True,
+                      name: str | None = None, **fields: Any) -> Sandbox:
+        """A new sandbox whose rootfs is ``checkpoint_ref`` (made on this host or any other).
+
+        ``options.policy_version``, when set, must be the policy the checkpoint was made under.
+        """
+        options = _options(options, fields)
         async with await self._store() as store:
-            resolved = await Snapshots(store, self.host).verify_bound(checkpoint_ref, policy_version=policy_version)
+            resolved = await Snapshots(store, self.host).verify_bound(checkpoint_ref,
+                                                                      policy_version=options.policy_version)
             receipts: builtins.list[dict[str, Any]] = []
             attached = (resolved.doc.get("attachments") or {}).get("receipts")
             if attached:
@@ -761,39 +626,27 @@ class SandboxManager:
                 if "head" in doc and doc["head"] != head:
                     raise ReceiptsBroken(f"the receipts of checkpoint {checkpoint_ref} end at {head}, but the "
                                          f"document names {doc['head']} as their last: records were cut off")
-        return await self._launch(resolved, checkpoint_ref, policy_version=policy_version,
-                                  inherited=receipts, **options)
+        return await self._launch(resolved, checkpoint_ref, options, admitting=admitting, inherited=receipts,
+                                  name=name)
 
-    async def _launch(self, resolved: Resolved, ref: str, *, cpu: float = 1.0, memory: int = 512 * MiB,
-                      pids: int = 256, disk: int | None = None, cpu_class: str = "latency",
-                      env: Mapping[str, str] | None = None, workdir: str | None = None, user: str | None = None,
-                      labels: Mapping[str, str] | None = None, ttl: float | None = None,
-                      idle_timeout: float | None = None, job: str | None = None, lease_ttl: float | None = None,
-                      policy_version: str | None = None, admitting: bool = True,
-                      network: Sequence[Mapping[str, Any]] | None = None, userns: bool = False,
-                      inherited: Sequence[Mapping[str, Any]] = ()) -> Sandbox:
-        if cpu_class not in CPU_CLASSES:
-            raise UnsupportedOption(f"cpu_class {cpu_class!r}: choose one of {CPU_CLASSES}")
-        if userns:
+    async def _launch(self, resolved: Resolved, ref: str, options: SandboxOptions, *, admitting: bool,
+                      inherited: Sequence[Mapping[str, Any]] = (), name: str | None = None) -> Sandbox:
+        if options.userns:
             self._check_traversable()
-        if job is not None:
-            lease = self.leases.get(job)
+        if options.job is not None:
+            lease = self.leases.get(options.job)
             if lease is not None and lease.state != "active" and admitting:
-                raise JobNotAdmitting(f"job {job!r} is {lease.state}; resume its run manifest first")
-            self.leases.renew(job, lease_ttl)
+                raise JobNotAdmitting(f"job {options.job!r} is {lease.state}; resume its run manifest first")
+            self.leases.renew(options.job, options.lease_ttl)
         layout = self.layout
-        sid = "lb-" + uuid.uuid4().hex[:12]
+        sid = new_sandbox_id()
         box = Sandbox(self, sid)
-        box.bundle.mkdir(parents=True)
+        self.paths.ensure()
+        box.dir.mkdir(mode=0o700)
+        box.bundle.mkdir(mode=0o700)
         box.rootfs.mkdir()
-        self.receipts_dir.mkdir(parents=True, exist_ok=True)
-        limits = Limits(cpu=cpu, memory=memory, pids=pids, best_effort=cpu_class == "best-effort")
-        options = {"cpu": cpu, "memory": memory, "pids": pids, "disk": disk, "cpu_class": cpu_class,
-                   "ttl": ttl, "idle_timeout": idle_timeout, "workdir": workdir, "user": user,
-                   "env": dict(env or {}), "network": [dict(r) for r in network] if network is not None else None}
         mapping: tuple[int, int] | None = None
-        if userns:
-            options["userns"] = True
+        if options.userns:
             try:
                 mapping = self.uid_ranges.allocate(sid)
                 # crun enters the user namespace before it mounts the rootfs: the sandbox's root
@@ -804,51 +657,46 @@ class SandboxManager:
                 self.uid_ranges.release(sid)
                 shutil.rmtree(box.dir, ignore_errors=True)
                 raise
-        state: dict[str, Any] = {
-            "id": sid, "status": "creating", "ref": ref, "image_digest": resolved.digest, "kind": resolved.kind,
-            "labels": dict(labels or {}), "limits": asdict(limits), "ttl": ttl, "idle_timeout": idle_timeout,
-            "created": time.time(), "last_active": time.time(), "cgroups_path": f"/{self.cgroup_parent}/{sid}",
-            "pid": None, "job": job, "cpu_class": cpu_class, "disk": disk, "policy_version": policy_version,
-            "admitting": admitting, "options": options,
-            "layer_digests": [layer.digest for layer in resolved.layers],
-        }
-        if mapping is not None:
-            state["userns"] = list(mapping)
-        _write_json(box.dir / "state.json", state)  # first: a crash from here on is reconciled
+        now = time.time()
+        state = SandboxState(
+            id=sid, status="creating", ref=name or ref, image_digest=resolved.digest, kind=resolved.kind, options=options,
+            layer_digests=tuple(layer.digest for layer in resolved.layers), created=now, last_active=now,
+            cgroups_path=f"/{self.cgroup_parent}/{sid}", admitting=admitting, userns=mapping)
+        self._write_state(state)  # first: a crash from here on is reconciled
         for rec in inherited:  # the history of the checkpoint this sandbox continues
-            self._append_receipt(sid, {**rec, "inherited": True})
+            self.receipt_logs.append(sid, {**rec, "inherited": True})
         started = time.perf_counter()
         try:
             upper = None
-            if disk is not None:
-                mnt = await asyncio.to_thread(sbdisk.make_disk, box.dir / "disk.img", box.dir / "disk", disk)
+            if options.disk is not None:
+                mnt = await asyncio.to_thread(sbdisk.make_disk, box.dir / "disk.img", box.dir / "disk", options.disk)
                 upper = str(mnt / "upper")
             if resolved.kind == "checkpoint":
                 async with await self._store() as store:
                     await Snapshots(store, self.host).restore(ref, str(box.rootfs), upper=upper,
-                                                              policy_version=policy_version)
+                                                              policy_version=options.policy_version)
             else:
                 await asyncio.to_thread(self.host.mount, resolved, box.rootfs, writable=True, upper=upper)
             if mapping is not None:  # on a thread: the overlay is made under a per-thread fsuid
                 await asyncio.to_thread(self._remap_rootfs, box, mapping)
             mounted = time.perf_counter()
             netns = None
-            if network is not None:  # default deny with these allow rules; None = loopback only
+            if options.network is not None:  # default deny with these allow rules; None = loopback only
                 # with a user namespace the network namespace must belong to it, or crun cannot
                 # mount a sysfs for it and falls back to the host's /sys (host interface names)
                 ns_fd = self._userns_fd(*mapping) if mapping is not None else None
-                info = await asyncio.to_thread(self.net.create, sid, [dict(r) for r in network], userns_fd=ns_fd)
+                info = await asyncio.to_thread(self.net.create, sid, list(options.network), userns_fd=ns_fd)
                 netns = str(info.path)
-                state["network"] = {**info.to_dict(), "policy": self.net.policy(sid)}
-            await asyncio.to_thread(self._start, box, resolved, state, limits, layout, env, workdir, user, netns,
-                                    mapping)
+                state = state.replace(network={**info.to_dict(), "policy": self.net.policy(sid)})
+            await asyncio.to_thread(self._start, box, resolved, state, layout, netns)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.destroy(sid)
             raise
-        box._receipt("create" if resolved.kind != "checkpoint" else "restore", ref=ref, cpu=cpu, memory=memory,
-                     pids=pids, disk=disk, cpu_class=cpu_class, job=job, policy_version=policy_version,
-                     layer_digests=state["layer_digests"], mount_seconds=round(mounted - started, 6),
+        box._receipt("create" if resolved.kind != "checkpoint" else "restore", ref=name or ref, cpu=options.cpu,
+                     memory=options.memory, pids=options.pids, disk=options.disk, cpu_class=options.cpu_class,
+                     job=options.job, policy_version=options.policy_version,
+                     layer_digests=list(state.layer_digests), mount_seconds=round(mounted - started, 6),
                      start_seconds=round(time.perf_counter() - mounted, 6),
                      **({"userns": list(mapping)} if mapping is not None else {}))
         return box
@@ -875,38 +723,43 @@ class SandboxManager:
         base, size = mapping
         idmap.remap_rootfs(box.rootfs, base, size, ns_fd=self._userns_fd(base, size))
 
-    def _start(self, box: Sandbox, resolved: Resolved, state: dict[str, Any], limits: Limits,
-               layout: CgroupLayout, env: Mapping[str, str] | None, workdir: str | None, user: str | None,
-               netns: str | None, userns: tuple[int, int] | None = None) -> None:
+    def _start(self, box: Sandbox, resolved: Resolved, state: SandboxState, layout: CgroupLayout,
+               netns: str | None) -> None:
+        options, userns = state.options, state.userns
         cfg = resolved.config.get("config", resolved.config) or {}
-        image_env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if "=" in e)
+        image_env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if isinstance(e, str) and "=" in e)
         image_env.setdefault("PATH", DEFAULT_PATH)
-        merged_env = {**image_env, "HOME": image_env.get("HOME", "/root"), **(env or {})}
-        uid, gid = _uid_gid(box.files, user if user is not None else cfg.get("User") or "")
-        cwd = workdir or cfg.get("WorkingDir") or "/"
+        merged_env = {**image_env, "HOME": image_env.get("HOME", "/root"), **options.env}
+        uid, gid = _uid_gid(box.files, options.user if options.user is not None else cfg.get("User") or "")
+        cwd = options.workdir or cfg.get("WorkingDir") or "/"
         process = build_process(IDLE_INIT, env=merged_env, cwd="/", uid=0, gid=0)
         # a policed network namespace was made inside the manager's user namespace for this range:
         # the sandbox joins that one, so the network namespace is its own
         joined = f"/proc/{os.getpid()}/fd/{self._userns_fd(*userns)}" if userns and netns else None
-        spec = build_spec(str(box.rootfs), process, hostname=box.id, cgroups_path=state["cgroups_path"],
+        limits = limits_of(options)
+        spec = build_spec(str(box.rootfs), process, hostname=box.id, cgroups_path=state.cgroups_path,
                           limits=limits, cgroup_version=layout.version, netns_path=netns, userns=userns,
                           userns_path=joined)
-        _write_json(box.bundle / "config.json", spec)
-        state.update(env=merged_env, cwd=cwd, uid=uid, gid=gid, status="starting")
-        _write_json(box.dir / "state.json", state)
+        replace_beneath(self.boxes, f"{box.id}/bundle/config.json", json.dumps(spec).encode())
+        state = state.replace(env=merged_env, cwd=cwd, uid=uid, gid=gid, status="starting")
+        self._write_state(state)
         self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid", sched_idle=limits.best_effort)
         pid = self._hold_rootfs(box)
         self.runtime.start(box.id)
-        state.update(pid=pid, init_start=(_proc_stat(pid) or (0, None))[1], status="running")
+        state = state.replace(pid=pid, init_start=(proc_stat(pid) or (0, None))[1], status="running")
         if userns is not None:
-            self._await_init_exec(box.id, state["pid"])
-        _write_json(box.dir / "state.json", state)
+            self._await_init_exec(box.id, pid)
+        self._write_state(state)
+
+    def _crun_pid(self, box: Sandbox) -> int:
+        """The init pid crun wrote (host side, in the sandbox's own directory)."""
+        return int(read_beneath(self.boxes, f"{box.id}/init.pid").strip())
 
     def _hold_rootfs(self, box: Sandbox) -> int:
         """Hand the rootfs overlay to the created container (its init's mount namespace holds it)
         and take it out of the host's mount table: each create copies that table, so 1,000
         sandboxes' overlays in it made a create ~2x slower.  Returns the init's pid."""
-        pid = int((box.dir / "init.pid").read_text())
+        pid = self._crun_pid(box)
         try:
             self.host.detach(box.rootfs, pid)
         except MountError as exc:  # still correct while mounted here, only slower for later creates
@@ -938,38 +791,33 @@ class SandboxManager:
         path = Path(mountpoint)
         if path.name != "rootfs" or path.parent.parent != self.boxes:
             return None
-        box = Sandbox(self, path.parent.name)
         try:
+            box = Sandbox(self, path.parent.name)
             st = box.state
-        except SandboxNotFound:
+        except (SandboxNotFound, SandboxError):
             return None
         if phase == "detached":
-            try:
-                self.runtime.delete(box.id, force=True)
-            except RuntimeFailed:
-                with contextlib.suppress(RuntimeFailed):
-                    self.runtime.resume(box.id)
-                self.runtime.delete(box.id, force=True)
+            self._delete_container(box.id)
             return None
-        if st.get("userns"):
-            self._remap_rootfs(box, (int(st["userns"][0]), int(st["userns"][1])))
+        if st.userns:
+            self._remap_rootfs(box, st.userns)
         self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid",
-                            sched_idle=st.get("cpu_class") == "best-effort")
+                            sched_idle=st.options.cpu_class == "best-effort")
         self.runtime.start(box.id)
-        pid = int((box.dir / "init.pid").read_text())
-        if st.get("userns"):
+        pid = self._crun_pid(box)
+        if st.userns:
             self._await_init_exec(box.id, pid)
-        box._update(pid=pid, init_start=(_proc_stat(pid) or (0, None))[1], status="running")
-        if st.get("status") == "paused":
+        box._update(pid=pid, init_start=(proc_stat(pid) or (0, None))[1], status="running")
+        if st.status == "paused":
             box.pause()
         box._receipt("restarted", reason="the lazyfetch daemon restarted: the rootfs was remounted on it; "
-                                         "processes were lost, files kept", was=st.get("status"))
+                                         "processes were lost, files kept", was=st.status)
         log.warning("sandbox %s restarted on a new lazyfetch daemon (processes lost, files kept)", box.id)
         return pid  # HostMounts detaches the new overlay: this init holds it (called under its lock)
 
     def heal(self) -> int:
         """If the lazyfetch daemon died under running sandboxes, start a new one and restart them."""
-        if not any(st.get("status") in ("running", "paused") for st in self.list()):
+        if not any(st.live for st in self.list()):
             return 0
         health = self.host.client.health()
         if health is not None and not self._stale_layers(health["instance"]):
@@ -992,17 +840,17 @@ class SandboxManager:
         """Freeze every running sandbox of ``job`` (and reclaim their page cache)."""
         done = []
         for st in self.list(job=job):
-            if st.get("status") == "running":
-                Sandbox(self, st["id"]).pause()
-                done.append(st["id"])
+            if st.status == "running":
+                Sandbox(self, st.id).pause()
+                done.append(st.id)
         return done
 
     def resume_job(self, job: str) -> builtins.list[str]:
         done = []
         for st in self.list(job=job):
-            if st.get("status") == "paused":
-                Sandbox(self, st["id"]).resume()
-                done.append(st["id"])
+            if st.status == "paused":
+                Sandbox(self, st.id).resume()
+                done.append(st.id)
         return done
 
     def reap(self, now: float | None = None) -> dict[str, builtins.list[str]]:
@@ -1011,35 +859,38 @@ class SandboxManager:
         report: dict[str, builtins.list[str]] = {"destroyed": [], "paused": []}
         expired_jobs = {lease.job for lease in self.leases.all() if lease.expired(now)}
         for st in self.list():
-            sid = st["id"]
+            opts = st.options
             try:
-                if st.get("status") in ("creating", "starting"):
+                if st.status in ("creating", "starting"):
                     continue
-                if (st.get("ttl") is not None and now - st["created"] > st["ttl"]) or st.get("job") in expired_jobs:
-                    self.destroy(sid)
-                    report["destroyed"].append(sid)
-                elif (st.get("idle_timeout") is not None and st.get("status") == "running"
-                      and now - st["last_active"] > st["idle_timeout"] and not self.inflight(sid)):
-                    Sandbox(self, sid).pause()
-                    report["paused"].append(sid)
+                if (opts.ttl is not None and now - st.created > opts.ttl) or st.job in expired_jobs:
+                    self.destroy(st.id)
+                    report["destroyed"].append(st.id)
+                elif (opts.idle_timeout is not None and st.status == "running"
+                      and now - st.last_active > opts.idle_timeout and not self.inflight(st.id)):
+                    Sandbox(self, st.id).pause()
+                    report["paused"].append(st.id)
             except (SandboxError, MountError, OSError) as exc:  # one bad sandbox must not stop the reaper
-                log.warning("reaper: sandbox %s: %s", sid, exc)
+                log.warning("reaper: sandbox %s: %s", st.id, exc)
         for job in expired_jobs:
             if not self.list(job=job):
                 self.leases.drop(job)
         return report
 
     # -- destroy / reconcile ----------------------------------------------------------------------------
-    def destroy(self, sid: str) -> None:
-        """Kill and delete the container, drop its rootfs (upper discarded), cgroups and state. Idempotent."""
-        box = Sandbox(self, sid)
-        known = (box.dir / "state.json").exists()
+    def _delete_container(self, sid: str) -> None:
         try:  # `crun delete --force` of an unknown container succeeds: no state query first
             self.runtime.delete(sid, force=True)
         except RuntimeFailed:
             with contextlib.suppress(RuntimeFailed):
                 self.runtime.resume(sid)  # a frozen init cannot die
             self.runtime.delete(sid, force=True)
+
+    def destroy(self, sid: str) -> None:
+        """Kill and delete the container, drop its rootfs (upper discarded), cgroups and state. Idempotent."""
+        box = Sandbox(self, sid)
+        known = (box.dir / "state.json").exists()
+        self._delete_container(sid)
         if kmount.is_mountpoint(box.rootfs):
             try:
                 self.host.umount(box.rootfs, discard=True)
@@ -1051,57 +902,103 @@ class SandboxManager:
         sbdisk.remove_disk(box.dir / "disk.img", box.dir / "disk")
         if (self.data_dir / "net").exists():
             self.net.destroy(sid)  # after the container: nothing holds the namespace any more
-        self._remove_cgroups(f"/{self.cgroup_parent}/{sid}")
+        self.layout.remove(f"/{self.cgroup_parent}/{sid}")
         self.uid_ranges.release(sid)  # after the container: no process of the range is left
         if known:
-            self._append_receipt(sid, {"id": uuid.uuid4().hex[:16], "sandbox": sid, "action": "destroy",
-                                       "time": time.time()})
-        with self._lock:  # the log is complete: nothing more is appended to it here
-            self._receipt_heads.pop(sid, None)
-            self._receipt_locks.pop(sid, None)
+            self.receipt_logs.append(sid, {"id": uuid.uuid4().hex[:16], "sandbox": sid, "action": "destroy",
+                                           "time": time.time()})
+        self.receipt_logs.forget(sid)  # the log is complete: nothing more is appended to it here
         shutil.rmtree(box.dir, ignore_errors=True)
-        if not any(self.boxes.glob("*/state.json")):
-            self._remove_cgroups(f"/{self.cgroup_parent}")
+        if not self._ids():
+            self.layout.remove(f"/{self.cgroup_parent}")
 
     def _remove_cgroups(self, path: str) -> None:
-        for d in self.layout.dirs(path):
-            if d.exists():
-                deadline, pause = time.monotonic() + 5.0, 0.002
-                while True:  # a killed init lingers a few ms (longer: a zombie of a slow PID 1, a loaded host)
-                    try:
-                        d.rmdir()
-                        break
-                    except FileNotFoundError:
-                        break
-                    except OSError:
-                        if time.monotonic() > deadline:
-                            break
-                        time.sleep(pause)
-                        pause = min(pause * 2, 0.05)
-                if d.exists():
-                    log.warning("cgroup %s still busy; left for the next reconcile", d)
+        self.layout.remove(path)
+
+    def _stop_leftover_execs(self, box: Sandbox, st: SandboxState) -> builtins.list[str]:
+        """Commands a dead manager started: kill each one's tree, record it as interrupted and
+        remove its process document and pid file (a command must never run on unobserved)."""
+        stopped: builtins.list[str] = []
+        try:
+            names = os.listdir(box.bundle)
+        except FileNotFoundError:
+            return stopped
+        tags = sorted({n.rsplit(".", 1)[0] for n in names if n.startswith(EXEC_PREFIX)})
+        for tag in tags:
+            command: Any = None
+            with contextlib.suppress(OSError, ValueError):
+                command = json.loads(read_beneath(self.boxes, f"{box.id}/bundle/{tag}.json")).get("args")
+            try:
+                pid = int(read_beneath(self.boxes, f"{box.id}/bundle/{tag}.pid").strip())
+            except (OSError, ValueError):
+                pid = None
+            if pid is not None and self.layout.holds(pid, st.cgroups_path):
+                stat = proc_stat(pid)
+                with contextlib.suppress(SandboxError):
+                    kill_tree(self.runtime, box.id, box.init_pid(st), pid, stat[1] if stat else 0)
+            for suffix in (".json", ".pid"):
+                (box.bundle / f"{tag}{suffix}").unlink(missing_ok=True)
+            started = self.receipt_logs.read(box.id)
+            key = next((r.get("idempotency_key") for r in reversed(started)
+                        if r.get("action") == "exec_started" and r.get("command") == command), None)
+            box._receipt("exec", command=command, exit_code=None, signal=int(signal.SIGKILL), interrupted="restart",
+                         timed_out=False, oom_killed=False,
+                         **({"idempotency_key": key} if key is not None else {}))
+            stopped.append(tag)
+        return stopped
 
     def reconcile(self) -> dict[str, builtins.list[str]]:
-        """After a crash: adopt sandboxes that still run, clean up everything else we own."""
-        report: dict[str, builtins.list[str]] = {"adopted": [], "destroyed": [], "orphans": []}
-        states = {p.parent.name: p for p in self.boxes.glob("*/state.json")} if self.boxes.exists() else {}
-        leftovers = {p.name for p in self.boxes.iterdir() if p.is_dir()} if self.boxes.exists() else set()
+        """After a crash: adopt sandboxes that still run, clean up everything else we own.
+
+        Warm-pool sandboxes (their pool died with the process), sandboxes whose state
+        this version cannot read and containers without state are destroyed; the
+        commands a dead manager left running in adopted sandboxes are killed and
+        their receipts say ``interrupted: "restart"``.
+        """
+        report: dict[str, builtins.list[str]] = {"adopted": [], "destroyed": [], "orphans": [],
+                                                  "interrupted": []}
+        strays: builtins.list[str] = []
+        ids = set(self._ids(strays=strays))
+        for name in strays:  # not made by any manager of this version; nothing in it is read
+            stray = self.boxes / name
+            for mp in kmount.mounts_under(stray):
+                kmount.umount(mp, lazy=True, missing_ok=True)
+            if stray.is_dir() and not stray.is_symlink():
+                shutil.rmtree(stray, ignore_errors=True)
+            else:
+                stray.unlink(missing_ok=True)
+            report["orphans"].append(f"stray:{name}")
         containers = {c["id"]: c for c in self.runtime.list()} if self.runtime.root.exists() else {}
         mounted = set(self.host.status()["mounts"])
-        for sid in sorted(set(states) | set(containers) | leftovers):
-            box = Sandbox(self, sid)
+        for sid in sorted(ids | set(containers)):
+            try:
+                box = Sandbox(self, sid)
+            except SandboxError:
+                log.warning("crun container %r is not a sandbox id; left alone", sid)
+                continue
             c = containers.get(sid)
-            ok = (sid in states and c is not None and c.get("status") in ("running", "paused")
-                  and str(box.rootfs) in mounted)
-            if ok and c is not None:
-                with contextlib.suppress(Exception):
-                    pid = c.get("pid")
-                    box._update(status=c["status"], pid=pid,
-                                init_start=(_proc_stat(int(pid)) or (0, None))[1] if pid else None)
+            try:
+                st: SandboxState | None = box.state
+            except (SandboxNotFound, StateUnreadable) as exc:
+                log.warning("reconcile: %s", exc)
+                st = None
+            ok = (st is not None and c is not None and c.get("status") in ("running", "paused")
+                  and str(box.rootfs) in mounted and POOL_LABEL not in st.labels)
+            if ok and st is not None and c is not None:
+                try:
+                    pid = int(c["pid"])
+                    stat = proc_stat(pid)
+                    if stat is None or not self.layout.holds(pid, st.cgroups_path):
+                        raise SandboxStateError(f"sandbox {sid}: crun's init {pid} is not in its cgroup")
+                    st = box._update(status=c["status"], pid=pid, init_start=stat[1])
+                    report["interrupted"] += [f"{sid}/{t}" for t in self._stop_leftover_execs(box, st)]
                     report["adopted"].append(sid)
                     continue
+                except (SandboxError, OSError, ValueError, KeyError, TypeError) as exc:
+                    log.warning("reconcile: not adopting %s: %s", sid, exc)
+            had_state = st is not None or (box.dir / "state.json").exists()
             self.destroy(sid)
-            report["destroyed" if sid in states else "orphans"].append(sid)
+            report["destroyed" if had_state else "orphans"].append(sid)
         # mounts of boxes whose state vanished
         for mp in self.host.status()["mounts"]:
             if mp.startswith(str(self.boxes) + "/") and Path(mp).parent.name not in report["adopted"]:
@@ -1122,103 +1019,21 @@ class SandboxManager:
             report["destroyed"].append(sid)
             report["adopted"].remove(sid)
         if not report["adopted"]:
-            self._remove_cgroups(f"/{self.cgroup_parent}")
+            self.layout.remove(f"/{self.cgroup_parent}")
         return report
 
     def close(self, *, stop_daemon: bool = True) -> None:
         """Destroy every sandbox and release this host's layer mounts."""
-        for st in self.list():
-            self.destroy(st["id"])
+        for sid in self._ids():
+            self.destroy(sid)
         self.host.umount_all(stop_daemon=stop_daemon)
         with self._lock:
             for fd in self._userns_fds.values():
                 os.close(fd)
             self._userns_fds.clear()
 
-    # -- receipts and cgroup files ------------------------------------------------------------------
-    def _append_receipt(self, sid: str, rec: Mapping[str, Any]) -> None:
-        """Append one record, chained to the one before it (``prev``: blake3 of that line).
 
-        Appends to one log serialise on a thread lock and an flock (a CLI and the service may
-        share a data dir); the head's hash is kept per log and re-read from the file when
-        another process appended meanwhile.
-        """
-        self.receipts_dir.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            lock = self._receipt_locks.setdefault(sid, threading.Lock())
-        with lock:
-            fd = os.open(self.receipts_dir / f"{sid}.jsonl", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                         0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                size = os.fstat(fd).st_size
-                head = self._receipt_heads.get(sid)
-                prev = head[1] if head is not None and head[0] == size else _last_line_hash(fd, size)
-                line = receipt_line({**rec, "prev": prev})
-                os.write(fd, line + b"\n")
-                self._receipt_heads[sid] = (size + len(line) + 1, blake3.blake3(line).hexdigest())
-            finally:
-                os.close(fd)
-
-    def verify_receipts(self, sid: str) -> dict[str, Any]:
-        """Check the sandbox's receipt log end to end: ``{"records": n, "head": hash of the last}``."""
-        records = self.receipts(sid)
-        return {"records": len(records), "head": verify_receipt_chain(records, what=f"sandbox {sid}'s receipts")}
-
-    def receipts(self, sid: str) -> builtins.list[dict[str, Any]]:
-        path = self.receipts_dir / f"{sid}.jsonl"
-        if not path.exists():
-            return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-    def _oom_kills(self, state: Mapping[str, Any]) -> int:
-        d = self.layout.controller_dir("memory", state["cgroups_path"])
-        name = "memory.events" if self.layout.version == 2 else "memory.oom_control"
-        try:
-            for line in (d / name).read_text().splitlines() if d else []:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-        except OSError:
-            pass
-        return 0
-
-    def _cgroup_read(self, state: Mapping[str, Any], controller: str, v1: str, v2: str) -> str | None:
-        d = self.layout.controller_dir(controller, state["cgroups_path"])
-        try:
-            return (d / (v2 if self.layout.version == 2 else v1)).read_text() if d else None
-        except OSError:
-            return None
-
-    def _cpu_usage(self, state: Mapping[str, Any]) -> float | None:
-        """CPU seconds the sandbox's cgroup has used so far."""
-        text = self._cgroup_read(state, "cpuacct", "cpuacct.usage", "cpu.stat")
-        if text is None:
-            return None
-        if self.layout.version == 1:
-            return int(text) / 1e9
-        fields = dict(line.split() for line in text.splitlines() if line.strip())
-        return int(fields.get("usage_usec", 0)) / 1e6
-
-    def _memory_peak(self, state: Mapping[str, Any]) -> int | None:
-        text = self._cgroup_read(state, "memory", "memory.max_usage_in_bytes", "memory.peak")
-        return int(text) if text and text.strip().isdigit() else None
-
-    def _pids_current(self, state: Mapping[str, Any]) -> int | None:
-        text = self._cgroup_read(state, "pids", "pids.current", "pids.current")
-        return int(text) if text and text.strip().isdigit() else None
-
-    def _reclaim(self, state: Mapping[str, Any]) -> dict[str, Any] | None:
-        d = self.layout.controller_dir("memory", state["cgroups_path"])
-        if d is None:
-            return None
-        usage_file = d / ("memory.current" if self.layout.version == 2 else "memory.usage_in_bytes")
-        before = int(usage_file.read_text())
-        try:
-            if self.layout.version == 2:
-                (d / "memory.reclaim").write_text(str(before))
-            else:
-                (d / "memory.force_empty").write_text("0")
-        except OSError as exc:  # EAGAIN/EBUSY: reclaimed what it could
-            log.info("reclaim of %s stopped early: %s", d, exc)
-        return {"before": before, "after": int(usage_file.read_text())}
+def _options(options: SandboxOptions | None, fields: Mapping[str, Any]) -> SandboxOptions:
+    if options is not None and fields:
+        raise TypeError(f"give a SandboxOptions or its fields, not both (got {sorted(fields)} too)")
+    return options if options is not None else SandboxOptions(**fields)

@@ -53,26 +53,23 @@ import logging
 import os
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, cast, get_args
+from typing import Any, TypeVar, cast
 
 import blake3
 
 from sandbox import nftables
 from sandbox.errors import HostUnsupported, SandboxError, SandboxNotFound
+from sandbox.model import EgressRule, IPNetwork, parse_rules
 from sandbox.runtime import kill_group, spawn
 
 log = logging.getLogger("layerbox.sandbox.network")
 
-Protocol = Literal["tcp", "udp", "icmp", "any"]
-PROTOCOLS: tuple[str, ...] = get_args(Protocol)
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 CLONE_NEWNET = 0x40000000
 MS_BIND = 4096
@@ -84,8 +81,6 @@ TOOL_TIMEOUT = 10.0
 ALWAYS_PROTECTED = ("169.254.0.0/16", "fe80::/10")
 
 _SID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}[A-Za-z0-9_])?"
-                       r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}[A-Za-z0-9_])?)*\.?$")
 
 T = TypeVar("T")
 
@@ -94,117 +89,8 @@ class NetworkError(SandboxError):
     """Setting up, policing or removing a sandbox's network failed; the message names the sandbox."""
 
 
-class InvalidEgressRule(NetworkError, ValueError):
-    """An egress rule is malformed (CIDR, port, protocol, host name); nothing was changed."""
-
-
 class NetworkConflict(NetworkError):
     """The sandbox subnet overlaps a route this manager does not own, or is exhausted."""
-
-
-# -- rules ------------------------------------------------------------------------------------
-
-def _parse_ports(value: Any, where: str) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    if isinstance(value, list | tuple):
-        if len(value) != 1:
-            raise InvalidEgressRule(f"{where}: ports {value!r}: give one port or a 'lo-hi' range "
-                                    f"(one rule per port otherwise)")
-        value = value[0]
-    if isinstance(value, bool):
-        raise InvalidEgressRule(f"{where}: ports {value!r} is not a port number")
-    if isinstance(value, int):
-        lo = hi = value
-    elif isinstance(value, str) and re.fullmatch(r"\s*\d{1,5}\s*(-\s*\d{1,5}\s*)?", value):
-        left, _, right = value.partition("-")
-        lo, hi = int(left), int(right or left)
-    else:
-        raise InvalidEgressRule(f"{where}: ports {value!r}: expected 443, '443' or '8000-8100'")
-    if not (1 <= lo <= hi <= 65535):
-        raise InvalidEgressRule(f"{where}: ports {value!r}: ports are 1-65535 and a range runs low-high")
-    return lo, hi
-
-
-@dataclass(frozen=True)
-class EgressRule:
-    """Allow new and ongoing traffic to ``cidr`` (or the addresses ``host`` resolves to).
-
-    ``ports`` is an inclusive range and only applies to tcp/udp; ``None`` means
-    every port. A host name is resolved (both families) each time a policy
-    containing it is set, and the effective policy lists what it resolved to.
-    """
-
-    cidr: str | None = None
-    ports: tuple[int, int] | None = None
-    protocol: Protocol = "tcp"
-    host: str | None = None
-
-    def __post_init__(self) -> None:
-        where = (f"egress rule {{{'host' if self.host is not None else 'cidr'}: "
-                 f"{self.host if self.host is not None else self.cidr!r}, protocol: {self.protocol!r}}}")
-        if (self.cidr is None) == (self.host is None):
-            raise InvalidEgressRule(f"{where}: give exactly one of 'cidr' or 'host'")
-        if self.protocol not in PROTOCOLS:
-            raise InvalidEgressRule(f"{where}: protocol {self.protocol!r} is not one of {', '.join(PROTOCOLS)}")
-        if self.ports is not None:
-            if self.protocol not in ("tcp", "udp"):
-                raise InvalidEgressRule(f"{where}: ports only apply to tcp or udp, not {self.protocol}")
-            if not (isinstance(self.ports, tuple) and len(self.ports) == 2
-                    and all(isinstance(p, int) and not isinstance(p, bool) for p in self.ports)):
-                raise InvalidEgressRule(f"{where}: ports {self.ports!r}: expected (low, high)")
-            object.__setattr__(self, "ports", _parse_ports(f"{self.ports[0]}-{self.ports[1]}", where))
-        if self.cidr is not None:
-            try:
-                net = ipaddress.ip_network(self.cidr, strict=True)
-            except ValueError as exc:
-                raise InvalidEgressRule(f"{where}: {exc} (e.g. '10.0.0.0/8', '2001:db8::/32', '1.2.3.4')") from None
-            object.__setattr__(self, "cidr", str(net))
-        if self.host is not None and not _HOSTNAME.match(self.host):
-            raise InvalidEgressRule(f"{where}: {self.host!r} is not a host name")
-
-    @classmethod
-    def parse(cls, obj: EgressRule | Mapping[str, Any]) -> EgressRule:
-        """``{"cidr" | "host": ..., "ports": 443 | "443" | "8000-8100" | [443], "protocol": "tcp"}``."""
-        if isinstance(obj, EgressRule):
-            return obj
-        if not isinstance(obj, Mapping):
-            raise InvalidEgressRule(f"egress rule {obj!r}: expected a mapping like "
-                                    "{'cidr': '10.0.0.0/8', 'ports': '443', 'protocol': 'tcp'}")
-        # "addresses" lets an effective policy's rules round-trip (restore); they are re-resolved
-        unknown = set(obj) - {"cidr", "host", "ports", "protocol", "addresses"}
-        if unknown:
-            raise InvalidEgressRule(f"egress rule {dict(obj)!r}: unknown keys {sorted(unknown)}")
-        for key in ("cidr", "host", "protocol"):
-            if key in obj and not isinstance(obj[key], str):
-                raise InvalidEgressRule(f"egress rule {dict(obj)!r}: {key} must be a string")
-        protocol = obj.get("protocol", "tcp")
-        return cls(cidr=obj.get("cidr"), host=obj.get("host"), protocol=protocol,
-                   ports=_parse_ports(obj.get("ports"), f"egress rule {dict(obj)!r}"))
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"host": self.host} if self.host is not None else {"cidr": self.cidr}
-        if self.ports is not None:
-            lo, hi = self.ports
-            out["ports"] = str(lo) if lo == hi else f"{lo}-{hi}"
-        out["protocol"] = self.protocol
-        return out
-
-    def resolve(self) -> tuple[IPNetwork, ...]:
-        if self.cidr is not None:
-            return (ipaddress.ip_network(self.cidr),)
-        assert self.host is not None
-        try:
-            infos = socket.getaddrinfo(self.host, None, type=socket.SOCK_STREAM)
-        except socket.gaierror as exc:
-            raise InvalidEgressRule(f"egress rule {self.to_dict()}: host {self.host!r} does not resolve "
-                                    f"on the sandbox host: {exc.strerror}") from None
-        addrs = {ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos}
-        return tuple(ipaddress.ip_network(a) for a in sorted(addrs, key=lambda a: (a.version, int(a))))
-
-
-def parse_rules(rules: Sequence[EgressRule | Mapping[str, Any]]) -> list[EgressRule]:
-    return [EgressRule.parse(r) for r in rules]
 
 
 # -- namespaces and tools -----------------------------------------------------------------------

@@ -17,7 +17,6 @@ failure destroys what it restored and leaves the manifest untouched.
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -25,11 +24,9 @@ from typing import Any
 
 from layerstore.locks import store_lock
 from layerstore.objects import SCHEMA_RUN
-from sandbox.errors import SandboxError, SandboxStateError
+from sandbox.errors import InvalidField, SandboxError, SandboxStateError
 from sandbox.manager import Sandbox, SandboxManager
-
-RESTORE_OPTIONS = ("cpu", "memory", "pids", "disk", "cpu_class", "env", "workdir", "user", "ttl", "idle_timeout",
-                   "network", "userns")
+from sandbox.model import SandboxOptions, check_job, project_namespace
 
 
 class RunMismatch(SandboxError):
@@ -50,16 +47,19 @@ class Run:
 
 
 def run_ref(job: str) -> str:
-    """``runs/<job>``: a ref name the store accepts for any job id."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", job).strip("._-") or "job"
-    return f"runs/{safe[:100]}:latest"
+    """Where a job's run manifest goes: ``projects/<project>/runs/<job>:latest`` for a job of the
+    service (``<project>/<job>``), so one project can never move another's; ``runs/<job>:latest``
+    for a host's own (CLI) jobs.  Job and project names have the ref grammar already."""
+    project, _, name = job.rpartition("/")
+    if project:
+        return f"{project_namespace(project)}runs/{check_job(name)}:latest"
+    return f"runs/{check_job(name)}:latest"
 
 
 async def preempt(manager: SandboxManager, job: str, *, timeout: float = 30.0,  # noqa: ASYNC109 (grace for commands)
                   name: str | None = None) -> Run:
     started = time.perf_counter()
-    boxes = [Sandbox(manager, st["id"]) for st in manager.list(job=job)
-             if st.get("status") in ("running", "paused")]
+    boxes = [Sandbox(manager, st.id) for st in manager.list(job=job) if st.live]
     manager.leases.set_state(job, "draining")
     for box in boxes:
         box._update(admitting=False)
@@ -74,10 +74,10 @@ async def preempt(manager: SandboxManager, job: str, *, timeout: float = 30.0,  
         resolved_layers = await _layers_of(manager, ckpt.digest)
         entries[box.id] = {
             "checkpoint": ckpt.name, "checkpoint_digest": ckpt.digest,
-            "image": st.get("ref"), "image_digest": st.get("image_digest"),
-            "layer_digests": resolved_layers, "policy_version": st.get("policy_version"),
+            "image": st.ref, "image_digest": st.image_digest,
+            "layer_digests": resolved_layers, "policy_version": st.policy_version,
             "trajectory_offset": len(receipts), "last_receipt": receipts[-1]["id"] if receipts else None,
-            "labels": st.get("labels", {}), "options": st.get("options", {}), "was": st.get("status"),
+            "labels": dict(st.labels), "options": st.options.to_json(), "was": st.status,
         }
     manifest = {"schema": SCHEMA_RUN, "job": job, "host": socket.gethostname(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sandboxes": entries}
@@ -131,19 +131,17 @@ async def resume_run(manager: SandboxManager, ref: str, *, job: str | None = Non
     if lease is not None and lease.state == "draining":
         raise SandboxStateError(f"job {job!r} is being preempted on this host; resume once that finished")
     for st in manager.list(job=job):  # left by a resume that died half-way: never admitted anything
-        if not st.get("admitting", True):
-            await asyncio.to_thread(manager.destroy, st["id"])
+        if not st.admitting:
+            await asyncio.to_thread(manager.destroy, st.id)
     restored: list[Sandbox] = []
     mapping: dict[str, str] = {}
     try:
         for old, entry in sorted(manifest["sandboxes"].items()):
-            options = {k: v for k, v in (entry.get("options") or {}).items() if k in RESTORE_OPTIONS}
-            box = await manager.restore(entry["checkpoint_digest"], policy_version=entry.get("policy_version"),
-                                        job=job, lease_ttl=lease_ttl, labels=entry.get("labels"),
-                                        admitting=False, **options)
+            options = _restore_options(entry, job, lease_ttl)
+            box = await manager.restore(entry["checkpoint_digest"], options, admitting=False)
             restored.append(box)
             mapping[old] = box.id
-            got = box.state.get("layer_digests")
+            got = list(box.state.layer_digests)
             if got != entry["layer_digests"]:
                 raise RunMismatch(f"{ref}: sandbox {old} restored with layers {got}, but the manifest "
                                   f"binds {entry['layer_digests']}")
@@ -159,3 +157,16 @@ async def resume_run(manager: SandboxManager, ref: str, *, job: str | None = Non
         box._update(admitting=True)
         box._receipt("resumed", run=ref, run_digest=resolved.digest, job=job)
     return Run(ref, resolved.digest, manifest, mapping, round(time.perf_counter() - started, 6))
+
+
+def _restore_options(entry: Any, job: str, lease_ttl: float | None) -> SandboxOptions:
+    """A manifest entry's options, checked like a request (a manifest is input from the store)."""
+    if not isinstance(entry, dict):
+        raise InvalidField("manifest", f"a sandbox entry is {type(entry).__name__}, not an object")
+    try:
+        saved = SandboxOptions.from_state(entry.get("options") or {})
+        return saved.replace(job=job, lease_ttl=lease_ttl if lease_ttl is not None else saved.lease_ttl,
+                             labels=entry.get("labels") or saved.labels,
+                             policy_version=entry.get("policy_version"))
+    except InvalidField as exc:
+        raise InvalidField(f"manifest.{exc.field}", exc.detail) from None

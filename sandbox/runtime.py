@@ -13,8 +13,6 @@ managers (two tests, two "hosts") never see each other's containers.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import logging
 import os
@@ -24,7 +22,6 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -32,7 +29,6 @@ from sandbox.errors import HostUnsupported, RuntimeFailed, RuntimeTimeout
 
 log = logging.getLogger("layerbox.sandbox")
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 DEFAULT_TIMEOUT = 30.0
 
 
@@ -81,84 +77,6 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-@dataclass(frozen=True)
-class CgroupLayout:
-    """How this host mounts cgroups: ``v2`` (unified) or ``v1`` (legacy or hybrid)."""
-
-    version: int
-    v1: dict[str, Path] = field(default_factory=dict)  # controller -> hierarchy mount
-
-    def dirs(self, cgroups_path: str) -> list[Path]:
-        """Every directory a container with ``cgroups_path`` has (or had) on this host."""
-        rel = cgroups_path.lstrip("/")
-        if self.version == 2:
-            return [CGROUP_ROOT / rel]
-        return sorted({root / rel for root in self.v1.values()})
-
-    def controller_dir(self, controller: str, cgroups_path: str) -> Path | None:
-        rel = cgroups_path.lstrip("/")
-        if self.version == 2:
-            return CGROUP_ROOT / rel
-        root = self.v1.get(controller)
-        return root / rel if root else None
-
-
-def _cgroup_mounts() -> list[tuple[str, str, set[str]]]:
-    out = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fstype, _source, options = (right.split() + ["", "", ""])[:3]
-            if fstype in ("cgroup", "cgroup2"):
-                mountpoint = left.split()[4].replace("\\040", " ")
-                out.append((fstype, mountpoint, set(options.split(","))))
-    return out
-
-
-def _mount_cgroup_v1(controller: str, target: Path) -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    target.mkdir(parents=True, exist_ok=True)
-    if libc.mount(b"cgroup", os.fsencode(target), b"cgroup", 0, controller.encode()) != 0:
-        err = ctypes.get_errno()
-        raise HostUnsupported(f"moving {controller} to a cgroup v1 hierarchy at {target} failed: "
-                              f"{os.strerror(err)}; crun refuses hybrid cgroups while cgroup2 holds controllers")
-
-
-def preflight_cgroups() -> CgroupLayout:
-    """Detect the cgroup layout; on a hybrid host move ``hugetlb`` off cgroup2 so crun accepts it.
-
-    crun refuses a hybrid layout whose cgroup2 tree still holds controllers
-    ("drop all controllers from cgroupv2").  The only one seen there is
-    hugetlb, which is moved to its own v1 hierarchy; anything else is an error
-    naming the controllers.
-    """
-    mounts = _cgroup_mounts()
-    if any(fs == "cgroup2" and Path(mp) == CGROUP_ROOT for fs, mp, _ in mounts):
-        return CgroupLayout(2)
-    v1 = {c: Path(mp) for fs, mp, opts in mounts if fs == "cgroup" for c in opts
-          if c in ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "hugetlb",
-                   "net_cls", "net_prio", "perf_event", "rdma", "misc")}
-    if not v1:
-        raise HostUnsupported("no cgroup v1 controllers and no cgroup2 at /sys/fs/cgroup: mount cgroups first")
-    for fs, mp, _ in mounts:
-        if fs != "cgroup2":
-            continue
-        try:
-            held = set(Path(mp, "cgroup.controllers").read_text().split())
-        except OSError:
-            continue
-        if not held:
-            continue
-        if held - {"hugetlb"}:
-            raise HostUnsupported(f"hybrid cgroups: the cgroup2 tree at {mp} holds {sorted(held)}; crun needs "
-                                  "them on v1 hierarchies (or boot with a pure cgroup v2 layout)")
-        target = CGROUP_ROOT / "hugetlb"
-        log.warning("hybrid cgroups: moving hugetlb from cgroup2 (%s) to cgroup v1 at %s for crun", mp, target)
-        _mount_cgroup_v1("hugetlb", target)
-        v1["hugetlb"] = target
-    return CgroupLayout(1, v1)
 
 
 class OciRuntime:

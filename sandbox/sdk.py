@@ -36,6 +36,7 @@ import aiofiles
 import aiohttp
 
 from sandbox.errors import SandboxError
+from sandbox.model import SandboxOptions, check_labels
 
 T = TypeVar("T")
 
@@ -255,6 +256,17 @@ class AsyncFiles:
                                        params={"path": path, "recursive": "1" if recursive else "0"})
 
 
+def _options_body(options: SandboxOptions | None, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON fields of a create: validated by the same model the service uses; unset ones left
+    out so the service's defaults apply (its lease ttl, for one)."""
+    if options is not None and fields:
+        raise TypeError(f"give options or its fields, not both (got {sorted(fields)} too)")
+    opts = options if options is not None else SandboxOptions(**fields)
+    check_labels("labels", opts.labels, reserved_ok=False)
+    given = set(fields) if options is None else {k for k, v in opts.to_json().items() if v is not None}
+    return {k: v for k, v in opts.to_json().items() if k in given and v is not None}
+
+
 def _check_isolation(isolation: str) -> None:
     if isolation not in SUPPORTED_ISOLATION:
         raise UnsupportedIsolation(
@@ -275,27 +287,29 @@ class AsyncSandbox:
 
     @classmethod
     async def create(cls, image: str, *, url: str, token: str, isolation: str = "container",
-                     cpu: float | None = None, memory: int | None = None, pids: int | None = None,
-                     env: Mapping[str, str] | None = None, workdir: str | None = None,
-                     labels: Mapping[str, str] | None = None, ttl: float | None = None,
-                     idle_timeout: float | None = None, job: str | None = None, lease_ttl: float | None = None,
-                     cpu_class: str | None = None, disk: int | None = None,
-                     network: Sequence[Mapping[str, Any]] | None = None) -> AsyncSandbox:
-        """Start a sandbox.  ``job`` names the caller's lease (renewed by every request on the job's
-        sandboxes and by :meth:`AsyncJob.renew`); when it lapses for ``lease_ttl`` seconds the
-        service destroys the job's sandboxes.  ``network`` is a list of egress allow rules."""
+                     options: SandboxOptions | None = None, **fields: Any) -> AsyncSandbox:
+        """Start a sandbox on ``image`` (an image, composition or checkpoint of your project).
+
+        ``options`` is a :class:`~sandbox.model.SandboxOptions`, or give its fields as
+        keywords (``cpu``, ``memory``, ``pids``, ``disk``, ``cpu_class``, ``env``,
+        ``workdir``, ``user``, ``labels``, ``ttl``, ``idle_timeout``, ``job``,
+        ``lease_ttl``, ``network``, ``userns``, ``policy_version``): they are checked
+        here as the service checks them, so a typo is a ``TypeError`` and a bad value an
+        :class:`~sandbox.errors.InvalidField` before any request.  ``job`` names the
+        caller's lease (renewed by every request on the job's sandboxes and by
+        :meth:`AsyncJob.renew`); when it lapses for ``lease_ttl`` seconds the service
+        destroys the job's sandboxes.  ``network`` is a list of egress allow rules.
+        """
         _check_isolation(isolation)  # before any request
-        body = {"image": image, "isolation": isolation, "cpu": cpu, "memory": memory, "pids": pids,
-                "env": dict(env) if env else None, "workdir": workdir, "labels": dict(labels or {}),
-                "ttl": ttl, "idle_timeout": idle_timeout, "job": job, "lease_ttl": lease_ttl,
-                "cpu_class": cpu_class, "disk": disk, "network": list(network) if network is not None else None}
+        body = {"image": image, "isolation": isolation, **_options_body(options, fields)}
         return await cls._post(url, token, "/v1/sandboxes", body)
 
     @classmethod
-    async def restore(cls, checkpoint: str, *, url: str, token: str, policy_version: str | None = None,
-                      **options: Any) -> AsyncSandbox:
-        """A new sandbox from ``checkpoint`` (made on any host of the same store)."""
-        body = {"checkpoint": checkpoint, "policy_version": policy_version, **options}
+    async def restore(cls, checkpoint: str, *, url: str, token: str, options: SandboxOptions | None = None,
+                      **fields: Any) -> AsyncSandbox:
+        """A new sandbox from ``checkpoint`` (made on any host of the same store); options as for
+        :meth:`create` (``policy_version`` must match the checkpoint's when given)."""
+        body = {"checkpoint": checkpoint, **_options_body(options, fields)}
         return await cls._post(url, token, "/v1/sandboxes/restore", body)
 
     @classmethod

@@ -1,31 +1,46 @@
 """The sandbox edge service: an HTTP API over one :class:`SandboxManager`.
 
 Every request carries ``Authorization: Bearer <token>``; a token belongs to one
-project.  A sandbox belongs to the project that created it (recorded as the
-``layerbox.project`` label in its state, so ownership survives a restart) and
-is invisible to every other project: their requests get 404, never 403, so ids
-leak nothing.  Each project has a quota on live sandboxes; past it, create
-answers 429 with a retryable error body.  Past the quota, the edge admits a
-create only if the host really has room (:mod:`sandbox.admission`); otherwise
-it answers 503 ``capacity`` (retryable, with Retry-After) naming what is short.
-``GET /v1/load`` is the load report placement clients choose edges by.
+project.  Everything a caller can name belongs to a project, and a project
+reaches only its own (docs/SECURITY.md, "Tenancy"):
 
-Errors are ``{"error": {"code", "message", "retryable"}}``.  ``POST .../exec``
+* a sandbox belongs to the project that created it (``layerbox.project`` in its
+  options' labels, so ownership survives a restart); other projects' ids answer
+  404, never 403, so ids leak nothing;
+* a checkpoint belongs to the project of the sandbox it was made from (the same
+  label, in the checkpoint document); its ref is written under the project's
+  namespace ``projects/<project>/``, which only that project writes;
+* a run manifest belongs to the project its job belongs to (jobs are scoped as
+  ``<project>/<job>``) and lives under ``projects/<project>/runs/``;
+* images (refs outside ``projects/``, published by the operator with the CLI or
+  through a token of an ``admin`` project) are shared and read-only.
+
+Create, restore, FnCall and run resume resolve the ref once, check its owner, and
+hand the manager the checked digest.  Each project has a quota on live sandboxes
+(429 past it); past the quota, the edge admits a create only if the host really
+has room (:mod:`sandbox.admission`; 503 ``capacity`` otherwise).
+
+Every request field is validated once (:mod:`sandbox.model`) against the model's
+bounds and this edge's :class:`~sandbox.model.Maxima`; a bad one answers 400
+``invalid_field`` with ``error.field`` naming it.  Errors are
+``{"error": {"code", "message", "retryable"[, "field"]}}``.  ``POST .../exec``
 answers with a chunked stream of newline-delimited JSON events::
 
     {"type": "stdout", "data": "<base64>"}
     {"type": "stderr", "data": "<base64>"}
     {"type": "exit", "exit_code": 0, "signal": null, "truncated": false, "duration": 0.01,
-     "timed_out": false, "oom_killed": false}
+     "timed_out": false, "oom_killed": false, "interrupted": null, "replayed": false}
     {"type": "error", "error": {...}}          (instead of "exit" when the exec failed)
 
-The manager's runtime and file calls block, so each goes through
-``asyncio.to_thread``.  The service binds 127.0.0.1 only; put a TLS proxy in
-front of it for anything remote.
+The manager's runtime calls block, so each goes through ``asyncio.to_thread``;
+file work runs on its own bounded executor, at most ``FILE_OPS_PER_PROJECT`` at
+a time per project, so one project cannot starve the others.  The service binds
+127.0.0.1 only; put a TLS proxy in front of it for anything remote.
+``/metrics`` needs a token of an admin project.
 
 Tokens file (JSON)::
 
-    {"projects": {"alpha": {"tokens": ["..."], "max_sandboxes": 10, "disabled": false}}}
+    {"projects": {"alpha": {"tokens": ["..."], "max_sandboxes": 10, "disabled": false, "admin": false}}}
 """
 
 from __future__ import annotations
@@ -33,28 +48,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import binascii
+import concurrent.futures
 import contextlib
+import functools
 import io
 import json
 import logging
 import socket
 import stat
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from layerstore.errors import LayerboxError
+from layerstore.objects import BadName, Resolved, parse_ref
+from sandbox import openapi
 from sandbox.admission import (
-    DEFAULT_DISK,
-    DEFAULT_MEMORY,
-    DEFAULT_PIDS,
     RESOURCES,
     Admission,
     AdmissionConfig,
@@ -63,6 +78,8 @@ from sandbox.admission import (
     parse_size,
 )
 from sandbox.errors import (
+    InvalidField,
+    NotARegularFile,
     PathEscape,
     ReceiptsBroken,
     RuntimeTimeout,
@@ -71,21 +88,42 @@ from sandbox.errors import (
     SandboxStateError,
     UnsupportedOption,
 )
-from sandbox.manager import Cancel, Sandbox, SandboxManager, verify_receipt_chain
+from sandbox.manager import Cancel, Sandbox, SandboxManager
+from sandbox.model import (
+    PROJECT_LABEL,
+    ExecRequest,
+    Maxima,
+    SandboxOptions,
+    SandboxState,
+    check_job,
+    check_labels,
+    check_number,
+    check_object,
+    check_path,
+    check_project,
+    check_sandbox_id,
+    check_str,
+    project_namespace,
+)
+from sandbox.receipts import verify_receipt_chain
 from sandbox.runs import preempt, resume_run
 
 log = logging.getLogger("layerbox.sandbox.service")
 
-PROJECT_LABEL = "layerbox.project"
+T = TypeVar("T")
+
 ISOLATION = "container"  # what this service runs: crun containers, never microVMs
 DEFAULT_QUOTA = 10
 MAX_BODY = 64 << 20  # JSON bodies; file uploads stream and have no limit but the sandbox's disk
+MAX_JSON_DEPTH = 32
 DEFAULT_JOB = "default"
 DEFAULT_LEASE_TTL = 600.0
 REAP_INTERVAL = 5.0
 STREAM_QUEUE = 64  # exec events buffered per request: a slow reader slows the command, never the host
-CREATE_OPTIONS = frozenset({"cpu", "memory", "pids", "env", "workdir", "ttl", "idle_timeout", "cpu_class", "disk",
-                            "network", "userns"})
+FILE_OPS_PER_PROJECT = 4  # blocking file work in flight per project
+FILE_THREADS = 32
+MAX_FUNCTION_SOURCE = 1 << 20
+SHARED_LABEL = "layerbox.shared"  # set by an admin project: the checkpoint is readable by every project
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -96,6 +134,7 @@ class Project:
     name: str
     max_sandboxes: int = DEFAULT_QUOTA
     disabled: bool = False
+    admin: bool = False  # may publish shared refs and read /metrics (an operator's project)
 
 
 @dataclass
@@ -108,7 +147,12 @@ class AuthConfig:
     def from_dict(cls, doc: Mapping[str, Any]) -> AuthConfig:
         out: dict[str, Project] = {}
         for name, spec in (doc.get("projects") or {}).items():
-            project = Project(name, int(spec.get("max_sandboxes", DEFAULT_QUOTA)), bool(spec.get("disabled", False)))
+            check_project(name, "projects")
+            check_object(f"projects.{name}", spec, ("tokens", "max_sandboxes", "disabled", "admin"))
+            quota = spec.get("max_sandboxes", DEFAULT_QUOTA)
+            if not isinstance(quota, int) or isinstance(quota, bool) or quota < 0:
+                raise ValueError(f"project {name!r}: max_sandboxes must be a non-negative integer")
+            project = Project(name, quota, bool(spec.get("disabled", False)), bool(spec.get("admin", False)))
             for token in spec.get("tokens") or []:
                 if not isinstance(token, str) or len(token) < 16:
                     raise ValueError(f"project {name!r}: tokens must be strings of at least 16 characters")
@@ -127,13 +171,17 @@ class ApiError(Exception):
     """An error answered as JSON with ``status``; raised inside handlers only."""
 
     def __init__(self, status: int, code: str, message: str, *, retryable: bool = False,
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, field: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.retryable = status, code, message, retryable
         self.headers = dict(headers or {})
+        self.field = field
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, "retryable": self.retryable}}
+        err: dict[str, Any] = {"code": self.code, "message": self.message, "retryable": self.retryable}
+        if self.field is not None:
+            err["field"] = self.field
+        return {"error": err}
 
 
 class _CapacityError(ApiError):
@@ -150,18 +198,28 @@ class _CapacityError(ApiError):
         return doc
 
 
+def _invalid(field: str, message: str) -> ApiError:
+    return ApiError(400, "invalid_field", f"{field}: {message}", field=field)
+
+
 def _as_api_error(exc: BaseException) -> ApiError:
     """The one place library exceptions become HTTP statuses."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, CapacityExceeded):
         return _CapacityError(exc)
+    if isinstance(exc, InvalidField):
+        return _invalid(exc.field, exc.detail)
+    if isinstance(exc, BadName):
+        return ApiError(400, "invalid_field", str(exc))
     if isinstance(exc, SandboxNotFound):
         return ApiError(404, "not_found", str(exc))
     if isinstance(exc, SandboxStateError):
         return ApiError(409, "conflict", str(exc), retryable=bool(getattr(exc, "retryable", False)))
     if isinstance(exc, PathEscape):
         return ApiError(403, "path_escape", str(exc))
+    if isinstance(exc, NotARegularFile):
+        return ApiError(409, "not_a_regular_file", str(exc))
     if isinstance(exc, UnsupportedOption):
         return ApiError(400, "unsupported_option", str(exc))
     if isinstance(exc, RuntimeTimeout):
@@ -183,38 +241,50 @@ def _as_api_error(exc: BaseException) -> ApiError:
     return ApiError(500, "internal", f"{type(exc).__name__}: {exc}")
 
 
-def _view(state: Mapping[str, Any]) -> dict[str, Any]:
-    labels = {k: v for k, v in (state.get("labels") or {}).items() if k != PROJECT_LABEL}
-    job = state.get("job")
-    return {"id": state.get("id"), "status": state.get("status"), "image": state.get("ref"),
-            "image_digest": state.get("image_digest"), "labels": labels, "limits": state.get("limits"),
-            "created": state.get("created"), "last_active": state.get("last_active"), "isolation": ISOLATION,
-            "job": job.partition("/")[2] if isinstance(job, str) else None, "cpu_class": state.get("cpu_class"),
-            "disk": state.get("disk"), "admitting": state.get("admitting", True),
-            "network": state.get("network")}
+def _view(state: SandboxState) -> dict[str, Any]:
+    labels = {k: v for k, v in state.labels.items() if k != PROJECT_LABEL}
+    o = state.options
+    return {"id": state.id, "status": state.status, "image": state.ref, "image_digest": state.image_digest,
+            "labels": labels, "limits": {"cpu": o.cpu, "memory": o.memory, "pids": o.pids,
+                                         "best_effort": o.cpu_class == "best-effort"},
+            "created": state.created, "last_active": state.last_active, "isolation": ISOLATION,
+            "job": state.job.partition("/")[2] if state.job else None, "cpu_class": o.cpu_class,
+            "disk": o.disk, "admitting": state.admitting, "network": state.network, "userns": o.userns,
+            "ttl": o.ttl, "idle_timeout": o.idle_timeout}
 
 
-def _number(value: Any, default: int) -> int:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else default
-
-
-def _project_of(state: Mapping[str, Any]) -> str | None:
-    labels = state.get("labels") or {}
-    return labels.get(PROJECT_LABEL) if isinstance(labels, dict) else None
+def _json_depth(doc: Any, limit: int) -> bool:
+    """Whether ``doc`` nests deeper than ``limit`` (iterative: the check itself cannot overflow)."""
+    stack = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            items = value.values() if isinstance(value, dict) else value
+            stack.extend((v, depth + 1) for v in items if isinstance(v, (dict, list)))
+    return False
 
 
 # -- the service ----------------------------------------------------------------------------------------
 class SandboxService:
-    """Routes, auth, quotas and metrics over one manager; build the app with :meth:`app`."""
+    """Routes, auth, ownership, quotas and metrics over one manager; build the app with :meth:`app`.
+
+    ``shutdown_manager``: when the app stops (SIGTERM), destroy every sandbox, unmount
+    every layer and stop the host's lazyfetch daemon; a crash (SIGKILL) instead leaves
+    them for the next start's reconcile.
+    """
 
     def __init__(self, manager: SandboxManager, auth: AuthConfig, admission: Admission | None = None, *,
                  lease_ttl: float = DEFAULT_LEASE_TTL, reap_interval: float = REAP_INTERVAL,
-                 fncall_pool: int = 2) -> None:
+                 fncall_pool: int = 2, maxima: Maxima | None = None, shutdown_manager: bool = False) -> None:
         self.manager = manager
         self.auth = auth
-        self.lease_ttl = lease_ttl
+        self.maxima = maxima or Maxima()
+        self.lease_ttl = min(lease_ttl, self.maxima.lease_ttl)
         self.reap_interval = reap_interval
         self.fncall_pool = fncall_pool
+        self.shutdown_manager = shutdown_manager
         self._calls: Any = None  # sandbox.fncall.FnCalls, made on the first call
         self._reaper: asyncio.Task[None] | None = None
         self._warm: asyncio.Task[Any] | None = None
@@ -222,6 +292,8 @@ class SandboxService:
                                                 boxes=manager.boxes)
         self._pending: dict[str, int] = {}  # creates in flight per project (they count against the quota)
         self._quota_lock = asyncio.Lock()
+        self._file_pool = concurrent.futures.ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="files")
+        self._file_slots: dict[str, asyncio.Semaphore] = {}
         self.registry = CollectorRegistry()  # per service: two services in one process never collide
         self.m_sandboxes = Gauge("layerbox_sandboxes", "Live sandboxes", ["project", "status"],
                                  registry=self.registry)
@@ -295,6 +367,9 @@ class SandboxService:
                 await self._reaper
         if self._calls is not None:
             await self._calls.close()
+        self._file_pool.shutdown(wait=True, cancel_futures=True)
+        if self.shutdown_manager:
+            await asyncio.to_thread(self.manager.close)
 
     async def _reap_forever(self) -> None:
         """Destroy sandboxes past their TTL or lease, pause idle ones; a failure waits for the next round."""
@@ -315,9 +390,8 @@ class SandboxService:
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
         try:
             resp = await handler(request)
-        except web.HTTPException as exc:  # aiohttp's own 404/405 for unknown routes
-            err = ApiError(exc.status, "http", exc.reason)
-            resp = self._error_response(err)
+        except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and big bodies
+            resp = self._error_response(ApiError(exc.status, "http", exc.reason))
         except Exception as exc:
             err = _as_api_error(exc)
             if err.status >= 500 and not isinstance(err, _CapacityError):  # a rejection is a normal answer
@@ -346,132 +420,160 @@ class SandboxService:
     @staticmethod
     def _job(project: Project, name: Any) -> str:
         """Jobs are per project: the manager sees ``<project>/<job>``."""
-        if name is None:
-            name = DEFAULT_JOB
-        if not isinstance(name, str) or not name or len(name) > 128 or "/" in name:
-            raise ApiError(400, "bad_request", "'job' must be 1-128 characters without '/'")
-        return f"{project.name}/{name}"
+        return f"{project.name}/{check_job(DEFAULT_JOB if name is None else name)}"
 
-    def _touch_lease(self, state: Mapping[str, Any]) -> None:
+    def _touch_lease(self, state: SandboxState) -> None:
         """Any request on a job's sandbox renews its lease (rate-limited to a quarter of the ttl)."""
-        job = state.get("job")
-        if not job:
+        if not state.job:
             return
-        lease = self.manager.leases.get(job)
+        lease = self.manager.leases.get(state.job)
         if lease is None or lease.state != "active":
             return
         if lease.expires - time.time() < 0.75 * lease.ttl:
-            self.manager.leases.renew(job)
+            self.manager.leases.renew(state.job)
 
-    async def _box(self, request: web.Request, project: Project) -> Sandbox:
-        sid = request.match_info["id"]
+    async def _box(self, request: web.Request, project: Project) -> tuple[Sandbox, SandboxState]:
+        sid = check_sandbox_id(request.match_info["id"])  # before it is anything else: a 400 naming 'id'
         not_found = ApiError(404, "not_found", f"no sandbox {sid!r} in project {project.name!r}")
         try:
             box = await asyncio.to_thread(self.manager.get, sid)
             state = await asyncio.to_thread(lambda: box.state)
         except SandboxNotFound:
             raise not_found from None
-        if _project_of(state) != project.name:
+        if state.project != project.name:
             raise not_found
         await asyncio.to_thread(self._touch_lease, state)
-        return box
+        return box, state
+
+    async def _resolve(self, project: Project, ref: str, *, field: str, kinds: tuple[str, ...]) -> Resolved:
+        """Resolve ``ref`` once and check that ``project`` may use what it names.
+
+        Images and compositions are shared; a checkpoint is the project's own (its
+        document's project label), or shared by an admin project; a run manifest is the
+        project's own job's.  Anything else answers 404, as a missing ref does.
+        """
+        not_found = ApiError(404, "not_found", f"{field} {ref!r}: no such {' or '.join(kinds)} visible to "
+                                               f"project {project.name!r}")
+        async with await self.manager._store() as store:
+            try:
+                resolved = await store.resolve(ref, refresh=True)
+            except BadName as exc:
+                raise _invalid(field, str(exc)) from None
+            except LayerboxError:  # missing, unreadable or not a document: the same answer as another's
+                raise not_found from None
+        if resolved.kind not in kinds or not self._may_read(project, resolved):
+            raise not_found
+        return resolved
+
+    @staticmethod
+    def _may_read(project: Project, resolved: Resolved) -> bool:
+        if project.admin or resolved.kind in ("image", "composition"):
+            return True
+        if resolved.kind == "checkpoint":
+            labels = resolved.doc.get("labels") or {}
+            return isinstance(labels, dict) and (labels.get(PROJECT_LABEL) == project.name
+                                                 or labels.get(SHARED_LABEL) == "true")
+        if resolved.kind == "run":
+            return str(resolved.doc.get("job", "")).startswith(project.name + "/")
+        return False
 
     @staticmethod
     async def _json(request: web.Request) -> dict[str, Any]:
         if not request.can_read_body:
             return {}
+        raw = await request.read()
+        if not raw.strip():
+            return {}
         try:
-            doc = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, "bad_request", f"body is not JSON: {exc}") from None
+        except RecursionError:
+            raise ApiError(400, "bad_request", f"body nests deeper than {MAX_JSON_DEPTH} levels") from None
         if not isinstance(doc, dict):
             raise ApiError(400, "bad_request", "body must be a JSON object")
+        if _json_depth(doc, MAX_JSON_DEPTH):
+            raise ApiError(400, "bad_request", f"body nests deeper than {MAX_JSON_DEPTH} levels")
         return doc
 
     @staticmethod
-    def _path(request: web.Request) -> str:
+    def _query_path(request: web.Request) -> str:
         path = request.query.get("path")
-        if not path:
-            raise ApiError(400, "bad_request", "query parameter 'path' is required")
-        return path
+        if path is None:
+            raise _invalid("path", "query parameter 'path' is required (an absolute path in the sandbox)")
+        return check_path("path", path)
 
-    def _owned(self, project: Project) -> list[dict[str, Any]]:
-        return [st for st in self.manager.list() if _project_of(st) == project.name]
+    def _owned(self, project: Project) -> list[SandboxState]:
+        return [st for st in self.manager.list() if st.project == project.name]
+
+    def _options(self, project: Project, body: Mapping[str, Any], *, extra: tuple[str, ...]) -> SandboxOptions:
+        options = self.maxima.check(SandboxOptions.from_json(body, extra=extra))
+        return options.replace(labels={**options.labels, PROJECT_LABEL: project.name},
+                               job=self._job(project, body.get("job")),
+                               lease_ttl=options.lease_ttl or self.lease_ttl)
+
+    async def _files(self, project: Project, fn: Callable[[], T]) -> T:
+        """Blocking file work: on the file executor, at most FILE_OPS_PER_PROJECT per project at once."""
+        slots = self._file_slots.setdefault(project.name, asyncio.Semaphore(FILE_OPS_PER_PROJECT))
+        async with slots:
+            return await asyncio.get_running_loop().run_in_executor(self._file_pool, fn)
 
     # -- sandboxes -----------------------------------------------------------------------------------
     async def create(self, request: web.Request) -> web.Response:
         project = self._project(request)
         body = await self._json(request)
-        image = body.get("image")
-        if not isinstance(image, str) or not image:
-            raise ApiError(400, "bad_request", "'image' (an image or checkpoint ref) is required")
+        image = check_str("image", body.get("image"), max_len=512, what="an image or checkpoint ref")
         isolation = body.get("isolation", ISOLATION)
         if isolation != ISOLATION:
             raise ApiError(400, "unsupported_isolation",
-                           f"isolation {isolation!r} is not available: this service runs {ISOLATION!r} only")
-        options = self._options(project, body, extra={"image", "isolation"})
-        return await self._launch(project, options, lambda: self.manager.create(image, **options))
+                           f"isolation {isolation!r} is not available: this service runs {ISOLATION!r} only",
+                           field="isolation")
+        options = self._options(project, body, extra=("image", "isolation"))
+        resolved = await self._resolve(project, image, field="image", kinds=("image", "composition", "checkpoint"))
+        return await self._launch(project, [options],
+                                  lambda: self.manager.create(resolved.digest, options, name=image))
 
     async def restore(self, request: web.Request) -> web.Response:
         """A new sandbox from a checkpoint this project made (on any edge of the store)."""
         project = self._project(request)
         body = await self._json(request)
-        ref = body.get("checkpoint")
-        if not isinstance(ref, str) or not ref:
-            raise ApiError(400, "bad_request", "'checkpoint' (a checkpoint ref or digest) is required")
-        policy = body.get("policy_version")
-        options = self._options(project, body, extra={"checkpoint", "policy_version"})
-        await self._own_checkpoint(project, ref)
-        return await self._launch(project, options,
-                                  lambda: self.manager.restore(ref, policy_version=policy, **options))
+        ref = check_str("checkpoint", body.get("checkpoint"), max_len=512, what="a checkpoint ref or digest")
+        options = self._options(project, body, extra=("checkpoint",))
+        resolved = await self._resolve(project, ref, field="checkpoint", kinds=("checkpoint",))
+        return await self._launch(project, [options],
+                                  lambda: self.manager.restore(resolved.digest, options, name=ref))
 
-    async def _own_checkpoint(self, project: Project, ref: str) -> None:
-        not_found = ApiError(404, "not_found", f"no checkpoint {ref!r} in project {project.name!r}")
-        async with await self.manager._store() as store:
-            try:
-                resolved = await store.resolve(ref, refresh=True)
-            except LayerboxError:
-                raise not_found from None
-        if resolved.kind != "checkpoint" or (resolved.doc.get("labels") or {}).get(PROJECT_LABEL) != project.name:
-            raise not_found
-
-    async def _launch(self, project: Project, options: Mapping[str, Any],
-                      start: Callable[[], Awaitable[Sandbox]]) -> web.Response:
-        """Quota, then admission, then ``start``; both checks count creates still in flight."""
+    async def _admit(self, project: Project, demands: list[SandboxOptions]) -> None:
+        """Count ``demands`` against the project's quota, or refuse with 429 (creates in flight count)."""
         async with self._quota_lock:
-            live = len(await asyncio.to_thread(self._owned, project)) + self._pending.get(project.name, 0)
-            if live >= project.max_sandboxes:
+            live = len([st for st in await asyncio.to_thread(self._owned, project)
+                        if st.status not in ("creating", "starting")])
+            live += self._pending.get(project.name, 0)
+            if live + len(demands) > project.max_sandboxes:
+                more = f"; this needs {len(demands)} more" if len(demands) > 1 else ""
                 raise ApiError(429, "quota_exceeded",
-                               f"project {project.name!r} has {live} of {project.max_sandboxes} sandboxes; "
+                               f"project {project.name!r} has {live} of {project.max_sandboxes} sandboxes{more}; "
                                "destroy one or retry later", retryable=True, headers={"Retry-After": "5"})
-            self._pending[project.name] = self._pending.get(project.name, 0) + 1
-        # a malformed limit is charged the default here; the manager refuses it with a proper error
-        demand = Demand(memory=_number(options.get("memory"), DEFAULT_MEMORY),
-                        pids=_number(options.get("pids"), DEFAULT_PIDS),
-                        disk=_number(options.get("disk"), DEFAULT_DISK))
+            self._pending[project.name] = self._pending.get(project.name, 0) + len(demands)
+
+    async def _launch(self, project: Project, demands: list[SandboxOptions],
+                      start: Callable[[], Awaitable[T]]) -> web.Response:
+        """Quota, then admission for every demand, then ``start``; both checks count creates in flight."""
+        await self._admit(project, demands)
         try:
-            with self.admission.reserve(demand):
-                box = await start()
+            with contextlib.ExitStack() as held:
+                for options in demands:
+                    held.enter_context(self.admission.reserve(Demand.of(options)))
+                result = await start()
         except CapacityExceeded as exc:
             self.m_rejected.labels(exc.resources[0]).inc()
             log.info("create refused: %s", exc)
             raise
         finally:
-            self._pending[project.name] -= 1
-        return web.json_response(_view(await asyncio.to_thread(lambda: box.state)), status=201)
-
-    def _options(self, project: Project, body: Mapping[str, Any], *, extra: set[str]) -> dict[str, Any]:
-        labels = body.get("labels") or {}
-        if not isinstance(labels, dict) or any(not isinstance(k, str) or k.startswith("layerbox.") for k in labels):
-            raise ApiError(400, "bad_request", "labels must be a string map without 'layerbox.' keys")
-        unknown = set(body) - CREATE_OPTIONS - extra - {"labels", "job", "lease_ttl"}
-        if unknown:
-            raise ApiError(400, "bad_request", f"unknown fields: {sorted(unknown)}")
-        options = {k: body[k] for k in CREATE_OPTIONS if body.get(k) is not None}
-        options["labels"] = {**labels, PROJECT_LABEL: project.name}
-        options["job"] = self._job(project, body.get("job"))
-        options["lease_ttl"] = body.get("lease_ttl") or self.lease_ttl
-        return options
+            self._pending[project.name] -= len(demands)
+        if isinstance(result, Sandbox):
+            return web.json_response(_view(await asyncio.to_thread(lambda: result.state)), status=201)
+        return web.json_response(result, status=201)
 
     async def list(self, request: web.Request) -> web.Response:
         project = self._project(request)
@@ -479,36 +581,43 @@ class SandboxService:
         return web.json_response({"sandboxes": [_view(st) for st in owned]})
 
     async def get(self, request: web.Request) -> web.Response:
-        box = await self._box(request, self._project(request))
-        return web.json_response(_view(await asyncio.to_thread(lambda: box.state)))
+        _, state = await self._box(request, self._project(request))
+        return web.json_response(_view(state))
 
     async def delete(self, request: web.Request) -> web.Response:
-        box = await self._box(request, self._project(request))
+        box, _ = await self._box(request, self._project(request))
         await asyncio.to_thread(self.manager.destroy, box.id)
         return web.Response(status=204)
 
     async def pause(self, request: web.Request) -> web.Response:
-        box = await self._box(request, self._project(request))
-        out = await asyncio.to_thread(box.pause)
-        return web.json_response(out)
+        box, _ = await self._box(request, self._project(request))
+        return web.json_response(await asyncio.to_thread(box.pause))
 
     async def resume(self, request: web.Request) -> web.Response:
-        box = await self._box(request, self._project(request))
+        box, _ = await self._box(request, self._project(request))
         await asyncio.to_thread(box.resume)
         return web.json_response(_view(await asyncio.to_thread(lambda: box.state)))
 
     async def checkpoint(self, request: web.Request) -> web.Response:
-        box = await self._box(request, self._project(request))
-        body = await self._json(request)
-        labels = body.get("labels") or {}
-        if not isinstance(labels, dict) or any(str(k).startswith("layerbox.") for k in labels):
-            raise ApiError(400, "bad_request", "labels must be a string map without 'layerbox.' keys")
-        ckpt = await box.checkpoint(name=body.get("name"), labels=labels)
+        project = self._project(request)
+        box, _ = await self._box(request, project)
+        body = check_object("", await self._json(request), ("name", "labels"))
+        labels = check_labels("labels", body.get("labels") or {}, reserved_ok=False)
+        name = None
+        if body.get("name") is not None:
+            given = check_str("name", body["name"], max_len=256, what="a ref name (repo[:tag])")
+            # a project names refs only inside its namespace; an admin project may publish anywhere
+            name = given if project.admin else project_namespace(project.name) + given
+            try:
+                parse_ref(name)
+            except BadName as exc:
+                raise _invalid("name", str(exc)) from None
+        ckpt = await box.checkpoint(name=name, labels=labels)
         return web.json_response(ckpt.to_json(), status=201)
 
     async def receipts(self, request: web.Request) -> web.Response:
         """Receipts, oldest first; ``action``, ``since`` (Unix time) and ``idempotency_key`` filter them."""
-        box = await self._box(request, self._project(request))
+        box, _ = await self._box(request, self._project(request))
         rows = await asyncio.to_thread(box.receipts)
         # checked whole before any filter: the head lets a caller notice a log cut at its end
         head = verify_receipt_chain(rows, what=f"sandbox {box.id}'s receipts")
@@ -519,27 +628,29 @@ class SandboxService:
             rows = [r for r in rows if r.get("idempotency_key") == q["idempotency_key"]]
         if "since" in q:
             try:
-                since = float(q["since"])
+                since = check_number("since", float(q["since"]), 0.0, 1e12)
             except ValueError:
-                raise ApiError(400, "bad_request", "'since' must be a Unix time in seconds") from None
+                raise _invalid("since", "must be a Unix time in seconds") from None
             rows = [r for r in rows if float(r.get("time", 0)) >= since]
         return web.json_response({"sandbox": box.id, "head": head, "receipts": rows})
 
     async def network(self, request: web.Request) -> web.Response:
-        box = await self._box(request, self._project(request))
-        body = await self._json(request)
-        rules = body.get("rules")
-        if not isinstance(rules, list):
-            raise ApiError(400, "bad_request", "'rules' must be a list of egress allow rules")
-        return web.json_response(await asyncio.to_thread(box.set_network, rules))
+        box, _ = await self._box(request, self._project(request))
+        body = check_object("", await self._json(request), ("rules",))
+        rules = SandboxOptions(network=body.get("rules")).network  # the one validation of rules
+        if rules is None:
+            raise _invalid("rules", "is required: a list of egress allow rules ([] denies everything)")
+        self.maxima.check(SandboxOptions(network=rules))
+        return web.json_response(await asyncio.to_thread(box.set_network, list(rules)))
 
     # -- jobs and runs ---------------------------------------------------------------------------------
     async def job_renew(self, request: web.Request) -> web.Response:
         project = self._project(request)
         job = self._job(project, request.match_info["job"])
-        ttl = (await self._json(request)).get("ttl") if request.can_read_body else None
-        if ttl is not None and not (isinstance(ttl, (int, float)) and ttl > 0):
-            raise ApiError(400, "bad_request", "'ttl' must be a positive number of seconds")
+        body = check_object("", await self._json(request), ("ttl",))
+        ttl = body.get("ttl")
+        if ttl is not None:
+            ttl = check_number("ttl", ttl, 0.0, self.maxima.lease_ttl, lo_open=True)
         lease = await asyncio.to_thread(self.manager.renew, job, ttl)
         return web.json_response({**lease, "job": request.match_info["job"]})
 
@@ -553,72 +664,59 @@ class SandboxService:
 
     async def job_preempt(self, request: web.Request) -> web.Response:
         job = self._job(self._project(request), request.match_info["job"])
-        body = await self._json(request) if request.can_read_body else {}
-        grace = body.get("timeout", 30.0)
-        if not isinstance(grace, (int, float)) or grace < 0:
-            raise ApiError(400, "bad_request", "'timeout' must be a number of seconds >= 0")
+        body = check_object("", await self._json(request), ("timeout",))
+        grace = check_number("timeout", body.get("timeout", 30.0), 0.0, self.maxima.exec_timeout)
         if not await asyncio.to_thread(self.manager.list, job=job):
             raise ApiError(404, "not_found", f"job {request.match_info['job']!r} has no sandboxes here")
-        run = await preempt(self.manager, job, timeout=float(grace))
+        run = await preempt(self.manager, job, timeout=grace)
         self.m_preempt_seconds.observe(run.seconds)
         return web.json_response(run.to_json(), status=201)
 
     async def run_resume(self, request: web.Request) -> web.Response:
         project = self._project(request)
-        ref = (await self._json(request)).get("manifest")
-        if not isinstance(ref, str) or not ref:
-            raise ApiError(400, "bad_request", "'manifest' (a run manifest ref or digest) is required")
-        async with await self.manager._store() as store:
-            try:
-                doc = (await store.resolve(ref, refresh=True)).doc
-            except LayerboxError:
-                doc = {}
-        if not str(doc.get("job", "")).startswith(project.name + "/"):
-            raise ApiError(404, "not_found", f"no run manifest {ref!r} in project {project.name!r}")
-        entries = list((doc.get("sandboxes") or {}).values())
+        body = check_object("", await self._json(request), ("manifest",))
+        ref = check_str("manifest", body.get("manifest"), max_len=512, what="a run manifest ref or digest")
+        resolved = await self._resolve(project, ref, field="manifest", kinds=("run",))
+        entries = resolved.doc.get("sandboxes") or {}
+        if not isinstance(entries, dict):
+            raise _invalid("manifest", f"{ref} has no sandbox entries")
         # the whole job or nothing: quota and capacity for every sandbox before the first restore
-        async with self._quota_lock:
-            live = len(await asyncio.to_thread(self._owned, project)) + self._pending.get(project.name, 0)
-            if live + len(entries) > project.max_sandboxes:
-                raise ApiError(429, "quota_exceeded",
-                               f"project {project.name!r} has {live} of {project.max_sandboxes} sandboxes; "
-                               f"resuming this run needs {len(entries)} more", retryable=True,
-                               headers={"Retry-After": "5"})
-            self._pending[project.name] = self._pending.get(project.name, 0) + len(entries)
-        try:
-            with contextlib.ExitStack() as held:
-                for entry in entries:
-                    opts = entry.get("options") or {}
-                    held.enter_context(self.admission.reserve(Demand(
-                        memory=_number(opts.get("memory"), DEFAULT_MEMORY), pids=_number(opts.get("pids"), DEFAULT_PIDS),
-                        disk=_number(opts.get("disk"), DEFAULT_DISK))))
-                run = await resume_run(self.manager, ref, lease_ttl=self.lease_ttl)
-        except CapacityExceeded as exc:
-            self.m_rejected.labels(exc.resources[0]).inc()
-            raise
-        finally:
-            self._pending[project.name] -= len(entries)
-        return web.json_response(run.to_json(), status=201)
+        demands = [SandboxOptions.from_state((e or {}).get("options") or {}) if isinstance(e, dict)
+                   else SandboxOptions() for e in entries.values()]
+        return await self._launch(project, demands, lambda: self._resume(resolved))
+
+    async def _resume(self, resolved: Resolved) -> dict[str, Any]:
+        run = await resume_run(self.manager, resolved.digest, lease_ttl=self.lease_ttl)
+        return run.to_json()
 
     # -- FnCall --------------------------------------------------------------------------------------------
     async def call(self, request: web.Request) -> web.Response:
         project = self._project(request)
-        body = await self._json(request)
-        image, cmd, function = body.get("image"), body.get("cmd"), body.get("function")
-        if not isinstance(image, str) or not image:
-            raise ApiError(400, "bad_request", "'image' is required")
+        body = check_object("", await self._json(request),
+                            ("image", "cmd", "function", "args", "kwargs", "timeout"))
+        image = check_str("image", body.get("image"), max_len=512, what="an image ref")
+        cmd, function = body.get("cmd"), body.get("function")
         if (cmd is None) == (function is None):
-            raise ApiError(400, "bad_request", "give exactly one of 'cmd' and 'function'")
-        timeout = body.get("timeout", 30.0)
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ApiError(400, "bad_request", "'timeout' must be a positive number of seconds")
+            raise _invalid("cmd", "give exactly one of 'cmd' and 'function'")
+        timeout = check_number("timeout", body.get("timeout", 30.0), 0.0, self.maxima.exec_timeout, lo_open=True)
+        if cmd is not None:
+            cmd = ExecRequest(cmd=cmd).cmd  # the one validation of a command
+        else:
+            function = check_str("function", function, max_len=MAX_FUNCTION_SOURCE, what="Python source")
+        args, kwargs = body.get("args") or [], body.get("kwargs") or {}
+        if not isinstance(args, list):
+            raise _invalid("args", "must be a list of JSON values")
+        if not isinstance(kwargs, dict):
+            raise _invalid("kwargs", "must be an object of JSON values")
+        # the pool runs exactly what was checked: its key is the resolved digest
+        resolved = await self._resolve(project, image, field="image", kinds=("image", "composition", "checkpoint"))
         if self._calls is None:
             from sandbox.fncall import FnCalls
 
             self._calls = FnCalls(self.manager, size=self.fncall_pool)
         self.m_execs.labels(project.name).inc()
-        result = await self._calls.call(image, cmd, function=function, args=body.get("args") or (),
-                                        kwargs=body.get("kwargs") or None, timeout=float(timeout))
+        result = await self._calls.call(resolved.digest, cmd, function=function, args=args,
+                                        kwargs=kwargs or None, timeout=timeout)
         self.m_call_seconds.observe(result.duration)
         return web.json_response({
             "exit_code": result.exit_code, "stdout": base64.b64encode(result.stdout).decode(),
@@ -629,25 +727,10 @@ class SandboxService:
     # -- exec ----------------------------------------------------------------------------------------
     async def exec(self, request: web.Request) -> web.StreamResponse:
         project = self._project(request)
-        box = await self._box(request, project)
-        body = await self._json(request)
-        cmd = body.get("cmd")
-        if not (isinstance(cmd, str) and cmd) and not (
-                isinstance(cmd, list) and cmd and all(isinstance(c, str) for c in cmd)):
-            raise ApiError(400, "bad_request", "'cmd' must be a shell string or a non-empty list of strings")
-        stdin: bytes | None = None
-        if body.get("stdin") is not None:
-            try:
-                stdin = base64.b64decode(body["stdin"], validate=True)
-            except (binascii.Error, TypeError):
-                raise ApiError(400, "bad_request", "'stdin' must be base64") from None
-        key = body.get("idempotency_key")
-        if key is not None and (not isinstance(key, str) or not key or len(key) > 200):
-            raise ApiError(400, "bad_request", "'idempotency_key' must be a string of 1-200 characters")
-        state = await asyncio.to_thread(lambda: box.state)
-        if state.get("status") != "running":
-            raise ApiError(409, "conflict", f"sandbox {box.id} is {state.get('status')}, not running")
-        cap = _number(body.get("output_cap"), 1 << 20)
+        box, state = await self._box(request, project)
+        req = self.maxima.check_exec(ExecRequest.from_json(await self._json(request)))
+        if state.status != "running":
+            raise ApiError(409, "conflict", f"sandbox {box.id} is {state.status}, not running")
 
         loop = asyncio.get_running_loop()
         # bounded: the exec thread blocks when the client reads slowly, and the pipe then stops the command
@@ -655,15 +738,10 @@ class SandboxService:
         cancel = Cancel()
 
         def forward(kind: str) -> Callable[[bytes], None]:
-            sent = 0
-
-            def push(data: bytes) -> None:
-                nonlocal sent
-                room = cap - sent  # past the cap nothing more is streamed (the result says truncated)
-                if room <= 0 or cancel.is_set():
+            def push(data: bytes) -> None:  # the manager hands over at most output_cap bytes per stream
+                if cancel.is_set():
                     return
-                sent += min(room, len(data))
-                fut = asyncio.run_coroutine_threadsafe(events.put((kind, data[:room])), loop)
+                fut = asyncio.run_coroutine_threadsafe(events.put((kind, data)), loop)
                 while not cancel.is_set():
                     try:
                         fut.result(timeout=0.5)
@@ -673,10 +751,10 @@ class SandboxService:
                 fut.cancel()
             return push
 
+        # streamed, not kept: the service never buffers a command's output beyond the queue
         run = asyncio.ensure_future(asyncio.to_thread(
-            box.exec, cmd, env=body.get("env"), cwd=body.get("cwd"), timeout=body.get("timeout"), stdin=stdin,
-            output_cap=cap, on_stdout=forward("stdout"), on_stderr=forward("stderr"), idempotency_key=key,
-            cancel=cancel))
+            box.exec, req, on_stdout=forward("stdout"), on_stderr=forward("stderr"), cancel=cancel,
+            keep_output=False))
         self.m_execs.labels(project.name).inc()
 
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -715,39 +793,48 @@ class SandboxService:
 
     # -- files ---------------------------------------------------------------------------------------
     async def files_get(self, request: web.Request) -> web.StreamResponse:
-        box = await self._box(request, self._project(request))
-        path = self._path(request)
-        if request.query.get("list") in ("1", "true"):
-            return web.json_response({"path": path, "entries": await asyncio.to_thread(box.list, path)})
-        st = await asyncio.to_thread(box.stat, path)  # errors (404, 403, 409) before the body starts
-        if request.query.get("stat") in ("1", "true"):
+        project = self._project(request)
+        box, _ = await self._box(request, project)
+        path = self._query_path(request)
+        if _flag(request, "list"):
+            return web.json_response({"path": path, "entries": await self._files(project, lambda: box.list(path))})
+        if _flag(request, "stat"):
+            st = await self._files(project, lambda: box.stat(path))
             kinds = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
             return web.json_response({"path": path, "type": kinds.get(stat.S_IFMT(st.st_mode), "other"),
                                       "size": st.st_size, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
                                       "gid": st.st_gid, "mtime": st.st_mtime})
-        if not stat.S_ISREG(st.st_mode):
-            raise ApiError(409, "file_conflict", f"{path} is not a regular file (list a directory with list=1)")
+        # opened (and checked to be a regular file) before the response starts, so errors are statuses
+        reader = cast("Generator[bytes, None, None]",  # (a generator: close() releases its descriptor)
+                      await self._files(project, lambda: box.files.iter_read(path)))
+        first = await self._files(project, functools.partial(next, reader, b""))
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
-        loop = asyncio.get_running_loop()
-
-        class Sink(io.RawIOBase):  # the thread's file writes become response chunks, one at a time
-            def write(self, data: Any) -> int:
-                asyncio.run_coroutine_threadsafe(resp.write(bytes(data)), loop).result()
-                return len(data)
-
-        await asyncio.to_thread(box.download, path, Sink())
+        total = len(first)
+        try:
+            if first:
+                await resp.write(first)
+            while chunk := await self._files(project, functools.partial(next, reader, b"")):
+                total += len(chunk)
+                await resp.write(chunk)
+        finally:
+            reader.close()
+        await asyncio.to_thread(box._receipt, "download", path=path, bytes=total)
         await resp.write_eof()
         return resp
 
     async def files_put(self, request: web.Request) -> web.Response:
-        box = await self._box(request, self._project(request))
-        path = self._path(request)
+        project = self._project(request)
+        box, _ = await self._box(request, project)
+        path = self._query_path(request)
+        text = request.query.get("mode", "644")
         try:
-            mode = int(request.query.get("mode", "644"), 8)
+            mode = int(text, 8)
         except ValueError:
-            raise ApiError(400, "bad_request", "'mode' must be octal, e.g. 644") from None
+            raise _invalid("mode", f"{text[:20]!r} is not octal, e.g. 644") from None
+        if not 0 <= mode <= 0o777:  # no setuid, setgid or sticky bits through the API
+            raise _invalid("mode", f"{text[:20]!r}: permission bits only (0-777)")
         loop = asyncio.get_running_loop()
         content = request.content
 
@@ -756,13 +843,14 @@ class SandboxService:
                 n = size if size > 0 else 1 << 20
                 return asyncio.run_coroutine_threadsafe(content.read(n), loop).result()
 
-        written = await asyncio.to_thread(box.upload, path, Source(), mode)
+        written = await self._files(project, lambda: box.upload(path, Source(), mode))
         return web.json_response({"path": path, "bytes": written}, status=201)
 
     async def files_delete(self, request: web.Request) -> web.Response:
-        box = await self._box(request, self._project(request))
-        path = self._path(request)
-        await asyncio.to_thread(box.remove, path, recursive=request.query.get("recursive") in ("1", "true"))
+        project = self._project(request)
+        box, _ = await self._box(request, project)
+        path = self._query_path(request)
+        await self._files(project, lambda: box.remove(path, recursive=_flag(request, "recursive")))
         return web.Response(status=204)
 
     # -- description and metrics -----------------------------------------------------------------------
@@ -775,13 +863,17 @@ class SandboxService:
         return web.json_response(CAPABILITIES)
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(OPENAPI)
+        return web.json_response(openapi.DOCUMENT)
 
     async def metrics(self, request: web.Request) -> web.Response:
+        project = self._project(request)
+        if not project.admin:  # it names every project and its sandbox counts
+            raise ApiError(403, "forbidden", "metrics need a token of an admin project")
+
         def render() -> bytes:
             counts: dict[tuple[str, str], int] = {}
             for st in self.manager.list():
-                key = (_project_of(st) or "", str(st.get("status")))
+                key = (st.project or "", st.status)
                 counts[key] = counts.get(key, 0) + 1
             self.m_sandboxes.clear()
             for (proj, status), n in counts.items():
@@ -792,6 +884,15 @@ class SandboxService:
 
         body = await asyncio.to_thread(render)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _flag(request: web.Request, name: str) -> bool:
+    value = request.query.get(name)
+    if value is None:
+        return False
+    if value not in ("0", "1", "true", "false"):
+        raise _invalid(name, f"{value[:20]!r} is not one of 0, 1, true, false")
+    return value in ("1", "true")
 
 
 # What this backend can do; a request for anything else is refused, never downgraded.
@@ -807,113 +908,6 @@ CAPABILITIES: dict[str, Any] = {
 }
 
 
-# -- OpenAPI (hand-written: exactly the routes above) ------------------------------------------------
-def _op(summary: str, responses: dict[str, str], *, body: str | None = None, query: tuple[str, ...] = (),
-        path_id: bool = True) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "security": [{"bearer": []}],
-                          "responses": {code: {"description": d} for code, d in
-                                        {**responses, "401": "missing or unknown token",
-                                         "403": "project disabled"}.items()}}
-    params = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}] if path_id else []
-    params += [{"name": q, "in": "query", "required": q == "path", "schema": {"type": "string"}} for q in query]
-    if params:
-        op["parameters"] = params
-    if body == "json":
-        op["requestBody"] = {"content": {"application/json": {"schema": {"type": "object"}}}}
-    elif body == "bytes":
-        op["requestBody"] = {"content": {"application/octet-stream": {"schema": {"type": "string",
-                                                                                  "format": "binary"}}}}
-    if path_id:
-        op["responses"].setdefault("404", {"description": "no such sandbox in this project"})
-    return op
-
-
-OPENAPI: dict[str, Any] = {
-    "openapi": "3.0.3",
-    "info": {"title": "layerbox sandbox service", "version": "1"},
-    "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-                   "schemas": {"Error": {"type": "object", "properties": {"error": {
-                       "type": "object", "properties": {"code": {"type": "string"}, "message": {"type": "string"},
-                                                        "retryable": {"type": "boolean"}}}}}}},
-    "paths": {
-        "/v1/sandboxes": {
-            "post": _op("Create a sandbox from an image or checkpoint ref (image, cpu, memory, pids, disk, "
-                        "cpu_class latency|best-effort, env, workdir, labels, ttl, idle_timeout, job, lease_ttl, "
-                        "network: egress allow rules, isolation)",
-                        {"201": "the sandbox", "400": "bad request or unsupported isolation",
-                         "429": "project quota reached (retryable)",
-                         "503": "edge out of capacity (code 'capacity', retryable, Retry-After; "
-                                "error.resources names what is short)"}, body="json", path_id=False),
-            "get": _op("List this project's sandboxes", {"200": "sandboxes"}, path_id=False),
-        },
-        "/v1/sandboxes/{id}": {
-            "get": _op("Describe a sandbox", {"200": "the sandbox"}),
-            "delete": _op("Destroy a sandbox", {"204": "destroyed"}),
-        },
-        "/v1/sandboxes/{id}/exec": {
-            "post": _op("Run a command (cmd, env, cwd, timeout, stdin as base64, output_cap, idempotency_key); "
-                        "the response streams newline-delimited JSON events: stdout/stderr (base64 data, at most "
-                        "output_cap bytes each), then exit (with interrupted, replayed) or error. Closing the "
-                        "connection kills the command.",
-                        {"200": "application/x-ndjson event stream",
-                         "409": "sandbox not running, job preempted or key still running (retryable)"},
-                        body="json"),
-        },
-        "/v1/sandboxes/{id}/files": {
-            "get": _op("Read a file (streamed), list a directory with list=1, or stat=1 for one entry's "
-                       "type, size, mode, owner and mtime (a symlink itself)", {"200": "bytes or JSON"},
-                       query=("path", "list", "stat")),
-            "put": _op("Write a file (mode in octal)", {"201": "written"}, body="bytes", query=("path", "mode")),
-            "delete": _op("Remove a file or (recursive=1) a directory", {"204": "removed"},
-                          query=("path", "recursive")),
-        },
-        "/v1/sandboxes/{id}/pause": {"post": _op("Freeze the sandbox and reclaim its memory",
-                                                 {"200": "reclaim report", "409": "not running"})},
-        "/v1/sandboxes/{id}/resume": {"post": _op("Thaw a paused sandbox", {"200": "the sandbox",
-                                                                            "409": "not paused"})},
-        "/v1/sandboxes/{id}/checkpoint": {"post": _op("Checkpoint the rootfs into the store (name, labels)",
-                                                      {"201": "the checkpoint"}, body="json")},
-        "/v1/sandboxes/restore": {"post": _op(
-            "Start a sandbox on a checkpoint of this project (checkpoint, policy_version, and create's options)",
-            {"201": "the sandbox", "404": "no such checkpoint in this project", "409": "policy or digests differ",
-             "429": "project quota reached (retryable)", "503": "edge out of capacity (retryable)"},
-            body="json", path_id=False)},
-        "/v1/sandboxes/{id}/receipts": {"get": _op("The sandbox's receipts, oldest first (filters: action, "
-                                                   "since, idempotency_key)", {"200": "receipts"},
-                                                   query=("action", "since", "idempotency_key"))},
-        "/v1/sandboxes/{id}/network": {"put": _op("Replace the egress allow rules (rules: [{cidr|host, ports, "
-                                                  "protocol}]) while the sandbox runs",
-                                                  {"200": "the effective policy", "400": "bad rule",
-                                                   "409": "created without a network"}, body="json")},
-        "/v1/jobs/{job}/renew": {"post": _op("Renew the job's lease (ttl)", {"200": "the lease"}, body="json",
-                                             path_id=False)},
-        "/v1/jobs/{job}/pause": {"post": _op("Pause every sandbox of the job", {"200": "paused ids"},
-                                             path_id=False)},
-        "/v1/jobs/{job}/resume": {"post": _op("Resume every paused sandbox of the job", {"200": "resumed ids"},
-                                              path_id=False)},
-        "/v1/jobs/{job}/preempt": {"post": _op("Drain the job (in-flight commands get timeout seconds), "
-                                               "checkpoint every sandbox, write a run manifest, free the host",
-                                               {"201": "the run", "404": "no sandboxes of that job here"},
-                                               body="json", path_id=False)},
-        "/v1/runs/resume": {"post": _op("Restore a preempted job from its run manifest (manifest); commands "
-                                        "are admitted once every sandbox is up",
-                                        {"201": "old -> new sandbox ids", "404": "no such run in this project",
-                                         "409": "digests or policy differ"}, body="json", path_id=False)},
-        "/v1/calls": {"post": _op("FnCall: run cmd, or a Python function (function source, args, kwargs), on a "
-                                  "warm container of image, in a fresh writable layer",
-                                  {"200": "exit code, output (base64), value, error, timings"}, body="json",
-                                  path_id=False)},
-        "/v1/capabilities": {"get": _op("What this backend provides (isolation kinds, limits, network, "
-                                        "checkpoint kinds); ask for nothing else", {"200": "capabilities"},
-                                        path_id=False)},
-        "/v1/load": {"get": _op("Load report: sandboxes live/in flight/max, free memory/pids/disk, load "
-                                "average, score, accepting", {"200": "the load report"}, path_id=False)},
-        "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI"}}}},
-        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
-    },
-}
-
-
 # -- entry point --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sandbox.service", description=__doc__.split("\n")[0])
@@ -921,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", required=True, help="store URL (file://... or s3://...)")
     parser.add_argument("--port", type=int, default=8470)
     parser.add_argument("--tokens", required=True, help="JSON file: projects, their tokens and quotas")
-    defaults = AdmissionConfig()
+    defaults, maxima = AdmissionConfig(), Maxima()
     parser.add_argument("--edge-id", help="name in load reports and errors (default: HOSTNAME:PORT)")
     parser.add_argument("--max-sandboxes", type=int, default=defaults.max_sandboxes,
                         help="live sandboxes this edge admits (default %(default)s)")
@@ -931,6 +925,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="disk kept free in --data-dir, e.g. 1G (default %(default)s bytes)")
     parser.add_argument("--pids-reserve", type=int, default=defaults.pids_reserve,
                         help="tasks kept for the host (default %(default)s)")
+    parser.add_argument("--max-memory", type=parse_size, default=maxima.memory,
+                        help="largest memory limit one sandbox may ask for (default %(default)s bytes)")
+    parser.add_argument("--max-pids", type=int, default=maxima.pids,
+                        help="largest pids limit one sandbox may ask for (default %(default)s)")
+    parser.add_argument("--max-output-cap", type=parse_size, default=maxima.output_cap,
+                        help="largest output_cap of one command, per stream (default %(default)s bytes)")
+    parser.add_argument("--max-ttl", type=float, default=maxima.ttl, help="seconds (default %(default)s)")
+    parser.add_argument("--max-lease-ttl", type=float, default=maxima.lease_ttl,
+                        help="seconds (default %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     try:
@@ -944,7 +947,10 @@ def main(argv: list[str] | None = None) -> int:
                                           max_sandboxes=args.max_sandboxes, memory_reserve=args.memory_reserve,
                                           disk_reserve=args.disk_reserve, pids_reserve=args.pids_reserve),
                           disk_path=manager.data_dir, boxes=manager.boxes)
-    web.run_app(SandboxService(manager, auth, admission).app(), host="127.0.0.1", port=args.port)
+    limits = Maxima(memory=args.max_memory, pids=args.max_pids, output_cap=args.max_output_cap, ttl=args.max_ttl,
+                    idle_timeout=args.max_ttl, lease_ttl=args.max_lease_ttl)
+    service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True)
+    web.run_app(service.app(), host="127.0.0.1", port=args.port)
     return 0
 
 

@@ -186,6 +186,7 @@ class Snapshots:
         policy_version: str | None = None, freeze: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE, before_ref: Callable[[], None] | None = None,
         attachments: Mapping[str, str] | None = None, attach_docs: Mapping[str, Mapping[str, Any]] | None = None,
+        name_prefix: str = "",
     ) -> Checkpoint:
         """Capture the mount's writes since its parent as a new checkpoint.
 
@@ -195,7 +196,9 @@ class Snapshots:
         Without it the caller guarantees quiescence.  ``attachments`` names
         documents already in the store that the checkpoint keeps alive;
         ``attach_docs`` are documents to store with it (e.g. the sandbox's
-        receipts), under the same lock as the checkpoint itself.  ``before_ref`` is a
+        receipts), under the same lock as the checkpoint itself.  Without ``name`` the ref is
+        ``<name_prefix>checkpoints/<id>:<n>`` (a project's sandboxes use its namespace,
+        ``projects/<project>/``).  ``before_ref`` is a
         test hook run once every object is stored, before the ref moves.
         """
         started = time.perf_counter()
@@ -255,7 +258,7 @@ class Snapshots:
             if before_ref is not None:
                 before_ref()
             seq = rec["seq"] + 1
-            ref_name = name or f"checkpoints/{rec['id']}:{seq}"
+            ref_name = name or f"{name_prefix}checkpoints/{rec['id']}:{seq}"
             await self.store.set_ref(ref_name, digest, "checkpoint", stats=stats)
         rec.update(parent=digest, manifest=now, seq=seq, upper=mount["upper"])
         self._save_record(target, rec)

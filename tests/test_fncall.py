@@ -45,7 +45,7 @@ def mgr(manager: SandboxManager) -> Iterator[SandboxManager]:
     finally:
         leftovers = manager.list()
         for st in leftovers:
-            manager.destroy(st["id"])
+            manager.destroy(st.id)
     assert leftovers == []
     assert_no_boxes(manager)
 
@@ -71,12 +71,12 @@ def test_shell_and_function_calls(mgr: SandboxManager) -> None:
         async with WarmPool(mgr, REF, size=2, labels={"team": "t1"}, env={"GREETING": "hi"}) as pool:
             states = mgr.list()
             assert len(states) == 2
-            assert all(st["labels"] == {"team": "t1", POOL_LABEL: REF, POOL_ID_LABEL: pool.id} for st in states)
+            assert all(dict(st.labels) == {"team": "t1", POOL_LABEL: REF, POOL_ID_LABEL: pool.id} for st in states)
 
             res = await pool.call("echo $GREETING; echo err >&2; exit 3")
             assert (res.exit_code, res.stdout, res.stderr) == (3, b"hi\n", b"err\n")
             assert (res.value, res.error, res.timed_out, res.truncated) == (None, None, False, False)
-            assert res.sandbox in {st["id"] for st in states}
+            assert res.sandbox in {st.id for st in states}
             assert 0 <= res.wait_seconds <= res.duration
 
             res = await pool.call(["cat"], stdin=b"piped in")
@@ -160,7 +160,7 @@ def test_each_call_gets_a_fresh_layer(mgr: SandboxManager) -> None:
             assert b"No such file or directory" in second.stderr
             assert b"sleep 600" not in second.stdout
             await pool.settle()
-            ids = {st["id"] for st in mgr.list()}
+            ids = {st.id for st in mgr.list()}
             assert first.sandbox not in ids
             assert second.sandbox not in ids
 
@@ -179,7 +179,7 @@ def test_timeout_kills_the_call_and_discards_the_sandbox(mgr: SandboxManager) ->
             assert res.error is not None
             assert res.error.startswith("TimeoutError:")
             await pool.settle()
-            assert [st["id"] for st in mgr.list()] != [res.sandbox]
+            assert [st.id for st in mgr.list()] != [res.sandbox]
             assert (await pool.call("echo alive")).stdout == b"alive\n"
 
     run(body())
@@ -304,7 +304,7 @@ def test_fncalls_keeps_at_most_max_pools(mgr: SandboxManager) -> None:
             assert (await calls.call(digest, "true")).exit_code == 0
             assert list(calls.stats()) == [digest]  # REF's idle pool was closed for it
             await calls.pool(digest).settle()
-            assert {st["labels"][POOL_LABEL] for st in mgr.list()} == {digest}
+            assert {st.labels[POOL_LABEL] for st in mgr.list()} == {digest}
             slow = asyncio.create_task(calls.call(digest, "sleep 2"))
             await asyncio.sleep(0.5)
             with pytest.raises(PoolsBusy) as err:

@@ -33,7 +33,10 @@ from tests.support.sandboxes import REF
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
 TOKEN = "placement-token-0123456789"
-TOKENS = {"projects": {"p": {"tokens": [TOKEN], "max_sandboxes": 10}}}
+OPS_TOKEN = "placement-ops-token-0123456789"
+TOKENS = {"projects": {"p": {"tokens": [TOKEN], "max_sandboxes": 10},
+                       "ops": {"tokens": [OPS_TOKEN], "max_sandboxes": 0, "admin": True}}}
+HUGE = 1 << 45  # 32 TiB: within the edges' --max-memory, far beyond any host's MemAvailable
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT = 60.0
 
@@ -124,7 +127,7 @@ class EdgeProcess:
         problems = []
         try:
             mgr.reconcile()
-            left = [st["id"] for st in mgr.list()]
+            left = [st.id for st in mgr.list()]
             if left:
                 problems.append(f"{self.name}: sandboxes left behind: {left}")
             mgr.close()
@@ -148,7 +151,7 @@ def cluster(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tokens = root / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
     # a small memory reserve: other test runs share this host, and a rejection here must be deliberate
-    common = ("--memory-reserve", "256M", "--disk-reserve", "256M")
+    common = ("--memory-reserve", "256M", "--disk-reserve", "256M", "--max-memory", "64T", "--max-pids", str(1 << 22))
     edges = {"a": EdgeProcess("a", root, store, tokens, "--max-sandboxes", "4", *common),
              "b": EdgeProcess("b", root, store, tokens, "--max-sandboxes", "4", *common),
              "c": EdgeProcess("c", root, store, tokens, "--max-sandboxes", "0", *common)}
@@ -223,8 +226,14 @@ def test_load_report_shape_and_it_follows_creates(edges: dict[str, EdgeProcess])
     assert after["sandboxes"]["live"] == 0
 
 
+def metrics(url: str) -> str:
+    req = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {OPS_TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return str(r.read().decode())
+
+
 def rejections(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    text = metrics(url)
     prefix = 'layerbox_admission_rejections_total{resource="'
     return {line[len(prefix):].split('"')[0]: float(line.split()[-1])
             for line in text.splitlines() if line.startswith(prefix)}
@@ -234,18 +243,18 @@ def test_admission_rejects_for_real_and_creates_nothing(edges: dict[str, EdgePro
     a, c = edges["a"], edges["c"]
     before = rejections(a.url)
     # more memory than this host has: MemAvailable is real, so the edge must refuse
-    status, headers, body = http("POST", f"{a.url}/v1/sandboxes", {"image": REF, "memory": 1 << 50})
+    status, headers, body = http("POST", f"{a.url}/v1/sandboxes", {"image": REF, "memory": HUGE})
     assert status == 503, body
     err = body["error"]
     assert (err["code"], err["retryable"], err["resources"]) == ("capacity", True, ["memory"])
-    assert "needs 1048576 GiB memory" in err["message"]
+    assert "needs 32768 GiB memory" in err["message"]
     assert "after the 256 MiB host reserve" in err["message"]
     assert int(headers["Retry-After"]) >= 1
 
-    status, _, body = http("POST", f"{a.url}/v1/sandboxes", {"image": REF, "pids": 1 << 30})
+    status, _, body = http("POST", f"{a.url}/v1/sandboxes", {"image": REF, "pids": 1 << 22})
     assert status == 503, body
     assert body["error"]["resources"] == ["pids"]
-    assert f"needs {1 << 30} pids" in body["error"]["message"]
+    assert f"needs {1 << 22} pids" in body["error"]["message"]
 
     status, _, body = http("POST", f"{c.url}/v1/sandboxes", {"image": REF})
     assert status == 503, body
@@ -261,8 +270,7 @@ def test_admission_rejects_for_real_and_creates_nothing(edges: dict[str, EdgePro
         assert kmount.mounts_under(boxes) == []
     after = rejections(a.url)
     assert {r: after[r] - before[r] for r in after} == {"sandboxes": 0, "memory": 1, "pids": 1, "disk": 0}
-    metrics = urllib.request.urlopen(f"{a.url}/metrics", timeout=10).read().decode()
-    assert 'layerbox_admission_free{resource="sandboxes"} 4.0' in metrics
+    assert 'layerbox_admission_free{resource="sandboxes"} 4.0' in metrics(a.url)
 
 
 def test_creates_in_flight_hold_their_reservation(tmp_path: Path) -> None:
@@ -306,7 +314,7 @@ def test_placement_spreads_and_skips_the_edge_that_rejects(edges: dict[str, Edge
 
                 # nobody has this much memory: every edge answers, the error lists all three answers
                 with pytest.raises(PlacementError) as err:
-                    await placement.create(REF, memory=1 << 50)
+                    await placement.create(REF, memory=HUGE)
                 answers = dict(err.value.answers)
                 assert set(answers) == {e.url for e in edges.values()}
                 assert all(a.startswith("rejected:") and "memory" in a for a in answers.values()), answers
@@ -369,7 +377,7 @@ def test_a_killed_edge_is_skipped_and_ejected(edges: dict[str, EdgeProcess]) -> 
 
                     # b short of memory for this one, c refusing, a ejected: a clear answer, not a hang
                     with pytest.raises(PlacementError) as err:
-                        await placement.create(REF, memory=1 << 50)
+                        await placement.create(REF, memory=HUGE)
                     answers = dict(err.value.answers)
                     assert answers[a.url].startswith("ejected after repeated failures: load refresh:")
                     assert answers[b.url].startswith("rejected:")

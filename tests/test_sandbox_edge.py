@@ -55,7 +55,7 @@ def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:
     try:
         yield server.url
     finally:
-        leftovers = [st["id"] for st in manager.list() if "layerbox.pool" not in st.get("labels", {})]
+        leftovers = [st.id for st in manager.list() if "layerbox.pool" not in st.labels]
         for sid in leftovers:
             manager.destroy(sid)
     assert leftovers == [], "the test left sandboxes behind"
@@ -195,10 +195,10 @@ def test_a_lapsed_lease_is_reaped_and_a_renewed_one_is_not(url: str, manager: Sa
         kept = await AsyncSandbox.create(REF, url=url, token=ALPHA, job="steady", lease_ttl=1)
         job = AsyncJob("steady", url=url, token=ALPHA)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(st["id"] == crashed.sandbox_id for st in manager.list()):
+        while time.monotonic() < deadline and any(st.id == crashed.sandbox_id for st in manager.list()):
             await job.renew(60)  # the live client keeps renewing; the crashed one stopped
             await asyncio.sleep(0.2)
-        assert not any(st["id"] == crashed.sandbox_id for st in manager.list())
+        assert not any(st.id == crashed.sandbox_id for st in manager.list())
         assert (await kept.commands.run("echo here")).stdout == "here\n"
         await kept.kill()
         await job.close()
@@ -321,7 +321,7 @@ def test_resume_checks_quota_for_the_whole_job_first(url: str, manager: SandboxM
         squatter = await AsyncSandbox.create(REF, url=url, token=BETA)  # beta's quota is 2
         with pytest.raises(QuotaExceeded, match="needs 2 more"):
             await AsyncJob.resume_run(run["ref"], url=url, token=BETA)
-        assert [st["id"] for st in manager.list(job="beta/pair")] == []  # nothing half-restored
+        assert [st.id for st in manager.list(job="beta/pair")] == []  # nothing half-restored
         await squatter.kill()
         resumed = await AsyncJob.resume_run(run["ref"], url=url, token=BETA)
         assert sorted(resumed["sandboxes"]) == sorted([a.sandbox_id, b.sandbox_id])

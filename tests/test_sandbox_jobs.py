@@ -19,7 +19,8 @@ from layerstore import gc
 from layerstore.store import Store
 from lazyfetch import kmount
 from sandbox.errors import CommandInProgress, JobNotAdmitting, ReceiptsBroken, SandboxError
-from sandbox.manager import Cancel, ExecResult, SandboxManager, receipt_line, verify_receipt_chain
+from sandbox.manager import Cancel, ExecResult, SandboxManager
+from sandbox.receipts import receipt_line, verify_receipt_chain
 from sandbox.runs import preempt, resume_run
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
@@ -58,7 +59,7 @@ def test_best_effort_runs_under_sched_idle_with_the_lowest_weight(boxes: Any, ma
     assert _policy(ls.exec("cat /proc/self/stat").stdout) == 0  # SCHED_OTHER
     assert os.sched_getscheduler(be.pid) == SCHED_IDLE  # init, and so every orphan it adopts
     assert os.sched_getscheduler(ls.pid) == 0
-    cpu_dir = manager.layout.controller_dir("cpu", be.state["cgroups_path"])
+    cpu_dir = manager.layout.controller_dir("cpu", be.state.cgroups_path)
     assert cpu_dir is not None
     weight = cpu_dir / ("cpu.weight" if manager.layout.version == 2 else "cpu.shares")
     assert int(weight.read_text()) == (1 if manager.layout.version == 2 else 2)
@@ -71,8 +72,8 @@ def test_lease_expiry_reaps_the_jobs_sandboxes(boxes: Any, manager: SandboxManag
     doomed = [boxes(job="job-crashed", lease_ttl=1), boxes(job="job-crashed", lease_ttl=1)]
     report = manager.reap(now=time.time() + 5)  # the client stopped renewing 5 s ago
     assert sorted(report["destroyed"]) == sorted(b.id for b in doomed)
-    assert {st["id"] for st in manager.list()} >= {kept.id}
-    assert not {b.id for b in doomed} & {st["id"] for st in manager.list()}
+    assert {st.id for st in manager.list()} >= {kept.id}
+    assert not {b.id for b in doomed} & {st.id for st in manager.list()}
     assert manager.leases.get("job-crashed") is None
     manager.renew("job-kept", 1)
     assert manager.reap(now=time.time() + 0.5)["destroyed"] == []  # renewed: still inside its lease
@@ -85,7 +86,7 @@ def test_idle_sandbox_pauses_itself_and_ttl_destroys(boxes: Any, manager: Sandbo
     idle.exec("true")
     report = manager.reap(now=time.time() + 2.5)
     assert report["paused"] == [idle.id]
-    assert idle.state["status"] == "paused"
+    assert idle.state.status == "paused"
     assert "pause" in [r["action"] for r in idle.receipts()]
     report = manager.reap(now=time.time() + 3.5)
     assert report["destroyed"] == [short.id]
@@ -96,7 +97,7 @@ def test_idle_sandbox_pauses_itself_and_ttl_destroys(boxes: Any, manager: Sandbo
 def test_pause_and_resume_a_whole_job(boxes: Any, manager: SandboxManager) -> None:
     a, b, other = boxes(job="j-pr"), boxes(job="j-pr"), boxes(job="j-other")
     assert sorted(manager.pause_job("j-pr")) == sorted([a.id, b.id])
-    assert (a.state["status"], b.state["status"], other.state["status"]) == ("paused", "paused", "running")
+    assert (a.state.status, b.state.status, other.state.status) == ("paused", "paused", "running")
     assert sorted(manager.resume_job("j-pr")) == sorted([a.id, b.id])
     assert a.exec("echo a").stdout == b"a\n"
 
@@ -180,7 +181,7 @@ def test_preempt_checkpoints_the_job_and_resume_restores_it_elsewhere(
         t.join()
         assert long_result[0].interrupted == "preempt"
         assert sorted(result.sandboxes) == sorted([a.id, b.id])
-        assert {st["id"] for st in manager.list()} == {bystander.id}  # the host is free of the job
+        assert {st.id for st in manager.list()} == {bystander.id}  # the host is free of the job
         assert manager.leases.get(job).state == "preempted"
         entry = result.manifest["sandboxes"][a.id]
         assert entry["image_digest"] == a_digest(manager, store_url)
@@ -200,9 +201,9 @@ def test_preempt_checkpoints_the_job_and_resume_restores_it_elsewhere(
         new_a, new_b = host2.get(resumed.sandboxes[a.id]), host2.get(resumed.sandboxes[b.id])
         assert new_a.exec("cat /root/progress").stdout == b"step1\n"
         assert len(new_b.read("/root/data.bin")) == 100_000
-        assert new_b.state["cpu_class"] == "best-effort"
-        assert new_b.state["disk"] == 32 << 20
-        assert new_a.state["labels"]["env"] == "a"
+        assert new_b.state.options.cpu_class == "best-effort"
+        assert new_b.state.options.disk == 32 << 20
+        assert new_a.state.labels["env"] == "a"
         # the client retries the keyed command after resume: answered from the receipts, not run again
         retry = new_a.exec("echo once >> /root/log; cat /root/log", idempotency_key="step-1")
         assert (retry.replayed, retry.stdout) == (True, keyed.stdout)
@@ -256,7 +257,7 @@ def test_command_line_jobs(manager: SandboxManager, store_url: str, capsys: pyte
                  *common]) == 0
     sid = capsys.readouterr().out.strip()
     try:
-        assert manager.get(sid).state["disk"] == 32 << 20
+        assert manager.get(sid).state.options.disk == 32 << 20
         for _ in range(2):
             assert main(["sandbox", "exec", *common, "--idempotency-key", "k", sid, "--",
                          "sh", "-c", "echo x >> /root/n; wc -l < /root/n"]) == 0
@@ -274,7 +275,7 @@ def test_command_line_jobs(manager: SandboxManager, store_url: str, capsys: pyte
         assert capsys.readouterr().out.startswith(f"{len(printed.splitlines())} records, chain intact, head ")
     finally:
         for st in manager.list(job="cli-job"):
-            manager.destroy(st["id"])
+            manager.destroy(st.id)
         manager.destroy(sid)
 
 
@@ -346,7 +347,7 @@ def test_receipts_are_hash_chained_and_travel_with_checkpoints(boxes: Any, manag
         log_file.write_bytes(original)
     # another process appended meanwhile (the head is re-read from the file, not trusted from memory)
     other = SandboxManager(manager.data_dir, manager.store_url)
-    other._append_receipt(box.id, {"id": "from-another-process", "sandbox": box.id, "action": "note"})
+    other.receipt_logs.append(box.id, {"id": "from-another-process", "sandbox": box.id, "action": "note"})
     box.exec("true")
     assert manager.verify_receipts(box.id)["records"] == len(records) + 2
     # a restored sandbox inherits the history, chained again in its own log
@@ -398,11 +399,11 @@ def test_resume_after_a_resume_that_died_half_way(manager: SandboxManager) -> No
     leftover = run(manager.restore(entry["checkpoint_digest"], job=job, admitting=False))
     try:
         resumed = run(resume_run(manager, result.ref))
-        live = [st["id"] for st in manager.list(job=job)]
+        live = [st.id for st in manager.list(job=job)]
         assert live == [resumed.sandboxes[box.id]]
         assert leftover.id not in live
         assert manager.get(live[0]).exec("cat /root/x").stdout == b"x\n"
     finally:
         for st in manager.list(job=job):
-            manager.destroy(st["id"])
+            manager.destroy(st.id)
         manager.destroy(leftover.id)

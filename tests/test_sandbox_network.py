@@ -28,13 +28,8 @@ import pytest
 from support.env import require
 
 from sandbox.errors import SandboxNotFound
-from sandbox.network import (
-    EgressRule,
-    InvalidEgressRule,
-    NetworkConflict,
-    NetworkManager,
-    diff_counters,
-)
+from sandbox.model import EgressRule, InvalidEgressRule
+from sandbox.network import NetworkConflict, NetworkManager, diff_counters
 from sandbox.spec import CAPABILITIES
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("cmd:ip", "cmd:nft", "cmd:nsenter")]
@@ -369,7 +364,8 @@ def test_crun_container_joins_the_policed_netns(boxes: Any, net: NetworkManager,
                                                  tmp_path: Path) -> None:
     """End to end: crun joins the namespace via spec.build_spec(netns_path=...), with the spec's caps."""
     require("cmd:crun")
-    from sandbox.runtime import OciRuntime, preflight_cgroups
+    from sandbox.cgroups import preflight_cgroups
+    from sandbox.runtime import OciRuntime
     from sandbox.spec import Limits, build_process, build_spec
 
     layout = preflight_cgroups()
@@ -419,7 +415,7 @@ def test_manager_sandbox_with_egress_rules_changed_at_runtime(
              f"        print(port, s.recv(2).decode())\n    except OSError as e:\n        print(port, e.errno)\n")
     box = run(manager.create(REF, network=[allow(server, str(PORT_A))]))
     try:
-        netns = box.state["network"]["path"]
+        netns = box.state.network["path"]
         assert Path(netns).exists()
         first = box.exec(["python3", "-c", probe])
         assert first.stdout.decode().split("\n") == [f"{PORT_A} hi", f"{PORT_B} 113", ""]
@@ -428,7 +424,7 @@ def test_manager_sandbox_with_egress_rules_changed_at_runtime(
         assert receipt["egress"]["accepted"]["packets"] >= 1
         assert (server.addr, PORT_B) in {(d["address"], d["port"]) for d in receipt["egress"]["denied_destinations"]}
         policy = box.set_network([allow(server, f"{PORT_A}-{PORT_B}")])
-        assert box.state["network"]["policy"]["version"] == policy["version"]
+        assert box.state.network["policy"]["version"] == policy["version"]
         second = box.exec(["python3", "-c", probe])
         assert second.stdout.decode().split("\n") == [f"{PORT_A} hi", f"{PORT_B} hi", ""]
         assert box.exec("python3 -c \"import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); s.listen();"

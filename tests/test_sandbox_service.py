@@ -26,9 +26,11 @@ from tests.support.sandboxes import REF, ServerThread
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
 ALPHA, BETA, GAMMA = "alpha-token-0123456789", "beta-token-0123456789", "gamma-token-0123456789"
+OPS = "ops-token-0123456789abc"
 TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 2},
                        "beta": {"tokens": [BETA], "max_sandboxes": 1},
-                       "gamma": {"tokens": [GAMMA], "disabled": True}}}
+                       "gamma": {"tokens": [GAMMA], "disabled": True},
+                       "ops": {"tokens": [OPS], "max_sandboxes": 0, "admin": True}}}
 
 
 
@@ -49,7 +51,7 @@ def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:
     try:
         yield server.url
     finally:
-        leftovers = [st["id"] for st in manager.list()]
+        leftovers = [st.id for st in manager.list()]
         for sid in leftovers:
             manager.destroy(sid)
         assert manager.runtime.list() == []
@@ -128,7 +130,7 @@ def test_auth_ownership_quota_and_isolation(url: str, manager: SandboxManager) -
             assert quota.value.retryable
             assert quota.value.status == 429
             assert "1 of 1" in str(quota.value)
-        assert [st["id"] for st in manager.list()] == []
+        assert [st.id for st in manager.list()] == []
 
     asyncio.run(scenario())
     status, _ = get(f"{url}/v1/sandboxes")
@@ -145,8 +147,12 @@ def test_openapi_lists_exactly_the_routes_and_metrics_count(url: str, server: Se
               if r.method != "HEAD" and r.resource is not None}
     assert described == served
 
-    assert get(f"{url}/v1/sandboxes/lb-nope", ALPHA)[0] == 404
-    status, body = get(f"{url}/metrics")
+    assert get(f"{url}/v1/sandboxes/lb-0123456789ab", ALPHA)[0] == 404  # well formed, nobody's
+    status, body = get(f"{url}/v1/sandboxes/lb-nope", ALPHA)  # not an id at all: named, never a path
+    assert (status, json.loads(body)["error"]["field"]) == (400, "id")
+    assert get(f"{url}/metrics")[0] == 401  # they name every project: an operator's token only
+    assert get(f"{url}/metrics", ALPHA)[0] == 403
+    status, body = get(f"{url}/metrics", OPS)
     assert status == 200
     text = body.decode()
     assert 'layerbox_api_errors_total{code="not_found"}' in text

@@ -370,15 +370,14 @@ def _ok(box: Sandbox, cmd: str) -> str:
 def test_manager_sandbox_root_is_its_own_host_uid_range(manager: SandboxManager, boxes: Any) -> None:
     a, b = boxes(userns=True), boxes(userns=True)
     plain = boxes()
-    base_a, size = a.state["userns"]
-    base_b = b.state["userns"][0]
+    base_a, size = a.state.userns
+    base_b = b.state.userns[0]
     assert size == 65536
     assert base_a != base_b
     assert abs(base_a - base_b) >= size
     assert {base_a, base_b} <= set(manager.uid_ranges.owners().values())
-    assert "userns" not in plain.state
-    assert "userns" not in plain.state["options"]
-    assert a.state["options"]["userns"] is True
+    assert not plain.state.options.userns
+    assert a.state.options.userns is True
     for box, base in ((a, base_a), (b, base_b)):
         assert _ok(box, "id -u; id -g").split() == ["0", "0"]
         assert _ok(box, "cat /proc/self/uid_map /proc/self/gid_map").split() == [
@@ -417,7 +416,7 @@ def test_manager_writes_land_with_image_ids(boxes: Any) -> None:
 
 def test_manager_files_api_in_a_user_namespace(boxes: Any) -> None:
     box = boxes(userns=True)
-    base = box.state["userns"][0]
+    base = box.state.userns[0]
     upper = _upper(box)
     box.write("/root/host.txt", b"from the host\n", 0o600)
     assert box.read("/root/host.txt") == b"from the host\n"
@@ -489,7 +488,7 @@ def test_checkpoints_cross_between_userns_and_plain(manager: SandboxManager, sto
     second = SandboxManager(tmp_path_factory.mktemp("sbx-userns-host2"), store_url)
     try:
         restored = run(second.restore(ckpt.name, userns=target_userns))
-        assert ("userns" in restored.state) is target_userns
+        assert (restored.state.userns is not None) is target_userns
         assert _ownership(restored) == EXPECTED
         assert _ok(restored, "id -u; stat -c %u:%g /etc/passwd").split() == ["0", "0:0"]
         _ok(restored, _as(1000, "open(\"/srv/app/mine.txt\", \"a\").write(\"+more\")"))  # uid 1000 still owns it
@@ -508,9 +507,9 @@ def test_a_preempted_run_resumes_in_its_user_namespace(manager: SandboxManager) 
     resumed = run(resume_run(manager, preempted.ref))
     try:
         new = manager.get(resumed.sandboxes[box.id])
-        assert new.state["options"]["userns"] is True
-        assert new.state["userns"][1] == 65536
-        assert _host_ids(new.pid)[0] == new.state["userns"][0]
+        assert new.state.options.userns is True
+        assert new.state.userns[1] == 65536
+        assert _host_ids(new.pid)[0] == new.state.userns[0]
         assert _ownership(new) == EXPECTED
     finally:
         for sid in resumed.sandboxes.values():
@@ -520,7 +519,7 @@ def test_a_preempted_run_resumes_in_its_user_namespace(manager: SandboxManager) 
 
 def test_destroy_leaves_nothing(manager: SandboxManager) -> None:
     box = run(manager.create(REF, userns=True, disk=64 << 20))  # the upper on the sandbox's own ext4 too
-    base, size = box.state["userns"]
+    base, size = box.state.userns
     _ok(box, "echo x > /root/x; sleep 60 >/dev/null 2>&1 &")
     assert os.lstat(_upper(box) / "root/x").st_uid == 0
     ns_inode = os.fstat(manager._userns_fds[base]).st_ino
@@ -536,7 +535,7 @@ def test_destroy_leaves_nothing(manager: SandboxManager) -> None:
     # the freed range is handed out again (lowest free first), with its cached namespace
     again = run(manager.create(REF, userns=True))
     try:
-        assert again.state["userns"][0] == base
+        assert again.state.userns[0] == base
     finally:
         again.destroy()
 
@@ -553,8 +552,8 @@ def test_userns_with_a_policed_network(manager: SandboxManager) -> None:
     sysfs (only lo and eth0 visible), egress stays default deny, and the sandbox cannot change its rules."""
     box = run(manager.create(REF, userns=True, network=[]))
     try:
-        netns = box.state["network"]["path"]
-        gateway = box.state["network"]["host_address"]
+        netns = box.state.network["path"]
+        gateway = box.state.network["host_address"]
         assert box.exec("ls /sys/class/net | sort").stdout.split() == [b"eth0", b"lo"]
         assert box.exec("id -u").stdout == b"0\n"
         probe = (f"import socket\ntry:\n    socket.create_connection(('{gateway}', 22), timeout=2)\n"
@@ -622,8 +621,8 @@ def test_userns_sandbox_survives_a_lazyfetch_daemon_restart(manager: SandboxMana
         kill_daemon(manager)
         assert manager.heal() >= 1
         assert box.exec("cat /root/kept; id -u; stat -c %u /etc/passwd").stdout == b"kept\n0\n0\n"
-        base = box.state["userns"][0]
-        assert _host_ids(box.state["pid"])[0] == base  # the new init runs in the range again
+        base = box.state.userns[0]
+        assert _host_ids(box.state.pid)[0] == base  # the new init runs in the range again
         box.exec("echo after > /root/after")
         upper = Path(box.manager.host.status()["mounts"][str(box.rootfs)]["upper"])
         assert (upper / "root" / "after").stat().st_uid == 0  # written through the idmapped overlay

@@ -29,6 +29,13 @@ def _size(text: str) -> int:
     return int(t)
 
 
+def _env_pair(text: str) -> tuple[str, str]:
+    name, eq, value = text.partition("=")
+    if not eq or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
+    return name, value
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     if args.src.startswith(IMAGE_SCHEMES):
         from converters.oci import convert_image
@@ -619,18 +626,25 @@ def _sandbox_manager(args: argparse.Namespace) -> Any:
 
 
 def _sandbox_cmd(args: argparse.Namespace) -> int:
+    from sandbox.model import UNCAPPED, SandboxOptions
+
     mgr = _sandbox_manager(args)
     action = args.sandbox_command
     if action == "create":
-        box = asyncio.run(mgr.create(args.ref, cpu=args.cpu, memory=args.memory, pids=args.pids, disk=args.disk,
-                                     cpu_class=args.cpu_class, job=args.job, lease_ttl=args.lease_ttl,
-                                     ttl=args.ttl, idle_timeout=args.idle_timeout, userns=args.userns))
-        _emit(args, box.state, lambda: print(box.id))
+        options = SandboxOptions(cpu=args.cpu, memory=args.memory, pids=args.pids, disk=args.disk,
+                                 cpu_class=args.cpu_class, job=args.job, lease_ttl=args.lease_ttl, ttl=args.ttl,
+                                 idle_timeout=args.idle_timeout, userns=args.userns, env=dict(args.env),
+                                 workdir=args.workdir, user=args.user)
+        box = asyncio.run(mgr.create(args.ref, options))
+        _emit(args, box.state.to_json(), lambda: print(box.id))
     elif action == "exec":
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if not cmd:
             raise SystemExit("layerbox sandbox exec: give a command after --")
+        # a terminal gets everything the command prints; --json keeps the first output_cap bytes
         res = mgr.get(args.id).exec(cmd, timeout=args.timeout, idempotency_key=args.idempotency_key,
+                                     output_cap=args.output_cap if args.json else UNCAPPED,
+                                     keep_output=args.json,
                                      on_stdout=None if args.json else sys.stdout.buffer.write,
                                      on_stderr=None if args.json else sys.stderr.buffer.write)
         if args.json:
@@ -638,9 +652,9 @@ def _sandbox_cmd(args: argparse.Namespace) -> int:
             print(json.dumps(doc))
         return int(res.exit_code or 0) if not res.timed_out else 124
     elif action == "ls":
-        rows = mgr.list()
-        _emit(args, rows, lambda: print("\n".join(f"{r['id']:<16} {r.get('status', ''):<9} {r.get('ref', '')}"
-                                                  for r in rows)))
+        states = mgr.list()
+        _emit(args, [st.to_json() for st in states],
+              lambda: print("\n".join(f"{st.id:<16} {st.status:<9} {st.ref}" for st in states)))
     elif action == "pause":
         _emit(args, mgr.get(args.id).pause(), lambda: None)
     elif action == "resume":
@@ -650,7 +664,7 @@ def _sandbox_cmd(args: argparse.Namespace) -> int:
         _emit(args, ckpt.to_json(), lambda: print(f"{ckpt.name} -> {ckpt.digest}"))
     elif action == "restore":
         box = asyncio.run(mgr.restore(args.ref))
-        _emit(args, box.state, lambda: print(box.id))
+        _emit(args, box.state.to_json(), lambda: print(box.id))
     elif action == "rm":
         for sid in args.ids:
             mgr.destroy(sid)
@@ -708,10 +722,15 @@ def _add_sandbox_parser(sub: Any) -> None:
     c.add_argument("--idle-timeout", type=float, default=None, help="pause after this many idle seconds")
     c.add_argument("--userns", action="store_true",
                    help="run in a user namespace: root inside is an unprivileged host uid (its own range)")
+    c.add_argument("--env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
+                   help="an environment variable of every command (repeatable)")
+    c.add_argument("--workdir", default=None, help="the working directory of every command")
+    c.add_argument("--user", default=None, help="user[:group] every command runs as (name or id)")
     e = sbs.add_parser("exec", parents=[common], help="run a command: exec [--data-dir D --store URL --timeout S] ID -- CMD...")
     e.add_argument("id")
     e.add_argument("--timeout", type=float, default=None)
     e.add_argument("--idempotency-key", default=None, help="never run a command with this key twice")
+    e.add_argument("--output-cap", type=_size, default=1 << 20, help="bytes per stream kept with --json")
     e.add_argument("cmd", nargs=argparse.REMAINDER)
     sbs.add_parser("ls", parents=[common], help="list sandboxes")
     for name in ("pause", "resume"):

@@ -1,0 +1,235 @@
+"""Running one command in a sandbox: stream its output, enforce its cap and timeout, kill its tree.
+
+``crun exec`` runs the command; :func:`pump` moves its stdin and output while
+it runs (output past the cap is still read, so the command never blocks on a
+full pipe, and hashed, but dropped); :func:`kill_tree` ends a command that
+timed out or was cancelled together with every descendant and every orphan it
+left to the sandbox's init, with the sandbox frozen so nothing forks away.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from sandbox.errors import RuntimeFailed
+from sandbox.runtime import OciRuntime
+
+READ_CHUNK = 64 << 10
+# Output kept in the receipt of a command with an idempotency key, so a retry gets it back.
+KEYED_OUTPUT_CAP = 256 << 10
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    exit_code: int | None  # crun's exit status; 128+N when signal N ended the process
+    signal: int | None
+    stdout: bytes
+    stderr: bytes
+    truncated: bool  # output beyond output_cap was read and dropped
+    duration: float
+    timed_out: bool = False
+    oom_killed: bool = False
+    interrupted: str | None = None  # "preempt", "disconnect", "restart": the manager stopped it early
+    replayed: bool = False  # answered from the receipt of an earlier run with the same idempotency key
+
+
+class Cancel(threading.Event):
+    """Set it (with a reason) to stop a running exec: its process tree is killed."""
+
+    reason = "cancelled"
+
+    def cancel(self, reason: str) -> None:
+        self.reason = reason
+        self.set()
+
+
+def replay(rec: Mapping[str, Any]) -> ExecResult:
+    """The result an earlier run under the same idempotency key recorded."""
+    if rec["action"] == "exec_started":  # the manager died or the job was preempted mid-command
+        return ExecResult(None, None, b"", b"", False, 0.0, interrupted="unknown", replayed=True)
+    return ExecResult(rec.get("exit_code"), rec.get("signal"), base64.b64decode(rec.get("stdout", "")),
+                      base64.b64decode(rec.get("stderr", "")),
+                      bool(rec.get("truncated")) or rec.get("stdout_bytes", 0) > KEYED_OUTPUT_CAP
+                      or rec.get("stderr_bytes", 0) > KEYED_OUTPUT_CAP,
+                      float(rec.get("duration", 0.0)), bool(rec.get("timed_out")), bool(rec.get("oom_killed")),
+                      rec.get("interrupted"), replayed=True)
+
+
+# -- /proc -------------------------------------------------------------------------------------------
+def proc_stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, starttime ticks) of ``pid``, or None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return int(fields[1]), int(fields[19])
+
+
+def process_table() -> dict[int, tuple[int, int]]:
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = proc_stat(int(name))
+            if st is not None:
+                table[int(name)] = st
+    return table
+
+
+def descendants(roots: set[int], table: Mapping[int, tuple[int, int]]) -> set[int]:
+    found = set(r for r in roots if r in table)
+    grew = True
+    while grew:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in found and pid not in found}
+        found |= more
+        grew = bool(more)
+    return found
+
+
+# -- killing -----------------------------------------------------------------------------------------
+def kill_tree(runtime: OciRuntime, sid: str, init: int, root: int, since: int) -> None:
+    """SIGKILL ``root``'s process tree and the orphans started since ``since`` (clock ticks) that
+    were reparented to ``init``, with the sandbox frozen (killed tasks only die once thawed)."""
+    frozen = False
+    try:
+        with contextlib.suppress(RuntimeFailed):
+            runtime.pause(sid)
+            frozen = True
+        for _ in range(5):
+            table = process_table()
+            orphans = {pid for pid, (ppid, start) in table.items() if ppid == init and start >= since}
+            victims = descendants({root} | orphans, table) - {init}
+            if not victims:
+                break
+            for pid in victims:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if frozen:
+                runtime.resume(sid)
+                frozen = False
+            time.sleep(0.05)
+            with contextlib.suppress(RuntimeFailed):
+                runtime.pause(sid)
+                frozen = True
+    finally:
+        if frozen:
+            runtime.resume(sid)
+
+
+# -- streaming ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pumped:
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+    digests: tuple[str, str]  # blake3 of everything each stream carried
+    sizes: tuple[int, int]
+    timed_out: bool
+
+
+def pump(proc: subprocess.Popen[bytes], stdin: bytes | None, *, cap: int, keep: int, timeout: float | None,
+         on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
+         cancel: Cancel, kill: Callable[[], bool]) -> Pumped:
+    """Feed ``stdin``, read both streams until the command and its pipes are done.
+
+    Callbacks get at most ``cap`` bytes per stream; ``keep`` bytes per stream are
+    kept for the result (a caller that streams keeps only what a receipt needs).
+    On ``timeout`` or ``cancel``, ``kill()`` is called until it reports the
+    command's tree killed: the command's pid is known only once crun has written
+    it, so until then (a cancel right after the start, a loaded host) it keeps
+    trying, and after 5 s without one crun exec itself is killed.
+    """
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    bufs = [bytearray(), bytearray()]
+    hashes = [blake3.blake3(), blake3.blake3()]
+    sizes = [0, 0]
+    sent = [0, 0]
+    callbacks = [on_stdout, on_stderr]
+    truncated = False
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, 0)
+    sel.register(proc.stderr, selectors.EVENT_READ, 1)
+    pending = memoryview(stdin or b"")
+    if proc.stdin is not None:
+        os.set_blocking(proc.stdin.fileno(), False)
+        if pending:
+            sel.register(proc.stdin, selectors.EVENT_WRITE, 2)
+        else:
+            proc.stdin.close()
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    exited_at: float | None = None
+    kill_since: float | None = None  # when a cancel or the timeout asked for the kill
+    timed_out = killed = False
+    try:
+        while sel.get_map():
+            now = time.monotonic()
+            if not killed and kill_since is None:
+                if cancel.is_set():
+                    kill_since = now
+                elif deadline is not None and now >= deadline:
+                    timed_out, kill_since = True, now
+            if not killed and kill_since is not None:
+                if kill() or proc.poll() is not None or now - kill_since > 5.0:
+                    if proc.poll() is None and now - kill_since > 5.0:
+                        proc.kill()
+                    killed = True
+                    deadline = now + 5.0  # then give up on crun exec itself
+            elif killed and deadline is not None and now >= deadline:
+                break
+            if exited_at is None and proc.poll() is not None:
+                exited_at = now
+            if exited_at is not None and now - exited_at > 1.0:
+                break  # background processes still hold the pipes: stop reading them
+            wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - now))
+            if kill_since is not None and not killed:
+                wait = 0.01
+            for key, _ in sel.select(wait):
+                idx = key.data
+                if idx == 2:
+                    assert proc.stdin is not None
+                    try:
+                        n = os.write(proc.stdin.fileno(), pending[:READ_CHUNK])
+                    except BrokenPipeError:
+                        n = len(pending)
+                    pending = pending[n:]
+                    if not pending:
+                        sel.unregister(proc.stdin)
+                        proc.stdin.close()
+                    continue
+                data = os.read(key.fd, READ_CHUNK)
+                if not data:
+                    sel.unregister(key.fileobj)
+                    continue
+                sizes[idx] += len(data)
+                hashes[idx].update(data)
+                if sizes[idx] > cap:
+                    truncated = True
+                room = keep - len(bufs[idx])
+                if room > 0:
+                    bufs[idx] += data[:room]
+                cb = callbacks[idx]
+                streamable = cap - sent[idx]
+                if cb is not None and streamable > 0:
+                    sent[idx] += min(streamable, len(data))
+                    cb(data[:streamable])
+    finally:
+        sel.close()
+        for f in (proc.stdout, proc.stderr, proc.stdin):
+            if f is not None and not f.closed:
+                f.close()
+    return Pumped(bytes(bufs[0]), bytes(bufs[1]), truncated, (hashes[0].hexdigest(), hashes[1].hexdigest()),
+                  (sizes[0], sizes[1]), timed_out)

@@ -1,0 +1,204 @@
+"""The edge service's OpenAPI document, its request schemas derived from :mod:`sandbox.model`.
+
+The bounds here are the model's own (what a sandbox can be at all); an edge's
+:class:`~sandbox.model.Maxima` may refuse less with a 400 naming the field.
+``tests/test_sandbox_fuzz.py`` runs schemathesis against this document and the
+real service: every request it generates must answer without a 5xx and in time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sandbox import model as m
+
+_STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+_SECONDS = {"type": "number", "exclusiveMinimum": 0, "maximum": 365 * m.DAY}
+_PATH = {"type": "string", "pattern": "^/", "minLength": 1, "maxLength": m.MAX_PATH}
+
+EGRESS_RULE = {
+    "type": "object", "additionalProperties": False,
+    "description": "exactly one of cidr or host; ports only with tcp or udp",
+    "properties": {
+        "cidr": {"type": "string", "example": "10.0.0.0/8"},
+        "host": {"type": "string", "example": "pypi.org"},
+        "ports": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 65535},
+                            {"type": "string", "pattern": r"^\d{1,5}(-\d{1,5})?$"}]},
+        "protocol": {"type": "string", "enum": list(m.PROTOCOLS)},
+    },
+}
+
+OPTIONS_PROPERTIES: dict[str, Any] = {
+    "cpu": {"type": "number", "exclusiveMinimum": 0, "maximum": 1024, "description": "CPUs of quota"},
+    "memory": {"type": "integer", "minimum": m.MIN_MEMORY, "maximum": 64 * m.TiB, "description": "bytes"},
+    "pids": {"type": "integer", "minimum": m.MIN_PIDS, "maximum": 1 << 22},
+    "disk": {"type": "integer", "minimum": m.MIN_DISK, "maximum": 1024 * m.TiB, "nullable": True,
+             "description": "bytes of the sandbox's own writable disk"},
+    "cpu_class": {"type": "string", "enum": list(m.CPU_CLASSES)},
+    "env": _STR_MAP,
+    "workdir": _PATH,
+    "user": {"type": "string", "pattern": "^" + m.USER_SPEC.pattern + "$"},
+    "labels": {**_STR_MAP, "description": "keys: letters, digits, '.', '_', '/', '-'; not under 'layerbox.'"},
+    "ttl": _SECONDS, "idle_timeout": _SECONDS, "lease_ttl": _SECONDS,
+    "job": {"type": "string", "pattern": "^" + m.JOB_NAME.pattern + "$"},
+    "network": {"type": "array", "items": EGRESS_RULE, "maxItems": m.MAX_RULES, "nullable": True,
+                "description": "egress allow rules (default deny); null or absent: loopback only"},
+    "userns": {"type": "boolean"},
+    "policy_version": {"type": "string", "maxLength": 128},
+}
+assert set(OPTIONS_PROPERTIES) == set(m.SandboxOptions.CLIENT_FIELDS)
+
+_REF = {"type": "string", "minLength": 1, "maxLength": 512}
+
+
+def _body(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": properties}
+    if required:
+        schema["required"] = list(required)
+    return {"required": bool(required), "content": {"application/json": {"schema": schema}}}
+
+
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "create": _body({"image": _REF, "isolation": {"type": "string", "enum": ["container"]}, **OPTIONS_PROPERTIES},
+                    ("image",)),
+    "restore": _body({"checkpoint": _REF, **OPTIONS_PROPERTIES}, ("checkpoint",)),
+    "exec": _body({
+        "cmd": {"oneOf": [{"type": "string", "minLength": 1},
+                          {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": m.MAX_ARGS}]},
+        "env": _STR_MAP, "cwd": _PATH,
+        "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 30 * m.DAY},
+        "stdin": {"type": "string", "format": "byte", "description": "base64"},
+        "output_cap": {"type": "integer", "minimum": 0, "description": "bytes streamed per stream"},
+        "idempotency_key": {"type": "string", "minLength": 1, "maxLength": 200, "pattern": r"^[\x20-\x7e]+$"},
+    }, ("cmd",)),
+    "checkpoint": _body({"name": {"type": "string", "maxLength": 256, "description": "repo[:tag], inside the "
+                                  "project's namespace"}, "labels": _STR_MAP}),
+    "network": _body({"rules": {"type": "array", "items": EGRESS_RULE, "maxItems": m.MAX_RULES}}, ("rules",)),
+    "renew": _body({"ttl": _SECONDS}),
+    "preempt": _body({"timeout": {"type": "number", "minimum": 0, "description": "grace for running commands"}}),
+    "run": _body({"manifest": _REF}, ("manifest",)),
+    "call": _body({"image": _REF, "cmd": {"oneOf": [{"type": "string", "minLength": 1},
+                                                    {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
+                   "function": {"type": "string", "minLength": 1, "description": "Python source"},
+                   "args": {"type": "array"}, "kwargs": {"type": "object"},
+                   "timeout": {"type": "number", "exclusiveMinimum": 0}}, ("image",)),
+}
+
+_ERRORS = {"400": "a field is malformed or out of range (error.field names it)",
+           "401": "missing or unknown token", "403": "project disabled, or not allowed"}
+
+
+def _op(summary: str, responses: dict[str, str], *, body: str | None = None, query: tuple[str, ...] = (),
+        path: str | None = "id") -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "security": [{"bearer": []}],
+                          "responses": {code: {"description": d, **_error_content(code)}
+                                        for code, d in {**responses, **_ERRORS}.items()}}
+    params: list[dict[str, Any]] = []
+    if path is not None:
+        params.append({"name": path, "in": "path", "required": True, "schema": {"type": "string"}})
+        op["responses"].setdefault("404", {"description": "no such sandbox (or job) in this project",
+                                           **_error_content("404")})
+    params += [{"name": q, "in": "query", "required": q == "path", "schema": {"type": "string"}} for q in query]
+    if params:
+        op["parameters"] = params
+    if body == "bytes":
+        op["requestBody"] = {"content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                  "format": "binary"}}}}
+    elif body is not None:
+        op["requestBody"] = SCHEMAS[body]
+    return op
+
+
+def _error_content(code: str) -> dict[str, Any]:
+    if not code.startswith(("4", "5")):
+        return {}
+    return {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+_CREATED = {"201": "the sandbox", "404": "no such image or checkpoint visible to this project",
+            "409": "policy or digests differ", "429": "project quota reached (retryable)",
+            "503": "edge out of capacity (code 'capacity', retryable, Retry-After; error.resources names what "
+                   "is short)"}
+
+DOCUMENT: dict[str, Any] = {
+    "openapi": "3.0.3",
+    "info": {"title": "layerbox sandbox service", "version": "1"},
+    "components": {
+        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        "schemas": {"Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["code", "message", "retryable"],
+            "properties": {"code": {"type": "string"}, "message": {"type": "string"},
+                           "retryable": {"type": "boolean"}, "field": {"type": "string"},
+                           "resources": {"type": "array", "items": {"type": "string"}}}}}}},
+    },
+    "paths": {
+        "/v1/sandboxes": {
+            "post": _op("Create a sandbox from an image, composition or checkpoint of this project",
+                        _CREATED, body="create", path=None),
+            "get": _op("List this project's sandboxes", {"200": "sandboxes"}, path=None),
+        },
+        "/v1/sandboxes/{id}": {
+            "get": _op("Describe a sandbox", {"200": "the sandbox"}),
+            "delete": _op("Destroy a sandbox", {"204": "destroyed"}),
+        },
+        "/v1/sandboxes/{id}/exec": {
+            "post": _op("Run a command; the response streams newline-delimited JSON events: stdout/stderr "
+                        "(base64 data, at most output_cap bytes each), then exit (with interrupted, replayed) "
+                        "or error. Closing the connection kills the command.",
+                        {"200": "application/x-ndjson event stream",
+                         "409": "sandbox not running, job preempted or key still running (retryable)"},
+                        body="exec"),
+        },
+        "/v1/sandboxes/{id}/files": {
+            "get": _op("Read a regular file (streamed), list a directory with list=1, or stat=1 for one entry's "
+                       "type, size, mode, owner and mtime (a symlink itself)",
+                       {"200": "bytes or JSON", "403": "the path leaves the sandbox", "404": "no such file",
+                        "409": "not a regular file or directory"}, query=("path", "list", "stat")),
+            "put": _op("Write a regular file (mode: octal permission bits)", {"201": "written", "409": "not a "
+                       "regular file"}, body="bytes", query=("path", "mode")),
+            "delete": _op("Remove a file or (recursive=1) a directory", {"204": "removed", "404": "no such file"},
+                          query=("path", "recursive")),
+        },
+        "/v1/sandboxes/{id}/pause": {"post": _op("Freeze the sandbox and reclaim its memory",
+                                                 {"200": "reclaim report", "409": "not running"})},
+        "/v1/sandboxes/{id}/resume": {"post": _op("Thaw a paused sandbox", {"200": "the sandbox",
+                                                                            "409": "not paused"})},
+        "/v1/sandboxes/{id}/checkpoint": {"post": _op("Checkpoint the rootfs into the store (name in the "
+                                                      "project's namespace, labels)",
+                                                      {"201": "the checkpoint", "409": "not running"},
+                                                      body="checkpoint")},
+        "/v1/sandboxes/restore": {"post": _op("Start a sandbox on a checkpoint of this project (checkpoint, "
+                                              "policy_version, and create's options)", _CREATED, body="restore",
+                                              path=None)},
+        "/v1/sandboxes/{id}/receipts": {"get": _op("The sandbox's receipts, oldest first (filters: action, "
+                                                   "since, idempotency_key)", {"200": "receipts"},
+                                                   query=("action", "since", "idempotency_key"))},
+        "/v1/sandboxes/{id}/network": {"put": _op("Replace the egress allow rules while the sandbox runs",
+                                                  {"200": "the effective policy", "409": "created without a "
+                                                   "network"}, body="network")},
+        "/v1/jobs/{job}/renew": {"post": _op("Renew the job's lease (ttl)", {"200": "the lease"}, body="renew",
+                                             path="job")},
+        "/v1/jobs/{job}/pause": {"post": _op("Pause every sandbox of the job", {"200": "paused ids"}, path="job")},
+        "/v1/jobs/{job}/resume": {"post": _op("Resume every paused sandbox of the job", {"200": "resumed ids"},
+                                              path="job")},
+        "/v1/jobs/{job}/preempt": {"post": _op("Drain the job (in-flight commands get timeout seconds), "
+                                               "checkpoint every sandbox, write a run manifest, free the host",
+                                               {"201": "the run"}, body="preempt", path="job")},
+        "/v1/runs/resume": {"post": _op("Restore a preempted job of this project from its run manifest; commands "
+                                        "are admitted once every sandbox is up",
+                                        {**_CREATED, "201": "old -> new sandbox ids",
+                                         "404": "no such run in this project"}, body="run", path=None)},
+        "/v1/calls": {"post": _op("FnCall: run cmd, or a Python function (function source, args, kwargs), on a "
+                                  "warm container of image, in a fresh writable layer",
+                                  {"200": "exit code, output (base64), value, error, timings",
+                                   "404": "no such image visible to this project",
+                                   "503": "every warm pool busy (retryable)"}, body="call", path=None)},
+        "/v1/capabilities": {"get": _op("What this backend provides (isolation kinds, limits, network, "
+                                        "checkpoint kinds); ask for nothing else", {"200": "capabilities"},
+                                        path=None)},
+        "/v1/load": {"get": _op("Load report: sandboxes live/in flight/max, free memory/pids/disk, load "
+                                "average, score, accepting", {"200": "the load report"}, path=None)},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI"}}}},
+        "/metrics": {"get": _op("Prometheus metrics (an admin project's token)", {"200": "text"}, path=None)},
+    },
+}
