@@ -393,9 +393,9 @@ def find_fixture(option: str | None) -> Path:
             raise BenchError(f"--fixture {option}: no such file (pass the oci-archive with tags minbase and python)")
         return path
     here = Path(__file__).resolve().parents[1]
-    for candidate in (here.parent / "shared" / "fixtures" / FIXTURE_NAME, Path("/work/shared/fixtures") / FIXTURE_NAME):
-        if candidate.is_file():
-            return candidate
+    candidate = here.parent / "shared" / "fixtures" / FIXTURE_NAME
+    if candidate.is_file():
+        return candidate
     raise BenchError(f"the fixture image ../shared/fixtures/{FIXTURE_NAME} is not here; pass --fixture PATH")
 
 

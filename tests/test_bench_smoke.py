@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.env import require
+from tests.support.env import FIXTURE_IMAGE, require
 from tests.support.proc import run
 from tests.support.tarbuild import TarBuilder
 
@@ -328,7 +328,7 @@ def test_bench_snapshots_quick_json(tmp_path: Path) -> None:
 
 
 LAZY_BENCH = Path(__file__).resolve().parents[1] / "bench" / "lazy.py"
-LAZY_FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "debian-bookworm.oci.tar"
+LAZY_FIXTURE = FIXTURE_IMAGE
 LAZY_CASES = [("minbase", "cat"), ("python", "cat"), ("python", "python"), ("big", "cat"), ("big", "python")]
 
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from converters.oci import convert_image
-from tests.support.env import in_ci
+from tests.support.env import FIXTURE_IMAGE, in_ci
 from tests.support.erofs_tools import fsck_erofs
 from tests.support.proc import run
 from tests.support.treecmp import assert_trees_equal
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "debian-bookworm.oci.tar"
+FIXTURE = FIXTURE_IMAGE
 
 pytestmark = pytest.mark.usefixtures("need_root")
 

@@ -271,9 +271,9 @@ def test_stale_state_after_host_restart_is_reconciled(hosts, tmp_path: Path) -> 
 
 
 def test_fixture_image_runs_from_a_lazy_mount(hosts, tmp_path: Path) -> None:
-    from tests.support.env import in_ci
+    from tests.support.env import FIXTURE_IMAGE, in_ci
 
-    fixture = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "debian-bookworm.oci.tar"
+    fixture = FIXTURE_IMAGE
     if not fixture.exists():
         (pytest.fail if in_ci() else pytest.skip)(f"{fixture} is absent")
     url = f"file://{tmp_path / 'store'}"

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import zstandard
-from support.env import in_ci, require
+from support.env import FIXTURE_IMAGE, in_ci, require
 from support.proc import run
 
 from converters.errors import BadArchive, ConvertError, DigestMismatch
@@ -46,7 +46,7 @@ from converters.oci import (
     parse_image_ref,
 )
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+FIXTURES = FIXTURE_IMAGE.parent
 ARCHIVE = FIXTURES / "debian-bookworm.oci.tar"
 
 MT_LAYER = "application/vnd.oci.image.layer.v1.tar"

@@ -21,7 +21,7 @@ from layerstore.gc import collect
 from layerstore.objects import DigestMismatch, doc_key, meta_key, pack_key
 from layerstore.store import Store
 from layerstore.verify import verify
-from tests.support.env import in_ci
+from tests.support.env import FIXTURE_IMAGE, in_ci
 from tests.support.moto import (  # noqa: F401
     MotoServer,
     aws_test_env,
@@ -31,7 +31,7 @@ from tests.support.moto import (  # noqa: F401
 )
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURE = REPO.parent / "shared" / "fixtures" / "debian-bookworm.oci.tar"
+FIXTURE = FIXTURE_IMAGE
 
 
 moto = moto_fixture("module")

@@ -10,10 +10,15 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
 from support.proc import run
+
+# ../shared beside this checkout (the shared fixtures and notes), wherever the checkout is
+SHARED = Path(__file__).resolve().parents[3] / "shared"
+FIXTURE_IMAGE = SHARED / "fixtures" / "debian-bookworm.oci.tar"
 
 # Features that are programs, with the Debian package that provides them.
 _PACKAGES = {

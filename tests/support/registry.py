@@ -52,13 +52,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
 
-from support.env import in_ci
+from support.env import FIXTURE_IMAGE, in_ci
 from support.proc import run
 
 T = TypeVar("T")
 
 REGISTRY_BIN = Path("/usr/bin/docker-registry")
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures"
+FIXTURES = FIXTURE_IMAGE.parent
 FIXTURE_ARCHIVE = FIXTURES / "debian-bookworm.oci.tar"
 READY_TIMEOUT = 20.0
 SKOPEO_TIMEOUT = 300

@@ -18,10 +18,10 @@ from aiohttp import web
 from lazyfetch import kmount
 from sandbox.manager import Sandbox, SandboxManager
 from sandbox.service import SandboxService
-from support.env import require
+from support.env import FIXTURE_IMAGE, require
 from tests.support.hosts import publish_sync
 
-FIXTURE = "/work/shared/fixtures/debian-bookworm.oci.tar"
+FIXTURE = FIXTURE_IMAGE
 REF = "img/python"
 # the fixture image has no ps: one line per process inside the sandbox, its arguments joined by
 # spaces (and a trailing one), read from /proc; count matches with `| grep -c '^sleep 60 '`
@@ -41,7 +41,7 @@ def assert_clean(mgr: SandboxManager) -> None:
 @pytest.fixture(scope="module")
 def store_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     require("root")
-    if not os.path.exists(FIXTURE):
+    if not FIXTURE.exists():
         pytest.fail(f"{FIXTURE} missing: the shared fixtures are part of the test environment")
     root = tmp_path_factory.mktemp("sbx-store")
     url = f"file://{root / 'store'}"
