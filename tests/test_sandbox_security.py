@@ -1,0 +1,411 @@
+"""The tenant boundary, attacked through the real edge service by a hostile project and a hostile agent.
+
+Two projects share one edge: ``alpha`` (the attacker, who also runs code inside its own
+sandboxes) and ``beta`` (the victim).  Every test sends the request an attacker would
+send and checks the refusal, and that nothing of the host or of beta was reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import re
+import time
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from support.sandboxes import REF, ServerThread
+
+from lazyfetch import kmount
+from sandbox.manager import SandboxManager
+from sandbox.model import Maxima
+from sandbox.service import AuthConfig, SandboxService
+
+pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
+
+ALPHA, BETA, OPS = "alpha-sec-token-0123456789", "beta-sec-token-0123456789", "ops-sec-token-0123456789"
+TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 4},
+                       "beta": {"tokens": [BETA], "max_sandboxes": 4},
+                       "ops": {"tokens": [OPS], "max_sandboxes": 2, "admin": True}}}
+MAXIMA = Maxima(memory=4 << 30, output_cap=8 << 20, lease_ttl=3600.0)
+
+
+@pytest.fixture(scope="module")
+def server(manager: SandboxManager) -> Iterator[ServerThread]:
+    srv = ServerThread(SandboxService(manager, AuthConfig.from_dict(TOKENS), reap_interval=0.5, maxima=MAXIMA))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:
+    try:
+        yield server.url
+    finally:
+        left = [st.id for st in manager.list() if "layerbox.pool" not in st.labels]
+        for sid in left:
+            manager.destroy(sid)
+    assert left == [], "the test left sandboxes behind"
+
+
+async def call(method: str, url: str, token: str, *, body: Any = None, raw: bytes | None = None,
+               timeout: float = 60) -> tuple[int, Any]:  # noqa: ASYNC109  (the request's own deadline)
+    """One request; the JSON (or bytes) answer.  ``url`` is sent as given (no re-quoting)."""
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as s:
+        kw: dict[str, Any] = {"data": raw} if raw is not None else {"json": body} if body is not None else {}
+        async with s.request(method, aiohttp.client.URL(url, encoded=True), timeout=aiohttp.ClientTimeout(timeout),
+                             **kw) as r:
+            data = await r.read()
+            if r.content_type == "application/json":
+                return r.status, json.loads(data)
+            return r.status, data
+
+
+async def create(url: str, token: str, **fields: Any) -> dict[str, Any]:
+    status, info = await call("POST", f"{url}/v1/sandboxes", token, body={"image": REF, **fields})
+    assert status == 201, info
+    return dict(info)
+
+
+async def run(url: str, token: str, sid: str, cmd: str | list[str], **fields: Any) -> dict[str, Any]:
+    """Exec through the stream: {"stdout", "stderr", "exit": final event}."""
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as s:
+        async with s.post(f"{url}/v1/sandboxes/{sid}/exec", json={"cmd": cmd, **fields}) as r:
+            assert r.status == 200, await r.text()
+            out = {"stdout": b"", "stderr": b"", "exit": None}
+            async for line in r.content:
+                event = json.loads(line)
+                if event["type"] in ("stdout", "stderr"):
+                    out[event["type"]] += base64.b64decode(event["data"])
+                else:
+                    out["exit"] = event
+    return out
+
+
+def refused(status: int, body: Any, *, field: str | None = None) -> None:
+    """A 4xx with the error shape; with ``field``, a 400 naming it."""
+    assert 400 <= status < 500, (status, body)
+    assert isinstance(body, dict), body
+    assert set(body["error"]) >= {"code", "message", "retryable"}, body
+    if field is not None:
+        assert (status, body["error"].get("field")) == (400, field), body
+
+
+# -- 1. an id is never a path ----------------------------------------------------------------------
+def test_a_sandbox_id_that_walks_to_a_forged_state_is_refused(url: str, manager: SandboxManager) -> None:
+    shadow = Path("/etc/shadow").read_bytes()
+    marker = manager.data_dir / "host-marker"
+    marker.write_bytes(b"host file")
+
+    async def scenario() -> None:
+        box = await create(url, ALPHA)
+        sid = box["id"]
+        # the agent reads where its upper dir is on the host and forges a manager state there
+        mountinfo = (await run(url, ALPHA, sid, "cat /proc/self/mountinfo"))["stdout"].decode()
+        upper = re.search(r"upperdir=([^,\s]+)", mountinfo)
+        assert upper, mountinfo
+        forged = {"version": 1, "id": "lb-000000000000", "status": "running", "ref": REF, "image_digest": "x",
+                  "kind": "image", "options": {"labels": {"layerbox.project": "alpha"}}, "layer_digests": [],
+                  "created": 0, "last_active": 0, "cgroups_path": "/", "pid": 1, "init_start": 0,
+                  "admitting": True, "userns": None, "network": None, "env": {}, "cwd": "/", "uid": 0, "gid": 0}
+        await run(url, ALPHA, sid, f"mkdir -p /root/fake && printf '%s' '{json.dumps(forged)}' > /root/fake/state.json")
+        walk = os.path.relpath(Path(upper.group(1)) / "root" / "fake", manager.boxes)  # noqa: ASYNC240
+        assert walk.startswith("../")
+        spellings = [
+            urllib.parse.quote(walk, safe=""),                      # ..%2F..%2Fuppers%2F...
+            urllib.parse.quote(walk, safe="").replace("%2F", "%2f"),
+            urllib.parse.quote(walk, safe="").replace("..", "%2E%2E"),
+            walk.replace("/", "%5C"),                                # backslashes
+            "..%5C..%5Chost-marker",
+            f"{sid}%00",                                             # NUL after a real id
+            f"{sid}%00..%2F..%2F",
+            "%00",
+            "lb-" + "a" * 4096,                                      # over long
+            "lb-" + "0" * 11,                                        # one digit short
+            "LB-0123456789AB",
+            urllib.parse.quote("lb-０１２３４５６７８９ab"),           # full-width digits
+            urllib.parse.quote(f"../boxes/{sid}", safe=""),
+        ]
+        for spelled in spellings:
+            for method, suffix, raw in (("GET", "/files?path=/etc/shadow", None),
+                                        ("PUT", "/files?path=/root/host-marker", b"overwritten"),
+                                        ("GET", "", None), ("DELETE", "", None), ("POST", "/pause", None),
+                                        ("GET", "/receipts", None)):
+                status, body = await call(method, f"{url}/v1/sandboxes/{spelled}{suffix}", ALPHA, raw=raw)
+                assert status in (400, 404), (spelled, method, suffix, status, body)
+                if status == 400:
+                    refused(status, body, field="id")
+                assert shadow not in (body if isinstance(body, bytes) else json.dumps(body).encode())
+        assert marker.read_bytes() == b"host file"
+        assert (await run(url, ALPHA, sid, "echo still here"))["stdout"] == b"still here\n"
+        await call("DELETE", f"{url}/v1/sandboxes/{sid}", ALPHA)
+
+    asyncio.run(scenario())
+
+
+def test_another_projects_sandbox_is_invisible(url: str) -> None:
+    async def scenario() -> None:
+        victim = await create(url, BETA)
+        await call("PUT", f"{url}/v1/sandboxes/{victim['id']}/files?path=/root/secret", BETA, raw=b"beta's")
+        for method, suffix, body in (("GET", "", None), ("GET", "/files?path=/root/secret", None),
+                                     ("PUT", "/files?path=/root/secret", None), ("POST", "/exec", {"cmd": "id"}),
+                                     ("POST", "/pause", None), ("POST", "/checkpoint", {}),
+                                     ("GET", "/receipts", None), ("PUT", "/network", {"rules": []}),
+                                     ("DELETE", "", None)):
+            status, answer = await call(method, f"{url}/v1/sandboxes/{victim['id']}{suffix}", ALPHA, body=body)
+            assert status == 404, (method, suffix, status, answer)  # 404, never 403: ids leak nothing
+        status, listing = await call("GET", f"{url}/v1/sandboxes", ALPHA)
+        assert victim["id"] not in json.dumps(listing)
+        status, data = await call("GET", f"{url}/v1/sandboxes/{victim['id']}/files?path=/root/secret", BETA)
+        assert (status, data) == (200, b"beta's")
+        await call("DELETE", f"{url}/v1/sandboxes/{victim['id']}", BETA)
+
+    asyncio.run(scenario())
+
+
+# -- 2. checkpoints, refs and runs have owners ---------------------------------------------------------
+def test_another_projects_checkpoints_and_runs_cannot_be_used(url: str, manager: SandboxManager) -> None:
+    async def scenario() -> None:
+        victim = await create(url, BETA, job="secret-job")
+        await call("PUT", f"{url}/v1/sandboxes/{victim['id']}/files?path=/root/secret", BETA, raw=b"beta's")
+        status, ckpt = await call("POST", f"{url}/v1/sandboxes/{victim['id']}/checkpoint", BETA,
+                                  body={"name": "mine:v1"})
+        assert status == 201, ckpt
+        assert ckpt["name"] == "projects/beta/mine:v1"  # written in beta's namespace only
+        for ref in (ckpt["name"], ckpt["digest"], ckpt["digest"].removeprefix("blake3:")):
+            for path, body in (("/v1/sandboxes", {"image": ref}), ("/v1/sandboxes/restore", {"checkpoint": ref}),
+                               ("/v1/calls", {"image": ref, "cmd": "cat /root/secret"})):
+                status, answer = await call("POST", url + path, ALPHA, body=body)
+                assert status == 404, (path, ref, status, answer)
+                assert "beta's" not in json.dumps(answer)
+        # beta's run manifest: alpha can neither resume it nor name it
+        status, run_doc = await call("POST", f"{url}/v1/jobs/secret-job/preempt", BETA, body={"timeout": 0})
+        assert status == 201, run_doc
+        assert run_doc["ref"] == "projects/beta/runs/secret-job:latest"
+        for ref in (run_doc["ref"], run_doc["digest"]):
+            status, answer = await call("POST", f"{url}/v1/runs/resume", ALPHA, body={"manifest": ref})
+            assert status == 404, (ref, answer)
+        # alpha's job of the same name is alpha's own: nothing of beta's to pause, preempt or renew
+        status, answer = await call("POST", f"{url}/v1/jobs/secret-job/preempt", ALPHA, body={"timeout": 0})
+        assert status == 404, answer
+        status, answer = await call("POST", f"{url}/v1/runs/resume", BETA, body={"manifest": run_doc["ref"]})
+        assert status == 201, answer
+        for sid in answer["sandboxes"].values():
+            await call("DELETE", f"{url}/v1/sandboxes/{sid}", BETA)
+
+    asyncio.run(scenario())
+
+
+def test_a_checkpoint_name_cannot_move_a_shared_or_foreign_ref(url: str, manager: SandboxManager) -> None:
+    async def image_digest() -> str:
+        async with await manager._store() as store:
+            return str((await store.resolve(REF, refresh=True)).digest)
+
+    async def scenario() -> None:
+        before = await image_digest()
+        victim = await create(url, BETA)
+        status, theirs = await call("POST", f"{url}/v1/sandboxes/{victim['id']}/checkpoint", BETA,
+                                    body={"name": "shared-name"})
+        assert status == 201, theirs
+        attacker = await create(url, ALPHA)
+        await run(url, ALPHA, attacker["id"], "echo pwned > /root/owned")
+        # the shared image's tag, beta's checkpoint name, and escapes out of alpha's namespace
+        for name in ("img/python:latest", REF, "projects/beta/shared-name", "shared-name"):
+            status, ckpt = await call("POST", f"{url}/v1/sandboxes/{attacker['id']}/checkpoint", ALPHA,
+                                      body={"name": name})
+            assert status == 201, ckpt
+            assert ckpt["name"].startswith("projects/alpha/"), ckpt
+        for name in ("../img/python", "/img/python", "..", "a//b", "UPPER", "x" * 300, "a:b:c"):
+            status, answer = await call("POST", f"{url}/v1/sandboxes/{attacker['id']}/checkpoint", ALPHA,
+                                        body={"name": name})
+            refused(status, answer)
+        assert await image_digest() == before  # every later sandbox of img/python still runs the image
+        async with await manager._store() as store:
+            assert (await store.resolve("projects/beta/shared-name", refresh=True)).digest == theirs["digest"]
+        fresh = await create(url, BETA)
+        probe = await run(url, BETA, fresh["id"], "cat /root/owned 2>&1 || echo absent")
+        assert probe["stdout"].endswith(b"absent\n")
+        # reserved labels: a project cannot claim another's ownership or sharing
+        for labels in ({"layerbox.project": "beta"}, {"layerbox.shared": "true"}):
+            status, answer = await call("POST", f"{url}/v1/sandboxes/{attacker['id']}/checkpoint", ALPHA,
+                                        body={"labels": labels})
+            refused(status, answer)
+            status, answer = await call("POST", f"{url}/v1/sandboxes", ALPHA, body={"image": REF, "labels": labels})
+            refused(status, answer)
+        for sid, token in ((victim["id"], BETA), (attacker["id"], ALPHA), (fresh["id"], BETA)):
+            await call("DELETE", f"{url}/v1/sandboxes/{sid}", token)
+
+    asyncio.run(scenario())
+
+
+# -- 3. every field is checked, with a 400 naming it ------------------------------------------------------
+BAD_CREATES: list[tuple[str, Any]] = [
+    ("memory", -1), ("memory", "lots"), ("memory", 1.5), ("memory", True), ("memory", 1 << 62),
+    ("pids", 0), ("pids", -5), ("pids", "many"), ("cpu", 0), ("cpu", -1), ("cpu", "1"), ("cpu", float("inf")),
+    ("disk", "x"), ("disk", 1), ("env", "x"), ("env", {"A=B": "c"}), ("env", {"A": 1}), ("env", ["A=1"]),
+    ("workdir", "relative"), ("workdir", "/a\x00b"), ("user", "root; rm -rf /"), ("cpu_class", "realtime"),
+    ("labels", {"a": 1}), ("labels", "x"), ("ttl", 0), ("ttl", 1e300), ("idle_timeout", -1),
+    ("lease_ttl", 1e300), ("lease_ttl", "soon"), ("job", "a/b"), ("job", "../x"), ("job", ""),
+    ("network", "all"), ("network", [{"cidr": "0.0.0.0/0", "ports": 70000}]), ("network", [{"host": "a b"}]),
+    ("userns", "yes"), ("policy_version", 7), ("unknown_field", 1),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_CREATES, ids=[f"{f}={v!r}"[:40] for f, v in BAD_CREATES])
+def test_a_bad_create_field_is_a_400_naming_it(url: str, manager: SandboxManager, field: str, value: Any) -> None:
+    async def scenario() -> None:
+        before = {st.id for st in manager.list()}
+        status, body = await call("POST", f"{url}/v1/sandboxes", ALPHA, body={"image": REF, field: value})
+        refused(status, body)
+        assert body["error"]["field"].split(".")[0].split("[")[0] == field, body
+        assert {st.id for st in manager.list()} == before  # nothing was started
+
+    asyncio.run(scenario())
+
+
+def test_bad_exec_lease_and_body_fields_are_400s(url: str, manager: SandboxManager) -> None:
+    async def scenario() -> None:
+        box = await create(url, ALPHA)
+        sid = box["id"]
+        for body, field in (({"cmd": "true", "output_cap": 4e9}, "output_cap"),
+                            ({"cmd": "true", "output_cap": -1}, "output_cap"),
+                            ({"cmd": "true", "timeout": 1e300}, "timeout"), ({"cmd": ""}, "cmd"),
+                            ({"cmd": []}, "cmd"), ({"cmd": ["sh", 1]}, "cmd[1]"), ({"cmd": "a\x00b"}, "cmd"),
+                            ({"cmd": "true", "stdin": "***"}, "stdin"), ({"cmd": "true", "env": "x"}, "env"),
+                            ({"cmd": "true", "cwd": "tmp"}, "cwd"),
+                            ({"cmd": "true", "idempotency_key": "\n"}, "idempotency_key"),
+                            ({"cmd": "true", "bogus": 1}, "bogus"), ({}, "cmd")):
+            status, answer = await call("POST", f"{url}/v1/sandboxes/{sid}/exec", ALPHA, body=body)
+            refused(status, answer, field=field)
+        for ttl in (1e300, -1, 0, "x"):
+            status, answer = await call("POST", f"{url}/v1/jobs/default/renew", ALPHA, body={"ttl": ttl})
+            refused(status, answer, field="ttl")
+        for job in ("..", "a%2Fb", "A", "x" * 200):
+            status, answer = await call("POST", f"{url}/v1/jobs/{job}/pause", ALPHA)
+            refused(status, answer, field="job")
+        # deeply nested, huge or malformed JSON: a 4xx, and the service stays up
+        for raw in (b"[" * 100_000, b'{"image": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", b"{", b"\xff\xfe",
+                    b'"just a string"', b"null"):
+            status, answer = await call("POST", f"{url}/v1/sandboxes", ALPHA, raw=raw)
+            refused(status, answer)
+        status, answer = await call("POST", f"{url}/v1/sandboxes", ALPHA, raw=b" " * (65 << 20))
+        assert status == 413, answer
+        for mode in ("4755", "7777", "99", "-1", "0x1ff"):
+            status, answer = await call("PUT", f"{url}/v1/sandboxes/{sid}/files?path=/root/x&mode={mode}", ALPHA,
+                                        raw=b"x")
+            refused(status, answer, field="mode")
+        for path in ("relative", "", "/a\x00b"):
+            status, answer = await call("GET", f"{url}/v1/sandboxes/{sid}/files?path={urllib.parse.quote(path)}",
+                                        ALPHA)
+            refused(status, answer, field="path")
+        status, answer = await call("GET", f"{url}/v1/sandboxes/{sid}/files?path=/&list=maybe", ALPHA)
+        refused(status, answer, field="list")
+        # an output cap the edge allows is honoured and the service keeps nothing of it
+        res = await run(url, ALPHA, sid, "head -c 3000000 /dev/zero", output_cap=1000)
+        assert (len(res["stdout"]), res["exit"]["truncated"]) == (1000, True)
+        status, answer = await call("GET", f"{url}/v1/sandboxes/{sid}", ALPHA)
+        assert status == 200
+        await call("DELETE", f"{url}/v1/sandboxes/{sid}", ALPHA)
+
+    asyncio.run(scenario())
+
+
+def test_the_limits_a_sandbox_gets_are_the_ones_asked_for(url: str, manager: SandboxManager) -> None:
+    async def scenario() -> None:
+        box = await create(url, ALPHA, memory=64 << 20, pids=32)
+        st = manager.get(box["id"]).state
+        mem = manager.layout.controller_dir("memory", st.cgroups_path)
+        pids = manager.layout.controller_dir("pids", st.cgroups_path)
+        assert mem is not None
+        assert pids is not None
+        limit_file = "memory.max" if manager.layout.version == 2 else "memory.limit_in_bytes"
+        assert int((mem / limit_file).read_text()) == 64 << 20
+        assert (pids / "pids.max").read_text().strip() == "32"
+        await call("DELETE", f"{url}/v1/sandboxes/{box['id']}", ALPHA)
+
+    asyncio.run(scenario())
+
+
+# -- 4. the files API: special files, and one project cannot starve the others ----------------------------
+def test_special_files_answer_at_once_and_file_work_is_bounded_per_project(url: str,
+                                                                            manager: SandboxManager) -> None:
+    async def scenario() -> None:
+        box = await create(url, ALPHA)
+        sid = box["id"]
+        await run(url, ALPHA, sid, "mkfifo /root/f && ln -s /root/f /root/link")
+        for path in ("/root/f", "/root/link"):
+            started = time.monotonic()
+            for method, raw in (("PUT", b"x"), ("GET", None)):
+                status, answer = await call("PUT" if raw else "GET", f"{url}/v1/sandboxes/{sid}/files?path={path}",
+                                            ALPHA, raw=raw, timeout=10)
+                assert (status, answer["error"]["code"]) == (409, "not_a_regular_file"), (method, path, answer)
+            assert time.monotonic() - started < 10
+        victim = await create(url, BETA)
+
+        # alpha holds many uploads open (bodies that never finish); beta's file work still goes through
+        async def stalled_upload() -> None:
+            async def body() -> Any:
+                yield b"start"
+                await asyncio.sleep(3600)
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ALPHA}"}) as s:
+                await s.put(f"{url}/v1/sandboxes/{sid}/files?path=/root/slow", data=body())
+
+        stalls = [asyncio.create_task(stalled_upload()) for _ in range(40)]
+        await asyncio.sleep(2)
+        try:
+            status, answer = await asyncio.wait_for(
+                call("PUT", f"{url}/v1/sandboxes/{victim['id']}/files?path=/root/ok", BETA, raw=b"fine"), 20)
+            assert status == 201, answer
+            status, data = await asyncio.wait_for(
+                call("GET", f"{url}/v1/sandboxes/{victim['id']}/files?path=/root/ok", BETA), 20)
+            assert (status, data) == (200, b"fine")
+        finally:
+            for task in stalls:
+                task.cancel()
+            await asyncio.gather(*stalls, return_exceptions=True)
+        for sid_, token in ((sid, ALPHA), (victim["id"], BETA)):
+            await call("DELETE", f"{url}/v1/sandboxes/{sid_}", token)
+
+    asyncio.run(scenario())
+
+
+# -- 5. host mounts carry nosuid,nodev ---------------------------------------------------------------
+def test_every_host_mount_of_a_sandbox_is_nosuid_nodev(url: str, manager: SandboxManager) -> None:
+    async def scenario() -> None:
+        box = await create(url, ALPHA, disk=32 << 20)
+        status, ckpt = await call("POST", f"{url}/v1/sandboxes/{box['id']}/checkpoint", ALPHA, body={})
+        assert status == 201
+        status, restored = await call("POST", f"{url}/v1/sandboxes/restore", ALPHA, body={"checkpoint": ckpt["name"]})
+        assert status == 201, restored
+        ours = [m for m in kmount.read_mountinfo() if m.mountpoint.startswith(str(manager.data_dir) + "/")
+                and m.fstype != "fuse"]  # (the daemon's blob mount is FUSE's own: nosuid,nodev by default)
+        assert ours
+        for m in ours:
+            opts = set(m.mount_options.split(","))
+            assert {"nosuid", "nodev"} <= opts, (m.mountpoint, m.fstype, m.mount_options)
+        for sid in (box["id"], restored["id"]):
+            await call("DELETE", f"{url}/v1/sandboxes/{sid}", ALPHA)
+
+    asyncio.run(scenario())
+
+
+# -- 9. metrics need an operator's token -----------------------------------------------------------------
+def test_metrics_need_an_admin_token(url: str) -> None:
+    async def scenario() -> None:
+        for token in (ALPHA, BETA):
+            status, answer = await call("GET", f"{url}/metrics", token)
+            assert status == 403, answer
+        status, text = await call("GET", f"{url}/metrics", OPS)
+        assert status == 200
+        assert b"layerbox_api_requests_total" in text
+
+    asyncio.run(scenario())
