@@ -83,6 +83,7 @@ from types import TracebackType
 import blake3
 import lmdb
 
+from lazyfetch.client import private_dir
 from lazyfetch.errors import LazyfetchError
 
 log = logging.getLogger(__name__)
@@ -253,7 +254,7 @@ class ChunkCache:
         self._last_put_warning = -_PUT_WARNING_INTERVAL
         self._unlogged_put_failures = 0
 
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)  # chunks of every image this host ran
         self._lock_fd = self._take_dir_lock()
         try:
             for i in range(256):

@@ -8,16 +8,22 @@ import http.client
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from lazyfetch.errors import LazyfetchError
 
 START_TIMEOUT = 30.0
 EXIT_ALREADY_RUNNING = 3  # lazyfetch.daemon's exit status when another daemon holds the data dir
+# Subtrees of a data dir that no other local user may enter (0700): what they hold came from
+# images and sandboxes (layer mounts, uppers with whatever an agent wrote, metadata images,
+# chunks) or says where it lies (mount state, the store's metadata cache).  The daemon makes its
+# FUSE mount point blobs/ 0700 too, but the mounted file system shows its own root (0555).
+PRIVATE_DIRS: Final = ("state", "layers", "uppers", "meta", "chunks", "cache")
 
 
 class DaemonUnavailable(LazyfetchError):
@@ -32,6 +38,28 @@ def socket_path(data_dir: str | os.PathLike[str]) -> Path:
     # sun_path holds 108 bytes: deep data dirs (pytest's temp paths) get a short, stable name
     digest = hashlib.sha256(os.fsencode(Path(data_dir).resolve())).hexdigest()[:20]
     return Path("/run/layerbox") / f"lazyfetch-{digest}.sock"
+
+
+def private_dir(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a directory only its owner can enter: made 0700, or tightened to it when looser.
+
+    Raises :class:`LazyfetchError` when it belongs to another user (who could open it again).
+    """
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.geteuid():
+        raise LazyfetchError(f"{path} belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}: "
+                             f"a data dir must be its owner's alone; remove it or `chown {os.geteuid()} {path}`")
+    if st.st_mode & 0o077:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & 0o700)
+    return path
+
+
+def private_dirs(data_dir: str | os.PathLike[str]) -> None:
+    """Make or tighten every one of the data dir's :data:`PRIVATE_DIRS`."""
+    for name in PRIVATE_DIRS:
+        private_dir(Path(data_dir) / name)
 
 
 def _alive(pid: int) -> bool:

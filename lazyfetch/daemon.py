@@ -33,7 +33,7 @@ from layerstore.store import Store
 from lazyfetch import kmount
 from lazyfetch.blobfs import BlobFS, BlobLayer
 from lazyfetch.chunkcache import ChunkCache
-from lazyfetch.client import EXIT_ALREADY_RUNNING, socket_path
+from lazyfetch.client import EXIT_ALREADY_RUNNING, private_dir, private_dirs, socket_path
 from lazyfetch.fetcher import Fetcher
 from lazyfetch.metrics import Metrics
 
@@ -113,7 +113,7 @@ class Daemon:
                     meta_path.unlink()
             if not meta_path.exists():
                 raw = await self.store.get_meta(entry.digest)
-                self.cfg.meta_dir.mkdir(parents=True, exist_ok=True)
+                private_dir(self.cfg.meta_dir)
                 tmp = meta_path.with_suffix(f".tmp-{os.getpid()}")
                 tmp.write_bytes(raw)
                 os.replace(tmp, meta_path)
@@ -285,7 +285,8 @@ def _serve(cfg: DaemonConfig) -> int:
     from fuse import FUSE
 
     _clear_stale_fuse(cfg.fuse_dir)  # before touching it: a dead FUSE mount fails stat()
-    cfg.fuse_dir.mkdir(parents=True, exist_ok=True)
+    private_dirs(cfg.data_dir)  # before the store makes its cache there
+    private_dir(cfg.fuse_dir)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="layerbox-loop", daemon=True)
     thread.start()
@@ -300,7 +301,10 @@ def _serve(cfg: DaemonConfig) -> int:
     on_loop(runner.setup())
     with contextlib.suppress(FileNotFoundError):
         cfg.socket.unlink()
-    cfg.socket.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.socket.parent == cfg.data_dir:
+        cfg.socket.parent.mkdir(parents=True, exist_ok=True)
+    else:  # /run/layerbox: closed to others already while the socket waits for its chmod below
+        private_dir(cfg.socket.parent)
     site = web.UnixSite(runner, str(cfg.socket))
     on_loop(site.start())
     os.chmod(cfg.socket, 0o600)

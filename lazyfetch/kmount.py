@@ -252,16 +252,23 @@ def _mount2(
         )
 
 
-def bind_mount(source: StrPath, mountpoint: StrPath, *, readonly: bool = True) -> None:
-    """Bind ``source`` at ``mountpoint`` (read-only by default: a one-layer image view)."""
+def bind_mount(source: StrPath, mountpoint: StrPath, *, readonly: bool = True, flags: int = 0) -> None:
+    """Bind ``source`` at ``mountpoint`` (read-only by default: a one-layer image view).
+
+    ``flags`` are ``MS_*`` flags (``MS_NOSUID``, ``MS_NODEV``, ``MS_NOEXEC``,
+    atime).  With ``readonly`` or ``flags`` the bind carries exactly those,
+    whatever the source mount has; a bare bind copies the source's.
+    """
     src = _path_bytes(source, "bind source")
     dst = _path_bytes(mountpoint, "mount point")
     paths = {"bind source": src, "mount point": dst}
     _mount2(src, dst, "none", MS_BIND, b"", paths)
-    if readonly:
-        # MS_RDONLY is ignored on the initial bind: it takes a remount of the bind
+    flags |= MS_RDONLY if readonly else 0
+    if flags:
+        # the initial bind ignores these flags and copies the source's: a remount of the bind
+        # sets exactly the ones given
         try:
-            _mount2(b"none", dst, "none", MS_BIND | MS_REMOUNT | MS_RDONLY, b"", paths)
+            _mount2(b"none", dst, "none", MS_BIND | MS_REMOUNT | flags, b"", paths)
         except KernelMountError:
             umount(mountpoint, lazy=True, missing_ok=True)
             raise

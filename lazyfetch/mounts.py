@@ -17,6 +17,13 @@ with its own mount namespace (a container, whose root it is) holds it: it
 leaves the host's mount table but keeps its record, its upper and its layers
 until :meth:`HostMounts.umount`.  Every new mount namespace copies the host's
 table, so with 1,000 sandboxes' overlays in it each container create cost ~2x.
+
+Everything here is mounted ``nosuid,nodev`` (layers also ``noexec``: see
+:attr:`HostMounts.LAYER_FLAGS`), and the data dir's private subtrees
+(:data:`lazyfetch.client.PRIVATE_DIRS`, with one more 0700 directory per upper)
+keep other local users out, so a setuid file or device node that an image ships
+or a sandbox writes gives nothing to them (docs/SECURITY.md, "Host mounts and
+the data dir").
 """
 
 from __future__ import annotations
@@ -32,11 +39,11 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from layerstore.objects import Resolved, hex_digest
 from lazyfetch import kmount
-from lazyfetch.client import DaemonClient
+from lazyfetch.client import DaemonClient, private_dirs
 from lazyfetch.errors import LazyfetchError
 
 log = logging.getLogger("layerbox.lazyfetch")
@@ -68,6 +75,15 @@ def _start_time(pid: int) -> int:
 
 
 class HostMounts:
+    # The flags of every mount made here.  nosuid and nodev on all of them: a setuid-root file an
+    # image ships or an agent writes, or a device node with the host disk's numbers, must mean
+    # nothing to a host process that reaches the mount.  Layers are noexec as well, since nothing
+    # on the host runs from them: overlayfs checks noexec on its own mount only, so a container
+    # (or a view) still executes the layers' files through the overlay (tried on Linux 6.18, with
+    # noexec lowers and a noexec upper).  Views, the caller's mount of an image, stay exec.
+    LAYER_FLAGS: Final = kmount.MS_RDONLY | kmount.MS_NOSUID | kmount.MS_NODEV | kmount.MS_NOEXEC
+    VIEW_FLAGS: Final = kmount.MS_NOSUID | kmount.MS_NODEV
+
     def __init__(self, data_dir: str | os.PathLike[str], store_url: str | None = None, *,
                  s3_endpoint: str | None = None, daemon_options: dict[str, Any] | None = None) -> None:
         self.data_dir = Path(data_dir)
@@ -87,7 +103,7 @@ class HostMounts:
     # -- state --------------------------------------------------------------------------
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Any]]:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        private_dirs(self.data_dir)  # every operation: a looser mode set meanwhile is tightened again
         with open(self.state_dir / "lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             path = self.state_dir / "mounts.json"
@@ -176,10 +192,10 @@ class HostMounts:
 
     def _mount_layer(self, hexd: str, paths: dict[str, str], instance: str) -> dict[str, Any]:
         mp = self.layer_root / hexd
-        mp.mkdir(parents=True, exist_ok=True)
+        mp.mkdir(exist_ok=True)
         if kmount.is_mountpoint(mp):  # left by a crash before the state was written
             kmount.umount(mp, lazy=True, missing_ok=True)
-        kmount.mount_erofs(paths["meta"], mp, paths["blob"])
+        kmount.mount_erofs(paths["meta"], mp, paths["blob"], flags=self.LAYER_FLAGS)
         return {"mountpoint": str(mp), "instance": instance, "users": [], "meta": paths["meta"]}
 
     def _mount_user(self, target: str, lowers: list[str], writable: bool,
@@ -188,20 +204,27 @@ class HostMounts:
         if writable:
             if upper is None:
                 base = self.data_dir / "uppers" / uuid.uuid4().hex
+                # 0700 here as well, as the upper itself cannot be: its mode is the sandbox's "/" (0755)
+                base.mkdir(mode=0o700)
                 up, work = base / "upper", base / "work"
                 record["owned_upper"] = True
-            else:
+            else:  # the caller's directory: who may reach it is the caller's choice (sandbox/disk.py)
                 up = Path(upper).resolve()
                 work = up.parent / f".{up.name}.work"
             up.mkdir(parents=True, exist_ok=True)
             work.mkdir(parents=True, exist_ok=True)
             record.update(upper=str(up), work=str(work))
-            kmount.mount_overlay(lowers, target, upper=up, work=work)
-        elif len(lowers) == 1:
-            kmount.bind_mount(lowers[0], target, readonly=True)  # overlayfs wants two read-only lowers
-        else:
-            kmount.mount_overlay(lowers, target)
+        self._stack(target, lowers, record)
         return record
+
+    def _stack(self, target: str, lowers: list[str], record: dict[str, Any]) -> None:
+        """Mount the caller's view of ``lowers`` (a mount record's) at ``target``."""
+        if record["writable"]:
+            kmount.mount_overlay(lowers, target, upper=record["upper"], work=record["work"], flags=self.VIEW_FLAGS)
+        elif len(lowers) == 1:  # overlayfs wants two read-only lowers
+            kmount.bind_mount(lowers[0], target, readonly=True, flags=self.VIEW_FLAGS)
+        else:
+            kmount.mount_overlay(lowers, target, flags=self.VIEW_FLAGS)
 
     def _remount_stale(self, state: dict[str, Any], stale: set[str], instance: str) -> None:
         users = sorted({u for h in stale for u in state["layers"][h]["users"]})
@@ -222,12 +245,7 @@ class HostMounts:
                 if hexd not in state["layers"]:
                     state["layers"][hexd] = self._mount_layer(hexd, paths, instance)
                 lowers.append(state["layers"][hexd]["mountpoint"])
-            if rec["writable"]:
-                kmount.mount_overlay(lowers, mp, upper=rec["upper"], work=rec["work"])
-            elif len(lowers) == 1:
-                kmount.bind_mount(lowers[0], mp, readonly=True)
-            else:
-                kmount.mount_overlay(lowers, mp)
+            self._stack(mp, lowers, rec)
             for hexd in rec["layers"]:
                 state["layers"][hexd]["users"] = sorted(set(state["layers"][hexd]["users"]) | {mp})
             rec.pop("detached", None)

@@ -6,6 +6,13 @@ the limit and the host's data disk is untouched.  Measured on the test host:
 ``mkfs.ext4`` of a sparse image ~9 ms, loop mount ~7 ms.  The image holds no
 journal: the upper directory is scratch space whose durable form is a
 checkpoint, and a crash loses the sandbox anyway.
+
+The upper holds whatever the sandbox wrote, setuid-root binaries and device
+nodes included, so the file system is mounted ``nosuid,nodev,noexec`` (the
+overlay on top still executes its files: overlayfs checks only its own
+mount's flags), its root is 0700 and the image file 0600: no other local user
+reaches or reads the upper, even through a sandbox directory opened for a
+user namespace (see ``HostMounts.LAYER_FLAGS`` for the same choice on layers).
 """
 
 from __future__ import annotations
@@ -36,13 +43,17 @@ def make_disk(image: Path, mountpoint: Path, size: int) -> Path:
     if size < MIN_DISK:
         raise SandboxError(f"disk limit {size} bytes is below the minimum of {MIN_DISK} bytes")
     mountpoint.mkdir(parents=True, exist_ok=True)
-    with open(image, "wb") as f:
-        f.truncate(size)  # sparse: the host pays only for what the sandbox writes
+    fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)  # sparse: the host pays only for what the sandbox writes
+    finally:
+        os.close(fd)
     _run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0",
           "-E", "nodiscard,lazy_itable_init=1", str(image)], f"formatting {image}")
     # util-linux sets up the loop device with autoclear: it goes with the umount
-    _run(["mount", "-t", "ext4", "-o", "loop,nosuid,nodev", str(image), str(mountpoint)],
+    _run(["mount", "-t", "ext4", "-o", "loop,nosuid,nodev,noexec", str(image), str(mountpoint)],
          f"mounting {image}")
+    os.chmod(mountpoint, 0o700)  # the file system's root, not the directory it covers
     return mountpoint
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Final
 
 from lazyfetch import kmount
+from lazyfetch.mounts import HostMounts
 
 CLONE_NEWUSER: Final = 0x10000000
 _PR_GET_SECUREBITS: Final = 27
@@ -216,7 +217,10 @@ def mount_idmapped_overlay(target: str | os.PathLike[str], lowers: Sequence[str]
     mount holding them is idmapped once.  The overlay is made with fsuid
     ``host_base`` (see :func:`fs_identity`), in the initial user namespace,
     so it keeps ``trusted.overlay.*`` xattrs: uppers stay interchangeable
-    with the manager's plain overlays and checkpoints.  ``ns_fd``: a user
+    with the manager's plain overlays and checkpoints.  It carries the flags
+    of every other sandbox rootfs (``HostMounts.VIEW_FLAGS``: nosuid, nodev).
+    The idmapped copies keep their sources' flags (noexec layers), which the
+    overlay does not look at.  ``ns_fd``: a user
     namespace with exactly this mapping, kept by the caller (saves the ~2 ms
     of :func:`userns_fd` per sandbox); one is made and dropped otherwise.
     """
@@ -234,7 +238,7 @@ def mount_idmapped_overlay(target: str | os.PathLike[str], lowers: Sequence[str]
         with fs_identity(host_base, host_base):
             kmount.mount_overlay([f"/proc/self/fd/{t}" for t in trees[:-1]], target,
                                  upper=os.path.join(top, os.path.relpath(upper, base)),
-                                 work=os.path.join(top, os.path.relpath(work, base)))
+                                 work=os.path.join(top, os.path.relpath(work, base)), flags=HostMounts.VIEW_FLAGS)
     finally:
         for t in trees:
             os.close(t)
@@ -302,7 +306,8 @@ def remap_rootfs(rootfs: str | os.PathLike[str], host_base: int, size: int, *,
     try:
         mount_idmapped_overlay(rootfs, layers.lowers, layers.upper, layers.work, host_base, size, ns_fd=ns_fd)
     except BaseException:
-        kmount.mount_overlay(layers.lowers, rootfs, upper=layers.upper, work=layers.work)
+        kmount.mount_overlay(layers.lowers, rootfs, upper=layers.upper, work=layers.work,
+                             flags=HostMounts.VIEW_FLAGS)
         raise
     return layers
 
