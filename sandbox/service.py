@@ -602,7 +602,9 @@ class SandboxService:
         project = self._project(request)
         box, _ = await self._box(request, project)
         body = check_object("", await self._json(request), ("name", "labels"))
-        labels = check_labels("labels", body.get("labels") or {}, reserved_ok=False)
+        labels = check_labels("labels", body.get("labels") or {}, reserved_ok=project.admin)
+        if project.admin and set(labels) & {PROJECT_LABEL}:  # sharing is a label; ownership stays the sandbox's
+            raise _invalid(f"labels.{PROJECT_LABEL}", "a checkpoint's project is its sandbox's")
         name = None
         if body.get("name") is not None:
             given = check_str("name", body["name"], max_len=256, what="a ref name (repo[:tag])")

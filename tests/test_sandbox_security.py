@@ -247,6 +247,31 @@ def test_a_checkpoint_name_cannot_move_a_shared_or_foreign_ref(url: str, manager
     asyncio.run(scenario())
 
 
+def test_only_an_admin_project_shares_a_checkpoint(url: str, manager: SandboxManager) -> None:
+    async def scenario() -> None:
+        made = await create(url, OPS)
+        await call("PUT", f"{url}/v1/sandboxes/{made['id']}/files?path=/root/tool", OPS, raw=b"shared tool")
+        status, private = await call("POST", f"{url}/v1/sandboxes/{made['id']}/checkpoint", OPS,
+                                     body={"name": "toolkits/private:v1"})
+        assert status == 201, private
+        status, shared = await call("POST", f"{url}/v1/sandboxes/{made['id']}/checkpoint", OPS,
+                                    body={"name": "toolkits/shared:v1", "labels": {"layerbox.shared": "true"}})
+        assert status == 201, shared
+        assert shared["name"] == "toolkits/shared:v1"  # the operator's namespace is the shared one
+        status, answer = await call("POST", f"{url}/v1/sandboxes", ALPHA, body={"image": private["name"]})
+        assert status == 404, answer
+        copy = await create(url, ALPHA, image=shared["name"])
+        status, data = await call("GET", f"{url}/v1/sandboxes/{copy['id']}/files?path=/root/tool", ALPHA)
+        assert (status, data) == (200, b"shared tool")
+        status, answer = await call("POST", f"{url}/v1/sandboxes/{made['id']}/checkpoint", OPS,
+                                    body={"labels": {"layerbox.project": "alpha"}})
+        refused(status, answer, field="labels.layerbox.project")
+        for sid, token in ((made["id"], OPS), (copy["id"], ALPHA)):
+            await call("DELETE", f"{url}/v1/sandboxes/{sid}", token)
+
+    asyncio.run(scenario())
+
+
 # -- 3. every field is checked, with a 400 naming it ------------------------------------------------------
 BAD_CREATES: list[tuple[str, Any]] = [
     ("memory", -1), ("memory", "lots"), ("memory", 1.5), ("memory", True), ("memory", 1 << 62),
