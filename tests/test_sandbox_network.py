@@ -13,6 +13,7 @@ the sandbox's netns (a socket keeps its namespace), or a process started with
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import json
 import os
@@ -423,6 +424,12 @@ def test_manager_sandbox_with_egress_rules_changed_at_runtime(
         assert receipt["egress"]["denied"]["packets"] >= 1
         assert receipt["egress"]["accepted"]["packets"] >= 1
         assert (server.addr, PORT_B) in {(d["address"], d["port"]) for d in receipt["egress"]["denied_destinations"]}
+        # a keyed command's receipt keeps its verdicts and resources too (it used to drop both)
+        box.exec(["python3", "-c", probe], idempotency_key="probe-1")
+        keyed = [r for r in box.receipts() if r.get("idempotency_key") == "probe-1" and r["action"] == "exec"][-1]
+        assert keyed["egress"]["denied"]["packets"] >= 1
+        assert keyed["resources"]["cpu_seconds"] is not None
+        assert base64.b64decode(keyed["stdout"]).decode().startswith(f"{PORT_A} hi")
         policy = box.set_network([allow(server, f"{PORT_A}-{PORT_B}")])
         assert box.state.network["policy"]["version"] == policy["version"]
         second = box.exec(["python3", "-c", probe])
