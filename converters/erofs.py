@@ -2,15 +2,18 @@
 
 The blob is written as data stream past (one pass, no staging copy): each
 chunk of each regular file is hashed with blake3; an all-zero chunk becomes a
-hole; a chunk seen before in this layer is referenced again; a new one is
-appended to the blob at the next block boundary.  Once the whole archive has
-been read, :func:`build_image` lays out the metadata image in three passes
-(directory sizes, inode placement, serialisation).  The byte layout is
-documented in docs/FORMAT.md; keep the two in step.
+hole, and so does a chunk inside a hole the source reported (``Hole``),
+without a zero byte being made or hashed; a chunk seen before in this layer
+is referenced again; a new one is appended to the blob at the next block
+boundary.  Once the whole archive has been read, :func:`build_image` lays out
+the metadata image in three passes (directory sizes, inode placement,
+serialisation).  The byte layout is documented in docs/FORMAT.md; keep the
+two in step.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import stat
 from collections.abc import Iterable
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 import blake3
 
 from converters.errors import ConvertError
+from converters.tarstream import Hole
 from converters.tree import Node, Tree
 from layerstore.erofs import format as F
 
@@ -41,7 +45,8 @@ class BlobStats:
     chunks: int = 0  # chunk references, holes excluded
     unique_chunks: int = 0
     unique_bytes: int = 0
-    file_bytes: int = 0
+    file_bytes: int = 0  # holes included
+    data_bytes: int = 0  # arrived as bytes, not as Hole markers (zeros that were read included)
     holes: int = 0
 
 
@@ -79,24 +84,47 @@ class BlobWriter:
         self.stats.unique_bytes += len(data)
         return block
 
-    def add_file(self, blocks: Iterable[bytes | memoryview], size: int) -> list[int]:
-        """Chunk a file arriving as arbitrary blocks; returns its chunk start blocks."""
+    def add_file(self, pieces: Iterable[bytes | memoryview | Hole], size: int) -> list[int]:
+        """Chunk a file arriving as arbitrary blocks and holes; returns its chunk start blocks.
+
+        A chunk wholly inside a hole is NULL_ADDR at once.  A chunk a hole
+        shares with data is completed with zeros and stored like any other,
+        so the output is the same as for the file with its holes read.
+        """
         cs = self.chunk_size
         out: list[int] = []
         pending = bytearray()
-        for block in blocks:
-            if not pending and len(block) == cs:
-                out.append(self.add_chunk(block))
+        total = 0
+        for piece in pieces:
+            if isinstance(piece, Hole):
+                n = piece.length
+                total += n
+                if pending:
+                    fill = min(n, cs - len(pending))
+                    pending += bytes(fill)
+                    n -= fill
+                    if len(pending) == cs:
+                        out.append(self.add_chunk(bytes(pending)))
+                        pending.clear()
+                whole = n // cs
+                out.extend(itertools.repeat(F.NULL_ADDR, whole))
+                self.stats.holes += whole
+                self.stats.file_bytes += whole * cs
+                pending += bytes(n - whole * cs)
                 continue
-            pending += block
+            total += len(piece)
+            self.stats.data_bytes += len(piece)
+            if not pending and len(piece) == cs:
+                out.append(self.add_chunk(piece))
+                continue
+            pending += piece
             while len(pending) >= cs:
                 out.append(self.add_chunk(bytes(pending[:cs])))
                 del pending[:cs]
         if pending:
             out.append(self.add_chunk(bytes(pending)))
-        expected = (size + cs - 1) // cs
-        if len(out) != expected:
-            raise ConvertError(f"internal: {len(out)} chunks for {size} bytes, expected {expected}")
+        if total != size:
+            raise ConvertError(f"internal: {total} bytes of data for a file of {size}")
         return out
 
 

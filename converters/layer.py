@@ -14,7 +14,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -24,15 +24,13 @@ import blake3
 from converters.dirsource import walk_directory
 from converters.erofs import BlobWriter, blob_id, build_image
 from converters.errors import ConvertError
-from converters.tarstream import KIND_HARDLINK, KIND_REG, Entry, TarReader
-from converters.tree import Tree, node_from_entry
+from converters.tarstream import KIND_HARDLINK, KIND_REG, DataFn, Entry, TarReader
+from converters.tree import Node, Tree, node_from_entry
 from layerstore.erofs import format as F
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = F.BLOCK_SIZE
 MAX_CHUNK_SIZE = 1 << 30
-
-DataFn = Callable[[], Iterator[bytes]]
 
 
 @dataclass(frozen=True)
@@ -42,7 +40,8 @@ class LayerResult:
     blob_path: str
     blob_digest: str  # "blake3:<hex>" over the blob map records (see docs/FORMAT.md)
     files: int  # inodes in the layer
-    bytes: int  # regular-file bytes
+    bytes: int  # regular-file bytes, holes included
+    data_bytes: int  # regular-file bytes the source stored: ``bytes`` less the holes it reported
     chunks: int  # chunk references, holes excluded
     unique_chunks: int
     unique_bytes: int
@@ -108,6 +107,8 @@ def convert_entries(
     try:
         blob = BlobWriter(blob_out.fd, chunk_size)
         tree = Tree(oci_whiteouts=oci_whiteouts)
+        # the node is kept so that its id cannot be reused by a later one
+        stored: dict[int, tuple[Node, int]] = {}
         for entry, data in entries:
             if entry.kind == KIND_HARDLINK:
                 tree.add(entry, None)
@@ -115,7 +116,9 @@ def convert_entries(
             node = node_from_entry(entry)
             if entry.kind == KIND_REG and entry.size:
                 assert data is not None
+                before = blob.stats.data_bytes
                 node.chunks = blob.add_file(data(), entry.size)
+                stored[id(node)] = (node, blob.stats.data_bytes - before)
             tree.add(entry, node)
         if finish is not None:
             finish()
@@ -136,13 +139,15 @@ def convert_entries(
         if meta_out is not None:
             meta_out.abort()
         raise
+    size, data_bytes = _regular_bytes(tree, stored)
     return LayerResult(
         digest="blake3:" + blake3.blake3(image).hexdigest(),
         meta_path=str(meta_path),
         blob_path=str(blob_path),
         blob_digest="blake3:" + bid,
         files=inodes,
-        bytes=_regular_bytes(tree),
+        bytes=size,
+        data_bytes=data_bytes,
         chunks=blob.stats.chunks,
         unique_chunks=blob.stats.unique_chunks,
         unique_bytes=blob.stats.unique_bytes,
@@ -150,14 +155,16 @@ def convert_entries(
     )
 
 
-def _regular_bytes(tree: Tree) -> int:
+def _regular_bytes(tree: Tree, stored: Mapping[int, tuple[Node, int]]) -> tuple[int, int]:
+    """(size, stored data) of the tree's regular files, each inode once; ``stored`` by node id."""
     seen: set[int] = set()
-    total = 0
+    total = data = 0
     for _, node, _ in tree.walk():
         if id(node) not in seen and stat.S_ISREG(node.mode):
             seen.add(id(node))
             total += node.size
-    return total
+            data += stored[id(node)][1] if id(node) in stored else 0
+    return total, data
 
 
 def convert_stream(

@@ -226,6 +226,21 @@ class Entry:
     offset: int | None = None
 
 
+@dataclass(frozen=True)
+class Hole:
+    """``length`` bytes of zeros a source knows it does not store (a sparse file's hole).
+
+    Regular-file data arrive as a sequence of ``bytes`` and ``Hole`` pieces
+    that together cover the file's size; a hole is never expanded, so a file
+    of terabytes of holes costs nothing to pass on.
+    """
+
+    length: int
+
+
+DataFn = Callable[[], Iterator[bytes | Hole]]
+
+
 def kind_mode(kind: str, perm: int) -> int:
     return _KIND_IFMT[kind] | (perm & 0o7777)
 
@@ -267,7 +282,6 @@ def normalise_path(raw: bytes, name: str, offset: int | None, what: str = "path"
 # every small read, which dominated conversion of small-file layers).
 
 BLOCK = 512
-_ZEROS = bytes(READ_SIZE)
 _SPARSE_ENTRY = struct.Struct("12s12s")
 
 
@@ -581,8 +595,8 @@ class TarReader:
             extended = ext[504]
         return pairs, real_size
 
-    def data(self) -> Iterator[bytes]:
-        """Yield the current regular file's bytes (holes of sparse files as zeros)."""
+    def data(self) -> Iterator[bytes | Hole]:
+        """Yield the current regular file's bytes, the holes of a sparse file as ``Hole``."""
         entry = self._current
         assert entry is not None
         if self._sparse is None:
@@ -595,17 +609,12 @@ class TarReader:
         for off, num in sparse:
             if off < pos or off + num > entry.size:
                 raise BadEntry(entry.name, entry.offset, f"sparse map segment {off}+{num} out of order or size")
-            yield from self._zeros(off - pos)
+            if off > pos:
+                yield Hole(off - pos)
             yield from self._raw_data(entry, num)
             pos = off + num
-        yield from self._zeros(entry.size - pos)
-
-    @staticmethod
-    def _zeros(n: int) -> Iterator[bytes]:
-        while n > 0:
-            step = min(n, READ_SIZE)
-            yield _ZEROS if step == READ_SIZE else _ZEROS[:step]
-            n -= step
+        if entry.size > pos:
+            yield Hole(entry.size - pos)
 
     def _sparse_map_1_0(self, entry: Entry) -> list[tuple[int, int]]:
         # decimal lines (count, then offset/size pairs) padded to a whole

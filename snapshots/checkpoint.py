@@ -65,7 +65,7 @@ class Checkpoint:
     layer: str  # the new layer's digest
     layers: int
     entries: int  # entries captured in the new layer
-    bytes_changed: int  # regular-file bytes captured
+    bytes_changed: int  # regular-file data captured; holes of sparse files are not counted
     bytes_uploaded: int
     freeze_seconds: float
     seconds: float
@@ -252,7 +252,7 @@ class Snapshots:
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "labels": dict(labels or {}),
                 "attachments": attached,
-                "stats": {"entries": len(include) + len(whiteouts), "bytes_changed": result.bytes},
+                "stats": {"entries": len(include) + len(whiteouts), "bytes_changed": result.data_bytes},
             }
             digest = await self.store.put_doc(doc, stats)
             if before_ref is not None:
@@ -264,7 +264,7 @@ class Snapshots:
         self._save_record(target, rec)
         return Checkpoint(
             name=ref_name, digest=digest, parent=parent.digest, layer=new_layer.digest, layers=len(layers),
-            entries=len(include) + len(whiteouts), bytes_changed=result.bytes,
+            entries=len(include) + len(whiteouts), bytes_changed=result.data_bytes,
             bytes_uploaded=stats.bytes_uploaded, freeze_seconds=round(freeze_seconds, 6),
             seconds=round(time.perf_counter() - started, 6),
         )
