@@ -102,11 +102,13 @@ class BlobFS(Operations):
 
     def getattr(self, path: str, fh: int | None = None) -> dict[str, float]:
         t = self._mounted_at
+        # root's only (the daemon mounts with default_permissions, so the kernel checks these):
+        # a blob is a layer's raw data, which no other local user may read
         if path == "/":
-            return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, "st_size": 0,
+            return {"st_mode": stat.S_IFDIR | 0o500, "st_nlink": 2, "st_size": 0,
                     "st_mtime": t, "st_ctime": t, "st_atime": t}
         layer = self._layer(path)
-        return {"st_mode": stat.S_IFREG | 0o444, "st_nlink": 1, "st_size": layer.size,
+        return {"st_mode": stat.S_IFREG | 0o400, "st_nlink": 1, "st_size": layer.size,
                 "st_mtime": t, "st_ctime": t, "st_atime": t, "st_blocks": (layer.size + 511) // 512}
 
     def readdir(self, path: str, fh: int) -> list[str]:

@@ -310,7 +310,10 @@ def _serve(cfg: DaemonConfig) -> int:
     os.chmod(cfg.socket, 0o600)
     log.info("lazyfetch daemon %s serving %s from %s", daemon.instance, cfg.fuse_dir, store.url)
     try:
+        # allow_other: the kernel's EROFS mounts read the blobs for every sandbox's processes;
+        # default_permissions: the kernel enforces the 0500/0400 modes, so only root opens a blob
         FUSE(daemon.fs, str(cfg.fuse_dir), foreground=True, nothreads=False, ro=True, allow_other=True,
+             default_permissions=True,
              direct_io=True, max_read=131072, attr_timeout=86400, entry_timeout=86400,
              fsname="layerbox", subtype="layerbox")
     finally:

@@ -327,12 +327,17 @@ def test_a_hostile_layer_gives_host_users_nothing(hosts: Any, store_url: str, tm
         # view the caller put in the open, setuid bits and device nodes are dead
         want = {layer / p: "EACCES" for p in [setuid_root, *devices]}
         want[meta] = "EACCES"
+        blobs = sorted((host.data_dir / "blobs").iterdir())  # the FUSE files: a layer's raw data
+        assert blobs
+        want.update({blob: "EACCES" for blob in blobs})
+        want[host.data_dir / "blobs"] = "EACCES"
         for view in views:
             want[view / setuid_root] = f"euid={NOBODY}"
             want.update({view / d: "EACCES" for d in devices})
         assert probe(list(want), uid=NOBODY) == {str(p): w for p, w in want.items()}
         # host root: the layer executes nothing and opens no device; a view executes, without setuid
         want = {layer / p: "EACCES" for p in [setuid_1000, *devices]}
+        want.update({blob: "read" for blob in blobs})  # root reads them (the kernel's EROFS mounts do)
         for view in views:
             want[view / setuid_1000] = "euid=0"
             want.update({view / d: "EACCES" for d in devices})
