@@ -71,8 +71,8 @@ _MS_TO_MOUNT_ATTR: Final = {
 # we list only those we have run on.  Elsewhere we behave as if the kernel
 # lacked them (ENOSYS) and use mount(2).
 _SYSCALL_NUMBERS: Final = {
-    "x86_64": {"move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432},
-    "aarch64": {"move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432},
+    "x86_64": {"move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "mount_setattr": 442},
+    "aarch64": {"move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "mount_setattr": 442},
 }
 _SYSCALL_NUMBERS["arm64"] = _SYSCALL_NUMBERS["aarch64"]
 
@@ -679,3 +679,50 @@ def mounts_under(prefix: StrPath) -> list[str]:
     found = [_unescape(mp) for mp in reversed(_raw_mountpoints()) if mp == real or mp.startswith(below)]
     # sorted() is stable, so stacked mounts keep their topmost-first order.
     return sorted(found, key=lambda p: p.rstrip("/").count("/"), reverse=True)
+
+
+# --------------------------------------------------------------------------
+# a mount in another process's namespace
+
+_CLONE_FS: Final = 0x00000200
+_CLONE_NEWNS: Final = 0x00020000
+_MOUNT_ATTR_STRUCT: Final = struct.Struct("=QQQQ")  # struct mount_attr, MOUNT_ATTR_SIZE_VER0
+
+
+def set_flags_in(pid: int, path: str, flags: int) -> None:
+    """Add ``MS_*`` ``flags`` (``MS_NOSUID``, ``MS_NODEV``, ...) to the mount at ``path`` as
+    process ``pid`` sees it, in ``pid``'s mount namespace (``mount_setattr``, not recursive).
+
+    Runs on a short-lived thread: ``setns`` into a mount namespace needs a thread that shares
+    no file-system context (``unshare(CLONE_FS)`` first), and the thread ends with it, so the
+    caller's namespace, root and cwd are untouched.
+    """
+    import threading
+
+    attr = _mount_attr(flags)
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                libc = _libc()
+                if libc.unshare(_CLONE_FS) != 0 or libc.setns(ns, _CLONE_NEWNS) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"entering the mount namespace of {pid}: {os.strerror(err)}")
+            finally:
+                os.close(ns)
+            _syscall("mount_setattr", _AT_FDCWD, os.fsencode(path), 0,
+                     _MOUNT_ATTR_STRUCT.pack(attr, 0, 0, 0), _MOUNT_ATTR_STRUCT.size)
+        except BaseException as exc:  # re-raised on the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=work, name=f"mountns-{pid}")
+    thread.start()
+    thread.join()
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, OSError) and exc.errno is not None:
+            raise KernelMountError(exc.errno, operation=f"mount_setattr in process {pid}'s mount namespace",
+                                   source=None, mountpoint=path, fstype=None, options=f"{flags:#x}") from None
+        raise exc

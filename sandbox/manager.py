@@ -289,8 +289,10 @@ class Sandbox:
             return earlier
         try:
             if key is not None:
-                # a crash during the command leaves this behind: a retry then learns it was interrupted
-                self._receipt("exec_started", command=req.argv, idempotency_key=key)
+                # a crash during the command leaves this behind: a retry then learns it was interrupted,
+                # and reconcile finds the key of the exec files named ``tag`` (not by the command's text:
+                # the same command may run with and without a key)
+                self._receipt("exec_started", command=req.argv, idempotency_key=key, tag=tag)
             return self._exec(tag, st, req, on_stdout, on_stderr, cancel, keep_output)
         finally:
             with mgr._lock:
@@ -745,6 +747,7 @@ class SandboxManager:
         self._write_state(state)
         self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid", sched_idle=limits.best_effort)
         pid = self._hold_rootfs(box)
+        self._seal_root(box, pid, userns)
         self.runtime.start(box.id)
         state = state.replace(pid=pid, init_start=(proc_stat(pid) or (0, None))[1], status="running")
         if userns is not None:
@@ -765,6 +768,14 @@ class SandboxManager:
         except MountError as exc:  # still correct while mounted here, only slower for later creates
             log.warning("sandbox %s: rootfs stays in the host's mount table: %s", box.id, exc)
         return pid
+
+    def _seal_root(self, box: Sandbox, pid: int, userns: tuple[int, int] | None) -> None:
+        """``nosuid,nodev`` on the sandbox's own ``/`` before its first command runs: crun re-binds
+        the rootfs and remounts it with only its own flags, which drops the overlay's.  (A user
+        namespace locks them; its sandboxes keep them anyway.)"""
+        if userns is not None:
+            return
+        kmount.set_flags_in(pid, "/", kmount.MS_NOSUID | kmount.MS_NODEV)
 
     def _await_init_exec(self, sid: str, pid: int, limit: float = 10.0) -> None:
         """Return once the init has exec'd: ``crun start`` returns while it may still be crun, and a
@@ -803,8 +814,9 @@ class SandboxManager:
             self._remap_rootfs(box, st.userns)
         self.runtime.create(box.id, box.bundle, pid_file=box.dir / "init.pid",
                             sched_idle=st.options.cpu_class == "best-effort")
-        self.runtime.start(box.id)
         pid = self._crun_pid(box)
+        self._seal_root(box, pid, st.userns)
+        self.runtime.start(box.id)
         if st.userns:
             self._await_init_exec(box.id, pid)
         box._update(pid=pid, init_start=(proc_stat(pid) or (0, None))[1], status="running")
@@ -938,14 +950,17 @@ class SandboxManager:
                     kill_tree(self.runtime, box.id, box.init_pid(st), pid, stat[1] if stat else 0)
             for suffix in (".json", ".pid"):
                 (box.bundle / f"{tag}{suffix}").unlink(missing_ok=True)
-            started = self.receipt_logs.read(box.id)
-            key = next((r.get("idempotency_key") for r in reversed(started)
-                        if r.get("action") == "exec_started" and r.get("command") == command), None)
+            key = self._key_of(box.id, tag)
             box._receipt("exec", command=command, exit_code=None, signal=int(signal.SIGKILL), interrupted="restart",
                          timed_out=False, oom_killed=False,
                          **({"idempotency_key": key} if key is not None else {}))
             stopped.append(tag)
         return stopped
+
+    def _key_of(self, sid: str, tag: str) -> str | None:
+        """The idempotency key the exec ``tag`` ran under: its ``exec_started`` receipt names the tag."""
+        return next((r.get("idempotency_key") for r in reversed(self.receipt_logs.read(sid))
+                     if r.get("action") == "exec_started" and r.get("tag") == tag), None)
 
     def reconcile(self) -> dict[str, builtins.list[str]]:
         """After a crash: adopt sandboxes that still run, clean up everything else we own.

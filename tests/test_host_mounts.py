@@ -184,10 +184,9 @@ def _check_rootfs(box: Sandbox, host_overlays: dict[str, tuple[str, set[str]]], 
     assert_view(str(box.rootfs), options)
     fstype, options = container_root(box)
     assert fstype == "overlay"
-    if userns:
-        # crun binds the rootfs onto itself and remounts the bind with only its own flags, which
-        # drops nosuid,nodev; in a user namespace the kernel has locked them and crun keeps them
-        assert_view(f"{box.id}:/", options)
+    # crun binds the rootfs onto itself and remounts the bind with only its own flags, which drops
+    # nosuid,nodev: the manager sets them again before the first command (a user namespace locks them)
+    assert_view(f"{box.id}:/", options)
 
 
 def test_every_host_mount_of_a_sandbox_carries_nosuid_nodev(manager: SandboxManager, boxes: Any,

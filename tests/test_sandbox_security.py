@@ -20,8 +20,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from support.hosts import publish_sync
 from support.sandboxes import REF, ServerThread
+from support.tarbuild import TarBuilder
 
+from layerstore.store import Store
 from lazyfetch import kmount
 from sandbox.manager import SandboxManager
 from sandbox.model import Maxima
@@ -418,6 +421,81 @@ def test_every_host_mount_of_a_sandbox_is_nosuid_nodev(url: str, manager: Sandbo
             opts = set(m.mount_options.split(","))
             assert {"nosuid", "nodev"} <= opts, (m.mountpoint, m.fstype, m.mount_options)
         for sid in (box["id"], restored["id"]):
+            await call("DELETE", f"{url}/v1/sandboxes/{sid}", ALPHA)
+
+    asyncio.run(scenario())
+
+
+# -- a hostile image: nothing of the host reachable from inside, nothing usable from the host ---------------
+@pytest.fixture(scope="module")
+def hostile_image(manager: SandboxManager, store_url: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The fixture image with a toolkit layer an attacker built: setuid-root copies of ``id``, a
+    4777 root-owned program, the host disk as a block device, /dev/null's numbers, and
+    symlinks aiming at the host's files (absolute and through ``..``)."""
+    work = tmp_path_factory.mktemp("hostile")
+    disk = os.stat("/").st_dev
+    payload = Path("/usr/bin/id").read_bytes()
+    tar = TarBuilder()
+    tar.file("opt/evil/suid-id", payload, mode=0o4755)
+    tar.file("opt/evil/all-4777", payload, mode=0o4777)
+    tar.device("opt/evil/disk", "b", os.major(disk), os.minor(disk), mode=0o666)
+    tar.device("opt/evil/null", "c", 1, 3, mode=0o666)
+    tar.symlink("opt/evil/abs-shadow", "/etc/shadow")
+    tar.symlink("opt/evil/up-shadow", "../../../../../../../../etc/shadow")
+    tar.symlink("opt/evil/host-root", "/proc/1/root")
+    publish_sync(store_url, work / "pub", str(tar.write(work / "evil.tar")), "hostile/toolkit")
+
+    async def compose() -> None:
+        async with await Store.open(store_url, work / "pub") as store:
+            await store.compose("hostile/python", {"base": REF, "toolkit": "hostile/toolkit"})
+
+    asyncio.run(compose())
+    return "hostile/python"
+
+
+def test_a_hostile_image_gives_the_agent_nothing_of_the_host(url: str, manager: SandboxManager,
+                                                              hostile_image: str) -> None:
+    host_shadow = Path("/etc/shadow").read_bytes()
+
+    async def scenario() -> None:
+        as_root = await create(url, ALPHA, image=hostile_image)
+        as_user = await create(url, ALPHA, image=hostile_image, user="1000:1000")
+        sandbox_shadow = (await run(url, ALPHA, as_root["id"], "cat /etc/shadow"))["stdout"]
+        assert sandbox_shadow
+        assert sandbox_shadow != host_shadow
+        # inside: links resolve in the sandbox's own root, devices stay shut, setuid gains nothing
+        probe = ("for f in abs-shadow up-shadow; do cmp -s /opt/evil/$f /etc/shadow && echo $f:own; done; "
+                 "ls /opt/evil/host-root/ >/dev/null 2>&1 && echo host-root:listed; "
+                 "head -c1 /opt/evil/disk >/dev/null 2>&1 && echo disk:opened; "
+                 "head -c1 /opt/evil/null >/dev/null 2>&1 && echo null:opened; "
+                 "/opt/evil/suid-id -u; /opt/evil/all-4777 -u; echo end")
+        inside_root = (await run(url, ALPHA, as_root["id"], probe))["stdout"].decode().split()
+        assert inside_root[:2] == ["abs-shadow:own", "up-shadow:own"], inside_root
+        # the device cgroup refuses the disk; the sandbox's own / is nodev, so even an allowed
+        # device's numbers in the image open nothing
+        assert "disk:opened" not in inside_root, inside_root
+        assert "null:opened" not in inside_root, inside_root
+        assert inside_root[-3:] == ["0", "0", "end"], inside_root  # root is root of its own sandbox only
+        inside_user = (await run(url, ALPHA, as_user["id"], probe))["stdout"].decode().split()
+        assert inside_user[-3:] == ["1000", "1000", "end"], inside_user  # setuid-root gains nothing
+        assert "disk:opened" not in inside_user, inside_user
+        # the host /proc/1/root is the sandbox's own /proc's (its pid 1 is its init): never the host's
+        listing = (await run(url, ALPHA, as_root["id"], "ls /opt/evil/host-root/ 2>&1; echo"))["stdout"]
+        assert b"layerbox" not in listing  # the host's / has the data dir's parents; the sandbox's has not
+        # the files API: the same links resolve inside; the devices are refused, not opened
+        for link in ("abs-shadow", "up-shadow"):
+            status, data = await call("GET", f"{url}/v1/sandboxes/{as_root['id']}/files?path=/opt/evil/{link}",
+                                      ALPHA)
+            assert (status, data) == (200, sandbox_shadow), (link, status)
+        for dev in ("disk", "null"):
+            for method, raw in (("GET", None), ("PUT", b"x")):
+                status, answer = await call(method, f"{url}/v1/sandboxes/{as_root['id']}/files?path=/opt/evil/{dev}",
+                                            ALPHA, raw=raw)
+                assert (status, answer["error"]["code"]) == (409, "not_a_regular_file"), (dev, method, answer)
+        status, answer = await call("GET", f"{url}/v1/sandboxes/{as_root['id']}/files?path=/opt/evil/host-root/etc/shadow",
+                                    ALPHA)
+        assert status in (403, 404), answer  # a magic link: refused, never followed to the host
+        for sid in (as_root["id"], as_user["id"]):
             await call("DELETE", f"{url}/v1/sandboxes/{sid}", ALPHA)
 
     asyncio.run(scenario())
