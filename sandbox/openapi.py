@@ -12,47 +12,65 @@ from typing import Any
 
 from sandbox import model as m
 
-_STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-_SECONDS = {"type": "number", "exclusiveMinimum": 0, "maximum": 365 * m.DAY}
-_PATH = {"type": "string", "pattern": "^/", "minLength": 1, "maxLength": m.MAX_PATH}
+# OpenAPI 3.0 has JSON Schema draft 4's exclusive bounds: a boolean beside minimum, not a number
+_POSITIVE = {"type": "number", "minimum": 0, "exclusiveMinimum": True}
+_SECONDS = {**_POSITIVE, "maximum": 365 * m.DAY}
+_NO_NUL = r"^[^\x00]*$"
+_PATH = {"type": "string", "pattern": r"^/[^\x00]*$", "maxLength": m.MAX_PATH}
+# OpenAPI 3.0 has no propertyNames: the key grammars are prose (a bad key is a 400 naming the field)
+_ENV = {"type": "object", "additionalProperties": {"type": "string", "pattern": _NO_NUL},
+        "maxProperties": m.MAX_ENV_ENTRIES, "description": "names: 1-256 characters without '=' or NUL"}
+_LABELS = {"type": "object", "maxProperties": m.MAX_LABELS,
+           "additionalProperties": {"type": "string", "maxLength": 1024, "pattern": _NO_NUL},
+           "description": "keys: 1-128 letters, digits, '.', '_', '/', '-', starting with a letter or digit; "
+                          "not under 'layerbox.'"}
+_PRINTABLE = {"type": "string", "pattern": "^" + m.PRINTABLE.pattern + "$"}
+_ARGV = {"type": "array", "items": {"type": "string", "pattern": _NO_NUL}, "minItems": 1, "maxItems": m.MAX_ARGS,
+         "description": "argv: the program name first (not empty)"}
+_COMMAND = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": m.MAX_COMMAND_BYTES, "pattern": _NO_NUL,
+                       "description": "run by /bin/sh -c"}, _ARGV]}
+_PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})"
 
 EGRESS_RULE = {
     "type": "object", "additionalProperties": False,
-    "description": "exactly one of cidr or host; ports only with tcp or udp",
+    "description": "exactly one of cidr (a network without host bits, or an address) or host (resolved when "
+                   "the policy is set); ports, a port or a low-high range, only with tcp (the default) or udp",
     "properties": {
         "cidr": {"type": "string", "example": "10.0.0.0/8"},
         "host": {"type": "string", "example": "pypi.org"},
         "ports": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 65535},
-                            {"type": "string", "pattern": r"^\d{1,5}(-\d{1,5})?$"}]},
+                            {"type": "string", "pattern": f"^{_PORT}(-{_PORT})?$"}]},
         "protocol": {"type": "string", "enum": list(m.PROTOCOLS)},
     },
+    "oneOf": [{"required": ["cidr"]}, {"required": ["host"]}],
+    "anyOf": [{"not": {"required": ["ports"]}}, {"properties": {"protocol": {"enum": ["tcp", "udp"]}}}],
 }
 
 OPTIONS_PROPERTIES: dict[str, Any] = {
-    "cpu": {"type": "number", "exclusiveMinimum": 0, "maximum": 1024, "description": "CPUs of quota"},
+    "cpu": {**_POSITIVE, "maximum": 1024, "description": "CPUs of quota"},
     "memory": {"type": "integer", "minimum": m.MIN_MEMORY, "maximum": 64 * m.TiB, "description": "bytes"},
     "pids": {"type": "integer", "minimum": m.MIN_PIDS, "maximum": 1 << 22},
     "disk": {"type": "integer", "minimum": m.MIN_DISK, "maximum": 1024 * m.TiB, "nullable": True,
              "description": "bytes of the sandbox's own writable disk"},
     "cpu_class": {"type": "string", "enum": list(m.CPU_CLASSES)},
-    "env": _STR_MAP,
+    "env": _ENV,
     "workdir": _PATH,
     "user": {"type": "string", "pattern": "^" + m.USER_SPEC.pattern + "$"},
-    "labels": {**_STR_MAP, "description": "keys: letters, digits, '.', '_', '/', '-'; not under 'layerbox.'"},
+    "labels": _LABELS,
     "ttl": _SECONDS, "idle_timeout": _SECONDS, "lease_ttl": _SECONDS,
     "job": {"type": "string", "pattern": "^" + m.JOB_NAME.pattern + "$"},
     "network": {"type": "array", "items": EGRESS_RULE, "maxItems": m.MAX_RULES, "nullable": True,
                 "description": "egress allow rules (default deny); null or absent: loopback only"},
     "userns": {"type": "boolean"},
-    "policy_version": {"type": "string", "maxLength": 128},
+    "policy_version": {**_PRINTABLE, "maxLength": 128},
 }
 assert set(OPTIONS_PROPERTIES) == set(m.SandboxOptions.CLIENT_FIELDS)
 
 _REF = {"type": "string", "minLength": 1, "maxLength": 512}
 
 
-def _body(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": properties}
+def _body(properties: dict[str, Any], required: tuple[str, ...] = (), **more: Any) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "additionalProperties": False, "properties": properties, **more}
     if required:
         schema["required"] = list(required)
     return {"required": bool(required), "content": {"application/json": {"schema": schema}}}
@@ -63,25 +81,40 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                     ("image",)),
     "restore": _body({"checkpoint": _REF, **OPTIONS_PROPERTIES}, ("checkpoint",)),
     "exec": _body({
-        "cmd": {"oneOf": [{"type": "string", "minLength": 1},
-                          {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": m.MAX_ARGS}]},
-        "env": _STR_MAP, "cwd": _PATH,
-        "timeout": {"type": "number", "exclusiveMinimum": 0, "maximum": 30 * m.DAY},
+        "cmd": _COMMAND, "env": _ENV, "cwd": _PATH,
+        "timeout": {**_POSITIVE, "maximum": 30 * m.DAY},
         "stdin": {"type": "string", "format": "byte", "description": "base64"},
-        "output_cap": {"type": "integer", "minimum": 0, "description": "bytes streamed per stream"},
-        "idempotency_key": {"type": "string", "minLength": 1, "maxLength": 200, "pattern": r"^[\x20-\x7e]+$"},
+        "output_cap": {"type": "integer", "minimum": 0, "maximum": m.UNCAPPED, "description": "bytes streamed "
+                       "per stream"},
+        "idempotency_key": {**_PRINTABLE, "maxLength": 200},
     }, ("cmd",)),
-    "checkpoint": _body({"name": {"type": "string", "maxLength": 256, "description": "repo[:tag], inside the "
-                                  "project's namespace"}, "labels": _STR_MAP}),
+    "checkpoint": _body({"name": {"type": "string", "minLength": 1, "maxLength": m.MAX_REF_NAME,
+                                  "description": "repo[:tag], inside the project's namespace"},
+                         "labels": _LABELS}),
     "network": _body({"rules": {"type": "array", "items": EGRESS_RULE, "maxItems": m.MAX_RULES}}, ("rules",)),
     "renew": _body({"ttl": _SECONDS}),
-    "preempt": _body({"timeout": {"type": "number", "minimum": 0, "description": "grace for running commands"}}),
+    "preempt": _body({"timeout": {"type": "number", "minimum": 0, "maximum": 30 * m.DAY,
+                                  "description": "grace for running commands"}}),
     "run": _body({"manifest": _REF}, ("manifest",)),
-    "call": _body({"image": _REF, "cmd": {"oneOf": [{"type": "string", "minLength": 1},
-                                                    {"type": "array", "items": {"type": "string"}, "minItems": 1}]},
-                   "function": {"type": "string", "minLength": 1, "description": "Python source"},
+    # a command, or a function with its arguments
+    "call": _body({"image": _REF, "cmd": _COMMAND,
+                   "function": {"type": "string", "minLength": 1, "pattern": _NO_NUL,
+                                "description": "Python source (at most 1 MiB)"},
                    "args": {"type": "array"}, "kwargs": {"type": "object"},
-                   "timeout": {"type": "number", "exclusiveMinimum": 0}}, ("image",)),
+                   "timeout": {**_POSITIVE, "maximum": 30 * m.DAY}}, ("image",),
+                  oneOf=[{"required": ["cmd"], "not": {"anyOf": [{"required": [k]} for k in ("function", "args",
+                                                                                                 "kwargs")]}},
+                         {"required": ["function"], "not": {"required": ["cmd"]}}]),
+}
+
+_FLAG = {"type": "string", "enum": ["0", "1", "true", "false"]}
+PARAMETERS: dict[str, dict[str, Any]] = {
+    "id": {"type": "string", "pattern": "^" + m.SANDBOX_ID.pattern + "$"},
+    "job": {"type": "string", "pattern": "^" + m.JOB_NAME.pattern + "$"},
+    "path": _PATH, "list": _FLAG, "stat": _FLAG, "recursive": _FLAG,
+    "mode": {"type": "string", "pattern": "^0?[0-7]{1,3}$", "description": "octal permission bits"},
+    "since": {"type": "number", "minimum": 0, "maximum": 1e12, "description": "Unix time"},
+    "action": {"type": "string"}, "idempotency_key": {"type": "string"},
 }
 
 _ERRORS = {"400": "a field is malformed or out of range (error.field names it)",
@@ -95,10 +128,10 @@ def _op(summary: str, responses: dict[str, str], *, body: str | None = None, que
                                         for code, d in {**responses, **_ERRORS}.items()}}
     params: list[dict[str, Any]] = []
     if path is not None:
-        params.append({"name": path, "in": "path", "required": True, "schema": {"type": "string"}})
+        params.append({"name": path, "in": "path", "required": True, "schema": PARAMETERS[path]})
         op["responses"].setdefault("404", {"description": "no such sandbox (or job) in this project",
                                            **_error_content("404")})
-    params += [{"name": q, "in": "query", "required": q == "path", "schema": {"type": "string"}} for q in query]
+    params += [{"name": q, "in": "query", "required": q == "path", "schema": PARAMETERS[q]} for q in query]
     if params:
         op["parameters"] = params
     if body == "bytes":
@@ -146,7 +179,8 @@ DOCUMENT: dict[str, Any] = {
                         "(base64 data, at most output_cap bytes each), then exit (with interrupted, replayed) "
                         "or error. Closing the connection kills the command.",
                         {"200": "application/x-ndjson event stream",
-                         "409": "sandbox not running, job preempted or key still running (retryable)"},
+                         "409": "sandbox not running, job preempted or key still running (retryable)",
+                         "503": "this edge is stopping (code 'stopping', retryable)"},
                         body="exec"),
         },
         "/v1/sandboxes/{id}/files": {
