@@ -9,12 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,9 +19,10 @@ import pytest
 
 from lazyfetch import kmount
 from sandbox.admission import Admission, AdmissionConfig, CapacityExceeded, Demand, GiB, MiB, score
-from sandbox.manager import SandboxManager
 from sandbox.placement import Edge, Placement, PlacementError
 from sandbox.sdk import AsyncSandbox
+from tests.support.edges import EdgeProcess
+from tests.support.edges import http as edge_http
 from tests.support.sandboxes import REF
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
@@ -37,111 +32,10 @@ OPS_TOKEN = "placement-ops-token-0123456789"
 TOKENS = {"projects": {"p": {"tokens": [TOKEN], "max_sandboxes": 10},
                        "ops": {"tokens": [OPS_TOKEN], "max_sandboxes": 0, "admin": True}}}
 HUGE = 1 << 45  # 32 TiB: within the edges' --max-memory, far beyond any host's MemAvailable
-REPO = Path(__file__).resolve().parent.parent
-READY_TIMEOUT = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http(method: str, url: str, body: Any = None) -> tuple[int, dict[str, str], Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={
-        "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            raw, status, headers = r.read(), r.status, dict(r.headers)
-    except urllib.error.HTTPError as e:
-        raw, status, headers = e.read(), e.code, dict(e.headers)
-    try:
-        return status, headers, json.loads(raw) if raw else None
-    except ValueError:
-        return status, headers, raw.decode(errors="replace")
-
-
-class EdgeProcess:
-    """One edge service as a child process with its own data dir and port."""
-
-    def __init__(self, name: str, root: Path, store_url: str, tokens: Path, *extra: str) -> None:
-        self.name, self.store_url = name, store_url
-        self.data_dir = root / name
-        self.log = root / f"{name}.log"
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "sandbox.service", "--data-dir", str(self.data_dir),
-                     "--store", store_url, "--port", str(self.port), "--tokens", str(tokens),
-                     "--edge-id", name, *extra]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as log:
-            env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-            self.proc = subprocess.Popen(self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        # readiness is the service answering its own API, not a fixed delay
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"edge {self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if http("GET", f"{self.url}/v1/load")[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise AssertionError(f"edge {self.name} not ready after {READY_TIMEOUT} s:\n{self.tail()}")
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)  # the port is closed once it is reaped
-
-    def stop(self) -> None:
-        if not self.alive():
-            return
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else "(no log)"
-
-    def sandboxes(self) -> list[str]:
-        status, _, body = http("GET", f"{self.url}/v1/sandboxes")
-        assert status == 200, body
-        return [sb["id"] for sb in body["sandboxes"]]
-
-    def clean_up(self) -> list[str]:
-        """After the process is gone: destroy what it left, unmount, stop its lazyfetch daemon."""
-        mgr = SandboxManager(self.data_dir, self.store_url)
-        problems = []
-        try:
-            mgr.reconcile()
-            left = [st.id for st in mgr.list()]
-            if left:
-                problems.append(f"{self.name}: sandboxes left behind: {left}")
-            mgr.close()
-        except Exception as exc:  # keep cleaning the other edges; reported at the end
-            problems.append(f"{self.name}: cleanup failed: {exc!r}")
-        if mgr.runtime.root.exists() and mgr.runtime.list():
-            problems.append(f"{self.name}: containers left: {mgr.runtime.list()}")
-        if kmount.mounts_under(self.data_dir):
-            problems.append(f"{self.name}: mounts left: {kmount.mounts_under(self.data_dir)}")
-        if [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]:
-            problems.append(f"{self.name}: cgroups left under {mgr.cgroup_parent}")
-        if mgr.host.client.health() is not None:
-            problems.append(f"{self.name}: lazyfetch daemon still running")
-        return problems
+    return edge_http(method, url, body, token=TOKEN)
 
 
 @pytest.fixture(scope="module")
@@ -152,9 +46,9 @@ def cluster(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     tokens.write_text(json.dumps(TOKENS))
     # a small memory reserve: other test runs share this host, and a rejection here must be deliberate
     common = ("--memory-reserve", "256M", "--disk-reserve", "256M", "--max-memory", "64T", "--max-pids", str(1 << 22))
-    edges = {"a": EdgeProcess("a", root, store, tokens, "--max-sandboxes", "4", *common),
-             "b": EdgeProcess("b", root, store, tokens, "--max-sandboxes", "4", *common),
-             "c": EdgeProcess("c", root, store, tokens, "--max-sandboxes", "0", *common)}
+    edges = {"a": EdgeProcess("a", root, store, tokens, "--max-sandboxes", "4", *common, token=TOKEN),
+             "b": EdgeProcess("b", root, store, tokens, "--max-sandboxes", "4", *common, token=TOKEN),
+             "c": EdgeProcess("c", root, store, tokens, "--max-sandboxes", "0", *common, token=TOKEN)}
     try:
         for e in edges.values():
             e.start()
