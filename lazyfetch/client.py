@@ -18,6 +18,7 @@ from typing import Any, Final
 from lazyfetch.errors import LazyfetchError
 
 START_TIMEOUT = 30.0
+SHUTDOWN_RETRY = 0.5  # seconds between stop requests while the daemon's unmount is refused
 EXIT_ALREADY_RUNNING = 3  # lazyfetch.daemon's exit status when another daemon holds the data dir
 # Subtrees of a data dir that no other local user may enter (0700): what they hold came from
 # images and sandboxes (layer mounts, uppers with whatever an agent wrote, metadata images,
@@ -186,18 +187,29 @@ class DaemonClient:
             raise
 
     def stop(self, timeout: float = 30.0) -> bool:
+        """Stop the daemon: True once it has exited, False when none was running.
+
+        The daemon exits by unmounting its FUSE file system, one attempt per ``/shutdown``;
+        that fails (EBUSY) while anything still holds a blob: a layer mount the kernel is
+        still releasing, a reader.  So the request is repeated until the daemon is gone,
+        and only a holder that stays for ``timeout`` seconds makes this raise.
+        """
         h = self.health()
         if h is None:
             return False
         pid = int(h["pid"])
-        try:
-            self.request("POST", "/shutdown", {})
-        except LazyfetchError:
-            pass
         deadline = time.monotonic() + timeout
+        ask_at = 0.0
         while time.monotonic() < deadline:
             if not _alive(pid):
                 return True
+            if time.monotonic() >= ask_at:
+                try:
+                    self.request("POST", "/shutdown", {}, timeout=2.0)
+                except LazyfetchError:  # already closing its socket, or busy exiting
+                    pass
+                ask_at = time.monotonic() + SHUTDOWN_RETRY
             time.sleep(0.02)
-        raise LazyfetchError(f"lazyfetch daemon {pid} did not stop within {timeout:.0f} s "
-                             "(layers still mounted? `layerbox umount --all` first)")
+        raise LazyfetchError(f"lazyfetch daemon {pid} did not stop within {timeout:.0f} s: its FUSE mount "
+                             f"{self.data_dir / 'blobs'} stays busy (layers still mounted? `layerbox umount "
+                             f"--all` first; `fuser -vm {self.data_dir / 'blobs'}` names other holders)")

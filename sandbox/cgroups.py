@@ -33,13 +33,16 @@ class CgroupLayout:
 
     version: int
     v1: dict[str, Path] = field(default_factory=dict)  # controller -> hierarchy mount
+    # hierarchies without a controller we use that crun still puts every container in (on a hybrid
+    # host: name=systemd and the cgroup2 at unified/); only ever cleaned up, never read or written
+    others: tuple[Path, ...] = ()
 
     def dirs(self, cgroups_path: str) -> list[Path]:
         """Every directory a container with ``cgroups_path`` has (or had) on this host."""
         rel = cgroups_path.lstrip("/")
         if self.version == 2:
             return [CGROUP_ROOT / rel]
-        return sorted({root / rel for root in self.v1.values()})
+        return sorted({root / rel for root in (*self.v1.values(), *self.others)})
 
     def controller_dir(self, controller: str, cgroups_path: str) -> Path | None:
         rel = cgroups_path.lstrip("/")
@@ -184,6 +187,8 @@ def preflight_cgroups() -> CgroupLayout:
     v1 = {c: Path(mp) for fs, mp, opts in mounts if fs == "cgroup" for c in opts if c in V1_CONTROLLERS}
     if not v1:
         raise HostUnsupported("no cgroup v1 controllers and no cgroup2 at /sys/fs/cgroup: mount cgroups first")
+    others = tuple(sorted({Path(mp) for fs, mp, opts in mounts
+                           if fs == "cgroup2" or not opts & set(V1_CONTROLLERS)} - set(v1.values())))
     for fs, mp, _ in mounts:
         if fs != "cgroup2":
             continue
@@ -200,6 +205,6 @@ def preflight_cgroups() -> CgroupLayout:
         log.warning("hybrid cgroups: moving hugetlb from cgroup2 (%s) to cgroup v1 at %s for crun", mp, target)
         _mount_cgroup_v1("hugetlb", target)
         v1["hugetlb"] = target
-    return CgroupLayout(1, v1)
+    return CgroupLayout(1, v1, others)
 
 

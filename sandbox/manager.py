@@ -50,6 +50,7 @@ import blake3
 from layerstore.objects import SCHEMA_RECEIPTS, Resolved
 from layerstore.store import Store
 from lazyfetch import kmount
+from lazyfetch.errors import KernelMountError, LazyfetchError
 from lazyfetch.mounts import HostMounts, MountError
 from sandbox import disk as sbdisk
 from sandbox import idmap
@@ -903,14 +904,18 @@ class SandboxManager:
         box = Sandbox(self, sid)
         known = (box.dir / "state.json").exists()
         self._delete_container(sid)
-        if kmount.is_mountpoint(box.rootfs):
-            try:
-                self.host.umount(box.rootfs, discard=True)
-            except MountError:
+        mounted_here = kmount.is_mountpoint(box.rootfs)
+        try:
+            self.host.umount(box.rootfs, discard=True)  # also forgets a stale record
+        except MountError:  # no record: a rootfs mounted here without one is only detached
+            if mounted_here:
                 kmount.umount(box.rootfs, lazy=True, missing_ok=True)
-        else:
-            with contextlib.suppress(MountError):
-                self.host.umount(box.rootfs, discard=True)  # forget a stale record
+        except KernelMountError as exc:
+            # EBUSY: something still reads the rootfs or a layer only it used.  Detached now and
+            # freed when that reader lets go; raising would leave the cgroups, network, state (and,
+            # from close(), every other sandbox and the daemon) behind
+            log.warning("sandbox %s: %s; detaching it lazily", sid, exc)
+            self.host.umount(box.rootfs, discard=True, lazy=True)
         sbdisk.remove_disk(box.dir / "disk.img", box.dir / "disk")
         if (self.data_dir / "net").exists():
             self.net.destroy(sid)  # after the container: nothing holds the namespace any more
@@ -1038,14 +1043,26 @@ class SandboxManager:
         return report
 
     def close(self, *, stop_daemon: bool = True) -> None:
-        """Destroy every sandbox and release this host's layer mounts."""
+        """Destroy every sandbox and release this host's layer mounts, the daemon too.
+
+        A sandbox that cannot be destroyed does not stop the others or the release: the
+        first such error is raised once everything else is done."""
+        failed: builtins.list[Exception] = []
         for sid in self._ids():
-            self.destroy(sid)
-        self.host.umount_all(stop_daemon=stop_daemon)
-        with self._lock:
-            for fd in self._userns_fds.values():
-                os.close(fd)
-            self._userns_fds.clear()
+            try:
+                self.destroy(sid)
+            except (SandboxError, LazyfetchError, OSError) as exc:
+                log.error("close: destroying sandbox %s failed: %s", sid, exc)
+                failed.append(exc)
+        try:
+            self.host.umount_all(stop_daemon=stop_daemon)
+        finally:
+            with self._lock:
+                for fd in self._userns_fds.values():
+                    os.close(fd)
+                self._userns_fds.clear()
+        if failed:
+            raise failed[0]
 
 
 def _options(options: SandboxOptions | None, fields: Mapping[str, Any]) -> SandboxOptions:

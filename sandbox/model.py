@@ -47,6 +47,9 @@ SANDBOX_ID = re.compile(r"lb-[0-9a-f]{12}")
 PROJECT_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 # a job name is also a ref path component (runs/<job>), so it has the store's repo grammar
 JOB_NAME = re.compile(r"(?=.{1,128}$)[a-z0-9]+(?:[._-][a-z0-9]+)*")
+# a ref's last component and its tag are one file name in a POSIX store (refs/<repo>:<tag>), which
+# NAME_MAX (255 bytes) bounds: a ref name a caller gives (a checkpoint's) is at most this long
+MAX_REF_NAME = 200
 LABEL_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}")
 ENV_KEY = re.compile(r"[^=\x00]{1,256}")
 USER_SPEC = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,31})?")
@@ -74,6 +77,7 @@ MAX_ENV_BYTES = 256 * KiB
 MAX_LABELS = 64
 MAX_RULES = 256
 MAX_PATH = 4096
+NAME_MAX = 255  # bytes of one path component (Linux): a longer one is refused before it reaches a file system
 MAX_COMMAND_BYTES = 1 * MiB
 MAX_ARGS = 4096
 UNCAPPED = 1 << 62  # an output_cap that is no cap (a terminal that prints everything)
@@ -175,6 +179,8 @@ def check_path(field: str, value: object) -> str:
     path = check_str(field, value, max_len=MAX_PATH, what="an absolute path")
     if not path.startswith("/"):
         raise InvalidField(field, f"{_shown(path)} is not an absolute path")
+    if any(len(part.encode("utf-8", "surrogatepass")) > NAME_MAX for part in path.split("/")):
+        raise InvalidField(field, f"{_shown(path)}: a component is longer than {NAME_MAX} bytes")
     return path
 
 
@@ -222,7 +228,39 @@ def check_object(field: str, value: object, known: Sequence[str]) -> Mapping[str
     if unknown:
         raise InvalidField(f"{field}.{unknown[0]}" if field else unknown[0],
                            f"unknown field (known: {', '.join(known)})")
+    where = _not_text(value)
+    if where is not None:
+        raise InvalidField(f"{field}.{where}" if field else where,
+                           "is not Unicode text (a lone surrogate escape such as \\ud800)")
     return value
+
+
+def _is_text(value: str) -> bool:
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _not_text(doc: Mapping[str, Any]) -> str | None:
+    """Where in a JSON object a string or key is no Unicode text: JSON's ``\\ud800`` escape decodes to a
+    str that no UTF-8 file, argv or store document can hold (iterative: nesting cannot overflow it)."""
+    stack: list[tuple[object, str]] = [(doc, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str) and not _is_text(value):
+            return where
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if isinstance(key, str) and not _is_text(key):
+                    return where
+                stack.append((item, f"{where}.{key}" if where else str(key)))
+        elif isinstance(value, list | tuple):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
+    return None
 
 
 # -- egress rules -------------------------------------------------------------------------------------
@@ -495,7 +533,7 @@ class ExecRequest:
     def from_json(cls, doc: object) -> ExecRequest:
         """From the service's JSON body: ``stdin`` is base64; ``null`` takes the default."""
         body = check_object("", doc, cls.FIELDS)
-        if "cmd" not in body:
+        if body.get("cmd") is None:  # null is no command either (it has no default to take)
             raise InvalidField("cmd", "is required: a shell string or a list of strings")
         kwargs = {k: body[k] for k in cls.FIELDS if body.get(k) is not None}
         if "stdin" in kwargs:

@@ -90,6 +90,7 @@ from sandbox.errors import (
 )
 from sandbox.manager import Cancel, Sandbox, SandboxManager
 from sandbox.model import (
+    MAX_REF_NAME,
     PROJECT_LABEL,
     ExecRequest,
     Maxima,
@@ -107,6 +108,7 @@ from sandbox.model import (
 )
 from sandbox.receipts import verify_receipt_chain
 from sandbox.runs import preempt, resume_run
+from snapshots.errors import CheckpointMismatch
 
 log = logging.getLogger("layerbox.sandbox.service")
 
@@ -119,6 +121,7 @@ MAX_JSON_DEPTH = 32
 DEFAULT_JOB = "default"
 DEFAULT_LEASE_TTL = 600.0
 REAP_INTERVAL = 5.0
+SHUTDOWN_GRACE = 10.0  # seconds requests in flight get to finish after SIGTERM (aiohttp's default is 60)
 STREAM_QUEUE = 64  # exec events buffered per request: a slow reader slows the command, never the host
 FILE_OPS_PER_PROJECT = 4  # blocking file work in flight per project
 FILE_THREADS = 32
@@ -216,6 +219,8 @@ def _as_api_error(exc: BaseException) -> ApiError:
         return ApiError(404, "not_found", str(exc))
     if isinstance(exc, SandboxStateError):
         return ApiError(409, "conflict", str(exc), retryable=bool(getattr(exc, "retryable", False)))
+    if isinstance(exc, CheckpointMismatch):  # e.g. a restore under another policy_version than it was made
+        return ApiError(409, "conflict", str(exc))
     if isinstance(exc, PathEscape):
         return ApiError(403, "path_escape", str(exc))
     if isinstance(exc, NotARegularFile):
@@ -294,6 +299,8 @@ class SandboxService:
         self._quota_lock = asyncio.Lock()
         self._file_pool = concurrent.futures.ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="files")
         self._file_slots: dict[str, asyncio.Semaphore] = {}
+        self._streams: set[Cancel] = set()  # commands streaming now: a stop interrupts them
+        self._stopping = False
         self.registry = CollectorRegistry()  # per service: two services in one process never collide
         self.m_sandboxes = Gauge("layerbox_sandboxes", "Live sandboxes", ["project", "status"],
                                  registry=self.registry)
@@ -347,6 +354,7 @@ class SandboxService:
         r.add_post("/v1/calls", self.call)
         r.add_get("/v1/capabilities", self.capabilities)
         app.on_startup.append(self._start_background)
+        app.on_shutdown.append(self._interrupt_streams)
         app.on_cleanup.append(self._stop_background)
         return app
 
@@ -357,19 +365,30 @@ class SandboxService:
             # the first create should not pay for the lazyfetch daemon's start-up
             self._warm = asyncio.create_task(asyncio.to_thread(self.manager.host.start_daemon))
 
+    async def _interrupt_streams(self, app: web.Application) -> None:
+        """On stop, before the server waits for the requests in flight: every streaming command is
+        killed now and its caller gets its exit event (``interrupted: "shutdown"``, also in the
+        receipt), rather than the stop waiting out the server's grace time for a long command."""
+        self._stopping = True
+        for cancel in list(self._streams):
+            cancel.cancel("shutdown")
+
     async def _stop_background(self, app: web.Application) -> None:
-        if self._warm is not None:
-            with contextlib.suppress(Exception):
-                await self._warm
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-        if self._calls is not None:
-            await self._calls.close()
-        self._file_pool.shutdown(wait=True, cancel_futures=True)
-        if self.shutdown_manager:
-            await asyncio.to_thread(self.manager.close)
+        try:
+            if self._warm is not None:
+                with contextlib.suppress(Exception):
+                    await self._warm
+            if self._reaper is not None:
+                self._reaper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._reaper
+            if self._calls is not None:
+                await self._calls.close()
+        finally:  # a pool that failed to close must not leave every other sandbox and mount behind
+            # off the loop: an upload's thread may be waiting for the loop to hand it the next chunk
+            await asyncio.to_thread(self._file_pool.shutdown, wait=True, cancel_futures=True)
+            if self.shutdown_manager:
+                await asyncio.to_thread(self.manager.close)
 
     async def _reap_forever(self) -> None:
         """Destroy sandboxes past their TTL or lease, pause idle ones; a failure waits for the next round."""
@@ -607,7 +626,7 @@ class SandboxService:
             raise _invalid(f"labels.{PROJECT_LABEL}", "a checkpoint's project is its sandbox's")
         name = None
         if body.get("name") is not None:
-            given = check_str("name", body["name"], max_len=256, what="a ref name (repo[:tag])")
+            given = check_str("name", body["name"], max_len=MAX_REF_NAME, what="a ref name (repo[:tag])")
             # a project names refs only inside its namespace; an admin project may publish anywhere
             name = given if project.admin else project_namespace(project.name) + given
             try:
@@ -710,6 +729,8 @@ class SandboxService:
             raise _invalid("args", "must be a list of JSON values")
         if not isinstance(kwargs, dict):
             raise _invalid("kwargs", "must be an object of JSON values")
+        if cmd is not None and (args or kwargs):  # a command's arguments are its argv
+            raise _invalid("args" if args else "kwargs", "goes with 'function', not with 'cmd'")
         # the pool runs exactly what was checked: its key is the resolved digest
         resolved = await self._resolve(project, image, field="image", kinds=("image", "composition", "checkpoint"))
         if self._calls is None:
@@ -733,6 +754,8 @@ class SandboxService:
         req = self.maxima.check_exec(ExecRequest.from_json(await self._json(request)))
         if state.status != "running":
             raise ApiError(409, "conflict", f"sandbox {box.id} is {state.status}, not running")
+        if self._stopping:
+            raise ApiError(503, "stopping", "this edge is stopping; retry on another one", retryable=True)
 
         loop = asyncio.get_running_loop()
         # bounded: the exec thread blocks when the client reads slowly, and the pipe then stops the command
@@ -754,9 +777,11 @@ class SandboxService:
             return push
 
         # streamed, not kept: the service never buffers a command's output beyond the queue
+        self._streams.add(cancel)
         run = asyncio.ensure_future(asyncio.to_thread(
             box.exec, req, on_stdout=forward("stdout"), on_stderr=forward("stderr"), cancel=cancel,
             keep_output=False))
+        run.add_done_callback(lambda _: self._streams.discard(cancel))
         self.m_execs.labels(project.name).inc()
 
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -952,7 +977,9 @@ def main(argv: list[str] | None = None) -> int:
     limits = Maxima(memory=args.max_memory, pids=args.max_pids, output_cap=args.max_output_cap, ttl=args.max_ttl,
                     idle_timeout=args.max_ttl, lease_ttl=args.max_lease_ttl)
     service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True)
-    web.run_app(service.app(), host="127.0.0.1", port=args.port)
+    # SIGTERM: commands streaming are interrupted at once (_interrupt_streams); other requests in flight
+    # (a file transfer to a slow client) get SHUTDOWN_GRACE s to finish, then as long again once cancelled
+    web.run_app(service.app(), host="127.0.0.1", port=args.port, shutdown_timeout=SHUTDOWN_GRACE)
     return 0
 
 
