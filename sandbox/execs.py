@@ -42,7 +42,7 @@ class ExecResult:
     duration: float
     timed_out: bool = False
     oom_killed: bool = False
-    interrupted: str | None = None  # "preempt", "disconnect", "restart": the manager stopped it early
+    interrupted: str | None = None  # "preempt", "disconnect", "shutdown", "restart": stopped early
     replayed: bool = False  # answered from the receipt of an earlier run with the same idempotency key
 
 

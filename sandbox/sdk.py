@@ -89,7 +89,7 @@ class CommandResult:
     duration: float = 0.0
     timed_out: bool = False
     oom_killed: bool = False
-    interrupted: str | None = None  # "preempt"/"disconnect": the service stopped it early
+    interrupted: str | None = None  # "preempt", "disconnect", "shutdown", "restart": stopped early
     replayed: bool = False  # an earlier run under the same idempotency key answered
 
 
