@@ -422,7 +422,7 @@ class Sandbox:
         """Freeze every process, then push the sandbox's page cache out of memory."""
         st = self.state
         self._require_running(st)
-        self.manager.runtime.pause(self.id)
+        self._runtime(self.manager.runtime.pause)
         self._update(status="paused")
         freed = self.manager.layout.reclaim(st.cgroups_path) if reclaim else None
         rec = self._receipt("pause", reclaim=freed)
@@ -432,7 +432,7 @@ class Sandbox:
         st = self.state
         if st.status != "paused":
             raise SandboxStateError(f"sandbox {self.id} is {st.status}, not paused")
-        self.manager.runtime.resume(self.id)
+        self._runtime(self.manager.runtime.resume)
         self._update(status="running")
         self._receipt("resume")
 
@@ -441,11 +441,21 @@ class Sandbox:
         if self.state.status == "paused":
             yield
             return
-        self.manager.runtime.pause(self.id)
+        self._runtime(self.manager.runtime.pause)
         try:
             yield
         finally:
-            self.manager.runtime.resume(self.id)
+            self._runtime(self.manager.runtime.resume)
+
+    def _runtime(self, op: Callable[[str], None]) -> None:
+        """One crun command on this sandbox; when it fails because the sandbox was destroyed
+        meanwhile (the reaper, another request), that is :class:`SandboxNotFound`, not a fault."""
+        try:
+            op(self.id)
+        except RuntimeFailed:
+            if not self.manager.exists(self.id):
+                raise SandboxNotFound(f"sandbox {self.id} was destroyed meanwhile") from None
+            raise
 
     # -- checkpoint ---------------------------------------------------------------------------------
     async def checkpoint(self, *, name: str | None = None, labels: Mapping[str, str] | None = None,
@@ -545,6 +555,9 @@ class SandboxManager:
 
     def _write_state(self, st: SandboxState) -> None:
         replace_beneath(self.boxes, f"{st.id}/state.json", json.dumps(st.to_json(), sort_keys=True).encode())
+
+    def exists(self, sid: str) -> bool:
+        return (self.paths.box(sid) / "state.json").exists()
 
     def get(self, sid: str) -> Sandbox:
         """The sandbox ``sid`` (checked against the id grammar first); :class:`SandboxNotFound` if none."""

@@ -80,6 +80,7 @@ MAX_PATH = 4096
 NAME_MAX = 255  # bytes of one path component (Linux): a longer one is refused before it reaches a file system
 MAX_COMMAND_BYTES = 1 * MiB
 MAX_ARGS = 4096
+MAX_ID = (1 << 32) - 1  # (uid_t)-1 means "no change" to the kernel: never an id
 UNCAPPED = 1 << 62  # an output_cap that is no cap (a terminal that prints everything)
 
 DEFAULT_CPU = 1.0
@@ -431,6 +432,8 @@ class SandboxOptions:
         if self.user is not None:
             put("user", check_str("user", self.user, max_len=65, pattern=USER_SPEC,
                                   what="a user: name, uid, uid:gid or name:group"))
+            if any(part.isdigit() and int(part) >= MAX_ID for part in self.user.split(":")):
+                raise InvalidField("user", f"{_shown(self.user)}: uids and gids are below {MAX_ID}")
         put("labels", check_labels("labels", self.labels, reserved_ok=True))
         for name in ("ttl", "idle_timeout", "lease_ttl"):
             value = getattr(self, name)

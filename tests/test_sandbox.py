@@ -350,3 +350,14 @@ def test_reconcile_after_manager_crash(manager: SandboxManager, store_url: str) 
         manager.destroy(survivor.id)
         manager.destroy(dead.id)
     assert manager.runtime.list() == []
+
+
+def test_a_sandbox_destroyed_under_a_request_is_not_found_not_a_fault(manager: SandboxManager) -> None:
+    # the reaper destroys a sandbox between a request's state read and its crun command
+    from sandbox.errors import SandboxNotFound
+
+    box = run(manager.create(REF))
+    assert box.state.status == "running"
+    manager.destroy(box.id)
+    with pytest.raises(SandboxNotFound, match="destroyed meanwhile"):
+        box._runtime(manager.runtime.pause)
