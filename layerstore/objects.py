@@ -42,6 +42,7 @@ PART_ORDER = ("base", "workspace", "toolkit")  # lowest first: the mission's bas
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _REPO = re.compile(r"^[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+REF_NAME_MAX = 240
 
 
 class BadName(LayerstoreError, ValueError):
@@ -101,6 +102,11 @@ def parse_ref(name: str, default_tag: str = "latest") -> tuple[str, str]:
         )
     if not _TAG.match(tag):
         raise BadName(f"invalid tag {tag!r}: use letters, digits, '_', '.', '-' (at most 128)")
+    # refs/<repo>:<tag> is a file in a POSIX store, next to its ".<name>.lock": its last component
+    # and the tag share one file name, which NAME_MAX (255) bounds with that lock's 6 more
+    if len(repo) > 512 or len(repo.rsplit("/", 1)[-1]) + 1 + len(tag) > REF_NAME_MAX:
+        raise BadName(f"invalid name {name[:80]!r}...: the last path component with its tag is at most "
+                      f"{REF_NAME_MAX} characters, the repository at most 512")
     return repo, tag
 
 

@@ -18,7 +18,7 @@ from converters.publish import publish
 from layerstore.backend import ObjectNotFound
 from layerstore.erofs.reader import ErofsImage
 from layerstore.gc import collect
-from layerstore.objects import DigestMismatch, doc_key, meta_key, pack_key
+from layerstore.objects import BadName, DigestMismatch, doc_key, meta_key, pack_key
 from layerstore.store import Store
 from layerstore.verify import verify
 from tests.support.env import FIXTURE_IMAGE, in_ci
@@ -129,6 +129,15 @@ async def test_compose_keeps_parts_independent(store: Store, tmp_path: Path) -> 
         base.digest, ws.digest, tk1.digest, tk2.digest]
     ref = await store.read_ref("env/a")
     assert ref.history[0]["digest"] == c1.digest
+
+
+@pytest.mark.asyncio
+async def test_a_ref_name_longer_than_a_file_name_is_refused_by_name(store: Store) -> None:
+    doc = await store.put_doc({"schema": "layerbox.image.v1", "layers": [], "config": {}, "source": {}})
+    for name in ("x" * 300, "a/" + "b" * 200 + ":" + "t" * 50, "/".join(["c"] * 300)):
+        with pytest.raises(BadName, match="at most 240|at most 512"):
+            await store.set_ref(name, doc, "image")
+    await store.set_ref("a/" + "b" * 200 + ":" + "t" * 39, doc, "image")  # 240 characters: fits
 
 
 @pytest.mark.asyncio
