@@ -17,7 +17,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from support.sandboxes import PROCESS_ARGS, REF, ServerThread, assert_clean
+from support.sandboxes import (
+    PROCESS_ARGS,
+    REF,
+    ServerThread,
+    assert_clean,
+    no_sandboxes_left,
+    serving,
+)
 
 from lazyfetch import kmount
 from sandbox.manager import SandboxManager
@@ -31,7 +38,6 @@ from sandbox.sdk import (
     call,
     capabilities,
 )
-from sandbox.service import AuthConfig, SandboxService
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -42,23 +48,14 @@ TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 6},
 
 @pytest.fixture(scope="module")
 def server(manager: SandboxManager) -> Iterator[ServerThread]:
-    srv = ServerThread(SandboxService(manager, AuthConfig.from_dict(TOKENS), reap_interval=0.3, fncall_pool=1))
-    srv.start()
-    try:
+    with serving(manager, TOKENS, reap_interval=0.3, fncall_pool=1) as srv:  # stopping closes the pools
         yield srv
-    finally:
-        srv.stop()  # also closes the FnCall pools
 
 
 @pytest.fixture
 def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:
-    try:
+    with no_sandboxes_left(manager):
         yield server.url
-    finally:
-        leftovers = [st.id for st in manager.list() if "layerbox.pool" not in st.labels]
-        for sid in leftovers:
-            manager.destroy(sid)
-    assert leftovers == [], "the test left sandboxes behind"
 
 
 def test_the_service_starts_the_lazyfetch_daemon_before_the_first_create(

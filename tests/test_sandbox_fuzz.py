@@ -52,8 +52,7 @@ from lazyfetch import kmount
 from sandbox.errors import SandboxNotFound
 from sandbox.manager import SandboxManager
 from sandbox.model import MAX_REF_NAME
-from sandbox.service import AuthConfig, SandboxService
-from tests.support.sandboxes import REF, ServerThread
+from tests.support.sandboxes import REF, ServerThread, serving
 
 pytestmark = [pytest.mark.usefixtures("need_root"),
               pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun", "cmd:nft", "cmd:ip")]
@@ -126,12 +125,8 @@ def _local_getaddrinfo(host: Any, port: Any = None, family: int = 0, type: int =
 def server(manager: SandboxManager) -> Iterator[ServerThread]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(socket, "getaddrinfo", _local_getaddrinfo)
-        srv = ServerThread(SandboxService(manager, AuthConfig.from_dict(TOKENS), reap_interval=0.3))
-        srv.start()
-        try:
+        with serving(manager, TOKENS, reap_interval=0.3) as srv:
             yield srv
-        finally:
-            srv.stop()
 
 
 # -- what fuzzing aims at, and what it must leave alone -------------------------------------------------

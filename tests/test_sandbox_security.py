@@ -21,14 +21,13 @@ from typing import Any
 import aiohttp
 import pytest
 from support.hosts import publish_sync
-from support.sandboxes import REF, ServerThread
+from support.sandboxes import REF, ServerThread, no_sandboxes_left, serving
 from support.tarbuild import TarBuilder
 
 from layerstore.store import Store
 from lazyfetch import kmount
 from sandbox.manager import SandboxManager
 from sandbox.model import Maxima
-from sandbox.service import AuthConfig, SandboxService
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -41,23 +40,14 @@ MAXIMA = Maxima(memory=4 << 30, output_cap=8 << 20, lease_ttl=3600.0)
 
 @pytest.fixture(scope="module")
 def server(manager: SandboxManager) -> Iterator[ServerThread]:
-    srv = ServerThread(SandboxService(manager, AuthConfig.from_dict(TOKENS), reap_interval=0.5, maxima=MAXIMA))
-    srv.start()
-    try:
+    with serving(manager, TOKENS, reap_interval=0.5, maxima=MAXIMA) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
 def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:
-    try:
+    with no_sandboxes_left(manager):
         yield server.url
-    finally:
-        left = [st.id for st in manager.list() if "layerbox.pool" not in st.labels]
-        for sid in left:
-            manager.destroy(sid)
-    assert left == [], "the test left sandboxes behind"
 
 
 async def call(method: str, url: str, token: str, *, body: Any = None, raw: bytes | None = None,

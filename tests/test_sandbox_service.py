@@ -20,8 +20,7 @@ from sandbox.sdk import (
     Sandbox,
     UnsupportedIsolation,
 )
-from sandbox.service import AuthConfig, SandboxService
-from tests.support.sandboxes import REF, ServerThread
+from tests.support.sandboxes import REF, ServerThread, no_sandboxes_left, serving
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -37,26 +36,17 @@ TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 2},
 
 @pytest.fixture(scope="module")
 def server(manager: SandboxManager) -> Iterator[ServerThread]:
-    srv = ServerThread(SandboxService(manager, AuthConfig.from_dict(TOKENS), reap_interval=0.3))
-    srv.start()
-    try:
+    with serving(manager, TOKENS, reap_interval=0.3) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture
 def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:
     """The service URL; every sandbox a test leaves behind is destroyed, then nothing may remain."""
-    try:
+    with no_sandboxes_left(manager):
         yield server.url
-    finally:
-        leftovers = [st.id for st in manager.list()]
-        for sid in leftovers:
-            manager.destroy(sid)
-        assert manager.runtime.list() == []
-        assert kmount.mounts_under(manager.boxes) == []
-    assert leftovers == [], "the test (or kill) left sandboxes behind"
+    assert manager.runtime.list() == []
+    assert kmount.mounts_under(manager.boxes) == []
 
 
 def get(url: str, token: str | None = None) -> tuple[int, bytes]:

@@ -7,6 +7,7 @@ each module then gets its own store and manager (module scope), torn down even o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -17,7 +18,8 @@ from aiohttp import web
 
 from lazyfetch import kmount
 from sandbox.manager import Sandbox, SandboxManager
-from sandbox.service import SandboxService
+from sandbox.model import POOL_LABEL
+from sandbox.service import AuthConfig, SandboxService
 from support.env import FIXTURE_IMAGE, require
 from tests.support.hosts import publish_sync
 
@@ -103,6 +105,29 @@ class ServerThread:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+@contextlib.contextmanager
+def serving(manager: SandboxManager, tokens: dict[str, Any], **service_options: Any) -> Iterator[ServerThread]:
+    """The edge service over ``manager`` with the projects of ``tokens``, stopped however the block ends."""
+    srv = ServerThread(SandboxService(manager, AuthConfig.from_dict(tokens), **service_options))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@contextlib.contextmanager
+def no_sandboxes_left(manager: SandboxManager) -> Iterator[None]:
+    """Destroy every sandbox (but warm-pool ones) a test left, then fail it for leaving them."""
+    try:
+        yield
+    finally:
+        left = [st.id for st in manager.list() if POOL_LABEL not in st.labels]
+        for sid in left:
+            manager.destroy(sid)
+    assert left == [], "the test left sandboxes behind"
 
 
 def kill_daemon(mgr: SandboxManager) -> None:
