@@ -7,10 +7,13 @@ source of truth for that document.
 from __future__ import annotations
 
 import errno
+import functools
 import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from sandbox import seccomp
 
 # An idle init present in every Debian image (dash): it exits on TERM and,
 # blocked in `wait`, reaps the orphans the kernel reparents to it.
@@ -235,6 +238,11 @@ def seccomp_profile() -> dict[str, Any]:
     }
 
 
+@functools.cache
+def _precompiled_seccomp() -> dict[str, str]:
+    return seccomp.annotation(seccomp_profile())
+
+
 def build_process(args: Sequence[str], *, env: Mapping[str, str], cwd: str, uid: int, gid: int,
                   additional_gids: Sequence[int] = ()) -> dict[str, Any]:
     caps = list(CAPABILITIES)
@@ -300,6 +308,8 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
             "readonlyPaths": list(READONLY_PATHS),
             "seccomp": profile,
         },
+        # the same profile, compiled once per process: crun loads it instead of compiling it (~20 ms)
+        "annotations": dict(_precompiled_seccomp()),
     }
     if userns is not None:
         host_base, size = userns

@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from support.sandboxes import REF, run
 
+from sandbox import seccomp
+from sandbox import spec as spec_module
 from sandbox.manager import Sandbox, SandboxManager
 from sandbox.spec import ALLOWED_SYSCALLS, DENIED_SYSCALLS, seccomp_profile
 
@@ -189,10 +191,17 @@ print(json.dumps(verdicts))
 """
 
 
-@pytest.fixture(scope="module")
-def verdicts(manager: SandboxManager) -> dict[str, Any]:
-    """Every call of CALLS issued once inside one sandbox (destroyed before the rows are checked)."""
-    box: Sandbox = run(manager.create(REF))
+@pytest.fixture(scope="module", params=["precompiled", "compiled-by-crun"])
+def verdicts(manager: SandboxManager, request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Every call of CALLS issued once inside one sandbox (destroyed before the rows are checked):
+    with the filter the manager compiles once and hands crun as an annotation, and with crun
+    compiling the OCI section itself (what any other runtime gets): both must give every verdict."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param == "compiled-by-crun":
+            patch.setattr(spec_module, "_precompiled_seccomp", lambda: {})
+        box: Sandbox = run(manager.create(REF))
+    config = json.loads((box.bundle / "config.json").read_text())
+    assert (seccomp.ANNOTATION in config.get("annotations", {})) is (request.param == "precompiled")
     try:
         calls = [[c.what, c.nr, list(c.args), c.abi, c.forks] for c in CALLS]
         res = box.exec(["python3", "-c", PROBE], stdin=json.dumps(calls).encode(), timeout=60)
