@@ -198,8 +198,15 @@ def run_timed(argv: Sequence[str | os.PathLike[str]], *, env: Mapping[str, str] 
     return Timed(first if first is not None else exited, exited, bytes(out))
 
 
-def chroot_argv(root: Path, command: Sequence[str]) -> list[str]:
-    return ["unshare", "--mount", "--propagation", "private", "/usr/sbin/chroot", str(root), *command]
+# In the private mount namespace, the host's /dev/null over the image's: layerbox mounts its
+# layers and overlays nodev (an image's device nodes open nothing), and a sandbox gets its own
+# /dev anyway; the plain directory gets the same bind, so both methods run the same command.
+_WITH_DEV_NULL = 'mount --bind /dev/null "$1/dev/null" && exec "${@:2}"'
+
+
+def chroot_argv(root: Path, command: Sequence[str], *, tracer: Sequence[str] = ()) -> list[str]:
+    return ["unshare", "--mount", "--propagation", "private", "/bin/bash", "-c", _WITH_DEV_NULL, "bash",
+            str(root), *tracer, "/usr/sbin/chroot", str(root), *command]
 
 
 def drop_caches() -> None:
@@ -322,8 +329,8 @@ def opened_files(root: Path, command: Sequence[str], log_path: Path) -> dict[str
     files' sizes: an upper bound of what was read (a library is mapped, not
     read in full).
     """
-    argv = ["unshare", "--mount", "--propagation", "private", "strace", "-f", "-y", "-qq",
-            "-e", "trace=open,openat,execve", "-o", str(log_path), "/usr/sbin/chroot", str(root), *command]
+    argv = chroot_argv(root, command, tracer=["strace", "-f", "-y", "-qq", "-e", "trace=open,openat,execve",
+                                               "-o", str(log_path)])
     run_timed(argv, env=CHROOT_ENV)
     real_root = os.path.realpath(root)
     found: dict[tuple[int, int], tuple[str, int]] = {}

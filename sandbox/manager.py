@@ -514,6 +514,7 @@ class SandboxManager:
         self._layout: CgroupLayout | None = None
         self._lock = threading.RLock()
         self._inflight: dict[str, dict[str, Cancel]] = {}  # sandbox -> running execs (this process)
+        self._states: dict[str, tuple[bytes, SandboxState]] = {}  # the last parse of each state file
         self._keys_running: set[tuple[str, str]] = set()
         self._net: NetworkManager | None = None
         # a /16 per data dir, so two managers (two tests, two "hosts" on one machine) never overlap
@@ -542,16 +543,28 @@ class SandboxManager:
 
     # -- state files ---------------------------------------------------------------------------------
     def _read_state(self, sid: str) -> SandboxState:
+        """The sandbox's state, parsed and checked once per content of its file.
+
+        The bytes are read every time and compared with those of the last parse (exact: no
+        clock or inode number can make a stale parse pass), so listing 1,000 sandboxes is
+        1,000 small reads, not 1,000 validations (~0.1 ms each).
+        """
         sid = check_sandbox_id(sid)
         try:
             raw = read_beneath(self.boxes, f"{sid}/state.json")
         except FileNotFoundError:
+            self._states.pop(sid, None)
             raise SandboxNotFound(f"sandbox {sid}: no such sandbox on this host ({self.boxes})") from None
+        cached = self._states.get(sid)
+        if cached is not None and cached[0] == raw:
+            return cached[1]
         try:
             doc = json.loads(raw)
         except ValueError as exc:
             raise StateUnreadable(f"{self.boxes}/{sid}/state.json: not JSON ({exc})") from None
-        return SandboxState.from_json(doc, where=f"{self.boxes}/{sid}/state.json")
+        st = SandboxState.from_json(doc, where=f"{self.boxes}/{sid}/state.json")
+        self._states[sid] = (raw, st)
+        return st
 
     def _write_state(self, st: SandboxState) -> None:
         replace_beneath(self.boxes, f"{st.id}/state.json", json.dumps(st.to_json(), sort_keys=True).encode())
@@ -938,6 +951,7 @@ class SandboxManager:
             self.receipt_logs.append(sid, {"id": uuid.uuid4().hex[:16], "sandbox": sid, "action": "destroy",
                                            "time": time.time()})
         self.receipt_logs.forget(sid)  # the log is complete: nothing more is appended to it here
+        self._states.pop(sid, None)
         shutil.rmtree(box.dir, ignore_errors=True)
         if not self._ids():
             self.layout.remove(f"/{self.cgroup_parent}")
