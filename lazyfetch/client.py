@@ -152,7 +152,10 @@ class DaemonClient:
             if trace_seconds is not None:
                 argv += ["--trace-seconds", str(trace_seconds)]
             self.data_dir.mkdir(parents=True, exist_ok=True)
-            log = open(self.data_dir / "lazyfetch.out", "ab")  # noqa: SIM115 (handed to the child)
+            # (0600: it names layers and paths of this host; the data dir itself may be o+x)
+            log = os.fdopen(os.open(self.data_dir / "lazyfetch.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                                    | os.O_CLOEXEC, 0o600), "ab")
+            os.fchmod(log.fileno(), 0o600)
             repo = Path(__file__).resolve().parents[1]
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

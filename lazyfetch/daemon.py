@@ -347,9 +347,12 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    log_file = cfg.data_dir / "lazyfetch.log"
+    os.close(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    os.chmod(log_file, 0o600)  # (older daemons made it 0644: it names layers and paths of this host)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=[logging.FileHandler(cfg.data_dir / "lazyfetch.log"), logging.StreamHandler(sys.stderr)],
+        handlers=[logging.FileHandler(log_file), logging.StreamHandler(sys.stderr)],
     )
     # libfuse turns SIGTERM/SIGINT into a clean unmount and return from the FUSE loop
     return run(cfg)

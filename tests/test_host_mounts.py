@@ -262,6 +262,8 @@ def test_data_dir_subtrees_are_0700_and_tightened_again(manager: SandboxManager,
     assert {str(d): d.stat().st_mode & 0o7777 for d in [*private, owned, limited.dir / "disk"]} == {
         str(d): 0o700 for d in [*private, owned, limited.dir / "disk"]}
     assert (limited.dir / "disk.img").stat().st_mode & 0o777 == 0o600
+    for log in ("lazyfetch.log", "lazyfetch.out"):  # they name this host's layers and paths
+        assert (manager.data_dir / log).stat().st_mode & 0o777 == 0o600, log
     upper_root = Path(_mount_record(manager, plain)[0]["upper"])
     assert upper_root.stat().st_mode & 0o777 == 0o755  # the sandbox's "/": its users must traverse it
     # loosened by hand (a chmod -R, a restore from a backup): the next mount operation closes them
