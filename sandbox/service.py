@@ -475,7 +475,11 @@ class SandboxService:
                                                f"project {project.name!r}")
         async with await self.manager._store() as store:
             try:
-                resolved = await store.resolve(ref, refresh=True)
+                # an image through the host's ref cache (30 s, as the manager always did); a
+                # checkpoint or run manifest a project just moved must not be answered stale
+                resolved = await store.resolve(ref)
+                if resolved.kind in ("checkpoint", "run"):
+                    resolved = await store.resolve(ref, refresh=True)
             except BadName as exc:
                 raise _invalid(field, str(exc)) from None
             except LayerboxError:  # missing, unreadable or not a document: the same answer as another's

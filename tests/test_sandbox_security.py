@@ -198,6 +198,29 @@ def test_another_projects_checkpoints_and_runs_cannot_be_used(url: str, manager:
     asyncio.run(scenario())
 
 
+def test_a_checkpoint_name_moved_again_restores_its_latest(url: str) -> None:
+    # the edge resolves refs once (then checks the owner): never from a stale cached ref
+    async def scenario() -> None:
+        box = await create(url, ALPHA)
+        seen = []
+        for content in (b"first", b"second"):
+            await call("PUT", f"{url}/v1/sandboxes/{box['id']}/files?path=/root/step", ALPHA, raw=content)
+            status, ckpt = await call("POST", f"{url}/v1/sandboxes/{box['id']}/checkpoint", ALPHA,
+                                      body={"name": "steps:latest"})
+            assert status == 201, ckpt
+            for path, body in (("/v1/sandboxes/restore", {"checkpoint": ckpt["name"]}),
+                               ("/v1/sandboxes", {"image": ckpt["name"]})):
+                status, copy = await call("POST", url + path, ALPHA, body=body)
+                assert status == 201, copy
+                status, data = await call("GET", f"{url}/v1/sandboxes/{copy['id']}/files?path=/root/step", ALPHA)
+                seen.append(data)
+                await call("DELETE", f"{url}/v1/sandboxes/{copy['id']}", ALPHA)
+        assert seen == [b"first", b"first", b"second", b"second"]
+        await call("DELETE", f"{url}/v1/sandboxes/{box['id']}", ALPHA)
+
+    asyncio.run(scenario())
+
+
 def test_a_checkpoint_name_cannot_move_a_shared_or_foreign_ref(url: str, manager: SandboxManager) -> None:
     async def image_digest() -> str:
         async with await manager._store() as store:
