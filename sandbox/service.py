@@ -791,17 +791,37 @@ class SandboxService:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
+        async def send(event: tuple[str, bytes] | None) -> None:
+            assert event is not None
+            kind, data = event
+            await resp.write(json.dumps({"type": kind, "data": base64.b64encode(data).decode()}).encode() + b"\n")
+
+        getter: asyncio.Future[tuple[str, bytes] | None] | None = None
         try:
-            while not (run.done() and events.empty()):
+            # woken by the next chunk or by the command's end, whichever comes first: the exit
+            # goes out the moment the exec returns, never after a poll interval
+            while True:
                 if request.transport is None or request.transport.is_closing():
                     raise ConnectionResetError("client went away")
-                try:
-                    kind, data = await asyncio.wait_for(events.get(), 0.5)  # type: ignore[misc]
-                except TimeoutError:
-                    continue
-                await resp.write(json.dumps({"type": kind, "data": base64.b64encode(data).decode()}).encode()
-                                 + b"\n")
+                if getter is None:
+                    getter = asyncio.ensure_future(events.get())
+                waiting: set[asyncio.Future[Any]] = {getter, run}
+                done, _ = await asyncio.wait(waiting, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    await send(getter.result())
+                    getter = None
+                elif run.done():
+                    break
+            # the exec thread hands every chunk over before it returns: what is left is queued
+            if getter is not None:
+                getter.cancel()
+                if getter.done() and not getter.cancelled():
+                    await send(getter.result())
+            while not events.empty():
+                await send(events.get_nowait())
         except (ConnectionResetError, asyncio.CancelledError):
+            if getter is not None:
+                getter.cancel()
             # the client left: kill the command (its receipt says so) instead of running it unobserved
             cancel.cancel("disconnect")
             await asyncio.wait([run])

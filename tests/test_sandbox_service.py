@@ -149,3 +149,21 @@ def test_openapi_lists_exactly_the_routes_and_metrics_count(url: str, server: Se
     for family in ("layerbox_execs_total", "layerbox_sandboxes", "layerbox_exec_duration_seconds",
                    "layerbox_reaped_total", "layerbox_preempt_duration_seconds", "layerbox_fncall_duration_seconds"):
         assert f"# HELP {family} " in text
+
+
+def test_the_exit_follows_all_output_in_order(url: str) -> None:
+    # the exit event is sent the moment the command ends: nothing may be lost or reordered for it
+    async def scenario() -> None:
+        async with await AsyncSandbox.create(REF, url=url, token=ALPHA) as sb:
+            for _ in range(5):
+                streamed: list[str] = []
+                res = await sb.commands.run("seq 1 20000; echo end >&2", on_stdout=streamed.append)
+                assert res.exit_code == 0
+                assert "".join(streamed) == res.stdout
+                assert res.stdout.split() == [str(i) for i in range(1, 20001)]
+                assert res.stderr == "end\n"
+            quick = [await sb.commands.run(f"echo {i}") for i in range(20)]
+            assert [r.stdout for r in quick] == [f"{i}\n" for i in range(20)]
+            assert all(r.exit_code == 0 for r in quick)
+
+    asyncio.run(scenario())
