@@ -57,6 +57,7 @@ from sandbox import idmap
 from sandbox.cgroups import CgroupLayout, preflight_cgroups
 from sandbox.errors import (
     CommandInProgress,
+    InvalidField,
     JobNotAdmitting,
     ReceiptsBroken,
     RuntimeFailed,
@@ -72,6 +73,7 @@ from sandbox.leases import Leases
 from sandbox.model import (
     DEFAULT_OUTPUT_CAP,
     POOL_LABEL,
+    SCHEMA_OPTIONS,
     EgressRule,
     ExecRequest,
     SandboxOptions,
@@ -479,7 +481,9 @@ class Sandbox:
                 trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
                 receipt_id=last[-1]["id"] if last else None,
                 policy_version=policy_version if policy_version is not None else st.policy_version,
-                freeze=self._frozen, attach_docs={"receipts": receipts},
+                freeze=self._frozen,
+                attach_docs={"receipts": receipts,
+                             "options": {"schema": SCHEMA_OPTIONS, "options": st.options.carried()}},
                 name_prefix=project_namespace(st.project) if st.project else "")
         self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
                       bytes_changed=ckpt.bytes_changed)
@@ -629,23 +633,26 @@ class SandboxManager:
         says it runs (default ``ref``): a caller that resolved and checked a ref passes
         its digest as ``ref``, so nothing can move it in between.
         """
-        options = _options(options, fields)
         async with await self._store() as store:
             resolved = await store.resolve(ref)
         if resolved.kind == "checkpoint":
-            return await self.restore(ref, options, admitting=admitting, name=name)
-        return await self._launch(resolved, ref, options, admitting=admitting, name=name)
+            return await self.restore(ref, options, admitting=admitting, name=name, **fields)
+        return await self._launch(resolved, ref, _options(options, fields), admitting=admitting, name=name)
 
     async def restore(self, checkpoint_ref: str, options: SandboxOptions | None = None, *, admitting: bool = True,
                       name: str | None = None, **fields: Any) -> Sandbox:
         """A new sandbox whose rootfs is ``checkpoint_ref`` (made on this host or any other).
 
-        ``options.policy_version``, when set, must be the policy the checkpoint was made under.
+        Without ``options``, the sandbox gets the options its source sandbox had (env,
+        workdir, user, limits, labels...: :meth:`SandboxOptions.carried`, kept with the
+        checkpoint), with ``fields`` over them; ``options`` replaces them all.
+        ``policy_version``, when set, must be the policy the checkpoint was made under.
         """
-        options = _options(options, fields)
+        policy = options.policy_version if options is not None else fields.get("policy_version")
         async with await self._store() as store:
-            resolved = await Snapshots(store, self.host).verify_bound(checkpoint_ref,
-                                                                      policy_version=options.policy_version)
+            resolved = await Snapshots(store, self.host).verify_bound(checkpoint_ref, policy_version=policy)
+            if options is None:
+                options = (await self.carried_options(resolved, store)).overlay(SandboxOptions(**fields), fields)
             receipts: builtins.list[dict[str, Any]] = []
             attached = (resolved.doc.get("attachments") or {}).get("receipts")
             if attached:
@@ -657,6 +664,23 @@ class SandboxManager:
                                          f"document names {doc['head']} as their last: records were cut off")
         return await self._launch(resolved, checkpoint_ref, options, admitting=admitting, inherited=receipts,
                                   name=name)
+
+    async def carried_options(self, resolved: Resolved, store: Store | None = None) -> SandboxOptions:
+        """The options a checkpoint's sandbox had (defaults for a checkpoint made before they were kept)."""
+        digest = (resolved.doc.get("attachments") or {}).get("options")
+        if not digest:
+            return SandboxOptions()
+        if store is None:
+            async with await self._store() as opened:
+                return await self.carried_options(resolved, opened)
+        doc = await store.get_doc(digest)
+        if doc.get("schema") != SCHEMA_OPTIONS:
+            raise StateUnreadable(f"checkpoint {resolved.digest}: its options document is {doc.get('schema')!r}, "
+                                  f"not {SCHEMA_OPTIONS}")
+        try:
+            return SandboxOptions.from_state(doc.get("options") or {})
+        except InvalidField as exc:
+            raise InvalidField(f"checkpoint.{exc.field}", exc.detail) from None
 
     async def _launch(self, resolved: Resolved, ref: str, options: SandboxOptions, *, admitting: bool,
                       inherited: Sequence[Mapping[str, Any]] = (), name: str | None = None) -> Sandbox:

@@ -60,6 +60,7 @@ RESERVED_LABEL_PREFIX = "layerbox."
 PROJECT_LABEL = "layerbox.project"
 POOL_LABEL = "layerbox.pool"  # a warm-pool sandbox (sandbox.fncall): never adopted after a restart
 POOL_ID_LABEL = "layerbox.pool.id"
+SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's attachment: its sandbox's carried options
 
 CpuClass = Literal["latency", "best-effort"]
 CPU_CLASSES: tuple[str, ...] = get_args(CpuClass)
@@ -480,6 +481,25 @@ class SandboxOptions:
 
     def replace(self, **changes: Any) -> SandboxOptions:
         return dataclasses.replace(self, **changes)
+
+    # what a checkpoint keeps of its sandbox's options, for a restore to start from: the
+    # sandbox itself (environment, limits, labels), not its place in a job or its lifetime
+    CARRIED = ("cpu", "memory", "pids", "disk", "cpu_class", "env", "workdir", "user", "labels", "network",
+               "userns")
+
+    def carried(self) -> dict[str, Any]:
+        """The JSON a checkpoint keeps (``layerbox.sandbox-options.v1``): :attr:`CARRIED`, without
+        the service's own labels (a restore gets its own project's)."""
+        doc = {k: v for k, v in self.to_json().items() if k in self.CARRIED}
+        doc["labels"] = {k: v for k, v in self.labels.items() if not k.startswith(RESERVED_LABEL_PREFIX)}
+        return doc
+
+    def overlay(self, given: SandboxOptions, fields: Sequence[str] | Mapping[str, Any]) -> SandboxOptions:
+        """These options with the ``fields`` of ``given`` over them (labels merged, given's winning)."""
+        changes = {k: getattr(given, k) for k in fields}
+        if "labels" in changes:
+            changes["labels"] = {**self.labels, **given.labels}
+        return self.replace(**changes)
 
     @property
     def project(self) -> str | None:

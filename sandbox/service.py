@@ -529,11 +529,20 @@ class SandboxService:
     def _owned(self, project: Project) -> list[SandboxState]:
         return [st for st in self.manager.list() if st.project == project.name]
 
-    def _options(self, project: Project, body: Mapping[str, Any], *, extra: tuple[str, ...]) -> SandboxOptions:
-        options = self.maxima.check(SandboxOptions.from_json(body, extra=extra))
+    def _options(self, project: Project, body: Mapping[str, Any], *, extra: tuple[str, ...],
+                 base: SandboxOptions | None = None) -> SandboxOptions:
+        """The request's options (over ``base``, what a checkpoint's sandbox had), checked against
+        this edge's maxima, in this project and job."""
+        given = SandboxOptions.from_json(body, extra=extra)
+        options = given if base is None else base.overlay(
+            given, [k for k in SandboxOptions.CLIENT_FIELDS if body.get(k) is not None])
+        options = self.maxima.check(options)
         return options.replace(labels={**options.labels, PROJECT_LABEL: project.name},
                                job=self._job(project, body.get("job")),
-                               lease_ttl=options.lease_ttl or self.lease_ttl)
+                               lease_ttl=given.lease_ttl or self.lease_ttl)
+
+    async def _carried(self, resolved: Resolved) -> SandboxOptions | None:
+        return await self.manager.carried_options(resolved) if resolved.kind == "checkpoint" else None
 
     async def _files(self, project: Project, fn: Callable[[], T]) -> T:
         """Blocking file work: on the file executor, at most FILE_OPS_PER_PROJECT per project at once."""
@@ -551,8 +560,9 @@ class SandboxService:
             raise ApiError(400, "unsupported_isolation",
                            f"isolation {isolation!r} is not available: this service runs {ISOLATION!r} only",
                            field="isolation")
-        options = self._options(project, body, extra=("image", "isolation"))
+        SandboxOptions.from_json(body, extra=("image", "isolation"))  # every field checked before any lookup
         resolved = await self._resolve(project, image, field="image", kinds=("image", "composition", "checkpoint"))
+        options = self._options(project, body, extra=("image", "isolation"), base=await self._carried(resolved))
         return await self._launch(project, [options],
                                   lambda: self.manager.create(resolved.digest, options, name=image))
 
@@ -561,8 +571,9 @@ class SandboxService:
         project = self._project(request)
         body = await self._json(request)
         ref = check_str("checkpoint", body.get("checkpoint"), max_len=512, what="a checkpoint ref or digest")
-        options = self._options(project, body, extra=("checkpoint",))
+        SandboxOptions.from_json(body, extra=("checkpoint",))  # every field checked before any lookup
         resolved = await self._resolve(project, ref, field="checkpoint", kinds=("checkpoint",))
+        options = self._options(project, body, extra=("checkpoint",), base=await self._carried(resolved))
         return await self._launch(project, [options],
                                   lambda: self.manager.restore(resolved.digest, options, name=ref))
 

@@ -167,3 +167,22 @@ def test_the_exit_follows_all_output_in_order(url: str) -> None:
             assert all(r.exit_code == 0 for r in quick)
 
     asyncio.run(scenario())
+
+
+def test_a_restore_keeps_the_sandboxs_env_workdir_and_labels(url: str) -> None:
+    async def scenario() -> None:
+        async with await AsyncSandbox.create(REF, url=url, token=ALPHA, env={"GREETING": "hi", "KEEP": "1"},
+                                             workdir="/tmp", labels={"role": "a"}, memory=300 << 20) as sb:
+            ckpt = await sb.checkpoint()
+        async with await AsyncSandbox.restore(ckpt["name"], url=url, token=ALPHA) as copy:
+            res = await copy.commands.run("pwd; echo $GREETING $KEEP")
+            assert res.stdout == "/tmp\nhi 1\n"
+            assert copy.info["labels"] == {"role": "a"}
+            assert copy.info["limits"]["memory"] == 300 << 20
+        # what the restore asks for wins; the rest is still the sandbox's
+        async with await AsyncSandbox.restore(ckpt["name"], url=url, token=ALPHA, env={"GREETING": "bye"},
+                                              labels={"step": "2"}) as other:
+            assert (await other.commands.run("pwd; echo $GREETING $KEEP")).stdout == "/tmp\nbye\n"
+            assert other.info["labels"] == {"role": "a", "step": "2"}
+
+    asyncio.run(scenario())
