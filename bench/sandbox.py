@@ -1004,6 +1004,64 @@ class Burners:
         self.tasks = []
 
 
+# Published start figures of the services an agent framework would use instead; not measured here
+# (their hosts, not this one): the issue quotes them, the table puts ours beside them.
+PUBLISHED_STARTS = {"E2B (claim)": 0.150, "E2B (third-party time-to-interactive p50)": 0.44,
+                    "Daytona (claim)": 0.090, "Daytona (third-party p50)": 0.11, "CubeSandbox (claim)": 0.060}
+
+
+async def sdk_section(manager: SandboxManager, n: int) -> dict[str, Any]:
+    """Through the real edge service on 127.0.0.1 and the SDK, as an agent framework uses it: create to
+    the first command's exit, a command (`true`) on a live sandbox, and the manager's own exec time
+    beside it (the HTTP and streaming overhead is the difference)."""
+    from sandbox.sdk import AsyncSandbox
+    from sandbox.service import AuthConfig, SandboxService
+
+    token = "bench-sdk-token-" + uuid.uuid4().hex
+    service = SandboxService(manager, AuthConfig.from_dict({"projects": {"bench": {"tokens": [token],
+                                                                                   "max_sandboxes": 4}}}))
+    from aiohttp import web
+
+    runner = web.AppRunner(service.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    url = f"http://{host}:{port}"
+    out: dict[str, Any] = {"url": url}
+    try:
+        starts, firsts = [], []
+        for i in range(n):
+            if i % 10 == 0:
+                log(f"sdk: create + first command {i + 1}/{n}")
+            t0 = time.perf_counter()
+            sb = await AsyncSandbox.create(REF, url=url, token=token)
+            t1 = time.perf_counter()
+            await sb.commands.run("true")
+            firsts.append(time.perf_counter() - t0)
+            starts.append(t1 - t0)
+            await sb.kill()
+        out["create"] = summary(starts)
+        out["create_to_first_exit"] = summary(firsts)
+        sb = await AsyncSandbox.create(REF, url=url, token=token)
+        try:
+            await sb.commands.run("true")
+            wall, own = [], []
+            for _ in range(n * 3):
+                t0 = time.perf_counter()
+                r = await sb.commands.run("true")
+                wall.append(time.perf_counter() - t0)
+                own.append(r.duration)
+            out["exec_true"] = summary(wall)
+            out["exec_true_manager"] = summary(own)
+        finally:
+            await sb.kill()
+    finally:
+        await runner.cleanup()
+    out["published_starts"] = PUBLISHED_STARTS
+    return out
+
+
 def cpu_weight(manager: SandboxManager, box: Sandbox) -> str | None:
     """The sandbox cgroup's cpu.shares (v1) or cpu.weight (v2), as the kernel has it."""
     d = manager.layout.controller_dir("cpu", box.state.cgroups_path)
@@ -1121,6 +1179,8 @@ async def run_bench(args: argparse.Namespace, work: Path, fixture: Path, manager
         results["pause"] = await pause_section(manager, peers, args.pauses, args.podman)
     if "fncall" in sections:
         results["fncall"] = await fncall_section(manager, args.calls)
+    if "sdk" in sections:
+        results["sdk"] = await sdk_section(manager, args.latency)
     if "network" in sections:
         results["network"] = await network_section(manager, args.net_rounds)
     if "sustain" in sections:
@@ -1308,6 +1368,18 @@ def render(doc: dict[str, Any]) -> str:
             if fn.get("error"):
                 out.append(f"  error: {fn['error']}")
         out.append("")
+    sdk = doc.get("sdk")
+    if sdk:
+        out.append("Through the edge service and the SDK (HTTP on 127.0.0.1; ms)")
+        rows = [[name, str(sdk[key]["n"]), _ms(sdk[key]["p50"]), _ms(sdk[key]["p99"])] for name, key in (
+            ("create (POST /v1/sandboxes)", "create"), ("create to first command's exit", "create_to_first_exit"),
+            ("exec true, a live sandbox", "exec_true"), ("  the manager's own exec time", "exec_true_manager"))]
+        out.append(_table(["step", "n", "p50", "p99"], rows))
+        first = sdk["create_to_first_exit"]["p50"]
+        out.append("  ours (create to first exit, p50) against published start figures (theirs, not measured here): "
+                   + ", ".join(f"{name} {v * 1000:.0f} ms -> {_x(ratio(first, v))}"
+                               for name, v in sdk["published_starts"].items()))
+        out.append("")
     net = doc.get("network")
     if net:
         out.append(f"Policed network (own netns + veth + default-deny nftables table, egress counted per exec; "
@@ -1331,7 +1403,7 @@ def render(doc: dict[str, Any]) -> str:
 
 # -- main ---------------------------------------------------------------------------------------------
 
-SECTIONS = ("latency", "pause", "fncall", "network", "sustain", "idle", "cpu-class")
+SECTIONS = ("latency", "pause", "fncall", "sdk", "network", "sustain", "idle", "cpu-class")
 
 
 def _list(choices: Sequence[str]) -> Callable[[str], list[str]]:

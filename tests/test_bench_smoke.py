@@ -446,7 +446,7 @@ def test_bench_sandbox_small_json(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
     doc = json.loads(run([sys.executable, SANDBOX_BENCH, "--quick", "--no-podman", "--sections",
-                          "latency,pause,fncall,network,idle,cpu-class", "--idle", "6", "--latency", "2",
+                          "latency,pause,fncall,sdk,network,idle,cpu-class", "--idle", "6", "--latency", "2",
                           "--pauses", "2", "--calls", "3", "--net-rounds", "2", "--cpu-rounds", "2", "--json", "--tmpdir", work], timeout=900).stdout)
     assert doc["schema"] == "layerbox.bench.sandbox.v1"
     methods = doc["latency"]["methods"]
@@ -461,6 +461,10 @@ def test_bench_sandbox_small_json(tmp_path: Path) -> None:
     f = doc["fncall"]
     assert f["available"] is True
     assert f["cmd true"]["wall"]["n"] == f["python f(1)"]["wall"]["n"] == 3
+    sdk = doc["sdk"]  # through the edge service and the SDK
+    assert sdk["create"]["n"] == sdk["create_to_first_exit"]["n"] == 2
+    assert sdk["create"]["p50"] <= sdk["create_to_first_exit"]["p50"]
+    assert sdk["exec_true"]["n"] == sdk["exec_true_manager"]["n"] == 6
     net = doc["network"]
     for case in ("create+first exec, no network", "create+first exec, policed", "exec, no network",
                  "exec, policed", "counters (libnftables, in-process)", "counters (nsenter + nft -j list table)"):
