@@ -7,7 +7,9 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
+import aiohttp
 import pytest
 
 from lazyfetch import kmount
@@ -26,10 +28,12 @@ pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "o
 
 ALPHA, BETA, GAMMA = "alpha-token-0123456789", "beta-token-0123456789", "gamma-token-0123456789"
 OPS = "ops-token-0123456789abc"
+MANY = "many-token-0123456789abc"
 TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 2},
                        "beta": {"tokens": [BETA], "max_sandboxes": 1},
                        "gamma": {"tokens": [GAMMA], "disabled": True},
-                       "ops": {"tokens": [OPS], "max_sandboxes": 0, "admin": True}}}
+                       "ops": {"tokens": [OPS], "max_sandboxes": 0, "admin": True},
+                       "many": {"tokens": [MANY], "max_sandboxes": 16}}}
 
 
 
@@ -184,5 +188,27 @@ def test_a_restore_keeps_the_sandboxs_env_workdir_and_labels(url: str) -> None:
                                               labels={"step": "2"}) as other:
             assert (await other.commands.run("pwd; echo $GREETING $KEEP")).stdout == "/tmp\nbye\n"
             assert other.info["labels"] == {"role": "a", "step": "2"}
+
+    asyncio.run(scenario())
+
+
+def test_the_quota_is_exact_under_concurrent_creates(url: str, manager: SandboxManager) -> None:
+    # a create in flight counts once (it used to count as pending and as a sandbox being created)
+    async def scenario() -> None:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {MANY}"}) as s:
+            async def create() -> tuple[int, Any]:
+                async with s.post(f"{url}/v1/sandboxes", json={"image": REF, "memory": 64 << 20}) as r:
+                    return r.status, await r.json()
+
+            answers = await asyncio.gather(*(create() for _ in range(20)))
+            statuses = sorted(status for status, _ in answers)
+            assert statuses == [201] * 16 + [429] * 4, answers
+            refused = [body for status, body in answers if status == 429]
+            assert all("16 of 16" in body["error"]["message"] for body in refused), refused
+            assert len([st for st in manager.list() if st.project == "many"]) == 16
+            for status, body in answers:
+                if status == 201:
+                    async with s.delete(f"{url}/v1/sandboxes/{body['id']}") as r:
+                        assert r.status == 204
 
     asyncio.run(scenario())
