@@ -35,6 +35,7 @@ STORE_LAYOUT = 1  # the key layout this code reads and writes (docs/FORMAT.md "T
 CONFIG_KEY = "config"
 # Documents without layers, kept alive by the refs or checkpoints that name them.
 SCHEMA_RECEIPTS = "layerbox.receipts.v1"
+SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's sandbox options (sandbox.model)
 SCHEMA_RUN = "layerbox.run.v1"
 REF_HISTORY = 50
 PART_ORDER = ("base", "workspace", "toolkit")  # lowest first: the mission's base + workspace + toolkit
@@ -275,7 +276,7 @@ def resolve_document(digest: str, doc: Mapping[str, Any]) -> Resolved:
     schema = doc.get("schema")
     what = f"document {digest}"
     kinds = {SCHEMA_IMAGE: "image", SCHEMA_COMPOSITION: "composition", SCHEMA_RECEIPTS: "receipts",
-             SCHEMA_RUN: "run"}
+             SCHEMA_OPTIONS: "options", SCHEMA_RUN: "run"}
     kind = kinds.get(str(schema)) or ("checkpoint" if str(schema).startswith("layerbox.checkpoint.") else None)
     if kind is None:
         raise FormatError(f"{what}: unknown schema {schema!r} (a newer layerbox may have written it)")
