@@ -96,6 +96,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "preempt": _body({"timeout": {"type": "number", "minimum": 0, "maximum": 30 * m.DAY,
                                   "description": "grace for running commands"}}),
     "run": _body({"manifest": _REF}, ("manifest",)),
+    "port_url": _body({"ttl": {**_POSITIVE, "maximum": 365 * m.DAY, "description": "seconds (default 300)"}}),
     # a command, or a function with its arguments
     "call": _body({"image": _REF, "cmd": _COMMAND,
                    "function": {"type": "string", "minLength": 1, "pattern": _NO_NUL,
@@ -115,6 +116,11 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "mode": {"type": "string", "pattern": "^0?[0-7]{1,3}$", "description": "octal permission bits"},
     "since": {"type": "number", "minimum": 0, "maximum": 1e12, "description": "Unix time"},
     "action": {"type": "string"}, "idempotency_key": {"type": "string"},
+    "port": {"type": "integer", "minimum": 1, "maximum": 65535, "description": "a TCP port inside the sandbox"},
+    "tail": {"type": "string", "description": "the path the sandbox's server is asked for (after the prefix; "
+                                              "may hold '/'; the query string is kept)"},
+    "expires": {"type": "integer", "minimum": 0, "maximum": 10**12 - 1, "description": "Unix time"},
+    "signature": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
 }
 
 _ERRORS = {"400": "a field is malformed or out of range (error.field names it)",
@@ -147,6 +153,31 @@ def _error_content(code: str) -> dict[str, Any]:
         return {}
     return {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 
+
+def _port_ops(summary: str, extra: tuple[str, ...] = (), *, signed: bool = False) -> dict[str, Any]:
+    """The proxy's operations, one per method (HEAD too is served, and not listed): any response of the
+    sandbox's server is relayed; the edge's own errors are JSON."""
+    ops: dict[str, Any] = {}
+    for method in ("get", "post", "put", "patch", "delete", "options"):
+        op = _op(summary, {"default": "the response of the sandbox's server, relayed",
+                           "101": "a WebSocket (GET with Upgrade: websocket), relayed message by message",
+                           "409": "the sandbox is not running", "429": "too many proxied connections open "
+                           "to this sandbox (retryable)", "502": "nothing listens on the port inside the "
+                           "sandbox (code 'port_closed'), or no valid response", "504": "the port did not "
+                           "accept or answer in time"}, body="bytes" if method in ("post", "put", "patch") else None)
+        op["parameters"] += [{"name": p, "in": "path", "required": True, "schema": PARAMETERS[p]}
+                             for p in ("port", *extra, "tail")]
+        if signed:
+            op["security"] = []
+            op["responses"]["403"]["description"] = "the signature does not match, or expired; project disabled"
+        ops[method] = op
+    return ops
+
+
+_PORT_URL = _op("A signed URL to the port (ttl: seconds, at most the edge's maximum, 1 h by default) that "
+                "needs no token until it expires", {"200": "url, path (relative to this edge), expires"},
+                body="port_url")
+_PORT_URL["parameters"].append({"name": "port", "in": "path", "required": True, "schema": PARAMETERS["port"]})
 
 _CREATED = {"201": "the sandbox", "404": "no such image or checkpoint visible to this project",
             "409": "policy or digests differ", "429": "project quota reached (retryable)",
@@ -210,6 +241,13 @@ DOCUMENT: dict[str, Any] = {
         "/v1/sandboxes/{id}/network": {"put": _op("Replace the egress allow rules while the sandbox runs",
                                                   {"200": "the effective policy", "409": "created without a "
                                                    "network"}, body="network")},
+        "/v1/sandboxes/{id}/ports/{port}/url": {"post": _PORT_URL},
+        "/v1/sandboxes/{id}/ports/{port}/proxy/{tail}": _port_ops(
+            "HTTP or WebSocket to 127.0.0.1:{port} inside the sandbox's own network namespace; the bearer "
+            "token is not forwarded"),
+        "/v1/sandboxes/{id}/ports/{port}/signed/{expires}/{signature}/{tail}": _port_ops(
+            "The same through a signed URL (POST .../url), without a token; an Authorization header is the "
+            "application's and is forwarded", ("expires", "signature"), signed=True),
         "/v1/jobs/{job}/renew": {"post": _op("Renew the job's lease (ttl)", {"200": "the lease"}, body="renew",
                                              path="job")},
         "/v1/jobs/{job}/pause": {"post": _op("Pause every sandbox of the job", {"200": "paused ids"}, path="job")},

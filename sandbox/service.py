@@ -54,6 +54,7 @@ import functools
 import io
 import json
 import logging
+import secrets
 import socket
 import stat
 import time
@@ -282,8 +283,11 @@ class SandboxService:
 
     def __init__(self, manager: SandboxManager, auth: AuthConfig, admission: Admission | None = None, *,
                  lease_ttl: float = DEFAULT_LEASE_TTL, reap_interval: float = REAP_INTERVAL,
-                 fncall_pool: int = 2, maxima: Maxima | None = None, shutdown_manager: bool = False) -> None:
+                 fncall_pool: int = 2, maxima: Maxima | None = None, shutdown_manager: bool = False,
+                 url_secret: bytes | None = None) -> None:
         self.manager = manager
+        # signs port URLs (sandbox.ports); unless given, a random key per start (URLs die with the process)
+        self.url_secret = url_secret or secrets.token_bytes(32)
         self.auth = auth
         self.maxima = maxima or Maxima()
         self.lease_ttl = min(lease_ttl, self.maxima.lease_ttl)
@@ -353,6 +357,8 @@ class SandboxService:
         r.add_post("/v1/runs/resume", self.run_resume)
         r.add_post("/v1/calls", self.call)
         r.add_get("/v1/capabilities", self.capabilities)
+        from sandbox import ports  # (it imports this module)
+        ports.add_routes(self, r)
         app.on_startup.append(self._start_background)
         app.on_shutdown.append(self._interrupt_streams)
         app.on_cleanup.append(self._stop_background)
@@ -996,7 +1002,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-ttl", type=float, default=maxima.ttl, help="seconds (default %(default)s)")
     parser.add_argument("--max-lease-ttl", type=float, default=maxima.lease_ttl,
                         help="seconds (default %(default)s)")
+    parser.add_argument("--url-secret-file", type=Path, help="at least 32 bytes that sign port URLs, the same "
+                        "on every edge that should honour them (default: random per start)")
     args = parser.parse_args(argv)
+    try:
+        url_secret = args.url_secret_file.read_bytes() if args.url_secret_file else None
+    except OSError as exc:
+        parser.error(f"--url-secret-file: {exc}")
+    if url_secret is not None and len(url_secret) < 32:
+        parser.error(f"--url-secret-file {args.url_secret_file}: {len(url_secret)} bytes, at least 32")
     logging.basicConfig(level=logging.INFO)
     try:
         auth = AuthConfig.load(args.tokens)
@@ -1011,7 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
                           disk_path=manager.data_dir, boxes=manager.boxes)
     limits = Maxima(memory=args.max_memory, pids=args.max_pids, output_cap=args.max_output_cap, ttl=args.max_ttl,
                     idle_timeout=args.max_ttl, lease_ttl=args.max_lease_ttl)
-    service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True)
+    service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True, url_secret=url_secret)
     # SIGTERM: commands streaming are interrupted at once (_interrupt_streams); other requests in flight
     # (a file transfer to a slow client) get SHUTDOWN_GRACE s to finish, then as long again once cancelled
     web.run_app(service.app(), host="127.0.0.1", port=args.port, shutdown_timeout=SHUTDOWN_GRACE)
