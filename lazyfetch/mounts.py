@@ -218,7 +218,13 @@ class HostMounts:
         return record
 
     def _stack(self, target: str, lowers: list[str], record: dict[str, Any]) -> None:
-        """Mount the caller's view of ``lowers`` (a mount record's) at ``target``."""
+        """Mount the caller's view of ``lowers`` (a mount record's) at ``target``.
+
+        A layer named twice in one stack (a checkpoint that captured no change has the empty
+        layer, and so does the next one) is stacked once, at its upper place: overlayfs refuses
+        a lower directory twice (ELOOP, overlapping layers), and the lower copy is shadowed by
+        the upper one for every path it holds, so the view is the same."""
+        lowers = list(reversed(dict.fromkeys(reversed(lowers))))
         if record["writable"]:
             kmount.mount_overlay(lowers, target, upper=record["upper"], work=record["work"], flags=self.VIEW_FLAGS)
         elif len(lowers) == 1:  # overlayfs wants two read-only lowers
