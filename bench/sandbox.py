@@ -1151,6 +1151,52 @@ async def cpu_class_section(manager: SandboxManager, rounds: int, blocks: int, n
     return out
 
 
+# -- fork -------------------------------------------------------------------------------------------------
+
+FORK_WRITE = ["/bin/sh", "-c", "mkdir -p /root/work && head -c 16M /dev/urandom > /root/work/data.bin && "
+              "for i in $(seq 1 200); do echo $i > /root/work/f$i; done"]
+
+
+async def fork_section(manager: SandboxManager, n: int, rounds: int) -> dict[str, Any]:
+    """``Sandbox.fork(n)`` (one checkpoint of a sandbox that wrote 16 MiB and 200 files, restored n times
+    together) against n creates of the image started together, interleaved: seconds until all n are
+    running (both return once every sandbox answers exec), and the first exec in each afterwards."""
+    source = await manager.create(REF)
+    fork_s: list[float] = []
+    ckpt_s: list[float] = []
+    create_s: list[float] = []
+    try:
+        r = await asyncio.to_thread(source.exec, FORK_WRITE, timeout=STEP_TIMEOUT)
+        if r.exit_code != 0:
+            raise BenchError(f"fork: writing the source's files exited {r.exit_code}: {r.stderr[-500:]!r}")
+        for i in range(rounds):
+            log(f"fork: round {i + 1}/{rounds}: fork of {n}, then {n} creates")
+            t0 = time.perf_counter()
+            ckpt, forks = await source.fork(n)
+            fork_s.append(time.perf_counter() - t0)
+            ckpt_s.append(ckpt.seconds)
+            try:
+                seen = {(await asyncio.to_thread(b.exec, ["cat", "/root/work/f200"])).stdout for b in forks}
+                if seen != {b"200\n"}:
+                    raise BenchError(f"fork: the forks read {seen}, not the source's files")
+            finally:
+                await asyncio.to_thread(manager._destroy_all, forks)
+            t0 = time.perf_counter()
+            made = await asyncio.gather(*(manager.create(REF) for _ in range(n)), return_exceptions=True)
+            create_s.append(time.perf_counter() - t0)
+            boxes = [b for b in made if isinstance(b, Sandbox)]
+            await asyncio.to_thread(manager._destroy_all, boxes)
+            failed = [b for b in made if isinstance(b, BaseException)]
+            if failed:
+                raise BenchError(f"fork: {len(failed)} of {n} creates failed: {failed[0]!r}")
+    finally:
+        await asyncio.to_thread(manager.destroy, source.id)
+    out: dict[str, Any] = {"n": n, "rounds": rounds, "fork": summary(fork_s), "checkpoint": summary(ckpt_s),
+           "creates": summary(create_s), "fork_runs": fork_s, "create_runs": create_s}
+    out["fork_over_creates_p50"] = ratio(out["fork"]["p50"], out["creates"]["p50"])
+    return out
+
+
 # -- the run ------------------------------------------------------------------------------------------
 
 
@@ -1181,6 +1227,8 @@ async def run_bench(args: argparse.Namespace, work: Path, fixture: Path, manager
         results["fncall"] = await fncall_section(manager, args.calls)
     if "sdk" in sections:
         results["sdk"] = await sdk_section(manager, args.latency)
+    if "fork" in sections:
+        results["fork"] = await fork_section(manager, args.forks, args.fork_rounds)
     if "network" in sections:
         results["network"] = await network_section(manager, args.net_rounds)
     if "sustain" in sections:
@@ -1368,6 +1416,16 @@ def render(doc: dict[str, Any]) -> str:
             if fn.get("error"):
                 out.append(f"  error: {fn['error']}")
         out.append("")
+    fork = doc.get("fork")
+    if fork:
+        out.append(f"Fork of {fork['n']} (one checkpoint, {fork['n']} restores together) against {fork['n']} "
+                   f"creates together: seconds until all {fork['n']} run ({fork['rounds']} rounds)")
+        rows = [[name, str(fork[key]["n"]), _f(fork[key]["p50"], 3), _f(fork[key]["max"], 3)]
+                for name, key in ((f"fork({fork['n']})", "fork"), ("  of which the checkpoint", "checkpoint"),
+                                  (f"{fork['n']} x create", "creates"))]
+        out.append(_table(["operation", "n", "p50 s", "max s"], rows))
+        out.append(f"  fork/creates p50: {_x(fork['fork_over_creates_p50'])}")
+        out.append("")
     sdk = doc.get("sdk")
     if sdk:
         out.append("Through the edge service and the SDK (HTTP on 127.0.0.1; ms)")
@@ -1403,7 +1461,7 @@ def render(doc: dict[str, Any]) -> str:
 
 # -- main ---------------------------------------------------------------------------------------------
 
-SECTIONS = ("latency", "pause", "fncall", "sdk", "network", "sustain", "idle", "cpu-class")
+SECTIONS = ("latency", "pause", "fncall", "sdk", "fork", "network", "sustain", "idle", "cpu-class")
 
 
 def _list(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -1446,6 +1504,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu-class: the cases are interleaved in B blocks (default 3; 1 quick)")
     p.add_argument("--cpu-neighbours", type=int, default=2, metavar="N",
                    help="cpu-class: neighbour sandboxes burning CPU (default 2)")
+    p.add_argument("--forks", type=int, default=8, metavar="N", help="fork: sandboxes per fork (default 8)")
+    p.add_argument("--fork-rounds", type=int, default=None, metavar="R",
+                   help="fork: rounds of fork and creates (default 5; 2 quick)")
     p.add_argument("--cpu-burners", type=int, default=os.cpu_count() or 1, metavar="P",
                    help="cpu-class: spinning processes per neighbour (default: the host's CPUs)")
     p.add_argument("--sections", "--only", type=_list(SECTIONS), default=list(SECTIONS), metavar="LIST",
@@ -1488,8 +1549,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.net_rounds = args.net_rounds if args.net_rounds is not None else (5 if q else 30)
     args.cpu_rounds = args.cpu_rounds if args.cpu_rounds is not None else (12 if q else 60)
     args.cpu_blocks = args.cpu_blocks if args.cpu_blocks is not None else (1 if q else 3)
+    args.fork_rounds = args.fork_rounds if args.fork_rounds is not None else (2 if q else 5)
     if min(args.latency, args.idle, args.pauses, args.calls, args.net_rounds, args.concurrency, args.cpu_rounds,
-           args.cpu_blocks, args.cpu_neighbours, args.cpu_burners) < 1 or args.sustain_seconds <= 0 \
+           args.cpu_blocks, args.cpu_neighbours, args.cpu_burners, args.forks, args.fork_rounds) < 1 or args.sustain_seconds <= 0 \
             or args.settle < 0:
         print("bench/sandbox.py: counts must be at least 1, --sustain-seconds positive", file=sys.stderr)
         return 2

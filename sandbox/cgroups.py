@@ -2,7 +2,7 @@
 
 crun makes each sandbox's cgroup (``/<parent>/<id>``, one parent per data dir)
 from the OCI config; this module only finds the directories, reads usage for
-receipts (CPU seconds, memory peak, pids, OOM kills), reclaims a paused
+receipts and a sandbox's metrics (CPU seconds, memory now and peak, pids, OOM kills), reclaims a paused
 sandbox's memory, tells whether a pid really lives in a sandbox's cgroup (the
 identity check of its init: a state file's pid is never trusted alone), and
 removes the directories once their tasks are gone.
@@ -79,6 +79,11 @@ class CgroupLayout:
 
     def memory_peak(self, cgroups_path: str) -> int | None:
         text = self._read(cgroups_path, "memory", "memory.max_usage_in_bytes", "memory.peak")
+        return int(text) if text and text.strip().isdigit() else None
+
+    def memory_current(self, cgroups_path: str) -> int | None:
+        """Bytes the cgroup is charged now (page cache included, as the limit counts it)."""
+        text = self._read(cgroups_path, "memory", "memory.usage_in_bytes", "memory.current")
         return int(text) if text and text.strip().isdigit() else None
 
     def pids_current(self, cgroups_path: str) -> int | None:

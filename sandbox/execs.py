@@ -2,7 +2,9 @@
 
 ``crun exec`` runs the command; :func:`pump` moves its stdin and output while
 it runs (output past the cap is still read, so the command never blocks on a
-full pipe, and hashed, but dropped); :func:`kill_tree` ends a command that
+full pipe, and hashed, but dropped: a :class:`Cut` says where and how much, and
+with ``keep="tail"`` the last bytes follow it once the command ends);
+:func:`kill_tree` ends a command that
 timed out or was cancelled together with every descendant and every orphan it
 left to the sandbox's init, with the sandbox frozen so nothing forks away.
 """
@@ -17,6 +19,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +33,20 @@ from sandbox.runtime import OciRuntime
 READ_CHUNK = 64 << 10
 # Output kept in the receipt of a command with an idempotency key, so a retry gets it back.
 KEYED_OUTPUT_CAP = 256 << 10
+STREAMS = ("stdout", "stderr")
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where a stream's delivered output skips some of the command's: ``offset`` bytes of the
+    stream were delivered before the cut, and ``dropped`` bytes of output are missing there."""
+
+    stream: str  # "stdout" or "stderr"
+    offset: int
+    dropped: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stream": self.stream, "offset": self.offset, "dropped_bytes": self.dropped}
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,7 @@ class ExecResult:
     oom_killed: bool = False
     interrupted: str | None = None  # "preempt", "disconnect", "shutdown", "restart": stopped early
     replayed: bool = False  # answered from the receipt of an earlier run with the same idempotency key
+    cuts: tuple[Cut, ...] = ()  # where the streamed output skipped bytes (at most one per stream)
 
 
 class Cancel(threading.Event):
@@ -57,15 +75,29 @@ class Cancel(threading.Event):
 
 
 def replay(rec: Mapping[str, Any]) -> ExecResult:
-    """The result an earlier run under the same idempotency key recorded."""
+    """The result an earlier run under the same idempotency key recorded.
+
+    Its output is what the receipt kept (the first or, with ``keep: "tail"``, the last
+    KEYED_OUTPUT_CAP bytes per stream); ``cuts`` say what of the recorded total is missing."""
     if rec["action"] == "exec_started":  # the manager died or the job was preempted mid-command
         return ExecResult(None, None, b"", b"", False, 0.0, interrupted="unknown", replayed=True)
-    return ExecResult(rec.get("exit_code"), rec.get("signal"), base64.b64decode(rec.get("stdout", "")),
-                      base64.b64decode(rec.get("stderr", "")),
+    out = {name: base64.b64decode(rec.get(name, "")) for name in STREAMS}
+    cuts = []
+    for name in STREAMS:
+        total, kept = int(rec.get(f"{name}_bytes", 0) or 0), len(out[name])
+        if total > kept:
+            cuts.append(Cut(name, 0 if rec.get("keep") == "tail" else kept, total - kept))
+    return ExecResult(rec.get("exit_code"), rec.get("signal"), out["stdout"], out["stderr"],
                       bool(rec.get("truncated")) or rec.get("stdout_bytes", 0) > KEYED_OUTPUT_CAP
                       or rec.get("stderr_bytes", 0) > KEYED_OUTPUT_CAP,
                       float(rec.get("duration", 0.0)), bool(rec.get("timed_out")), bool(rec.get("oom_killed")),
-                      rec.get("interrupted"), replayed=True)
+                      rec.get("interrupted"), replayed=True, cuts=tuple(cuts))
+
+
+def was_interrupted(rec: Mapping[str, Any]) -> bool:
+    """Whether a keyed command's record is of a run cut short (preemption, restart, shutdown,
+    disconnect, or a start with no end), not of one that completed (whatever its exit)."""
+    return rec["action"] == "exec_started" or rec.get("interrupted") is not None
 
 
 # -- /proc -------------------------------------------------------------------------------------------
@@ -138,15 +170,48 @@ class Pumped:
     digests: tuple[str, str]  # blake3 of everything each stream carried
     sizes: tuple[int, int]
     timed_out: bool
+    cuts: tuple[Cut, ...] = ()
+
+
+class Tail:
+    """The last ``limit`` bytes of a stream, as chunks: memory stays at ``limit`` however much comes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(0, limit)
+        self.chunks: deque[bytes] = deque()
+        self.size = 0
+
+    def add(self, data: bytes) -> None:
+        if not self.limit or not data:
+            return
+        data = data[-self.limit:]
+        self.chunks.append(data)
+        self.size += len(data)
+        while self.size > self.limit:
+            extra = self.size - self.limit
+            if len(self.chunks[0]) <= extra:
+                self.size -= len(self.chunks.popleft())
+            else:
+                self.chunks[0] = self.chunks[0][extra:]
+                self.size -= extra
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.chunks)
 
 
 def pump(proc: subprocess.Popen[bytes], stdin: bytes | None, *, cap: int, keep: int, timeout: float | None,
          on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
-         cancel: Cancel, kill: Callable[[], bool]) -> Pumped:
+         cancel: Cancel, kill: Callable[[], bool], tail: bool = False,
+         on_cut: Callable[[Cut], None] | None = None) -> Pumped:
     """Feed ``stdin``, read both streams until the command and its pipes are done.
 
-    Callbacks get at most ``cap`` bytes per stream; ``keep`` bytes per stream are
-    kept for the result (a caller that streams keeps only what a receipt needs).
+    Callbacks get the first ``cap`` bytes per stream as they come; ``keep`` bytes per
+    stream are kept for the result (the first ones, or the last with ``tail``; a caller
+    that streams keeps only what a receipt needs).  When a stream had more than its
+    callback got, ``on_cut`` hears where and how much once the command has ended; with
+    ``tail`` the stream's last ``cap`` bytes (after the first ``cap``) are held in a
+    bounded ring meanwhile and handed to the callback after that cut, so the stream
+    ends with the command's last output.  Nothing is ever dropped silently.
     On ``timeout`` or ``cancel``, ``kill()`` is called until it reports the
     command's tree killed: the command's pid is known only once crun has written
     it, so until then (a cancel right after the start, a loaded host) it keeps
@@ -155,6 +220,8 @@ def pump(proc: subprocess.Popen[bytes], stdin: bytes | None, *, cap: int, keep: 
     assert proc.stdout is not None
     assert proc.stderr is not None
     bufs = [bytearray(), bytearray()]
+    last = [Tail(keep if tail else 0), Tail(keep if tail else 0)]  # the result's bytes with tail
+    rings = [Tail(cap if tail and on_stdout else 0), Tail(cap if tail and on_stderr else 0)]
     hashes = [blake3.blake3(), blake3.blake3()]
     sizes = [0, 0]
     sent = [0, 0]
@@ -218,18 +285,37 @@ def pump(proc: subprocess.Popen[bytes], stdin: bytes | None, *, cap: int, keep: 
                 hashes[idx].update(data)
                 if sizes[idx] > cap:
                     truncated = True
-                room = keep - len(bufs[idx])
-                if room > 0:
-                    bufs[idx] += data[:room]
+                if tail:
+                    last[idx].add(data)
+                else:
+                    room = keep - len(bufs[idx])
+                    if room > 0:
+                        bufs[idx] += data[:room]
                 cb = callbacks[idx]
-                streamable = cap - sent[idx]
+                streamable = max(0, cap - sent[idx])
                 if cb is not None and streamable > 0:
                     sent[idx] += min(streamable, len(data))
                     cb(data[:streamable])
+                if len(data) > streamable:
+                    rings[idx].add(data[streamable:])
     finally:
         sel.close()
         for f in (proc.stdout, proc.stderr, proc.stdin):
             if f is not None and not f.closed:
                 f.close()
+    cuts = []
+    for idx, name in enumerate(STREAMS):
+        rest = sizes[idx] - min(sizes[idx], cap)  # what came after the first cap bytes
+        held = min(rest, cap) if tail else 0
+        if rest > held:
+            cuts.append(Cut(name, min(sizes[idx], cap), rest - held))
+            if on_cut is not None and not cancel.is_set():
+                on_cut(cuts[-1])
+        cb = callbacks[idx]
+        if cb is not None and rings[idx].size:
+            for chunk in rings[idx].chunks:
+                cb(chunk)
+    if tail:
+        bufs = [bytearray(bytes(last[0])), bytearray(bytes(last[1]))]
     return Pumped(bytes(bufs[0]), bytes(bufs[1]), truncated, (hashes[0].hexdigest(), hashes[1].hexdigest()),
-                  (sizes[0], sizes[1]), timed_out)
+                  (sizes[0], sizes[1]), timed_out, tuple(cuts))

@@ -67,7 +67,17 @@ from sandbox.errors import (
     StateUnreadable,
     UnsupportedOption,
 )
-from sandbox.execs import KEYED_OUTPUT_CAP, Cancel, ExecResult, kill_tree, proc_stat, pump, replay
+from sandbox.execs import (
+    KEYED_OUTPUT_CAP,
+    Cancel,
+    Cut,
+    ExecResult,
+    kill_tree,
+    proc_stat,
+    pump,
+    replay,
+    was_interrupted,
+)
 from sandbox.files import RootFiles
 from sandbox.leases import Leases
 from sandbox.model import (
@@ -244,20 +254,23 @@ class Sandbox:
              on_stdout: Callable[[bytes], None] | None = None,
              on_stderr: Callable[[bytes], None] | None = None,
              idempotency_key: str | None = None, cancel: Cancel | None = None,
-             keep_output: bool = True) -> ExecResult:
+             keep_output: bool = True, on_cut: Callable[[Cut], None] | None = None) -> ExecResult:
         """Run ``cmd`` (a string goes through ``/bin/sh -c``) and collect at most ``output_cap`` bytes per stream.
 
         ``cmd`` is an :class:`ExecRequest` or the fields to make one (validated the
         same way).  Output past the cap is still read (so the command never blocks on
         a full pipe) but dropped, and ``truncated`` is set; callbacks see at most the
-        cap too.  ``keep_output=False`` keeps no output in the result (a caller that
-        streams it); a keyed command still keeps what its receipt needs.  On
+        cap too, and ``on_cut`` hears where a stream was cut (with ``keep="tail"`` the
+        stream's last bytes follow the cut).  ``keep_output=False`` keeps no output in
+        the result (a caller that streams it); a keyed command still keeps what its
+        receipt needs.  On
         ``timeout`` or when ``cancel`` is set, the process, every descendant and every
         orphan it left to the sandbox's init are SIGKILLed under the freezer.
 
         With ``idempotency_key``, a command that already ran under that key in
         this sandbox (or in the checkpoint it was restored from) is not run
-        again: its recorded result comes back with ``replayed`` set.
+        again: its recorded result comes back with ``replayed`` set; with
+        ``rerun_if_interrupted``, one whose run was cut short (``interrupted``) runs again.
         """
         req = cmd if isinstance(cmd, ExecRequest) else ExecRequest(
             cmd=cmd if isinstance(cmd, str) else tuple(cmd), env=env or {}, cwd=cwd, timeout=timeout, stdin=stdin,
@@ -280,15 +293,22 @@ class Sandbox:
                     raise CommandInProgress(f"sandbox {self.id}: a command with idempotency key "
                                             f"{key!r} is still running")
                 rec = mgr.receipt_logs.keyed(self.id, key)
-                earlier = replay(rec) if rec is not None else None
+                if rec is not None and not (req.rerun_if_interrupted and was_interrupted(rec)):
+                    earlier = replay(rec)
                 if earlier is None:
                     mgr._keys_running.add((self.id, key))
             if earlier is None:
                 mgr._inflight.setdefault(self.id, {})[tag] = cancel
         if earlier is not None:
-            for data, cb in ((earlier.stdout, on_stdout), (earlier.stderr, on_stderr)):
-                if data and cb is not None:  # a streaming caller sees the answer the same way
+            for name, data, cb in (("stdout", earlier.stdout, on_stdout), ("stderr", earlier.stderr, on_stderr)):
+                # a streaming caller sees the answer the same way, its cut where the receipt's bytes end
+                cut = next((c for c in earlier.cuts if c.stream == name), None)
+                if cut is not None and cut.offset == 0 and on_cut is not None:
+                    on_cut(cut)
+                if data and cb is not None:
                     cb(data)
+                if cut is not None and cut.offset > 0 and on_cut is not None:
+                    on_cut(cut)
             return earlier
         try:
             if key is not None:
@@ -296,7 +316,7 @@ class Sandbox:
                 # and reconcile finds the key of the exec files named ``tag`` (not by the command's text:
                 # the same command may run with and without a key)
                 self._receipt("exec_started", command=req.argv, idempotency_key=key, tag=tag)
-            return self._exec(tag, st, req, on_stdout, on_stderr, cancel, keep_output)
+            return self._exec(tag, st, req, on_stdout, on_stderr, cancel, keep_output, on_cut)
         finally:
             with mgr._lock:
                 running = mgr._inflight.get(self.id, {})
@@ -307,7 +327,8 @@ class Sandbox:
                     mgr._keys_running.discard((self.id, key))
 
     def _exec(self, tag: str, st: SandboxState, req: ExecRequest, on_stdout: Callable[[bytes], None] | None,
-              on_stderr: Callable[[bytes], None] | None, cancel: Cancel, keep_output: bool) -> ExecResult:
+              on_stderr: Callable[[bytes], None] | None, cancel: Cancel, keep_output: bool,
+              on_cut: Callable[[Cut], None] | None = None) -> ExecResult:
         mgr, cg = self.manager, st.cgroups_path
         args = req.argv
         workdir = req.cwd or st.cwd
@@ -328,7 +349,7 @@ class Sandbox:
         try:
             out = pump(proc, req.stdin, cap=req.output_cap, keep=min(keep, req.output_cap), timeout=req.timeout,
                        on_stdout=on_stdout, on_stderr=on_stderr, cancel=cancel,
-                       kill=lambda: self._kill_exec(pid_file, since, st))
+                       kill=lambda: self._kill_exec(pid_file, since, st), tail=req.keep == "tail", on_cut=on_cut)
         finally:
             if proc.poll() is None:
                 kill_group(proc)
@@ -342,7 +363,7 @@ class Sandbox:
         sig = int(signal.SIGKILL) if killed else (rc - 128 if rc is not None and 128 < rc <= 128 + 64 else None)
         oom = mgr.layout.oom_kills(cg) > oom_before
         result = ExecResult(rc, sig, out.stdout, out.stderr, out.truncated, round(duration, 6), out.timed_out,
-                            oom, interrupted)
+                            oom, interrupted, cuts=out.cuts)
         cpu_after = mgr.layout.cpu_seconds(cg)
         extra: dict[str, Any] = {
             # the sandbox's cgroup over the command's span (background processes included)
@@ -351,10 +372,13 @@ class Sandbox:
                           "memory_peak": mgr.layout.memory_peak(cg), "pids": mgr.layout.pids_current(cg)}}
         if egress_before is not None:  # what the network policy allowed and denied during the command
             extra["egress"] = diff_counters(egress_before, mgr.net.counters(self.id))
+        if req.keep != "head":
+            extra["keep"] = req.keep
         if req.idempotency_key is not None:
+            kept = slice(-KEYED_OUTPUT_CAP, None) if req.keep == "tail" else slice(KEYED_OUTPUT_CAP)
             extra.update(idempotency_key=req.idempotency_key,
-                         stdout=base64.b64encode(out.stdout[:KEYED_OUTPUT_CAP]).decode(),
-                         stderr=base64.b64encode(out.stderr[:KEYED_OUTPUT_CAP]).decode())
+                         stdout=base64.b64encode(out.stdout[kept]).decode(),
+                         stderr=base64.b64encode(out.stderr[kept]).decode())
         self._receipt("exec", command=args, cwd=workdir, exit_code=rc, signal=sig, timed_out=out.timed_out,
                       oom_killed=oom, interrupted=interrupted, stdout_bytes=out.sizes[0], stderr_bytes=out.sizes[1],
                       stdout_blake3=out.digests[0], stderr_blake3=out.digests[1], truncated=out.truncated,
@@ -418,6 +442,28 @@ class Sandbox:
         self._update(network={**st.network, "policy": policy}, options=options)
         self._receipt("network", version=policy.get("version"), rules=policy.get("rules"))
         return policy
+
+    # -- lifetime -------------------------------------------------------------------------------------
+    def set_ttl(self, seconds: float, *, max_lifetime: float | None = None) -> SandboxState:
+        """Destroy the sandbox ``seconds`` from now rather than when its ttl said (longer or shorter).
+
+        Kept as its options' ``ttl`` (its age at destruction, which the reaper compares), so the
+        state's format is unchanged; ``max_lifetime`` bounds that age (an edge's ``Maxima.ttl``).
+        """
+        with self.manager._lock:  # read-modify-write of the options
+            st = self.state
+            if not st.live:
+                raise SandboxStateError(f"sandbox {self.id} is {st.status}")
+            age = max(0.0, time.time() - st.created)
+            ttl = round(age + seconds, 3)
+            if max_lifetime is not None and ttl > max_lifetime:
+                raise InvalidField("ttl", f"{seconds:g} s from now would make sandbox {self.id} {ttl:.0f} s old, "
+                                          f"above this edge's maximum lifetime of {max_lifetime:g} s (at most "
+                                          f"{max(0.0, max_lifetime - age):.0f} s more)")
+            was = st.options.ttl
+            st = self._update(options=st.options.replace(ttl=ttl))
+        self._receipt("ttl", ttl=ttl, was=was, expires=round(st.created + ttl, 3))
+        return st
 
     # -- pause / resume -----------------------------------------------------------------------------
     def pause(self, *, reclaim: bool = True) -> dict[str, Any]:
@@ -488,6 +534,22 @@ class Sandbox:
         self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
                       bytes_changed=ckpt.bytes_changed)
         return ckpt
+
+    async def fork(self, count: int, options: SandboxOptions | None = None, *, name: str | None = None,
+                   labels: Mapping[str, str] | None = None) -> tuple[Checkpoint, builtins.list[Sandbox]]:
+        """``count`` new sandboxes on this host that continue from this one's files: one checkpoint,
+        restored ``count`` times (:meth:`SandboxManager.restore_many`: all of them or none).
+
+        They start with this sandbox's options (:meth:`SandboxOptions.carried`, and its policy
+        version) unless ``options`` are given, and are independent of it and of each other from
+        then on.  Processes are not carried (a checkpoint holds files).  The checkpoint stays in
+        the store under ``name`` (default ``checkpoints/<id>:<n>``), as any other does.
+        """
+        ckpt = await self.checkpoint(name=name, labels=labels)
+        if options is None:
+            st = self.state
+            options = SandboxOptions.from_state(st.options.carried()).replace(policy_version=st.policy_version)
+        return ckpt, await self.manager.restore_many(ckpt.digest, count, options, name=ckpt.name)
 
     def destroy(self) -> None:
         self.manager.destroy(self.id)
@@ -648,6 +710,41 @@ class SandboxManager:
         checkpoint), with ``fields`` over them; ``options`` replaces them all.
         ``policy_version``, when set, must be the policy the checkpoint was made under.
         """
+        resolved, options, receipts = await self._restore_plan(checkpoint_ref, options, fields)
+        return await self._launch(resolved, checkpoint_ref, options, admitting=admitting, inherited=receipts,
+                                  name=name)
+
+    async def restore_many(self, checkpoint_ref: str, count: int, options: SandboxOptions | None = None, *,
+                           name: str | None = None, **fields: Any) -> builtins.list[Sandbox]:
+        """``count`` sandboxes on one checkpoint, as :meth:`restore` makes one: the checkpoint is read
+        and verified once, the sandboxes start together, and either all of them are running when
+        this returns or none is left (those made are destroyed, the first failure is raised)."""
+        resolved, options, receipts = await self._restore_plan(checkpoint_ref, options, fields)
+        launches = asyncio.gather(*(self._launch(resolved, checkpoint_ref, options, admitting=True,
+                                                 inherited=receipts, name=name) for _ in range(count)),
+                                  return_exceptions=True)
+        try:
+            results = await asyncio.shield(launches)
+        except asyncio.CancelledError:  # the caller left: finish, then take back what was made
+            results = await launches
+            await asyncio.to_thread(self._destroy_all, [r for r in results if isinstance(r, Sandbox)])
+            raise
+        made = [r for r in results if isinstance(r, Sandbox)]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.to_thread(self._destroy_all, made)
+            raise failed[0]
+        return made
+
+    def _destroy_all(self, boxes: Sequence[Sandbox]) -> None:
+        for box in boxes:
+            with contextlib.suppress(SandboxNotFound):
+                self.destroy(box.id)
+
+    async def _restore_plan(self, checkpoint_ref: str, options: SandboxOptions | None, fields: Mapping[str, Any]
+                            ) -> tuple[Resolved, SandboxOptions, builtins.list[dict[str, Any]]]:
+        """A checkpoint verified against its bound digests and policy, the options to restore it with,
+        and the receipts it carries (their chain and head checked)."""
         policy = options.policy_version if options is not None else fields.get("policy_version")
         async with await self._store() as store:
             resolved = await Snapshots(store, self.host).verify_bound(checkpoint_ref, policy_version=policy)
@@ -662,8 +759,7 @@ class SandboxManager:
                 if "head" in doc and doc["head"] != head:
                     raise ReceiptsBroken(f"the receipts of checkpoint {checkpoint_ref} end at {head}, but the "
                                          f"document names {doc['head']} as their last: records were cut off")
-        return await self._launch(resolved, checkpoint_ref, options, admitting=admitting, inherited=receipts,
-                                  name=name)
+        return resolved, options, receipts
 
     async def carried_options(self, resolved: Resolved, store: Store | None = None) -> SandboxOptions:
         """The options a checkpoint's sandbox had (defaults for a checkpoint made before they were kept)."""
@@ -727,7 +823,8 @@ class SandboxManager:
             if resolved.kind == "checkpoint":
                 async with await self._store() as store:
                     await Snapshots(store, self.host).restore(ref, str(box.rootfs), upper=upper,
-                                                              policy_version=options.policy_version)
+                                                              policy_version=options.policy_version,
+                                                              verified=resolved)  # (by _restore_plan)
             else:
                 await asyncio.to_thread(self.host.mount, resolved, box.rootfs, writable=True, upper=upper)
             if mapping is not None:  # on a thread: the overlay is made under a per-thread fsuid

@@ -9,7 +9,8 @@ One definition per concept, validated once where it enters, then passed on typed
   ``__post_init__``: a bad one raises :class:`~sandbox.errors.InvalidField`
   naming it, which the service answers with 400.
 * :class:`ExecRequest` -- one command (argv or shell string, env, cwd, timeout,
-  stdin, output cap, idempotency key).
+  stdin, output cap and which end of the output it keeps, idempotency key).
+* :class:`SandboxFilter` -- which sandboxes a listing returns (labels, status).
 * :class:`Maxima` -- an edge's ceilings on both (memory, ttl, output cap...),
   checked by the service on top of the model's own bounds.
 * :class:`SandboxState` -- the versioned record of one sandbox the manager
@@ -35,7 +36,7 @@ import socket
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from sandbox.errors import InvalidField, StateUnreadable
 
@@ -68,6 +69,8 @@ Status = Literal["creating", "starting", "running", "paused"]
 STATUSES: tuple[str, ...] = get_args(Status)
 Protocol = Literal["tcp", "udp", "icmp", "any"]
 PROTOCOLS: tuple[str, ...] = get_args(Protocol)
+Keep = Literal["head", "tail"]  # which end of a command's output survives its output_cap
+KEEPS: tuple[str, ...] = get_args(Keep)
 
 # The model's own bounds (what a sandbox can be at all); an edge's Maxima are usually lower.
 MIN_MEMORY = 16 * MiB  # crun, the idle init and one shell need a few MiB
@@ -83,6 +86,7 @@ MAX_COMMAND_BYTES = 1 * MiB
 MAX_ARGS = 4096
 MAX_ID = (1 << 32) - 1  # (uid_t)-1 means "no change" to the kernel: never an id
 UNCAPPED = 1 << 62  # an output_cap that is no cap (a terminal that prints everything)
+MAX_FORK = 256  # sandboxes one fork or restore makes at most (an edge's Maxima.fork is lower)
 
 DEFAULT_CPU = 1.0
 DEFAULT_MEMORY = 512 * MiB
@@ -518,8 +522,14 @@ class ExecRequest:
     stdin: bytes | None = None
     output_cap: int = DEFAULT_OUTPUT_CAP
     idempotency_key: str | None = None
+    # "head": the first output_cap bytes per stream; "tail": also the last output_cap bytes, sent when
+    # the command ends (what lies between is dropped, and the stream says how much: sandbox.execs.pump)
+    keep: Keep = "head"
+    # a keyed command a preemption, restart or shutdown cut short runs again instead of replaying that
+    rerun_if_interrupted: bool = False
 
-    FIELDS = ("cmd", "env", "cwd", "timeout", "stdin", "output_cap", "idempotency_key")
+    FIELDS = ("cmd", "env", "cwd", "timeout", "stdin", "output_cap", "idempotency_key", "keep",
+              "rerun_if_interrupted")
 
     def __post_init__(self) -> None:
         cmd = self.cmd
@@ -547,6 +557,13 @@ class ExecRequest:
         if self.idempotency_key is not None:
             object.__setattr__(self, "idempotency_key", check_str(
                 "idempotency_key", self.idempotency_key, max_len=200, pattern=PRINTABLE, what="printable ASCII"))
+        if self.keep not in KEEPS:
+            raise InvalidField("keep", f"{_shown(self.keep)} is not one of {', '.join(KEEPS)}")
+        if not isinstance(self.rerun_if_interrupted, bool):
+            raise InvalidField("rerun_if_interrupted", f"{_shown(self.rerun_if_interrupted)} is not true or false")
+        if self.rerun_if_interrupted and self.idempotency_key is None:
+            raise InvalidField("rerun_if_interrupted", "goes with an idempotency_key (only a keyed command is "
+                                                       "ever replayed)")
 
     @property
     def argv(self) -> list[str]:
@@ -583,7 +600,10 @@ class Maxima:
     lease_ttl: float = 1 * DAY
     exec_timeout: float = 1 * DAY
     output_cap: int = 64 * MiB  # what the service streams per stream; the rest is counted, not kept
+    # keep=tail holds a command's last output_cap bytes per stream in memory until it ends: a lower cap
+    output_tail: int = 4 * MiB
     network_rules: int = MAX_RULES
+    fork: int = 16  # sandboxes one fork or restore request makes at most
 
     def check(self, options: SandboxOptions) -> SandboxOptions:
         for name in ("cpu", "memory", "pids", "disk", "ttl", "idle_timeout", "lease_ttl"):
@@ -599,7 +619,67 @@ class Maxima:
             raise InvalidField("timeout", f"{req.timeout:g} is above this edge's maximum of {self.exec_timeout:g}")
         if req.output_cap > self.output_cap:
             raise InvalidField("output_cap", f"{req.output_cap} is above this edge's maximum of {self.output_cap}")
+        if req.keep == "tail" and req.output_cap > self.output_tail:
+            raise InvalidField("output_cap", f"{req.output_cap} with keep=tail is above this edge's maximum of "
+                                             f"{self.output_tail} (the tail is held in memory until the command ends)")
         return req
+
+    def check_count(self, value: object, field: str = "count") -> int:
+        """How many sandboxes one fork or restore makes: 1 to this edge's ``fork``."""
+        return check_int(field, value, 1, min(self.fork, MAX_FORK))
+
+    def check_ttl(self, value: object, field: str = "ttl") -> float:
+        """Seconds a running sandbox is given from now (its age plus these is checked against ``ttl``)."""
+        return check_number(field, value, 0.0, self.ttl, lo_open=True)
+
+
+# -- listing ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SandboxFilter:
+    """Which sandboxes a listing returns: those with every one of ``labels`` and, if given, ``status``.
+
+    From a query string (:meth:`from_query`): ``label=<key>=<value>`` (repeatable, all must match)
+    and ``state=<status>``; any other parameter is refused, as an unknown field is.
+    """
+
+    labels: Mapping[str, str] = field(default_factory=dict)
+    status: Status | None = None
+
+    QUERY = ("label", "state")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "labels", check_labels("label", self.labels, reserved_ok=False))
+        if self.status is not None and self.status not in STATUSES:
+            raise InvalidField("state", f"{_shown(self.status)} is not one of {', '.join(STATUSES)}")
+
+    @classmethod
+    def from_query(cls, pairs: Sequence[tuple[str, str]]) -> SandboxFilter:
+        labels: dict[str, str] = {}
+        status: str | None = None
+        for key, value in pairs:
+            if key == "label":
+                name, sep, wanted = value.partition("=")
+                if not sep:
+                    raise InvalidField("label", f"{_shown(value)}: expected key=value")
+                if labels.get(name, wanted) != wanted:
+                    raise InvalidField("label", f"{_shown(name)} is given two values: nothing can match")
+                labels[name] = wanted
+            elif key == "state":
+                if status is not None and value != status:
+                    raise InvalidField("state", "is given twice with different values: nothing can match")
+                status = value
+            else:
+                raise InvalidField(key[:64], f"unknown query parameter (known: {', '.join(cls.QUERY)})")
+        return cls(labels, cast("Status | None", status))  # checked in __post_init__
+
+    def to_query(self) -> list[tuple[str, str]]:
+        """The query string pairs that make this filter (for a client)."""
+        pairs = [("label", f"{k}={v}") for k, v in self.labels.items()]
+        return pairs + ([("state", self.status)] if self.status is not None else [])
+
+    def matches(self, state: SandboxState) -> bool:
+        return ((self.status is None or state.status == self.status)
+                and all(state.labels.get(k) == v for k, v in self.labels.items()))
 
 
 # -- the manager's record of one sandbox ------------------------------------------------------------------

@@ -67,6 +67,8 @@ OPTIONS_PROPERTIES: dict[str, Any] = {
 assert set(OPTIONS_PROPERTIES) == set(m.SandboxOptions.CLIENT_FIELDS)
 
 _REF = {"type": "string", "minLength": 1, "maxLength": 512}
+_COUNT = {"type": "integer", "minimum": 1, "maximum": m.MAX_FORK, "description": "sandboxes to make (at most the "
+          "edge's maximum); with count, a restore answers {sandboxes: [...]}"}
 
 
 def _body(properties: dict[str, Any], required: tuple[str, ...] = (), **more: Any) -> dict[str, Any]:
@@ -79,7 +81,10 @@ def _body(properties: dict[str, Any], required: tuple[str, ...] = (), **more: An
 SCHEMAS: dict[str, dict[str, Any]] = {
     "create": _body({"image": _REF, "isolation": {"type": "string", "enum": ["container"]}, **OPTIONS_PROPERTIES},
                     ("image",)),
-    "restore": _body({"checkpoint": _REF, **OPTIONS_PROPERTIES}, ("checkpoint",)),
+    "restore": _body({"checkpoint": _REF, "count": _COUNT, **OPTIONS_PROPERTIES}, ("checkpoint",)),
+    "fork": _body({"count": _COUNT, **OPTIONS_PROPERTIES}),
+    "ttl": _body({"ttl": {**_SECONDS, "description": "seconds from now; the sandbox's age plus these is at most "
+                                                     "the edge's maximum ttl"}}, ("ttl",)),
     "exec": _body({
         "cmd": _COMMAND, "env": _ENV, "cwd": _PATH,
         "timeout": {**_POSITIVE, "maximum": 30 * m.DAY},
@@ -87,6 +92,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "output_cap": {"type": "integer", "minimum": 0, "maximum": m.UNCAPPED, "description": "bytes streamed "
                        "per stream"},
         "idempotency_key": {**_PRINTABLE, "maxLength": 200},
+        "keep": {"type": "string", "enum": list(m.KEEPS), "description": "head (default): the first output_cap "
+                 "bytes per stream; tail: also the last output_cap bytes, sent when the command ends (at most "
+                 "the edge's tail maximum); a truncated event says where output was dropped"},
+        "rerun_if_interrupted": {"type": "boolean", "description": "with idempotency_key: run again a command "
+                                 "whose earlier run was interrupted, instead of replaying that"},
     }, ("cmd",)),
     "checkpoint": _body({"name": {"type": "string", "minLength": 1, "maxLength": m.MAX_REF_NAME,
                                   "description": "repo[:tag], inside the project's namespace"},
@@ -115,6 +125,11 @@ PARAMETERS: dict[str, dict[str, Any]] = {
     "path": _PATH, "list": _FLAG, "stat": _FLAG, "recursive": _FLAG,
     "mode": {"type": "string", "pattern": "^0?[0-7]{1,3}$", "description": "octal permission bits"},
     "since": {"type": "number", "minimum": 0, "maximum": 1e12, "description": "Unix time"},
+    "label": {"type": "array", "items": {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}=[^\x00]*$"},
+              "description": "key=value; every one given must match"},
+    "state": {"type": "string", "enum": list(m.STATUSES)},
+    "name": {"type": "string", "pattern": "^projects/[^\x00]+$", "maxLength": m.MAX_REF_NAME + 256,
+             "description": "the checkpoint's full ref name, as GET /v1/checkpoints lists it"},
     "action": {"type": "string"}, "idempotency_key": {"type": "string"},
     "port": {"type": "integer", "minimum": 1, "maximum": 65535, "description": "a TCP port inside the sandbox"},
     "tail": {"type": "string", "description": "the path the sandbox's server is asked for (after the prefix; "
@@ -199,7 +214,8 @@ DOCUMENT: dict[str, Any] = {
         "/v1/sandboxes": {
             "post": _op("Create a sandbox from an image, composition or checkpoint of this project",
                         _CREATED, body="create", path=None),
-            "get": _op("List this project's sandboxes", {"200": "sandboxes"}, path=None),
+            "get": _op("List this project's sandboxes, filtered on labels (label=key=value, repeatable) and status "
+                       "(state)", {"200": "sandboxes"}, query=("label", "state"), path=None),
         },
         "/v1/sandboxes/{id}": {
             "get": _op("Describe a sandbox", {"200": "the sandbox"}),
@@ -207,7 +223,8 @@ DOCUMENT: dict[str, Any] = {
         },
         "/v1/sandboxes/{id}/exec": {
             "post": _op("Run a command; the response streams newline-delimited JSON events: stdout/stderr "
-                        "(base64 data, at most output_cap bytes each), then exit (with interrupted, replayed) "
+                        "(base64 data, at most output_cap bytes each), truncated (stream, offset, dropped_bytes, keep) "
+                        "where output was dropped, then exit (with interrupted, replayed) "
                         "or error. Closing the connection kills the command.",
                         {"200": "application/x-ndjson event stream",
                          "409": "sandbox not running, job preempted or key still running (retryable)",
@@ -270,6 +287,20 @@ DOCUMENT: dict[str, Any] = {
                                         path=None)},
         "/v1/load": {"get": _op("Load report: sandboxes live/in flight/max, free memory/pids/disk, load "
                                 "average, score, accepting", {"200": "the load report"}, path=None)},
+        "/v1/sandboxes/{id}/fork": {"post": _op(
+            "Fork: checkpoint the sandbox once and restore it count times on this edge (quota and capacity for "
+            "all first; all or none); the forks continue from its files, env, workdir and labels",
+            {**_CREATED, "201": "source, checkpoint, sandboxes", "409": "not running or paused"}, body="fork")},
+        "/v1/sandboxes/{id}/ttl": {"post": _op("Destroy the sandbox ttl seconds from now (extend or shorten)",
+                                               {"200": "the sandbox (ttl: its age at destruction, expires)",
+                                                "409": "not running or paused"}, body="ttl")},
+        "/v1/sandboxes/{id}/metrics": {"get": _op("CPU seconds, memory now and peak, pids, disk used, and the "
+                                                  "commands' recorded resources", {"200": "metrics"})},
+        "/v1/checkpoints": {"get": _op("This project's checkpoints", {"200": "checkpoints"}, path=None)},
+        "/v1/checkpoints/{name}": {"delete": _op("Delete a checkpoint of this project (its ref; gc removes what "
+                                                 "nothing else keeps)", {"204": "deleted",
+                                                                         "404": "no such checkpoint in this project"},
+                                                 path="name")},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI"}}}},
         "/metrics": {"get": _op("Prometheus metrics (an admin project's token)", {"200": "text"}, path=None)},
     },

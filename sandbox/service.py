@@ -28,6 +28,9 @@ answers with a chunked stream of newline-delimited JSON events::
 
     {"type": "stdout", "data": "<base64>"}
     {"type": "stderr", "data": "<base64>"}
+    {"type": "truncated", "stream": "stdout", "offset": 1048576, "dropped_bytes": 5000, "keep": "head"}
+                    (the stream skips dropped_bytes of output after its first offset bytes; with
+                     "keep": "tail" the stream's last bytes follow, up to output_cap of them)
     {"type": "exit", "exit_code": 0, "signal": null, "truncated": false, "duration": 0.01,
      "timed_out": false, "oom_killed": false, "interrupted": null, "replayed": false}
     {"type": "error", "error": {...}}          (instead of "exit" when the exec failed)
@@ -89,12 +92,14 @@ from sandbox.errors import (
     SandboxStateError,
     UnsupportedOption,
 )
+from sandbox.execs import Cut
 from sandbox.manager import Cancel, Sandbox, SandboxManager
 from sandbox.model import (
     MAX_REF_NAME,
     PROJECT_LABEL,
     ExecRequest,
     Maxima,
+    SandboxFilter,
     SandboxOptions,
     SandboxState,
     check_job,
@@ -256,7 +261,8 @@ def _view(state: SandboxState) -> dict[str, Any]:
             "created": state.created, "last_active": state.last_active, "isolation": ISOLATION,
             "job": state.job.partition("/")[2] if state.job else None, "cpu_class": o.cpu_class,
             "disk": o.disk, "admitting": state.admitting, "network": state.network, "userns": o.userns,
-            "ttl": o.ttl, "idle_timeout": o.idle_timeout}
+            "ttl": o.ttl, "idle_timeout": o.idle_timeout,
+            "expires": round(state.created + o.ttl, 3) if o.ttl is not None else None}
 
 
 def _json_depth(doc: Any, limit: int) -> bool:
@@ -357,6 +363,8 @@ class SandboxService:
         r.add_post("/v1/runs/resume", self.run_resume)
         r.add_post("/v1/calls", self.call)
         r.add_get("/v1/capabilities", self.capabilities)
+        from sandbox import lifecycle  # (it builds on this module)
+        lifecycle.add_routes(self, r)
         from sandbox import ports  # (it imports this module)
         ports.add_routes(self, r)
         app.on_startup.append(self._start_background)
@@ -577,9 +585,15 @@ class SandboxService:
         project = self._project(request)
         body = await self._json(request)
         ref = check_str("checkpoint", body.get("checkpoint"), max_len=512, what="a checkpoint ref or digest")
-        SandboxOptions.from_json(body, extra=("checkpoint",))  # every field checked before any lookup
+        SandboxOptions.from_json(body, extra=("checkpoint", "count"))  # every field checked before any lookup
+        count = None if body.get("count") is None else self.maxima.check_count(body["count"])
         resolved = await self._resolve(project, ref, field="checkpoint", kinds=("checkpoint",))
-        options = self._options(project, body, extra=("checkpoint",), base=await self._carried(resolved))
+        options = self._options(project, body, extra=("checkpoint", "count"), base=await self._carried(resolved))
+        if count is not None:  # {"sandboxes": [...]}: all of them or none, quota and capacity for all first
+            async def restored() -> dict[str, Any]:
+                boxes = await self.manager.restore_many(resolved.digest, count, options, name=ref)
+                return {"sandboxes": await asyncio.to_thread(lambda: [_view(b.state) for b in boxes])}
+            return await self._launch(project, [options] * count, restored)
         return await self._launch(project, [options],
                                   lambda: self.manager.restore(resolved.digest, options, name=ref))
 
@@ -617,8 +631,9 @@ class SandboxService:
 
     async def list(self, request: web.Request) -> web.Response:
         project = self._project(request)
+        wanted = SandboxFilter.from_query(list(request.query.items()))  # ?label=k=v&state=running
         owned = await asyncio.to_thread(self._owned, project)
-        return web.json_response({"sandboxes": [_view(st) for st in owned]})
+        return web.json_response({"sandboxes": [_view(st) for st in owned if wanted.matches(st)]})
 
     async def get(self, request: web.Request) -> web.Response:
         _, state = await self._box(request, self._project(request))
@@ -780,11 +795,12 @@ class SandboxService:
 
         loop = asyncio.get_running_loop()
         # bounded: the exec thread blocks when the client reads slowly, and the pipe then stops the command
-        events: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue(STREAM_QUEUE)
+        # (kind, output bytes), or ("truncated", where a stream was cut: sandbox.execs.Cut)
+        events: asyncio.Queue[tuple[str, Any] | None] = asyncio.Queue(STREAM_QUEUE)
         cancel = Cancel()
 
-        def forward(kind: str) -> Callable[[bytes], None]:
-            def push(data: bytes) -> None:  # the manager hands over at most output_cap bytes per stream
+        def forward(kind: str) -> Callable[[Any], None]:
+            def push(data: Any) -> None:  # the manager hands over at most output_cap bytes per stream
                 if cancel.is_set():
                     return
                 fut = asyncio.run_coroutine_threadsafe(events.put((kind, data)), loop)
@@ -797,23 +813,30 @@ class SandboxService:
                 fut.cancel()
             return push
 
+        cut_at = forward("truncated")
+
+        def on_cut(cut: Cut) -> None:
+            cut_at({**cut.to_json(), "keep": req.keep})
+
         # streamed, not kept: the service never buffers a command's output beyond the queue
         self._streams.add(cancel)
         run = asyncio.ensure_future(asyncio.to_thread(
             box.exec, req, on_stdout=forward("stdout"), on_stderr=forward("stderr"), cancel=cancel,
-            keep_output=False))
+            keep_output=False, on_cut=on_cut))
         run.add_done_callback(lambda _: self._streams.discard(cancel))
         self.m_execs.labels(project.name).inc()
 
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
-        async def send(event: tuple[str, bytes] | None) -> None:
+        async def send(event: tuple[str, Any] | None) -> None:
             assert event is not None
             kind, data = event
-            await resp.write(json.dumps({"type": kind, "data": base64.b64encode(data).decode()}).encode() + b"\n")
+            doc = {"type": kind, **data} if isinstance(data, dict) else {"type": kind,
+                                                                        "data": base64.b64encode(data).decode()}
+            await resp.write(json.dumps(doc).encode() + b"\n")
 
-        getter: asyncio.Future[tuple[str, bytes] | None] | None = None
+        getter: asyncio.Future[tuple[str, Any] | None] | None = None
         try:
             # woken by the next chunk or by the command's end, whichever comes first: the exit
             # goes out the moment the exec returns, never after a poll interval

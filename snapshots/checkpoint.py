@@ -45,7 +45,7 @@ from converters.layer import DEFAULT_CHUNK_SIZE, convert_entries
 from converters.publish import LocalLayer, upload_layers
 from converters.tarstream import KIND_CHR, Entry
 from layerstore.locks import store_lock
-from layerstore.objects import LayerEntry, meta_key, pack_key
+from layerstore.objects import LayerEntry, Resolved, meta_key, pack_key
 from layerstore.store import Store, UploadStats
 from lazyfetch.mounts import HostMounts, MountResult
 from snapshots.errors import CheckpointMismatch, SnapshotError
@@ -300,12 +300,13 @@ class Snapshots:
         return missing
 
     async def restore(self, ref: str, mountpoint: str, *, upper: str | None = None,
-                      policy_version: str | None = None) -> MountResult:
-        resolved = await self.verify_bound(ref, policy_version=policy_version)
+                      policy_version: str | None = None, verified: Resolved | None = None) -> MountResult:
+        """Mount ``ref`` writable at ``mountpoint``; ``verified`` is the checkpoint as
+        :meth:`verify_bound` returned it to the caller already (many restores, one read)."""
+        resolved = verified or await self.verify_bound(ref, policy_version=policy_version)
         result = await asyncio.to_thread(self.host.mount, resolved, mountpoint, writable=True, upper=upper)
-        target, mount = await asyncio.to_thread(self._locate, mountpoint)
-        self._save_record(target, {"parent": resolved.digest, "manifest": {}, "seq": 0,
-                                   "id": uuid.uuid4().hex[:12], "upper": mount["upper"]})
+        self._save_record(result.mountpoint, {"parent": resolved.digest, "manifest": {}, "seq": 0,
+                                              "id": uuid.uuid4().hex[:12], "upper": result.upper})
         return result
 
     # -- catalogue ----------------------------------------------------------------------------------
