@@ -96,3 +96,11 @@ class NotARegularFile(SandboxError, OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+class ImageNotFound(SandboxError, LookupError):
+    """No image, composition, checkpoint or run manifest by that ref that the caller may use.
+
+    Not retryable: the ref does not resolve.  The service answers another project's
+    checkpoint or run the same way (404), so refs leak nothing; the message names the ref.
+    """

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from sandbox.errors import SandboxError
+from layerstore.backend import ObjectNotFound
+from layerstore.store import RefNotFound
+from sandbox.errors import ImageNotFound, SandboxError
 from sandbox.manager import ExecResult, Sandbox, SandboxManager
 from sandbox.model import POOL_ID_LABEL, POOL_LABEL, SandboxOptions
 
@@ -432,15 +434,29 @@ class FnCalls:
                    entry: str | None = None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                    timeout: float = 30.0,  # noqa: ASYNC109  (bounds the exec inside the sandbox)
                    stdin: bytes | None = None, output_cap: int = 1 << 20) -> CallResult:
-        """:meth:`WarmPool.call` on ``image``'s pool (the first call waits for its first sandbox)."""
+        """:meth:`WarmPool.call` on ``image``'s pool (the first call waits for its first sandbox).
+
+        An ``image`` that does not resolve raises :class:`~sandbox.errors.ImageNotFound` at once,
+        and no pool is made for it.
+        """
         pool = self._pools.pop(image, None)
         if pool is not None:
             self._pools[image] = pool  # most recently used last
         else:
+            await self._check_image(image)
             await self._make_room()
             pool = self.pool(image)
         return await pool.call(cmd, function=function, entry=entry, args=args, kwargs=kwargs,
                                timeout=timeout, stdin=stdin, output_cap=output_cap)
+
+    async def _check_image(self, image: str) -> None:
+        """Raise :class:`ImageNotFound` unless ``image`` resolves: a pool of a missing image would
+        fail every creation, answer each call with a retryable error and hold a pool slot."""
+        try:
+            async with await self.manager._store() as store:
+                await store.resolve(image)
+        except (RefNotFound, ObjectNotFound) as exc:
+            raise ImageNotFound(f"FnCall image {image!r} does not resolve: {exc}") from exc
 
     async def _make_room(self) -> None:
         """Close the least recently used idle pools until a new one fits under ``max_pools``."""

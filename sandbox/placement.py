@@ -37,16 +37,23 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, Unpack
 
 import aiohttp
 
 from sandbox.admission import score
 from sandbox.errors import SandboxError
-from sandbox.sdk import ApiError, AsyncSandbox
+from sandbox.sdk import (
+    ApiError,
+    AsyncSandbox,
+    CapacityExceeded,
+    QuotaExceeded,
+    SandboxFields,
+    ServiceUnavailable,
+)
 
 # Rejections: the edge is healthy but cannot take this create now (quota is per edge, so another may).
-REJECTIONS = {(429, "quota_exceeded"), (503, "capacity")}
+REJECTIONS = (QuotaExceeded, CapacityExceeded)
 
 
 class PlacementError(SandboxError):
@@ -220,7 +227,7 @@ class Placement:
         return -math.inf if report is None else score(report)
 
     # -- placing ------------------------------------------------------------------------------------
-    async def create(self, image: str, **options: Any) -> AsyncSandbox:
+    async def create(self, image: str, **options: Unpack[SandboxFields]) -> AsyncSandbox:
         """Create a sandbox on the best edge that admits it; options as for :meth:`AsyncSandbox.create`.
 
         Raises :class:`PlacementError` listing every edge's answer when all
@@ -240,7 +247,7 @@ class Placement:
                 async with asyncio.timeout(self.create_timeout):
                     sb = await AsyncSandbox.create(image, url=edge.url, token=edge.token, **options)
             except ApiError as exc:
-                if (exc.status, exc.code) in REJECTIONS:
+                if isinstance(exc, REJECTIONS):
                     st.rejected += 1
                     if st.report is not None:  # until the next refresh says otherwise
                         st.report = {**st.report, "accepting": False}
@@ -252,7 +259,7 @@ class Placement:
                     answers.append((edge.url, f"failed: {exc}"))
                     continue
                 raise
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            except (ServiceUnavailable, TimeoutError) as exc:  # no answer (TimeoutError: create_timeout)
                 self._failure(edge.url, _describe(exc))
                 answers.append((edge.url, f"failed: {_describe(exc)}"))
                 continue

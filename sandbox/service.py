@@ -82,6 +82,7 @@ from sandbox.admission import (
     parse_size,
 )
 from sandbox.errors import (
+    ImageNotFound,
     InvalidField,
     NotARegularFile,
     PathEscape,
@@ -222,7 +223,9 @@ def _as_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, BadName):
         return ApiError(400, "invalid_field", str(exc))
     if isinstance(exc, SandboxNotFound):
-        return ApiError(404, "not_found", str(exc))
+        return ApiError(404, "sandbox_not_found", str(exc))
+    if isinstance(exc, ImageNotFound):  # e.g. FnCall on a ref that does not resolve
+        return ApiError(404, "image_not_found", str(exc))
     if isinstance(exc, SandboxStateError):
         return ApiError(409, "conflict", str(exc), retryable=bool(getattr(exc, "retryable", False)))
     if isinstance(exc, CheckpointMismatch):  # e.g. a restore under another policy_version than it was made
@@ -467,7 +470,7 @@ class SandboxService:
 
     async def _box(self, request: web.Request, project: Project) -> tuple[Sandbox, SandboxState]:
         sid = check_sandbox_id(request.match_info["id"])  # before it is anything else: a 400 naming 'id'
-        not_found = ApiError(404, "not_found", f"no sandbox {sid!r} in project {project.name!r}")
+        not_found = ApiError(404, "sandbox_not_found", f"no sandbox {sid!r} in project {project.name!r}")
         try:
             box = await asyncio.to_thread(self.manager.get, sid)
             state = await asyncio.to_thread(lambda: box.state)
@@ -485,7 +488,9 @@ class SandboxService:
         document's project label), or shared by an admin project; a run manifest is the
         project's own job's.  Anything else answers 404, as a missing ref does.
         """
-        not_found = ApiError(404, "not_found", f"{field} {ref!r}: no such {' or '.join(kinds)} visible to "
+        # one code per field (what the caller named), the same for missing and for another project's
+        code = {"checkpoint": "checkpoint_not_found", "manifest": "run_not_found"}.get(field, "image_not_found")
+        not_found = ApiError(404, code, f"{field} {ref!r}: no such {' or '.join(kinds)} visible to "
                                                f"project {project.name!r}")
         async with await self.manager._store() as store:
             try:

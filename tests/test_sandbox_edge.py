@@ -31,9 +31,13 @@ from sandbox.manager import SandboxManager
 from sandbox.sdk import (
     AsyncJob,
     AsyncSandbox,
-    NotFound,
+    CheckpointNotFound,
+    FileNotFound,
     QuotaExceeded,
+    RunNotFound,
     Sandbox,
+    SandboxKilled,
+    SandboxNotFound,
     UnsupportedIsolation,
     call,
     capabilities,
@@ -75,35 +79,35 @@ def test_preempt_a_job_and_resume_it_through_the_sdk(url: str, manager: SandboxM
         await b.files.write("/root/b.txt", "bee")
         job = AsyncJob("train-1", url=url, token=ALPHA)
         run = await job.preempt(grace=2)
-        assert sorted(run["sandboxes"]) == sorted([a.sandbox_id, b.sandbox_id])
-        assert run["manifest"]["job"] == "alpha/train-1"
-        with pytest.raises(NotFound):  # the host is free of them
+        assert sorted(run.sandboxes) == sorted([a.sandbox_id, b.sandbox_id])
+        assert run.manifest["job"] == "alpha/train-1"
+        with pytest.raises(SandboxKilled):  # the host is free of them
             await a.refresh()
         # another project can neither resume this run nor restore its checkpoints
-        with pytest.raises(NotFound):
-            await AsyncJob.resume_run(run["ref"], url=url, token=BETA)
-        some_checkpoint = next(iter(run["sandboxes"].values()))
-        with pytest.raises(NotFound):
+        with pytest.raises(RunNotFound):
+            await AsyncJob.resume_run(run.ref, url=url, token=BETA)
+        some_checkpoint = next(iter(run.sandboxes.values()))
+        with pytest.raises(CheckpointNotFound):
             await AsyncSandbox.restore(some_checkpoint, url=url, token=BETA)
-        resumed = await AsyncJob.resume_run(run["ref"], url=url, token=ALPHA)
-        new_a = await AsyncSandbox.connect(resumed["sandboxes"][a.sandbox_id], url=url, token=ALPHA)
-        new_b = await AsyncSandbox.connect(resumed["sandboxes"][b.sandbox_id], url=url, token=ALPHA)
+        resumed = await AsyncJob.resume_run(run.ref, url=url, token=ALPHA)
+        new_a = await AsyncSandbox.connect(resumed.sandboxes[a.sandbox_id], url=url, token=ALPHA)
+        new_b = await AsyncSandbox.connect(resumed.sandboxes[b.sandbox_id], url=url, token=ALPHA)
         retry = await new_a.commands.run("echo step >> /root/log; wc -l < /root/log", idempotency_key="s1")
         assert (retry.replayed, retry.stdout) == (True, first.stdout)
         assert await new_a.files.read("/root/log") == "step\n"
         assert await new_b.files.read("/root/b.txt") == "bee"
-        assert new_a.info["labels"]["role"] == "a"
-        assert new_b.info["disk"] == 32 << 20
-        assert new_a.info["job"] == "train-1"
+        assert new_a.info.labels["role"] == "a"
+        assert new_b.info.disk == 32 << 20
+        assert new_a.info.job == "train-1"
         receipts = await new_a.receipts()
-        assert [r["action"] for r in receipts].count("exec") == 1  # inherited; the retry ran nothing
+        assert [r.action for r in receipts].count("exec") == 1  # inherited; the retry ran nothing
         keyed = await new_a.receipts(action="exec", idempotency_key="s1")
         assert len(keyed) == 1
-        assert keyed[0]["inherited"] is True
+        assert keyed[0].inherited is True
         assert await new_a.receipts(since=time.time() + 3600) == []
         # a checkpoint restores through the SDK as a fresh sandbox of the same project
         ckpt = await new_b.checkpoint(labels={"k": "v"})
-        copy = await AsyncSandbox.restore(ckpt["name"], url=url, token=ALPHA, job="train-2")
+        copy = await AsyncSandbox.restore(ckpt.name, url=url, token=ALPHA, job="train-2")
         assert await copy.files.read("/root/b.txt") == "bee"
         assert sorted(await job.pause()) == sorted([new_a.sandbox_id, new_b.sandbox_id])
         assert sorted(await job.resume()) == sorted([new_a.sandbox_id, new_b.sandbox_id])
@@ -142,9 +146,9 @@ def test_abuse_is_contained(url: str, manager: SandboxManager) -> None:
                 "grep -l secret /proc/*/root/root/* 2>/dev/null; echo end")
             assert "victim's secret" not in probe.stdout
             # resolved inside the attacker's own root: both name files it does not have
-            with pytest.raises(NotFound):
+            with pytest.raises(FileNotFound):
                 await attacker.files.read(f"/../../../{victim.sandbox_id}/rootfs/root/secret")
-            with pytest.raises(NotFound):
+            with pytest.raises(FileNotFound):
                 await attacker.files.read(f"{victim_root}/root/secret")
             # the host's daemon socket (filesystem path or abstract name) is out of reach
             reach = await attacker.commands.run(
@@ -175,11 +179,11 @@ def test_leaving_the_exec_stream_kills_the_command(url: str, manager: SandboxMan
                 resp.close()  # the client goes away mid-command
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                execs = [r for r in await sb.receipts() if r["action"] == "exec"]
+                execs = [r for r in await sb.receipts() if r.action == "exec"]
                 if execs:
                     break
                 await asyncio.sleep(0.1)
-            assert execs[0]["interrupted"] == "disconnect"
+            assert execs[0].details["interrupted"] == "disconnect"
             left = await sb.commands.run(PROCESS_ARGS + " | grep -c '^sleep 300 ' || true")
             assert left.stdout.strip() == "0"
 
@@ -214,34 +218,35 @@ def test_streamed_upload_and_download_of_a_large_file(url: str, tmp_path: Path) 
         inside = sb.commands.run("sha256sum /root/big.bin").stdout.split()[0]
         assert inside == hashlib.sha256(src.read_bytes()).hexdigest()
         st = sb.files.stat("/root/big.bin")
-        assert (st["type"], st["size"], st["mode"], st["uid"]) == ("file", 80 << 20, 0o644, 0)
-        assert sb.files.stat("/root")["type"] == "dir"
+        assert (st.type, st.size, st.mode, st.uid) == ("file", 80 << 20, 0o644, 0)
+        assert sb.files.stat("/root").type == "dir"
         assert sb.files.exists("/etc/os-release")
         assert not sb.files.exists("/root/nope")
         dst = tmp_path / "back.bin"
         assert sb.files.download("/root/big.bin", dst) == 80 << 20
         assert dst.read_bytes() == src.read_bytes()
-        with pytest.raises(NotFound):
+        with pytest.raises(FileNotFound):
             sb.files.download("/root/missing", tmp_path / "x")
 
 
 def test_fncall_through_the_service(url: str) -> None:
     async def scenario() -> None:
         caps = await capabilities(url=url, token=ALPHA)
-        assert caps["isolation"] == ["container"]
-        assert caps["checkpoint"] == {"filesystem": True, "processes": False}
+        assert caps.isolation == ("container",)
+        assert caps.checkpoint == {"filesystem": True, "processes": False}
         with pytest.raises(UnsupportedIsolation):
             await AsyncSandbox.create(REF, url=url, token=ALPHA, isolation="microvm")
         r1 = await call(REF, "echo hi > /tmp/mark; cat /tmp/mark", url=url, token=ALPHA)
-        assert (r1["exit_code"], r1["stdout"]) == (0, "hi\n")
+        assert (r1.exit_code, r1.stdout) == (0, "hi\n")
         r2 = await call(REF, "cat /tmp/mark", url=url, token=ALPHA)
-        assert r2["exit_code"] != 0  # a fresh layer: the first call's file is gone
+        assert r2.exit_code != 0  # a fresh layer: the first call's file is gone
         fn = "def add(a, b, scale=1):\n    print('adding')\n    return {'sum': (a + b) * scale}\n"
         r3 = await call(REF, function=fn, args=[2, 3], kwargs={"scale": 10}, url=url, token=ALPHA)
-        assert (r3["value"], r3["stdout"], r3["error"]) == ({"sum": 50}, "adding\n", None)
+        assert (r3.value, r3.stdout, r3.error) == ({"sum": 50}, "adding\n", None)
         r4 = await call(REF, function="def f():\n    raise ValueError('bad')\n", url=url, token=ALPHA)
-        assert r4["value"] is None
-        assert "ValueError: bad" in r4["error"]
+        assert r4.value is None
+        assert r4.error is not None
+        assert "ValueError: bad" in r4.error
 
     asyncio.run(scenario())
 
@@ -291,7 +296,7 @@ def test_service_crash_with_sandboxes_running_is_reconciled(store_url: str, tmp_
         proc = _start_service(data_dir, store_url, tokens, port)
         again = Sandbox.connect(survivor_id, url=url, token=ALPHA)
         assert again.commands.run("cat /root/state").stdout == "kept"
-        with pytest.raises(NotFound):
+        with pytest.raises(SandboxNotFound):
             Sandbox.connect(doomed_id, url=url, token=ALPHA)
         assert [c["id"] for c in mgr.runtime.list()] == [survivor_id]
         again.kill()
@@ -317,12 +322,12 @@ def test_resume_checks_quota_for_the_whole_job_first(url: str, manager: SandboxM
         run = await job.preempt(grace=0)
         squatter = await AsyncSandbox.create(REF, url=url, token=BETA)  # beta's quota is 2
         with pytest.raises(QuotaExceeded, match="needs 2 more"):
-            await AsyncJob.resume_run(run["ref"], url=url, token=BETA)
+            await AsyncJob.resume_run(run.ref, url=url, token=BETA)
         assert [st.id for st in manager.list(job="beta/pair")] == []  # nothing half-restored
         await squatter.kill()
-        resumed = await AsyncJob.resume_run(run["ref"], url=url, token=BETA)
-        assert sorted(resumed["sandboxes"]) == sorted([a.sandbox_id, b.sandbox_id])
-        for sid in resumed["sandboxes"].values():
+        resumed = await AsyncJob.resume_run(run.ref, url=url, token=BETA)
+        assert sorted(resumed.sandboxes) == sorted([a.sandbox_id, b.sandbox_id])
+        for sid in resumed.sandboxes.values():
             await (await AsyncSandbox.connect(sid, url=url, token=BETA)).kill()
         await job.close()
         await a.close()

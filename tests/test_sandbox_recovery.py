@@ -278,7 +278,7 @@ def test_sigterm_leaves_nothing_of_its_data_dir_and_stops_its_daemon(
             assert await sb.files.download("/root/blob", out) == len(payload)
             assert out.getvalue() == payload
             called = await sdk_call(REF, "true", url=edge.url, token=TOKEN)
-            assert called["exit_code"] == 0
+            assert called.exit_code == 0
         finally:
             await sb.close()  # the client's session only
         return sb.sandbox_id

@@ -17,9 +17,10 @@ from sandbox.manager import SandboxManager
 from sandbox.sdk import (
     AsyncSandbox,
     AuthError,
-    NotFound,
+    FileNotFound,
     QuotaExceeded,
     Sandbox,
+    SandboxNotFound,
     UnsupportedIsolation,
 )
 from tests.support.sandboxes import REF, ServerThread, no_sandboxes_left, serving
@@ -75,26 +76,26 @@ def test_lifecycle_through_the_blocking_sdk(url: str) -> None:
         assert sb.files.read("/root/notes.txt") == "hello sandbox\n"
         assert sb.files.read("/root/notes.txt", format="bytes") == b"hello sandbox\n"
         assert sb.commands.run("cat /root/notes.txt").stdout == "hello sandbox\n"
-        entries = {e["name"]: e for e in sb.files.list("/root")}
-        assert (entries["notes.txt"]["type"], entries["notes.txt"]["mode"]) == ("file", 0o600)
+        entries = {e.name: e for e in sb.files.list("/root")}
+        assert (entries["notes.txt"].type, entries["notes.txt"].mode) == ("file", 0o600)
         sb.files.remove("/root/notes.txt")
-        assert "notes.txt" not in {e["name"] for e in sb.files.list("/root")}
-        with pytest.raises(NotFound):
+        assert "notes.txt" not in {e.name for e in sb.files.list("/root")}
+        with pytest.raises(FileNotFound):
             sb.files.read("/root/notes.txt")
 
         sb.pause()
-        assert sb.refresh()["status"] == "paused"
+        assert sb.refresh().status == "paused"
         again = Sandbox.connect(sb.sandbox_id, url=url, token=ALPHA)  # resumes it
         try:
-            assert again.info["status"] == "running"
+            assert again.info.status == "running"
             assert again.commands.run("echo back").stdout == "back\n"
         finally:
             again.close()  # the session only; the sandbox lives on
 
         ckpt = sb.checkpoint(labels={"step": "1"})
-        assert ckpt["layers"] >= 2
+        assert ckpt.layers >= 2
         sid = sb.sandbox_id
-    with pytest.raises(NotFound):  # the with block killed it
+    with pytest.raises(SandboxNotFound):  # the with block killed it
         Sandbox.connect(sid, url=url, token=ALPHA)
 
 
@@ -113,7 +114,7 @@ def test_auth_ownership_quota_and_isolation(url: str, manager: SandboxManager) -
             seen: list[str] = []
             res = await sb.commands.run("echo out; echo err >&2; exit 4", on_stderr=seen.append)
             assert (res.exit_code, res.stdout, res.stderr, seen) == (4, "out\n", "err\n", ["err\n"])
-            with pytest.raises(NotFound):  # alpha cannot see beta's sandbox
+            with pytest.raises(SandboxNotFound):  # alpha cannot see beta's sandbox
                 await AsyncSandbox.connect(sb.sandbox_id, url=url, token=ALPHA)
             status, body = get(f"{url}/v1/sandboxes", ALPHA)
             assert (status, json.loads(body)) == (200, {"sandboxes": []})
@@ -149,7 +150,7 @@ def test_openapi_lists_exactly_the_routes_and_metrics_count(url: str, server: Se
     status, body = get(f"{url}/metrics", OPS)
     assert status == 200
     text = body.decode()
-    assert 'layerbox_api_errors_total{code="not_found"}' in text
+    assert 'layerbox_api_errors_total{code="sandbox_not_found"}' in text
     for family in ("layerbox_execs_total", "layerbox_sandboxes", "layerbox_exec_duration_seconds",
                    "layerbox_reaped_total", "layerbox_preempt_duration_seconds", "layerbox_fncall_duration_seconds"):
         assert f"# HELP {family} " in text
@@ -178,16 +179,17 @@ def test_a_restore_keeps_the_sandboxs_env_workdir_and_labels(url: str) -> None:
         async with await AsyncSandbox.create(REF, url=url, token=ALPHA, env={"GREETING": "hi", "KEEP": "1"},
                                              workdir="/tmp", labels={"role": "a"}, memory=300 << 20) as sb:
             ckpt = await sb.checkpoint()
-        async with await AsyncSandbox.restore(ckpt["name"], url=url, token=ALPHA) as copy:
+        async with await AsyncSandbox.restore(ckpt.name, url=url, token=ALPHA) as copy:
             res = await copy.commands.run("pwd; echo $GREETING $KEEP")
             assert res.stdout == "/tmp\nhi 1\n"
-            assert copy.info["labels"] == {"role": "a"}
-            assert copy.info["limits"]["memory"] == 300 << 20
+            assert copy.info.labels == {"role": "a"}
+            assert copy.info.limits is not None
+            assert copy.info.limits.memory == 300 << 20
         # what the restore asks for wins; the rest is still the sandbox's
-        async with await AsyncSandbox.restore(ckpt["name"], url=url, token=ALPHA, env={"GREETING": "bye"},
+        async with await AsyncSandbox.restore(ckpt.name, url=url, token=ALPHA, env={"GREETING": "bye"},
                                               labels={"step": "2"}) as other:
             assert (await other.commands.run("pwd; echo $GREETING $KEEP")).stdout == "/tmp\nbye\n"
-            assert other.info["labels"] == {"role": "a", "step": "2"}
+            assert other.info.labels == {"role": "a", "step": "2"}
 
     asyncio.run(scenario())
 
