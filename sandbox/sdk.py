@@ -191,6 +191,25 @@ def _check_isolation(isolation: str) -> None:
             f"isolation='container' if container isolation is acceptable")
 
 
+def _event(line: bytes) -> dict[str, Any]:
+    """One event of an exec stream (a JSON object per line)."""
+    try:
+        event = json.loads(line)
+    except ValueError:
+        event = None
+    if not isinstance(event, dict):
+        raise ApiError(502, "bad_response", f"an exec stream line that is not a JSON object: {line[:200]!r}")
+    return event
+
+
+def _chunk(event: Mapping[str, Any]) -> bytes:
+    """The output bytes of a ``stdout`` or ``stderr`` event."""
+    try:
+        return base64.b64decode(event["data"], validate=True)
+    except (KeyError, TypeError, ValueError):
+        raise ApiError(502, "bad_response", f"a {event.get('type')} event without base64 data") from None
+
+
 # -- async core -----------------------------------------------------------------------------------
 class _Session:
     """An object holding one HTTP session (:class:`_Http`); leaving ``async with`` closes it."""
@@ -250,10 +269,10 @@ class AsyncCommands:
             async for line in r.content:
                 if not line.strip():
                     continue
-                event = json.loads(line)
+                event = _event(line)
                 kind = event.get("type")
                 if kind in out:
-                    data = base64.b64decode(event["data"])
+                    data = _chunk(event)
                     out[kind] += data
                     cb = callbacks[kind]
                     if cb is not None:
