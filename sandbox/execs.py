@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import os
 import selectors
 import signal
@@ -23,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import blake3
 
@@ -59,7 +60,7 @@ class ExecResult:
     duration: float
     timed_out: bool = False
     oom_killed: bool = False
-    interrupted: str | None = None  # "preempt", "disconnect", "shutdown", "restart": stopped early
+    interrupted: str | None = None  # "preempt", "disconnect", "shutdown", "killed", "destroy", "restart"
     replayed: bool = False  # answered from the receipt of an earlier run with the same idempotency key
     cuts: tuple[Cut, ...] = ()  # where the streamed output skipped bytes (at most one per stream)
 
@@ -72,6 +73,37 @@ class Cancel(threading.Event):
     def cancel(self, reason: str) -> None:
         self.reason = reason
         self.set()
+
+
+class Attach(Protocol):
+    """How a command outlives its request: a stdin its owner keeps open, or a terminal.
+
+    ``sandbox.interactive`` implements it for background commands and terminal
+    sessions; :meth:`Sandbox.exec <sandbox.manager.Sandbox.exec>` calls it from the
+    exec's thread, in this order: :meth:`started` (for the ``exec_started`` receipt),
+    :meth:`spawned`, :meth:`on_terminal` (with a terminal only), :meth:`finished` (for
+    the ``exec`` receipt).
+    """
+
+    @property
+    def terminal(self) -> tuple[int, int] | None:
+        """``(cols, rows)``: run on a pty crun makes inside the sandbox; None: on pipes."""
+
+    @property
+    def stdin_fd(self) -> int | None:
+        """Without a terminal: the descriptor crun's stdin reads (a pipe's read end); None: /dev/null."""
+
+    def started(self) -> Mapping[str, Any]:
+        """Fields added to the ``exec_started`` receipt written before the command runs."""
+
+    def spawned(self) -> None:
+        """crun exec runs (or failed to start): its stdin is its own now."""
+
+    def on_terminal(self, master: int) -> None:
+        """The pty's master, a descriptor of the callee's own to close (the exec reads another one)."""
+
+    def finished(self) -> Mapping[str, Any]:
+        """Fields added to the command's ``exec`` receipt (what its input was)."""
 
 
 def replay(rec: Mapping[str, Any]) -> ExecResult:
@@ -202,7 +234,8 @@ class Tail:
 def pump(proc: subprocess.Popen[bytes], stdin: bytes | None, *, cap: int, keep: int, timeout: float | None,
          on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
          cancel: Cancel, kill: Callable[[], bool], tail: bool = False,
-         on_cut: Callable[[Cut], None] | None = None) -> Pumped:
+         on_cut: Callable[[Cut], None] | None = None,
+         tty: int | None = None) -> Pumped:
     """Feed ``stdin``, read both streams until the command and its pipes are done.
 
     Callbacks get the first ``cap`` bytes per stream as they come; ``keep`` bytes per
@@ -216,6 +249,10 @@ def pump(proc: subprocess.Popen[bytes], stdin: bytes | None, *, cap: int, keep: 
     command's tree killed: the command's pid is known only once crun has written
     it, so until then (a cancel right after the start, a loaded host) it keeps
     trying, and after 5 s without one crun exec itself is killed.
+
+    ``tty``: a pty master (the caller closes it) whose output counts as stdout; it
+    ends with EIO once no process holds the terminal.  The descriptor may be
+    non-blocking (its owner also writes the terminal's input to it).
     """
     assert proc.stdout is not None
     assert proc.stderr is not None
@@ -230,6 +267,8 @@ def pump(proc: subprocess.Popen[bytes], stdin: bytes | None, *, cap: int, keep: 
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, 0)
     sel.register(proc.stderr, selectors.EVENT_READ, 1)
+    if tty is not None:
+        sel.register(tty, selectors.EVENT_READ, 0)
     pending = memoryview(stdin or b"")
     if proc.stdin is not None:
         os.set_blocking(proc.stdin.fileno(), False)
@@ -277,7 +316,14 @@ def pump(proc: subprocess.Popen[bytes], stdin: bytes | None, *, cap: int, keep: 
                         sel.unregister(proc.stdin)
                         proc.stdin.close()
                     continue
-                data = os.read(key.fd, READ_CHUNK)
+                try:
+                    data = os.read(key.fd, READ_CHUNK)
+                except BlockingIOError:  # a non-blocking pty master with nothing after all
+                    continue
+                except OSError as exc:
+                    if key.fd != tty or exc.errno != errno.EIO:
+                        raise
+                    data = b""  # the terminal's last holder closed it
                 if not data:
                     sel.unregister(key.fileobj)
                     continue

@@ -69,6 +69,7 @@ from sandbox.errors import (
 )
 from sandbox.execs import (
     KEYED_OUTPUT_CAP,
+    Attach,
     Cancel,
     Cut,
     ExecResult,
@@ -95,7 +96,7 @@ from sandbox.model import (
 from sandbox.network import NetworkManager, diff_counters
 from sandbox.paths import SandboxPaths, read_beneath, replace_beneath
 from sandbox.receipts import ReceiptLogs, verify_receipt_chain
-from sandbox.runtime import OciRuntime, kill_group
+from sandbox.runtime import ConsoleSocket, OciRuntime, kill_group
 from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec
 from snapshots.checkpoint import Checkpoint, Snapshots
 
@@ -110,6 +111,8 @@ PR_SET_CHILD_SUBREAPER = 36
 USERNS_FIRST = 1 << 30
 USERNS_SLOTS = 256
 EXEC_PREFIX = "exec-"
+# what an exec_started receipt says that the receipt of a command a crash interrupted repeats
+CARRIED = ("idempotency_key", "background", "command_id", "tty")
 
 
 def become_subreaper() -> None:
@@ -254,7 +257,8 @@ class Sandbox:
              on_stdout: Callable[[bytes], None] | None = None,
              on_stderr: Callable[[bytes], None] | None = None,
              idempotency_key: str | None = None, cancel: Cancel | None = None,
-             keep_output: bool = True, on_cut: Callable[[Cut], None] | None = None) -> ExecResult:
+             keep_output: bool = True, on_cut: Callable[[Cut], None] | None = None,
+             attach: Attach | None = None) -> ExecResult:
         """Run ``cmd`` (a string goes through ``/bin/sh -c``) and collect at most ``output_cap`` bytes per stream.
 
         ``cmd`` is an :class:`ExecRequest` or the fields to make one (validated the
@@ -266,6 +270,11 @@ class Sandbox:
         receipt needs.  On
         ``timeout`` or when ``cancel`` is set, the process, every descendant and every
         orphan it left to the sandbox's init are SIGKILLed under the freezer.
+
+        ``attach`` (:mod:`sandbox.interactive`): the command's stdin stays open, or it
+        runs on a terminal; an ``exec_started`` receipt is written before it runs, with
+        the fields ``attach.started()`` gives (reconcile carries them into the receipt
+        of a command a crash interrupted), and its ``exec`` receipt has ``attach.finished()``'s.
 
         With ``idempotency_key``, a command that already ran under that key in
         this sandbox (or in the checkpoint it was restored from) is not run
@@ -311,12 +320,14 @@ class Sandbox:
                     on_cut(cut)
             return earlier
         try:
-            if key is not None:
+            if key is not None or attach is not None:
                 # a crash during the command leaves this behind: a retry then learns it was interrupted,
                 # and reconcile finds the key of the exec files named ``tag`` (not by the command's text:
-                # the same command may run with and without a key)
-                self._receipt("exec_started", command=req.argv, idempotency_key=key, tag=tag)
-            return self._exec(tag, st, req, on_stdout, on_stderr, cancel, keep_output, on_cut)
+                # the same command may run with and without a key), or that it ran in the background
+                self._receipt("exec_started", command=req.argv, **({"idempotency_key": key} if key else {}),
+                              tag=tag, **(attach.started() if attach is not None else {}))
+            return self._exec(tag, st, req, on_stdout, on_stderr, cancel, keep_output, on_cut,
+                              attach=attach)
         finally:
             with mgr._lock:
                 running = mgr._inflight.get(self.id, {})
@@ -328,32 +339,67 @@ class Sandbox:
 
     def _exec(self, tag: str, st: SandboxState, req: ExecRequest, on_stdout: Callable[[bytes], None] | None,
               on_stderr: Callable[[bytes], None] | None, cancel: Cancel, keep_output: bool,
-              on_cut: Callable[[Cut], None] | None = None) -> ExecResult:
+              on_cut: Callable[[Cut], None] | None = None,
+              attach: Attach | None = None) -> ExecResult:
         mgr, cg = self.manager, st.cgroups_path
         args = req.argv
         workdir = req.cwd or st.cwd
         process_file, pid_file = self.bundle / f"{tag}.json", self.bundle / f"{tag}.pid"
         process = build_process(args, env={**st.env, **req.env}, cwd=workdir, uid=st.uid, gid=st.gid)
+        terminal = attach.terminal if attach is not None else None
+        if terminal is not None:  # crun makes the pty in the sandbox's own devpts and sends us its master
+            process.update(terminal=True, consoleSize={"width": terminal[0], "height": terminal[1]})
         replace_beneath(mgr.paths.boxes, f"{self.id}/bundle/{tag}.json", json.dumps(process).encode())
         oom_before = mgr.layout.oom_kills(cg)
         policed = st.network is not None
         egress_before = mgr.net.counters(self.id) if policed else None
         cpu_before = mgr.layout.cpu_seconds(cg)
         started = time.perf_counter()
-        proc = mgr.runtime.exec(self.id, process_file, pid_file=pid_file,
-                                stdin=subprocess.PIPE if req.stdin is not None else subprocess.DEVNULL,
-                                sched_idle=st.options.cpu_class == "best-effort")
+        stdin: Any = subprocess.PIPE if req.stdin is not None else subprocess.DEVNULL
+        if attach is not None:  # its owner writes the input (never req.stdin: pump would close it)
+            assert req.stdin is None
+            stdin = attach.stdin_fd if attach.stdin_fd is not None and terminal is None else subprocess.DEVNULL
+        console = ConsoleSocket() if terminal is not None else None
+        try:
+            proc = mgr.runtime.exec(self.id, process_file, pid_file=pid_file, stdin=stdin,
+                                    sched_idle=st.options.cpu_class == "best-effort",
+                                    console_socket=console.path if console is not None else None)
+        except BaseException:
+            if console is not None:
+                console.close()
+            raise
+        finally:
+            if attach is not None:
+                attach.spawned()
+        master: int | None = None
+        if console is not None:
+            assert attach is not None
+            try:  # crun sends the master before it starts the command
+                master = console.receive(proc)
+                attach.on_terminal(os.dup(master))
+            except BaseException:
+                kill_group(proc)
+                if master is not None:
+                    os.close(master)
+                process_file.unlink(missing_ok=True)
+                pid_file.unlink(missing_ok=True)
+                raise
+            finally:
+                console.close()
         exec_start = proc_stat(proc.pid)
         since = exec_start[1] if exec_start else 0
         keep = req.output_cap if keep_output else (KEYED_OUTPUT_CAP if req.idempotency_key else 0)
         try:
             out = pump(proc, req.stdin, cap=req.output_cap, keep=min(keep, req.output_cap), timeout=req.timeout,
                        on_stdout=on_stdout, on_stderr=on_stderr, cancel=cancel,
-                       kill=lambda: self._kill_exec(pid_file, since, st), tail=req.keep == "tail", on_cut=on_cut)
+                       kill=lambda: self._kill_exec(pid_file, since, st), tail=req.keep == "tail", on_cut=on_cut,
+                       tty=master)
         finally:
             if proc.poll() is None:
                 kill_group(proc)
             proc.wait()
+            if master is not None:
+                os.close(master)
             process_file.unlink(missing_ok=True)
             pid_file.unlink(missing_ok=True)
         duration = time.perf_counter() - started
@@ -372,6 +418,8 @@ class Sandbox:
                           "memory_peak": mgr.layout.memory_peak(cg), "pids": mgr.layout.pids_current(cg)}}
         if egress_before is not None:  # what the network policy allowed and denied during the command
             extra["egress"] = diff_counters(egress_before, mgr.net.counters(self.id))
+        if attach is not None:
+            extra.update(attach.finished())
         if req.keep != "head":
             extra["keep"] = req.keep
         if req.idempotency_key is not None:
@@ -590,6 +638,9 @@ class SandboxManager:
             userns_range = (USERNS_FIRST + region * USERNS_SLOTS * idmap.RANGE_SIZE, USERNS_SLOTS)
         self.uid_ranges = idmap.RangePool(self.root / "userns.json", *userns_range)
         self._userns_fds: dict[int, int] = {}  # host_base -> user namespace fd with that mapping (kept)
+        # called with a sandbox's id before destroy kills it (sandbox.interactive ends its background
+        # commands there, so their receipts come before the destroy record)
+        self.on_destroy: builtins.list[Callable[[str], None]] = []
 
     @property
     def net(self) -> NetworkManager:
@@ -1050,6 +1101,14 @@ class SandboxManager:
         """Kill and delete the container, drop its rootfs (upper discarded), cgroups and state. Idempotent."""
         box = Sandbox(self, sid)
         known = (box.dir / "state.json").exists()
+        for hook in builtins.list(self.on_destroy):
+            try:
+                hook(sid)
+            except Exception:  # a hook must not keep a sandbox alive
+                log.exception("sandbox %s: a destroy hook failed; destroying it anyway", sid)
+        with self._lock:  # its running commands end with it, and their callers learn why
+            for cancel in self._inflight.get(sid, {}).values():
+                cancel.cancel("destroyed")
         self._delete_container(sid)
         mounted_here = kmount.is_mountpoint(box.rootfs)
         try:
@@ -1103,16 +1162,16 @@ class SandboxManager:
                     kill_tree(self.runtime, box.id, box.init_pid(st), pid, stat[1] if stat else 0)
             for suffix in (".json", ".pid"):
                 (box.bundle / f"{tag}{suffix}").unlink(missing_ok=True)
-            key = self._key_of(box.id, tag)
+            started = self._started_of(box.id, tag) or {}
             box._receipt("exec", command=command, exit_code=None, signal=int(signal.SIGKILL), interrupted="restart",
                          timed_out=False, oom_killed=False,
-                         **({"idempotency_key": key} if key is not None else {}))
+                         **{k: started[k] for k in CARRIED if started.get(k) is not None})
             stopped.append(tag)
         return stopped
 
-    def _key_of(self, sid: str, tag: str) -> str | None:
-        """The idempotency key the exec ``tag`` ran under: its ``exec_started`` receipt names the tag."""
-        return next((r.get("idempotency_key") for r in reversed(self.receipt_logs.read(sid))
+    def _started_of(self, sid: str, tag: str) -> dict[str, Any] | None:
+        """The ``exec_started`` receipt of the exec ``tag`` (a keyed or background one names its tag)."""
+        return next((r for r in reversed(self.receipt_logs.read(sid))
                      if r.get("action") == "exec_started" and r.get("tag") == tag), None)
 
     def reconcile(self) -> dict[str, builtins.list[str]]:

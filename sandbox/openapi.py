@@ -305,3 +305,73 @@ DOCUMENT: dict[str, Any] = {
         "/metrics": {"get": _op("Prometheus metrics (an admin project's token)", {"200": "text"}, path=None)},
     },
 }
+
+# -- background commands and terminals (sandbox.interactive; its grammar and bounds are checked against these)
+COMMAND_PATTERN = "^cmd-[0-9a-f]{12}$"
+_WINSIZE = {"type": "integer", "minimum": 1, "maximum": 1000}
+_EXEC = SCHEMAS["exec"]["content"]["application/json"]["schema"]["properties"]
+SCHEMAS["command"] = _body(
+    {**{k: v for k, v in _EXEC.items() if k != "idempotency_key"},
+     "pty": {"type": "object", "additionalProperties": False, "required": ["cols", "rows"],
+             "properties": {"cols": _WINSIZE, "rows": _WINSIZE},
+             "description": "run on a terminal made inside the sandbox (cmd: a login shell by default; TERM "
+                            "xterm-256color unless env sets it; output_cap: the edge's maximum by default)"}},
+    anyOf=[{"required": ["cmd"]}, {"required": ["pty"]}])
+SCHEMAS["stdin"] = _body({"data": {"type": "string", "format": "byte", "description": "base64, at most the edge's "
+                                   "write size (1 MiB by default)"},
+                          "eof": {"type": "boolean", "description": "then close its input (not for a terminal)"}})
+SCHEMAS["resize"] = _body({"cols": _WINSIZE, "rows": _WINSIZE}, ("cols", "rows"))
+_IN_COMMAND = [{"name": "command", "in": "path", "required": True,
+                "schema": {"type": "string", "pattern": COMMAND_PATTERN}}]
+_OFFSET = {"name": "since", "in": "query", "required": False, "schema": {
+    "type": "string", "pattern": "^[0-9]{1,18}$", "description": "output offset to replay from (default 0)"}}
+_WAIT = {"name": "wait", "in": "query", "required": False, "schema": {
+    "type": "number", "minimum": 0, "maximum": 300, "description": "seconds to wait for its exit"}}
+
+
+def _command_op(summary: str, responses: dict[str, str], *, body: str | None = None,
+                query: tuple[dict[str, Any], ...] = ()) -> dict[str, Any]:
+    op = _op(summary, responses, body=body)
+    op["parameters"] += [*_IN_COMMAND, *query]
+    op["responses"]["404"]["description"] = "no such sandbox in this project, or no such command in it"
+    return op
+
+
+_EVENTS = ("events: stdout/stderr (base64 data, offset), dropped (offset, bytes the buffer no longer holds), "
+           "then exit (interrupted: killed, destroy, shutdown...) or error")
+DOCUMENT["paths"].update({
+    "/v1/sandboxes/{id}/commands": {
+        "post": _op("Start a background command (an exec body without idempotency_key) or, with pty, a terminal; "
+                    "it runs on when clients leave, its input stays open",
+                    {"201": "the command (id, status, pty, output offsets)", "409": "sandbox not running or job "
+                     "preempted (retryable), or its initial stdin not read in time (retryable)",
+                     "429": "the sandbox runs the most background commands or terminals this edge takes "
+                     "(retryable)", "503": "this edge is stopping (code 'stopping', retryable)"}, body="command"),
+        "get": _op("The sandbox's background commands: running, and the last finished ones",
+                   {"200": "commands"}),
+    },
+    "/v1/sandboxes/{id}/commands/{command}": {"get": _command_op(
+        "Describe a command (status, exit event once it ended); wait: up to that many seconds for its exit",
+        {"200": "the command"}, query=(_WAIT,))},
+    "/v1/sandboxes/{id}/commands/{command}/output": {"get": _command_op(
+        "Its output from since on, what is still kept replayed and then live, as newline-delimited JSON "
+        + _EVENTS + "; leaving does not stop the command",
+        {"200": "application/x-ndjson event stream", "429": "the most readers are attached (retryable)"},
+        query=(_OFFSET,))},
+    "/v1/sandboxes/{id}/commands/{command}/connect": {"get": _command_op(
+        "A WebSocket: the same " + _EVENTS + " as JSON text messages; the client sends input as binary "
+        "messages or {type: stdin, data}, and {type: eof}, {type: resize, cols, rows}, {type: kill}; the "
+        "socket closes after the exit",
+        {"101": "WebSocket", "400": "not a WebSocket upgrade", "429": "the most readers are attached "
+         "(retryable)"}, query=(_OFFSET,))},
+    "/v1/sandboxes/{id}/commands/{command}/stdin": {"post": _command_op(
+        "Write to its input (waits until it reads, a few seconds at most), eof: then close it",
+        {"200": "the command", "409": "it exited, its input is closed, or it did not read in time "
+         "(retryable)"}, body="stdin")},
+    "/v1/sandboxes/{id}/commands/{command}/resize": {"post": _command_op(
+        "Resize a terminal (TIOCSWINSZ; its programs get SIGWINCH)",
+        {"200": "the command", "409": "not a terminal, or it exited"}, body="resize")},
+    "/v1/sandboxes/{id}/commands/{command}/kill": {"post": _command_op(
+        "Kill the command's whole tree (and the orphans it left) under the freezer; answers once it ended",
+        {"200": "killed (false: it had ended already) and the command"})},
+})

@@ -19,8 +19,10 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -173,8 +175,72 @@ class OciRuntime:
         self._run("delete", *(["--force"] if force else []), cid)
 
     def exec(self, cid: str, process_json: str | os.PathLike[str], *, pid_file: str | os.PathLike[str],
-             stdin: int | IO[Any] | None, sched_idle: bool = False) -> subprocess.Popen[bytes]:
-        """Start ``crun exec`` with a full OCI process document; the caller streams and reaps it."""
+             stdin: int | IO[Any] | None, sched_idle: bool = False,
+             console_socket: str | None = None) -> subprocess.Popen[bytes]:
+        """Start ``crun exec`` with a full OCI process document; the caller streams and reaps it.
+
+        ``console_socket``: the process document asks for a terminal, and crun sends the
+        master of the pty it made inside the container to this socket (:class:`ConsoleSocket`).
+        """
         self.root.mkdir(parents=True, exist_ok=True)
-        return spawn(self.argv("exec", "--process", str(process_json), "--pid-file", str(pid_file), cid),
+        console = ["--console-socket", console_socket] if console_socket is not None else []
+        return spawn(self.argv("exec", *console, "--process", str(process_json), "--pid-file", str(pid_file), cid),
                      stdin=stdin, sched_idle=sched_idle)
+
+
+CONSOLE_TIMEOUT = 10.0  # crun sends the master before it starts the process: this is only a stuck crun
+
+
+class ConsoleSocket:
+    """Where ``crun exec --console-socket`` sends the master of the pty it made in the container.
+
+    crun opens the pty on the container's own devpts (so the sandbox never gets a host
+    pty), connects to this unix socket and sends the master as SCM_RIGHTS.  The socket
+    lives in a fresh 0700 directory of root's (a unix socket path has 108 bytes: a data
+    dir's bundle may be too deep); :meth:`close` removes both, and a context exit too.
+    """
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="lb-console-")
+        self.path = os.path.join(self._dir, "sock")
+        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self._sock.bind(self.path)
+            self._sock.listen(1)
+        except BaseException:
+            self.close()
+            raise
+
+    def receive(self, proc: subprocess.Popen[bytes], timeout: float = CONSOLE_TIMEOUT) -> int:
+        """The master crun sent (the caller closes it); :class:`RuntimeFailed` with crun's stderr
+        when crun exits without sending one, :class:`RuntimeTimeout` when it sends none in time."""
+        assert self._sock is not None
+        deadline = time.monotonic() + timeout
+        while not select.select([self._sock], [], [], 0.05)[0]:
+            if proc.poll() is not None:
+                err = proc.stderr.read(4096).decode(errors="replace").strip() if proc.stderr else ""
+                raise RuntimeFailed(f"crun exec exited {proc.returncode} before sending its terminal: {err}",
+                                    returncode=proc.returncode, stderr=err)
+            if time.monotonic() > deadline:
+                raise RuntimeTimeout(f"crun sent no terminal to {self.path} within {timeout} s")
+        conn, _ = self._sock.accept()
+        with conn:
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            _, fds, _, _ = socket.recv_fds(conn, 4096, 4)
+        if not fds:
+            raise RuntimeFailed(f"crun connected to {self.path} but sent no terminal")
+        for extra in fds[1:]:
+            os.close(extra)
+        return fds[0]
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> ConsoleSocket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -64,7 +64,7 @@ import time
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -116,6 +116,9 @@ from sandbox.model import (
 from sandbox.receipts import verify_receipt_chain
 from sandbox.runs import preempt, resume_run
 from snapshots.errors import CheckpointMismatch
+
+if TYPE_CHECKING:
+    from sandbox.interactive import Limits as CommandLimits
 
 log = logging.getLogger("layerbox.sandbox.service")
 
@@ -293,7 +296,8 @@ class SandboxService:
     def __init__(self, manager: SandboxManager, auth: AuthConfig, admission: Admission | None = None, *,
                  lease_ttl: float = DEFAULT_LEASE_TTL, reap_interval: float = REAP_INTERVAL,
                  fncall_pool: int = 2, maxima: Maxima | None = None, shutdown_manager: bool = False,
-                 url_secret: bytes | None = None) -> None:
+                 url_secret: bytes | None = None,
+                 command_limits: CommandLimits | None = None) -> None:
         self.manager = manager
         # signs port URLs (sandbox.ports); unless given, a random key per start (URLs die with the process)
         self.url_secret = url_secret or secrets.token_bytes(32)
@@ -303,6 +307,7 @@ class SandboxService:
         self.reap_interval = reap_interval
         self.fncall_pool = fncall_pool
         self.shutdown_manager = shutdown_manager
+        self.command_limits = command_limits  # background commands and terminals (sandbox.interactive)
         self._calls: Any = None  # sandbox.fncall.FnCalls, made on the first call
         self._reaper: asyncio.Task[None] | None = None
         self._warm: asyncio.Task[Any] | None = None
@@ -373,6 +378,8 @@ class SandboxService:
         app.on_startup.append(self._start_background)
         app.on_shutdown.append(self._interrupt_streams)
         app.on_cleanup.append(self._stop_background)
+        from sandbox import interactive  # (it imports this module) background commands, terminals
+        interactive.add_routes(self, app)
         return app
 
     # -- background: the reaper ------------------------------------------------------------------------
