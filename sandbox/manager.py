@@ -1108,7 +1108,7 @@ class SandboxManager:
                 log.exception("sandbox %s: a destroy hook failed; destroying it anyway", sid)
         with self._lock:  # its running commands end with it, and their callers learn why
             for cancel in self._inflight.get(sid, {}).values():
-                cancel.cancel("destroyed")
+                cancel.cancel("destroy")
         self._delete_container(sid)
         mounted_here = kmount.is_mountpoint(box.rootfs)
         try:

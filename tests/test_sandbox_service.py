@@ -214,3 +214,19 @@ def test_the_quota_is_exact_under_concurrent_creates(url: str, manager: SandboxM
                         assert r.status == 204
 
     asyncio.run(scenario())
+
+
+def test_a_command_running_when_its_sandbox_is_destroyed_says_so(url: str) -> None:
+    async def scenario() -> None:
+        sb = await AsyncSandbox.create(REF, url=url, token=ALPHA)
+        started = asyncio.Event()
+        running = asyncio.create_task(sb.commands.run("echo started; sleep 60", on_stdout=lambda _: started.set()))
+        await asyncio.wait_for(started.wait(), 30)
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {ALPHA}"}) as s:
+            async with s.delete(f"{url}/v1/sandboxes/{sb.sandbox_id}") as r:
+                assert r.status == 204
+        result = await asyncio.wait_for(running, 30)
+        assert (result.interrupted, result.signal) == ("destroy", 9)
+        await sb.close()
+
+    asyncio.run(scenario())
