@@ -221,12 +221,11 @@ class PortProxy:
 
     # -- routes -------------------------------------------------------------------------------------------
     async def mint(self, request: web.Request) -> web.Response:
-        project = self.service._project(request)
-        check_sandbox_id(request.match_info["id"])
+        # ownership before the other fields, as on every route naming a sandbox: another project's is a 404
+        box, _ = await self.service._box(request, self.service._project(request))
         port = _port(request)
         body = check_object("", await self.service._json(request), ("ttl",))
         ttl = check_number("ttl", body.get("ttl", DEFAULT_URL_TTL), 0.0, MAX_URL_TTL, lo_open=True)
-        box, _ = await self.service._box(request, project)
         expires = int(time.time() + ttl)
         path = (f"/v1/sandboxes/{box.id}/ports/{port}/signed/{expires}/"
                 f"{sign(self.service.url_secret, box.id, port, expires)}/")
@@ -235,11 +234,9 @@ class PortProxy:
                                   "url": str(request.url.origin()) + path})
 
     async def bearer(self, request: web.Request) -> web.StreamResponse:
-        project = self.service._project(request)
-        check_sandbox_id(request.match_info["id"])
+        box, state = await self.service._box(request, self.service._project(request))
         port = _port(request)
         target = _target(request, 6)
-        box, state = await self.service._box(request, project)
         return await self._forward(request, box, state, port, target, keep_authorization=False)
 
     async def signed(self, request: web.Request) -> web.StreamResponse:

@@ -435,6 +435,9 @@ def test_refused_without_the_owners_token(url: str, sid: str) -> None:
         run(_echo(proxy(url, sid, WS_PORT, "ws"), {"Authorization": f"Bearer {BETA}"}))
     assert info.value.status == 404
     assert mint(url, sid, HTTP_PORT, token=BETA)[0] == 404
+    # ownership comes before the other fields, as on every route naming a sandbox
+    assert call(proxy(url, sid, 0, "x"), token=BETA)[0] == 404
+    assert call(f"{url}/v1/sandboxes/{sid}/ports/http/url", "POST", BETA, {"ttl": -1})[0] == 404
     assert mint(url, sid, HTTP_PORT, token=None)[0] == 401
 
 
