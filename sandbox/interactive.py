@@ -613,21 +613,21 @@ class Routes:
         return web.json_response({"sandbox": box.id, "commands": [c.view() for c in self.commands.of(box.id)]})
 
     async def describe(self, request: web.Request) -> web.Response:
+        cmd = await self._command(request)  # the owner first, as on every route naming a sandbox
         wait = None
         if "wait" in request.query:
             try:
                 wait = check_number("wait", float(request.query["wait"]), 0.0, self.limits.max_wait)
             except ValueError:
                 raise InvalidField("wait", "must be seconds (a number)") from None
-        cmd = await self._command(request)
         if wait:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(cmd.exited.wait(), wait)
         return web.json_response(cmd.view())
 
     async def output(self, request: web.Request) -> web.StreamResponse:
-        since = self._since(request)  # every field before anything is looked up
-        cmd = await self._command(request)
+        cmd = await self._command(request)  # the owner first, as on every route naming a sandbox
+        since = self._since(request)
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         resp.enable_chunked_encoding()
 
@@ -674,8 +674,8 @@ class Routes:
         return web.json_response({"killed": was_running, "command": cmd.view()})
 
     async def connect(self, request: web.Request) -> web.WebSocketResponse:
+        cmd = await self._command(request)  # the owner first, as on every route naming a sandbox
         since = self._since(request)
-        cmd = await self._command(request)
         ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=2 * self.limits.stdin + 4 * KiB)
         if not ws.can_prepare(request).ok:
             raise ApiError(400, "bad_request", "connect is a WebSocket: a GET with 'Upgrade: websocket'")

@@ -319,10 +319,12 @@ def test_limits_and_every_field_checked(url: str) -> None:
         status, doc = await api.call("GET", base + "/cmd-0123456789ab")
         assert (status, doc["error"]["code"]) == (404, "command_not_found"), doc
         status, doc = await api.call("GET", base + "/cmd-0123456789ab/output?since=-1")
-        assert (status, doc["error"]["field"]) == (400, "since"), doc
+        assert (status, doc["error"]["code"]) == (404, "command_not_found"), doc  # the owner first
 
         # running commands per sandbox, terminals among them
         first = await api.start(sid, {"pty": {"cols": 80, "rows": 24}})
+        status, doc = await api.call("GET", f"{base}/{first['id']}/output?since=-1")
+        assert (status, doc["error"]["field"]) == (400, "since"), doc
         status, doc = await api.call("GET", f"{base}/{first['id']}/connect")  # not a WebSocket upgrade
         assert (status, doc["error"]["code"]) == (400, "bad_request"), doc
         await api.start(sid, {"pty": {"cols": 80, "rows": 24}})

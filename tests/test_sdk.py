@@ -210,7 +210,7 @@ def test_a_sandbox_destroyed_under_a_running_command(url: str, manager: SandboxM
         await asyncio.to_thread(manager.destroy, sb.sandbox_id)  # e.g. the reaper
         result = await asyncio.wait_for(running, 30)  # the stream ends at once, honestly: SIGKILL
         assert (result.exit_code, result.signal, result.stdout) == (137, 9, "started\n")
-        assert result.interrupted is None  # the stream does not say why: the next request does
+        assert result.interrupted == "destroy"  # the stream says why; the next request too
         with pytest.raises(SandboxKilled):
             await sb.commands.run("true")
         await sb.kill()
