@@ -34,7 +34,7 @@ TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 2},
                        "beta": {"tokens": [BETA], "max_sandboxes": 1},
                        "gamma": {"tokens": [GAMMA], "disabled": True},
                        "ops": {"tokens": [OPS], "max_sandboxes": 0, "admin": True},
-                       "many": {"tokens": [MANY], "max_sandboxes": 16}}}
+                       "many": {"tokens": [MANY], "max_sandboxes": 8}}}
 
 
 
@@ -204,10 +204,10 @@ def test_the_quota_is_exact_under_concurrent_creates(url: str, manager: SandboxM
 
             answers = await asyncio.gather(*(create() for _ in range(20)))
             statuses = sorted(status for status, _ in answers)
-            assert statuses == [201] * 16 + [429] * 4, answers
+            assert statuses == [201] * 8 + [429] * 12, answers
             refused = [body for status, body in answers if status == 429]
-            assert all("16 of 16" in body["error"]["message"] for body in refused), refused
-            assert len([st for st in manager.list() if st.project == "many"]) == 16
+            assert all("8 of 8" in body["error"]["message"] for body in refused), refused
+            assert len([st for st in manager.list() if st.project == "many"]) == 8
             for status, body in answers:
                 if status == 201:
                     async with s.delete(f"{url}/v1/sandboxes/{body['id']}") as r:
