@@ -166,7 +166,11 @@ def descendants(roots: set[int], table: Mapping[int, tuple[int, int]]) -> set[in
 # -- killing -----------------------------------------------------------------------------------------
 def kill_tree(runtime: OciRuntime, sid: str, init: int, root: int, since: int) -> None:
     """SIGKILL ``root``'s process tree and the orphans started since ``since`` (clock ticks) that
-    were reparented to ``init``, with the sandbox frozen (killed tasks only die once thawed)."""
+    were reparented to ``init``, with the sandbox frozen (killed tasks only die once thawed).
+
+    The container may be deleted under it (a destroy cancels its commands and then deletes
+    the container): a thaw that finds no container has nothing left to thaw.
+    """
     frozen = False
     try:
         with contextlib.suppress(RuntimeFailed):
@@ -182,7 +186,7 @@ def kill_tree(runtime: OciRuntime, sid: str, init: int, root: int, since: int) -
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             if frozen:
-                runtime.resume(sid)
+                _thaw(runtime, sid)
                 frozen = False
             time.sleep(0.05)
             with contextlib.suppress(RuntimeFailed):
@@ -190,7 +194,15 @@ def kill_tree(runtime: OciRuntime, sid: str, init: int, root: int, since: int) -
                 frozen = True
     finally:
         if frozen:
-            runtime.resume(sid)
+            _thaw(runtime, sid)
+
+
+def _thaw(runtime: OciRuntime, sid: str) -> None:
+    try:
+        runtime.resume(sid)
+    except RuntimeFailed:
+        if (runtime.state(sid) or {}).get("status") == "paused":  # still there, still frozen: a fault
+            raise
 
 
 # -- streaming ---------------------------------------------------------------------------------------

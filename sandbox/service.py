@@ -1008,6 +1008,10 @@ CAPABILITIES: dict[str, Any] = {
     "preemption": True,
     "fncall": True,
     "streaming": "ndjson",
+    "commands": {"background": True, "pty": True, "websocket": True},
+    "ports": {"http": True, "websocket": True, "signed_urls": True},
+    "fork": True,
+    "output": {"keep": ["head", "tail"], "cut_events": True},
 }
 
 

@@ -141,6 +141,12 @@ def test_openapi_lists_exactly_the_routes_and_metrics_count(url: str, server: Se
     served = {(r.method, r.resource.canonical) for r in server.service.app().router.routes()
               if r.method != "HEAD" and r.resource is not None}
     assert described == served
+    # what /v1/capabilities claims, the routes serve
+    caps = json.loads(get(f"{url}/v1/capabilities", ALPHA)[1])
+    paths = {p for _, p in served}
+    assert caps["commands"]["pty"] and "/v1/sandboxes/{id}/commands/{command}/connect" in paths
+    assert caps["ports"]["signed_urls"] and "/v1/sandboxes/{id}/ports/{port}/url" in paths
+    assert caps["fork"] and "/v1/sandboxes/{id}/fork" in paths
 
     assert get(f"{url}/v1/sandboxes/lb-0123456789ab", ALPHA)[0] == 404  # well formed, nobody's
     status, body = get(f"{url}/v1/sandboxes/lb-nope", ALPHA)  # not an id at all: named, never a path
