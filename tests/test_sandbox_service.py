@@ -144,9 +144,12 @@ def test_openapi_lists_exactly_the_routes_and_metrics_count(url: str, server: Se
     # what /v1/capabilities claims, the routes serve
     caps = json.loads(get(f"{url}/v1/capabilities", ALPHA)[1])
     paths = {p for _, p in served}
-    assert caps["commands"]["pty"] and "/v1/sandboxes/{id}/commands/{command}/connect" in paths
-    assert caps["ports"]["signed_urls"] and "/v1/sandboxes/{id}/ports/{port}/url" in paths
-    assert caps["fork"] and "/v1/sandboxes/{id}/fork" in paths
+    assert caps["commands"]["pty"]
+    assert "/v1/sandboxes/{id}/commands/{command}/connect" in paths
+    assert caps["ports"]["signed_urls"]
+    assert "/v1/sandboxes/{id}/ports/{port}/url" in paths
+    assert caps["fork"]
+    assert "/v1/sandboxes/{id}/fork" in paths
 
     assert get(f"{url}/v1/sandboxes/lb-0123456789ab", ALPHA)[0] == 404  # well formed, nobody's
     status, body = get(f"{url}/v1/sandboxes/lb-nope", ALPHA)  # not an id at all: named, never a path
