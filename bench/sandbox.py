@@ -30,6 +30,9 @@ nofile 1024):
 * **policed network**: create to first exec and exec with a default-deny egress
   policy against none, and one egress counter read in-process (libnftables)
   against the ``nft`` command in the same namespace.
+* **through the SDK**: the edge service on 127.0.0.1 and ``sandbox.sdk``: create to the first
+  command's exit, a command on a live sandbox (and the manager's own exec time beside it), one
+  byte typed into a terminal and echoed back over its WebSocket, and ``sb.fork(8)``.
 * **CPU classes**: ``/bin/true`` and a short ``python3`` job in a latency-sensitive
   sandbox, alone, next to best-effort neighbours burning every CPU, and next to
   the same neighbours in the default class (``--only cpu-class`` runs it alone).
@@ -1010,16 +1013,59 @@ PUBLISHED_STARTS = {"E2B (claim)": 0.150, "E2B (third-party time-to-interactive 
                     "Daytona (claim)": 0.090, "Daytona (third-party p50)": 0.11, "CubeSandbox (claim)": 0.060}
 
 
+SDK_FORKS = 8  # sandboxes per fork through the SDK (the fork section's figure, plus HTTP)
+SDK_MEMORY = 256 << 20  # each sandbox's memory limit in the SDK section: 1 + SDK_FORKS fit any test host
+ECHO = ["/bin/sh", "-c", "stty raw -echo && echo ready && exec cat"]  # a terminal that sends each byte back
+
+
+async def pty_round_trips(sb: Any, rounds: int) -> list[float]:
+    """Seconds from one byte typed into a terminal (over its WebSocket) until the program on it (cat,
+    on a raw terminal) has sent it back to the client, ``rounds`` times, one byte at a time."""
+    received = bytearray()
+    arrived = asyncio.Event()
+
+    def on_data(data: bytes) -> None:
+        received.extend(data)
+        arrived.set()
+
+    async def until(pattern: bytes, size: int = 0) -> None:
+        """Until ``received`` holds ``size`` bytes at least and ends with ``pattern``."""
+        async with asyncio.timeout(60):
+            while len(received) < size or not received.rstrip().endswith(pattern):
+                arrived.clear()
+                await arrived.wait()
+
+    term = await sb.pty.create(80, 24, on_data=on_data, cmd=ECHO)
+    try:
+        await until(b"ready")
+        await term.send_stdin(b"x")  # untimed: the first byte after the shell's own output
+        await until(b"x")
+        out = []
+        for i in range(rounds):
+            key = bytes([ord("a") + i % 26])
+            before = len(received)
+            t0 = time.perf_counter()
+            await term.send_stdin(key)
+            await until(b"", before + 1)
+            out.append(time.perf_counter() - t0)
+            if bytes(received[before:]) != key:
+                raise BenchError(f"sdk: the terminal sent back {bytes(received[before:])!r} for {key!r}")
+        return out
+    finally:
+        await term.kill()
+
+
 async def sdk_section(manager: SandboxManager, n: int) -> dict[str, Any]:
     """Through the real edge service on 127.0.0.1 and the SDK, as an agent framework uses it: create to
     the first command's exit, a command (`true`) on a live sandbox, and the manager's own exec time
-    beside it (the HTTP and streaming overhead is the difference)."""
+    beside it (the HTTP and streaming overhead is the difference); a terminal's round trip (one byte
+    typed over the WebSocket and echoed back); and a fork of SDK_FORKS until every fork runs."""
     from sandbox.sdk import AsyncSandbox
     from sandbox.service import AuthConfig, SandboxService
 
     token = "bench-sdk-token-" + uuid.uuid4().hex
-    service = SandboxService(manager, AuthConfig.from_dict({"projects": {"bench": {"tokens": [token],
-                                                                                   "max_sandboxes": 4}}}))
+    service = SandboxService(manager, AuthConfig.from_dict({"projects": {"bench": {
+        "tokens": [token], "max_sandboxes": SDK_FORKS + 2}}}))
     from aiohttp import web
 
     runner = web.AppRunner(service.app())
@@ -1054,12 +1100,37 @@ async def sdk_section(manager: SandboxManager, n: int) -> dict[str, Any]:
                 own.append(r.duration)
             out["exec_true"] = summary(wall)
             out["exec_true_manager"] = summary(own)
+            log(f"sdk: terminal round trips ({n * 10})")
+            out["pty_round_trip"] = summary(await pty_round_trips(sb, n * 10))
         finally:
             await sb.kill()
+        out["fork"] = await sdk_forks(url, token, max(2, n // 5))
     finally:
         await runner.cleanup()
     out["published_starts"] = PUBLISHED_STARTS
     return out
+
+
+async def sdk_forks(url: str, token: str, rounds: int) -> dict[str, Any]:
+    """``sb.fork(SDK_FORKS)`` of a sandbox that wrote a file, ``rounds`` times: seconds from the request
+    until the answer (every fork running), the forks checked to read the source's file."""
+    from sandbox.sdk import AsyncSandbox
+
+    seconds: list[float] = []
+    async with await AsyncSandbox.create(REF, url=url, token=token, memory=SDK_MEMORY) as sb:
+        await sb.files.write("/root/state.txt", "forked\n")
+        for i in range(rounds):
+            log(f"sdk: fork of {SDK_FORKS}, round {i + 1}/{rounds}")
+            t0 = time.perf_counter()
+            forked = await sb.fork(SDK_FORKS)
+            seconds.append(time.perf_counter() - t0)
+            try:
+                seen = {await f.files.read("/root/state.txt") for f in forked.sandboxes}
+                if seen != {"forked\n"}:
+                    raise BenchError(f"sdk: the forks read {seen}, not the source's file")
+            finally:
+                await asyncio.gather(*(f.kill() for f in forked.sandboxes), return_exceptions=True)
+    return {**summary(seconds), "forks": SDK_FORKS, "rounds": rounds, "runs": seconds}
 
 
 def cpu_weight(manager: SandboxManager, box: Sandbox) -> str | None:
@@ -1432,6 +1503,13 @@ def render(doc: dict[str, Any]) -> str:
         rows = [[name, str(sdk[key]["n"]), _ms(sdk[key]["p50"]), _ms(sdk[key]["p99"])] for name, key in (
             ("create (POST /v1/sandboxes)", "create"), ("create to first command's exit", "create_to_first_exit"),
             ("exec true, a live sandbox", "exec_true"), ("  the manager's own exec time", "exec_true_manager"))]
+        if "pty_round_trip" in sdk:
+            pty = sdk["pty_round_trip"]
+            rows.append(["terminal round trip, 1 byte (WebSocket)", str(pty["n"]), _ms(pty["p50"]), _ms(pty["p99"])])
+        if "fork" in sdk:
+            fork = sdk["fork"]
+            rows.append([f"sb.fork({fork['forks']}) until all {fork['forks']} run", str(fork["n"]),
+                         _ms(fork["p50"]), _ms(fork["p99"])])
         out.append(_table(["step", "n", "p50", "p99"], rows))
         first = sdk["create_to_first_exit"]["p50"]
         out.append("  ours (create to first exit, p50) against published start figures (theirs, not measured here): "

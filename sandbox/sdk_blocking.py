@@ -5,8 +5,11 @@ to a blocking method in one line::
 
     class Sandbox(Blocking[AsyncSandbox], twin=AsyncSandbox):
         create = opens(AsyncSandbox.create)                # an async constructor -> a blocking one
+        restore_many = opens_each(AsyncSandbox.restore_many)   # ... one making a list of them
         refresh = blocking(AsyncSandbox.refresh)           # await it on this object's private loop
         kill = blocking(AsyncSandbox.kill, closes=True)    # ... and then close that loop
+        fork = handing_out(AsyncSandbox.fork, _forks)      # a result holding async objects: wrapped
+        port_url = delegated(AsyncSandbox.port_url)        # a plain method: called as it is
 
 :func:`blocking` and :class:`opens` keep the coroutine's parameters for mypy (ParamSpec:
 a typo in a keyword is a type error in both APIs) and for ``inspect``/``help``, and its
@@ -16,7 +19,10 @@ the module is imported, naming the line to add.
 Each blocking object drives its async twin on a private event loop (an
 :class:`asyncio.Runner`), shared with the objects it hands out (a sandbox's ``commands``
 and ``files``); callbacks run on the calling thread.  Use one from one thread at a time,
-and not from inside a running event loop (use the async class there).
+and not from inside a running event loop (use the async class there).  What runs in the
+background of an async object (the reader of a command's output) runs while a call of the
+blocking one does: a handle's output arrives, and its callbacks run, during its ``wait()`` or
+any other call on that sandbox.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ R = TypeVar("R")
 T = TypeVar("T")
 A = TypeVar("A")
 B = TypeVar("B", bound="Part[Any]")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class _AsyncContext(Protocol):
@@ -191,3 +198,55 @@ def oneshot(fn: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, R]:
         finally:
             loop.close()
     return run
+
+
+def handing_out(method: Callable[Concatenate[A, P], Coroutine[Any, Any, R]],
+                wrap: Callable[[Loop, R], T]) -> Callable[Concatenate[Part[A], P], T]:
+    """The blocking twin of a coroutine method whose result holds async objects it hands out (a
+    command's handle, forked sandboxes): ``wrap(loop, result)`` makes their blocking twins, on
+    ``loop`` (this object's, for parts of it) or on loops of their own (for objects to close apart).
+    """
+    @functools.wraps(method)
+    def run(self: Part[A], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return wrap(self._loop, self._loop.run(lambda: method(self._inner, *args, **kwargs)))
+    return run
+
+
+def twin_of(method: Callable[..., Any]) -> Callable[[F], F]:
+    """For a blocking method written out (an overloaded one, whose overloads say what it returns):
+    its async twin's docstring, and its parameters for ``inspect``."""
+    def mark(fn: F) -> F:
+        functools.update_wrapper(fn, method)
+        return fn
+    return mark
+
+
+def delegated(method: Callable[Concatenate[A, P], R]) -> Callable[Concatenate[Part[A], P], R]:
+    """The blocking twin of a plain (not async) method: called on the async object as it is."""
+    @functools.wraps(method)
+    def call(self: Part[A], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return method(self._inner, *args, **kwargs)
+    return call
+
+
+class opens_each(Generic[P, A]):  # noqa: N801  (used as a function in class bodies, like classmethod)
+    """The blocking twin of an async constructor returning a list of ``A`` (several sandboxes at once).
+
+    The constructor runs on a throwaway loop; each object it made gets a private loop of its own
+    (so each is closed apart), which requires that none of them has opened its HTTP session yet.
+    """
+
+    def __init__(self, make: Callable[P, Coroutine[Any, Any, list[A]]]) -> None:
+        self._make = make
+        self.__doc__ = make.__doc__
+
+    def __get__(self, obj: object, owner: type[B]) -> Callable[P, list[B]]:
+        make = self._make
+
+        @functools.wraps(make)
+        def open_each(*args: P.args, **kwargs: P.kwargs) -> list[B]:
+            made = oneshot(make)(*args, **kwargs)
+            return [owner._wrap(Loop(), inner) for inner in made]
+        open_each.__signature__ = inspect.signature(make).replace(  # type: ignore[attr-defined]
+            return_annotation=f"list[{owner.__name__}]")
+        return open_each

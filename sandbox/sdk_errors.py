@@ -11,6 +11,7 @@ code is unknown)::
     │   ├── SandboxNotFound      sandbox_not_found (also sandbox.errors.SandboxNotFound)
     │   │   └── SandboxKilled    ... for a session's own sandbox: destroyed while it was in use
     │   ├── FileNotFound         file_not_found (FileNotFoundError)
+    │   ├── CommandNotFound      command_not_found: no such background command (or terminal) any more
     │   └── ImageNotFound        image_not_found (also sandbox.errors.ImageNotFound)
     │       ├── CheckpointNotFound   checkpoint_not_found
     │       └── RunNotFound          run_not_found
@@ -18,6 +19,7 @@ code is unknown)::
     ├── FileAccessDenied         403 path_escape / permission_denied (PermissionError)
     ├── Conflict                 409: not now, in this state (paused, a keyed command running...)
     ├── QuotaExceeded            429: the project's sandbox quota (retry_after)
+    ├── LimitExceeded            429: a per-sandbox bound of the edge (commands, terminals, readers, connections)
     └── CapacityExceeded         503 capacity: this edge is full (retry_after, resources)
     ServiceUnavailable           no answer: refused, reset, timed out, cut mid-stream (ConnectionError)
     SandboxClosed                this object was kill()ed or close()d (RuntimeError)
@@ -45,11 +47,13 @@ __all__ = [
     "CapacityExceeded",
     "CheckpointNotFound",
     "CommandExitError",
+    "CommandNotFound",
     "Conflict",
     "FileAccessDenied",
     "FileNotFound",
     "ImageNotFound",
     "InvalidRequest",
+    "LimitExceeded",
     "NotFound",
     "QuotaExceeded",
     "RunNotFound",
@@ -111,6 +115,11 @@ class FileNotFound(NotFound, FileNotFoundError):
     """404 ``file_not_found``: the path does not exist in the sandbox (the sandbox itself does)."""
 
 
+class CommandNotFound(NotFound):
+    """404 ``command_not_found``: the sandbox has no background command or terminal by that id (never
+    had, or it ended long enough ago that the service forgot it: it keeps the most recent ones)."""
+
+
 class ImageNotFound(NotFound, errors.ImageNotFound):
     """404 ``image_not_found``: the image, composition or checkpoint ref named as ``image`` does not
     resolve, or is another project's; nothing was created."""
@@ -154,6 +163,12 @@ class QuotaExceeded(ApiError):
     """429: the project's sandbox quota is used up; destroy one, or retry after ``retry_after`` seconds."""
 
 
+class LimitExceeded(ApiError):
+    """429 ``command_limit``, ``too_many_readers`` or ``too_many_connections``: a bound this edge sets
+    per sandbox (running background commands, terminals, clients attached to one command,
+    proxied connections) is reached; end one, or retry after ``retry_after`` seconds."""
+
+
 class CapacityExceeded(ApiError):
     """503 ``capacity``: this edge has no room now; ``resources`` names what is short (``memory``,
     ``pids``, ``disk``, ``sandboxes``), ``retry_after`` when to retry, or try another edge."""
@@ -183,7 +198,8 @@ class SandboxClosed(SandboxError, RuntimeError):
 
 
 class CommandExitError(SandboxError):
-    """``commands.run(..., check=True)``: the command did not exit 0 (non-zero, killed, timed out).
+    """``commands.run(..., check=True)`` (for a background command, its ``wait()``): the command did
+    not exit 0 (non-zero, killed, timed out).
 
     ``result`` is the whole :class:`~sandbox.sdk_types.CommandResult`; ``stdout`` and
     ``stderr`` are its output, ``exit_code`` its exit status (128 + N for signal N; where
@@ -211,15 +227,19 @@ _BY_CODE: dict[str, type[ApiError]] = {
     "unsupported_isolation": InvalidRequest,
     "path_escape": FileAccessDenied, "permission_denied": FileAccessDenied,
     "quota_exceeded": QuotaExceeded, "capacity": CapacityExceeded,
+    "command_not_found": CommandNotFound, "command_limit": LimitExceeded, "too_many_readers": LimitExceeded,
+    "too_many_connections": LimitExceeded,
 }
 _BY_STATUS: dict[int, type[ApiError]] = {400: InvalidRequest, 401: AuthError, 403: AuthError, 404: NotFound,
                                          409: Conflict, 413: InvalidRequest, 429: QuotaExceeded}
 
 
-# an exec stream's error event carries no HTTP status (the stream had begun with 200): what the
-# service would have answered for the code
-_STATUS_OF_CODE = {"sandbox_not_found": 404, "file_not_found": 404, "invalid_field": 400, "bad_request": 400,
-                   "conflict": 409, "busy": 503, "runtime_timeout": 503, "stopping": 503}
+# an exec stream's error event, or a terminal's rejected input, carries no HTTP status (the stream had
+# begun with 200): what the service would have answered for the code
+_STATUS_OF_CODE = {"sandbox_not_found": 404, "file_not_found": 404, "command_not_found": 404,
+                   "invalid_field": 400, "bad_request": 400, "path_escape": 403, "conflict": 409,
+                   "command_limit": 429, "too_many_readers": 429, "busy": 503, "runtime_timeout": 503,
+                   "stopping": 503}
 
 
 def status_of(code: str) -> int:

@@ -12,31 +12,48 @@ import base64
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict, TypeVar, cast
+from typing import Any, Generic, Literal, TypedDict, TypeVar, cast
 
-from sandbox.model import EgressRule
+from sandbox.model import EgressRule, Keep
 from sandbox.sdk_errors import ApiError
 
 T = TypeVar("T")
+S = TypeVar("S")  # the sandbox class a fork hands out (async or blocking)
 
 __all__ = [
-    "Capabilities",
     "CallResult",
+    "Capabilities",
     "Checkpoint",
+    "CheckpointInfo",
+    "CommandExit",
+    "CommandFields",
+    "CommandInfo",
     "CommandResult",
+    "CommandsUsage",
+    "Cut",
+    "DiskUsage",
     "EdgeLoad",
     "FileEntry",
     "FileStat",
+    "ForkResult",
     "Lease",
     "Limits",
+    "MemoryUsage",
     "NetworkPolicy",
+    "OutputSpan",
     "Paused",
+    "PidsUsage",
+    "PreviewUrl",
+    "PtySize",
     "Receipt",
     "Run",
+    "RunFields",
     "SandboxFields",
     "SandboxInfo",
+    "SandboxMetrics",
     "SandboxNetwork",
     "parse",
+    "parse_list",
 ]
 
 
@@ -66,6 +83,42 @@ class SandboxFields(TypedDict, total=False):
     network: Sequence[EgressRule | Mapping[str, Any]] | None
     userns: bool
     policy_version: str | None
+
+
+class CommandFields(TypedDict, total=False):
+    """The keywords of a command, foreground or background (``commands.run``).
+
+    ``on_stdout`` and ``on_stderr`` get output decoded as it arrives; ``timeout`` (seconds) is the
+    command's limit, enforced by the service (it kills the command tree); ``env`` and ``cwd``
+    apply to it alone; ``stdin`` is written to it first; ``output_cap`` bytes per stream are
+    delivered at most, the first ones or, with ``keep="tail"``, also the last ones once it ends;
+    ``check``: anything but exit 0 raises :class:`~sandbox.sdk_errors.CommandExitError`.
+    """
+
+    on_stdout: Callable[[str], Any] | None
+    on_stderr: Callable[[str], Any] | None
+    timeout: float | None
+    env: Mapping[str, str] | None
+    cwd: str | None
+    stdin: bytes | str | None
+    output_cap: int | None
+    keep: Keep
+    check: bool
+
+
+class RunFields(CommandFields, total=False):
+    """The keywords of a foreground command: :class:`CommandFields` and what only a command whose
+    stream is read to its end has.
+
+    ``idempotency_key``: a retry returns the first run's result instead of running again;
+    ``rerun_if_interrupted`` (with a key): a first run that a preemption, restart, shutdown or
+    disconnect cut short runs again instead of being replayed; ``on_cut`` hears each
+    :class:`Cut` as the stream reports it.
+    """
+
+    idempotency_key: str | None
+    rerun_if_interrupted: bool
+    on_cut: Callable[[Cut], Any] | None
 
 
 # -- parsing ---------------------------------------------------------------------------------------
@@ -98,6 +151,15 @@ def parse(cls: type[T], doc: Any) -> T:
         return cls(**given)
     except TypeError as exc:  # a required field is missing
         raise ApiError(502, "bad_response", f"{cls.__name__}: {exc}; got {sorted(doc)}") from None
+
+
+def parse_list(cls: type[T], doc: Any, key: str) -> list[T]:
+    """The ``cls`` of each item of the list ``doc[key]`` (an answer such as ``{"sandboxes": [...]}``)."""
+    items = doc.get(key) if isinstance(doc, Mapping) else None
+    if not isinstance(items, list):
+        raise ApiError(502, "bad_response", f"expected a JSON object with a list {key!r}, got {str(doc)[:200]}")
+    from_json = getattr(cls, "from_json", None)  # the results whose JSON needs more than field conversions
+    return [from_json(item) if from_json is not None else parse(cls, item) for item in items]
 
 
 # -- sandboxes ---------------------------------------------------------------------------------------
@@ -162,6 +224,74 @@ class SandboxInfo:
 
 
 @dataclass(frozen=True)
+class MemoryUsage:
+    """A sandbox's memory in bytes: charged now (page cache included), the peak, and its limit
+    (None where the host's cgroups do not say)."""
+
+    current: int | None = None
+    peak: int | None = None
+    limit: int | None = None
+
+
+@dataclass(frozen=True)
+class PidsUsage:
+    """A sandbox's processes and threads now, and its limit."""
+
+    current: int | None = None
+    limit: int | None = None
+
+
+@dataclass(frozen=True)
+class DiskUsage:
+    """The bytes a sandbox's writes take: ``where`` is ``disk`` (its own filesystem, with ``free`` and
+    ``limit``) or ``upper`` (its overlay's upper directory on the host; ``partial`` when the count
+    stopped early at a very large tree)."""
+
+    where: str
+    used: int | None = None
+    free: int | None = None
+    limit: int | None = None
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class CommandsUsage:
+    """The commands a sandbox ran (from its receipts): how many, their CPU seconds, and the last one
+    (its ``command``, ``exit_code``, ``time``, ``duration`` and ``resources``)."""
+
+    count: int = 0
+    cpu_seconds: float = 0.0
+    last: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class SandboxMetrics:
+    """What a sandbox uses now (``time``, Unix time): CPU seconds of its cgroup, memory, pids, disk,
+    and its commands' totals."""
+
+    sandbox: str
+    status: str
+    time: float
+    cpu_seconds: float | None = None
+    memory: MemoryUsage = field(default_factory=MemoryUsage, metadata=_conv(_of(MemoryUsage)))
+    pids: PidsUsage = field(default_factory=PidsUsage, metadata=_conv(_of(PidsUsage)))
+    disk: DiskUsage | None = field(default=None, metadata=_conv(_of(DiskUsage)))
+    commands: CommandsUsage = field(default_factory=CommandsUsage, metadata=_conv(_of(CommandsUsage)))
+
+
+@dataclass(frozen=True)
+class PreviewUrl:
+    """A signed URL to ``port`` of a sandbox: anyone holding it reaches the sandbox's server, without a
+    token, until ``expires`` (Unix time).  ``path`` is the URL's path on the service."""
+
+    url: str
+    path: str
+    port: int
+    expires: int
+    sandbox: str | None = None
+
+
+@dataclass(frozen=True)
 class Paused:
     """What a pause did: its receipt id, and the sandbox's memory (bytes) before and after the page
     cache was pushed out (None when nothing was reclaimed)."""
@@ -182,20 +312,31 @@ class Paused:
 
 
 @dataclass(frozen=True)
-class CommandResult:
-    """How a command ended and its output (decoded as UTF-8, invalid bytes replaced).
+class Cut:
+    """Where a command's streamed output skips some of what it printed (an exec stream's ``truncated``
+    event): ``offset`` bytes of ``stream`` (``stdout`` or ``stderr``) came before the cut, and
+    ``dropped_bytes`` are missing there.  ``keep`` is the command's: with ``"head"`` nothing follows
+    the cut, with ``"tail"`` the stream's last bytes do (at most one cut per stream)."""
+
+    stream: str
+    offset: int
+    dropped_bytes: int
+    keep: str = "head"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandExit:
+    """How a command ended.
 
     ``exit_code`` is the exit status, 128 + N when signal N (``signal``) ended the command
-    (None when the service never learned it: a command cut short by a restart).  ``truncated``: output past
-    ``output_cap`` was dropped.  ``timed_out``: its ``timeout`` killed it.  ``interrupted``:
-    ``"preempt"``, ``"disconnect"``, ``"shutdown"`` or ``"restart"`` stopped it early.
-    ``replayed``: an earlier run under the same idempotency key answered.  ``duration`` is
-    seconds.
+    (None when the service never learned it: a command cut short by a restart).  ``truncated``:
+    output past ``output_cap`` was dropped.  ``timed_out``: its ``timeout`` killed it.
+    ``interrupted``: ``"preempt"``, ``"disconnect"``, ``"shutdown"``, ``"restart"``, ``"killed"``
+    (a kill of a background command) or ``"destroy"`` (its sandbox's) stopped it early.
+    ``replayed``: an earlier run under the same idempotency key answered.  ``duration`` is seconds.
     """
 
     exit_code: int | None
-    stdout: str
-    stderr: str
     signal: int | None = None
     truncated: bool = False
     duration: float = 0.0
@@ -204,12 +345,82 @@ class CommandResult:
     interrupted: str | None = None
     replayed: bool = False
 
+
+@dataclass(frozen=True, kw_only=True)
+class CommandResult(CommandExit):
+    """How a command ended (:class:`CommandExit`) and its output, decoded as UTF-8 (invalid bytes
+    replaced; each span between cuts decoded on its own).
+
+    ``cuts`` say where the output skips bytes (``output_cap``, with ``keep``); ``dropped`` counts
+    the bytes of a background command's output the service no longer held when this client
+    read it (its buffer keeps the most recent output), missing from both streams.
+    """
+
+    stdout: str
+    stderr: str
+    cuts: tuple[Cut, ...] = ()
+    dropped: int = 0
+
     @classmethod
-    def from_exit(cls, event: Mapping[str, Any], stdout: str, stderr: str) -> CommandResult:
-        """From an exec stream's ``exit`` event and the output the stream carried."""
+    def from_exit(cls, event: Mapping[str, Any], stdout: str, stderr: str, *, cuts: Sequence[Cut] = (),
+                  dropped: int = 0) -> CommandResult:
+        """From an exec stream's ``exit`` event and the output (and cuts) the stream carried."""
         if "exit_code" not in event:
             raise ApiError(502, "bad_response", f"an exit event without exit_code: {sorted(event)}")
-        return parse(cls, {**event, "stdout": stdout, "stderr": stderr})
+        return parse(cls, {**event, "stdout": stdout, "stderr": stderr, "cuts": tuple(cuts), "dropped": dropped})
+
+
+@dataclass(frozen=True)
+class PtySize:
+    """A terminal's size in character cells."""
+
+    cols: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class OutputSpan:
+    """The output of a background command the service still holds: offsets ``start`` to ``end``
+    (both streams counted together from the command's start; ``end`` is all it printed)."""
+
+    start: int = 0
+    end: int = 0
+
+
+def _ending(event: Any) -> CommandExit | None:
+    return parse(CommandExit, event) if isinstance(event, Mapping) and event.get("type") == "exit" else None
+
+
+@dataclass(frozen=True)
+class CommandInfo:
+    """A background command or terminal as the service describes it.
+
+    ``command`` is its argv (a shell string runs as ``/bin/sh -c``); ``status`` ``running`` or
+    ``exited``; ``started`` Unix time; ``pty`` its terminal's size (None: it runs on pipes);
+    ``stdin_open`` whether it still takes input; ``readers`` the clients attached now;
+    ``output`` what the service still holds of its output; ``exit`` how it ended, or
+    ``error`` (the service's error object) when it could not run to an end.
+    """
+
+    id: str
+    status: str
+    command: tuple[str, ...] = field(default=(), metadata=_conv(_tuple))
+    started: float = 0.0
+    pty: PtySize | None = field(default=None, metadata=_conv(_of(PtySize)))
+    stdin_open: bool = False
+    readers: int = 0
+    output: OutputSpan = field(default_factory=OutputSpan, metadata=_conv(_of(OutputSpan)))
+    exit: CommandExit | None = field(default=None, metadata=_conv(_ending))
+    error: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_json(cls, doc: Any) -> CommandInfo:
+        """From a command's view, whose ``exit`` is its final event: an exit, or an error."""
+        if not isinstance(doc, Mapping):
+            return parse(cls, doc)  # (raises bad_response)
+        final = doc.get("exit")
+        error = final.get("error") if isinstance(final, Mapping) and final.get("type") == "error" else None
+        return parse(cls, {**doc, "error": error})
 
 
 # -- files ----------------------------------------------------------------------------------------
@@ -258,6 +469,36 @@ class Checkpoint:
     bytes_uploaded: int = 0
     freeze_seconds: float = 0.0
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One of the project's checkpoints as listed: ``name`` (the ref to restore or delete it by),
+    ``digest``, when it was ``created`` (as the document says), what it was made on (``parent``,
+    ``base``), its ``layers``, its sandbox's ``labels`` and the checkpoint's own, whether it is
+    ``shared``, the network ``policy_version`` it is bound to and the ``bytes_changed`` it captured."""
+
+    name: str
+    digest: str
+    created: str | None = None  # ISO 8601, UTC
+    parent: str | None = None
+    base: str | None = None
+    layers: int = 0
+    labels: Mapping[str, str] = field(default_factory=dict)
+    shared: bool = False
+    policy_version: str | None = None
+    bytes_changed: int | None = None
+
+
+@dataclass(frozen=True)
+class ForkResult(Generic[S]):
+    """What a fork made: ``sandboxes``, each continuing from the source's files as they were at
+    ``checkpoint`` (an ordinary checkpoint of the project, restorable again); ``source`` the id
+    of the sandbox forked.  The sandboxes are the caller's to kill."""
+
+    sandboxes: tuple[S, ...]
+    checkpoint: Checkpoint
+    source: str
 
 
 @dataclass(frozen=True)

@@ -545,4 +545,5 @@ def test_the_sample_agent_program_runs(url: str, flavour: str) -> None:
     assert report == sdk_sample.Report(
         status="running", memory=256 << 20, answer=45, listed=(".bashrc", ".profile", "task.py"),
         failed_with=3, missing_raised=True, checkpoint=f"projects/alpha/{job}-step-1", branch_saw=sdk_sample.TASK,
-        lease_state="active", isolation=("container",), doubled=42)
+        lease_state="active", isolation=("container",), doubled=42, served=sdk_sample.TASK, server_killed=True,
+        terminal_exit=4, fork_saw=sdk_sample.TASK)
