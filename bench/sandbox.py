@@ -1013,6 +1013,7 @@ PUBLISHED_STARTS = {"E2B (claim)": 0.150, "E2B (third-party time-to-interactive 
                     "Daytona (claim)": 0.090, "Daytona (third-party p50)": 0.11, "CubeSandbox (claim)": 0.060}
 
 
+SDK_READY = 2  # the ready pool's size in the SDK section (each round starts with it full)
 SDK_FORKS = 8  # sandboxes per fork through the SDK (the fork section's figure, plus HTTP)
 SDK_MEMORY = 256 << 20  # each sandbox's memory limit in the SDK section: 1 + SDK_FORKS fit any test host
 ECHO = ["/bin/sh", "-c", "stty raw -echo && echo ready && exec cat"]  # a terminal that sends each byte back
@@ -1055,40 +1056,66 @@ async def pty_round_trips(sb: Any, rounds: int) -> list[float]:
         await term.kill()
 
 
+async def full(service: Any) -> None:
+    """Until every ready pool of ``service`` holds its size (a replacement starts a while after an adopt)."""
+    async with asyncio.timeout(120):
+        for pool in service._ready_pools.values():
+            await pool.full()
+            await pool.settle()
+
+
 async def sdk_section(manager: SandboxManager, n: int) -> dict[str, Any]:
     """Through the real edge service on 127.0.0.1 and the SDK, as an agent framework uses it: create to
-    the first command's exit, a command (`true`) on a live sandbox, and the manager's own exec time
-    beside it (the HTTP and streaming overhead is the difference); a terminal's round trip (one byte
-    typed over the WebSocket and echoed back); and a fork of SDK_FORKS until every fork runs."""
+    the first command's exit, from a new sandbox and adopting one of a ready pool (a second service
+    on the same manager with ``ready={REF: SDK_READY}``, the two alternated round by round); a
+    command (`true`) on a live sandbox, and the manager's own exec time beside it (the HTTP and
+    streaming overhead is the difference); a terminal's round trip (one byte typed over the
+    WebSocket and echoed back); and a fork of SDK_FORKS until every fork runs."""
+    from aiohttp import web
+
     from sandbox.sdk import AsyncSandbox
     from sandbox.service import AuthConfig, SandboxService
 
     token = "bench-sdk-token-" + uuid.uuid4().hex
-    service = SandboxService(manager, AuthConfig.from_dict({"projects": {"bench": {
-        "tokens": [token], "max_sandboxes": SDK_FORKS + 2}}}))
-    from aiohttp import web
+    auth = AuthConfig.from_dict({"projects": {"bench": {"tokens": [token], "max_sandboxes": SDK_FORKS + 4}}})
+    runners: list[web.AppRunner] = []
 
-    runner = web.AppRunner(service.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    url = f"http://{host}:{port}"
-    out: dict[str, Any] = {"url": url}
+    async def serve(service: SandboxService) -> str:
+        runner = web.AppRunner(service.app())
+        await runner.setup()
+        runners.append(runner)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        return f"http://{host}:{port}"
+
+    out: dict[str, Any] = {}
     try:
-        starts, firsts = [], []
+        url = out["url"] = await serve(SandboxService(manager, auth))
+        pooled = SandboxService(manager, auth, ready={REF: SDK_READY})
+        ready_url = await serve(pooled)
+        await full(pooled)
+        runs: dict[str, tuple[list[float], list[float]]] = {"cold": ([], []), "ready": ([], [])}
         for i in range(n):
             if i % 10 == 0:
-                log(f"sdk: create + first command {i + 1}/{n}")
-            t0 = time.perf_counter()
-            sb = await AsyncSandbox.create(REF, url=url, token=token)
-            t1 = time.perf_counter()
-            await sb.commands.run("true")
-            firsts.append(time.perf_counter() - t0)
-            starts.append(t1 - t0)
-            await sb.kill()
-        out["create"] = summary(starts)
-        out["create_to_first_exit"] = summary(firsts)
+                log(f"sdk: create + first command {i + 1}/{n}, new and from a ready pool of {SDK_READY}")
+            for mode, where in (("cold", url), ("ready", ready_url))[::1 if i % 2 else -1]:
+                starts, firsts = runs[mode]
+                t0 = time.perf_counter()
+                sb = await AsyncSandbox.create(REF, url=where, token=token)
+                t1 = time.perf_counter()
+                await sb.commands.run("true")
+                firsts.append(time.perf_counter() - t0)
+                starts.append(t1 - t0)
+                if mode == "ready" and not any(r.details.get("ready") for r in await sb.receipts()):
+                    raise BenchError(f"sdk: sandbox {sb.sandbox_id} from the ready service was not adopted")
+                await sb.kill()
+            await full(pooled)  # each round starts with the pool full, as on an edge not at its limit
+        out["create"] = summary(runs["cold"][0])
+        out["create_to_first_exit"] = summary(runs["cold"][1])
+        out["ready_create"] = summary(runs["ready"][0])
+        out["ready_create_to_first_exit"] = summary(runs["ready"][1])
+        out["ready_size"] = SDK_READY
         sb = await AsyncSandbox.create(REF, url=url, token=token)
         try:
             await sb.commands.run("true")
@@ -1106,7 +1133,8 @@ async def sdk_section(manager: SandboxManager, n: int) -> dict[str, Any]:
             await sb.kill()
         out["fork"] = await sdk_forks(url, token, max(2, n // 5))
     finally:
-        await runner.cleanup()
+        for runner in runners:
+            await runner.cleanup()
     out["published_starts"] = PUBLISHED_STARTS
     return out
 
@@ -1503,6 +1531,11 @@ def render(doc: dict[str, Any]) -> str:
         rows = [[name, str(sdk[key]["n"]), _ms(sdk[key]["p50"]), _ms(sdk[key]["p99"])] for name, key in (
             ("create (POST /v1/sandboxes)", "create"), ("create to first command's exit", "create_to_first_exit"),
             ("exec true, a live sandbox", "exec_true"), ("  the manager's own exec time", "exec_true_manager"))]
+        if "ready_create" in sdk:
+            rows[2:2] = [[f"create, a ready pool of {sdk['ready_size']}", str(sdk["ready_create"]["n"]),
+                          _ms(sdk["ready_create"]["p50"]), _ms(sdk["ready_create"]["p99"])],
+                         ["create to first exit, ready pool", str(sdk["ready_create_to_first_exit"]["n"]),
+                          _ms(sdk["ready_create_to_first_exit"]["p50"]), _ms(sdk["ready_create_to_first_exit"]["p99"])]]
         if "pty_round_trip" in sdk:
             pty = sdk["pty_round_trip"]
             rows.append(["terminal round trip, 1 byte (WebSocket)", str(pty["n"]), _ms(pty["p50"]), _ms(pty["p99"])])
@@ -1511,10 +1544,14 @@ def render(doc: dict[str, Any]) -> str:
             rows.append([f"sb.fork({fork['forks']}) until all {fork['forks']} run", str(fork["n"]),
                          _ms(fork["p50"]), _ms(fork["p99"])])
         out.append(_table(["step", "n", "p50", "p99"], rows))
-        first = sdk["create_to_first_exit"]["p50"]
-        out.append("  ours (create to first exit, p50) against published start figures (theirs, not measured here): "
-                   + ", ".join(f"{name} {v * 1000:.0f} ms -> {_x(ratio(first, v))}"
-                               for name, v in sdk["published_starts"].items()))
+        for label, key in (("new sandbox", "create_to_first_exit"), ("ready pool", "ready_create_to_first_exit")):
+            if key not in sdk:
+                continue
+            first = sdk[key]["p50"]
+            out.append(f"  ours, {label} (create to first exit, p50 {first * 1000:.1f} ms) against published start "
+                       "figures (theirs, not measured here): "
+                       + ", ".join(f"{name} {v * 1000:.0f} ms -> {_x(ratio(first, v))}"
+                                   for name, v in sdk["published_starts"].items()))
         out.append("")
     net = doc.get("network")
     if net:

@@ -829,15 +829,58 @@ class SandboxManager:
         except InvalidField as exc:
             raise InvalidField(f"checkpoint.{exc.field}", exc.detail) from None
 
-    async def _launch(self, resolved: Resolved, ref: str, options: SandboxOptions, *, admitting: bool,
-                      inherited: Sequence[Mapping[str, Any]] = (), name: str | None = None) -> Sandbox:
-        if options.userns:
-            self._check_traversable()
+    def _join_job(self, options: SandboxOptions, admitting: bool) -> None:
         if options.job is not None:
             lease = self.leases.get(options.job)
             if lease is not None and lease.state != "active" and admitting:
                 raise JobNotAdmitting(f"job {options.job!r} is {lease.state}; resume its run manifest first")
             self.leases.renew(options.job, options.lease_ttl)
+
+    def adopt(self, sid: str, resolved: Resolved, options: SandboxOptions, *, name: str,
+              admitting: bool = True, waited: float | None = None) -> Sandbox:
+        """Sandbox ``sid``, started ahead of need for a ready pool (``layerbox.pool`` label, default
+        options, no command run by anyone but the pool), becomes the sandbox a create of
+        ``resolved`` with ``options`` would have made: its limits are set, env, workdir, user,
+        labels and lifetimes are recorded, and its clock starts now.  A sandbox that is not such a
+        pool sandbox of this very image, or options it cannot take, raise
+        :class:`SandboxStateError` (the caller makes a new sandbox instead)."""
+        box = Sandbox(self, sid)
+        st = box.state
+        if POOL_LABEL not in st.labels or st.status != "running" or st.image_digest != resolved.digest:
+            raise SandboxStateError(f"sandbox {sid} is not a ready sandbox of {resolved.digest} "
+                                    f"(status {st.status}, image {st.image_digest})")
+        if not options.fits_ready_sandbox():
+            raise SandboxStateError(f"sandbox {sid}: these options need a sandbox of their own")
+        if st.options.userns or st.network is not None or not st.options.fits_ready_sandbox():
+            raise SandboxStateError(f"sandbox {sid} was not started with default options")
+        self._join_job(options, admitting)
+        limits = limits_of(options)
+        if limits != limits_of(st.options):
+            resources = limits.resources()
+            resources.pop("devices")
+            if self.layout.version == 1:
+                resources["memory"].pop("swap")
+            self.runtime.update(sid, resources, box.dir / "resources.json")
+        env, cwd, uid, gid = self._process_defaults(box, resolved, options)
+        now = time.time()
+        with self._lock:
+            st = box.state
+            if st.status != "running":  # the reaper or a heal got to it meanwhile
+                raise SandboxStateError(f"sandbox {sid} is {st.status}, not running")
+            st = st.replace(ref=name, options=options, admitting=admitting, created=now, last_active=now,
+                            env=env, cwd=cwd, uid=uid, gid=gid)
+            self._write_state(st)
+        box._receipt("create", ref=name, cpu=options.cpu, memory=options.memory, pids=options.pids,
+                     disk=None, cpu_class=options.cpu_class, job=options.job, policy_version=None,
+                     layer_digests=list(st.layer_digests), ready=True,
+                     **({"waited_seconds": round(waited, 6)} if waited is not None else {}))
+        return box
+
+    async def _launch(self, resolved: Resolved, ref: str, options: SandboxOptions, *, admitting: bool,
+                      inherited: Sequence[Mapping[str, Any]] = (), name: str | None = None) -> Sandbox:
+        if options.userns:
+            self._check_traversable()
+        self._join_job(options, admitting)
         layout = self.layout
         sid = new_sandbox_id()
         box = Sandbox(self, sid)
@@ -927,12 +970,7 @@ class SandboxManager:
     def _start(self, box: Sandbox, resolved: Resolved, state: SandboxState, layout: CgroupLayout,
                netns: str | None) -> None:
         options, userns = state.options, state.userns
-        cfg = resolved.config.get("config", resolved.config) or {}
-        image_env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if isinstance(e, str) and "=" in e)
-        image_env.setdefault("PATH", DEFAULT_PATH)
-        merged_env = {**image_env, "HOME": image_env.get("HOME", "/root"), **options.env}
-        uid, gid = _uid_gid(box.files, options.user if options.user is not None else cfg.get("User") or "")
-        cwd = options.workdir or cfg.get("WorkingDir") or "/"
+        merged_env, cwd, uid, gid = self._process_defaults(box, resolved, options)
         process = build_process(IDLE_INIT, env=merged_env, cwd="/", uid=0, gid=0)
         # a policed network namespace was made inside the manager's user namespace for this range:
         # the sandbox joins that one, so the network namespace is its own
@@ -952,6 +990,18 @@ class SandboxManager:
         if userns is not None:
             self._await_init_exec(box.id, pid)
         self._write_state(state)
+
+    @staticmethod
+    def _process_defaults(box: Sandbox, resolved: Resolved, options: SandboxOptions
+                          ) -> tuple[dict[str, str], str, int, int]:
+        """The env, workdir, uid and gid a command gets unless it says otherwise: the image's
+        config under the sandbox's options."""
+        cfg = resolved.config.get("config", resolved.config) or {}
+        image_env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if isinstance(e, str) and "=" in e)
+        image_env.setdefault("PATH", DEFAULT_PATH)
+        env = {**image_env, "HOME": image_env.get("HOME", "/root"), **options.env}
+        uid, gid = _uid_gid(box.files, options.user if options.user is not None else cfg.get("User") or "")
+        return env, options.workdir or cfg.get("WorkingDir") or "/", uid, gid
 
     def _crun_pid(self, box: Sandbox) -> int:
         """The init pid crun wrote (host side, in the sandbox's own directory)."""

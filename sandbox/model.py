@@ -509,6 +509,14 @@ class SandboxOptions:
     def project(self) -> str | None:
         return self.labels.get(PROJECT_LABEL)
 
+    def fits_ready_sandbox(self) -> bool:
+        """Whether a sandbox started ahead with default options can become one with these
+        (:meth:`SandboxManager.adopt`): what is fixed when a container starts (its disk, network
+        namespace, user namespace, CPU scheduling class, policy) must be the defaults; env, workdir,
+        user, labels and lifetimes are the manager's own state, and limits a cgroup write."""
+        return (self.disk is None and self.network is None and not self.userns
+                and self.cpu_class == "latency" and self.policy_version is None)
+
 
 # -- exec requests -------------------------------------------------------------------------------------
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -128,6 +128,16 @@ class OciRuntime:
 
     def start(self, cid: str) -> None:
         self._run("start", cid)
+
+    def update(self, cid: str, resources: Mapping[str, Any], scratch: str | os.PathLike[str]) -> None:
+        """Set a running container's cgroup limits to ``resources`` (an OCI ``linux.resources``),
+        passed through the file ``scratch`` (in a directory of the caller's own; removed after)."""
+        path = Path(scratch)
+        path.write_text(json.dumps(resources))
+        try:
+            self._run("update", "--resources", str(path), cid)
+        finally:
+            path.unlink(missing_ok=True)
 
     def state(self, cid: str) -> dict[str, Any] | None:
         """crun's JSON state, or None when crun does not know ``cid``."""

@@ -1094,7 +1094,8 @@ class AsyncSandbox(_Session):
         each other from then on.  Quota and room are checked for all of them first: either every
         fork is running when this returns or none is left.  Each is its own session (leaving
         this sandbox's ``with`` block kills only this one); the checkpoint is an ordinary one of
-        the project, restorable again and listed by :meth:`AsyncClient.checkpoints`.
+        the project, restorable again and listed by :meth:`AsyncClient.checkpoints`: forks on
+        other edges are ``AsyncSandbox.restore(result.checkpoint.name, url=<edge>, count=n)``.
         """
         body = {"count": count, **_options_body(options, fields)}
         doc = await self._http.json("POST", self._path + "/fork", json_body=body)
@@ -1109,7 +1110,7 @@ class AsyncSandbox(_Session):
                                                              json_body={"ttl": seconds}))
         return self.info
 
-    async def metrics(self) -> SandboxMetrics:
+    async def get_metrics(self) -> SandboxMetrics:
         """What the sandbox uses now: CPU seconds, memory (now, peak, limit), pids, the bytes its writes
         take, and its commands' totals."""
         return parse(SandboxMetrics, await self._http.json("GET", self._path + "/metrics"))
@@ -1414,7 +1415,7 @@ class Sandbox(Blocking[AsyncSandbox], twin=AsyncSandbox):
     receipts = blocking(AsyncSandbox.receipts)
     set_network = blocking(AsyncSandbox.set_network)
     set_timeout = blocking(AsyncSandbox.set_timeout)
-    metrics = blocking(AsyncSandbox.metrics)
+    get_metrics = blocking(AsyncSandbox.get_metrics)
     port_url = delegated(AsyncSandbox.port_url)
     preview_url = blocking(AsyncSandbox.preview_url)
     kill = blocking(AsyncSandbox.kill, closes=True)

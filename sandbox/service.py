@@ -71,7 +71,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from layerstore.errors import LayerboxError
-from layerstore.objects import BadName, Resolved, parse_ref
+from layerstore.objects import BadName, Resolved, parse_ref, ref_key
 from sandbox import openapi
 from sandbox.admission import (
     RESOURCES,
@@ -131,6 +131,8 @@ MAX_JSON_DEPTH = 32
 DEFAULT_JOB = "default"
 DEFAULT_LEASE_TTL = 600.0
 REAP_INTERVAL = 5.0
+READY_REFILL_AFTER = 0.5  # seconds after a ready sandbox is adopted that its replacement starts
+READY_WARM_UP = ("/bin/true",)  # run once in each ready sandbox (WarmPool's warm): not found is fine too
 SHUTDOWN_GRACE = 10.0  # seconds requests in flight get to finish after SIGTERM (aiohttp's default is 60)
 STREAM_QUEUE = 64  # exec events buffered per request: a slow reader slows the command, never the host
 FILE_OPS_PER_PROJECT = 4  # blocking file work in flight per project
@@ -215,6 +217,14 @@ def _invalid(field: str, message: str) -> ApiError:
     return ApiError(400, "invalid_field", f"{field}: {message}", field=field)
 
 
+def _ref_key(name: str) -> str | None:
+    """The ref ``name`` names (``img/python`` and ``img/python:latest`` are one), None for a digest."""
+    try:
+        return ref_key(name)
+    except BadName:
+        return None
+
+
 def _as_api_error(exc: BaseException) -> ApiError:
     """The one place library exceptions become HTTP statuses."""
     if isinstance(exc, ApiError):
@@ -297,8 +307,12 @@ class SandboxService:
                  lease_ttl: float = DEFAULT_LEASE_TTL, reap_interval: float = REAP_INTERVAL,
                  fncall_pool: int = 2, maxima: Maxima | None = None, shutdown_manager: bool = False,
                  url_secret: bytes | None = None,
-                 command_limits: CommandLimits | None = None) -> None:
+                 command_limits: CommandLimits | None = None, ready: Mapping[str, int] | None = None) -> None:
         self.manager = manager
+        # ref -> how many sandboxes of it to keep started ahead of need (sandbox.fncall.WarmPool):
+        # a create of that image with options a ready sandbox can take is an adopt, not a start
+        self.ready = dict(ready or {})
+        self._ready_pools: dict[str, Any] = {}  # ref key -> sandbox.fncall.WarmPool
         # signs port URLs (sandbox.ports); unless given, a random key per start (URLs die with the process)
         self.url_secret = url_secret or secrets.token_bytes(32)
         self.auth = auth
@@ -339,6 +353,9 @@ class SandboxService:
         self.m_call_seconds = Histogram("layerbox_fncall_duration_seconds", "FnCall latency (queueing included)",
                                         buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30),
                                         registry=self.registry)
+        self.m_ready = Gauge("layerbox_ready_sandboxes", "Ready pools (--ready): sandboxes ready now, adopted "
+                             "and found stale (their image's ref had moved) since the start", ["image", "what"],
+                             registry=self.registry)
         for action in ("destroyed", "paused"):
             self.m_reaped.labels(action)
         for resource in RESOURCES:  # every series exists from the start, at zero
@@ -385,6 +402,12 @@ class SandboxService:
     # -- background: the reaper ------------------------------------------------------------------------
     async def _start_background(self, app: web.Application) -> None:
         self._reaper = asyncio.create_task(self._reap_forever())
+        if self.ready:
+            from sandbox.fncall import WarmPool  # (it builds on the manager, as this module does)
+            for ref, size in self.ready.items():
+                pool = WarmPool(self.manager, ref, size=size, warm=READY_WARM_UP)
+                self._ready_pools[ref_key(ref)] = pool
+                pool.fill()
         if self.manager.store_url:
             # the first create should not pay for the lazyfetch daemon's start-up
             self._warm = asyncio.create_task(asyncio.to_thread(self.manager.host.start_daemon))
@@ -406,6 +429,11 @@ class SandboxService:
                 self._reaper.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._reaper
+            for pool in self._ready_pools.values():
+                try:
+                    await pool.close()
+                except Exception:
+                    log.exception("closing the ready pool of %s", pool.ref)
             if self._calls is not None:
                 await self._calls.close()
         finally:  # a pool that failed to close must not leave every other sandbox and mount behind
@@ -589,8 +617,26 @@ class SandboxService:
         SandboxOptions.from_json(body, extra=("image", "isolation"))  # every field checked before any lookup
         resolved = await self._resolve(project, image, field="image", kinds=("image", "composition", "checkpoint"))
         options = self._options(project, body, extra=("image", "isolation"), base=await self._carried(resolved))
-        return await self._launch(project, [options],
-                                  lambda: self.manager.create(resolved.digest, options, name=image))
+        return await self._launch(project, [options], lambda: self._create(resolved, options, image))
+
+    async def _create(self, resolved: Resolved, options: SandboxOptions, name: str) -> Sandbox:
+        """A ready sandbox adopted when the pool of the ref ``name`` (as the caller wrote it) holds
+        one of ``resolved`` (what the ref names now) and ``options`` fit; else a new one."""
+        key = _ref_key(name) if resolved.kind != "checkpoint" else None
+        pool = self._ready_pools.get(key) if key is not None else None
+        if pool is not None and options.fits_ready_sandbox():
+            started = time.perf_counter()
+            box = pool.take(resolved.digest, refill_after=READY_REFILL_AFTER)
+            if box is not None:
+                try:
+                    return await asyncio.to_thread(self.manager.adopt, box.id, resolved, options, name=name,
+                                                   waited=time.perf_counter() - started)
+                except BaseException as exc:
+                    await asyncio.to_thread(self.manager.destroy, box.id)  # never handed out half-adopted
+                    if not isinstance(exc, SandboxStateError):
+                        raise
+                    log.warning("ready sandbox %s not adopted, starting a new one: %s", box.id, exc)
+        return await self.manager.create(resolved.digest, options, name=name)
 
     async def restore(self, request: web.Request) -> web.Response:
         """A new sandbox from a checkpoint this project made (on any edge of the store)."""
@@ -983,6 +1029,11 @@ class SandboxService:
                 self.m_sandboxes.labels(proj, status).set(n)
             for resource, free in self.admission.free().items():
                 self.m_free.labels(resource).set(free)
+            for pool in list(self._ready_pools.values()):
+                stats = pool.stats()
+                self.m_ready.labels(pool.ref, "ready").set(stats["ready"])
+                self.m_ready.labels(pool.ref, "adopted").set(stats["taken"])
+                self.m_ready.labels(pool.ref, "stale").set(stats["stale"])
             return generate_latest(self.registry)
 
         body = await asyncio.to_thread(render)
@@ -1041,6 +1092,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-ttl", type=float, default=maxima.ttl, help="seconds (default %(default)s)")
     parser.add_argument("--max-lease-ttl", type=float, default=maxima.lease_ttl,
                         help="seconds (default %(default)s)")
+    parser.add_argument("--ready", action="append", default=[], metavar="IMAGE=N",
+                        help="keep N sandboxes of IMAGE (a ref) started ahead of need; a create of it with "
+                        "default disk, network, userns and cpu_class adopts one (repeatable)")
     parser.add_argument("--url-secret-file", type=Path, help="at least 32 bytes that sign port URLs, the same "
                         "on every edge that should honour them (default: random per start)")
     args = parser.parse_args(argv)
@@ -1050,6 +1104,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--url-secret-file: {exc}")
     if url_secret is not None and len(url_secret) < 32:
         parser.error(f"--url-secret-file {args.url_secret_file}: {len(url_secret)} bytes, at least 32")
+    ready: dict[str, int] = {}
+    for item in args.ready:
+        ref, _, count = item.rpartition("=")
+        if not ref or not count.isdigit() or not 1 <= int(count) <= 64:
+            parser.error(f"--ready {item!r}: IMAGE=N with N from 1 to 64")
+        ready[ref] = int(count)
     logging.basicConfig(level=logging.INFO)
     try:
         auth = AuthConfig.load(args.tokens)
@@ -1064,7 +1124,8 @@ def main(argv: list[str] | None = None) -> int:
                           disk_path=manager.data_dir, boxes=manager.boxes)
     limits = Maxima(memory=args.max_memory, pids=args.max_pids, output_cap=args.max_output_cap, ttl=args.max_ttl,
                     idle_timeout=args.max_ttl, lease_ttl=args.max_lease_ttl)
-    service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True, url_secret=url_secret)
+    service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True, url_secret=url_secret,
+                             ready=ready)
     # SIGTERM: commands streaming are interrupted at once (_interrupt_streams); other requests in flight
     # (a file transfer to a slow client) get SHUTDOWN_GRACE s to finish, then as long again once cancelled
     web.run_app(service.app(), host="127.0.0.1", port=args.port, shutdown_timeout=SHUTDOWN_GRACE)

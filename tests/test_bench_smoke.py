@@ -465,6 +465,8 @@ def test_bench_sandbox_small_json(tmp_path: Path) -> None:
     assert sdk["create"]["n"] == sdk["create_to_first_exit"]["n"] == 2
     assert sdk["create"]["p50"] <= sdk["create_to_first_exit"]["p50"]
     assert sdk["exec_true"]["n"] == sdk["exec_true_manager"]["n"] == 6
+    assert sdk["ready_create"]["n"] == sdk["ready_create_to_first_exit"]["n"] == 2  # adopted (checked there)
+    assert sdk["ready_create"]["p50"] <= sdk["ready_create_to_first_exit"]["p50"]
     assert sdk["pty_round_trip"]["n"] == 20  # one byte typed into a terminal and echoed, 10 per --latency
     assert sdk["pty_round_trip"]["p50"] <= sdk["pty_round_trip"]["p99"]
     fork = sdk["fork"]  # sb.fork(8) through the SDK

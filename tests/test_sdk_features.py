@@ -382,7 +382,7 @@ def test_metrics_list_filters_checkpoints(url: str) -> None:
     async def scenario() -> None:
         async with await AsyncSandbox.create(REF, url=url, token=ALPHA, labels={"tier": "web"}) as web, \
                 await AsyncSandbox.create(REF, url=url, token=ALPHA, labels={"tier": "db"}) as db:
-            before = await web.metrics()
+            before = await web.get_metrics()
             assert (before.sandbox, before.status) == (web.sandbox_id, "running")
             assert before.memory.limit == 512 * MiB
             assert before.pids.current is not None
@@ -390,7 +390,7 @@ def test_metrics_list_filters_checkpoints(url: str) -> None:
             assert before.disk is not None
             assert before.disk.where == "upper"
             await web.commands.run("head -c 8M /dev/urandom > /root/blob && sync")
-            after = await web.metrics()
+            after = await web.get_metrics()
             assert after.commands.count == before.commands.count + 1
             assert after.commands.last is not None
             assert after.commands.last["exit_code"] == 0
@@ -431,7 +431,7 @@ def test_metrics_list_filters_checkpoints(url: str) -> None:
 
 def test_lifecycle_with_the_blocking_sdk(url: str) -> None:
     with Sandbox.create(REF, url=url, token=ALPHA, labels={"sync": "yes"}) as sb:
-        assert sb.metrics().memory.limit == 512 * MiB
+        assert sb.get_metrics().memory.limit == 512 * MiB
         assert [s.id for s in Sandbox.list(url=url, token=ALPHA, labels={"sync": "yes"})] == [sb.sandbox_id]
         ckpt = sb.checkpoint(name="features-sync:1")
         with Client(url=url, token=ALPHA) as client:
@@ -524,5 +524,5 @@ def test_the_new_blocking_classes_are_their_async_twins(async_cls: type[Any], sy
     for name, fn in async_methods.items():
         assert inspect.signature(fn).parameters == inspect.signature(sync_methods[name]).parameters, name
         assert sync_methods[name].__doc__ == fn.__doc__, name
-    for name in ("fork", "restore_many", "list", "set_timeout", "metrics", "port_url", "preview_url"):
+    for name in ("fork", "restore_many", "list", "set_timeout", "get_metrics", "port_url", "preview_url"):
         assert getattr(sdk.Sandbox, name).__doc__ == getattr(sdk.AsyncSandbox, name).__doc__, name
