@@ -798,6 +798,7 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         say(f"restore   {out['restore_to_first_exec']:8.3f} s  sandbox {restored.id} on a second fresh host reads "
             f"{WRITE_PATH} back; that host fetched {fetched / MB:.1f} MB from the store")
         out["receipts"] = len(box.receipts())
+        out["sdk"] = asyncio.run(sdk_run(first, say))
     finally:
         with interrupts_held():
             for mgr in (first, second):
@@ -809,6 +810,65 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
     for step, key in (("sandbox_cold", "cold_create_to_first_exec"), ("sandbox_warm", "warm_create_to_first_exec"),
                       ("sandbox_restore", "restore_to_first_exec")):
         report.step_seconds[step] = out[key]
+
+
+async def sdk_run(manager: Any, say: Say) -> dict[str, float]:
+    """The edge service on 127.0.0.1 over ``manager`` with a ready pool of the image, as an agent
+    framework sees it through the SDK: create to the first command's exit (a ready sandbox
+    adopted), a background command, and a fork of 2 that reads the source's file."""
+    import secrets
+
+    from aiohttp import web
+
+    from sandbox.sdk import AsyncSandbox
+    from sandbox.service import AuthConfig, SandboxService
+
+    token = secrets.token_hex(16)
+    service = SandboxService(manager, AuthConfig.from_dict({"projects": {"demo": {"tokens": [token],
+                                                                                  "max_sandboxes": 4}}}),
+                             ready={IMAGE_NAME: 1})
+    runner = web.AppRunner(service.app())
+    await runner.setup()
+    out: dict[str, float] = {}
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}"
+        for pool in service._ready_pools.values():
+            await pool.full()
+        started = time.perf_counter()
+        async with await AsyncSandbox.create(IMAGE_NAME, url=url, token=token, memory=256 << 20) as sb:
+            res = await sb.commands.run(list(GUEST_COMMAND))
+            out["ready_create_to_first_exit"] = time.perf_counter() - started
+            if res.exit_code != 0:
+                raise DemoError(f"sdk: sandbox {sb.sandbox_id}: {shlex.join(GUEST_COMMAND)} exited {res.exit_code}")
+            adopted = any(r.details.get("ready") for r in await sb.receipts())
+            say(f"sdk       {out['ready_create_to_first_exit']:8.3f} s  create to first exit through the edge "
+                f"service and the SDK ({'a ready sandbox adopted' if adopted else 'a new sandbox'})")
+            started = time.perf_counter()
+            server = await sb.commands.run("sleep 600", background=True)
+            listed = [c.id for c in await sb.commands.list()]
+            await server.kill()
+            if server.id not in listed:
+                raise DemoError(f"sdk: background command {server.id} is not in the sandbox's list {listed}")
+            out["background"] = time.perf_counter() - started
+            say(f"sdk       {out['background']:8.3f} s  a background command {server.id} started, listed, killed")
+            await sb.files.write(WRITE_PATH, WRITE_TEXT)
+            started = time.perf_counter()
+            forked = await sb.fork(2)
+            out["fork_2"] = time.perf_counter() - started
+            try:
+                seen = {await f.files.read(WRITE_PATH) for f in forked.sandboxes}
+            finally:
+                for f in forked.sandboxes:
+                    await f.kill()
+            if seen != {WRITE_TEXT}:
+                raise DemoError(f"sdk: the forks read {seen} at {WRITE_PATH}")
+            say(f"sdk       {out['fork_2']:8.3f} s  sb.fork(2): two sandboxes continuing from its files")
+    finally:
+        await runner.cleanup()
+    return out
 
 
 # --- output ---------------------------------------------------------------------------
@@ -840,6 +900,8 @@ def print_summary(report: Report, stream: TextIO) -> None:
         f"sandbox   create to first command {steps['sandbox_cold']:.3f} s cold, {steps['sandbox_warm']:.3f} s warm; "
         f"restore on another host {steps['sandbox_restore']:.3f} s "
         f"({_mb(report.sandbox['restore_bytes_fetched'])} fetched)",
+        f"sdk       create to first exit {report.sandbox['sdk']['ready_create_to_first_exit']:.3f} s from a ready "
+        f"pool, through the edge service; fork of 2 {report.sandbox['sdk']['fork_2']:.3f} s",
         # first_output is part of command: the total counts it once
         f"total     {sum(v for k, v in steps.items() if k != 'first_output'):.2f} s ("
         + ", ".join(f"{k} {v:.3f}" for k, v in steps.items() if k != "first_output")
