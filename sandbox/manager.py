@@ -29,6 +29,7 @@ import asyncio
 import base64
 import builtins
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -122,6 +123,18 @@ def become_subreaper() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise SandboxError(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
+
+
+# The caller's set of sandbox ids being made for it: every id a create, restore or adopt in this
+# context picks is added before its state is first written, so a quota counting states can tell
+# the sandboxes of creates still in flight (counted apart) from finished ones.
+IN_FLIGHT: contextvars.ContextVar[set[str] | None] = contextvars.ContextVar("layerbox_in_flight", default=None)
+
+
+def _in_flight(sid: str) -> None:
+    made = IN_FLIGHT.get()
+    if made is not None:
+        made.add(sid)
 
 
 def limits_of(options: SandboxOptions) -> Limits:
@@ -844,6 +857,7 @@ class SandboxManager:
         labels and lifetimes are recorded, and its clock starts now.  A sandbox that is not such a
         pool sandbox of this very image, or options it cannot take, raise
         :class:`SandboxStateError` (the caller makes a new sandbox instead)."""
+        _in_flight(sid)
         box = Sandbox(self, sid)
         st = box.state
         if POOL_LABEL not in st.labels or st.status != "running" or st.image_digest != resolved.digest:
@@ -883,6 +897,7 @@ class SandboxManager:
         self._join_job(options, admitting)
         layout = self.layout
         sid = new_sandbox_id()
+        _in_flight(sid)
         box = Sandbox(self, sid)
         self.paths.ensure()
         box.dir.mkdir(mode=0o700)

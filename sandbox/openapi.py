@@ -195,7 +195,7 @@ _PORT_URL = _op("A signed URL to the port (ttl: seconds, at most the edge's maxi
 _PORT_URL["parameters"].append({"name": "port", "in": "path", "required": True, "schema": PARAMETERS["port"]})
 
 _CREATED = {"201": "the sandbox", "404": "no such image or checkpoint visible to this project",
-            "409": "policy or digests differ", "429": "project quota reached (retryable)",
+            "409": "policy or digests differ", "429": "project quota reached (retryable, Retry-After; error.resources is [\"sandboxes\"])",
             "503": "edge out of capacity (code 'capacity', retryable, Retry-After; error.resources names what "
                    "is short)"}
 

@@ -160,7 +160,8 @@ class Conflict(ApiError):
 
 
 class QuotaExceeded(ApiError):
-    """429: the project's sandbox quota is used up; destroy one, or retry after ``retry_after`` seconds."""
+    """429: the project's sandbox quota is used up (``resources`` is ``("sandboxes",)``); destroy one, or
+    retry after ``retry_after`` seconds."""
 
 
 class LimitExceeded(ApiError):

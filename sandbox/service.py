@@ -61,7 +61,7 @@ import secrets
 import socket
 import stat
 import time
-from collections.abc import Awaitable, Callable, Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -94,7 +94,7 @@ from sandbox.errors import (
     UnsupportedOption,
 )
 from sandbox.execs import Cut
-from sandbox.manager import Cancel, Sandbox, SandboxManager
+from sandbox.manager import IN_FLIGHT, Cancel, Sandbox, SandboxManager
 from sandbox.model import (
     MAX_REF_NAME,
     PROJECT_LABEL,
@@ -186,16 +186,20 @@ class ApiError(Exception):
     """An error answered as JSON with ``status``; raised inside handlers only."""
 
     def __init__(self, status: int, code: str, message: str, *, retryable: bool = False,
-                 headers: Mapping[str, str] | None = None, field: str | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, field: str | None = None,
+                 resources: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.retryable = status, code, message, retryable
         self.headers = dict(headers or {})
         self.field = field
+        self.resources = tuple(resources)  # what a quota or capacity rejection was short of
 
     def body(self) -> dict[str, Any]:
         err: dict[str, Any] = {"code": self.code, "message": self.message, "retryable": self.retryable}
         if self.field is not None:
             err["field"] = self.field
+        if self.resources:
+            err["resources"] = list(self.resources)
         return {"error": err}
 
 
@@ -204,13 +208,7 @@ class _CapacityError(ApiError):
 
     def __init__(self, exc: CapacityExceeded) -> None:
         super().__init__(503, "capacity", str(exc), retryable=True,
-                         headers={"Retry-After": str(max(1, round(exc.retry_after)))})
-        self.resources = exc.resources
-
-    def body(self) -> dict[str, Any]:
-        doc = super().body()
-        doc["error"]["resources"] = list(self.resources)
-        return doc
+                         headers={"Retry-After": str(max(1, round(exc.retry_after)))}, resources=exc.resources)
 
 
 def _invalid(field: str, message: str) -> ApiError:
@@ -328,6 +326,8 @@ class SandboxService:
         self.admission = admission or Admission(AdmissionConfig(), disk_path=manager.data_dir,
                                                 boxes=manager.boxes)
         self._pending: dict[str, int] = {}  # creates in flight per project (they count against the quota)
+        self._flying: dict[str, list[set[str]]] = {}  # per project, per create in flight: the ids it made
+        self._ended = 0  # creates ended (made or failed) since the start: _live's consistency check
         self._quota_lock = asyncio.Lock()
         self._file_pool = concurrent.futures.ThreadPoolExecutor(FILE_THREADS, thread_name_prefix="files")
         self._file_slots: dict[str, asyncio.Semaphore] = {}
@@ -658,20 +658,37 @@ class SandboxService:
     async def _admit(self, project: Project, demands: list[SandboxOptions]) -> None:
         """Count ``demands`` against the project's quota, or refuse with 429 (creates in flight count)."""
         async with self._quota_lock:
-            live = len([st for st in await asyncio.to_thread(self._owned, project)
-                        if st.status not in ("creating", "starting")])
-            live += self._pending.get(project.name, 0)
+            live = await self._live(project)
             if live + len(demands) > project.max_sandboxes:
                 more = f"; this needs {len(demands)} more" if len(demands) > 1 else ""
                 raise ApiError(429, "quota_exceeded",
                                f"project {project.name!r} has {live} of {project.max_sandboxes} sandboxes{more}; "
-                               "destroy one or retry later", retryable=True, headers={"Retry-After": "5"})
+                               "destroy one or retry later", retryable=True, headers={"Retry-After": "5"},
+                               resources=("sandboxes",))
             self._pending[project.name] = self._pending.get(project.name, 0) + len(demands)
+
+    async def _live(self, project: Project, attempts: int = 5) -> int:
+        """The project's sandboxes, a create in flight counted once (as pending; the sandboxes it has
+        made so far, whose states may already say running, are left out of the states).  The states
+        are read off the loop: if a create ended meanwhile the count may be off, so it is read
+        again; after ``attempts`` such reads every state counts as well as every pending create
+        (too many, never too few)."""
+        for _ in range(attempts):
+            ended = self._ended
+            states = await asyncio.to_thread(self._owned, project)
+            if self._ended == ended:
+                flying = set().union(*self._flying.get(project.name, []))
+                return len([st for st in states if st.id not in flying]) + self._pending.get(project.name, 0)
+        return len(states) + self._pending.get(project.name, 0)
 
     async def _launch(self, project: Project, demands: list[SandboxOptions],
                       start: Callable[[], Awaitable[T]]) -> web.Response:
         """Quota, then admission for every demand, then ``start``; both checks count creates in flight."""
         await self._admit(project, demands)
+        made: set[str] = set()  # the ids start makes, as the manager picks them (IN_FLIGHT)
+        flying = self._flying.setdefault(project.name, [])
+        flying.append(made)
+        token = IN_FLIGHT.set(made)
         try:
             with contextlib.ExitStack() as held:
                 for options in demands:
@@ -682,6 +699,9 @@ class SandboxService:
             log.info("create refused: %s", exc)
             raise
         finally:
+            IN_FLIGHT.reset(token)
+            self._ended += 1
+            flying.remove(made)
             self._pending[project.name] -= len(demands)
         if isinstance(result, Sandbox):
             return web.json_response(_view(await asyncio.to_thread(lambda: result.state)), status=201)

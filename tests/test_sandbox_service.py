@@ -213,7 +213,7 @@ def test_the_quota_is_exact_under_concurrent_creates(url: str, manager: SandboxM
 
             answers = await asyncio.gather(*(create() for _ in range(20)))
             statuses = sorted(status for status, _ in answers)
-            assert statuses == [201] * 8 + [429] * 12, answers
+            assert statuses == [201] * 8 + [429] * 12, repr(statuses)
             refused = [body for status, body in answers if status == 429]
             assert all("8 of 8" in body["error"]["message"] for body in refused), refused
             assert len([st for st in manager.list() if st.project == "many"]) == 8

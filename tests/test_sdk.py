@@ -269,7 +269,7 @@ def test_quota_and_capacity_carry_retry_after_and_resources(url: str, manager: S
                 with pytest.raises(QuotaExceeded) as quota:
                     await AsyncSandbox.create(REF, url=url, token=BETA)
         check(quota.value, QuotaExceeded, status=429, code="quota_exceeded", retryable=True, retry_after=5.0,
-              resources=())
+              resources=("sandboxes",))
         assert "1 of 1" in str(quota.value)
         with nothing_created(manager):
             with pytest.raises(CapacityExceeded) as full:
