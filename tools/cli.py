@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import stat
 import sys
@@ -225,6 +226,41 @@ async def _verify(args: argparse.Namespace) -> int:
 
     _emit(args, report.to_json(), human)
     return 0 if report.ok else 3
+
+
+async def _store_check(args: argparse.Namespace) -> int:
+    """What the store's server does with conditional writes, probed on scratch objects."""
+    from layerstore.backends.s3 import S3Backend
+
+    async with await _open_store(args) as store:
+        backend = store.backend
+        while not isinstance(backend, S3Backend) and hasattr(backend, "inner"):
+            backend = backend.inner
+        if not isinstance(backend, S3Backend):
+            doc: dict[str, Any] = {"store": store.url, "kind": "posix", "problems": [],
+                                   "note": "conditional writes are lock files and renames on this filesystem"}
+        else:
+            support = await backend.probe_conditional_writes()
+            doc = {"store": store.url, "kind": "s3", "endpoint": backend.endpoint,
+                   **dataclasses.asdict(support), "if_match_spelling": support.spelling,
+                   "problems": support.problems()}
+    unsupported = [p for p in doc["problems"] if "(unsupported" in p]
+
+    def human() -> None:
+        print(f"{doc['store']} ({doc['kind']}{', ' + doc['endpoint'] if 'endpoint' in doc else ''})")
+        if doc["kind"] == "s3":
+            for name in ("if_none_match", "if_match_quoted", "if_match_bare", "stale_quoted_refused",
+                         "stale_bare_refused", "missing_if_match", "multipart_if_none_match", "multipart_etag"):
+                print(f"  {name:26s} {doc[name]}")
+            print(f"  {'if_match_spelling':26s} {doc['if_match_spelling']}")
+        else:
+            print(f"  {doc['note']}")
+        for problem in doc["problems"]:
+            print(f"  note: {problem}")
+        print("ok" if not unsupported else f"{len(unsupported)} unsupported: refs or locks are not safe here")
+
+    _emit(args, doc, human)
+    return 3 if unsupported else 0
 
 
 async def _gc(args: argparse.Namespace) -> int:
@@ -497,6 +533,12 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", parents=[common], help="re-read objects and check every digest")
     ver.add_argument("ref", nargs="?")
     ver.set_defaults(func=_run_async(_verify))
+
+    st = sub.add_parser("store", help="the store itself")
+    sts = st.add_subparsers(dest="store_command", required=True)
+    chk = sts.add_parser("check", parents=[common], help="probe what the store's server does with conditional "
+                         "writes (S3: If-None-Match, If-Match spellings, multipart); exit 3 when refs are not safe")
+    chk.set_defaults(func=_run_async(_store_check))
 
     gc = sub.add_parser("gc", parents=[common], help="delete objects no ref reaches")
     gc.add_argument("--dry-run", action="store_true")

@@ -21,9 +21,19 @@ instance role); botocore itself reads ``AWS_ENDPOINT_URL_S3`` and
 - Objects from ``multipart_threshold`` bytes up are uploaded in parts of
   ``part_size`` (sequentially; a failed upload is aborted, and a retry
   starts a new one).  ``put_if_absent`` of a large object checks ``head``
-  first (no upload when it exists) and completes the upload with
-  ``If-None-Match: *``.  ``put_conditional`` is always a single PUT with
-  ``If-Match``/``If-None-Match`` (refs are small; S3 allows 5 GiB).
+  first (no upload when it exists), completes the upload with
+  ``If-None-Match: *`` and checks the size after (Ceph RGW ignores the
+  condition on completion; large objects are content-addressed packs).
+  ``put_conditional`` is always a single PUT with ``If-Match``/``If-None-Match``
+  (refs are small; S3 allows 5 GiB).
+- S3 servers differ in what they do with conditional writes (README, "S3
+  compatibility"): ``If-Match`` is sent with the ETag quoted, as S3 returns it;
+  when a server refuses that although the object still has that ETag (Ceph
+  RGW 16), :meth:`S3Backend.probe_conditional_writes` measures on scratch
+  objects which spelling the server honours *and enforces* and the backend
+  uses that one from then on.  A 5xx answer to a conditional write is a
+  conflict when the object has changed (RGW answers some losers of a race
+  500) and a retryable error when it has not.
 - Etags are S3's ``ETag`` strings (quotes included), mtimes S3's
   ``LastModified``.
 """
@@ -37,9 +47,11 @@ import logging
 import threading
 import time
 import urllib.parse
+import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 from botocore import exceptions as bx
 
@@ -92,6 +104,76 @@ class _ConditionalConflict(TransientError):
     """HTTP 409 ConditionalRequestConflict: a concurrent conditional write; worth retrying."""
 
 
+class _ServerError(TransientError):
+    """HTTP 5xx.  After a conditional write it may also be a lost race (Ceph RGW answers some
+    losers of parallel ``If-Match`` writes 500, not 412): ``put_conditional`` looks."""
+
+
+class ConditionalWritesUnsupported(BackendError):
+    """The server honours no spelling of ``If-Match`` that it also enforces: refs cannot be moved
+    safely on it (``layerbox store check`` says what it does)."""
+
+
+Spelling = Literal["quoted", "bare"]
+
+
+def _spell(etag: str, spelling: Spelling) -> str:
+    bare = etag.strip('"')
+    return f'"{bare}"' if spelling == "quoted" else bare
+
+
+def _same_etag(a: str, b: str) -> bool:
+    return a.strip('"') == b.strip('"') and bool(a.strip('"'))
+
+
+@dataclass(frozen=True)
+class ConditionalSupport:
+    """What one S3 server does with conditional writes, as :meth:`S3Backend.probe_conditional_writes`
+    measured it on a scratch object.  ``spelling`` is the ``If-Match`` form to send: the first of
+    quoted (as S3 documents and returns ETags) and bare that the server both honours (a matching
+    ETag writes) and enforces (a stale one is refused); None when neither is both."""
+
+    if_none_match: bool  # PUT If-None-Match: * refuses an existing key
+    if_match_quoted: bool  # If-Match with the ETag as returned (quoted) writes
+    if_match_bare: bool  # ... with the ETag without its quotes
+    stale_quoted_refused: bool  # a stale ETag is refused, quoted
+    stale_bare_refused: bool  # ... and bare
+    missing_if_match: str  # If-Match on a missing key: "404", "412" or "written"
+    multipart_if_none_match: bool  # CompleteMultipartUpload honours If-None-Match: *
+    multipart_etag: bool  # CompleteMultipartUpload answers a non-empty ETag
+
+    @property
+    def spelling(self) -> Spelling | None:
+        if self.if_match_quoted and self.stale_quoted_refused:
+            return "quoted"
+        if self.if_match_bare and self.stale_bare_refused:
+            return "bare"
+        return None
+
+    def problems(self) -> list[str]:
+        """What layerbox cannot rely on here, and what it does instead; empty on a full S3."""
+        out = []
+        if not self.if_none_match:
+            out.append("PUT If-None-Match: * overwrites an existing key: new refs and locks are not safe "
+                       "against concurrent writers (unsupported)")
+        if self.spelling is None:
+            out.append("no If-Match spelling is both honoured and enforced: moving an existing ref is "
+                       "refused (unsupported)")
+        elif self.spelling == "bare":
+            out.append("If-Match with the ETag quoted, as S3 returns it, is refused; the bare ETag works "
+                       "(layerbox sends it bare here)")
+        if self.missing_if_match == "written":
+            out.append("If-Match on a missing key writes it (unsupported: a deleted ref could be recreated "
+                       "by a stale writer)")
+        if not self.multipart_if_none_match:
+            out.append("CompleteMultipartUpload ignores If-None-Match: * (large objects are content-"
+                       "addressed, so a racing duplicate writes the same bytes; layerbox checks the size "
+                       "after every such upload)")
+        if not self.multipart_etag:
+            out.append("CompleteMultipartUpload answers an empty ETag (layerbox does not use it)")
+        return out
+
+
 class S3Backend(Backend):
     """Objects under ``prefix/`` in ``bucket``; see the module docstring."""
 
@@ -125,6 +207,9 @@ class S3Backend(Backend):
         self.part_size = part_size
         self._client: Any = None
         self._client_lock = threading.Lock()
+        self._spelling: Spelling = "quoted"  # If-Match as S3 documents it, until the server says otherwise
+        self._support: ConditionalSupport | None = None
+        self._probe_lock = asyncio.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._bucket_seen = False
 
@@ -194,7 +279,9 @@ class S3Backend(Backend):
             if code in _CREDENTIAL_CODES or status == 403:
                 return CredentialsError(f"{where}: S3 at {self.endpoint} refused the request "
                                         f"({said}): {_CREDENTIALS_FIX}")
-            if code in _TRANSIENT_CODES or status >= 500 or status == 429:
+            if status >= 500:
+                return _ServerError(f"{where}: {said} (HTTP {status}) from {self.endpoint}")
+            if code in _TRANSIENT_CODES or status == 429:
                 return TransientError(f"{where}: {said} (HTTP {status}) from {self.endpoint}")
             return BackendError(f"{where}: {said} (HTTP {status}) from {self.endpoint}")
         if isinstance(exc, (bx.NoCredentialsError, bx.PartialCredentialsError,
@@ -317,6 +404,15 @@ class S3Backend(Backend):
                 if await self.head(key) is not None:
                     return False  # do not upload what is there
                 await self._multipart("put_if_absent", key, data, {"IfNoneMatch": "*"})
+                # Ceph RGW completes an upload over an existing key despite If-None-Match: a
+                # writer racing us may have replaced our bytes.  Large objects are packs, named
+                # by their content, so what is there must at least be as long as ours.
+                info = await self.head(key)
+                if info is None or info.size != len(data):
+                    raise BackendError(
+                        f"{self.url}: put_if_absent {key!r}: after the upload the object is "
+                        f"{'gone' if info is None else f'{info.size} bytes'}, not the {len(data)} written: "
+                        "another writer put different bytes under this key at the same time")
             else:
                 await self._put_object("put_if_absent", key, data, {"IfNoneMatch": "*"})
         except PreconditionFailed:
@@ -328,13 +424,142 @@ class S3Backend(Backend):
         if len(data) > MAX_SINGLE_PUT:
             raise BackendError(f"{self.url}: put_conditional {key!r}: {len(data)} bytes is more "
                                "than one S3 PUT can carry (5 GiB)")
-        condition = {"IfNoneMatch": "*"} if if_match is None else {"IfMatch": if_match}
+        spelling = self._spelling
+        try:
+            return await self._put_once(key, data, if_match, spelling)
+        except PreconditionFailed:
+            if if_match is None or self._support is not None:
+                raise
+            # Ceph RGW refuses If-Match with the ETag quoted as it returns it, moto the bare
+            # one: when the object still has our ETag the spelling was refused, not the
+            # version.  Which spelling the server honours and enforces is measured once on a
+            # scratch object, never assumed: a server that ignored a spelling would turn
+            # every conflict into a silent overwrite.
+            info = await self.head(key)
+            if info is None or not _same_etag(info.etag, if_match):
+                raise
+            support = await self.probe_conditional_writes()
+            chosen = support.spelling
+            if chosen is None:
+                raise ConditionalWritesUnsupported(
+                    f"{self.url}: put_conditional {key!r}: {self.endpoint} honours no If-Match spelling "
+                    "that it also enforces, so refs cannot be moved safely on it; `layerbox store check` "
+                    "reports what it supports") from None
+            if chosen == spelling:
+                raise
+            return await self._put_once(key, data, if_match, chosen)
+
+    async def _put_once(self, key: str, data: bytes, if_match: str | None, spelling: Spelling) -> str:
+        condition = {"IfNoneMatch": "*"} if if_match is None else {"IfMatch": _spell(if_match, spelling)}
         try:
             return await self._put_object("put_conditional", key, data, condition)
         except ObjectNotFound:  # If-Match on a missing key
             raise PreconditionFailed(key, self.url, f"it no longer exists (expected {if_match})") from None
         except _ConditionalConflict as exc:  # 409: lost to a concurrent conditional write
             raise PreconditionFailed(key, self.url, str(exc)) from exc
+        except _ServerError as exc:
+            # unchanged: a server error, retried as any; changed: a lost race (or our own write
+            # landing before the error), a conflict the caller re-reads (Store.set_ref knows its
+            # own bytes)
+            info = await self.head(key)
+            unchanged = info is None if if_match is None else info is not None and _same_etag(info.etag, if_match)
+            if unchanged:
+                raise
+            raise PreconditionFailed(key, self.url, f"{exc}; the object has changed since") from exc
+
+    async def probe_conditional_writes(self) -> ConditionalSupport:
+        """Measure what this server does with conditional writes, on scratch objects under
+        ``probes/`` (removed after; docs/FORMAT.md).  Remembered for this backend: ``put_conditional``
+        then sends the spelling the server honours."""
+        async with self._probe_lock:
+            if self._support is None:
+                self._support = await self._probe()
+                self._spelling = self._support.spelling or "quoted"
+                log.info("%s: conditional writes at %s: %s", self.url, self.endpoint,
+                         "; ".join(self._support.problems()) or "all supported")
+            return self._support
+
+    async def _probe(self) -> ConditionalSupport:
+        key = f"probes/conditional-{uuid.uuid4().hex}"
+        missing = f"probes/conditional-{uuid.uuid4().hex}"
+        n = 0
+
+        async def attempt(condition: dict[str, str]) -> bool:
+            """One PUT of new bytes under ``condition``: True when it wrote."""
+            nonlocal n
+            n += 1
+            try:
+                await self._put_object("probe", key, f"probe {n}".encode(), condition)
+            except (PreconditionFailed, ObjectNotFound, _ConditionalConflict):
+                return False
+            return True
+
+        async def etag() -> str:
+            info = await self.head(key)
+            if info is None:
+                raise BackendError(f"{self.url}: probe object {key!r} vanished while probing")
+            return info.etag
+
+        try:
+            if not await attempt({"IfNoneMatch": "*"}):
+                raise BackendError(f"{self.url}: could not create the probe object {key!r}")
+            first = await etag()
+            if_none_match = not await attempt({"IfNoneMatch": "*"})
+            stale = first if not if_none_match else ""
+            current = await etag()
+            if not stale:  # the refused write left the first version: make it stale now
+                await self._put_object("probe", key, b"probe stale", {})
+                stale, current = current, await etag()
+            results: dict[Spelling, tuple[bool, bool]] = {}
+            for spelling in ("quoted", "bare"):
+                honoured = await attempt({"IfMatch": _spell(current, spelling)})
+                refused = not await attempt({"IfMatch": _spell(stale, spelling)})
+                current = await etag()
+                results[spelling] = (honoured, refused)
+            try:
+                await self._put_object("probe", missing, b"probe missing", {"IfMatch": _spell(current, "quoted")})
+                missing_if_match = "written"
+            except ObjectNotFound:
+                missing_if_match = "404"
+            except PreconditionFailed:
+                missing_if_match = "412"
+            multipart_refused, multipart_etag = await self._probe_multipart(key)
+            return ConditionalSupport(
+                if_none_match=if_none_match, if_match_quoted=results["quoted"][0],
+                if_match_bare=results["bare"][0], stale_quoted_refused=results["quoted"][1],
+                stale_bare_refused=results["bare"][1], missing_if_match=missing_if_match,
+                multipart_if_none_match=multipart_refused, multipart_etag=multipart_etag)
+        finally:
+            for doomed in (key, missing):
+                with contextlib.suppress(BackendError):
+                    await self.delete(doomed)
+
+    async def _probe_multipart(self, key: str) -> tuple[bool, bool]:
+        """(completion with If-None-Match: * refused on an existing key, a completion's ETag non-empty)."""
+        name = self._key(key)
+
+        async def one_part_upload(extra: dict[str, str]) -> str:
+            created = await self._call("probe", key, lambda client: client.create_multipart_upload(
+                Bucket=self.bucket, Key=name))
+            upload_id = created["UploadId"]
+            try:
+                part = await self._call("probe", key, lambda client: client.upload_part(
+                    Bucket=self.bucket, Key=name, UploadId=upload_id, PartNumber=1, Body=b"probe part"))
+                done = await self._call("probe", key, lambda client: client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=name, UploadId=upload_id,
+                    MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]}, **extra))
+            except BaseException:
+                await self._abort(key, name, upload_id)
+                raise
+            return str(done.get("ETag") or "").strip('"')
+
+        try:
+            await one_part_upload({"IfNoneMatch": "*"})
+        except PreconditionFailed:
+            refused = True
+        else:
+            refused = False
+        return refused, bool(await one_part_upload({}))
 
     async def _put_object(self, op: str, key: str, data: bytes, extra: dict[str, str]) -> str:
         response = await self._call(op, key, lambda client: client.put_object(
