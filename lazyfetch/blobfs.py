@@ -33,7 +33,7 @@ READ_AHEAD = 512 << 10  # uncompressed bytes of following chunks fetched along w
 
 @dataclass
 class BlobLayer:
-    digest: str  # "blake3:<hex>"
+    digest: str  # "blake3:<hex>", the name fetches for this layer are counted under
     size: int
     records: list[BlobRecord]
     starts: list[int] = field(default_factory=list)
@@ -41,7 +41,6 @@ class BlobLayer:
     # access trace: chunk digests in first-read order while recording
     trace: dict[bytes, None] | None = None
     trace_until: float = 0.0
-    raw_fetched: int = 0
 
     def __post_init__(self) -> None:
         self.records.sort(key=lambda r: r.block)
@@ -141,8 +140,7 @@ class BlobFS(Operations):
         if missing:
             self.metrics.misses.inc(len(missing))
             missing += self._read_ahead(layer, records[-1])
-            fetched = self.fetcher.fetch_blocking(missing)
-            layer.raw_fetched += sum(len(v) for v in fetched.values())
+            fetched = self.fetcher.fetch_blocking(missing, layer.digest)
         with self.cache.pinned(r.digest for r in records):
             for rec in records:
                 start = rec.block * F.BLOCK_SIZE
@@ -154,7 +152,8 @@ class BlobFS(Operations):
                     got = self.cache.get(rec.digest, a - start, b - a)
                     if got is None:  # evicted between the check and here: fetch again
                         self.metrics.misses.inc()
-                        got = self.fetcher.fetch_blocking([rec.digest])[rec.digest][a - start : b - start]
+                        again = self.fetcher.fetch_blocking([rec.digest], layer.digest)
+                        got = again[rec.digest][a - start : b - start]
                     else:
                         self.metrics.hits.inc()
                     piece = got

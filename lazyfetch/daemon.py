@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,8 @@ class Daemon:
                 os.replace(tmp, meta_path)
             img = ErofsImage(raw, str(meta_path))
             await self.store.load_layer_locations(entry)
-            layer = BlobLayer(entry.digest, img.blob_size, list(img.blob_map), images={image} if image else set())
+            layer = BlobLayer("blake3:" + hexd, img.blob_size, list(img.blob_map),
+                              images={image} if image else set())
             self.fs.add_layer(layer)
         return paths
 
@@ -133,8 +135,9 @@ class Daemon:
             log.warning("ignoring unreadable trace for %s: %s", image, exc)
             doc = None
         if doc:
-            digests = [bytes.fromhex(d) for layer in layers for d in doc.get("layers", {}).get(layer, [])]
-            self._spawn(self.prefetch(digests))
+            wanted = [("blake3:" + hex_digest(layer), bytes.fromhex(d))
+                      for layer in layers for d in doc.get("layers", {}).get(layer, [])]
+            self._spawn(self.prefetch(wanted))
             return "replaying"
         if image in self._tracing:
             return "recording"
@@ -165,35 +168,42 @@ class Daemon:
             except Exception as exc:
                 log.warning("could not store the access trace of %s: %s", image, exc)
 
-    async def prefetch(self, digests: list[bytes]) -> int:
-        todo = [d for d in dict.fromkeys(digests) if not self.cache.contains(d)]
+    async def prefetch(self, wanted: Iterable[tuple[str, bytes]]) -> int:
+        """Fetch the ``(layer, chunk digest)`` pairs not cached yet, in batches per layer.
+
+        A chunk named by two layers is fetched (and counted) for the first.
+        Returns how many of the chunks not cached at the start are available
+        now (fetched by this call or by a read that was fetching it already).
+        """
+        by_layer: dict[str, list[bytes]] = {}
+        seen: set[bytes] = set()
+        for layer, digest in wanted:
+            if digest not in seen and not self.cache.contains(digest):
+                by_layer.setdefault(layer, []).append(digest)
+            seen.add(digest)
         sem = asyncio.Semaphore(PREFETCH_CONCURRENCY)
 
-        async def batch(part: list[bytes]) -> int:
+        async def batch(layer: str, part: list[bytes]) -> int:
             async with sem:
                 try:
-                    await self.fetcher.fetch_many(part)
+                    await self.fetcher.fetch_many(part, layer, prefetch=True)
                     return len(part)
                 except Exception as exc:
-                    log.warning("prefetch of %d chunks failed: %s", len(part), exc)
+                    log.warning("prefetch of %d chunks of %s failed: %s", len(part), layer, exc)
                     return 0
 
-        done = await asyncio.gather(*(batch(todo[i : i + PREFETCH_BATCH])
+        done = await asyncio.gather(*(batch(layer, todo[i : i + PREFETCH_BATCH])
+                                      for layer, todo in by_layer.items()
                                       for i in range(0, len(todo), PREFETCH_BATCH)))
-        self.metrics.prefetched.inc(sum(done))
         return sum(done)
 
     def stats(self) -> dict[str, Any]:
-        snap = self.metrics.snapshot()
-        snap["cache"] = self.cache.stats()
-        per_image: dict[str, int] = {}
-        per_layer: dict[str, int] = {}
-        for hexd, layer in self.fs.layers.items():
-            per_layer["blake3:" + hexd] = layer.raw_fetched
-            for image in layer.images:
-                per_image[image] = per_image.get(image, 0) + layer.raw_fetched
-        snap["bytes_fetched_per_layer"] = per_layer
-        snap["bytes_fetched_per_image"] = per_image
+        """``GET /stats``, ``layerbox stats --json``: every field is defined in docs/STATS.md."""
+        cache = self.cache.stats()
+        self.metrics.cache_bytes.set(cache["bytes"])
+        layers = {layer.digest: set(layer.images) for layer in list(self.fs.layers.values())}
+        snap = self.metrics.snapshot(layers)
+        snap["cache"] = cache
         snap["layers"] = len(self.fs.layers)
         snap["instance"] = self.instance
         snap["uptime"] = round(time.time() - self.started, 3)
@@ -224,13 +234,14 @@ class Daemon:
         @routes.post("/prefetch")
         async def prefetch(req: web.Request) -> web.Response:
             body = await req.json()
-            digests: list[bytes] = []
+            wanted: list[tuple[str, bytes]] = []
             for obj in body["layers"]:
                 entry = LayerEntry.from_json(obj, "request")
                 await self.register(entry, body.get("image"))
-                digests.extend(r.digest for r in self.fs.layers[hex_digest(entry.digest)].records)
-            fetched = await self.prefetch(digests)
-            return web.json_response({"chunks": len(digests), "fetched": fetched})
+                layer = self.fs.layers[hex_digest(entry.digest)]
+                wanted.extend((layer.digest, r.digest) for r in layer.records)
+            fetched = await self.prefetch(wanted)
+            return web.json_response({"chunks": len(wanted), "fetched": fetched})
 
         @routes.get("/stats")
         async def stats(_: web.Request) -> web.Response:

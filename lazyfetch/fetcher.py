@@ -6,6 +6,11 @@ asyncio; it waits a bounded time and then gives up with
 :class:`FetchTimeout` (the FUSE layer turns that into EIO) while the fetch
 itself may finish later and fill the cache, so the next read succeeds once
 the store answers again.
+
+Every fetch is attributed to one layer: the layer whose read (or prefetch)
+started it.  Readers that join a fetch already in flight add nothing, so the
+per-layer counters of :class:`~lazyfetch.metrics.Metrics` sum to the totals
+(docs/STATS.md).
 """
 
 from __future__ import annotations
@@ -84,8 +89,8 @@ class Fetcher:
         self.on_fetched: list[object] = []
 
     # -- called from FUSE threads -----------------------------------------------------
-    def fetch_blocking(self, wanted: list[bytes]) -> dict[bytes, bytes]:
-        future = asyncio.run_coroutine_threadsafe(self.fetch_many(wanted), self.loop)
+    def fetch_blocking(self, wanted: list[bytes], layer: str) -> dict[bytes, bytes]:
+        future = asyncio.run_coroutine_threadsafe(self.fetch_many(wanted, layer), self.loop)
         try:
             return future.result(self.timeout)
         except concurrent.futures.TimeoutError:
@@ -96,8 +101,14 @@ class Fetcher:
             ) from None
 
     # -- on the loop --------------------------------------------------------------------
-    async def fetch_many(self, wanted: Iterable[bytes]) -> dict[bytes, bytes]:
-        """Bytes of every wanted chunk; each chunk is fetched at most once at a time."""
+    async def fetch_many(self, wanted: Iterable[bytes], layer: str, *, prefetch: bool = False
+                         ) -> dict[bytes, bytes]:
+        """Bytes of every wanted chunk; each chunk is fetched at most once at a time.
+
+        The chunks this call starts fetching are counted for ``layer``
+        ("blake3:<hex>") and, with ``prefetch``, as prefetched; chunks it finds
+        cached or already in flight are not counted again.
+        """
         out: dict[bytes, bytes] = {}
         waiting: list[tuple[bytes, asyncio.Future[bytes]]] = []
         todo: list[tuple[bytes, ChunkLocation]] = []
@@ -119,23 +130,24 @@ class Fetcher:
             # started as tasks so that a caller that stops waiting does not cancel
             # the fetch for everybody else sharing it
             for run in plan_runs(todo):
-                asyncio.ensure_future(self._fetch_run(run))
+                asyncio.ensure_future(self._fetch_run(run, layer, prefetch))
         for digest, fut in waiting:
             out[digest] = await asyncio.shield(fut)
         return out
 
-    async def _fetch_run(self, run: _Run) -> None:
-        started = time.perf_counter()
+    async def _fetch_run(self, run: _Run, layer: str, prefetch: bool) -> None:
         self.metrics.inflight.inc(len(run.items))
+        started: float | None = None
         try:
             async with self._sem:
+                started = time.perf_counter()
+                self.metrics.requested()
                 data = await self.store.backend.get(pack_key(run.pack), run.start, run.end)
+            self.metrics.fetched(layer, len(data))  # received, even if it is not what we asked for
             if len(data) != run.end - run.start:
                 raise FetchError(f"{self.store.url}: short read of {pack_key(run.pack)} "
                                  f"[{run.start}, {run.end}): got {len(data)} bytes")
-            self.metrics.bytes_fetched.inc(len(data))
-            self.metrics.requests.inc()
-            results = await asyncio.to_thread(self._decode_run, run, data)
+            results = await asyncio.to_thread(self._decode_run, run, data, layer, prefetch)
         except BaseException as exc:
             for digest, _ in run.items:
                 self._fail(digest, exc)
@@ -144,7 +156,8 @@ class Fetcher:
             return
         finally:
             self.metrics.inflight.dec(len(run.items))
-            self.metrics.fetch_seconds.observe(time.perf_counter() - started)
+            if started is not None:  # one observation per GET sent: fetch_count == store_requests
+                self.metrics.fetch_seconds.observe(time.perf_counter() - started)
         for digest, value in results.items():
             fut = self._inflight.pop(digest, None)
             if fut is None or fut.done():
@@ -161,7 +174,8 @@ class Fetcher:
             fut.set_exception(exc if isinstance(exc, Exception) else FetchError(repr(exc)))
             fut.exception()
 
-    def _decode_run(self, run: _Run, data: bytes) -> dict[bytes, bytes | Exception]:
+    def _decode_run(self, run: _Run, data: bytes, layer: str, prefetch: bool
+                    ) -> dict[bytes, bytes | Exception]:
         """Decompress and verify each chunk; cache the good ones (off the loop)."""
         results: dict[bytes, bytes | Exception] = {}
         for digest, loc in run.items:
@@ -179,7 +193,7 @@ class Fetcher:
                           digest.hex(), self.store.url, where)
                 results[digest] = CorruptChunk(f"chunk {digest.hex()} from {self.store.url} ({where}) is corrupt")
                 continue
-            self.metrics.chunks_fetched.inc()
+            self.metrics.verified(layer, len(chunk), prefetch=prefetch)
             if not self.cache.put(digest, chunk):
                 self.metrics.cache_put_failures.inc()
             results[digest] = chunk

@@ -587,7 +587,7 @@ def fetch_stats(mounts: HostMounts, report: Report, say: Say) -> None:
     """What the host read from the store so far, against the size of the image."""
     stats = mounts.client.request("GET", "/stats")
     image = report.image
-    raw = sum(stats["bytes_fetched_per_layer"].values())
+    raw = stats["bytes_fetched_uncompressed"]
     report.fetch = {
         "bytes_fetched": stats["bytes_fetched"],
         "bytes_fetched_uncompressed": raw,

@@ -16,9 +16,12 @@ asyncio loop in a background thread, and forwards each request to
 
 ``proxy.inject(fault, times=2)`` queues faults; ``method="PUT"`` limits one
 to that method.  ``proxy.log`` records ``(method, path, fault kind or None)``
-for every request, to count attempts.  ``fault_proxy`` is the fixture (it
-needs a ``moto_server`` fixture); it stops the proxy and drops its open
-connections at teardown.
+for every request, to count attempts; ``proxy.exchanges()`` records, for
+every answer of the server the client was sent (whole, or half for a reset),
+the request's ``Range`` header and the answer's status and body size, so a
+test can count the bytes a client received independently of the client.
+``fault_proxy`` is the fixture (it needs a ``moto_server`` fixture); it stops
+the proxy and drops its open connections at teardown.
 """
 
 from __future__ import annotations
@@ -60,6 +63,18 @@ class Fault:
         return Fault("reset")
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """A forwarded request and what the client was sent of the server's answer."""
+
+    method: str
+    target: str
+    range: str | None  # the request's Range header
+    status: int | None  # None: the client was cut off inside the answer's head
+    body_bytes: int  # body bytes the client was sent (part of the answer for a reset)
+    fault: str | None
+
+
 @dataclass
 class _Request:
     method: str
@@ -73,6 +88,7 @@ class FaultProxy:
         parts = urllib.parse.urlsplit(upstream)
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self.log: list[tuple[str, str, str | None]] = []
+        self._exchanges: list[Exchange] = []
         self._faults: list[tuple[Fault, str | None]] = []
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -106,6 +122,10 @@ class FaultProxy:
     def requests(self, method: str | None = None) -> list[tuple[str, str, str | None]]:
         with self._lock:
             return [entry for entry in self.log if method is None or entry[0] == method]
+
+    def exchanges(self, method: str | None = None) -> list[Exchange]:
+        with self._lock:
+            return [x for x in self._exchanges if method is None or x.method == method]
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -158,7 +178,7 @@ class FaultProxy:
                 with self._lock:
                     self.log.append((request.method, request.target, fault.kind if fault else None))
                 if fault is None:
-                    writer.write(await self._forward(request))
+                    writer.write(self._record(request, await self._forward(request), None))
                 elif fault.kind == "error":
                     writer.write(_error_response(request, fault))
                 elif fault.kind == "stall":
@@ -166,7 +186,7 @@ class FaultProxy:
                     return
                 else:  # reset: the request reaches the server, half the answer reaches the client
                     response = await self._forward(request)
-                    writer.write(response[: max(1, len(response) // 2)])
+                    writer.write(self._record(request, response[: max(1, len(response) // 2)], fault.kind))
                     await writer.drain()
                     _reset(writer)
                     return
@@ -180,6 +200,16 @@ class FaultProxy:
         finally:
             self._handlers.discard(task)
             writer.close()
+
+    def _record(self, request: _Request, sent: bytes, fault: str | None) -> bytes:
+        """Note what the client is sent of the server's answer; returns ``sent``."""
+        head, sep, body = sent.partition(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1]) if sep and head.startswith(b"HTTP/") else None
+        ranges = [v for k, v in request.headers if k.lower() == "range"]
+        with self._lock:
+            self._exchanges.append(Exchange(request.method, request.target, ranges[0] if ranges else None,
+                                            status, len(body) if request.method != "HEAD" else 0, fault))
+        return sent
 
     async def _forward(self, request: _Request) -> bytes:
         reader, writer = await asyncio.open_connection(*self._upstream)
