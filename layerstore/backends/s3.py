@@ -35,7 +35,8 @@ instance role); botocore itself reads ``AWS_ENDPOINT_URL_S3`` and
   conflict when the object has changed (RGW answers some losers of a race
   500) and a retryable error when it has not.
 - Etags are S3's ``ETag`` strings (quotes included), mtimes S3's
-  ``LastModified``.
+  ``LastModified`` in whole seconds (``list`` answers milliseconds, ``HEAD``
+  seconds).
 """
 
 from __future__ import annotations
@@ -387,7 +388,9 @@ class S3Backend(Backend):
                 except BackendError:
                     log.debug("%s: ignoring object %r: not a valid store key", self.url, item["Key"])
                     continue
-                yield ObjectInfo(key, item["Size"], item["ETag"], item["LastModified"].timestamp())
+                # whole seconds, as HEAD's Last-Modified (an HTTP date) has them: RGW and AWS list
+                # with milliseconds, and one object must not have two mtimes
+                yield ObjectInfo(key, item["Size"], item["ETag"], float(int(item["LastModified"].timestamp())))
 
     # -- writes --------------------------------------------------------------------------------
     async def put(self, key: str, data: bytes) -> None:
