@@ -12,9 +12,11 @@ BIN := $(VENV)/bin
 # Lives inside .venv so that `rm -rf .venv` (or `make clean`) also forgets the install.
 STAMP := $(VENV)/.layerbox-installed
 
-# Later issues add: crun nftables docker-registry criu.
+# The real S3 the S3 tests also run on (tests/support/rgw.py: a single-node Ceph RGW, ~280 MB).
+CEPH_DEB_PACKAGES := ceph-mon ceph-mgr ceph-osd radosgw ceph-common
 DEB_PACKAGES := python3 python3-venv python3-dev erofs-utils fuse3 zstd mmdebstrap \
-	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2 crun nftables iproute2
+	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2 crun nftables iproute2 \
+	$(CEPH_DEB_PACKAGES)
 KERNEL_FILESYSTEMS := erofs overlay fuse
 # Benchmark-only packages (the peers bench/sandbox.py measures against); never needed by the tests.
 BENCH_DEB_PACKAGES := podman

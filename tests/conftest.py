@@ -5,6 +5,9 @@
 * ``mounts``: mounts EROFS layers and overlays on fresh temp directories and
   unmounts them all, in reverse order, when the test ends however it ends.
 * A session check fails the run if any mount is left under pytest's temp root.
+* ``real_s3``: the session's real S3 (a Ceph RGW, or ``LAYERBOX_TEST_S3_ENDPOINT``);
+  its boot begins in the background as soon as collection found a test marked
+  ``real_s3`` (tests/support/real_s3.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from support.env import require
 
 from lazyfetch import kmount
 from lazyfetch.errors import KernelMountError
+from tests.support import real_s3 as real_s3_support
 from tests.support.hosts import hosts  # noqa: F401  (a fixture for every test module)
+from tests.support.real_s3 import real_s3  # noqa: F401  (session scope: one RGW per run)
 from tests.support.sandboxes import boxes, manager, store_url  # noqa: F401  (module scope: one per module)
 
 
@@ -27,6 +32,23 @@ from tests.support.sandboxes import boxes, manager, store_url  # noqa: F401  (mo
 def need_root() -> None:
     """Skip (or under CI fail) unless running as root."""
     require("root")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Boot the RGW while the first tests run; not for --collect-only.
+    if not session.config.option.collectonly and any(map(real_s3_support.is_real_s3, session.items)):
+        real_s3_support.boot_in_background()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    real_s3_support.shutdown()  # also when no test got as far as the fixture (-x, Ctrl-C)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    timings = real_s3_support.boot_timings()
+    if timings:
+        steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in timings.items())
+        terminalreporter.write_line(f"Ceph RGW boot (seconds since it began): {steps}")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -1,14 +1,16 @@
 """The Backend contract (layerstore/backend.py), checked against every backend.
 
 One suite, :class:`BackendContract`, runs against ``PosixBackend`` on a temp
-directory, ``S3Backend`` on a real moto server, and both as ``open_backend``
-builds them (retry and limit wrappers; the S3 one finds its endpoint through
-``AWS_ENDPOINT_URL_S3``).  Hypothesis state machines compare POSIX and S3
-with an in-memory dict.  Then the faults: S3 errors, stalls and resets from a
-real proxy in front of moto, refused credentials from moto itself, a missing
-bucket, a full filesystem (a 1 MiB tmpfs), a writer killed mid-put, a store
-this user may not write; and the wrappers' own behaviour, where
-``FaultyBackend`` injects what no real service produces on cue.
+directory, ``S3Backend`` on a real moto server and on a real S3 (a Ceph RGW
+booted for the session, or ``LAYERBOX_TEST_S3_ENDPOINT``: tests/README.md),
+and both as ``open_backend`` builds them (retry and limit wrappers; the S3 one
+finds its endpoint through ``AWS_ENDPOINT_URL_S3``).  Hypothesis state
+machines compare POSIX and S3 (both servers) with an in-memory dict.  Then
+the faults: S3 errors, stalls and resets from a real proxy in front of moto,
+refused credentials from moto itself, a missing bucket (both servers), a full
+filesystem (a 1 MiB tmpfs), a writer killed mid-put, a store this user may not
+write; and the wrappers' own behaviour, where ``FaultyBackend`` injects what no
+real service produces on cue.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from tests.support import s3proxy
 from tests.support.env import require
 from tests.support.moto import MotoServer, free_port
 from tests.support.proc import run
+from tests.support.real_s3 import REAL_S3, S3Server, use_s3_account
 from tests.support.s3proxy import Fault, FaultProxy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +81,21 @@ MOTO_RACE = ("moto checks If-None-Match/If-Match and then writes without a lock 
 @pytest.fixture(scope="module")
 def big_data() -> bytes:
     return os.urandom(BIG)
+
+
+@pytest.fixture(params=["moto", REAL_S3])
+def s3_server(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> S3Server:
+    """Each S3 test on moto and on the real S3, with that server's keys in the environment."""
+    server: S3Server = request.getfixturevalue("moto_server" if request.param == "moto" else "real_s3")
+    # no endpoint in the environment: each test gives it, or sets AWS_ENDPOINT_URL_S3 to test that
+    use_s3_account(monkeypatch, tmp_path, server.access_key, server.secret_key, server.region)
+    return server
+
+
+@pytest.fixture
+def atomic_conditional_writes() -> bool:
+    """Does the server make conditional writes atomic under concurrency?  (S3 classes override.)"""
+    return True
 
 
 async def _keys(backend: Backend, prefix: str = "") -> list[str]:
@@ -105,11 +123,9 @@ class BackendContract:
     """What every Backend promises; subclasses provide a fresh, empty ``backend``."""
 
     pytestmark = pytest.mark.asyncio
-    # Does the server make conditional writes atomic under concurrency? (moto: no)
-    atomic_conditional_writes = True
 
     def _needs_atomic_server(self, request: pytest.FixtureRequest) -> None:
-        if not self.atomic_conditional_writes:
+        if not request.getfixturevalue("atomic_conditional_writes"):  # moto's are not
             request.applymarker(pytest.mark.xfail(reason=MOTO_RACE, strict=False))
 
     async def test_get_whole_and_ranges(self, backend: Backend) -> None:
@@ -395,24 +411,27 @@ class S3Extras:
         assert info.etag.endswith('-5"')
 
 
-class TestS3Backend(BackendContract, S3Extras):
-    atomic_conditional_writes = False
+class S3Servers:
+    """Runs the class on moto and on the real S3 (``s3_server``'s parameters)."""
 
+    @pytest.fixture
+    def atomic_conditional_writes(self, s3_server: S3Server) -> bool:
+        return s3_server.atomic_conditional_writes
+
+
+class TestS3Backend(S3Servers, BackendContract, S3Extras):
     @pytest_asyncio.fixture
-    async def backend(self, moto_server: MotoServer, aws_test_env: None) -> AsyncIterator[Backend]:
-        bucket = moto_server.new_bucket()
-        async with S3Backend(bucket, "pre/fix", endpoint_url=moto_server.endpoint) as backend:
+    async def backend(self, s3_server: S3Server) -> AsyncIterator[Backend]:
+        bucket = s3_server.new_bucket()
+        async with S3Backend(bucket, "pre/fix", endpoint_url=s3_server.endpoint) as backend:
             yield backend
 
 
-class TestS3Stack(BackendContract, S3Extras):
-    atomic_conditional_writes = False
-
+class TestS3Stack(S3Servers, BackendContract, S3Extras):
     @pytest_asyncio.fixture
-    async def backend(self, moto_server: MotoServer, aws_test_env: None,
-                      monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Backend]:
-        bucket = moto_server.new_bucket()
-        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_server.endpoint)  # botocore reads it
+    async def backend(self, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Backend]:
+        bucket = s3_server.new_bucket()
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint)  # botocore reads it
         async with open_backend(f"s3://{bucket}/stack") as backend:
             yield backend
 
@@ -535,11 +554,11 @@ def test_posix_state_machine(tmp_path: Path) -> None:
         suppress_health_check=[HealthCheck.too_slow]))
 
 
-def test_s3_state_machine(moto_server: MotoServer, aws_test_env: None) -> None:
-    bucket = moto_server.new_bucket()
+def test_s3_state_machine(s3_server: S3Server) -> None:
+    bucket = s3_server.new_bucket()
 
     def fresh() -> Backend:
-        return S3Backend(bucket, uuid.uuid4().hex, endpoint_url=moto_server.endpoint)
+        return S3Backend(bucket, uuid.uuid4().hex, endpoint_url=s3_server.endpoint)
 
     run_state_machine_as_test(_machine(fresh), settings=settings(
         max_examples=8, stateful_step_count=25, deadline=None,
@@ -680,6 +699,63 @@ async def test_s3_connection_resets_are_retried(proxied: Backend, fault_proxy: F
     assert await proxied.get("reset4") == b"mine"
 
 
+@pytest.mark.asyncio
+async def test_s3_a_5xx_to_a_conditional_write_is_retried_or_a_conflict_by_what_the_object_holds(
+        proxied: Backend, fault_proxy: FaultProxy) -> None:
+    etag = await proxied.put_conditional("cas", b"v1", None)
+    # refused before the server saw it: the object still has our ETag, so it is an error, retried
+    fault_proxy.inject(Fault.error(500, "InternalError"), 1, method="PUT")
+    etag = await proxied.put_conditional("cas", b"v2", etag)
+    assert await proxied.get("cas") == b"v2"
+    assert _kinds(fault_proxy, "PUT")[-2:] == ["error", None]
+    # the write landed and then the answer was a 500 (RGW answers some race losers so): the object
+    # changed, so it is a conflict, never retried blindly; the caller re-reads
+    fault_proxy.inject(Fault.error_after(500, "InternalError"), 1, method="PUT")
+    with pytest.raises(PreconditionFailed, match="changed since"):
+        await proxied.put_conditional("cas", b"v3", etag)
+    assert await proxied.get("cas") == b"v3"
+    assert _kinds(fault_proxy, "PUT")[-1] == "error_after"  # one attempt: a conflict is not retried
+    # a real conflict stays a conflict
+    with pytest.raises(PreconditionFailed):
+        await proxied.put_conditional("cas", b"v4", etag)
+    assert await proxied.get("cas") == b"v3"
+
+
+@pytest.mark.asyncio
+async def test_a_ref_moved_under_a_5xx_lands_once(fault_proxy: FaultProxy, moto_server: MotoServer,
+                                                  aws_test_env: None, tmp_path: Path) -> None:
+    from layerstore.store import Store
+
+    bucket = moto_server.new_bucket()
+    url = f"s3://{bucket}/refs-5xx"
+    digests = ["blake3:" + blake3.blake3(str(i).encode()).hexdigest() for i in range(3)]
+    async with await Store.open(url, tmp_path / "data", s3_endpoint=fault_proxy.url) as store:
+        await store.set_ref("t/py:v1", digests[0], "image")
+        fault_proxy.inject(Fault.error_after(500, "InternalError"), 1, method="PUT")
+        moved = await store.set_ref("t/py:v1", digests[1], "image")
+        assert moved.digest == digests[1]
+        state = await store.read_ref("t/py:v1")
+        # our own write, recognised: the old value is in the history once, ours not at all
+        assert [h["digest"] for h in state.history] == [digests[0]]
+        await store.set_ref("t/py:v1", digests[2], "image")
+        assert [h["digest"] for h in (await store.read_ref("t/py:v1")).history] == digests[1::-1]
+
+
+@pytest.mark.asyncio
+async def test_store_check_reports_what_moto_does(moto_server: MotoServer, aws_test_env: None) -> None:
+    bucket = moto_server.new_bucket()
+    async with S3Backend(bucket, "check", endpoint_url=moto_server.endpoint) as backend:
+        support = await backend.probe_conditional_writes()
+        assert support.if_none_match
+        assert support.if_match_quoted
+        assert support.stale_quoted_refused
+        assert support.stale_bare_refused
+        assert support.missing_if_match == "404"
+        assert support.multipart_if_none_match
+        assert support.spelling == "quoted"
+        assert [info.key async for info in backend.list("")] == []  # the probe leaves nothing
+
+
 @pytest.fixture(scope="module")
 def moto_with_auth() -> Iterator[MotoServer]:
     """A second moto server that checks credentials (it knows no access keys at all)."""
@@ -718,8 +794,8 @@ async def test_s3_missing_credentials(moto_server: MotoServer, aws_test_env: Non
 
 
 @pytest.mark.asyncio
-async def test_s3_missing_bucket_is_named(moto_server: MotoServer, aws_test_env: None) -> None:
-    async with open_backend("s3://no-such-bucket-here/p", s3_endpoint=moto_server.endpoint) as backend:
+async def test_s3_missing_bucket_is_named(s3_server: S3Server) -> None:
+    async with open_backend("s3://no-such-bucket-here/p", s3_endpoint=s3_server.endpoint) as backend:
         started = time.monotonic()
         for call in (backend.get("k"), backend.head("k"), backend.put("k", b"x"), _keys(backend)):
             with pytest.raises(NoSuchBucket, match=r"bucket 'no-such-bucket-here' does not exist.*aws s3 mb"):

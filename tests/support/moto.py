@@ -32,6 +32,7 @@ import pytest
 import pytest_asyncio
 
 from layerstore.store import Store
+from tests.support.real_s3 import REAL_S3, S3Server, use_s3_account, use_server
 
 MOTO_SERVER = Path(sys.executable).with_name("moto_server")
 FAKE_CREDENTIALS = {
@@ -39,11 +40,7 @@ FAKE_CREDENTIALS = {
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
-# Settings that could point boto3 at a real account or another endpoint.
-_AWS_LEAKS = ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE",
-              "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_ROLE_ARN",
-              "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
-              "AWS_CONTAINER_CREDENTIALS_FULL_URI")
+
 
 
 def free_port() -> int:
@@ -55,7 +52,16 @@ def free_port() -> int:
 
 
 class MotoServer:
-    """One ``moto_server`` process; ``endpoint`` is its http://127.0.0.1:PORT URL."""
+    """One ``moto_server`` process; ``endpoint`` is its http://127.0.0.1:PORT URL.
+
+    An :class:`~tests.support.real_s3.S3Server`, like the real servers the S3 suites also run on.
+    """
+
+    name = "moto"
+    access_key = FAKE_CREDENTIALS["AWS_ACCESS_KEY_ID"]
+    secret_key = FAKE_CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
+    region = FAKE_CREDENTIALS["AWS_DEFAULT_REGION"]
+    atomic_conditional_writes = False  # see MOTO_RACE in tests/test_backend_conformance.py
 
     def __init__(self, env: Mapping[str, str] | None = None, *, ready_timeout: float = 30.0) -> None:
         self.port = free_port()
@@ -142,24 +148,19 @@ def moto_fixture(scope: Any = "session", env: Mapping[str, str] | None = None
 @pytest.fixture
 def aws_test_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Fake credentials and no AWS configuration files, for one test."""
-    for name in _AWS_LEAKS:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in FAKE_CREDENTIALS.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    use_s3_account(monkeypatch, tmp_path, MotoServer.access_key, MotoServer.secret_key,
+                   MotoServer.region)
 
 
-@pytest.fixture(params=["file", "s3"], name="store_url")
+@pytest.fixture(params=["file", "moto", REAL_S3], name="store_url")
 def file_and_s3_store_url(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    """``store_url`` for modules that run each test on a file store and on moto S3 (import it, and
-    define ``moto = moto_fixture(...)`` in the module).  Subprocesses see the endpoint too."""
+    """``store_url`` for modules that run each test on a file store, on moto S3 and on the real S3
+    (tests/support/real_s3.py; import this, and define ``moto = moto_fixture(...)`` in the module).
+    Subprocesses see the endpoint and keys too."""
     if request.param == "file":
         return f"file://{tmp_path / 'store'}"
-    server: MotoServer = request.getfixturevalue("moto")
-    request.getfixturevalue("aws_test_env")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", server.endpoint)
+    server: S3Server = request.getfixturevalue("moto" if request.param == "moto" else "real_s3")
+    use_server(monkeypatch, tmp_path, server)
     return f"s3://{server.new_bucket()}/layerbox"
 
 

@@ -12,7 +12,9 @@ asyncio loop in a background thread, and forwards each request to
 - ``Fault.stall(seconds)``: read the request, then say nothing for
   ``seconds`` and close (not forwarded);
 - ``Fault.reset()``: forward the request (so a write lands upstream), then
-  send half of the response and reset the connection (RST).
+  send half of the response and reset the connection (RST);
+- ``Fault.error_after(500, "InternalError")``: forward the request, then answer
+  that S3 error instead of the server's answer.
 
 ``proxy.inject(fault, times=2)`` queues faults; ``method="PUT"`` limits one
 to that method.  ``proxy.log`` records ``(method, path, fault kind or None)``
@@ -61,6 +63,12 @@ class Fault:
     @staticmethod
     def reset() -> Fault:
         return Fault("reset")
+
+    @staticmethod
+    def error_after(status: int = 500, code: str = "InternalError") -> Fault:
+        """Forward the request (a write lands upstream), then answer that S3 error instead of
+        the server's answer: what Ceph RGW does to some losers of a conditional-write race."""
+        return Fault("error_after", status=status, code=code)
 
 
 @dataclass(frozen=True)
@@ -180,6 +188,9 @@ class FaultProxy:
                 if fault is None:
                     writer.write(self._record(request, await self._forward(request), None))
                 elif fault.kind == "error":
+                    writer.write(_error_response(request, fault))
+                elif fault.kind == "error_after":
+                    await self._forward(request)
                     writer.write(_error_response(request, fault))
                 elif fault.kind == "stall":
                     await asyncio.sleep(fault.seconds)
