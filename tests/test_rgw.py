@@ -19,14 +19,13 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import boto3
 import pytest
 from botocore.exceptions import ClientError
 
+from layerstore.backends.s3 import S3Backend
 from tests.support import real_s3 as real_s3_support
 from tests.support import rgw
 from tests.support.proc import run
-from layerstore.backends.s3 import S3Backend
 from tests.support.real_s3 import S3Server, require_ceph, use_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -208,8 +207,7 @@ def test_the_gateway_checks_keys(real_s3: S3Server) -> None:
     cluster = _booted_rgw(real_s3)
     bucket = cluster.new_bucket()
     good = cluster.client()
-    bad = boto3.client("s3", endpoint_url=cluster.endpoint, region_name=cluster.region,
-                       aws_access_key_id=cluster.access_key, aws_secret_access_key="not-the-secret")
+    bad = rgw.s3_client(cluster.endpoint, cluster.access_key, "not-the-secret")
     try:
         good.put_object(Bucket=bucket, Key="k", Body=b"v")
         assert good.get_object(Bucket=bucket, Key="k")["Body"].read() == b"v"
@@ -300,7 +298,8 @@ async def test_the_probe_finds_what_the_recipe_says_rgw_16_does(
         real_s3: S3Server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cluster = _booted_rgw(real_s3)
     use_server(monkeypatch, tmp_path, cluster)
-    async with S3Backend(cluster.new_bucket(), "check", endpoint_url=cluster.endpoint) as backend:
+    backend = S3Backend(cluster.new_bucket(), "check", endpoint_url=cluster.endpoint)
+    async with backend:
         support = await backend.probe_conditional_writes()
         assert [info.key async for info in backend.list("")] == []  # the probe leaves nothing
     assert support.if_none_match

@@ -120,14 +120,8 @@ class ExternalS3:
                    environ.get(REGION_VAR) or "us-east-1", prefix)
 
     def client(self, **config: Any) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client(
-            "s3", endpoint_url=self.endpoint, region_name=self.region,
-            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
-            config=Config(retries={"total_max_attempts": 3}, **config),
-        )
+        return rgw.s3_client(self.endpoint, self.access_key, self.secret_key, self.region,
+                             attempts=3, **config)
 
     def new_bucket(self, name: str | None = None) -> str:
         bucket = name or f"{self.bucket_prefix}{uuid.uuid4().hex[:20]}"

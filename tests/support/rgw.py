@@ -164,6 +164,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def s3_client(endpoint: str, access_key: str, secret_key: str, region: str = REGION,
+              attempts: int = 1, **config: Any) -> Any:
+    """A plain boto3 S3 client for these keys only (no profile, no environment)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3", endpoint_url=endpoint, region_name=region,
+        aws_access_key_id=access_key, aws_secret_access_key=secret_key,
+        config=Config(retries={"total_max_attempts": attempts}, **config),
+    )
+
+
 # -- processes: identified by pid *and* kernel start time ------------------------------------
 
 
@@ -538,14 +551,7 @@ class RgwCluster:
     # -- using it ---------------------------------------------------------------------------------
     def client(self, **config: Any) -> Any:
         """A plain boto3 S3 client with this cluster's keys (botocore's retries off)."""
-        import boto3
-        from botocore.config import Config
-
-        return boto3.client(
-            "s3", endpoint_url=self.endpoint, region_name=self.region,
-            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
-            config=Config(retries={"total_max_attempts": 1}, **config),
-        )
+        return s3_client(self.endpoint, self.access_key, self.secret_key, self.region, **config)
 
     def new_bucket(self, name: str | None = None) -> str:
         bucket = name or f"test-{uuid.uuid4().hex[:20]}"
