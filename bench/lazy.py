@@ -74,10 +74,9 @@ from converters.errors import ConvertError  # noqa: E402
 from converters.oci import inspect_image  # noqa: E402
 from converters.publish import publish  # noqa: E402
 from layerstore.errors import LayerstoreError  # noqa: E402
-from layerstore.objects import Resolved, doc_key, index_key, meta_key  # noqa: E402
+from layerstore.objects import Resolved, doc_key, index_key, meta_key, trace_key  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 from lazyfetch import kmount  # noqa: E402
-from lazyfetch.daemon import trace_key  # noqa: E402
 from lazyfetch.errors import LazyfetchError  # noqa: E402
 from lazyfetch.mounts import HostMounts  # noqa: E402
 

@@ -2,7 +2,8 @@
 
 Roots are the documents refs point at (and checkpoint documents, which are
 refs too).  Marking follows documents to layers, layers to their metadata
-images and chunk digests (from the images' blob maps), chunks to packs.
+images and chunk digests (from the images' blob maps), chunks to packs; a
+document's access trace lives as long as the document.
 Sweeping deletes unreached objects older than the grace period, so an upload
 in progress (whose objects nothing references yet) is never swept; the gc
 lock additionally keeps publishers out while gc runs.  A pack with any live
@@ -111,12 +112,11 @@ async def collect(store: Store, *, grace: float = DEFAULT_GRACE, dry_run: bool =
             doomed.append((key, size))
             return True
 
-        async for info in store.backend.list("docs/"):
-            if "blake3:" + info.key.rsplit("/", 1)[-1] not in docs:
-                consider(info.key, info.size, info.mtime)
-        async for info in store.backend.list("meta/"):
-            if "blake3:" + info.key.rsplit("/", 1)[-1] not in layers:
-                consider(info.key, info.size, info.mtime)
+        # an access trace only speeds up mounts of its document: it goes when the document does
+        for prefix, live in (("docs/", docs), ("meta/", layers), ("traces/", docs)):
+            async for info in store.backend.list(prefix):
+                if "blake3:" + info.key.rsplit("/", 1)[-1] not in live:
+                    consider(info.key, info.size, info.mtime)
         pack_keys: set[str] = set()
         async for info in store.backend.list("packs/"):
             pack_hex = info.key.rsplit("/", 1)[-1]

@@ -7,6 +7,7 @@ Keys (docs/FORMAT.md, "Store layout"):
     meta/<xx>/<layer digest>   zstd of a layer's EROFS metadata image
     docs/<xx>/<doc digest>     JSON documents: image, composition, checkpoint
     refs/<repo>:<tag>          mutable name -> document digest, with history
+    traces/<xx>/<doc digest>   a document's access trace (parse_trace; written by lazyfetch)
     locks/<kind>-<id>          publish and gc locks (layerstore/locks.py)
     config                     the store's layout version and id (parse_store_config)
 
@@ -37,6 +38,7 @@ CONFIG_KEY = "config"
 SCHEMA_RECEIPTS = "layerbox.receipts.v1"
 SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's sandbox options (sandbox.model)
 SCHEMA_RUN = "layerbox.run.v1"
+SCHEMA_TRACE = "layerbox.trace.v1"  # not a document: mutable, kept while its document is reachable
 REF_HISTORY = 50
 PART_ORDER = ("base", "workspace", "toolkit")  # lowest first: the mission's base + workspace + toolkit
 
@@ -89,6 +91,11 @@ def meta_key(layer: str | bytes) -> str:
 
 def doc_key(digest: str | bytes) -> str:
     return _fan("docs", hex_digest(digest))
+
+
+def trace_key(image: str | bytes) -> str:
+    """The key of the access trace of document ``image`` (an image, composition or checkpoint)."""
+    return _fan("traces", hex_digest(image))
 
 
 def parse_ref(name: str, default_tag: str = "latest") -> tuple[str, str]:
@@ -165,6 +172,38 @@ def parse_ref_doc(data: bytes, key: str, what: str) -> dict[str, Any]:
             isinstance(h, dict) and isinstance(h.get("digest"), str) for h in history):
         raise FormatError(f"{what}: 'history' must be a list of objects with a 'digest'")
     return doc
+
+
+def parse_trace(doc: Any, image: str | bytes, what: str) -> dict[str, Any]:
+    """An access trace of document ``image``, checked (docs/FORMAT.md "Access traces").
+
+    Returns a fresh ``{"schema", "image", "layers"}`` with every digest in its
+    canonical spelling (``blake3:<hex>`` for the image and layers, bare hex
+    for chunks).  Raises :class:`FormatError` naming ``what`` for anything else:
+    another schema, an ``image`` other than ``image``, unknown fields, or
+    ``layers`` that is not an object of layer digest -> list of chunk digests.
+    """
+    want = "blake3:" + hex_digest(image)
+    if not isinstance(doc, Mapping) or doc.get("schema") != SCHEMA_TRACE:
+        raise FormatError(f"{what}: not a {SCHEMA_TRACE!r} object")
+    extra = sorted(set(doc) - {"schema", "image", "layers"})
+    if extra:
+        raise FormatError(f"{what}: unknown field(s) {', '.join(map(repr, extra))} in a {SCHEMA_TRACE}")
+    got = doc.get("image")
+    if not isinstance(got, str) or not _HEX64.match(got.removeprefix("blake3:")) \
+            or got.removeprefix("blake3:") != want.removeprefix("blake3:"):
+        raise FormatError(f"{what}: 'image' is {got!r}, but the trace is of {want}")
+    layers = doc.get("layers")
+    if not isinstance(layers, Mapping):
+        raise FormatError(f"{what}: 'layers' must be an object of layer digest -> chunk digests")
+    out: dict[str, list[str]] = {}
+    for layer, chunks in layers.items():
+        if not isinstance(layer, str) or not _HEX64.match(layer.removeprefix("blake3:")):
+            raise FormatError(f"{what}: {layer!r} in 'layers' is not a layer digest blake3:<64 hex>")
+        if not isinstance(chunks, list) or not all(isinstance(c, str) and _HEX64.match(c) for c in chunks):
+            raise FormatError(f"{what}: 'layers' of {layer} must be a list of chunk digests (64 lowercase hex)")
+        out["blake3:" + layer.removeprefix("blake3:")] = list(dict.fromkeys(chunks))
+    return {"schema": SCHEMA_TRACE, "image": want, "layers": out}
 
 
 class StoreVersionError(FormatError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import time
@@ -29,7 +30,7 @@ import blake3
 
 from layerstore.backend import Backend, ObjectNotFound, PreconditionFailed
 from layerstore.cache import MetadataCache
-from layerstore.errors import LayerstoreError
+from layerstore.errors import FormatError, LayerstoreError
 from layerstore.locks import store_lock
 from layerstore.objects import (
     CONFIG_KEY,
@@ -52,9 +53,11 @@ from layerstore.objects import (
     pack_key,
     parse_ref_doc,
     parse_store_config,
+    parse_trace,
     ref_key,
     ref_name_from_key,
     resolve_document,
+    trace_key,
 )
 from layerstore.packs import (
     ChunkLocation,
@@ -63,6 +66,8 @@ from layerstore.packs import (
     decompress,
     parse_index,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_REF_MAX_AGE = 30.0
 UPLOAD_CONCURRENCY = 4
@@ -198,6 +203,40 @@ class Store:
                 raise DigestMismatch(key, self.url, actual)
             self.cache.put_doc(digest, data)
         return load_json(data, f"{self.url}: document {digest}")
+
+    # -- access traces --------------------------------------------------------------------
+    async def get_trace(self, image_digest: str) -> dict[str, Any] | None:
+        """The stored access trace of document ``image_digest``, checked (``objects.parse_trace``).
+
+        None when there is none, and also when the stored object is malformed
+        (logged as a warning): a trace only costs speed.  Backend failures
+        (unreachable store, credentials) raise as for any read.
+        """
+        key = trace_key(image_digest)
+        await self.check_layout()
+        try:
+            data = await self.backend.get(key)
+        except ObjectNotFound:
+            return None
+        what = f"{self.url}: {key}"
+        try:
+            return parse_trace(load_json(data, what), image_digest, what)
+        except FormatError as exc:
+            log.warning("ignoring an unreadable access trace: %s", exc)
+            return None
+
+    async def put_trace(self, image_digest: str, doc: Mapping[str, Any]) -> None:
+        """Store ``doc`` as the access trace of ``image_digest``, replacing any earlier one.
+
+        ``doc`` must be ``{"schema": "layerbox.trace.v1", "image": image_digest,
+        "layers": {layer digest: [chunk hex, ...]}}``; anything else raises
+        :class:`FormatError` before the store is touched.  Stored as canonical
+        JSON; gc removes it once no ref reaches ``image_digest``.
+        """
+        key = trace_key(image_digest)
+        checked = parse_trace(doc, image_digest, f"{self.url}: refusing to store {key}")
+        await self.check_layout(create=True)
+        await self.backend.put(key, canonical(checked))
 
     # -- metadata images ----------------------------------------------------------------
     async def has_meta(self, layer: str) -> bool:

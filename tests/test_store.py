@@ -17,8 +17,19 @@ import pytest
 from converters.publish import publish
 from layerstore.backend import ObjectNotFound
 from layerstore.erofs.reader import ErofsImage
+from layerstore.errors import FormatError
 from layerstore.gc import collect
-from layerstore.objects import BadName, DigestMismatch, doc_key, meta_key, pack_key
+from layerstore.objects import (
+    SCHEMA_TRACE,
+    BadName,
+    DigestMismatch,
+    canonical,
+    digest_of,
+    doc_key,
+    meta_key,
+    pack_key,
+    trace_key,
+)
 from layerstore.store import Store
 from layerstore.verify import verify
 from tests.support.env import FIXTURE_IMAGE, in_ci
@@ -408,3 +419,65 @@ async def test_compose_keeps_the_base_config_even_when_empty(store: Store, tmp_p
     config = (await store.resolve("cfg/env")).config
     assert "Cmd" not in config.get("config", {})
     assert config["config"]["Env"] == ["A=1"]
+
+
+def _trace(image: str, layer: str, *chunks: bytes) -> dict:
+    return {"schema": SCHEMA_TRACE, "image": image, "layers": {layer: [c.hex() for c in chunks]}}
+
+
+@pytest.mark.asyncio
+async def test_traces_round_trip_and_a_bad_one_reads_as_none(store: Store, caplog: pytest.LogCaptureFixture) -> None:
+    image, layer = digest_of(b"some image"), digest_of(b"some layer")
+    assert await store.get_trace(image) is None
+    chunks = [bytes([i]) * 32 for i in range(3)]
+    await store.put_trace(image, _trace(image, layer, *chunks, chunks[0]))
+    assert await store.get_trace(image) == _trace(image, layer, *chunks)  # repeats dropped
+    key = trace_key(image)
+    assert key == f"traces/{image[7:9]}/{image[7:]}"  # where daemons stored traces before the Store methods
+    stored = await store.backend.get(key)
+    assert stored == canonical(_trace(image, layer, *chunks))
+    # a trace as the daemon wrote it (json.dumps, insertion order) still reads
+    await store.backend.put(key, json.dumps({"schema": SCHEMA_TRACE, "image": image,
+                                             "layers": {layer: [chunks[1].hex()]}}).encode())
+    assert (await store.get_trace(image) or {})["layers"] == {layer: [chunks[1].hex()]}
+    for bad in (b"\xff not json", b'{"schema":"layerbox.trace.v1","image":"' + digest_of(b"other").encode()
+                + b'","layers":{}}', b'{"schema":"layerbox.trace.v1","image":"' + image.encode()
+                + b'","layers":{"' + layer.encode() + b'":["nothex"]}}', b"[]"):
+        await store.backend.put(key, bad)
+        caplog.clear()
+        assert await store.get_trace(image) is None
+        assert key in caplog.text
+    await store.backend.put(key, stored)
+    for wrong in ({**_trace(image, layer), "schema": "layerbox.trace.v2"},
+                  _trace(digest_of(b"other"), layer), {**_trace(image, layer), "extra": 1},
+                  {**_trace(image, layer), "layers": {"not-a-digest": []}},
+                  {**_trace(image, layer), "layers": {layer: "abc"}}):
+        with pytest.raises(FormatError):
+            await store.put_trace(image, wrong)
+    assert await store.backend.get(key) == stored  # refused before the store was touched
+    with pytest.raises(BadName):
+        await store.put_trace("sha256:" + "0" * 64, _trace(image, layer))
+
+
+@pytest.mark.asyncio
+async def test_gc_collects_the_traces_of_unreachable_documents(store: Store, tmp_path: Path) -> None:
+    keep = await publish(store, str(make_tree(tmp_path / "k", {"k/file": os.urandom(10_000)})), "trace/keep")
+    gone = await publish(store, str(make_tree(tmp_path / "g", {"g/file": os.urandom(10_000)})), "trace/gone")
+    for pub in (keep, gone):
+        layer = (await store.resolve(pub.digest)).layers[0].digest
+        await store.put_trace(pub.digest, _trace(pub.digest, layer, bytes(32)))
+    orphan = digest_of(b"a document that never was")
+    await store.put_trace(orphan, _trace(orphan, digest_of(b"layer")))
+    await store.delete_ref("trace/gone")
+    young = await collect(store, grace=3600)
+    assert not [k for k in young.deleted if k.startswith("traces/")]  # inside the grace period
+    assert await store.get_trace(gone.digest) is not None
+    dry = await collect(store, grace=0, dry_run=True)
+    assert {trace_key(gone.digest), trace_key(orphan)} <= set(dry.deleted)
+    assert trace_key(keep.digest) not in dry.deleted
+    report = await collect(store, grace=0)
+    assert {trace_key(gone.digest), trace_key(orphan), doc_key(gone.digest)} <= set(report.deleted)
+    assert await store.get_trace(gone.digest) is None
+    assert await store.get_trace(orphan) is None
+    assert await store.get_trace(keep.digest) is not None
+    assert [i.key async for i in store.backend.list("traces/")] == [trace_key(keep.digest)]
