@@ -30,7 +30,6 @@ from converters.layer import DEFAULT_CHUNK_SIZE, convert
 from converters.oci import convert_image
 from layerstore.erofs import format as F
 from layerstore.erofs.reader import ErofsImage
-from layerstore.locks import store_lock
 from layerstore.objects import ImageDoc, LayerEntry
 from layerstore.store import ChunkUploader, Progress, Store, UploadStats
 
@@ -192,7 +191,7 @@ async def publish(
     start = time.perf_counter()
     stats = UploadStats()
     await asyncio.to_thread(sweep_work_dirs, work_dir)
-    async with store_lock(store.backend, "publish"):
+    async with store.writer_lock("publish"):
         await store.sync_index()
         with _work_dir(work_dir) as work:
             layers, config, source = await asyncio.to_thread(_convert_source, src, work, chunk_size, platform)

@@ -22,9 +22,10 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import blake3
 
@@ -69,6 +70,9 @@ from layerstore.packs import (
 
 log = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from layerstore.backends.s3 import ConditionalSupport
+
 DEFAULT_REF_MAX_AGE = 30.0
 UPLOAD_CONCURRENCY = 4
 Progress = Callable[[str, int], None]
@@ -106,6 +110,15 @@ class RefState:
     kind: str
     etag: str
     history: tuple[Mapping[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class ConditionalWrites:
+    """What :meth:`Store.check_conditional_writes` found out about the store's server."""
+
+    kind: str  # "posix" (lock files and renames: nothing to probe) or "s3"
+    endpoint: str | None  # the S3 endpoint, without credentials; None for POSIX
+    support: ConditionalSupport | None  # the S3 probe's findings; None for POSIX
 
 
 @dataclass
@@ -148,6 +161,38 @@ class Store:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def cache_path(self) -> Path:
+        """This host's metadata cache directory for the store (derived data: may be deleted
+        while no process has the store open; docs/FORMAT.md "The host cache")."""
+        return self.cache.path
+
+    def writer_lock(self, op: str = "publish") -> AbstractAsyncContextManager[str]:
+        """The shared writer lock, for ``async with``: many writers at once, never with a gc.
+
+        Hold it from the first upload a write dedups against (or references) to
+        its ref, so that no gc can delete what the new objects name in between.
+        ``op`` says what the holder does (``publish``, ``checkpoint``...), for
+        people reading the lock object.  Raises :class:`~layerstore.locks.StoreLocked`
+        while a gc runs (docs/FORMAT.md "Locks").
+        """
+        return store_lock(self.backend, "publish", op=op)
+
+    async def check_conditional_writes(self) -> ConditionalWrites:
+        """Probe what the store's server does with conditional writes (on scratch objects).
+
+        Only S3 servers differ (``S3Backend.probe_conditional_writes``); a POSIX
+        store's conditional writes are lock files and renames, and nothing is probed.
+        """
+        from layerstore.backends.s3 import S3Backend
+
+        backend = self.backend
+        while not isinstance(backend, S3Backend) and hasattr(backend, "inner"):
+            backend = backend.inner  # under the wrappers open_backend stacked
+        if not isinstance(backend, S3Backend):
+            return ConditionalWrites("posix", None, None)
+        return ConditionalWrites("s3", backend.endpoint, await backend.probe_conditional_writes())
 
     # -- the store config -----------------------------------------------------------------
     async def check_layout(self, *, create: bool = False) -> None:
@@ -307,6 +352,23 @@ class Store:
     async def load_layer_locations(self, layer: LayerEntry) -> None:
         await _bounded(UPLOAD_CONCURRENCY * 2, [self.load_pack_index(p) for p in layer.packs])
 
+    def locate(self, digest: bytes) -> ChunkLocation | None:
+        """Where chunk ``digest`` is, per this host's cache (after ``load_layer_locations``),
+        or None.  A location is a hint: the chunk's digest check decides."""
+        return self.cache.locate(digest)
+
+    async def read_pack_range(self, pack: bytes, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of pack ``pack`` (one ranged GET), unverified.
+
+        For readers that fetch a run of adjacent frames at once; each chunk in
+        it MUST still be checked against its digest before use, and a result
+        shorter than ``end - start`` (a range past the pack's end is clipped)
+        treated as an error.  A missing pack raises :class:`ObjectNotFound`.
+        """
+        if not self._layout_checked:
+            await self.check_layout()
+        return await self.backend.get(pack_key(pack), start, end)
+
     async def read_chunk(self, digest: bytes, loc: ChunkLocation | None = None) -> bytes:
         """One chunk's bytes, fetched with a ranged GET and verified."""
         loc = loc or self.cache.locate(digest)
@@ -330,6 +392,18 @@ class Store:
         if blake3.blake3(data).digest() != digest:
             raise DigestMismatch(where, self.url, "blake3:" + blake3.blake3(data).hexdigest())
         return data
+
+    async def missing_objects(self, layers: Iterable[LayerEntry]) -> list[str]:
+        """Keys of the metadata objects and packs ``layers`` need that the store lacks.
+
+        Asks the store (one ``head`` per distinct object), never this host's
+        cache, which may remember objects a gc elsewhere has deleted.
+        """
+        layers = tuple(layers)
+        keys = [meta_key(layer.digest) for layer in layers]
+        keys += [pack_key(p) for layer in layers for p in layer.packs]
+        await self.check_layout()
+        return [key for key in dict.fromkeys(keys) if await self.backend.head(key) is None]
 
     # -- refs -------------------------------------------------------------------------------
     async def _get_ref_object(self, key: str) -> tuple[str, bytes] | None:
@@ -429,7 +503,7 @@ class Store:
         Holds the shared writer lock (as a publish does) from resolving to
         moving the ref, so that no gc can delete the target in between.
         """
-        async with store_lock(self.backend, "publish", op="tag"):
+        async with self.writer_lock("tag"):
             resolved = await self.resolve(source, refresh=True)
             return await self.set_ref(name, resolved.digest, resolved.kind)
 
@@ -439,7 +513,7 @@ class Store:
         if unknown or "base" not in parts:
             raise LayerstoreError(f"compose needs a base and only {', '.join(PART_ORDER)} parts (got {sorted(parts)})")
         # the shared writer lock, as in tag: no gc between resolving the parts and the ref
-        async with store_lock(self.backend, "publish", op="compose"):
+        async with self.writer_lock("compose"):
             return await self._compose(name, parts)
 
     async def _compose(self, name: str, parts: Mapping[str, str]) -> RefState:

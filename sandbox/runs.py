@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from layerstore.locks import store_lock
 from layerstore.objects import SCHEMA_RUN
 from sandbox.errors import InvalidField, SandboxError, SandboxStateError
 from sandbox.manager import Sandbox, SandboxManager
@@ -82,7 +81,7 @@ async def preempt(manager: SandboxManager, job: str, *, timeout: float = 30.0,  
     manifest = {"schema": SCHEMA_RUN, "job": job, "host": socket.gethostname(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sandboxes": entries}
     ref = name or run_ref(job)
-    async with await manager._store() as store, store_lock(store.backend, "publish", op="preempt"):
+    async with await manager._store() as store, store.writer_lock("preempt"):
         digest = await store.put_doc(manifest)
         await store.set_ref(ref, digest, "run")
     # the manifest is durable: now the host can let go

@@ -44,8 +44,7 @@ from converters.dirsource import walk_directory
 from converters.layer import DEFAULT_CHUNK_SIZE, convert_entries
 from converters.publish import LocalLayer, upload_layers
 from converters.tarstream import KIND_CHR, Entry
-from layerstore.locks import store_lock
-from layerstore.objects import LayerEntry, Resolved, meta_key, pack_key
+from layerstore.objects import Resolved
 from layerstore.store import Store, UploadStats
 from lazyfetch.mounts import HostMounts, MountResult
 from snapshots.errors import CheckpointMismatch, SnapshotError
@@ -210,7 +209,7 @@ class Snapshots:
         upper = Path(mount["upper"])
         # shared with publishes, exclusive with gc: nothing this checkpoint dedups against or
         # references can be collected between its upload and its ref
-        async with store_lock(self.store.backend, "publish", op="checkpoint"):
+        async with self.store.writer_lock("checkpoint"):
             with tempfile.TemporaryDirectory(prefix="checkpoint-", dir=self.host.data_dir) as tmp:
                 meta, blob = Path(tmp) / "layer.erofs", Path(tmp) / "layer.blob"
                 def capture() -> tuple[dict[str, Signature], set[str], list[str], Any, float]:
@@ -284,20 +283,11 @@ class Snapshots:
         if policy_version is not None and bound.get("policy_version") != policy_version:
             raise CheckpointMismatch(f"{ref}: made under policy {bound.get('policy_version')!r}, "
                                      f"refusing to resume under {policy_version!r}")
-        missing = await self._missing_objects(resolved.layers)
+        missing = await self.store.missing_objects(resolved.layers)
         if missing:
             raise SnapshotError(f"{ref}: the store {self.store.url} lacks {len(missing)} object(s) this "
                                 f"checkpoint needs, e.g. {missing[0]}; nothing was mounted")
         return resolved
-
-    async def _missing_objects(self, layers: tuple[LayerEntry, ...]) -> list[str]:
-        keys = [meta_key(layer.digest) for layer in layers]
-        keys += [pack_key(p) for layer in layers for p in layer.packs]
-        missing = []
-        for key in dict.fromkeys(keys):
-            if await self.store.backend.head(key) is None:
-                missing.append(key)
-        return missing
 
     async def restore(self, ref: str, mountpoint: str, *, upper: str | None = None,
                       policy_version: str | None = None, verified: Resolved | None = None) -> MountResult:

@@ -31,7 +31,6 @@ from converters.tarstream import (
     Entry,
 )
 from layerstore.erofs.reader import ErofsImage, Inode
-from layerstore.locks import store_lock
 from layerstore.store import Store, UploadStats
 from snapshots.errors import SnapshotError
 
@@ -110,7 +109,7 @@ async def squash(store: Store, ref: str, *, name: str | None = None) -> dict[str
             yield entry, (reader(image, node) if kind == KIND_REG and node.size else None)
 
     # shared with publishes, exclusive with gc: nothing this squash reuses can go meanwhile
-    async with store_lock(store.backend, "publish", op="squash"):
+    async with store.writer_lock("squash"):
         with tempfile.TemporaryDirectory(prefix="squash-") as tmp:
             meta, blob = Path(tmp) / "layer.erofs", Path(tmp) / "layer.blob"
             chunk_size = max(layer.chunk_size for layer in ours) or 1 << 20

@@ -19,6 +19,7 @@ from layerstore.backend import ObjectNotFound
 from layerstore.erofs.reader import ErofsImage
 from layerstore.errors import FormatError
 from layerstore.gc import collect
+from layerstore.locks import StoreLocked
 from layerstore.objects import (
     SCHEMA_TRACE,
     BadName,
@@ -30,6 +31,7 @@ from layerstore.objects import (
     pack_key,
     trace_key,
 )
+from layerstore.packs import decompress
 from layerstore.store import Store
 from layerstore.verify import verify
 from tests.support.env import FIXTURE_IMAGE, in_ci
@@ -481,3 +483,34 @@ async def test_gc_collects_the_traces_of_unreachable_documents(store: Store, tmp
     assert await store.get_trace(orphan) is None
     assert await store.get_trace(keep.digest) is not None
     assert [i.key async for i in store.backend.list("traces/")] == [trace_key(keep.digest)]
+
+
+@pytest.mark.asyncio
+async def test_what_other_packages_ask_of_a_store(store: Store, tmp_path: Path) -> None:
+    """The Store methods lazyfetch, snapshots, sandbox and tools use instead of its backend."""
+    await publish(store, str(make_tree(tmp_path / "m", {"m/file": os.urandom(300_000)})), "api/img")
+    (layer,) = (await store.resolve("api/img")).layers
+    assert await store.missing_objects([layer]) == []
+    await store.load_layer_locations(layer)
+    digest = ErofsImage(await store.get_meta(layer.digest), layer.digest).blob_map[0].digest
+    loc = store.locate(digest)
+    assert loc is not None
+    assert loc.pack.hex() in layer.packs
+    assert store.locate(bytes(32)) is None
+    frame = await store.read_pack_range(loc.pack, loc.offset, loc.offset + loc.length)
+    assert decompress(frame, loc.raw_length) == await store.read_chunk(digest)
+    async with store.writer_lock("checkpoint") as held:
+        assert held.startswith("locks/publish-")
+        with pytest.raises(StoreLocked):
+            await collect(store, grace=0)
+    assert store.cache_path.is_dir()
+    found = await store.check_conditional_writes()
+    if store.url.startswith("file://"):
+        assert (found.kind, found.endpoint, found.support) == ("posix", None, None)
+    else:
+        assert (found.kind, found.support is not None) == ("s3", True)
+        assert found.endpoint
+    await store.backend.delete(pack_key(loc.pack))
+    assert await store.missing_objects([layer, layer]) == [pack_key(loc.pack)]
+    with pytest.raises(ObjectNotFound):
+        await store.read_pack_range(loc.pack, 0, 10)

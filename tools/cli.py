@@ -230,18 +230,14 @@ async def _verify(args: argparse.Namespace) -> int:
 
 async def _store_check(args: argparse.Namespace) -> int:
     """What the store's server does with conditional writes, probed on scratch objects."""
-    from layerstore.backends.s3 import S3Backend
-
     async with await _open_store(args) as store:
-        backend = store.backend
-        while not isinstance(backend, S3Backend) and hasattr(backend, "inner"):
-            backend = backend.inner
-        if not isinstance(backend, S3Backend):
-            doc: dict[str, Any] = {"store": store.url, "kind": "posix", "problems": [],
+        found = await store.check_conditional_writes()
+        support = found.support
+        if support is None:
+            doc: dict[str, Any] = {"store": store.url, "kind": found.kind, "problems": [],
                                    "note": "conditional writes are lock files and renames on this filesystem"}
         else:
-            support = await backend.probe_conditional_writes()
-            doc = {"store": store.url, "kind": "s3", "endpoint": backend.endpoint,
+            doc = {"store": store.url, "kind": found.kind, "endpoint": found.endpoint,
                    **dataclasses.asdict(support), "if_match_spelling": support.spelling,
                    "problems": support.problems()}
     unsupported = [p for p in doc["problems"] if "(unsupported" in p]
@@ -306,7 +302,7 @@ async def _cache(args: argparse.Namespace) -> int:
     import shutil
 
     async with await _open_store(args) as store:
-        path = store.cache.path
+        path = store.cache_path
     shutil.rmtree(path, ignore_errors=True)
     rebuilt = {"dropped": str(path)}
     if args.action == "rebuild":
