@@ -65,3 +65,25 @@ class KernelMountError(LazyfetchError, OSError):
         if self.hint:
             msg += f" ({self.hint})"
         return msg
+
+
+class FanotifyError(LazyfetchError, OSError):
+    """The kernel refused a fanotify call (lazyfetch/fanotify.py).
+
+    ``errno`` is the kernel's error number and ``filename`` the marked path
+    when there is one; the message names the call and, where known, the fix.
+    """
+
+    def __init__(self, err: int, operation: str, *, path: str | None = None, hint: str = "") -> None:
+        OSError.__init__(self, err, os.strerror(err), path)
+        self.operation = operation
+        self.hint = hint
+
+    def __str__(self) -> str:
+        msg = f"{self.operation}: [Errno {self.errno}] {self.strerror}"
+        return f"{msg} ({self.hint})" if self.hint else msg
+
+
+class HolderError(LazyfetchError):
+    """The fd holder (lazyfetch/holder.py) could not be started, reached or understood."""
+
