@@ -32,6 +32,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import functools
 import os
 import platform
@@ -129,15 +130,16 @@ class Event:
 
     ``fd`` is an fd of the blob installed in the reading process by ``read()``
     (its I/O raises no events; close it after responding); ``offset`` and
-    ``count`` the range the reader needs (the whole file when the kernel sent
-    no range record); ``pid`` the reading process.
+    ``count`` the range the reader needs, page aligned on 6.18 (the whole file
+    when the kernel sent no range record; none was seen on 6.18); ``pid`` the
+    reading (or writing: writes raise FAN_PRE_ACCESS too) process.
     """
 
     fd: int
     pid: int
-    mask: int
     offset: int
     count: int
+    mask: int = FAN_PRE_ACCESS
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +199,14 @@ class Group:
 
     @classmethod
     def adopt(cls, fd: int) -> Group:
-        """Wrap a group fd got back from the holder; call :meth:`sweep` before :meth:`events`."""
+        """Wrap a group fd got back from the holder; call :meth:`sweep` before :meth:`events`.
+
+        Clears O_NONBLOCK, which a holder killed while its watchdog was
+        denying leaves set on the shared open file.
+        """
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if flags & os.O_NONBLOCK:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
         return cls(fd)
 
     def _mark(self, flags: int, path: str, what: str) -> None:
@@ -267,6 +276,8 @@ class Group:
                 return []
         try:
             buf = os.read(self.fd, _READ_SIZE)
+        except BlockingIOError:
+            return []  # another reader (the holder's watchdog) took them
         except OSError as exc:
             raise FanotifyError(exc.errno or errno.EIO, "read of the fanotify group") from None
         return parse_events(buf)

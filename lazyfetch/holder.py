@@ -196,6 +196,7 @@ class _Server:
             conn.close()
             return
         self._stop_denying()  # before anything the client asks: it may adopt the group now
+        conn.settimeout(10.0)  # a client that stops reading its replies cannot block the holder
         self.clients.add(conn)
         self.sel.register(conn, selectors.EVENT_READ)
 
@@ -269,8 +270,12 @@ class _Server:
                 if key.fileobj is self.listener:
                     self._accept()
                 elif isinstance(key.fileobj, socket.socket):
-                    if not self._request(key.fileobj):
-                        return
+                    try:
+                        if not self._request(key.fileobj):
+                            return
+                    except OSError as exc:  # a send timed out or the client went away
+                        log(f"dropping a client: {exc!r}")
+                        self._disconnect(key.fileobj)
                 elif key.fd in self.denying:  # not if an accept in this batch stopped it
                     _deny_all(key.fd)
             self._watchdog()

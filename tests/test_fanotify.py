@@ -78,6 +78,20 @@ for d, _, files in os.walk(root):
 print(json.dumps(out))
 """
 
+# Connects to a holder as uid 65534 and asks for a ping; prints "closed" if it gets no answer.
+STRANGER = r"""
+import os, socket, sys
+os.setgid(65534)
+os.setuid(65534)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect(sys.argv[1])
+try:
+    s.send(b'{"op": "ping"}')
+    print("closed" if s.recv(100) == b"" else "answered")
+except (BrokenPipeError, ConnectionResetError):
+    print("closed")
+"""
+
 
 def _digests_here(root: Path) -> dict[str, str]:
     out = {}
@@ -166,7 +180,7 @@ class Filler:
     """A handler thread in the test process: fills the sparse blob from the real one."""
 
     group: Group
-    write_fd: int
+    write_fd: int  # -1: write through each event's own fd
     real_fd: int
     events: list[tuple[int, int, int]] = field(default_factory=list)  # pid, offset, count
     busy_ns: int = 0
@@ -184,7 +198,7 @@ class Filler:
                 began = time.perf_counter_ns()
                 self.events.append((event.pid, event.offset, event.count))  # before the reader goes on
                 data = os.pread(self.real_fd, event.count, event.offset)
-                os.pwrite(self.write_fd, data, event.offset)
+                os.pwrite(event.fd if self.write_fd < 0 else self.write_fd, data, event.offset)
                 self.group.respond(event.fd, True)
                 os.close(event.fd)
                 self.busy_ns += time.perf_counter_ns() - began
@@ -375,6 +389,31 @@ def test_fill_on_event_ignore_and_evict(layer: Layer, mounts: Mounts, cleanup: C
     _drop_tree_cache(mnt)
     assert _digests_in_child(mnt) == expected
     assert len(filler.events) > before
+
+
+def test_event_fds_are_writable_and_raise_no_events(layer: Layer, mounts: Mounts, cleanup: Cleanup) -> None:
+    """With event_f_flags O_RDWR a handler can fill through the event's own fd: one
+    handler thread would deadlock if that write raised an event of its own."""
+    group, _, mnt = _mark_and_mount(layer, mounts, cleanup)
+    filler = _filler(group, -1, layer, cleanup)
+    assert _digests_in_child(mnt) == _digests_here(layer.src)
+    assert filler.events
+
+
+def test_parse_events_batches_and_unknown_records() -> None:
+    from lazyfetch.fanotify import EVENT_METADATA, FAN_PRE_ACCESS, RANGE_INFO, parse_events
+
+    unknown = bytes([99, 0]) + (12).to_bytes(2, "little") + bytes(8)  # info type 99, 12 bytes
+    ranged = RANGE_INFO.pack(6, 0, RANGE_INFO.size, 0, 4096, 131072)
+    first = EVENT_METADATA.pack(24 + len(unknown) + len(ranged), 3, 0, 24, FAN_PRE_ACCESS, 7, 100)
+    second = EVENT_METADATA.pack(24 + len(ranged), 3, 0, 24, FAN_PRE_ACCESS, 8, 101)
+    events = parse_events(first + unknown + ranged + second + ranged)
+    assert [(e.fd, e.pid, e.offset, e.count) for e in events] == [(7, 100, 4096, 131072),
+                                                                  (8, 101, 4096, 131072)]
+    with pytest.raises(FanotifyError, match="version 4"):
+        parse_events(EVENT_METADATA.pack(24, 4, 0, 24, FAN_PRE_ACCESS, 7, 100))
+    with pytest.raises(FanotifyError, match="malformed"):
+        parse_events(EVENT_METADATA.pack(200, 3, 0, 24, FAN_PRE_ACCESS, 7, 100))
 
 
 def test_watching_is_false_without_our_mark(layer: Layer, tmp_path: Path, cleanup: Cleanup) -> None:
@@ -628,3 +667,33 @@ def test_watchdog_aborts_a_held_fuse_connection(tmp_path: Path, cleanup: Cleanup
     assert int(stdout) == 107  # ENOTCONN: the connection was aborted, nobody hangs
     assert waited >= 1.5
     print(f"\nwatchdog: FUSE request failed with ENOTCONN {waited:.1f} s after the last client left")
+
+
+def test_holder_survives_the_daemon(cleanup: Cleanup) -> None:
+    """Own session, terminal signals ignored, fd limit raised, foreign uids refused."""
+    import tempfile
+
+    # outside pytest's 0700 temp root, so that another uid can reach the socket at all
+    public = Path(tempfile.mkdtemp(prefix="layerbox-holder-"))
+    cleanup.later(shutil.rmtree, public, ignore_errors=True)
+    public.chmod(0o755)
+    socket_path = public / "holder.sock"
+    holder = cleanup.holder(socket_path)
+    pid = int(holder.ping()["pid"])
+    assert os.getsid(pid) == pid
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        os.kill(pid, sig)
+    assert holder.ping()["pid"] == pid
+    limits = Path(f"/proc/{pid}/limits").read_text()
+    soft, hard = next(line for line in limits.splitlines() if line.startswith("Max open files")).split()[3:5]
+    assert soft == hard
+    oom = Path(f"/proc/{pid}/oom_score_adj").read_text().strip()
+    log = Path(str(socket_path) + ".log").read_text()
+    assert oom == "-1000" or "cannot set oom_score_adj to -1000" in log  # needs CAP_SYS_RESOURCE
+
+    # the socket is 0600; opened wider, the uid check still refuses another user
+    os.chmod(socket_path, 0o666)
+    stranger = subprocess.run([sys.executable, "-c", STRANGER, str(socket_path)],
+                              capture_output=True, timeout=20, check=True)
+    assert stranger.stdout.strip() == b"closed"  # no answer
+    assert "refused a client of uid 65534" in Path(str(socket_path) + ".log").read_text()
