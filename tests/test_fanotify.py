@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from support.env import require
+from support.env import in_ci, require
 
 from converters.layer import LayerResult, convert_directory
 from lazyfetch import kmount
@@ -317,28 +317,39 @@ def _line(proc: subprocess.Popen[bytes], timeout: float) -> str:
 # probe
 
 
-def test_probe_works_here_and_names_tmpfs(tmp_path: Path) -> None:
+@pytest.fixture
+def tmpfs_dir() -> Iterator[Path]:
+    """A fresh directory on the host's tmpfs (/dev/shm)."""
+    import tempfile
+
+    if not any(m.mountpoint == "/dev/shm" and m.fstype == "tmpfs" for m in kmount.read_mountinfo()):
+        if in_ci():
+            pytest.fail("CI=true but /dev/shm is not a tmpfs", pytrace=False)
+        pytest.skip("/dev/shm is not a tmpfs")
+    path = Path(tempfile.mkdtemp(prefix="layerbox-fanotify-", dir="/dev/shm"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_probe_works_here_and_names_tmpfs(tmp_path: Path, tmpfs_dir: Path) -> None:
     assert probe(str(tmp_path)) is None
     assert not list(tmp_path.iterdir()), "probe left files behind"
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        pytest.skip("no tmpfs at /dev/shm")
-    reason = probe(str(shm))
+    reason = probe(str(tmpfs_dir))
     assert reason is not None
     assert "Errno 95" in reason
     assert "tmpfs" in reason
+    assert not list(tmpfs_dir.iterdir()), "probe left files behind"
 
 
-def test_watch_on_tmpfs_names_path_and_errno() -> None:
-    path = Path("/dev/shm") / f"layerbox-fanotify-{os.getpid()}"
+def test_watch_on_tmpfs_names_path_and_errno(tmpfs_dir: Path) -> None:
+    path = tmpfs_dir / "blob"
     path.touch()
-    try:
-        with Group.create() as group, pytest.raises(FanotifyError) as info:
-            group.watch(str(path))
-        assert info.value.errno == 95
-        assert str(path) in str(info.value)
-    finally:
-        path.unlink()
+    with Group.create() as group, pytest.raises(FanotifyError) as info:
+        group.watch(str(path))
+    assert info.value.errno == 95
+    assert str(path) in str(info.value)
 
 
 # --------------------------------------------------------------------------
@@ -492,6 +503,24 @@ def test_fd_opened_after_the_mark_raises_events_to_our_own_group(layer: Layer, c
 
 # --------------------------------------------------------------------------
 # the holder: a killed handler, the watchdog
+
+
+def test_without_a_holder_the_last_group_fd_closing_reads_zeros(
+    layer: Layer, mounts: Mounts, cleanup: Cleanup, tmp_path: Path
+) -> None:
+    """The hazard the holder exists for: a blocked reader gets zeros, and no error."""
+    group, _, mnt = _mark_and_mount(layer, mounts, cleanup)
+    keeper = cleanup.proc(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                           pass_fds=(group.fd,)))
+    group.close()  # the keeper (a handler that reads nothing) holds the only group fd now
+    out = tmp_path / "out"
+    reader = _start_reader(cleanup, mnt / "random-1m", out)
+    time.sleep(1.0)
+    assert reader.poll() is None  # blocked on its event
+    keeper.kill()
+    stdout, _ = reader.communicate(timeout=20)
+    assert json.loads(stdout) == {"ok": True, "bytes": 1 << 20}
+    assert out.read_bytes() == bytes(1 << 20)  # zeros where the source is random
 
 
 def _hand_to_holder(layer: Layer, mounts: Mounts, cleanup: Cleanup, tmp_path: Path,
