@@ -72,15 +72,19 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    if not data:
+    try:
+        if not data:
+            raise EOFError
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise ValueError("message or its fds truncated")
+        obj = json.loads(data)
+        if not isinstance(obj, dict):
+            raise ValueError("not a JSON object")
+    except BaseException:
         for fd in fds:
             os.close(fd)
-        raise EOFError
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        for fd in fds:
-            os.close(fd)
-        raise ValueError("message or its fds truncated")
-    return json.loads(data), list(fds)
+        raise
+    return obj, list(fds)
 
 
 def _send(sock: socket.socket, obj: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -184,6 +188,7 @@ class _Server:
                 conn = (os.major(dev) << 20) | os.minor(dev)  # the connection is named by s_dev
                 try:
                     _abort_fuse(conn)
+                    meta["aborted"] = True  # the next daemon must not adopt a dead connection
                     log(f"no client for {self.grace:g} s: aborted FUSE connection {conn} ({name})")
                 except OSError as exc:
                     log(f"cannot abort FUSE connection {conn} ({name}): {exc}")
@@ -311,10 +316,14 @@ def main(argv: list[str]) -> int:
             ready = int(argv[i + 1])
     _harden()
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    probe.settimeout(5.0)
     try:
         with _address(path) as address:
             probe.connect(address)
         log(f"another holder already serves {path}")
+        return 3
+    except TimeoutError:
+        log(f"another holder listens on {path} but does not accept: leaving it alone")
         return 3
     except (FileNotFoundError, ConnectionRefusedError):
         if os.path.exists(path):
@@ -381,9 +390,14 @@ class Holder:
         return holder
 
     @classmethod
-    def connect(cls, socket_path: str) -> Holder | None:
-        """Connect to the holder serving ``socket_path``; None if none runs."""
+    def connect(cls, socket_path: str, *, timeout: float = 30.0) -> Holder | None:
+        """Connect to the holder serving ``socket_path``; None if none runs.
+
+        Each later call raises :class:`HolderError` if the holder does not
+        answer within ``timeout`` seconds.
+        """
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.settimeout(timeout)  # a hung holder fails the call instead of hanging the daemon
         try:
             with _address(socket_path) as address:
                 sock.connect(address)

@@ -651,6 +651,15 @@ def test_holder_protocol(tmp_path: Path, cleanup: Cleanup) -> None:
     assert not holder.drop("n000")
     assert holder.ping()["names"] == 599
     assert Holder.connect(str(tmp_path / "nothing.sock")) is None
+    import socket
+
+    from lazyfetch.holder import _address
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as raw, _address(str(socket_path)) as short:
+        raw.connect(short)  # garbage, with an fd the holder must not keep
+        raw.sendmsg([b"not json"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, r.to_bytes(4, "little"))])
+        assert b"bad request" in raw.recv(1000)
+    assert holder.ping()["names"] == 599
     holder.exit()
     assert Holder.connect(str(socket_path)) is None
     assert not socket_path.exists()
