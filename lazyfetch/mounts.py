@@ -1,5 +1,5 @@
 """Host mounts: one kernel EROFS mount per layer, shared and reference-counted,
-and one overlayfs (or read-only bind) per user mount point.
+and one overlayfs per user mount point.
 
 State lives in ``<data-dir>/state/mounts.json`` (compact JSON: ``layers``,
 ``mounts``, and each layer's entry once in ``entries``) and is only touched under an
@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -66,6 +67,24 @@ class MountResult:
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def _whiteout_dirs(root: str) -> Iterator[str]:
+    """Directories under ``root`` (relative, the root itself left out) holding an overlayfs
+    whiteout (a 0/0 character device); symlinks are not followed, and read errors raise."""
+    pending = [""]
+    while pending:
+        rel = pending.pop()
+        found = False
+        with os.scandir(os.path.join(root, rel)) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(os.path.join(rel, entry.name))
+                elif not entry.is_file(follow_symlinks=False) and not entry.is_symlink():
+                    st = entry.stat(follow_symlinks=False)  # only devices, fifos and sockets get here
+                    found = found or (stat.S_ISCHR(st.st_mode) and st.st_rdev == 0)
+        if found and rel:
+            yield rel
 
 
 def _start_time(pid: int) -> int:
@@ -225,12 +244,37 @@ class HostMounts:
         a lower directory twice (ELOOP, overlapping layers), and the lower copy is shadowed by
         the upper one for every path it holds, so the view is the same."""
         lowers = list(reversed(dict.fromkeys(reversed(lowers))))
+        if len(lowers) == 1:  # a layer alone goes on its skeleton (read-only: overlayfs wants two lowers)
+            lowers = [self._skeleton(lowers[0]), *lowers]
         if record["writable"]:
             kmount.mount_overlay(lowers, target, upper=record["upper"], work=record["work"], flags=self.VIEW_FLAGS)
-        elif len(lowers) == 1:  # overlayfs wants two read-only lowers
-            kmount.bind_mount(lowers[0], target, readonly=True, flags=self.VIEW_FLAGS)
         else:
             kmount.mount_overlay(lowers, target, flags=self.VIEW_FLAGS)
+
+    def _skeleton(self, layer: str) -> str:
+        """The lowest layer under a single-layer stack: an empty directory for each directory of
+        ``layer`` (a layer mount point) that holds a whiteout, made once per layer beside it.
+
+        A bind of the layer would show its whiteouts as 0/0 devices and its opaque markers raw,
+        and over an empty lower overlayfs still lists the whiteouts of a directory found in one
+        layer only (it filters them in merged directories alone: Linux 6.18); the skeleton makes
+        each such directory a merged one.  (A whiteout inside an opaque directory of the same
+        layer stays listed: the marker stops the merge.  It hides nothing the marker does not.)
+        """
+        skeleton = Path(f"{layer}.skeleton")
+        if skeleton.is_dir() and not skeleton.is_symlink():
+            return str(skeleton)  # layers are immutable
+        tmp = Path(f"{layer}.skeleton-tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir()
+            for rel in _whiteout_dirs(layer):
+                (tmp / rel).mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, skeleton)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise MountError(f"{layer}: cannot make the skeleton of its directories ({exc}); not mounted") from None
+        return str(skeleton)
 
     def _remount_stale(self, state: dict[str, Any], stale: set[str], instance: str) -> None:
         users = sorted({u for h in stale for u in state["layers"][h]["users"]})

@@ -299,7 +299,7 @@ def test_a_hostile_layer_gives_host_users_nothing(hosts: Any, store_url: str, tm
     publish_sync(store_url, tmp_path / "pub", str(_hostile_layer(tmp_path / "hostile.tar")), "hostile/img")
     host = hosts(store_url)
     host.data_dir.mkdir(mode=0o755)  # as /var/lib/layerbox usually is
-    ro, rw = host.mount("hostile/img"), host.mount("hostile/img", writable=True)  # a bind, an overlay
+    ro, rw = host.mount("hostile/img"), host.mount("hostile/img", writable=True)  # one layer: overlays
     multi = host.mount(REF)  # several layers read-only: an overlay without an upper
     status = host.mounts.status()
     assert status["mounts"][str(ro)]["layers"] == status["mounts"][str(rw)]["layers"]
@@ -318,8 +318,8 @@ def test_a_hostile_layer_gives_host_users_nothing(hosts: Any, store_url: str, tm
         assert {fstype for _, fstype, _ in mounted} == {"erofs", "fuse.layerbox"}
         assert_data_dir_mounts(mounted)
         by_mountpoint = {mp: (fstype, options) for mp, fstype, options in host_mounts(tmp_path)}
-        assert [by_mountpoint[str(v)][0] for v in (ro, rw, multi)] == ["erofs", "overlay", "overlay"]
-        for view in (ro, rw, multi):  # the bind executes, though the layer under it is noexec
+        assert [by_mountpoint[str(v)][0] for v in (ro, rw, multi)] == ["overlay", "overlay", "overlay"]
+        for view in (ro, rw, multi):  # a view executes, though the layers under it are noexec
             assert_view(str(view), by_mountpoint[str(view)][1])
         assert {"ro"} <= by_mountpoint[str(ro)][1] & by_mountpoint[str(multi)][1]
 
@@ -350,3 +350,51 @@ def test_a_hostile_layer_gives_host_users_nothing(hosts: Any, store_url: str, tm
     assert host.mounts.remount() == len(status["layers"])
     check_flags()
     attack()
+
+
+# -- whiteouts in a single layer -----------------------------------------------------------------
+def _whiteout_layer(path: Path) -> Path:
+    """One layer as an image build leaves it: whiteouts for entries of some lower layer (in the
+    root and in directories), and an opaque directory (``.wh..wh..opq``) with an entry of its own."""
+    tar = TarBuilder()
+    tar.file(".wh.gone", b"")
+    tar.file("etc/keep", b"kept\n")
+    tar.file("etc/.wh.gone", b"")
+    tar.file("usr/lib/deep/.wh.gone", b"")
+    tar.dir("opaque")
+    tar.file("opaque/.wh..wh..opq", b"")
+    tar.file("opaque/own", b"own\n")
+    return tar.write(path)
+
+
+def test_a_single_layer_view_shows_no_whiteouts_nor_opaque_markers(hosts: Any, store_url: str,
+                                                                   tmp_path: Path) -> None:
+    """OCI (image-spec layer.md, "Whiteouts"): a whiteout hides the lower layers' entry of its
+    name and is itself never part of the view, so with nothing below it the name is absent; an
+    opaque directory shows its own entries only, and its marker is not one of them."""
+    publish_sync(store_url, tmp_path / "pub", str(_whiteout_layer(tmp_path / "wh.tar")), "whiteouts/img")
+    host = hosts(store_url)
+    views = [host.mount("whiteouts/img"), host.mount("whiteouts/img")]  # the empty lower is reused
+    status = host.mounts.status()
+    (hexd,) = status["mounts"][str(views[0])]["layers"]
+    layer = Path(status["layers"][hexd]["mountpoint"])
+    gone = (layer / "etc/gone").lstat()  # the layer holds overlayfs's spelling of both
+    assert (stat.S_ISCHR(gone.st_mode), gone.st_rdev) == (True, 0)
+    assert os.getxattr(layer / "opaque", "trusted.overlay.opaque") == b"y"
+    for view in [*views, host.mount("whiteouts/img", writable=True)]:
+        assert mount_at(view)[0] == "overlay"
+        assert sorted(os.listdir(view)) == ["etc", "opaque", "usr"]
+        assert sorted(os.listdir(view / "etc")) == ["keep"]
+        assert os.listdir(view / "usr/lib/deep") == []
+        for gone in ("gone", "etc/gone", "usr/lib/deep/gone"):
+            assert not os.path.lexists(view / gone)
+        assert sorted(os.listdir(view / "opaque")) == ["own"]
+        assert (view / "opaque/own").read_bytes() == b"own\n"
+        assert [x for x in os.listxattr(view / "opaque") if x.startswith("trusted.overlay.")] == []
+        assert [p for p in view.rglob("*") if stat.S_ISCHR(p.lstat().st_mode)] == []
+    # under it: empty twins of the directories holding whiteouts, in the 0700 layer root
+    skeleton = Path(f"{layer}.skeleton")
+    assert sorted(str(p.relative_to(skeleton)) for p in skeleton.rglob("*")) == [
+        "etc", "usr", "usr/lib", "usr/lib/deep"]
+    assert [p for p in skeleton.rglob("*") if not p.is_dir()] == []
+    assert skeleton.parent.stat().st_mode & 0o7777 == 0o700
