@@ -84,7 +84,7 @@ class Chunks:
                     digests = [r.digest for r in image.blob_map]
                     out.records[entry.digest] = digests
                     for digest in digests:
-                        loc = store.cache.locate(digest)
+                        loc = store.locate(digest)
                         assert loc is not None, digest.hex()
                         out.at[(loc.pack.hex(), loc.offset)] = (digest, loc, entry.digest)
 
