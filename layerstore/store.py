@@ -255,7 +255,8 @@ class Store:
 
         None when there is none, and also when the stored object is malformed
         (logged as a warning): a trace only costs speed.  Backend failures
-        (unreachable store, credentials) raise as for any read.
+        (unreachable store, credentials) raise as for any read, and an
+        ``image_digest`` that is not a blake3 digest raises ``BadName``.
         """
         key = trace_key(image_digest)
         await self.check_layout()
@@ -275,8 +276,9 @@ class Store:
 
         ``doc`` must be ``{"schema": "layerbox.trace.v1", "image": image_digest,
         "layers": {layer digest: [chunk hex, ...]}}``; anything else raises
-        :class:`FormatError` before the store is touched.  Stored as canonical
-        JSON; gc removes it once no ref reaches ``image_digest``.
+        :class:`FormatError` (``BadName`` for a bad ``image_digest``) before the
+        store is touched.  Stored as canonical JSON; gc removes it once no ref
+        reaches ``image_digest``.  Takes no lock.
         """
         key = trace_key(image_digest)
         checked = parse_trace(doc, image_digest, f"{self.url}: refusing to store {key}")
