@@ -1,192 +1,184 @@
-"""The FUSE file system of layer blobs: ``<mountpoint>/<layer hex>``, read-only.
+"""What the kernel reads: a layer's blob, its missing chunks fetched first.
 
-A read maps its byte range to the layer's chunks through the blob map (the
-trailer of the metadata image), serves cached chunks from the local cache
-and fetches the missing ones together (one ranged GET per run of adjacent
-frames).  Bytes between chunks (block padding) read as zeros.  Every
-exception is turned into an errno in one place, :meth:`BlobFS.__call__`,
-after a log line naming the layer, offset and cause.
+Both data paths end here.  FUSE (lazyfetch/fuseserver.py) calls :meth:`BlobServer.read`
+for each READ of ``<blobs>/<layer hex>``; fanotify (lazyfetch/fanotify.py) calls
+:meth:`BlobServer.allow` for each pre-content event of ``<blobcache>/<hex>.blob``
+and answers FAN_ALLOW only once every chunk the range overlaps is in the
+file.  Which chunks are missing is asked of the file (SEEK_HOLE), never of
+memory; the missing ones and the next ``SYNC_AHEAD`` bytes are fetched
+together and waited for.  A reader that goes on where the last miss of the
+layer ended is sequential: it gets a window fetched beyond that, without
+waiting, that doubles with each such miss up to ``ASYNC_AHEAD`` (the kernel's
+readahead, one level down), so it finds the store's next window on its way,
+while random small reads fetch no more than before.  Every failure is logged once with the layer and offset and becomes EIO.
 """
 
 from __future__ import annotations
 
-import bisect
 import errno
 import logging
-import stat
+import os
 import threading
 import time
-from dataclasses import dataclass, field
 
-from fuse import FuseOSError, Operations
-
-from layerstore.erofs import format as F
-from layerstore.erofs.reader import BlobRecord
-from lazyfetch.chunkcache import ChunkCache
+from lazyfetch.blobcache import BlobCache, LayerBlob
 from lazyfetch.fetcher import Fetcher, FetchError
 from lazyfetch.metrics import Metrics
 
 log = logging.getLogger("layerbox.lazyfetch")
 
-READ_AHEAD = 512 << 10  # uncompressed bytes of following chunks fetched along with a miss
+SYNC_AHEAD = 512 << 10  # bytes of following chunks fetched along with a miss and waited for
+ASYNC_AHEAD = 8 << 20  # at most this many more for a sequential reader, not waited for
+SEQUENTIAL_SLACK = 1 << 20  # a miss this close to where the last one's fetch ended is sequential
 
 
-@dataclass
-class BlobLayer:
-    digest: str  # "blake3:<hex>", the name fetches for this layer are counted under
-    size: int
-    records: list[BlobRecord]
-    starts: list[int] = field(default_factory=list)
-    images: set[str] = field(default_factory=set)
-    # access trace: chunk digests in first-read order while recording
-    trace: dict[bytes, None] | None = None
-    trace_until: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.records.sort(key=lambda r: r.block)
-        self.starts = [r.block * F.BLOCK_SIZE for r in self.records]
-
-    def overlapping(self, offset: int, end: int) -> list[BlobRecord]:
-        i = max(bisect.bisect_right(self.starts, offset) - 1, 0)
-        out = []
-        while i < len(self.records) and self.starts[i] < end:
-            rec = self.records[i]
-            if self.starts[i] + rec.length > offset:
-                out.append(rec)
-            i += 1
-        return out
-
-
-class BlobFS(Operations):
-    def __init__(self, cache: ChunkCache, fetcher: Fetcher, metrics: Metrics) -> None:
-        self.ready = threading.Event()
+class BlobServer:
+    def __init__(self, cache: BlobCache, fetcher: Fetcher, metrics: Metrics) -> None:
         self.cache = cache
         self.fetcher = fetcher
         self.metrics = metrics
-        self.layers: dict[str, BlobLayer] = {}  # hex -> layer
+        self._by_inode: dict[tuple[int, int], LayerBlob] = {}
         self._lock = threading.Lock()
-        self._mounted_at = time.time()
 
-    def add_layer(self, layer: BlobLayer) -> None:
+    @property
+    def layers(self) -> dict[str, LayerBlob]:
+        return self.cache.layers
+
+    def add(self, layer: LayerBlob) -> None:
+        st = os.fstat(layer.fd)
         with self._lock:
-            existing = self.layers.get(layer.digest.removeprefix("blake3:"))
-            if existing is not None:
-                existing.images |= layer.images
-                return
-            self.layers[layer.digest.removeprefix("blake3:")] = layer
+            self._by_inode[(st.st_dev, st.st_ino)] = layer
 
-    def __call__(self, op: str, *args: object) -> object:
-        try:
-            return super().__call__(op, *args)
-        except FuseOSError:
-            raise
-        except FetchError as exc:
-            self.metrics.read_errors.inc()
-            log.error("%s %s: %s", op, args[0] if args else "", exc)
-            raise FuseOSError(errno.EIO) from None
-        except Exception:
-            self.metrics.read_errors.inc()
-            log.exception("%s %s failed", op, args[0] if args else "")
-            raise FuseOSError(errno.EIO) from None
+    # -- the FUSE source ----------------------------------------------------------------
+    def names(self) -> list[str]:
+        return sorted(self.cache.layers)
 
-    def init(self, path: str) -> None:
-        self.ready.set()  # the kernel has the mount: blobs can be opened now
+    def size(self, name: str) -> int | None:
+        layer = self.cache.layers.get(name)
+        return None if layer is None else layer.size
 
-    # -- metadata ---------------------------------------------------------------------
-    def _layer(self, path: str) -> BlobLayer:
-        layer = self.layers.get(path.lstrip("/"))
+    def read(self, name: str, offset: int, size: int) -> bytes:
+        layer = self.cache.layers.get(name)
         if layer is None:
-            raise FuseOSError(errno.ENOENT)
-        return layer
-
-    def getattr(self, path: str, fh: int | None = None) -> dict[str, float]:
-        t = self._mounted_at
-        # root's only (the daemon mounts with default_permissions, so the kernel checks these):
-        # a blob is a layer's raw data, which no other local user may read
-        if path == "/":
-            return {"st_mode": stat.S_IFDIR | 0o500, "st_nlink": 2, "st_size": 0,
-                    "st_mtime": t, "st_ctime": t, "st_atime": t}
-        layer = self._layer(path)
-        return {"st_mode": stat.S_IFREG | 0o400, "st_nlink": 1, "st_size": layer.size,
-                "st_mtime": t, "st_ctime": t, "st_atime": t, "st_blocks": (layer.size + 511) // 512}
-
-    def readdir(self, path: str, fh: int) -> list[str]:
-        if path != "/":
-            raise FuseOSError(errno.ENOTDIR)
-        return [".", "..", *sorted(self.layers)]
-
-    def open(self, path: str, flags: int) -> int:
-        self._layer(path)
-        if flags & 3 != 0:  # O_WRONLY / O_RDWR
-            raise FuseOSError(errno.EROFS)
-        return 0
-
-    def statfs(self, path: str) -> dict[str, int]:
-        return {"f_bsize": F.BLOCK_SIZE, "f_frsize": F.BLOCK_SIZE, "f_blocks": 0, "f_bfree": 0,
-                "f_bavail": 0, "f_files": len(self.layers), "f_namemax": 255}
-
-    # -- data -----------------------------------------------------------------------------
-    def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-        layer = self._layer(path)
+            raise OSError(errno.ENOENT, f"no layer {name} on this host")
         end = min(offset + size, layer.size)
         if offset >= end:
             return b""
-        records = layer.overlapping(offset, end)
-        if layer.trace is not None:
-            self._record(layer, records)
-        out = bytearray(end - offset)
-        missing = [r.digest for r in records if not self.cache.contains(r.digest)]
-        fetched: dict[bytes, bytes] = {}
-        if missing:
-            self.metrics.misses.inc(len(missing))
-            missing += self._read_ahead(layer, records[-1])
-            fetched = self.fetcher.fetch_blocking(missing, layer.digest)
-        with self.cache.pinned(r.digest for r in records):
-            for rec in records:
-                start = rec.block * F.BLOCK_SIZE
-                a, b = max(offset, start), min(end, start + rec.length)
-                chunk = fetched.get(rec.digest)
-                if chunk is not None:
-                    piece = chunk[a - start : b - start]
-                else:
-                    got = self.cache.get(rec.digest, a - start, b - a)
-                    if got is None:  # evicted between the check and here: fetch again
-                        self.metrics.misses.inc()
-                        again = self.fetcher.fetch_blocking([rec.digest], layer.digest)
-                        got = again[rec.digest][a - start : b - start]
-                    else:
-                        self.metrics.hits.inc()
-                    piece = got
-                if len(piece) != b - a:
-                    raise FetchError(f"chunk {rec.digest.hex()} is shorter than the blob map says")
-                out[a - offset : b - offset] = piece
-        self.metrics.bytes_served.inc(len(out))
-        return bytes(out)
+        idxs = layer.overlapping(offset, min(end, layer.blob_size))
+        try:
+            with self.cache.pinned(layer, idxs):
+                fetched = self._ensure(layer, idxs)
+                data = layer.read(offset, end - offset)
+                if fetched:
+                    data = self._patch(layer, offset, data, fetched)
+        except FetchError as exc:
+            self._failed(layer, offset, exc)
+        except OSError as exc:
+            self._failed(layer, offset, exc)
+        self.metrics.bytes_served.inc(len(data))
+        return data
 
-    def _read_ahead(self, layer: BlobLayer, last: BlobRecord) -> list[bytes]:
-        """Chunks right after a miss, up to READ_AHEAD bytes: fetched in the same request.
+    # -- the fanotify handler -----------------------------------------------------------
+    def layer_of(self, fd: int) -> LayerBlob | None:
+        st = os.fstat(fd)
+        return self._by_inode.get((st.st_dev, st.st_ino))
+
+    def allow(self, fd: int, offset: int, count: int) -> bool:
+        """Fill the chunks [offset, offset+count) of the event's file overlaps; False: deny (EIO)."""
+        layer = self.layer_of(fd)
+        if layer is None:  # a file we never marked: nothing of ours to fill
+            return True
+        idxs = layer.overlapping(offset, min(offset + count, layer.blob_size))
+        try:
+            fetched = self._ensure(layer, idxs)
+            if fetched and layer.missing([i for i in idxs if layer.records[i].digest in fetched]):
+                # the disk refused a chunk: the kernel would read a hole, so the read fails
+                raise OSError(errno.ENOSPC, "the blob cache could not store a chunk this read needs")
+        except (FetchError, OSError) as exc:
+            self.metrics.read_errors.inc()
+            log.error("read of %s at %d+%d: %s", layer.digest, offset, count, exc)
+            return False
+        self.metrics.bytes_served.inc(count)
+        return True
+
+    # -- shared -----------------------------------------------------------------------
+    def _ensure(self, layer: LayerBlob, idxs: range) -> dict[bytes, bytes]:
+        if not idxs:
+            return {}
+        if layer.trace is not None:
+            self._record(layer, idxs)
+        missing = layer.missing(idxs)
+        self.metrics.hits.inc(len(idxs) - len(missing))
+        if not missing:
+            self.cache.touch(layer, idxs)
+            return {}
+        self.metrics.misses.inc(len(missing))
+        first = layer.starts[missing[0]]
+        if abs(first - layer.next_miss) <= SEQUENTIAL_SLACK:
+            layer.window = min(max(layer.window * 2, SYNC_AHEAD), ASYNC_AHEAD)
+        else:
+            layer.window = 0
+        sync, later = self._ahead(layer, idxs[-1] + 1, layer.window)
+        tail = (later or sync or missing)[-1]
+        layer.next_miss = layer.span(tail)[1]
+        wanted = [layer.records[i].digest for i in missing + sync]
+        ahead = [layer.records[i].digest for i in later]
+        fetched = self.fetcher.fetch_blocking(layer, wanted, ahead)
+        self.cache.touch(layer, idxs)
+        self.cache.note_complete(layer)
+        return fetched
+
+    def _ahead(self, layer: LayerBlob, first: int, window: int) -> tuple[list[int], list[int]]:
+        """Missing records from ``first`` on: SYNC_AHEAD bytes of them, then ``window`` more.
 
         Publishing packs chunks in blob order, so the next chunks are usually the
-        next frames of the same pack and cost no extra request; sequential readers
-        then wait on the store once per window instead of once per chunk.
+        next frames of the same pack and cost no extra request.
         """
-        i = bisect.bisect_left(layer.starts, last.block * F.BLOCK_SIZE) + 1
-        extra: list[bytes] = []
-        budget = READ_AHEAD
-        while i < len(layer.records) and budget > 0:
-            rec = layer.records[i]
-            budget -= rec.length
-            if budget < 0:
-                break
-            if not self.cache.contains(rec.digest):
-                extra.append(rec.digest)
-            i += 1
-        return extra
+        if first >= len(layer.records):
+            return [], []
+        last, budget = first, SYNC_AHEAD + window
+        while last < len(layer.records) and budget > 0:
+            budget -= layer.records[last].length
+            last += 1
+        todo = layer.missing(range(first, last))
+        sync: list[int] = []
+        spent = 0
+        for k, i in enumerate(todo):
+            if spent >= SYNC_AHEAD:
+                return sync, todo[k:]
+            sync.append(i)
+            spent += layer.records[i].length
+        return sync, []
 
-    def _record(self, layer: BlobLayer, records: list[BlobRecord]) -> None:
+    @staticmethod
+    def _patch(layer: LayerBlob, offset: int, data: bytes, fetched: dict[bytes, bytes]) -> bytes:
+        """Chunks the blob could not keep (a full disk) come from memory, never as zeros."""
+        end = offset + len(data)
+        idxs = layer.overlapping(offset, min(end, layer.blob_size))
+        holes = [i for i in layer.missing(idxs)]
+        if not holes:
+            return data
+        out = bytearray(data)
+        for i in holes:
+            rec = layer.records[i]
+            chunk = fetched.get(rec.digest)
+            if chunk is None:
+                raise FetchError(f"chunk {rec.digest.hex()} of {layer.digest} vanished from the blob "
+                                 "while being read")
+            a, b = layer.span(i)
+            lo, hi = max(a, offset), min(b, end)
+            out[lo - offset : hi - offset] = chunk[lo - a : hi - a]
+        return bytes(out)
+
+    def _failed(self, layer: LayerBlob, offset: int, exc: Exception) -> None:
+        self.metrics.read_errors.inc()
+        log.error("read of %s at %d: %s", layer.digest, offset, exc)
+        raise OSError(errno.EIO, str(exc)) from None
+
+    def _record(self, layer: LayerBlob, idxs: range) -> None:
         if time.monotonic() > layer.trace_until:
             return
         with self._lock:
             if layer.trace is not None:
-                for r in records:
-                    layer.trace.setdefault(r.digest, None)
+                for i in idxs:
+                    layer.trace.setdefault(layer.records[i].digest, None)

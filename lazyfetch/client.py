@@ -24,21 +24,26 @@ EXIT_ALREADY_RUNNING = 3  # lazyfetch.daemon's exit status when another daemon h
 # images and sandboxes (layer mounts, uppers with whatever an agent wrote, metadata images,
 # chunks) or says where it lies (mount state, the store's metadata cache).  The daemon makes its
 # FUSE mount point blobs/ 0700 too, but the mounted file system shows its own root (0555).
-PRIVATE_DIRS: Final = ("state", "layers", "uppers", "meta", "chunks", "cache")
+PRIVATE_DIRS: Final = ("state", "layers", "uppers", "meta", "blobcache", "cache")
 
 
 class DaemonUnavailable(LazyfetchError):
     pass
 
 
-def socket_path(data_dir: str | os.PathLike[str]) -> Path:
+def socket_path(data_dir: str | os.PathLike[str], name: str = "lazyfetch") -> Path:
     """The daemon's control socket: in the data dir, unless that path is too long for AF_UNIX."""
-    path = Path(data_dir) / "lazyfetch.sock"
+    path = Path(data_dir) / f"{name}.sock"
     if len(os.fsencode(path)) < 100:
         return path
     # sun_path holds 108 bytes: deep data dirs (pytest's temp paths) get a short, stable name
     digest = hashlib.sha256(os.fsencode(Path(data_dir).resolve())).hexdigest()[:20]
-    return Path("/run/layerbox") / f"lazyfetch-{digest}.sock"
+    return Path("/run/layerbox") / f"{name}-{digest}.sock"
+
+
+def holder_socket_path(data_dir: str | os.PathLike[str]) -> Path:
+    """The socket of the process that holds the daemon's kernel fds across restarts."""
+    return socket_path(data_dir, "lazyfetch-holder")
 
 
 def private_dir(path: str | os.PathLike[str]) -> Path:
@@ -120,22 +125,25 @@ class DaemonClient:
             return None
 
     def ensure_running(self, store_url: str | None, *, s3_endpoint: str | None = None,
-                       cache_size: int | None = None, fetch_timeout: float | None = None,
-                       trace_seconds: float | None = None) -> dict[str, Any]:
+                       **options: object) -> dict[str, Any]:
+        """The daemon's health, started first when none runs.
+
+        ``options`` are the daemon's flags (lazyfetch.daemon.parse_args) by their
+        Python names: ``cache_size``, ``fetch_timeout``, ``trace_seconds``,
+        ``data_path``, ``fill_below``, ``fill_bandwidth``, ``holder_grace``.
+        """
         h = self.health()
         if h and h.get("ready"):
             return h
         # one starter at a time (threads of one process, or several processes): two daemons on
-        # one data dir would stack two FUSE mounts on blobs/, and layers registered with the
-        # first would vanish under the second
+        # one data dir would fight over the holder's fds and the socket
         self.data_dir.mkdir(parents=True, exist_ok=True)
         with open(self.data_dir / "lazyfetch.start.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            return self._start_locked(store_url, s3_endpoint=s3_endpoint, cache_size=cache_size,
-                                      fetch_timeout=fetch_timeout, trace_seconds=trace_seconds)
+            return self._start_locked(store_url, s3_endpoint=s3_endpoint, options=options)
 
-    def _start_locked(self, store_url: str | None, *, s3_endpoint: str | None, cache_size: int | None,
-                      fetch_timeout: float | None, trace_seconds: float | None) -> dict[str, Any]:
+    def _start_locked(self, store_url: str | None, *, s3_endpoint: str | None,
+                      options: dict[str, object]) -> dict[str, Any]:
         h = self.health()
         if h and h.get("ready"):
             return h
@@ -145,12 +153,9 @@ class DaemonClient:
                 argv += ["--store", store_url]
             if s3_endpoint:
                 argv += ["--s3-endpoint", s3_endpoint]
-            if cache_size:
-                argv += ["--cache-size", str(cache_size)]
-            if fetch_timeout:
-                argv += ["--fetch-timeout", str(fetch_timeout)]
-            if trace_seconds is not None:
-                argv += ["--trace-seconds", str(trace_seconds)]
+            for name, value in options.items():
+                if value is not None:
+                    argv += ["--" + name.replace("_", "-"), str(value)]
             self.data_dir.mkdir(parents=True, exist_ok=True)
             # (0600: it names layers and paths of this host; the data dir itself may be o+x)
             log = os.fdopen(os.open(self.data_dir / "lazyfetch.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND
@@ -189,16 +194,17 @@ class DaemonClient:
                     proc.wait()
             raise
 
-    def stop(self, timeout: float = 30.0) -> bool:
+    def stop(self, timeout: float = 30.0, *, release: bool = False) -> bool:
         """Stop the daemon: True once it has exited, False when none was running.
 
-        The daemon exits by unmounting its FUSE file system, one attempt per ``/shutdown``;
-        that fails (EBUSY) while anything still holds a blob: a layer mount the kernel is
-        still releasing, a reader.  So the request is repeated until the daemon is gone,
-        and only a holder that stays for ``timeout`` seconds makes this raise.
+        ``release``: nothing is mounted on its blobs any more (the caller unmounted
+        every layer), so the holder lets the kernel state go too.  Without it the
+        holder keeps the fds and the mounts' reads wait for the next daemon.
         """
         h = self.health()
         if h is None:
+            if release:
+                self._release_orphan_holder()
             return False
         pid = int(h["pid"])
         deadline = time.monotonic() + timeout
@@ -208,11 +214,18 @@ class DaemonClient:
                 return True
             if time.monotonic() >= ask_at:
                 try:
-                    self.request("POST", "/shutdown", {}, timeout=2.0)
+                    self.request("POST", "/shutdown", {"release": release}, timeout=2.0)
                 except LazyfetchError:  # already closing its socket, or busy exiting
                     pass
                 ask_at = time.monotonic() + SHUTDOWN_RETRY
             time.sleep(0.02)
-        raise LazyfetchError(f"lazyfetch daemon {pid} did not stop within {timeout:.0f} s: its FUSE mount "
-                             f"{self.data_dir / 'blobs'} stays busy (layers still mounted? `layerbox umount "
-                             f"--all` first; `fuser -vm {self.data_dir / 'blobs'}` names other holders)")
+        raise LazyfetchError(f"lazyfetch daemon {pid} did not stop within {timeout:.0f} s "
+                             f"(`kill {pid}`; its log is {self.data_dir / 'lazyfetch.log'})")
+
+    def _release_orphan_holder(self) -> None:
+        """A holder whose daemon died, with nothing mounted any more: let it go."""
+        from lazyfetch.holder import Holder
+
+        holder = Holder.connect(str(holder_socket_path(self.data_dir)))
+        if holder is not None:
+            holder.exit()

@@ -1,22 +1,43 @@
-"""The per-host lazyfetch daemon: FUSE blob files, chunk cache, prefetch, control socket.
+"""The per-host lazyfetch daemon: layer blobs for the kernel, fetched lazily, kept across restarts.
 
-Threads: the main thread runs fusepy's loop (which spawns a thread per
-concurrent request); one background thread runs the asyncio loop with the
-store, the fetcher, prefetch tasks and the control server (HTTP over a unix
-socket under the data dir: /health, /layers, /prefetch, /stats, /metrics,
-/shutdown).  Everything host-side lives under ``--data-dir``, so two daemons
-with different data dirs act as two hosts sharing one store.
+Data path (chosen at start, reported by ``/health`` and ``layerbox daemon status``):
+
+* **fanotify** (Linux 6.14+, blobs on ext4/xfs/btrfs): each layer's blob is a
+  sparse local file (lazyfetch/blobcache.py) that a file-backed EROFS mount
+  reads directly; a FAN_PRE_ACCESS mark makes each read of it wait until
+  :meth:`BlobServer.allow` has filled the range.  Filled blobs read at
+  local-disk speed: once complete, an ignore mark stops the events.
+* **fuse** (everywhere else): the same blob files, served by our FUSE file
+  system (lazyfetch/fuseserver.py) at ``<data>/blobs/<hex>``.
+
+Either way the kernel state the mounts depend on (the fanotify group or the
+/dev/fuse connection, and each blob's event-free write fd) is also held by a
+separate holder process (lazyfetch/holder.py).  A daemon that dies leaves
+readers waiting, not reading zeros; the next daemon takes the fds back,
+answers what the dead one left (the sweep, or FUSE's resend) and serves on:
+no mount is re-stacked, no sandbox restarted.  The holder's ``generation``
+names that kernel state; mounts made under another generation are stale.
+
+Threads: one runs the asyncio loop (store, fetcher, prefetch, background fill,
+the control server: HTTP over a unix socket under the data dir: /health,
+/layers, /check, /prefetch, /stats, /metrics, /shutdown); the main thread serves
+the kernel (FUSE workers, or the fanotify event loop with a worker pool).
+Everything host-side lives under ``--data-dir``, so two daemons with different
+data dirs act as two hosts sharing one store.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import fcntl
 import json
 import logging
 import os
+import shutil
+import signal
 import sys
 import threading
 import time
@@ -31,18 +52,31 @@ from aiohttp import web
 from layerstore.erofs.reader import ErofsImage
 from layerstore.objects import LayerEntry, digest_of, hex_digest
 from layerstore.store import Store
-from lazyfetch import kmount
-from lazyfetch.blobfs import BlobFS, BlobLayer
-from lazyfetch.chunkcache import ChunkCache
-from lazyfetch.client import EXIT_ALREADY_RUNNING, private_dir, private_dirs, socket_path
+from lazyfetch import fanotify, kmount
+from lazyfetch.blobcache import EVICT_LOW_WATER, EVICT_MIN_AGE, BlobCache, LayerBlob
+from lazyfetch.blobfs import BlobServer
+from lazyfetch.client import (
+    EXIT_ALREADY_RUNNING,
+    holder_socket_path,
+    private_dir,
+    private_dirs,
+    socket_path,
+)
 from lazyfetch.fetcher import Fetcher
+from lazyfetch.holder import Holder
 from lazyfetch.metrics import Metrics
 
 log = logging.getLogger("layerbox.lazyfetch")
 
 DEFAULT_CACHE_SIZE = 10 << 30
+DEFAULT_FILL_BELOW = 4 << 30  # images up to this many blob bytes are filled in the background
+DEFAULT_FILL_BANDWIDTH = 200 << 20  # bytes per second the background fill may take from the store
+FILL_BUDGET = 0.8  # ... and it stops before the cache is this full, leaving room to readers
+FILL_BATCH = 64  # chunks per background fetch
 PREFETCH_BATCH = 32
 PREFETCH_CONCURRENCY = 4
+EVENT_WORKERS = 16
+DATA_PATHS = ("auto", "fanotify", "fuse")
 
 
 @dataclass
@@ -53,10 +87,19 @@ class DaemonConfig:
     cache_size: int = DEFAULT_CACHE_SIZE
     fetch_timeout: float = 30.0
     trace_seconds: float = 10.0
+    data_path: str = "auto"
+    fill_below: int = DEFAULT_FILL_BELOW
+    fill_bandwidth: int = DEFAULT_FILL_BANDWIDTH
+    holder_grace: float = 60.0
+    evict_min_age: float = EVICT_MIN_AGE
 
     @property
     def fuse_dir(self) -> Path:
         return self.data_dir / "blobs"
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.data_dir / "blobcache"
 
     @property
     def socket(self) -> Path:
@@ -67,25 +110,55 @@ class DaemonConfig:
         return self.data_dir / "meta"
 
 
-def trace_key(image: str) -> str:
-    h = hex_digest(image)
-    return f"traces/{h[:2]}/{h}"
+class _Bucket:
+    """A token bucket: ``take(n)`` waits until n more bytes fit the rate."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self.allowance = float(rate)
+        self.at = time.monotonic()
+
+    async def take(self, n: int) -> None:
+        while True:
+            now = time.monotonic()
+            self.allowance = min(float(self.rate), self.allowance + (now - self.at) * self.rate)
+            self.at = now
+            if self.allowance >= min(n, self.rate):
+                self.allowance -= n
+                return
+            await asyncio.sleep((min(n, self.rate) - self.allowance) / self.rate)
 
 
 class Daemon:
-    def __init__(self, cfg: DaemonConfig, loop: asyncio.AbstractEventLoop, store: Store) -> None:
+    def __init__(self, cfg: DaemonConfig, loop: asyncio.AbstractEventLoop, store: Store, holder: Holder,
+                 path: str, generation: str, group: fanotify.Group | None) -> None:
         self.cfg = cfg
         self.loop = loop
         self.store = store
+        self.holder = holder
+        self.data_path = path
+        self.generation = generation
+        self.group = group
         self.instance = uuid.uuid4().hex
         self.started = time.time()
         self.metrics = Metrics()
-        self.cache = ChunkCache(cfg.data_dir / "chunks", cfg.cache_size)
+        self.cache = BlobCache(cfg.blob_dir, cfg.cache_size, min_age=cfg.evict_min_age)
         self.fetcher = Fetcher(store, self.cache, self.metrics, loop, timeout=cfg.fetch_timeout)
-        self.fs = BlobFS(self.cache, self.fetcher, self.metrics)
+        self.server = BlobServer(self.cache, self.fetcher, self.metrics)
+        self.ready = threading.Event()
+        self.stopping = threading.Event()
+        self.release = False  # on exit: let the holder go too (nothing is mounted any more)
+        self.fuse: Any = None
+        self.holder_pid = int(holder.ping()["pid"])
         self._register_lock = asyncio.Lock()
+        self._holder_lock = threading.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tracing: set[str] = set()
+        self._filling: set[str] = set()
+        self._bucket = _Bucket(max(cfg.fill_bandwidth, 1))
+        if group is not None:
+            self.cache.on_complete = lambda layer: group.ignore(str(layer.path))
+            self.cache.on_punch = lambda layer: group.unignore(str(layer.path))
 
     async def cancel_tasks(self) -> None:
         for task in list(self._tasks):
@@ -98,44 +171,121 @@ class Daemon:
         task.add_done_callback(self._tasks.discard)
 
     # -- layers -------------------------------------------------------------------------
+    def _meta_path(self, hexd: str) -> Path:
+        return self.cfg.meta_dir / f"{hexd}.erofs"
+
+    def _blob_path(self, layer: LayerBlob) -> str:
+        return str(layer.path) if self.data_path == "fanotify" else str(self.cfg.fuse_dir / layer.hexd)
+
     async def register(self, entry: LayerEntry, image: str | None) -> dict[str, str]:
         hexd = hex_digest(entry.digest)
-        meta_path = self.cfg.meta_dir / f"{hexd}.erofs"
-        paths = {"meta": str(meta_path), "blob": str(self.cfg.fuse_dir / hexd)}
-        known = self.fs.layers.get(hexd)
-        if known is not None and meta_path.exists():
-            if image:
-                known.images.add(image)
-            return paths  # registered already: mounting a cached image costs no parsing
-        async with self._register_lock:
-            if meta_path.exists():
+        meta_path = self._meta_path(hexd)
+        known = self.cache.layers.get(hexd)
+        if known is None or not meta_path.exists():
+            async with self._register_lock:
+                known = await self._register_locked(entry, hexd, meta_path)
+        if image:
+            known.images.add(image)
+        self._check_served(known)
+        return {"meta": str(meta_path), "blob": self._blob_path(known), "path": self.data_path}
+
+    async def _register_locked(self, entry: LayerEntry, hexd: str, meta_path: Path) -> LayerBlob:
+        raw = await asyncio.to_thread(self._local_meta, meta_path, entry)
+        if raw is None:
+            raw = await self.store.get_meta(entry.digest)
+            await asyncio.to_thread(self._save_meta, meta_path, raw, entry)
+        img = ErofsImage(raw, str(meta_path))
+        await self.store.load_layer_locations(entry)
+        layer = self.cache.layers.get(hexd)
+        if layer is None:
+            layer = await asyncio.to_thread(self._open_layer, hexd, img)
+        return layer
+
+    @staticmethod
+    def _local_meta(meta_path: Path, entry: LayerEntry) -> bytes | None:
+        if not meta_path.exists():
+            return None
+        raw = meta_path.read_bytes()
+        if digest_of(raw) != entry.digest:  # damaged local copy: fetch it again
+            meta_path.unlink()
+            return None
+        return raw
+
+    def _save_meta(self, meta_path: Path, raw: bytes, entry: LayerEntry) -> None:
+        private_dir(self.cfg.meta_dir)
+        # the entry too: what a restarted daemon needs to fetch this layer's chunks
+        for path, data in ((meta_path.with_suffix(".entry.json"), json.dumps(entry.to_json()).encode()),
+                           (meta_path, raw)):
+            tmp = path.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+
+    def _open_layer(self, hexd: str, img: ErofsImage, fd: int | None = None) -> LayerBlob:
+        """Open (or, after a restart, take back) the layer's blob; mark it before anyone mounts it."""
+        held = fd is not None
+        if fd is None:
+            fd = self.cache.open_fd(hexd, img.blob_size)  # before the mark: its I/O raises no events
+        layer = self.cache.add(hexd, img.blob_size, list(img.blob_map), fd=fd)
+        self.server.add(layer)
+        if not held:
+            with self._holder_lock:
+                self.holder.put(f"blob:{hexd}", layer.fd, {"blob_size": img.blob_size})
+            if self.group is not None and os.environ.get("LAYERBOX_FAULT") != "skip-mark":
+                self.group.watch(str(layer.path))  # (the fault: what a lost mark would look like)
+        self.cache.note_complete(layer)
+        return layer
+
+    def _check_served(self, layer: LayerBlob) -> None:
+        """The canary: a layer is handed out only while its reads are sure to reach us."""
+        if self.group is None:
+            return
+        if not self._marked(layer):
+            raise web.HTTPInternalServerError(text=(
+                f"refusing to serve layer {layer.digest}: its blob {layer.path} has no fanotify mark "
+                "of this daemon's group, so a mount would read holes as zeros; "
+                "`layerbox umount --all` and mount again"))
+
+    def _marked(self, layer: LayerBlob) -> bool:
+        assert self.group is not None
+        st = os.fstat(layer.fd)
+        dev = fanotify._kernel_dev(st.st_dev)
+        for mark in self.group.marks():
+            if mark.dev == dev and mark.ino == st.st_ino and mark.mask & fanotify.FAN_PRE_ACCESS:
+                # an ignore mark only on a complete blob: a hole under it would read zeros
+                return not (mark.ignored_mask & fanotify.FAN_PRE_ACCESS) or layer.complete()
+        return False
+
+    def adopt_layers(self, held: dict[str, tuple[int, dict[str, Any]]]) -> int:
+        """After a restart: serve again every layer whose blob fd the holder kept."""
+        count = 0
+        for name, (fd, _) in held.items():
+            if not name.startswith("blob:"):
+                continue
+            hexd = name.removeprefix("blob:")
+            meta_path = self._meta_path(hexd)
+            try:
                 raw = meta_path.read_bytes()
-                if digest_of(raw) != entry.digest:  # damaged local copy: fetch it again
-                    meta_path.unlink()
-            if not meta_path.exists():
-                raw = await self.store.get_meta(entry.digest)
-                private_dir(self.cfg.meta_dir)
-                tmp = meta_path.with_suffix(f".tmp-{os.getpid()}")
-                tmp.write_bytes(raw)
-                os.replace(tmp, meta_path)
-            img = ErofsImage(raw, str(meta_path))
-            await self.store.load_layer_locations(entry)
-            layer = BlobLayer("blake3:" + hexd, img.blob_size, list(img.blob_map),
-                              images={image} if image else set())
-            self.fs.add_layer(layer)
-        return paths
+                if digest_of(raw) != "blake3:" + hexd:
+                    raise ValueError(f"{meta_path} does not match its name")
+                entry = LayerEntry.from_json(json.loads(meta_path.with_suffix(".entry.json").read_text()),
+                                             str(meta_path))
+                asyncio.run_coroutine_threadsafe(self.store.load_layer_locations(entry), self.loop).result(60)
+                self._open_layer(hexd, ErofsImage(raw, str(meta_path)), fd=fd)
+                count += 1
+            except Exception as exc:  # its reads fail with EIO (not zeros): the layer is not ours any more
+                log.error("cannot serve layer %s again after the restart: %s", hexd, exc)
+                os.close(fd)
+        return count
 
     async def start_trace_or_prefetch(self, image: str, layers: list[str]) -> str:
         """Replay the image's stored access trace, or record one if there is none yet."""
         try:
-            doc = json.loads(await self.store.backend.get(trace_key(image)))
-        except FileNotFoundError:
-            doc = None
-        except Exception as exc:  # a broken trace only costs speed
-            log.warning("ignoring unreadable trace for %s: %s", image, exc)
+            doc = await self.store.get_trace(image)
+        except Exception as exc:  # a store that cannot give the trace only costs speed
+            log.warning("ignoring the access trace of %s: %s", image, exc)
             doc = None
         if doc:
-            wanted = [("blake3:" + hex_digest(layer), bytes.fromhex(d))
+            wanted = [(hex_digest(layer), bytes.fromhex(d))
                       for layer in layers for d in doc.get("layers", {}).get(layer, [])]
             self._spawn(self.prefetch(wanted))
             return "replaying"
@@ -144,7 +294,7 @@ class Daemon:
         self._tracing.add(image)
         until = time.monotonic() + self.cfg.trace_seconds
         for layer in layers:
-            bl = self.fs.layers.get(hex_digest(layer))
+            bl = self.cache.layers.get(hex_digest(layer))
             if bl is not None and bl.trace is None:
                 bl.trace, bl.trace_until = {}, until
         self._spawn(self._finish_trace(image, layers))
@@ -154,7 +304,7 @@ class Daemon:
         await asyncio.sleep(self.cfg.trace_seconds)
         doc: dict[str, Any] = {"schema": "layerbox.trace.v1", "image": image, "layers": {}}
         for layer in layers:
-            bl = self.fs.layers.get(hex_digest(layer))
+            bl = self.cache.layers.get(hex_digest(layer))
             if bl is None or bl.trace is None:
                 continue
             doc["layers"][layer] = [d.hex() for d in bl.trace]
@@ -162,52 +312,110 @@ class Daemon:
         self._tracing.discard(image)
         if any(doc["layers"].values()):
             try:
-                await self.store.backend.put(trace_key(image), json.dumps(doc).encode())
+                await self.store.put_trace(image, doc)
                 log.info("stored access trace of %s: %d chunks", image,
                          sum(len(v) for v in doc["layers"].values()))
             except Exception as exc:
                 log.warning("could not store the access trace of %s: %s", image, exc)
 
     async def prefetch(self, wanted: Iterable[tuple[str, bytes]]) -> int:
-        """Fetch the ``(layer, chunk digest)`` pairs not cached yet, in batches per layer.
+        """Fetch the ``(layer hex, chunk digest)`` pairs the blobs lack, in batches per layer.
 
-        A chunk named by two layers is fetched (and counted) for the first.
-        Returns how many of the chunks not cached at the start are available
-        now (fetched by this call or by a read that was fetching it already).
+        Returns how many of the chunks missing at the start are present now
+        (fetched by this call or by a read that was fetching them already).
         """
         by_layer: dict[str, list[bytes]] = {}
-        seen: set[bytes] = set()
-        for layer, digest in wanted:
-            if digest not in seen and not self.cache.contains(digest):
-                by_layer.setdefault(layer, []).append(digest)
-            seen.add(digest)
+        for hexd, digest in wanted:
+            by_layer.setdefault(hexd, []).append(digest)
+        jobs: list[tuple[LayerBlob, list[bytes]]] = []
+        for hexd, digests in by_layer.items():
+            layer = self.cache.layers.get(hexd)
+            if layer is None:
+                continue
+            idxs = sorted({i for d in digests for i in layer.positions.get(d, ())})
+            todo = list(dict.fromkeys(layer.records[i].digest for i in layer.missing(idxs)))
+            jobs.extend((layer, todo[i : i + PREFETCH_BATCH]) for i in range(0, len(todo), PREFETCH_BATCH))
         sem = asyncio.Semaphore(PREFETCH_CONCURRENCY)
 
-        async def batch(layer: str, part: list[bytes]) -> int:
+        async def batch(layer: LayerBlob, part: list[bytes]) -> int:
             async with sem:
                 try:
-                    await self.fetcher.fetch_many(part, layer, prefetch=True)
+                    await self.fetcher.fetch_many(layer, part, prefetch=True)
                     return len(part)
                 except Exception as exc:
-                    log.warning("prefetch of %d chunks of %s failed: %s", len(part), layer, exc)
+                    log.warning("prefetch of %d chunks of %s failed: %s", len(part), layer.digest, exc)
                     return 0
 
-        done = await asyncio.gather(*(batch(layer, todo[i : i + PREFETCH_BATCH])
-                                      for layer, todo in by_layer.items()
-                                      for i in range(0, len(todo), PREFETCH_BATCH)))
+        done = await asyncio.gather(*(batch(layer, part) for layer, part in jobs))
+        for layer in {id(j[0]): j[0] for j in jobs}.values():
+            await asyncio.to_thread(self.cache.note_complete, layer)
         return sum(done)
+
+    async def keep_capacity(self) -> None:
+        """Evict what fills could not (chunks too young then) once they have aged."""
+        while True:
+            await asyncio.sleep(min(max(self.cfg.evict_min_age / 2, 0.1), 5.0))
+            if self.cache.used > self.cache.capacity:
+                await asyncio.to_thread(self.cache.evict, int(self.cache.capacity * EVICT_LOW_WATER))
+
+    def maybe_fill(self, layers: list[str]) -> bool:
+        """Start the background fill of these layers if the image is small enough; True if started."""
+        blobs = [self.cache.layers[h] for h in map(hex_digest, layers) if h in self.cache.layers]
+        if not self.cfg.fill_below or sum(b.blob_size for b in blobs) > self.cfg.fill_below:
+            return False
+        todo = [b for b in blobs if b.hexd not in self._filling and not b.complete_hint]
+        for b in todo:
+            self._filling.add(b.hexd)
+        if todo:
+            self._spawn(self._fill(todo))
+        return True
+
+    async def _fill(self, layers: list[LayerBlob]) -> None:
+        """The rest of each layer, at low priority: after readers, within a rate and a cache budget."""
+        try:
+            for layer in layers:
+                for start in range(0, len(layer.records), FILL_BATCH):
+                    idxs = layer.missing(range(start, min(start + FILL_BATCH, len(layer.records))))
+                    if not idxs:
+                        continue
+                    while self.fetcher.foreground:  # noqa: ASYNC110 (a reader waits for the store: it goes first)
+                        await asyncio.sleep(0.02)
+                    size = sum(layer.records[i].length for i in idxs)
+                    if self.cache.used + size > self.cache.capacity * FILL_BUDGET:
+                        log.info("background fill of %s stops: the cache is %d%% full", layer.digest,
+                                 100 * self.cache.used // max(self.cache.capacity, 1))
+                        return
+                    await self._bucket.take(size)
+                    digests = list(dict.fromkeys(layer.records[i].digest for i in idxs))
+                    try:
+                        await self.fetcher.fetch_many(layer, digests, prefetch=True)
+                    except Exception as exc:
+                        log.warning("background fill of %s: %s; retrying later", layer.digest, exc)
+                        await asyncio.sleep(1.0)
+                self.metrics.layers_filled.inc()
+                await asyncio.to_thread(self.cache.note_complete, layer)
+        finally:
+            for layer in layers:
+                self._filling.discard(layer.hexd)
 
     def stats(self) -> dict[str, Any]:
         """``GET /stats``, ``layerbox stats --json``: every field is defined in docs/STATS.md."""
         cache = self.cache.stats()
         self.metrics.cache_bytes.set(cache["bytes"])
-        layers = {layer.digest: set(layer.images) for layer in list(self.fs.layers.values())}
+        layers = {layer.digest: set(layer.images) for layer in list(self.cache.layers.values())}
         snap = self.metrics.snapshot(layers)
         snap["cache"] = cache
-        snap["layers"] = len(self.fs.layers)
+        snap["layers"] = len(self.cache.layers)
         snap["instance"] = self.instance
+        snap["generation"] = self.generation
+        snap["data_path"] = self.data_path
         snap["uptime"] = round(time.time() - self.started, 3)
         return snap
+
+    def health(self) -> dict[str, Any]:
+        return {"ready": self.ready.is_set(), "instance": self.instance, "generation": self.generation,
+                "pid": os.getpid(), "data_path": self.data_path, "fuse": str(self.cfg.fuse_dir),
+                "blobs": str(self.cfg.blob_dir), "holder": self.holder_pid}
 
     # -- control server -----------------------------------------------------------------
     def app(self) -> web.Application:
@@ -216,8 +424,7 @@ class Daemon:
 
         @routes.get("/health")
         async def health(_: web.Request) -> web.Response:
-            return web.json_response({"ready": self.fs.ready.is_set(), "instance": self.instance,
-                                      "pid": os.getpid(), "fuse": str(self.cfg.fuse_dir)})
+            return web.json_response(self.health())
 
         @routes.post("/layers")
         async def layers(req: web.Request) -> web.Response:
@@ -226,10 +433,23 @@ class Daemon:
             out = []
             for obj in body["layers"]:
                 out.append(await self.register(LayerEntry.from_json(obj, "request"), image))
+            digests = [o["digest"] for o in body["layers"]]
             mode = None
             if image and body.get("trace", True):
-                mode = await self.start_trace_or_prefetch(image, [o["digest"] for o in body["layers"]])
-            return web.json_response({"layers": out, "trace": mode})
+                mode = await self.start_trace_or_prefetch(image, digests)
+            filling = self.maybe_fill(digests) if body.get("fill", True) else False
+            return web.json_response({"layers": out, "trace": mode, "fill": filling})
+
+        @routes.post("/check")
+        async def check(req: web.Request) -> web.Response:
+            """After a mount: are the layers' reads still sure to reach this daemon?"""
+            body = await req.json()
+            for hexd in body["layers"]:
+                layer = self.cache.layers.get(hexd)
+                if layer is None:
+                    raise web.HTTPNotFound(text=f"layer {hexd} is not served by this daemon")
+                self._check_served(layer)
+            return web.json_response({"ok": True, "generation": self.generation})
 
         @routes.post("/prefetch")
         async def prefetch(req: web.Request) -> web.Response:
@@ -238,8 +458,8 @@ class Daemon:
             for obj in body["layers"]:
                 entry = LayerEntry.from_json(obj, "request")
                 await self.register(entry, body.get("image"))
-                layer = self.fs.layers[hex_digest(entry.digest)]
-                wanted.extend((layer.digest, r.digest) for r in layer.records)
+                layer = self.cache.layers[hex_digest(entry.digest)]
+                wanted.extend((layer.hexd, r.digest) for r in layer.records)
             fetched = await self.prefetch(wanted)
             return web.json_response({"chunks": len(wanted), "fetched": fetched})
 
@@ -249,36 +469,115 @@ class Daemon:
 
         @routes.get("/metrics")
         async def metrics(_: web.Request) -> web.Response:
-            self.metrics.cache_bytes.set(self.cache.size)
+            self.metrics.cache_bytes.set(self.cache.used)
             return web.Response(body=self.metrics.prometheus(), content_type="text/plain")
 
         @routes.post("/shutdown")
-        async def shutdown(_: web.Request) -> web.Response:
-            self.loop.call_later(0.05, request_exit, self.cfg)
-            return web.json_response({"stopping": True})
+        async def shutdown(req: web.Request) -> web.Response:
+            body = await req.json() if req.can_read_body else {}
+            self.release = bool(body.get("release", False))
+            self.loop.call_later(0.05, self.request_exit)
+            return web.json_response({"stopping": True, "release": self.release})
 
         app.add_routes(routes)
         return app
 
+    def watch_holder(self, main: tuple[str, int, dict[str, Any]]) -> None:
+        """A holder that died (killed, OOM) is replaced at once, with every fd it held.
 
-def request_exit(cfg: DaemonConfig) -> None:
-    """Make fusepy's loop return: unmount our FUSE file system (layers must be unmounted first)."""
-    try:
-        kmount.umount(cfg.fuse_dir, missing_ok=True)
-    except Exception as exc:
-        log.error("cannot unmount %s (still used by layer mounts?): %s", cfg.fuse_dir, exc)
+        While this daemon lives it holds the same fds, so nothing was lost yet; the
+        new holder makes the next daemon restart safe again.
+        """
+        while not self.stopping.wait(1.0):
+            try:
+                with self._holder_lock:
+                    self.holder.ping()
+                continue
+            except Exception as exc:
+                log.error("the fd holder is gone (%s): starting a new one", exc)
+            try:
+                with self._holder_lock:
+                    self.holder.close()
+                    self.holder = Holder.spawn(str(holder_socket_path(self.cfg.data_dir)),
+                                               grace=self.cfg.holder_grace)
+                    self.holder.put(main[0], main[1], main[2])
+                    for layer in list(self.cache.layers.values()):
+                        self.holder.put(f"blob:{layer.hexd}", layer.fd, {"blob_size": layer.blob_size})
+                    self.holder_pid = int(self.holder.ping()["pid"])
+            except Exception:
+                log.exception("cannot start a new fd holder; a daemon restart now would lose the mounts")
+
+    def request_exit(self) -> None:
+        self.stopping.set()
+        if self.fuse is not None:
+            self.fuse.stop()
+
+    # -- serving the kernel ---------------------------------------------------------------
+    def serve_fanotify(self, adopted: bool) -> None:
+        assert self.group is not None
+        group = self.group
+        if adopted:
+            denied = group.sweep()
+            if denied:
+                log.warning("answered %d read(s) the previous daemon left with EIO", denied)
+        self.ready.set()
+        pool = concurrent.futures.ThreadPoolExecutor(EVENT_WORKERS, thread_name_prefix="layerbox-event")
+
+        def answer(event: fanotify.Event) -> None:
+            ok = False
+            try:
+                ok = self.server.allow(event.fd, event.offset, event.count)
+            except Exception:
+                log.exception("fanotify event of pid %d at %d+%d", event.pid, event.offset, event.count)
+            finally:
+                try:
+                    group.respond(event.fd, ok)
+                except OSError as exc:
+                    log.error("cannot answer a fanotify event: %s", exc)
+                os.close(event.fd)
+
+        try:
+            while not self.stopping.is_set():
+                for event in group.events(timeout=0.2):
+                    if event.fd < 0:
+                        continue
+                    pool.submit(answer, event)
+        finally:
+            pool.shutdown(wait=True)
+
+    def serve_fuse(self, fd: int, adopted: bool) -> None:
+        from lazyfetch.fuseserver import FuseServer
+
+        self.fuse = FuseServer(self.server, fd)
+        self.ready.set()
+        if self.stopping.is_set():
+            return
+        self.fuse.serve(resumed=adopted)
+
+
+def _choose_path(cfg: DaemonConfig) -> tuple[str, str | None]:
+    """The data path for a new generation, and why fanotify was not taken."""
+    if cfg.data_path == "fuse":
+        return "fuse", "--data-path fuse"
+    reason = fanotify.probe(str(cfg.blob_dir))
+    if reason is None:
+        return "fanotify", None
+    if cfg.data_path == "fanotify":
+        raise SystemExit(f"--data-path fanotify: {reason}")
+    log.warning("serving layers through FUSE: fanotify pre-content events do not work here: %s", reason)
+    return "fuse", reason
 
 
 def _clear_stale_fuse(path: Path) -> None:
-    # a daemon that was killed leaves its mount point "not connected": detach it
+    # a FUSE mount whose connection is gone is "not connected": detach it
     if kmount.is_mountpoint(path):
         kmount.umount(path, lazy=True, missing_ok=True)
 
 
 def run(cfg: DaemonConfig) -> int:
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
-    # held for the daemon's life: a second daemon on this data dir would detach the first's
-    # FUSE mount ("stale") and take its socket, and every layer registered with it would vanish
+    # held for the daemon's life: a second daemon on this data dir would fight over the holder's
+    # fds and the socket, and every layer registered with the first would vanish
     lock = open(cfg.data_dir / "lazyfetch.lock", "a")  # noqa: SIM115 (held until exit)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -293,11 +592,55 @@ def run(cfg: DaemonConfig) -> int:
 
 
 def _serve(cfg: DaemonConfig) -> int:
-    from fuse import FUSE
-
-    _clear_stale_fuse(cfg.fuse_dir)  # before touching it: a dead FUSE mount fails stat()
     private_dirs(cfg.data_dir)  # before the store makes its cache there
-    private_dir(cfg.fuse_dir)
+    private_dir(cfg.blob_dir)
+    stale_chunks = cfg.data_dir / "chunks"  # the chunk cache of older daemons: the blobs replace it
+    if stale_chunks.is_dir() and not kmount.is_mountpoint(stale_chunks):
+        shutil.rmtree(stale_chunks, ignore_errors=True)
+    hsock = holder_socket_path(cfg.data_dir)
+    holder = Holder.connect(str(hsock))
+    held = holder.get_all() if holder is not None else {}
+    main = held.get("fanotify") or held.get("fuse")
+    if main is not None and main[1].get("aborted"):
+        log.warning("the holder aborted the FUSE connection (no daemon for %.0f s): starting a new one",
+                    cfg.holder_grace)
+        main = None
+    if holder is None or main is None:  # a new generation: nothing mounted depends on old fds
+        if holder is not None:
+            holder.exit()
+        for _name, (fd, _) in held.items():
+            os.close(fd)
+        held = {}
+        holder = Holder.spawn(str(hsock), grace=cfg.holder_grace)
+        path, reason = _choose_path(cfg)
+        generation = uuid.uuid4().hex
+        adopted = False
+    else:
+        path = "fanotify" if "fanotify" in held else "fuse"
+        reason = None
+        generation = str(main[1].get("generation", ""))
+        adopted = True
+    group: fanotify.Group | None = None
+    fuse_fd = fuse_dev = -1
+    if path == "fanotify":
+        if adopted:
+            group = fanotify.Group.adopt(held["fanotify"][0])
+        else:
+            group = fanotify.Group.create()
+            holder.put("fanotify", group.fd, {"generation": generation})
+    else:
+        private_dir(cfg.fuse_dir.parent)
+        if adopted:
+            fuse_fd = held["fuse"][0]
+        else:
+            from lazyfetch.fuseserver import open_and_mount
+
+            _clear_stale_fuse(cfg.fuse_dir)  # before touching it: a dead FUSE mount fails stat()
+            private_dir(cfg.fuse_dir)
+            fuse_fd = open_and_mount(str(cfg.fuse_dir))
+            fuse_dev = [m.dev for m in kmount.read_mountinfo() if m.mountpoint == str(cfg.fuse_dir)][-1]
+            holder.put("fuse", fuse_fd, {"generation": generation, "dev": fuse_dev})
+
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="layerbox-loop", daemon=True)
     thread.start()
@@ -307,7 +650,13 @@ def _serve(cfg: DaemonConfig) -> int:
 
     opts: dict[str, Any] = {"s3_endpoint": cfg.s3_endpoint} if cfg.s3_endpoint else {}
     store = on_loop(Store.open(cfg.store_url, cfg.data_dir, **opts))
-    daemon = Daemon(cfg, loop, store)
+    daemon = Daemon(cfg, loop, store, holder, path, generation, group)
+    loop.call_soon_threadsafe(daemon._spawn, daemon.keep_capacity())
+    if adopted:
+        n = daemon.adopt_layers(held)
+        log.info("took over generation %s from the holder: %d layer(s), data path %s", generation, n, path)
+    elif reason:
+        log.info("data path fuse (%s)", reason)
     runner = web.AppRunner(daemon.app())
     on_loop(runner.setup())
     with contextlib.suppress(FileNotFoundError):
@@ -319,23 +668,39 @@ def _serve(cfg: DaemonConfig) -> int:
     site = web.UnixSite(runner, str(cfg.socket))
     on_loop(site.start())
     os.chmod(cfg.socket, 0o600)
-    log.info("lazyfetch daemon %s serving %s from %s", daemon.instance, cfg.fuse_dir, store.url)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: daemon.request_exit())
+    # (never stat the FUSE mount here: adopted, nobody answers it until we serve)
+    main_fd = ("fanotify", group.fd, {"generation": generation}) if group is not None else \
+        ("fuse", fuse_fd, held["fuse"][1] if adopted else {"generation": generation, "dev": fuse_dev})
+    threading.Thread(target=daemon.watch_holder, args=(main_fd,), name="layerbox-holder", daemon=True).start()
+    log.info("lazyfetch daemon %s (generation %s, %s) serving from %s", daemon.instance, generation, path,
+             store.url)
     try:
-        # allow_other: the kernel's EROFS mounts read the blobs for every sandbox's processes;
-        # default_permissions: the kernel enforces the 0500/0400 modes, so only root opens a blob
-        FUSE(daemon.fs, str(cfg.fuse_dir), foreground=True, nothreads=False, ro=True, allow_other=True,
-             default_permissions=True,
-             direct_io=True, max_read=131072, attr_timeout=86400, entry_timeout=86400,
-             fsname="layerbox", subtype="layerbox")
+        if path == "fanotify":
+            daemon.serve_fanotify(adopted)
+        else:
+            daemon.serve_fuse(fuse_fd, adopted)
     finally:
-        log.info("lazyfetch daemon %s stopping", daemon.instance)
+        log.info("lazyfetch daemon %s stopping%s", daemon.instance, " and releasing its holder"
+                 if daemon.release else "")
         with contextlib.suppress(Exception):
             on_loop(daemon.cancel_tasks(), 5)
         with contextlib.suppress(Exception):
             on_loop(runner.cleanup(), 5)
         with contextlib.suppress(Exception):
             on_loop(store.close(), 5)
+        if daemon.release:
+            # nothing is mounted on these fds any more (the client unmounted every layer first)
+            if path == "fuse":
+                with contextlib.suppress(Exception):
+                    kmount.umount(cfg.fuse_dir, lazy=True, missing_ok=True)
+            with contextlib.suppress(Exception):
+                daemon.holder.exit()
+        daemon.holder.close()
         daemon.cache.close()
+        if group is not None:
+            group.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         with contextlib.suppress(FileNotFoundError):
@@ -351,8 +716,20 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
     p.add_argument("--cache-size", type=int, default=DEFAULT_CACHE_SIZE)
     p.add_argument("--fetch-timeout", type=float, default=30.0)
     p.add_argument("--trace-seconds", type=float, default=10.0)
+    p.add_argument("--data-path", choices=DATA_PATHS, default="auto",
+                   help="how the kernel reads layer blobs: fanotify pre-content events where they work, "
+                        "else FUSE (auto); or force one")
+    p.add_argument("--fill-below", type=int, default=DEFAULT_FILL_BELOW,
+                   help="fill images with at most this many blob bytes in the background (0: never)")
+    p.add_argument("--fill-bandwidth", type=int, default=DEFAULT_FILL_BANDWIDTH,
+                   help="bytes per second the background fill may fetch")
+    p.add_argument("--holder-grace", type=float, default=60.0,
+                   help="seconds readers wait for a dead daemon's successor before they get EIO")
+    p.add_argument("--evict-min-age", type=float, default=EVICT_MIN_AGE,
+                   help="seconds after its last read before a chunk may be evicted")
     a = p.parse_args(argv)
-    return DaemonConfig(Path(a.data_dir), a.store, a.s3_endpoint, a.cache_size, a.fetch_timeout, a.trace_seconds)
+    return DaemonConfig(Path(a.data_dir), a.store, a.s3_endpoint, a.cache_size, a.fetch_timeout, a.trace_seconds,
+                        a.data_path, a.fill_below, a.fill_bandwidth, a.holder_grace, a.evict_min_age)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,7 +742,6 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         handlers=[logging.FileHandler(log_file), logging.StreamHandler(sys.stderr)],
     )
-    # libfuse turns SIGTERM/SIGINT into a clean unmount and return from the FUSE loop
     return run(cfg)
 
 

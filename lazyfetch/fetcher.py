@@ -1,11 +1,12 @@
-"""Fetch chunks from the store into the local cache: single flight, coalesced, verified.
+"""Fetch chunks from the store into a layer's blob file: single flight, coalesced, verified.
 
-Runs on the daemon's event loop.  FUSE threads reach it through
-:meth:`Fetcher.fetch_blocking`, the one bridge between fusepy's threads and
-asyncio; it waits a bounded time and then gives up with
-:class:`FetchTimeout` (the FUSE layer turns that into EIO) while the fetch
-itself may finish later and fill the cache, so the next read succeeds once
-the store answers again.
+Runs on the daemon's event loop.  The threads that serve the kernel (FUSE
+requests, fanotify events) reach it through :meth:`Fetcher.fetch_blocking`,
+the one bridge between those threads and asyncio; it waits a bounded time and
+then gives up with :class:`FetchTimeout` (the read fails with EIO) while the
+fetch itself may finish later and fill the blob, so the next read succeeds
+once the store answers again.  A chunk is written to the blob only after its
+bytes matched its digest.
 
 Every fetch is attributed to one layer: the layer whose read (or prefetch)
 started it.  Readers that join a fetch already in flight add nothing, so the
@@ -27,7 +28,7 @@ import blake3
 from layerstore.objects import pack_key
 from layerstore.packs import ChunkLocation, decompress
 from layerstore.store import Store
-from lazyfetch.chunkcache import ChunkCache
+from lazyfetch.blobcache import BlobCache, LayerBlob
 from lazyfetch.errors import LazyfetchError
 from lazyfetch.metrics import Metrics
 
@@ -77,80 +78,93 @@ def plan_runs(wanted: Iterable[tuple[bytes, ChunkLocation]]) -> list[_Run]:
 
 
 class Fetcher:
-    def __init__(self, store: Store, cache: ChunkCache, metrics: Metrics, loop: asyncio.AbstractEventLoop,
+    def __init__(self, store: Store, cache: BlobCache, metrics: Metrics, loop: asyncio.AbstractEventLoop,
                  *, timeout: float = 30.0, concurrency: int = 16) -> None:
         self.store = store
         self.cache = cache
         self.metrics = metrics
         self.loop = loop
         self.timeout = timeout
-        self._inflight: dict[bytes, asyncio.Future[bytes]] = {}
+        self._inflight: dict[tuple[str, bytes], asyncio.Future[bytes]] = {}
         self._sem = asyncio.Semaphore(concurrency)
-        self.on_fetched: list[object] = []
+        self.foreground = 0  # fetches a reader waits for: background fill yields to them
 
-    # -- called from FUSE threads -----------------------------------------------------
-    def fetch_blocking(self, wanted: list[bytes], layer: str) -> dict[bytes, bytes]:
-        future = asyncio.run_coroutine_threadsafe(self.fetch_many(wanted, layer), self.loop)
+    # -- called from the threads serving the kernel -------------------------------------
+    def fetch_blocking(self, layer: LayerBlob, wanted: list[bytes], ahead: list[bytes] | None = None
+                       ) -> dict[bytes, bytes]:
+        """Fetch ``wanted`` into the layer's blob and wait; ``ahead`` is fetched along, not waited for."""
+        future = asyncio.run_coroutine_threadsafe(self._foreground(layer, wanted, ahead), self.loop)
         try:
             return future.result(self.timeout)
         except concurrent.futures.TimeoutError:
-            # the fetch goes on in the background; a later read may find the chunk cached
+            # the fetch goes on in the background; a later read may find the chunk present
             raise FetchTimeout(
-                f"store {self.store.url} did not deliver {len(wanted)} chunk(s) within {self.timeout:.0f} s "
-                f"(first {wanted[0].hex()})"
+                f"store {self.store.url} did not deliver {len(wanted)} chunk(s) of layer {layer.digest} "
+                f"within {self.timeout:.0f} s (first {wanted[0].hex()})"
             ) from None
 
-    # -- on the loop --------------------------------------------------------------------
-    async def fetch_many(self, wanted: Iterable[bytes], layer: str, *, prefetch: bool = False
-                         ) -> dict[bytes, bytes]:
-        """Bytes of every wanted chunk; each chunk is fetched at most once at a time.
+    async def _foreground(self, layer: LayerBlob, wanted: list[bytes], ahead: list[bytes] | None
+                          ) -> dict[bytes, bytes]:
+        self.foreground += 1
+        try:
+            if ahead:
+                task = asyncio.ensure_future(self.fetch_many(layer, ahead, prefetch=True))
+                task.add_done_callback(_ignore_result)
+            return await self.fetch_many(layer, wanted)
+        finally:
+            self.foreground -= 1
 
-        The chunks this call starts fetching are counted for ``layer``
-        ("blake3:<hex>") and, with ``prefetch``, as prefetched; chunks it finds
-        cached or already in flight are not counted again.
+    # -- on the loop --------------------------------------------------------------------
+    async def fetch_many(self, layer: LayerBlob, wanted: Iterable[bytes], *, prefetch: bool = False
+                         ) -> dict[bytes, bytes]:
+        """Fetch every wanted chunk of ``layer`` into its blob; each at most once at a time.
+
+        Returns the bytes of the chunks this call waited for (a chunk the blob
+        could not store is served from them).  The chunks it starts fetching are
+        counted for the layer and, with ``prefetch``, as prefetched; chunks in
+        flight already are not counted again.  The caller asked the blob which
+        chunks are missing.
         """
         out: dict[bytes, bytes] = {}
         waiting: list[tuple[bytes, asyncio.Future[bytes]]] = []
         todo: list[tuple[bytes, ChunkLocation]] = []
         for digest in dict.fromkeys(wanted):
-            cached = self.cache.get(digest)
-            if cached is not None:
-                out[digest] = cached
-                continue
-            fut = self._inflight.get(digest)
+            key = (layer.hexd, digest)
+            fut = self._inflight.get(key)
             if fut is None:
-                loc = self.store.cache.locate(digest)
+                loc = self.store.locate(digest)
                 if loc is None:
-                    raise FetchError(f"chunk {digest.hex()} has no known location in {self.store.url}")
+                    raise FetchError(f"chunk {digest.hex()} of layer {layer.digest} has no known location "
+                                     f"in {self.store.url}")
                 fut = self.loop.create_future()
-                self._inflight[digest] = fut
+                self._inflight[key] = fut
                 todo.append((digest, loc))
             waiting.append((digest, fut))
         if todo:
             # started as tasks so that a caller that stops waiting does not cancel
             # the fetch for everybody else sharing it
             for run in plan_runs(todo):
-                asyncio.ensure_future(self._fetch_run(run, layer, prefetch))
+                asyncio.ensure_future(self._fetch_run(run, layer, prefetch))  # noqa: RUF006 (they resolve futures)
         for digest, fut in waiting:
             out[digest] = await asyncio.shield(fut)
         return out
 
-    async def _fetch_run(self, run: _Run, layer: str, prefetch: bool) -> None:
+    async def _fetch_run(self, run: _Run, layer: LayerBlob, prefetch: bool) -> None:
         self.metrics.inflight.inc(len(run.items))
         started: float | None = None
         try:
             async with self._sem:
                 started = time.perf_counter()
                 self.metrics.requested()
-                data = await self.store.backend.get(pack_key(run.pack), run.start, run.end)
-            self.metrics.fetched(layer, len(data))  # received, even if it is not what we asked for
+                data = await self.store.read_pack_range(run.pack, run.start, run.end)
+            self.metrics.fetched(layer.digest, len(data))  # received, even if it is not what we asked for
             if len(data) != run.end - run.start:
                 raise FetchError(f"{self.store.url}: short read of {pack_key(run.pack)} "
                                  f"[{run.start}, {run.end}): got {len(data)} bytes")
             results = await asyncio.to_thread(self._decode_run, run, data, layer, prefetch)
         except BaseException as exc:
             for digest, _ in run.items:
-                self._fail(digest, exc)
+                self._fail((layer.hexd, digest), exc)
             if not isinstance(exc, Exception):
                 raise
             return
@@ -159,7 +173,7 @@ class Fetcher:
             if started is not None:  # one observation per GET sent: fetch_count == store_requests
                 self.metrics.fetch_seconds.observe(time.perf_counter() - started)
         for digest, value in results.items():
-            fut = self._inflight.pop(digest, None)
+            fut = self._inflight.pop((layer.hexd, digest), None)
             if fut is None or fut.done():
                 continue
             if isinstance(value, Exception):
@@ -168,15 +182,15 @@ class Fetcher:
             else:
                 fut.set_result(value)
 
-    def _fail(self, digest: bytes, exc: BaseException) -> None:
-        fut = self._inflight.pop(digest, None)
+    def _fail(self, key: tuple[str, bytes], exc: BaseException) -> None:
+        fut = self._inflight.pop(key, None)
         if fut is not None and not fut.done():
             fut.set_exception(exc if isinstance(exc, Exception) else FetchError(repr(exc)))
             fut.exception()
 
-    def _decode_run(self, run: _Run, data: bytes, layer: str, prefetch: bool
+    def _decode_run(self, run: _Run, data: bytes, layer: LayerBlob, prefetch: bool
                     ) -> dict[bytes, bytes | Exception]:
-        """Decompress and verify each chunk; cache the good ones (off the loop)."""
+        """Decompress and verify each chunk; write the good ones into the blob (off the loop)."""
         results: dict[bytes, bytes | Exception] = {}
         for digest, loc in run.items:
             frame = data[loc.offset - run.start : loc.offset - run.start + loc.length]
@@ -193,8 +207,13 @@ class Fetcher:
                           digest.hex(), self.store.url, where)
                 results[digest] = CorruptChunk(f"chunk {digest.hex()} from {self.store.url} ({where}) is corrupt")
                 continue
-            self.metrics.verified(layer, len(chunk), prefetch=prefetch)
-            if not self.cache.put(digest, chunk):
+            self.metrics.verified(layer.digest, len(chunk), prefetch=prefetch)
+            if not self.cache.fill(layer, digest, chunk):
                 self.metrics.cache_put_failures.inc()
             results[digest] = chunk
         return results
+
+
+def _ignore_result(task: asyncio.Future[dict[bytes, bytes]]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("read-ahead failed: %s", task.exception())

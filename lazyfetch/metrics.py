@@ -42,13 +42,16 @@ class Metrics:
         self.chunks_fetched = Counter("layerbox_chunks_fetched", "chunks fetched and verified", registry=r)
         self.corrupt = Counter("layerbox_chunks_corrupt", "chunks refused: digest mismatch", registry=r)
         self.cache_put_failures = Counter("layerbox_cache_put_failures",
-                                          "chunks served from memory because the cache disk refused them",
+                                          "verified chunks the blob files' disk refused",
                                           registry=r)
-        self.read_errors = Counter("layerbox_read_errors", "FUSE reads answered with EIO", registry=r)
+        self.read_errors = Counter("layerbox_read_errors", "kernel reads answered with EIO", registry=r)
+        self.layers_filled = Counter("layerbox_layers_filled",
+                                     "layers the background fill completed", registry=r)
         self.prefetched = Counter("layerbox_chunks_prefetched",
-                                  "chunks fetched and verified for a prefetch", registry=r)
+                                  "chunks fetched and verified for a prefetch or the background fill",
+                                  registry=r)
         self.inflight = Gauge("layerbox_fetches_in_flight", "chunks being fetched now", registry=r)
-        self.cache_bytes = Gauge("layerbox_cache_bytes", "bytes in the local chunk cache", registry=r)
+        self.cache_bytes = Gauge("layerbox_cache_bytes", "bytes of chunks in the local blob files", registry=r)
         self.fetch_seconds = Histogram(
             "layerbox_fetch_seconds", "latency of one ranged GET with decode", registry=r,
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
@@ -110,6 +113,7 @@ class Metrics:
                 "chunks_corrupt": int(value(self.corrupt)),
                 "cache_put_failures": int(value(self.cache_put_failures)),
                 "read_errors": int(value(self.read_errors)), "chunks_prefetched": int(value(self.prefetched)),
+                "layers_filled": int(value(self.layers_filled)),
                 "fetches_in_flight": int(value(self.inflight)), "cache_bytes": int(value(self.cache_bytes)),
                 "fetch_count": int(count), "fetch_seconds_total": round(total, 6),
             }

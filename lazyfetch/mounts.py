@@ -6,11 +6,15 @@ State lives in ``<data-dir>/state/mounts.json`` (compact JSON: ``layers``,
 exclusive ``flock`` on ``<data-dir>/state/lock``, so concurrent ``layerbox
 mount`` calls on one host serialise.  The state is a cache of what the kernel
 knows: every operation first reconciles it with /proc/self/mountinfo and the
-daemon's instance id.  A layer mounted by an earlier daemon instance (the
-daemon died or was restarted) is stale: its reads fail with EIO.  Such layers
-are remounted on the new daemon's blob files, and every user mount stacked on
-them is detached and mounted again with the same upper and work directories,
-which brings the sandboxes' views back.
+daemon's *generation*: the kernel state (fanotify group or FUSE connection)
+its layer mounts read through, which a holder process keeps while daemons
+come and go (lazyfetch/daemon.py).  A restarted daemon serves the same
+generation, so nothing here changes and no sandbox notices.  A layer mounted
+under another generation (the holder died too, or the host rebooted) is
+stale: its reads fail.  Such layers are remounted on the new daemon's blob
+files, and every user mount stacked on them is detached and mounted again
+with the same upper and work directories, which brings the sandboxes' views
+back (their processes restart: see ``on_remount``).
 
 A writable mount can be *detached* (:meth:`HostMounts.detach`) once a process
 with its own mount namespace (a container, whose root it is) holds it: it
@@ -140,8 +144,8 @@ class HostMounts:
                 tmp.write_bytes(out)
                 os.replace(tmp, path)
 
-    def _reconcile(self, state: dict[str, Any], instance: str | None) -> set[str]:
-        """Drop what the kernel no longer has; return layers mounted by a dead daemon."""
+    def _reconcile(self, state: dict[str, Any], generation: str | None) -> set[str]:
+        """Drop what the kernel no longer has; return layers mounted under another generation."""
         mounted = set(kmount.mountpoints())
         # a detached mount is in its holder's namespace, not in ours: it stays until umount
         for mp in [mp for mp, rec in state["mounts"].items() if mp not in mounted and not rec.get("detached")]:
@@ -151,7 +155,7 @@ class HostMounts:
         for hexd, info in list(state["layers"].items()):
             if info["mountpoint"] not in mounted:
                 del state["layers"][hexd]
-            elif info.get("instance") != instance:
+            elif info.get("generation") != generation:
                 stale.add(hexd)
         for info in state["layers"].values():
             info["users"] = [u for u in info["users"] if u in state["mounts"]]
@@ -176,12 +180,12 @@ class HostMounts:
             raise MountError(f"{mountpoint}: mount point must be an existing directory")
         health = self._daemon()
         with self._locked() as state:
-            stale = self._reconcile(state, health["instance"])
+            stale = self._reconcile(state, health["generation"])
             if target in state["mounts"]:
                 raise MountError(f"{target} is already a layerbox mount ({state['mounts'][target]['digest']}); "
                                  "`layerbox umount` it first")
             if stale:
-                self._remount_stale(state, stale, health["instance"])
+                self._remount_stale(state, stale, health["generation"])
             reply = self.client.request("POST", "/layers", {
                 "image": resolved.digest, "trace": trace,
                 "layers": [layer.to_json() for layer in resolved.layers],
@@ -192,7 +196,7 @@ class HostMounts:
                 hexd = hex_digest(layer.digest)
                 info = state["layers"].get(hexd)
                 if info is None:
-                    info = self._mount_layer(hexd, paths, health["instance"])
+                    info = self._mount_layer(hexd, paths, health["generation"])
                     state["layers"][hexd] = info
                     created += 1
                 lowers.append(info["mountpoint"])
@@ -209,13 +213,21 @@ class HostMounts:
         return MountResult(target, resolved.digest, len(lowers), writable, record.get("upper"),
                            round(time.perf_counter() - start, 6), created, reply.get("trace"))
 
-    def _mount_layer(self, hexd: str, paths: dict[str, str], instance: str) -> dict[str, Any]:
+    def _mount_layer(self, hexd: str, paths: dict[str, str], generation: str) -> dict[str, Any]:
         mp = self.layer_root / hexd
         mp.mkdir(exist_ok=True)
         if kmount.is_mountpoint(mp):  # left by a crash before the state was written
             kmount.umount(mp, lazy=True, missing_ok=True)
         kmount.mount_erofs(paths["meta"], mp, paths["blob"], flags=self.LAYER_FLAGS)
-        return {"mountpoint": str(mp), "instance": instance, "users": [], "meta": paths["meta"]}
+        try:
+            # the canary after the mount: its reads must still reach the daemon (fanotify: the
+            # blob's mark is there; one added later would never be seen and holes read as zeros)
+            self.client.request("POST", "/check", {"layers": [hexd]})
+        except LazyfetchError as exc:
+            kmount.umount(mp, lazy=True, missing_ok=True)
+            raise MountError(f"layer {hexd}: not mounted: {exc}") from None
+        return {"mountpoint": str(mp), "generation": generation, "path": paths.get("path"), "users": [],
+                "meta": paths["meta"]}
 
     def _mount_user(self, target: str, lowers: list[str], writable: bool,
                     upper: str | os.PathLike[str] | None) -> dict[str, Any]:
@@ -276,7 +288,7 @@ class HostMounts:
             raise MountError(f"{layer}: cannot make the skeleton of its directories ({exc}); not mounted") from None
         return str(skeleton)
 
-    def _remount_stale(self, state: dict[str, Any], stale: set[str], instance: str) -> None:
+    def _remount_stale(self, state: dict[str, Any], stale: set[str], generation: str) -> None:
         users = sorted({u for h in stale for u in state["layers"][h]["users"]})
         log.warning("daemon restarted: remounting %d layer(s) and %d mount(s)", len(stale), len(users))
         for mp in users:
@@ -293,7 +305,7 @@ class HostMounts:
             lowers = []
             for hexd, paths in zip(rec["layers"], reply["layers"], strict=True):
                 if hexd not in state["layers"]:
-                    state["layers"][hexd] = self._mount_layer(hexd, paths, instance)
+                    state["layers"][hexd] = self._mount_layer(hexd, paths, generation)
                 lowers.append(state["layers"][hexd]["mountpoint"])
             self._stack(mp, lowers, rec)
             for hexd in rec["layers"]:
@@ -345,19 +357,23 @@ class HostMounts:
         rec["detached"] = {"pid": pid, "start": start}
 
     def remount(self) -> int:
-        """Bring every mount back onto the current daemon (after a daemon restart)."""
+        """Make sure a daemon serves this host's mounts; re-stack those of a lost generation.
+
+        Returns how many layers had to be mounted again (0 after a daemon restart
+        that took its generation over: the mounts never stopped being valid).
+        """
         health = self._daemon()
         with self._locked() as state:
-            stale = self._reconcile(state, health["instance"])
+            stale = self._reconcile(state, health["generation"])
             if stale:
-                self._remount_stale(state, stale, health["instance"])
+                self._remount_stale(state, stale, health["generation"])
             return len(stale)
 
     def umount(self, mountpoint: str | os.PathLike[str], *, discard: bool = False, lazy: bool = False) -> None:
         target = os.path.realpath(mountpoint)
         with self._locked() as state:
             health = self.client.health()
-            self._reconcile(state, health["instance"] if health else None)
+            self._reconcile(state, health["generation"] if health else None)
             rec = state["mounts"].pop(target, None)
             if rec is None:
                 raise MountError(f"{target} is not a layerbox mount on this host ({self.data_dir})")
@@ -387,7 +403,7 @@ class HostMounts:
         for mp in kmount.mounts_under(self.layer_root):
             kmount.umount(mp, lazy=True, missing_ok=True)
         if stop_daemon:
-            self.client.stop()
+            self.client.stop(release=True)  # nothing is mounted on its blobs: the holder may go too
             fuse_dir = self.data_dir / "blobs"
             if kmount.is_mountpoint(fuse_dir):
                 kmount.umount(fuse_dir, lazy=True, missing_ok=True)
@@ -396,5 +412,5 @@ class HostMounts:
     def status(self) -> dict[str, Any]:
         with self._locked() as state:
             health = self.client.health()
-            self._reconcile(state, health["instance"] if health else None)
+            self._reconcile(state, health["generation"] if health else None)
             return {"daemon": health, "mounts": state["mounts"], "layers": state["layers"]}

@@ -1092,21 +1092,27 @@ class SandboxManager:
         return pid  # HostMounts detaches the new overlay: this init holds it (called under its lock)
 
     def heal(self) -> int:
-        """If the lazyfetch daemon died under running sandboxes, start a new one and restart them."""
+        """Make sure a lazyfetch daemon serves running sandboxes; how many layers had to be re-stacked.
+
+        A daemon that died is replaced and takes its kernel state over from the holder: the
+        sandboxes' reads waited and go on, nothing is restarted (0).  Only when that state is
+        lost too (the holder died, a new generation) are rootfs re-stacked and containers
+        restarted (see _on_remount).
+        """
         if not any(st.live for st in self.list()):
             return 0
         health = self.host.client.health()
-        if health is not None and not self._stale_layers(health["instance"]):
+        if health is not None and not self._stale_layers(health["generation"]):
             return 0
         return self.host.remount()
 
-    def _stale_layers(self, instance: str) -> bool:
+    def _stale_layers(self, generation: str) -> bool:
         state_file = self.host.state_dir / "mounts.json"
         try:
             layers = json.loads(state_file.read_text()).get("layers", {})
         except (OSError, ValueError):
             return False
-        return any(info.get("instance") != instance for info in layers.values())
+        return any(info.get("generation") != generation for info in layers.values())
 
     # -- jobs ---------------------------------------------------------------------------------------------
     def renew(self, job: str, ttl: float | None = None) -> dict[str, Any]:

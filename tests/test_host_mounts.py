@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "o
 NOBODY = 65534
 # The data dir's subtrees that hold layers, uppers and work dirs, metadata images, chunks, the
 # store's cache and mount state (lazyfetch.client.PRIVATE_DIRS, spelled out: this is the contract)
-PRIVATE_DIRS = ("state", "layers", "uppers", "meta", "chunks", "cache")
+PRIVATE_DIRS = ("state", "layers", "uppers", "meta", "blobcache", "cache")
 # The payload: `id -u` prints the effective uid, and unlike a shell (dash, bash) id does not
 # drop a setuid one, so a working setuid bit shows as "euid=0".
 PAYLOAD = "/usr/bin/id"
@@ -201,8 +201,9 @@ def test_every_host_mount_of_a_sandbox_carries_nosuid_nodev(manager: SandboxMana
     for box, userns in made.items():
         _check_rootfs(box, host_overlays, userns=userns)
     mounted = host_mounts(manager.data_dir)
-    # the overlays have left for their containers; what stays is every layer, each disk, the blobs
-    assert {fstype for _, fstype, _ in mounted} == {"erofs", "ext4", "fuse.layerbox"}
+    # the overlays have left for their containers; what stays is every layer, each disk (and the
+    # blobs' FUSE mount, when the daemon serves through FUSE: here it uses fanotify)
+    assert {fstype for _, fstype, _ in mounted} == {"erofs", "ext4"}
     assert_data_dir_mounts(mounted)
 
 
@@ -210,7 +211,7 @@ def test_remounts_after_a_daemon_restart_keep_the_flags(manager: SandboxManager,
                                                          host_overlays: dict[str, Any]) -> None:
     made = {boxes(): False, boxes(userns=True): True}
     before = {box.id: box.pid for box in made}
-    kill_daemon(manager)
+    kill_daemon(manager, holder=True)  # a new generation: everything is stacked again
     host_overlays.clear()
     assert manager.heal() >= 1
     for box, userns in made.items():
@@ -288,7 +289,11 @@ def _hostile_layer(path: Path) -> Path:
 
 
 def _kill_host_daemon(host: Host) -> None:
-    os.kill(host.daemon_pid(), signal.SIGKILL)
+    """The daemon and its fd holder: the layers' kernel state is gone, so they are mounted again."""
+    health = host.mounts.client.health()
+    assert health is not None
+    os.kill(int(health["holder"]), signal.SIGKILL)
+    os.kill(int(health["pid"]), signal.SIGKILL)
     deadline = time.monotonic() + 10
     while host.mounts.client.health() is not None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -315,7 +320,7 @@ def test_a_hostile_layer_gives_host_users_nothing(hosts: Any, store_url: str, tm
 
     def check_flags() -> None:
         mounted = host_mounts(host.data_dir)
-        assert {fstype for _, fstype, _ in mounted} == {"erofs", "fuse.layerbox"}
+        assert {fstype for _, fstype, _ in mounted} == {"erofs"}
         assert_data_dir_mounts(mounted)
         by_mountpoint = {mp: (fstype, options) for mp, fstype, options in host_mounts(tmp_path)}
         assert [by_mountpoint[str(v)][0] for v in (ro, rw, multi)] == ["overlay", "overlay", "overlay"]
@@ -328,10 +333,10 @@ def test_a_hostile_layer_gives_host_users_nothing(hosts: Any, store_url: str, tm
         # view the caller put in the open, setuid bits and device nodes are dead
         want = {layer / p: "EACCES" for p in [setuid_root, *devices]}
         want[meta] = "EACCES"
-        blobs = sorted((host.data_dir / "blobs").iterdir())  # the FUSE files: a layer's raw data
+        blobs = sorted((host.data_dir / "blobcache").glob("*.blob"))  # a layer's raw data
         assert blobs
         want.update({blob: "EACCES" for blob in blobs})
-        want[host.data_dir / "blobs"] = "EACCES"
+        want[host.data_dir / "blobcache"] = "EACCES"
         for view in views:
             want[view / setuid_root] = f"euid={NOBODY}"
             want.update({view / d: "EACCES" for d in devices})

@@ -120,7 +120,7 @@ def _settled(host: Host) -> dict:
     deadline = time.monotonic() + 20
     while True:
         st = host.stats()
-        if st["fetches_in_flight"] == 0 and st["cache"]["count"] >= st["chunks_fetched"]:
+        if st["fetches_in_flight"] == 0 and st["cache"]["chunks"] >= st["chunks_fetched"]:
             return st
         assert time.monotonic() < deadline, st
         time.sleep(0.05)
@@ -206,11 +206,12 @@ def test_fetch_counters_match_the_store_request_log(
     assert reply == {"chunks": len(chunks.records[tk_layer]), "fetched": len(chunks.records[tk_layer])}
     assert st["chunks_prefetched"] == len(chunks.records[tk_layer])
     assert set(fetched) >= set(chunks.records[tk_layer])
-    # reads after the prefetch hit the cache
+    # reads after the prefetch wait for nothing (through fanotify a complete layer's reads are not
+    # even seen: its blob has the ignore mark, so hits need not grow)
     assert st["misses"] == before["misses"]
-    assert st["hits"] > before["hits"]
+    assert st["hits"] >= before["hits"]
     # the cache holds exactly the chunks fetched: nothing was evicted or refused
     cache = st["cache"]
-    assert cache["count"] == st["chunks_fetched"]
+    assert cache["chunks"] == st["chunks_fetched"]
     assert cache["apparent_bytes"] == st["bytes_fetched_uncompressed"]
     assert st["cache_bytes"] == cache["bytes"]

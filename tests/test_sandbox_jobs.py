@@ -361,17 +361,33 @@ def test_receipts_are_hash_chained_and_travel_with_checkpoints(boxes: Any, manag
         manager.destroy(restored.id)
 
 
-def test_a_dead_lazyfetch_daemon_restarts_its_sandboxes(boxes: Any, manager: SandboxManager) -> None:
-    """The daemon serving the layers dies: every read in a running sandbox fails (its overlay is on the
-    dead daemon's layers).  heal() starts a new daemon, re-stacks the rootfs on it with the same upper,
-    and restarts each container: processes are lost, files are kept, and each receipt says why."""
+def test_a_dead_lazyfetch_daemon_is_replaced_under_running_sandboxes(boxes: Any,
+                                                                    manager: SandboxManager) -> None:
+    """The daemon serving the layers dies: its holder keeps the kernel state, so the sandboxes' reads
+    wait instead of failing; heal() starts a successor that takes the mounts over.  Nothing is
+    re-stacked or restarted: the same init, its processes and its files go on."""
+    box = boxes()
+    box.exec("echo kept > /root/kept")
+    init, receipts = box.pid, len(box.receipts())
+    kill_daemon(manager)
+    assert manager.heal() == 0
+    assert box.pid == init
+    assert box.exec("cat /root/kept; python3 -c 'print(6*7)'").stdout == b"kept\n42\n"
+    assert [r["action"] for r in box.receipts()[receipts:]].count("restarted") == 0
+
+
+def test_lost_lazyfetch_state_restarts_its_sandboxes(boxes: Any, manager: SandboxManager) -> None:
+    """The daemon and its fd holder die (a new generation): every read in a running sandbox fails,
+    its overlay is on layers nobody serves.  heal() starts a new daemon, re-stacks the rootfs on it
+    with the same upper, and restarts each container: processes are lost, files are kept, and each
+    receipt says why."""
     on_disk = boxes(disk=32 << 20)
     plain = boxes(cpu_class="best-effort")
     on_disk.exec("echo kept > /root/kept")
     plain.exec("echo also > /root/also")
-    kill_daemon(manager)
-    broken = plain.exec("head -c 1 /usr/bin/python3 > /dev/null; echo rc=$?")
-    assert b"Input/output error" in broken.stderr or b"rc=0" not in broken.stdout
+    kill_daemon(manager, holder=True)
+    # (what a read in between gets is not asserted: through FUSE an EIO, through fanotify a missing
+    # range reads as zeros once no process holds the group: docs/SECURITY.md, "Residual risks")
     assert manager.heal() >= 1
     assert on_disk.exec("cat /root/kept; head -1 /etc/os-release").stdout.startswith(b"kept\nPRETTY_NAME=")
     assert plain.exec("cat /root/also; python3 -c 'print(6*7)'").stdout == b"also\n42\n"

@@ -71,6 +71,8 @@ def hosts(tmp_path: Path) -> Iterator[Callable[..., Host]]:
     def make(url: str, name: str = "host", **options: object) -> Host:
         options.setdefault("fetch_timeout", 5.0)
         options.setdefault("trace_seconds", 1.0)
+        # no background fill unless a test asks: tests count the bytes each read fetches
+        options.setdefault("fill_below", 0)
         h = Host(tmp_path / name, url, **options)
         made.append(h)
         return h

@@ -130,13 +130,19 @@ def no_sandboxes_left(manager: SandboxManager) -> Iterator[None]:
     assert left == [], "the test left sandboxes behind"
 
 
-def kill_daemon(mgr: SandboxManager) -> None:
-    """SIGKILL the host's lazyfetch daemon and wait until it no longer answers."""
+def kill_daemon(mgr: SandboxManager, *, holder: bool = False) -> None:
+    """SIGKILL the host's lazyfetch daemon and wait until it no longer answers.
+
+    ``holder``: its fd holder too, so the kernel state the layer mounts read through is
+    gone (a new generation): the mounts must be stacked again and the sandboxes restarted.
+    """
     import signal
     import time
 
     health = mgr.host.client.health()
     assert health is not None
+    if holder:
+        os.kill(health["holder"], signal.SIGKILL)
     os.kill(health["pid"], signal.SIGKILL)
     deadline = time.monotonic() + 10
     while mgr.host.client.health() is not None and time.monotonic() < deadline:
