@@ -53,7 +53,7 @@ from layerstore.erofs.reader import ErofsImage
 from layerstore.objects import LayerEntry, digest_of, hex_digest
 from layerstore.store import Store
 from lazyfetch import fanotify, kmount
-from lazyfetch.blobcache import EVICT_LOW_WATER, EVICT_MIN_AGE, BlobCache, LayerBlob
+from lazyfetch.blobcache import EVICT_LOW_WATER, EVICT_MIN_AGE, BlobCache, LayerBlob, boot_id
 from lazyfetch.blobfs import BlobServer
 from lazyfetch.client import (
     EXIT_ALREADY_RUNNING,
@@ -131,12 +131,13 @@ class _Bucket:
 
 class Daemon:
     def __init__(self, cfg: DaemonConfig, loop: asyncio.AbstractEventLoop, store: Store, holder: Holder,
-                 path: str, generation: str, group: fanotify.Group | None) -> None:
+                 path: str, generation: str, group: fanotify.Group | None, reason: str | None = None) -> None:
         self.cfg = cfg
         self.loop = loop
         self.store = store
         self.holder = holder
         self.data_path = path
+        self.data_path_reason = reason  # why not fanotify, when FUSE serves
         self.generation = generation
         self.group = group
         self.instance = uuid.uuid4().hex
@@ -414,7 +415,8 @@ class Daemon:
 
     def health(self) -> dict[str, Any]:
         return {"ready": self.ready.is_set(), "instance": self.instance, "generation": self.generation,
-                "pid": os.getpid(), "data_path": self.data_path, "fuse": str(self.cfg.fuse_dir),
+                "pid": os.getpid(), "data_path": self.data_path, "data_path_reason": self.data_path_reason,
+                "fuse": str(self.cfg.fuse_dir),
                 "blobs": str(self.cfg.blob_dir), "holder": self.holder_pid}
 
     # -- control server -----------------------------------------------------------------
@@ -559,13 +561,29 @@ def _choose_path(cfg: DaemonConfig) -> tuple[str, str | None]:
     """The data path for a new generation, and why fanotify was not taken."""
     if cfg.data_path == "fuse":
         return "fuse", "--data-path fuse"
-    reason = fanotify.probe(str(cfg.blob_dir))
+    reason = _probe_cached(cfg.blob_dir)
     if reason is None:
         return "fanotify", None
     if cfg.data_path == "fanotify":
         raise SystemExit(f"--data-path fanotify: {reason}")
     log.warning("serving layers through FUSE: fanotify pre-content events do not work here: %s", reason)
     return "fuse", reason
+
+
+def _probe_cached(blob_dir: Path) -> str | None:
+    """``fanotify.probe`` of the blob dir, once per boot, kernel and filesystem (~0.2 s each)."""
+    st = os.stat(blob_dir)
+    key = {"boot_id": boot_id(), "kernel": os.uname().release, "dev": st.st_dev}
+    path = blob_dir / "probe.json"
+    with contextlib.suppress(OSError, ValueError):
+        doc = json.loads(path.read_text())
+        if doc.get("key") == key:
+            return doc.get("reason")
+    reason = fanotify.probe(str(blob_dir))
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"key": key, "reason": reason}))
+    os.replace(tmp, path)
+    return reason
 
 
 def _clear_stale_fuse(path: Path) -> None:
@@ -617,7 +635,7 @@ def _serve(cfg: DaemonConfig) -> int:
         adopted = False
     else:
         path = "fanotify" if "fanotify" in held else "fuse"
-        reason = None
+        reason = main[1].get("reason")
         generation = str(main[1].get("generation", ""))
         adopted = True
     group: fanotify.Group | None = None
@@ -639,7 +657,7 @@ def _serve(cfg: DaemonConfig) -> int:
             private_dir(cfg.fuse_dir)
             fuse_fd = open_and_mount(str(cfg.fuse_dir))
             fuse_dev = [m.dev for m in kmount.read_mountinfo() if m.mountpoint == str(cfg.fuse_dir)][-1]
-            holder.put("fuse", fuse_fd, {"generation": generation, "dev": fuse_dev})
+            holder.put("fuse", fuse_fd, {"generation": generation, "dev": fuse_dev, "reason": reason})
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="layerbox-loop", daemon=True)
@@ -650,7 +668,7 @@ def _serve(cfg: DaemonConfig) -> int:
 
     opts: dict[str, Any] = {"s3_endpoint": cfg.s3_endpoint} if cfg.s3_endpoint else {}
     store = on_loop(Store.open(cfg.store_url, cfg.data_dir, **opts))
-    daemon = Daemon(cfg, loop, store, holder, path, generation, group)
+    daemon = Daemon(cfg, loop, store, holder, path, generation, group, reason)
     loop.call_soon_threadsafe(daemon._spawn, daemon.keep_capacity())
     if adopted:
         n = daemon.adopt_layers(held)
@@ -672,7 +690,8 @@ def _serve(cfg: DaemonConfig) -> int:
         signal.signal(sig, lambda *_: daemon.request_exit())
     # (never stat the FUSE mount here: adopted, nobody answers it until we serve)
     main_fd = ("fanotify", group.fd, {"generation": generation}) if group is not None else \
-        ("fuse", fuse_fd, held["fuse"][1] if adopted else {"generation": generation, "dev": fuse_dev})
+        ("fuse", fuse_fd, held["fuse"][1] if adopted else {"generation": generation, "dev": fuse_dev,
+                                                            "reason": reason})
     threading.Thread(target=daemon.watch_holder, args=(main_fd,), name="layerbox-holder", daemon=True).start()
     log.info("lazyfetch daemon %s (generation %s, %s) serving from %s", daemon.instance, generation, path,
              store.url)

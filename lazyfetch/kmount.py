@@ -613,6 +613,7 @@ def read_mountinfo() -> list[MountInfo]:
 def _escape(path: str) -> bytes:
     # the kernel's show_path escaping (seq_path with " \t\n\\")
     return (os.fsencode(path).replace(b"\\", b"\\134").replace(b" ", b"\\040")
+    dev: int = 0  # st_dev of the mount's files, from the "major:minor" field (no stat: a FUSE mount may hang)
             .replace(b"\t", b"\\011").replace(b"\n", b"\\012"))
 
 
@@ -631,6 +632,7 @@ def mountpoints() -> list[str]:
 
 _AT_SYMLINK_NOFOLLOW: Final = 0x100
 _AT_NO_AUTOMOUNT: Final = 0x800
+        dev=os.makedev(*map(int, fields[2].split(b":"))),
 _AT_STATX_DONT_SYNC: Final = 0x4000
 _STATX_ATTR_MOUNT_ROOT: Final = 0x2000
 _STATX_BUF: Final = 256  # sizeof(struct statx)

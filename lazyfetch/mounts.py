@@ -173,7 +173,10 @@ class HostMounts:
         return self._daemon()
 
     def mount(self, resolved: Resolved, mountpoint: str | os.PathLike[str], *, writable: bool = False,
-              upper: str | os.PathLike[str] | None = None, trace: bool = True) -> MountResult:
+              upper: str | os.PathLike[str] | None = None, trace: bool = True, fill: bool = True
+              ) -> MountResult:
+        """Mount ``resolved`` at ``mountpoint``; ``fill``: let the daemon fill the image's layers in
+        the background (when it is small enough for its ``--fill-below``)."""
         start = time.perf_counter()
         target = os.path.realpath(mountpoint)
         if not os.path.isdir(target):
@@ -187,7 +190,7 @@ class HostMounts:
             if stale:
                 self._remount_stale(state, stale, health["generation"])
             reply = self.client.request("POST", "/layers", {
-                "image": resolved.digest, "trace": trace,
+                "image": resolved.digest, "trace": trace, "fill": fill,
                 "layers": [layer.to_json() for layer in resolved.layers],
             })
             created = 0
@@ -408,6 +411,18 @@ class HostMounts:
             if kmount.is_mountpoint(fuse_dir):
                 kmount.umount(fuse_dir, lazy=True, missing_ok=True)
         return count
+
+    def stop_daemon(self) -> bool:
+        """Stop the daemon; with no layer mounted, its holder lets the kernel state go as well.
+
+        While layers are mounted the holder keeps their fds: their reads wait for the next
+        daemon (``layerbox mount`` or ``layerbox daemon start`` starts one), and fail with EIO
+        after the holder's grace.
+        """
+        with self._locked() as state:
+            health = self.client.health()
+            self._reconcile(state, health["generation"] if health else None)
+            return self.client.stop(release=not state["layers"])
 
     def status(self) -> dict[str, Any]:
         with self._locked() as state:

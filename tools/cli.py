@@ -328,7 +328,8 @@ def _host(args: argparse.Namespace) -> Any:
     from lazyfetch.mounts import HostMounts
 
     opts: dict[str, Any] = {}
-    for name in ("cache_size", "fetch_timeout", "trace_seconds"):
+    for name in ("cache_size", "fetch_timeout", "trace_seconds", "data_path", "fill_below", "fill_bandwidth",
+                 "holder_grace"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value
@@ -368,9 +369,11 @@ def _daemon_cmd(args: argparse.Namespace) -> int:
     host = _host(args)
     if args.action == "start":
         h = host.client.ensure_running(args.store, s3_endpoint=args.s3_endpoint, **host.daemon_options)
-        _emit(args, h, lambda: print(f"lazyfetch daemon {h['pid']} serving {h['fuse']}"))
+        _emit(args, h, lambda: print(f"lazyfetch daemon {h['pid']} serving {h['blobs']} through "
+                                     f"{h['data_path']}" + (f" ({h['data_path_reason']})"
+                                                            if h.get("data_path_reason") else "")))
     elif args.action == "stop":
-        stopped = host.client.stop()
+        stopped = host.stop_daemon()
         _emit(args, {"stopped": stopped}, lambda: print("stopped" if stopped else "not running"))
     elif args.action == "run":
         from lazyfetch.daemon import main as daemon_main
@@ -380,6 +383,8 @@ def _daemon_cmd(args: argparse.Namespace) -> int:
             argv += ["--store", args.store]
         if args.s3_endpoint:
             argv += ["--s3-endpoint", args.s3_endpoint]
+        for name, value in host.daemon_options.items():
+            argv += ["--" + name.replace("_", "-"), str(value)]
         return daemon_main(argv)
     else:
         st = host.status()
@@ -409,7 +414,8 @@ def _stats(args: argparse.Namespace) -> int:
         print(f"daemon {st['instance']} up {st['uptime']:.0f} s, {st['layers']} layer(s)")
         print(f"  hits {st['hits']}  misses {st['misses']}  store requests {st['store_requests']}  "
               f"fetched {st['bytes_fetched'] / 1e6:.1f} MB  served {st['bytes_served'] / 1e6:.1f} MB")
-        print(f"  cache {st['cache'].get('bytes', 0) / 1e6:.1f} MB in {st['cache'].get('count', 0)} chunks, "
+        print(f"  data path {st['data_path']}, blobs {st['cache'].get('bytes', 0) / 1e6:.1f} MB in "
+              f"{st['cache'].get('chunks', 0)} chunks ({st['cache'].get('complete_layers', 0)} layers whole), "
               f"in flight {st['fetches_in_flight']}, corrupt {st['chunks_corrupt']}, EIO {st['read_errors']}")
         for image, n in st["bytes_fetched_per_image"].items():
             print(f"  {image}: {n / 1e6:.1f} MB fetched")
@@ -546,7 +552,16 @@ def build_parser() -> argparse.ArgumentParser:
     gc.set_defaults(func=_run_async(_gc))
 
     host = argparse.ArgumentParser(add_help=False)
-    host.add_argument("--cache-size", type=_size, default=None, help="chunk cache cap (daemon start)")
+    host.add_argument("--cache-size", type=_size, default=None, help="blob cache cap (daemon start)")
+    host.add_argument("--data-path", choices=["auto", "fanotify", "fuse"], default=None,
+                      help="how the kernel reads layer blobs (daemon start; default auto: fanotify "
+                           "pre-content events where they work, else FUSE)")
+    host.add_argument("--fill-below", type=_size, default=None,
+                      help="fill images up to this size in the background after a mount (0: never)")
+    host.add_argument("--fill-bandwidth", type=_size, default=None,
+                      help="bytes per second the background fill may fetch")
+    host.add_argument("--holder-grace", type=float, default=None,
+                      help="seconds reads wait for a successor of a dead daemon before EIO")
     host.add_argument("--fetch-timeout", type=float, default=None, help="seconds a read waits for the store")
     host.add_argument("--trace-seconds", type=float, default=None, help="access-trace window after a mount")
 

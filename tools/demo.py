@@ -546,7 +546,10 @@ def start_daemon(mounts: HostMounts, store_url: str, report: Report, say: Say) -
         health = mounts.client.ensure_running(store_url)
     seconds = report.step_seconds["daemon"] = time.perf_counter() - started
     report.host["daemon_pid"] = health["pid"]
-    say(f"daemon    {seconds:8.3f} s  lazyfetch pid {health['pid']}, blobs on {health['fuse']}")
+    report.host["data_path"] = health["data_path"]
+    why = f" ({health['data_path_reason']})" if health.get("data_path_reason") else ""
+    say(f"daemon    {seconds:8.3f} s  lazyfetch pid {health['pid']}, blobs in {health['blobs']}, "
+        f"served through {health['data_path']}{why}")
 
 
 def mount_image(mounts: HostMounts, resolved: Resolved, report: Report, say: Say) -> None:
@@ -554,9 +557,10 @@ def mount_image(mounts: HostMounts, resolved: Resolved, report: Report, say: Say
     mountpoint.mkdir()
     started = time.perf_counter()
     # No access trace: the demo stops its daemon long before one would be stored, and
-    # replaying one would prefetch what the lazy read below is meant to show.
+    # replaying one would prefetch what the lazy read below is meant to show; no background
+    # fill either, for the same reason.
     with interrupts_held():
-        mounts.mount(resolved, mountpoint, writable=True, upper=upper, trace=False)
+        mounts.mount(resolved, mountpoint, writable=True, upper=upper, trace=False, fill=False)
     seconds = report.step_seconds["mount"] = time.perf_counter() - started
     say(
         f"mount     {seconds:8.3f} s  {mountpoint}  (overlayfs, upper {upper}, on the lazy EROFS layer)"
@@ -604,6 +608,42 @@ def fetch_stats(mounts: HostMounts, report: Report, say: Say) -> None:
         f"{stats['store_requests']} requests: {share:.1f} % of the {_mb(image['bytes'])} image"
     )
     say(f"            plus the {_mb(image['meta_bytes'])} metadata image, read when mounting")
+
+
+def restart_under_a_reader(mounts: HostMounts, report: Report, say: Say) -> None:
+    """SIGKILL the daemon while the sandbox reads every file; its successor serves the rest.
+
+    The reader's reads wait meanwhile (the holder keeps the kernel state); nothing is
+    re-stacked, so the sandbox's mount is the same one and its process never notices.
+    """
+    mountpoint = Path(report.host["mountpoint"])
+    before = mounts.client.health() or {}
+    fetched = mounts.client.request("GET", "/stats")["bytes_fetched"]
+    argv = in_sandbox(mountpoint, "/bin/sh", "-c", "find / -xdev -type f -exec cat {} + | wc -c")
+    started = time.perf_counter()
+    reader = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        time.sleep(0.05)
+        os.kill(int(before["pid"]), signal.SIGKILL)
+        killed = time.perf_counter() - started
+        with interrupts_held():
+            restacked = mounts.remount()  # starts the successor: it takes the mounts over
+        out, err = reader.communicate(timeout=COMMAND_TIMEOUT)
+    except BaseException:
+        _stop_group(reader)
+        raise
+    seconds = report.step_seconds["restart"] = time.perf_counter() - started
+    after = mounts.client.health() or {}
+    if reader.returncode != 0 or restacked or after.get("generation") != before.get("generation"):
+        raise DemoError(f"daemon restart under a reader: exit {reader.returncode}, {restacked} layer(s) "
+                        f"re-stacked, generation {before.get('generation')} -> {after.get('generation')}: "
+                        f"{err.decode(errors='replace')[-400:]}")
+    now = mounts.client.request("GET", "/stats")["bytes_fetched"]
+    report.host["restart"] = {"killed_at": round(killed, 6), "seconds": round(seconds, 6),
+                              "bytes_read": int(out.split()[0]), "bytes_fetched": now}
+    say(f"restart   {seconds:8.3f} s  daemon SIGKILLed {killed * 1000:.0f} ms into reading every file of the "
+        f"image ({int(out.split()[0]) / MB:.1f} MB); pid {before.get('pid')} -> {after.get('pid')}, "
+        f"same mounts, nothing re-stacked, reader never saw an error; fetched {(now - fetched) / MB:.1f} MB more")
 
 
 def write_in_image(mounts: HostMounts, resolved: Resolved, report: Report, say: Say) -> None:
@@ -734,6 +774,7 @@ def lazy_run(mounts: HostMounts, root: Path, report: Report, say: Say) -> None:
         run_in_image(report, say)
         fetch_stats(mounts, report, say)
         write_in_image(mounts, resolved, report, say)
+        restart_under_a_reader(mounts, report, say)
         checkpoint_and_restore(mounts, resolved, report, say)
         ok = True
     finally:  # also on Ctrl-C and failed steps: a leaked mount outlives the demo
@@ -897,6 +938,8 @@ def print_summary(report: Report, stream: TextIO) -> None:
         f"  fetched {share:.1f} % of the image's data ({_mb(fetch['bytes_fetched_uncompressed'])}; "
         f"{_mb(fetch['bytes_fetched'])} compressed in {fetch['store_requests']} store requests)",
         f"  writes  {report.write['upper_path']}",
+        f"  restart the daemon SIGKILLed under a reader of every file: {steps['restart']:.3f} s to the reader's "
+        f"end, no error, no re-stack ({report.host['data_path']} data path)",
         f"sandbox   create to first command {steps['sandbox_cold']:.3f} s cold, {steps['sandbox_warm']:.3f} s warm; "
         f"restore on another host {steps['sandbox_restore']:.3f} s "
         f"({_mb(report.sandbox['restore_bytes_fetched'])} fetched)",
