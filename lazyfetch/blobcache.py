@@ -144,8 +144,10 @@ class LayerBlob:
         self.trace: dict[bytes, None] | None = None  # chunk digests in first-read order while recording
         self.trace_until = 0.0
         self.images: set[str] = set()
-        self.next_miss = -1  # where the fetches of the last miss ended: the next miss there is sequential
-        self.window = 0  # bytes fetched beyond a sequential miss, not waited for
+        # read-ahead (lazyfetch/blobfs.py): the region fetched lately is [seen_from, ahead_end); a
+        # read past ahead_mark starts the next window of ``window`` bytes (0: not sequential)
+        self.seen_from = self.ahead_mark = self.ahead_end = -(1 << 62)
+        self.window = 0
 
     def overlapping(self, offset: int, end: int) -> range:
         """Indices of the records overlapping [offset, end)."""

@@ -2,15 +2,20 @@
 
 Both data paths end here.  FUSE (lazyfetch/fuseserver.py) calls :meth:`BlobServer.read`
 for each READ of ``<blobs>/<layer hex>``; fanotify (lazyfetch/fanotify.py) calls
-:meth:`BlobServer.allow` for each pre-content event of ``<blobcache>/<hex>.blob``
-and answers FAN_ALLOW only once every chunk the range overlaps is in the
-file.  Which chunks are missing is asked of the file (SEEK_HOLE), never of
-memory; the missing ones and the next ``SYNC_AHEAD`` bytes are fetched
-together and waited for.  A reader that goes on where the last miss of the
-layer ended is sequential: it gets a window fetched beyond that, without
-waiting, that doubles with each such miss up to ``ASYNC_AHEAD`` (the kernel's
-readahead, one level down), so it finds the store's next window on its way,
-while random small reads fetch no more than before.  Every failure is logged once with the layer and offset and becomes EIO.
+:meth:`BlobServer.present` and, when something is missing, :meth:`BlobServer.allow`
+for each pre-content event of ``<blobcache>/<hex>.blob``, and answers FAN_ALLOW
+only once every chunk the range overlaps is in the file.  Which chunks are
+missing is asked of the file (SEEK_HOLE), never of memory.  A miss fetches the
+missing chunks and the next ``SYNC_AHEAD`` bytes, and waits.
+
+Read-ahead, one level below the kernel's and shaped like it: a miss inside or
+right after the region fetched for the layer lately is sequential.  It gets a
+window fetched beyond what it waits for, without waiting, and a *mark* at the
+window's start; a read (hit or miss) that reaches the mark starts the next
+window, twice as large, up to ``ASYNC_AHEAD``.  So a sequential reader finds
+the store's next window on its way and stops waiting, while random small reads
+fetch no more than they need.  Every failure is logged once with the layer and
+offset and becomes EIO.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from lazyfetch.metrics import Metrics
 
 log = logging.getLogger("layerbox.lazyfetch")
 
-SYNC_AHEAD = 512 << 10  # bytes of following chunks fetched along with a miss and waited for
-ASYNC_AHEAD = 8 << 20  # at most this many more for a sequential reader, not waited for
-SEQUENTIAL_SLACK = 1 << 20  # a miss this close to where the last one's fetch ended is sequential
+SYNC_AHEAD = 256 << 10  # bytes of following chunks fetched along with a miss and waited for
+FIRST_WINDOW = 1 << 20  # a sequential reader's first window beyond that, not waited for
+ASYNC_AHEAD = 16 << 20  # the largest window
+SEQUENTIAL_SLACK = 2 << 20  # a miss this close to the region fetched lately is sequential
 
 
 class BlobServer:
@@ -83,6 +89,28 @@ class BlobServer:
         st = os.fstat(fd)
         return self._by_inode.get((st.st_dev, st.st_ino))
 
+    def present(self, fd: int, offset: int, count: int) -> bool:
+        """True when the event's range needs nothing fetched: answered at once by the event reader.
+
+        Most events of a warm host are this; only the others go to the worker pool.
+        """
+        layer = self.layer_of(fd)
+        if layer is None:
+            return True
+        idxs = layer.overlapping(offset, min(offset + count, layer.blob_size))
+        if not idxs:
+            return True
+        if layer.missing(idxs):
+            return False
+        if layer.trace is not None:
+            self._record(layer, idxs)
+        self.metrics.hits.inc(len(idxs))
+        self.metrics.bytes_served.inc(count)
+        self.cache.touch(layer, idxs)
+        if layer.window and offset + count > layer.ahead_mark:
+            self._next_window(layer)
+        return True
+
     def allow(self, fd: int, offset: int, count: int) -> bool:
         """Fill the chunks [offset, offset+count) of the event's file overlaps; False: deny (EIO)."""
         layer = self.layer_of(fd)
@@ -109,46 +137,57 @@ class BlobServer:
             self._record(layer, idxs)
         missing = layer.missing(idxs)
         self.metrics.hits.inc(len(idxs) - len(missing))
+        end = layer.span(idxs[-1])[1]
         if not missing:
             self.cache.touch(layer, idxs)
+            if layer.window and end > layer.ahead_mark:
+                self._next_window(layer)
             return {}
         self.metrics.misses.inc(len(missing))
         first = layer.starts[missing[0]]
-        if abs(first - layer.next_miss) <= SEQUENTIAL_SLACK:
-            layer.window = min(max(layer.window * 2, SYNC_AHEAD), ASYNC_AHEAD)
+        sequential = layer.seen_from - SEQUENTIAL_SLACK <= first <= layer.ahead_end + SEQUENTIAL_SLACK
+        sync = self._missing_from(layer, idxs[-1] + 1, SYNC_AHEAD)
+        sync_end = layer.span(sync[-1])[1] if sync else end
+        if sequential:
+            layer.window = min(max(layer.window * 2, FIRST_WINDOW), ASYNC_AHEAD)
         else:
-            layer.window = 0
-        sync, later = self._ahead(layer, idxs[-1] + 1, layer.window)
-        tail = (later or sync or missing)[-1]
-        layer.next_miss = layer.span(tail)[1]
+            layer.window, layer.seen_from = 0, first
+        layer.ahead_mark = layer.ahead_end = sync_end
         wanted = [layer.records[i].digest for i in missing + sync]
-        ahead = [layer.records[i].digest for i in later]
+        ahead = self._window(layer) if layer.window else []
         fetched = self.fetcher.fetch_blocking(layer, wanted, ahead)
         self.cache.touch(layer, idxs)
         self.cache.note_complete(layer)
         return fetched
 
-    def _ahead(self, layer: LayerBlob, first: int, window: int) -> tuple[list[int], list[int]]:
-        """Missing records from ``first`` on: SYNC_AHEAD bytes of them, then ``window`` more.
+    def _next_window(self, layer: LayerBlob) -> None:
+        """The reader reached the mark: fetch the next window (twice as large) without waiting."""
+        layer.window = min(layer.window * 2, ASYNC_AHEAD)
+        ahead = self._window(layer)
+        if ahead:
+            self.fetcher.fetch_later(layer, ahead)
+
+    def _window(self, layer: LayerBlob) -> list[bytes]:
+        """The missing chunks of the next ``layer.window`` bytes after ``ahead_end``; moves the mark."""
+        first = layer.overlapping(layer.ahead_end, layer.ahead_end + 1)
+        start = first[0] if first else len(layer.records)
+        todo = self._missing_from(layer, start, layer.window)
+        layer.ahead_mark = layer.ahead_end
+        layer.ahead_end = layer.ahead_end + layer.window
+        return list(dict.fromkeys(layer.records[i].digest for i in todo))
+
+    @staticmethod
+    def _missing_from(layer: LayerBlob, first: int, budget: int) -> list[int]:
+        """Missing records among those from ``first`` on that fit ``budget`` bytes.
 
         Publishing packs chunks in blob order, so the next chunks are usually the
         next frames of the same pack and cost no extra request.
         """
-        if first >= len(layer.records):
-            return [], []
-        last, budget = first, SYNC_AHEAD + window
+        last = first
         while last < len(layer.records) and budget > 0:
             budget -= layer.records[last].length
             last += 1
-        todo = layer.missing(range(first, last))
-        sync: list[int] = []
-        spent = 0
-        for k, i in enumerate(todo):
-            if spent >= SYNC_AHEAD:
-                return sync, todo[k:]
-            sync.append(i)
-            spent += layer.records[i].length
-        return sync, []
+        return layer.missing(range(first, last))
 
     @staticmethod
     def _patch(layer: LayerBlob, offset: int, data: bytes, fetched: dict[bytes, bytes]) -> bytes:

@@ -76,6 +76,7 @@ FILL_BATCH = 64  # chunks per background fetch
 PREFETCH_BATCH = 32
 PREFETCH_CONCURRENCY = 4
 EVENT_WORKERS = 16
+EXECUTOR_THREADS = 48
 DATA_PATHS = ("auto", "fanotify", "fuse")
 
 
@@ -543,7 +544,15 @@ class Daemon:
                 for event in group.events(timeout=0.2):
                     if event.fd < 0:
                         continue
-                    pool.submit(answer, event)
+                    try:
+                        here = self.server.present(event.fd, event.offset, event.count)
+                    except Exception:
+                        here = False  # the worker finds out and answers
+                    if here:
+                        group.respond(event.fd, True)
+                        os.close(event.fd)
+                    else:
+                        pool.submit(answer, event)
         finally:
             pool.shutdown(wait=True)
 
@@ -660,6 +669,10 @@ def _serve(cfg: DaemonConfig) -> int:
             holder.put("fuse", fuse_fd, {"generation": generation, "dev": fuse_dev, "reason": reason})
 
     loop = asyncio.new_event_loop()
+    # store GETs (the file store's are blocking reads) and chunk decoding run on the loop's
+    # default executor: the stock one has cpu+4 threads, fewer than the fetches in flight
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(EXECUTOR_THREADS,
+                                                                    thread_name_prefix="layerbox-io"))
     thread = threading.Thread(target=loop.run_forever, name="layerbox-loop", daemon=True)
     thread.start()
 

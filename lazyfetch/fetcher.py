@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -36,6 +37,9 @@ log = logging.getLogger("layerbox.lazyfetch")
 
 MAX_RUN = 4 << 20  # one ranged GET covers at most this many compressed bytes
 MAX_GAP = 0  # only exactly adjacent frames are merged; gaps would fetch bytes nobody asked for
+
+
+_NO_LIMIT = contextlib.nullcontext()
 
 
 class FetchError(LazyfetchError):
@@ -87,6 +91,9 @@ class Fetcher:
         self.timeout = timeout
         self._inflight: dict[tuple[str, bytes], asyncio.Future[bytes]] = {}
         self._sem = asyncio.Semaphore(concurrency)
+        # read-ahead, prefetch and fill take at most this many of the GETs in flight, so a
+        # reader's own fetch never queues behind a window nobody waits for yet
+        self._ahead_sem = asyncio.Semaphore(max(concurrency // 4, 1))
         self.foreground = 0  # fetches a reader waits for: background fill yields to them
 
     # -- called from the threads serving the kernel -------------------------------------
@@ -102,6 +109,11 @@ class Fetcher:
                 f"store {self.store.url} did not deliver {len(wanted)} chunk(s) of layer {layer.digest} "
                 f"within {self.timeout:.0f} s (first {wanted[0].hex()})"
             ) from None
+
+    def fetch_later(self, layer: LayerBlob, wanted: list[bytes]) -> None:
+        """Start fetching ``wanted`` (counted as prefetched) and return at once."""
+        future = asyncio.run_coroutine_threadsafe(self.fetch_many(layer, wanted, prefetch=True), self.loop)
+        future.add_done_callback(_log_failure)
 
     async def _foreground(self, layer: LayerBlob, wanted: list[bytes], ahead: list[bytes] | None
                           ) -> dict[bytes, bytes]:
@@ -153,7 +165,7 @@ class Fetcher:
         self.metrics.inflight.inc(len(run.items))
         started: float | None = None
         try:
-            async with self._sem:
+            async with self._ahead_sem if prefetch else _NO_LIMIT, self._sem:
                 started = time.perf_counter()
                 self.metrics.requested()
                 data = await self.store.read_pack_range(run.pack, run.start, run.end)
@@ -161,9 +173,9 @@ class Fetcher:
             if len(data) != run.end - run.start:
                 raise FetchError(f"{self.store.url}: short read of {pack_key(run.pack)} "
                                  f"[{run.start}, {run.end}): got {len(data)} bytes")
-            results = await asyncio.to_thread(self._decode_run, run, data, layer, prefetch)
+            await asyncio.to_thread(self._decode_run, run, data, layer, prefetch)
         except BaseException as exc:
-            for digest, _ in run.items:
+            for digest, _ in run.items:  # (the chunks settled already are not in flight any more)
                 self._fail((layer.hexd, digest), exc)
             if not isinstance(exc, Exception):
                 raise
@@ -172,15 +184,16 @@ class Fetcher:
             self.metrics.inflight.dec(len(run.items))
             if started is not None:  # one observation per GET sent: fetch_count == store_requests
                 self.metrics.fetch_seconds.observe(time.perf_counter() - started)
-        for digest, value in results.items():
-            fut = self._inflight.pop((layer.hexd, digest), None)
-            if fut is None or fut.done():
-                continue
-            if isinstance(value, Exception):
-                fut.set_exception(value)
-                fut.exception()  # retrieved: nobody may be waiting any more
-            else:
-                fut.set_result(value)
+
+    def _settle(self, key: tuple[str, bytes], value: bytes | Exception) -> None:
+        fut = self._inflight.pop(key, None)
+        if fut is None or fut.done():
+            return
+        if isinstance(value, Exception):
+            fut.set_exception(value)
+            fut.exception()  # retrieved: nobody may be waiting any more
+        else:
+            fut.set_result(value)
 
     def _fail(self, key: tuple[str, bytes], exc: BaseException) -> None:
         fut = self._inflight.pop(key, None)
@@ -188,10 +201,12 @@ class Fetcher:
             fut.set_exception(exc if isinstance(exc, Exception) else FetchError(repr(exc)))
             fut.exception()
 
-    def _decode_run(self, run: _Run, data: bytes, layer: LayerBlob, prefetch: bool
-                    ) -> dict[bytes, bytes | Exception]:
-        """Decompress and verify each chunk; write the good ones into the blob (off the loop)."""
-        results: dict[bytes, bytes | Exception] = {}
+    def _decode_run(self, run: _Run, data: bytes, layer: LayerBlob, prefetch: bool) -> None:
+        """Decompress and verify each chunk, write the good ones into the blob (off the loop).
+
+        Each chunk's waiters are woken as soon as it is in the blob, not when the whole
+        run is: a reader waiting for the first chunk of a 4 MiB run waits for one chunk.
+        """
         for digest, loc in run.items:
             frame = data[loc.offset - run.start : loc.offset - run.start + loc.length]
             where = f"{pack_key(run.pack)}@{loc.offset}+{loc.length}"
@@ -201,17 +216,23 @@ class Fetcher:
             except Exception as exc:  # zstd's own error type for undecodable frames
                 chunk, ok = b"", False
                 log.error("corrupt chunk %s from %s (%s): %s", digest.hex(), self.store.url, where, exc)
-            if not ok:
+            value: bytes | Exception
+            if ok:
+                self.metrics.verified(layer.digest, len(chunk), prefetch=prefetch)
+                if not self.cache.fill(layer, digest, chunk):
+                    self.metrics.cache_put_failures.inc()
+                value = chunk
+            else:
                 self.metrics.corrupt.inc()
                 log.error("chunk %s from %s (%s) does not match its digest; not served, will refetch",
                           digest.hex(), self.store.url, where)
-                results[digest] = CorruptChunk(f"chunk {digest.hex()} from {self.store.url} ({where}) is corrupt")
-                continue
-            self.metrics.verified(layer.digest, len(chunk), prefetch=prefetch)
-            if not self.cache.fill(layer, digest, chunk):
-                self.metrics.cache_put_failures.inc()
-            results[digest] = chunk
-        return results
+                value = CorruptChunk(f"chunk {digest.hex()} from {self.store.url} ({where}) is corrupt")
+            self.loop.call_soon_threadsafe(self._settle, (layer.hexd, digest), value)
+
+
+def _log_failure(future: concurrent.futures.Future[dict[bytes, bytes]]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("read-ahead failed: %s", future.exception())
 
 
 def _ignore_result(task: asyncio.Future[dict[bytes, bytes]]) -> None:
