@@ -87,3 +87,11 @@ class FanotifyError(LazyfetchError, OSError):
 class HolderError(LazyfetchError):
     """The fd holder (lazyfetch/holder.py) could not be started, reached or understood."""
 
+
+class FuseServerError(LazyfetchError):
+    """The FUSE server cannot serve this connection (lazyfetch/fuseserver.py).
+
+    Raised by ``FuseServer.serve`` when the kernel speaks a protocol version the
+    server does not (the message names both) or the device fails in a way that
+    no request explains; the caller should unmount and mount afresh.
+    """

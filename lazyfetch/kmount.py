@@ -334,6 +334,36 @@ def mount_erofs(
     _mount2(meta_b, target, "erofs", flags, data, paths)
 
 
+def mount_fuse(
+    device_fd: int,
+    mountpoint: StrPath,
+    options: str,
+    *,
+    fstype: str = "fuse.layerbox",
+    source: str = "layerbox",
+    flags: int = MS_NOSUID | MS_NODEV | MS_RDONLY,
+) -> int:
+    """Mount the FUSE connection of the open ``/dev/fuse`` ``device_fd`` on ``mountpoint``.
+
+    ``options`` are the FUSE options after ``fd=N`` (``rootmode=40000,user_id=0,...``).
+    Returns the new mount's device number: it names the connection in
+    /sys/fs/fuse/connections/ and its bdi in /sys/class/bdi/.  It is read with
+    statx(AT_STATX_DONT_SYNC), because a plain stat would wait for a FUSE server that
+    cannot be running yet (nobody has replied to the kernel's INIT).
+    """
+    target = _path_bytes(mountpoint, "mount point")
+    data = f"fd={device_fd},{options}".encode()
+    _check_data_fits(data, f"{fstype} mount on {os.fsdecode(target)!r}")
+    _mount2(source.encode(), target, fstype, flags, data, {"mount point": target})
+    buf = ctypes.create_string_buffer(_STATX_BUF)
+    if _libc().statx(_AT_FDCWD, target, _AT_SYMLINK_NOFOLLOW | _AT_STATX_DONT_SYNC, 0, buf) != 0:
+        err = ctypes.get_errno()
+        raise KernelMountError(err, operation="statx of the new mount", source=source,
+                               mountpoint=os.fsdecode(target), fstype=fstype)
+    major, minor = _STATX_DEV.unpack_from(buf, 136)  # stx_dev_major, stx_dev_minor
+    return os.makedev(major, minor)
+
+
 # --------------------------------------------------------------------------
 # overlayfs
 
@@ -583,6 +613,7 @@ class MountInfo:
     fstype: str
     source: str
     super_options: str
+    dev: int = 0  # st_dev of the mount's files, from the "major:minor" field (no stat: a FUSE mount may hang)
 
 
 def _unescape(field: bytes) -> str:
@@ -601,6 +632,7 @@ def _parse_mountinfo_line(line: bytes) -> MountInfo:
         fstype=_unescape(fields[sep + 1]),
         source=_unescape(fields[sep + 2]),
         super_options=_unescape(fields[sep + 3]) if len(fields) > sep + 3 else "",
+        dev=os.makedev(*map(int, fields[2].split(b":"))),
     )
 
 
@@ -613,7 +645,6 @@ def read_mountinfo() -> list[MountInfo]:
 def _escape(path: str) -> bytes:
     # the kernel's show_path escaping (seq_path with " \t\n\\")
     return (os.fsencode(path).replace(b"\\", b"\\134").replace(b" ", b"\\040")
-    dev: int = 0  # st_dev of the mount's files, from the "major:minor" field (no stat: a FUSE mount may hang)
             .replace(b"\t", b"\\011").replace(b"\n", b"\\012"))
 
 
@@ -632,11 +663,11 @@ def mountpoints() -> list[str]:
 
 _AT_SYMLINK_NOFOLLOW: Final = 0x100
 _AT_NO_AUTOMOUNT: Final = 0x800
-        dev=os.makedev(*map(int, fields[2].split(b":"))),
 _AT_STATX_DONT_SYNC: Final = 0x4000
 _STATX_ATTR_MOUNT_ROOT: Final = 0x2000
 _STATX_BUF: Final = 256  # sizeof(struct statx)
 _STATX_ATTRIBUTES = struct.Struct("=Q")  # stx_attributes at 8, stx_attributes_mask at 56
+_STATX_DEV = struct.Struct("=II")  # stx_dev_major, stx_dev_minor at 136
 
 
 def _statx_mount_root(path: bytes) -> bool | None:

@@ -103,6 +103,14 @@ class Mounts:
         self._mounted.append(mountpoint)
         return mountpoint
 
+    def adopt(self, mountpoint: Path) -> None:
+        """Unmount ``mountpoint``, mounted by other means (a FUSE server's), with the rest."""
+        self._mounted.append(mountpoint)
+
+    def fresh_dir(self, kind: str) -> Path:
+        """A new empty directory to mount on."""
+        return self._fresh_dir(kind)
+
     def unmount(self, mountpoint: Path) -> None:
         """Unmount one of our mounts before the test ends (to test what follows)."""
         kmount.umount(mountpoint)
