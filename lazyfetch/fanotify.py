@@ -360,13 +360,14 @@ def _serve_from(group: Group, source_fd: int, target_fd: int, stop: threading.Ev
 def probe(workdir: str) -> str | None:
     """None when pre-content events work in ``workdir`` end to end, else the reason.
 
-    Builds a tiny layer in a temporary directory under ``workdir`` with
-    layerbox's converter, marks an empty sparse copy of its blob, mounts the
+    Builds a tiny chunked layer (a metadata image and a blob device, as
+    layerbox's layers are) in a temporary directory under ``workdir`` with
+    ``mkfs.erofs`` (erofs-utils: lazyfetch does not depend on the converters),
+    marks an empty sparse copy of its blob, mounts the
     metadata image on it, reads the file from a child process while a handler
     thread fills the blob from the real one, and compares the bytes.  Needs
     root (mounting and the group).  Everything it makes is removed.
     """
-    from converters.layer import convert_directory
     from lazyfetch import kmount
     from lazyfetch.errors import LazyfetchError
 
@@ -394,13 +395,19 @@ def probe(workdir: str) -> str | None:
         payload = _probe_bytes()
         with open(os.path.join(src, "file"), "wb") as f:
             f.write(payload)
-        layer = convert_directory(src, os.path.join(tmp, "meta.erofs"),
-                                  os.path.join(tmp, "real.blob"), chunk_size=64 * 1024)
-        real_fd = os.open(layer.blob_path, os.O_RDONLY | os.O_CLOEXEC)
+        meta, real = os.path.join(tmp, "meta.erofs"), os.path.join(tmp, "real.blob")
+        try:
+            made = subprocess.run(["mkfs.erofs", f"--blobdev={real}", "--chunksize=65536", "-T0", meta, src],
+                                  capture_output=True, timeout=60, check=False)
+        except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
+            return f"cannot build the probe layer with mkfs.erofs (erofs-utils): {exc}"
+        if made.returncode != 0:
+            return f"mkfs.erofs failed: {made.stderr.decode('utf-8', 'replace').strip()[-300:]}"
+        real_fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC)
         fds.append(real_fd)
         os.ftruncate(fds[0], os.fstat(real_fd).st_size)
         group.watch(sparse)
-        kmount.mount_erofs(layer.meta_path, mnt, sparse)
+        kmount.mount_erofs(meta, mnt, sparse)
         mounted = True
         if not group.watching(sparse):
             return f"the mark on {sparse!r} is not in the group's fdinfo after the mount"
