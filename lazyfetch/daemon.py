@@ -579,11 +579,19 @@ def _choose_path(cfg: DaemonConfig) -> tuple[str, str | None]:
     return "fuse", reason
 
 
+PROBE_CACHE = Path("/run/layerbox")  # tmpfs: gone at reboot, as the probe's answer may be
+
+
 def _probe_cached(blob_dir: Path) -> str | None:
-    """``fanotify.probe`` of the blob dir, once per boot, kernel and filesystem (~0.2 s each)."""
+    """``fanotify.probe`` of the blob dir, once per boot, kernel and filesystem (~0.2 s each).
+
+    Kept for the whole host (every data dir on one filesystem gets the same answer), so a
+    fresh data dir's first mount does not pay it again.
+    """
     st = os.stat(blob_dir)
     key = {"boot_id": boot_id(), "kernel": os.uname().release, "dev": st.st_dev}
-    path = blob_dir / "probe.json"
+    private_dir(PROBE_CACHE)
+    path = PROBE_CACHE / f"fanotify-probe-{st.st_dev:x}.json"
     with contextlib.suppress(OSError, ValueError):
         doc = json.loads(path.read_text())
         if doc.get("key") == key:
