@@ -157,6 +157,7 @@ class Daemon:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._tracing: set[str] = set()
         self._filling: set[str] = set()
+        self._replays: dict[str, asyncio.Task[int]] = {}  # layer hex -> its trace replay
         self._bucket = _Bucket(max(cfg.fill_bandwidth, 1))
         if group is not None:
             self.cache.on_complete = lambda layer: group.ignore(str(layer.path))
@@ -289,7 +290,11 @@ class Daemon:
         if doc:
             wanted = [(hex_digest(layer), bytes.fromhex(d))
                       for layer in layers for d in doc.get("layers", {}).get(layer, [])]
-            self._spawn(self.prefetch(wanted))
+            replay = self.loop.create_task(self.prefetch(wanted))
+            self._tasks.add(replay)
+            replay.add_done_callback(self._tasks.discard)
+            for layer in layers:  # the background fill of these layers starts after it
+                self._replays[hex_digest(layer)] = replay
             return "replaying"
         if image in self._tracing:
             return "recording"
@@ -373,9 +378,13 @@ class Daemon:
         return True
 
     async def _fill(self, layers: list[LayerBlob]) -> None:
-        """The rest of each layer, at low priority: after readers, within a rate and a cache budget."""
+        """The rest of each layer, at low priority: after its trace replay and readers, within a rate
+        and a cache budget."""
         try:
             for layer in layers:
+                replay = self._replays.pop(layer.hexd, None)
+                if replay is not None:
+                    await asyncio.wait([replay])
                 for start in range(0, len(layer.records), FILL_BATCH):
                     idxs = layer.missing(range(start, min(start + FILL_BATCH, len(layer.records))))
                     if not idxs:

@@ -27,13 +27,22 @@ from tests.test_lazyfetch import make_source
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse")]
 
 READER = r"""
-import hashlib, mmap, sys
+import hashlib, mmap, os, random, sys
 path, how = sys.argv[1], sys.argv[2]
 try:
     with open(path, "rb") as f:
         if how == "mmap":
             with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
                 data = bytes(m)
+        elif how == "random":  # 4-64 KiB preads at random offsets until every byte was read once
+            size = os.fstat(f.fileno()).st_size
+            pieces, rnd = {}, random.Random(size)
+            starts = list(range(0, size, 65536))
+            rnd.shuffle(starts)
+            for start in starts:
+                for at in range(start, min(start + 65536, size), 16384):
+                    pieces[at] = os.pread(f.fileno(), min(16384, size - at), at)
+            data = b"".join(pieces[k] for k in sorted(pieces))
         else:
             data = b"".join(iter(lambda: f.read(65536), b""))
 except OSError as exc:
@@ -55,7 +64,7 @@ def sha(path: Path) -> str:
 def readers(mnt: Path, names: list[str]) -> list[tuple[str, subprocess.Popen[str]]]:
     out = []
     for k, name in enumerate(names):
-        how = "mmap" if k % 3 == 2 else "read"
+        how = ("read", "random", "mmap")[k % 3]
         out.append((name, subprocess.Popen([sys.executable, "-c", READER, str(mnt / name), how],
                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     return out
