@@ -88,8 +88,15 @@ class FuseMounts:
 
     def serve(self, source: fuseserver.BlobSource, fd: int) -> threading.Thread:
         """Serve in this process, on a thread (so the test sees the source's records)."""
+        return self._serve(source, fd, resumed=False)
+
+    def serve_resumed(self, source: fuseserver.BlobSource, fd: int) -> threading.Thread:
+        return self._serve(source, fd, resumed=True)
+
+    def _serve(self, source: fuseserver.BlobSource, fd: int, *, resumed: bool) -> threading.Thread:
         server = fuseserver.FuseServer(source, fd, threads=4)
-        thread = threading.Thread(target=server.serve, name="fuse-serve", daemon=True)
+        thread = threading.Thread(target=server.serve, kwargs={"resumed": resumed},
+                                  name="fuse-serve", daemon=True)
         thread.start()
         self._servers.append((server, thread))
         return thread
@@ -325,3 +332,73 @@ def test_killed_server_is_replaced_without_errors(fuse: FuseMounts, tmp_path: Pa
     assert all(r.done for r in readers)
     after = sum(r.bytes_read for r in readers) - sum(progress)
     print(f"\nafter the takeover: {after / MIB:.0f} MiB in {seconds:.1f} s by 4 readers")
+
+
+# --------------------------------------------------------------------------
+# faults of the source, and names the server must refuse
+
+
+class FaultySource(MemorySource):
+    """Fails reads of the blobs named in ``faults`` in the way given there."""
+
+    def __init__(self, files: dict[str, bytes], faults: dict[str, str]) -> None:
+        super().__init__(files)
+        self.faults = faults
+
+    def read(self, name: str, offset: int, size: int) -> memoryview:
+        fault = self.faults.get(name)
+        if fault == "eio":
+            raise OSError(errno.EIO, f"fetching {name} failed")
+        if fault == "enospc":
+            raise OSError(errno.ENOSPC, "cache full")
+        if fault == "bug":
+            raise ValueError("not an OSError")
+        if fault == "short":
+            return super().read(name, offset, size)[:-1]
+        return super().read(name, offset, size)
+
+
+def test_source_failures_become_errnos(fuse: FuseMounts, caplog: pytest.LogCaptureFixture) -> None:
+    rng = random.Random(6)
+    files = {_name(i): rng.randbytes(20000) for i in range(5)}
+    faults = {_name(0): "eio", _name(1): "enospc", _name(2): "bug", _name(3): "short"}
+    mountpoint, fd = fuse.mount()
+    fuse.serve(FaultySource(files, faults), fd)
+    expected = {"eio": errno.EIO, "enospc": errno.ENOSPC, "bug": errno.EIO, "short": errno.EIO}
+    for name, fault in faults.items():
+        with pytest.raises(OSError, match=os.strerror(expected[fault])) as failed:
+            (mountpoint / name).read_bytes()
+        assert failed.value.errno == expected[fault], fault
+        assert name in caplog.text  # logged with the name (and the offset)
+    assert (mountpoint / _name(4)).read_bytes() == files[_name(4)]  # the others still read
+
+
+def test_names_sharing_a_node_id_are_both_refused(fuse: FuseMounts) -> None:
+    prefix = "ab" * 7 + "c"  # 15 hex digits: the node id's
+    twins = [prefix + "0" * 49, prefix + "1" * 49]
+    files = {twins[0]: b"one", twins[1]: b"two", _name(0): b"three"}
+    mountpoint, fd = fuse.mount()
+    fuse.serve(MemorySource(files), fd)
+    for twin in twins:
+        with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+            os.stat(mountpoint / twin)
+    assert (mountpoint / _name(0)).read_bytes() == b"three"
+
+
+def test_stop_then_resume_in_process(fuse: FuseMounts, caplog: pytest.LogCaptureFixture) -> None:
+    files = _random_files(random.Random(7))
+    mountpoint, fd = fuse.mount()
+    first = fuseserver.FuseServer(MemorySource(files), fd, threads=2)
+    thread = threading.Thread(target=first.serve)
+    thread.start()
+    try:
+        assert (mountpoint / _name(1)).read_bytes() == files[_name(1)]
+    finally:
+        first.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+    # the connection lives on: a new server resumes it without INIT
+    fuse.serve_resumed(MemorySource(files), fd)
+    assert (mountpoint / _name(3)).read_bytes() == files[_name(3)]
+    assert os.stat(mountpoint / _name(0)).st_size == len(files[_name(0)])
+    assert "FUSE_NOTIFY_RESEND refused" not in caplog.text  # the kernel took it (6.9+)
