@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -49,8 +51,9 @@ import struct
 import subprocess
 import sys
 import tarfile
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,11 +76,14 @@ from common import (  # shared by the benchmarks
 from converters.errors import ConvertError  # noqa: E402
 from converters.oci import inspect_image  # noqa: E402
 from converters.publish import publish  # noqa: E402
+from layerstore.erofs.reader import ErofsImage  # noqa: E402
 from layerstore.errors import LayerstoreError  # noqa: E402
 from layerstore.objects import Resolved, doc_key, index_key, meta_key, trace_key  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 from lazyfetch import kmount  # noqa: E402
+from lazyfetch.blobcache import holes, padded  # noqa: E402
 from lazyfetch.errors import LazyfetchError  # noqa: E402
+from lazyfetch.fetcher import plan_runs  # noqa: E402
 from lazyfetch.mounts import HostMounts  # noqa: E402
 
 SCHEMA = "layerbox.bench.lazy.v1"
@@ -105,6 +111,9 @@ TASK_SCRIPT = (
 TASK = ("/bin/sh", "-c", TASK_SCRIPT)
 CASES = (("minbase", "cat"), ("python", "cat"), ("python", "python"), (BIG, "cat"), (BIG, "python"))
 READ_TREE = "usr"  # what the sequential read reads, in the python image
+SECTIONS = ("first", "replay", "read", "mount", "start", "burst")
+DEFAULT_SECTIONS = ("first", "replay", "read", "mount", "start")
+DATA_PATHS = ("fanotify", "fuse")
 TOOLS = {"skopeo": "skopeo", "umoci": "umoci", "strace": "strace", "unshare": "util-linux",
          "chroot": "coreutils", "fincore": "util-linux", "sync": "coreutils"}
 COMMAND_TIMEOUT = 600.0
@@ -115,6 +124,10 @@ SETTLE_TIMEOUT = 120.0  # for a replayed trace's prefetch to finish
 GOAL_FETCH_OVER_READ = 1.3  # bytes fetched <= this x the bytes of the files the command opened
 GOAL_SIZE_RATIO = 1.25  # first output on the largest image <= this x on the smallest
 GOAL_CACHED_ONCE = 1.1  # page cache per byte read through the mount <= this x the plain directory's
+GOAL_REREAD = 0.9  # issue 13: re-read, page cache dropped >= this x EROFS on a local blob
+GOAL_COLD = 0.8  # issue 13: cold reads >= this x the store's raw delivery (1 and 16 readers)
+GOAL_TASK_COLD = 2.0  # issue 13: the task cold <= this x the plain dir with dropped caches
+GOAL_TASK_TRACE = 1.3  # issue 13: ... with its trace
 
 
 
@@ -483,16 +496,16 @@ def eager_run(image: ImageInput, command: Sequence[str], dest: Path) -> dict[str
     }
 
 
-def eager_section(images: Mapping[str, ImageInput], work: Path, trash: Trash, repeat: int
-                  ) -> tuple[dict[str, Any], Path]:
-    """Every case eagerly; what each command opens; the task; and the python tree kept as the
-    plain directory (returned)."""
+def eager_section(images: Mapping[str, ImageInput], work: Path, trash: Trash, repeat: int, *,
+                  first: bool = True, with_task: bool = True) -> tuple[dict[str, Any], Path]:
+    """Every case eagerly (``first``); what each command opens; the task (``with_task``); and the python
+    tree kept as the plain directory (returned; unpacked untimed when no case made it)."""
     base = work / "eager"
     cases = []
     n = 0
     kept = base / "plain-python"
     for tag, cmd in CASES:
-        if tag not in images:
+        if tag not in images or not first:
             continue
         runs = []
         opened: dict[str, Any] = {}
@@ -510,6 +523,13 @@ def eager_section(images: Mapping[str, ImageInput], work: Path, trash: Trash, re
         cases.append({"image": tag, "command": cmd, "argv": list(COMMANDS[cmd]), "runs": runs,
                       "median": medians(runs), "opened": opened})
     rootfs = kept / "bundle" / "rootfs"
+    if not kept.exists():
+        log("plain directory: skopeo copy + umoci unpack of python")
+        kept.mkdir(parents=True)
+        run_tool(["skopeo", "copy", "-q", images["python"].src, f"oci:{kept / 'oci'}:python"])
+        run_tool(["umoci", "unpack", "--image", f"{kept / 'oci'}:python", str(kept / "bundle")])
+    if not with_task:
+        return {"cases": cases}, rootfs
     task_runs, plain_cold, plain_hot = [], [], []
     for i in range(repeat):
         n += 1
@@ -549,7 +569,7 @@ def plain_read(rootfs: Path) -> dict[str, Any]:
         "files": len(files), "bytes": n,
         "passes": {"cold": pass_row(n, cold), "warm": pass_row(n, warm)},
         "page_cache": {"bytes_read": n, "cached_delta": c1 - c0, "files_resident": resident,
-                       "chunk_cache_resident": 0, "blob_resident": 0,
+                       "blob_resident": 0,
                        "resident_per_byte": ratio(resident, n), "cached_delta_per_byte": ratio(c1 - c0, n)},
     }
 
@@ -560,6 +580,7 @@ def plain_read(rootfs: Path) -> dict[str, Any]:
 @dataclass
 class Ctx:
     kind: str  # "file" or "s3"
+    path: str  # the daemon's data path: "fanotify" or "fuse"
     url: str
     work: Path
     hosts: Path
@@ -567,19 +588,32 @@ class Ctx:
     trace_seconds: float
     n: int = 0
 
+    @property
+    def label(self) -> str:
+        return f"{self.kind}/{self.path}"
+
     def fresh(self, label: str) -> tuple[Path, Path]:
         """A new host data dir and a new mount point."""
         self.n += 1
         root = self.hosts / f"{self.n:03d}-{label}"
-        mp = self.mnt / f"{self.kind}-{self.n:03d}-{label}"
+        mp = self.mnt / f"{self.kind}-{self.path}-{self.n:03d}-{label}"
         mp.mkdir(parents=True)
         return root, mp
 
+    def options(self, *, fill: bool = False) -> dict[str, Any]:
+        """The daemon's flags: this data path; the background fill off unless asked for, so that
+        every figure but the burst's "fill on" shows reads alone."""
+        opts: dict[str, Any] = {"trace_seconds": self.trace_seconds, "fetch_timeout": 60.0,
+                                "data_path": self.path}
+        if not fill:
+            opts["fill_below"] = 0
+        return opts
+
 
 @contextlib.contextmanager
-def host(ctx: Ctx, root: Path) -> Iterator[HostMounts]:
+def host(ctx: Ctx, root: Path, *, fill: bool = False) -> Iterator[HostMounts]:
     """One host: its own data dir and daemon; everything unmounted and stopped however we leave."""
-    hm = HostMounts(root, ctx.url, daemon_options={"trace_seconds": ctx.trace_seconds, "fetch_timeout": 60.0})
+    hm = HostMounts(root, ctx.url, daemon_options=ctx.options(fill=fill))
     try:
         yield hm
     finally:
@@ -700,11 +734,14 @@ def timed_task(ctx: Ctx, hm: HostMounts, root: Path, mp: Path, image: ImageInput
                ) -> tuple[dict[str, Any], str | None]:
     t0 = time.perf_counter()
     resolved = resolve(ctx.url, root, image.name)
+    ta = time.perf_counter()
     hm.client.ensure_running(ctx.url, **hm.daemon_options)
+    tb = time.perf_counter()
     result = hm.mount(resolved, mp, writable=True, trace=trace)
     t1 = time.perf_counter()
     out = run_timed(chroot_argv(mp, TASK), env=CHROOT_ENV)
-    return {"seconds": out.exited - t0, "mount": t1 - t0, "task": out.exited - t1}, result.trace
+    return {"seconds": out.exited - t0, "mount": t1 - t0, "daemon": tb - ta, "task": out.exited - t1,
+            "without_daemon": out.exited - t0 - (tb - ta)}, result.trace
 
 
 def replay_section(ctx: Ctx, image: ImageInput, digest: str) -> dict[str, Any]:
@@ -718,7 +755,7 @@ def replay_section(ctx: Ctx, image: ImageInput, digest: str) -> dict[str, Any]:
         row, mode = timed_task(ctx, hm, root, mp, image, trace=True)
         row.update(stat_delta(stats(hm)), trace=mode)
         rows["cold"] = row
-        log(f"[{ctx.kind}] replay: cold task {row['seconds']:.2f} s; waiting for its trace")
+        log(f"[{ctx.label}] replay: cold task {row['seconds']:.2f} s; waiting for its trace")
         deadline = time.monotonic() + ctx.trace_seconds + TRACE_WAIT
         trace_bytes = None
         while trace_bytes is None and time.monotonic() < deadline:
@@ -755,53 +792,644 @@ def pass_row(nbytes: int, seconds: float) -> dict[str, Any]:
     return {"bytes": nbytes, "seconds": seconds, "mb_per_s": rate(nbytes, seconds)}
 
 
-def read_and_mount_section(ctx: Ctx, image: ImageInput, mounts: int) -> dict[str, Any]:
-    """Sequential reads of /usr through the mount, the page cache they use, then mount times."""
+@dataclass
+class ReadPeers:
+    """The peers of the sequential reads, made once per store: the plain (unpacked) tree, a
+    ``cp -a`` copy of it, and the image's layers as EROFS on fully materialized local blob files
+    (the same metadata images, ``device=`` a plain local file) stacked as the mount stacks them."""
+
+    plain: Path  # the unpacked rootfs
+    copy: Path  # a root holding a `cp -a` copy of READ_TREE
+    local: Path | None = None  # the overlay of the local-blob EROFS mounts (per store)
+    local_bytes: int = 0  # bytes of the local blob files
+
+
+def _slices(items: Sequence[Any], n: int) -> list[list[Any]]:
+    """``items`` in ``n`` contiguous slices of near-equal length (some empty when too few)."""
+    k, extra = divmod(len(items), n)
+    out, at = [], 0
+    for i in range(n):
+        size = k + (1 if i < extra else 0)
+        out.append(list(items[at : at + size]))
+        at += size
+    return out
+
+
+def read_concurrently(slices: Sequence[Sequence[str]]) -> int:
+    """Every slice read by its own thread at once (os.read releases the GIL)."""
+    with concurrent.futures.ThreadPoolExecutor(len(slices)) as pool:
+        return sum(pool.map(read_files, slices))
+
+
+def timed_read(files: Sequence[str], readers: int = 1) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    n = read_files(files) if readers == 1 else read_concurrently(_slices(files, readers))
+    return n, time.perf_counter() - t0
+
+
+def present_chunks(root: Path, resolved: Resolved) -> list[bytes]:
+    """The chunks a host's blob files hold (asked of the files: SEEK_HOLE), in blob order, once each."""
+    out: dict[bytes, None] = {}
+    for layer in resolved.layers:
+        hexd = layer.digest.removeprefix("blake3:")
+        img = ErofsImage.open(root / "meta" / f"{hexd}.erofs")
+        fd = os.open(root / "blobcache" / f"{hexd}.blob", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for rec in sorted(img.blob_map, key=lambda r: r.block):
+                start = rec.block * img.block_size
+                if not any(True for _ in holes(fd, start, start + rec.length)):
+                    out.setdefault(rec.digest, None)
+        finally:
+            os.close(fd)
+    return list(out)
+
+
+async def _raw_gets(url: str, data_dir: Path, resolved: Resolved, chunks: Sequence[bytes], loops: int
+                    ) -> dict[str, Any]:
+    """The store's own delivery: ``loops`` concurrent loops of ranged GETs (Store.read_pack_range)
+    of these chunks' frames, adjacent frames merged as the fetcher merges them (<= 4 MiB per GET),
+    each loop one contiguous slice of ``chunks``; no decoding, no verifying, nothing written."""
+    async with await Store.open(url, data_dir) as store:
+        for layer in resolved.layers:
+            await store.load_layer_locations(layer)
+        plans = []
+        for part in _slices(chunks, loops):
+            wanted = []
+            for digest in part:
+                loc = store.locate(digest)
+                if loc is None:
+                    raise BenchError(f"chunk {digest.hex()} of {resolved.digest} is in no pack index of {url}")
+                wanted.append((digest, loc))
+            plans.append(plan_runs(wanted))
+
+        async def loop(runs: Sequence[Any]) -> int:
+            n = 0
+            for run in runs:
+                n += len(await store.read_pack_range(run.pack, run.start, run.end))
+            return n
+
+        await asyncio.to_thread(drop_caches)  # the pack files (file://) must not be in the page cache
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(loop(runs) for runs in plans))
+        seconds = time.perf_counter() - t0
+    return {"loops": loops, "chunks": len(chunks), "requests": sum(len(p) for p in plans), "bytes": sum(got),
+            "seconds": seconds, "mb_per_s": rate(sum(got), seconds)}
+
+
+def raw_gets(ctx: Ctx, resolved: Resolved, chunks: Sequence[bytes], loops: int) -> dict[str, Any]:
+    root = ctx.hosts / f"raw-{ctx.n:03d}"
+    try:
+        return asyncio.run(_raw_gets(ctx.url, root, resolved, chunks, loops))
+    finally:
+        remove_tree(root)
+
+
+def cold_pass(ctx: Ctx, image: ImageInput, readers: int) -> dict[str, Any]:
+    """A fresh host (fill off), page cache dropped: /READ_TREE read by ``readers`` threads at once;
+    then the same chunks fetched by as many raw ranged-GET loops."""
+    root, mp = ctx.fresh(f"cold{readers}")
+    with host(ctx, root) as hm:
+        resolved = resolve(ctx.url, root, image.name)
+        hm.mount(resolved, mp, trace=False)
+        files = regular_files(mp / READ_TREE)
+        drop_caches()
+        before = stats(hm)
+        n, seconds = timed_read(files, readers)
+        row: dict[str, Any] = {"readers": readers, **pass_row(n, seconds), **stat_delta(stats(hm), before)}
+        hm.umount(mp)
+        chunks = present_chunks(root, resolved)
+        row["fetched_mb_per_s"] = rate(row["bytes_fetched"], seconds)
+        row["raw"] = raw_gets(ctx, resolved, chunks, readers)
+        row["vs_raw"] = ratio(row["fetched_mb_per_s"], row["raw"]["mb_per_s"])
+    mp.rmdir()
+    return row
+
+
+def read_and_mount_section(ctx: Ctx, image: ImageInput, peers: ReadPeers, *, rounds: int, readers: int,
+                           mounts: int | None) -> dict[str, Any]:
+    """Sequential reads of /usr through the mount from an empty host (one reader, then ``readers``)
+    against raw GET loops; with every chunk on the host and the page cache dropped, against the
+    same EROFS on local blob files and the plain trees; the page cache they use; mount times."""
+    log(f"[{ctx.label}] cold sequential read, 1 reader, and raw GETs")
+    cold = cold_pass(ctx, image, 1)
+    log(f"[{ctx.label}] cold read, {readers} readers, and {readers} raw GET loops")
+    cold_many = cold_pass(ctx, image, readers)
     root, mp = ctx.fresh("read")
     with host(ctx, root) as hm:
         resolved = resolve(ctx.url, root, image.name)
         hm.mount(resolved, mp, trace=False)
         files = regular_files(mp / READ_TREE)
-        passes = {}
+        rel = [os.path.relpath(f, mp) for f in files]
+        trees = {"mount": mp, "local_blob": peers.local, "plain": peers.plain, "copy": peers.copy}
+        lists = {k: [os.path.join(v, r) for r in rel] for k, v in trees.items() if v is not None}
+        passes: dict[str, Any] = {}
         drop_caches()
         before = stats(hm)
-        t0 = time.perf_counter()
-        n = read_files(files)
-        passes["store"] = {**pass_row(n, time.perf_counter() - t0), **stat_delta(stats(hm), before)}
+        n, seconds = timed_read(files)
+        passes["store"] = {**pass_row(n, seconds), **stat_delta(stats(hm), before)}
         drop_caches()
         c0 = meminfo_cached()
         before = stats(hm)
-        t0 = time.perf_counter()
-        n = read_files(files)
-        passes["chunk_cache"] = {**pass_row(n, time.perf_counter() - t0), **stat_delta(stats(hm), before)}
+        n, seconds = timed_read(files)
+        passes["cached"] = {**pass_row(n, seconds), **stat_delta(stats(hm), before)}
         c1 = meminfo_cached()
         files_res = resident_bytes(files)
-        chunk_res = resident_bytes(regular_files(root / "chunks"))
-        blobs = [root / "blobs" / layer.digest.removeprefix("blake3:") for layer in resolved.layers]
+        hexes = [layer.digest.removeprefix("blake3:") for layer in resolved.layers]
+        blobs = [root / "blobcache" / f"{h}.blob" for h in hexes]
+        if ctx.path == "fuse":  # EROFS reads the FUSE files: their page cache is apart from the blob cache's
+            blobs += [root / "blobs" / h for h in hexes]
         blob_res = resident_bytes(blobs)
         before = stats(hm)
-        t0 = time.perf_counter()
-        n = read_files(files)
-        passes["warm"] = {**pass_row(n, time.perf_counter() - t0), **stat_delta(stats(hm), before)}
+        n, seconds = timed_read(files)
+        passes["warm"] = {**pass_row(n, seconds), **stat_delta(stats(hm), before)}
         page_cache = {
-            "bytes_read": n, "cached_delta": c1 - c0, "files_resident": files_res,
-            "chunk_cache_resident": chunk_res, "blob_resident": blob_res,
-            "resident_per_byte": ratio(files_res + chunk_res + blob_res, n),
-            "cached_delta_per_byte": ratio(c1 - c0, n),
+            "bytes_read": n, "cached_delta": c1 - c0, "files_resident": files_res, "blob_resident": blob_res,
+            "resident_per_byte": ratio(files_res + blob_res, n), "cached_delta_per_byte": ratio(c1 - c0, n),
         }
-        # unmounting the layers drops EROFS's page cache; the chunk files stay in memory, so
-        # this pass costs only the FUSE round trips and the daemon
+        # unmounting the layers drops EROFS's page cache; the blob files stay in memory, so
+        # this pass costs only the data path (fanotify marks or FUSE) and EROFS
         hm.umount(mp)
         hm.mount(resolved, mp, trace=False)
         before = stats(hm)
-        t0 = time.perf_counter()
-        n = read_files(files)
-        passes["fuse"] = {**pass_row(n, time.perf_counter() - t0), **stat_delta(stats(hm), before)}
+        n, seconds = timed_read(files)
+        passes["remount"] = {**pass_row(n, seconds), **stat_delta(stats(hm), before)}
+        # every chunk on the host, the page cache dropped: the mount and its peers in turns
+        log(f"[{ctx.label}] re-reads, page cache dropped: mount vs local-blob EROFS vs plain dirs, {rounds} round(s)")
+        seconds_by: dict[str, list[float]] = {k: [] for k in lists}
+        bytes_by: dict[str, int] = {}
+        for _ in range(rounds):
+            for key, paths in lists.items():
+                drop_caches()
+                bytes_by[key], t = timed_read(paths)
+                seconds_by[key].append(t)
+        reread = {k: pass_row(bytes_by[k], statistics.median(v)) for k, v in seconds_by.items()}
+        for key in reread:
+            reread[key]["runs"] = seconds_by[key]
+        mine = reread["mount"]["mb_per_s"]
+        reread_ratios = {k: ratio(mine, reread[k]["mb_per_s"]) for k in reread if k != "mount"}
         hm.umount(mp)
-        log(f"[{ctx.kind}] mount times: {mounts} x 4 variants")
-        times = mount_times(hm, resolved, mp, ctx.mnt / f"{ctx.kind}-holder", mounts)
+        times = None
+        if mounts:
+            log(f"[{ctx.label}] mount times: {mounts} x 4 variants")
+            times = mount_times(hm, resolved, mp, ctx.mnt / f"{ctx.kind}-{ctx.path}-holder", mounts)
     mp.rmdir()
-    return {"files": len(files), "bytes": n, "passes": passes, "page_cache": page_cache, "mount_times": times}
+    return {"files": len(files), "bytes": n, "passes": passes, "page_cache": page_cache,
+            "cold": {"one": cold, "many": cold_many},
+            "reread": {"rounds": rounds, "methods": reread, "ratios": reread_ratios},
+            "mount_times": times}
+
+
+def _write_blob(path: Path, size: int, pieces: Sequence[tuple[int, bytes]]) -> None:
+    with path.open("wb") as f:
+        f.truncate(size)
+        for offset, data in pieces:
+            f.seek(offset)
+            f.write(data)
+
+
+async def _materialize(url: str, data_dir: Path, resolved: Resolved, dest: Path) -> list[tuple[Path, Path]]:
+    """Each layer's metadata image and its blob as a plain local file (in ``dest``), every chunk
+    fetched from the store, verified and written at its place: what a fully pulled host holds."""
+    out = []
+    async with await Store.open(url, data_dir) as store:
+        for layer in resolved.layers:
+            hexd = layer.digest.removeprefix("blake3:")
+            meta, blob = dest / f"{hexd}.erofs", dest / f"{hexd}.blob"
+            raw = await store.get_meta(layer.digest)
+            await asyncio.to_thread(meta.write_bytes, raw)
+            img = ErofsImage(raw, str(meta))
+            await store.load_layer_locations(layer)
+            pieces = [(rec.block * img.block_size, await store.read_chunk(rec.digest)) for rec in img.blob_map]
+            await asyncio.to_thread(_write_blob, blob, padded(img.blob_size), pieces)
+            out.append((meta, blob))
+    return out
+
+
+@contextlib.contextmanager
+def read_peers(ctx: Ctx, image: ImageInput, rootfs: Path, local: bool) -> Iterator[ReadPeers]:
+    """The plain tree, its `cp -a` copy and (``local``) the local-blob EROFS view, unmounted after."""
+    copy = ctx.work / "plain-copy"
+    if not (copy / READ_TREE).exists():
+        log(f"cp -a of /{READ_TREE} of the plain tree")
+        copy.mkdir(exist_ok=True)
+        run_tool(["cp", "-a", str(rootfs / READ_TREE), str(copy / READ_TREE)])
+    peers = ReadPeers(rootfs, copy)
+    made: list[Path] = []
+    try:
+        if local:
+            log(f"[{ctx.kind}] local blob files of {image.name} (every chunk from the store)")
+            resolved = resolve(ctx.url, ctx.hosts / "publisher", image.name)
+            (ctx.work / "localblob").mkdir()
+            files = asyncio.run(_materialize(ctx.url, ctx.hosts / "publisher", resolved, ctx.work / "localblob"))
+            lowers = []
+            for i, (meta, blob) in enumerate(files):
+                mp = ctx.mnt / f"{ctx.kind}-localblob-{i}"
+                mp.mkdir(parents=True)
+                kmount.mount_erofs(meta, mp, blob, flags=HostMounts.LAYER_FLAGS)
+                made.append(mp)
+                lowers.append(str(mp))
+            view = ctx.mnt / f"{ctx.kind}-localblob-view"
+            view.mkdir()
+            kmount.mount_overlay(lowers, view, flags=HostMounts.VIEW_FLAGS)
+            made.append(view)
+            peers.local = view
+            peers.local_bytes = sum(blob.stat().st_size for _, blob in files)
+        yield peers
+    finally:
+        for mp in reversed(made):
+            kmount.umount(mp, missing_ok=True)
+            mp.rmdir()
+        remove_tree(ctx.work / "localblob")
+
+
+def layerbox_program() -> str:
+    """The installed `layerbox` entry point beside this Python (pip install -e .)."""
+    program = shutil.which("layerbox", path=str(Path(sys.executable).parent)) or shutil.which("layerbox")
+    if program is None:
+        raise BenchError("the layerbox command is not installed: make venv (pip install -e .)")
+    return program
+
+
+def layerbox_cli(ctx: Ctx, root: Path, *args: str) -> float:
+    """Run ``layerbox ARGS`` (tools/cli.py, a new Python process as a user's shell would start) for
+    this host; its wall time."""
+    argv = [layerbox_program(), args[0], "--store", ctx.url, "--data-dir", str(root),
+            "--data-path", ctx.path, "--fill-below", "0", *args[1:]]
+    t0 = time.perf_counter()
+    run_tool(argv, timeout=COMMAND_TIMEOUT)
+    return time.perf_counter() - t0
+
+
+def start_section(ctx: Ctx, image: ImageInput, repeat: int) -> dict[str, Any]:
+    """`layerbox mount` on a fresh host, which starts the daemon and its holder, against the same
+    first mount with the daemon already running (`layerbox daemon start` before, untimed), and a
+    second mount of the image once the host knows its layers."""
+    runs = []
+    for i in range(repeat):
+        log(f"[{ctx.label}] daemon first start ({i + 1}/{repeat})")
+        row: dict[str, float] = {}
+        root, mp = ctx.fresh("start")
+        with host(ctx, root) as hm:
+            drop_caches()
+            row["fresh_host"] = layerbox_cli(ctx, root, "mount", image.name, str(mp))
+            hm.umount(mp)
+            row["again"] = layerbox_cli(ctx, root, "mount", image.name, str(mp))
+            hm.umount(mp)
+        mp.rmdir()
+        root, mp = ctx.fresh("running")
+        with host(ctx, root) as hm:
+            row["daemon_start"] = layerbox_cli(ctx, root, "daemon", "start")
+            drop_caches()
+            row["daemon_running"] = layerbox_cli(ctx, root, "mount", image.name, str(mp))
+            hm.umount(mp)
+        mp.rmdir()
+        runs.append(row)
+    m = medians(runs)
+    return {"runs": runs, "median": m, "first_over_running": ratio(m["fresh_host"], m["daemon_running"])}
+
+
+# -- burst: N sandboxes over several workspace images on one base and toolkit -----------------
+
+BURST_RUNNER = """#!/bin/sh
+# the toolkit's test runner: a project's unittest suite, quietly
+cd "$1" && exec python3 -m unittest discover -q -s tests -t .
+"""
+BURST_MODULE = '''"""{name}: a small library with a real test suite (generated by bench/lazy.py)."""
+import hashlib
+import json
+import re
+import sqlite3
+from collections import Counter
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+SEED = {seed}
+
+
+def words(text):
+    return re.findall(r"[a-z]+", text.lower())
+
+
+def top_words(n=10):
+    c = Counter()
+    for path in sorted(DATA.glob("*.txt")):
+        c.update(words(path.read_text()))
+    return sorted(c.items(), key=lambda x: (-x[1], x[0]))[:n]
+
+
+def digests():
+    return {{p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(DATA.glob("*.txt"))}}
+
+
+def primes(limit):
+    sieve = bytearray([1]) * (limit + 1)
+    sieve[0:2] = b"\\0\\0"
+    for i in range(2, int(limit ** 0.5) + 1):
+        if sieve[i]:
+            sieve[i * i :: i] = bytearray(len(sieve[i * i :: i]))
+    return [i for i, v in enumerate(sieve) if v]
+
+
+def table_sums(rows):
+    db = sqlite3.connect(":memory:")
+    db.execute("create table t (k text, v integer)")
+    db.executemany("insert into t values (?, ?)", rows)
+    return dict(db.execute("select k, sum(v) from t group by k order by k"))
+
+
+def roundtrip(obj):
+    return json.loads(json.dumps(obj, sort_keys=True))
+'''
+BURST_TESTS = '''import json
+import unittest
+from pathlib import Path
+
+from {name} import lib
+
+MANIFEST = json.loads((Path(__file__).resolve().parent.parent / "manifest.json").read_text())
+
+
+class DataTest(unittest.TestCase):
+    def test_digests(self):
+        self.assertEqual(lib.digests(), MANIFEST["digests"])
+
+    def test_top_words(self):
+        self.assertEqual([list(x) for x in lib.top_words(5)], MANIFEST["top"])
+
+
+class ComputeTest(unittest.TestCase):
+    def test_primes(self):
+        self.assertEqual(len(lib.primes(200000)), 17984)
+
+    def test_sums(self):
+        rows = [(chr(97 + i % 7), i + lib.SEED) for i in range(5000)]
+        sums = lib.table_sums(rows)
+        self.assertEqual(sum(sums.values()), sum(v for _, v in rows))
+
+    def test_roundtrip(self):
+        obj = {{"seed": lib.SEED, "xs": list(range(1000)), "s": "\\u00e9" * 10}}
+        self.assertEqual(lib.roundtrip(obj), obj)
+'''
+
+
+@dataclass
+class BurstInputs:
+    images: list[str]  # the compositions' refs in the store (one per workspace)
+    tags: list[str]  # the same images as OCI tags in the layout (what eager pulls)
+    projects: list[str]  # /workspace/<project> of each
+    layer_bytes: dict[str, int]  # tar bytes of the toolkit and of each workspace
+
+
+def _tar_tree(path: Path, files: Mapping[str, bytes], modes: Mapping[str, int] | None = None) -> int:
+    """A layer tarball of ``files`` (their parent directories included)."""
+    dirs = sorted({"/".join(name.split("/")[:i]) for name in files for i in range(1, name.count("/") + 1)})
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for d in dirs:
+            info = tarfile.TarInfo(d)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, 1_700_000_000
+            tar.addfile(info)
+        for name, data in sorted(files.items()):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), (modes or {}).get(name, 0o644), 1_700_000_000
+            tar.addfile(info, io.BytesIO(data))
+    return path.stat().st_size
+
+
+def _workspace_files(k: int, data_bytes: int) -> tuple[str, dict[str, bytes]]:
+    """Project ``k``: a package, its unittest suite and text data the tests read in full."""
+    name = f"proj{k}"
+    rng = random.Random(7000 + k)
+    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9)))
+             for _ in range(3000)]
+    base = f"workspace/{name}"
+    files: dict[str, bytes] = {}
+    per = max(data_bytes // 8, 1)
+    for i in range(8):
+        out, n = [], 0
+        while n < per:
+            line = " ".join(rng.choice(vocab) for _ in range(12)) + "\n"
+            out.append(line)
+            n += len(line)
+        files[f"{base}/data/part-{i}.txt"] = "".join(out).encode()
+    counts: dict[str, int] = {}
+    for data in files.values():
+        for w in re.findall(r"[a-z]+", data.decode().lower()):
+            counts[w] = counts.get(w, 0) + 1
+    top = sorted(counts.items(), key=lambda x: (-x[1], x[0]))[:5]
+    manifest = {"digests": {p.rsplit("/", 1)[1]: hashlib.sha256(d).hexdigest() for p, d in sorted(files.items())},
+                "top": [[w, c] for w, c in top]}
+    files[f"{base}/manifest.json"] = json.dumps(manifest).encode()
+    files[f"{base}/{name}/__init__.py"] = b""
+    files[f"{base}/{name}/lib.py"] = BURST_MODULE.format(name=name, seed=k).encode()
+    files[f"{base}/tests/__init__.py"] = b""
+    files[f"{base}/tests/test_{name}.py"] = BURST_TESTS.format(name=name).encode()
+    return name, files
+
+
+async def _publish_burst(url: str, data_dir: Path, parts: Mapping[str, Path], compositions: Mapping[str, str],
+                         work: Path) -> None:
+    async with await Store.open(url, data_dir) as store:
+        for name, src in parts.items():
+            await publish(store, str(src), name, work_dir=work)
+        for name, ws in compositions.items():
+            await store.compose(name, {"base": "bench/python", "workspace": ws, "toolkit": "bench/burst-toolkit"})
+
+
+def prepare_burst(work: Path, layout: Path, url: str, publisher: Path, workspaces: int, data_bytes: int
+                  ) -> BurstInputs:
+    """The toolkit and ``workspaces`` workspace layers, as OCI images on python in the layout (what
+    eager pulls) and as compositions (base = bench/python, workspace, toolkit) in the store."""
+    src = work / "burst-src"
+    src.mkdir(exist_ok=True)
+    runner = "opt/toolkit/bin/run-tests"
+    layer_bytes = {"toolkit": _tar_tree(src / "toolkit.tar", {runner: BURST_RUNNER.encode()}, {runner: 0o755})}
+    parts: dict[str, Path] = {"bench/burst-toolkit": src / "toolkit.tar"}
+    compositions: dict[str, str] = {}
+    inputs = BurstInputs([], [], [], layer_bytes)
+    index = json.loads((layout / "index.json").read_text())
+    have = {m.get("annotations", {}).get("org.opencontainers.image.ref.name") for m in index["manifests"]}
+    for k in range(workspaces):
+        project, files = _workspace_files(k, data_bytes)
+        tar = src / f"ws{k}.tar"
+        layer_bytes[project] = _tar_tree(tar, files)
+        parts[f"bench/burst-ws{k}"] = tar
+        compositions[f"bench/burst-{k}"] = f"bench/burst-ws{k}"
+        tag = f"burst-{k}"
+        if tag not in have:  # a second store (s3) reuses the first one's
+            run_tool(["umoci", "raw", "add-layer", "--image", f"{layout}:python", "--tag", f"{tag}-ws", str(tar)])
+            run_tool(["umoci", "raw", "add-layer", "--image", f"{layout}:{tag}-ws", "--tag", tag,
+                      str(src / "toolkit.tar")])
+        inputs.images.append(f"bench/burst-{k}")
+        inputs.tags.append(tag)
+        inputs.projects.append(project)
+    log(f"burst: publish the toolkit and {workspaces} workspaces, compose {workspaces} images")
+    convert_dir = work / "convert"
+    convert_dir.mkdir(exist_ok=True)
+    asyncio.run(_publish_burst(url, publisher, parts, compositions, convert_dir))
+    return inputs
+
+
+def block_device(path: Path) -> str | None:
+    """/sys/dev/block/MAJ:MIN of the device holding ``path`` (None on a virtual filesystem)."""
+    st = os.stat(path)
+    dev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    return dev if os.path.exists(f"{dev}/stat") else None
+
+
+def disk_written(device: str | None) -> int | None:
+    """Bytes written to ``device`` since boot (sectors written, field 7 of its stat, x 512), after a sync."""
+    if device is None:
+        return None
+    run_tool(["sync"])
+    with open(f"{device}/stat") as f:
+        return int(f.read().split()[6]) * 512
+
+
+def allocated(path: Path) -> int:
+    """Bytes the files under ``path`` occupy on disk (st_blocks; each inode once)."""
+    seen: set[int] = set()
+    total = 0
+    for top, _dirs, files in os.walk(path):
+        for name in [*files, *_dirs]:
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(os.path.join(top, name))
+                if st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    total += st.st_blocks * 512
+    return total
+
+
+def burst_command(project: str) -> tuple[str, ...]:
+    return ("/opt/toolkit/bin/run-tests", f"/workspace/{project}")
+
+
+def burst_run(label: str, n: int, parallel: int, images: int, device: str | None, where: Path,
+              prepare: Callable[[], None], one: Callable[[int, int], dict[str, Any]]) -> dict[str, Any]:
+    """``n`` sandboxes (image i mod ``images``), ``parallel`` at a time, timed from the first start to
+    the last exit; the device's bytes written over the whole burst (a sync before and after), and
+    what the files under ``where`` (the host's data) grew by on disk."""
+    log(f"burst: {label}: {n} sandboxes, {parallel} at a time")
+    drop_caches()
+    a0 = allocated(where) if where.exists() else 0
+    w0 = disk_written(device)
+    t0 = time.perf_counter()
+    prepare()
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        runs = list(pool.map(one, range(n), [i % images for i in range(n)]))
+    seconds = time.perf_counter() - t0
+    w1 = disk_written(device)
+    return {"label": label, "sandboxes": n, "parallel": parallel, "seconds": seconds,
+            "disk_written": None if w0 is None or w1 is None else w1 - w0, "allocated": allocated(where) - a0,
+            "sandbox": distribution([r["seconds"] for r in runs]), "runs": runs}
+
+
+def burst_lazy(ctx: Ctx, hm: HostMounts, inputs: BurstInputs, n: int, parallel: int, device: str | None,
+               label: str) -> dict[str, Any]:
+    """A burst of writable lazy mounts on the host ``hm`` (its daemon started by the first mount)."""
+    resolved: dict[int, Resolved] = {}
+    root = hm.data_dir
+    before = stats(hm) if hm.client.health() else None
+
+    def prepare() -> None:  # the refs, once per image (a host's metadata cache is one LMDB)
+        for k, name in enumerate(inputs.images):
+            resolved[k] = resolve(ctx.url, root, name)
+
+    def one(i: int, k: int) -> dict[str, Any]:
+        mp = ctx.mnt / f"burst-{ctx.kind}-{ctx.path}-{i:03d}"
+        mp.mkdir(exist_ok=True)
+        mine = HostMounts(root, ctx.url, daemon_options=hm.daemon_options)
+        t0 = time.perf_counter()
+        mine.mount(resolved[k], mp, writable=True, trace=False)
+        try:
+            out = run_timed(chroot_argv(mp, burst_command(inputs.projects[k])), env=CHROOT_ENV)
+        finally:
+            mine.umount(mp, discard=True)
+        mp.rmdir()
+        return {"image": k, "seconds": out.exited - t0}
+
+    row = burst_run(label, n, parallel, len(inputs.images), device, root, prepare, one)
+    row.update(stat_delta(stats(hm), before))
+    return row
+
+
+def burst_eager(work: Path, mnt: Path, inputs: BurstInputs, layout: Path, n: int, parallel: int,
+                device: str | None) -> dict[str, Any]:
+    """The same burst, eagerly: each image pulled once (`skopeo copy` into one OCI layout for the host,
+    so shared blobs are copied once) and unpacked once (`umoci unpack`) by the first sandbox that needs
+    it, the others waiting; every sandbox on a writable overlay of its image's unpacked rootfs."""
+    base = work / "burst-eager"
+    oci = base / "oci"
+    base.mkdir()
+    pull_lock = threading.Lock()  # one writer of the layout's index.json at a time
+    image_locks = [threading.Lock() for _ in inputs.images]
+    pulled: dict[int, dict[str, float]] = {}
+
+    def rootfs(k: int) -> Path:
+        with image_locks[k]:
+            if k not in pulled:
+                t0 = time.perf_counter()
+                with pull_lock:
+                    run_tool(["skopeo", "copy", "-q", f"oci:{layout}:{inputs.tags[k]}", f"oci:{oci}:{inputs.tags[k]}"])
+                t1 = time.perf_counter()
+                run_tool(["umoci", "unpack", "--image", f"{oci}:{inputs.tags[k]}", str(base / f"bundle-{k}")])
+                pulled[k] = {"download": t1 - t0, "unpack": time.perf_counter() - t1}
+        return base / f"bundle-{k}" / "rootfs"
+
+    def one(i: int, k: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        lower = rootfs(k)
+        mp = mnt / f"burst-eager-{i:03d}"
+        up = base / f"upper-{i:03d}"
+        mp.mkdir(exist_ok=True)
+        (up / "upper").mkdir(parents=True)
+        (up / "work").mkdir()
+        kmount.mount_overlay([lower], mp, upper=up / "upper", work=up / "work", flags=HostMounts.VIEW_FLAGS)
+        try:
+            out = run_timed(chroot_argv(mp, burst_command(inputs.projects[k])), env=CHROOT_ENV)
+        finally:
+            kmount.umount(mp, missing_ok=True)
+        mp.rmdir()
+        remove_tree(up)
+        return {"image": k, "seconds": out.exited - t0}
+
+    try:
+        row = burst_run("eager (skopeo copy + umoci unpack)", n, parallel, len(inputs.images), device, base,
+                        lambda: None, one)
+    finally:
+        for mp in kmount.mounts_under(mnt):
+            if "burst-eager" in mp:
+                kmount.umount(mp, lazy=True, missing_ok=True)
+    row["pulls"] = pulled
+    remove_tree(base)
+    return row
+
+
+def burst_section(kind: str, url: str, work: Path, layout: Path, paths: Sequence[str], args: argparse.Namespace
+                  ) -> dict[str, Any]:
+    """DSec's burst: from an empty host, N sandboxes over several workspace images on one base and
+    toolkit, each running its test suite: lazy (fill off, fill on), fully cached, eager."""
+    publisher = work / "hosts" / kind / "publisher"
+    inputs = prepare_burst(work, layout, url, publisher, args.burst_images, args.burst_data_mb * MB)
+    device = block_device(work)
+    n, parallel = args.burst, args.burst_parallel
+    out: dict[str, Any] = {"images": inputs.images, "projects": inputs.projects, "layer_bytes": inputs.layer_bytes,
+                           "device": device, "sandboxes": n, "parallel": parallel, "lazy": {}}
+    for path in paths:
+        ctx = Ctx(kind, path, url, work, work / "hosts" / kind, work / "mnt", args.trace_seconds)
+        rows: dict[str, Any] = {}
+        root, mp = ctx.fresh("burst")
+        mp.rmdir()
+        with host(ctx, root) as hm:
+            rows["lazy"] = burst_lazy(ctx, hm, inputs, n, parallel, device, f"lazy [{ctx.label}], fill off")
+            rows["cached"] = burst_lazy(ctx, hm, inputs, n, parallel, device,
+                                        f"fully cached [{ctx.label}] (the same host again)")
+        root, mp = ctx.fresh("burst-fill")
+        mp.rmdir()
+        with host(ctx, root, fill=True) as hm:
+            rows["fill"] = burst_lazy(ctx, hm, inputs, n, parallel, device, f"lazy [{ctx.label}], fill on")
+        out["lazy"][path] = rows
+    out["eager"] = burst_eager(work, work / "mnt", inputs, layout, n, parallel, device)
+    return out
 
 
 def mount_times(hm: HostMounts, resolved: Resolved, mp: Path, holder: Path, n: int) -> dict[str, Any]:
@@ -833,20 +1461,15 @@ def mount_times(hm: HostMounts, resolved: Resolved, mp: Path, holder: Path, n: i
     return out
 
 
-def bench_backend(ctx: Ctx, images: Mapping[str, ImageInput], opened: Mapping[tuple[str, str], Any],
-                  repeat: int, mounts: int) -> dict[str, Any]:
-    publisher = ctx.hosts / "publisher"
-    convert_dir = ctx.work / "convert"
-    convert_dir.mkdir(exist_ok=True)
-    published = asyncio.run(_publish_all(ctx.url, publisher, images, convert_dir))
-    facts = asyncio.run(_store_facts(ctx.url, publisher, images))
+def first_output_section(ctx: Ctx, images: Mapping[str, ImageInput], opened: Mapping[tuple[str, str], Any],
+                         facts: Mapping[str, Any], repeat: int) -> list[dict[str, Any]]:
     cases = []
     for tag, cmd in CASES:
         if tag not in images:
             continue
         lazy, pf = [], []
         for i in range(repeat):  # interleaved, so drift hits both alike
-            log(f"[{ctx.kind}] first output: {tag} {cmd} ({i + 1}/{repeat})")
+            log(f"[{ctx.label}] first output: {tag} {cmd} ({i + 1}/{repeat})")
             lazy.append(lazy_run(ctx, images[tag], COMMANDS[cmd], prefetch=False))
             pf.append(lazy_run(ctx, images[tag], COMMANDS[cmd], prefetch=True))
         lm = medians(lazy)
@@ -858,13 +1481,61 @@ def bench_backend(ctx: Ctx, images: Mapping[str, ImageInput], opened: Mapping[tu
             "fetched_over_opened": ratio(lm["bytes_fetched"], read),
             "fetched_over_served": ratio(lm["bytes_fetched"], lm["bytes_served"]),
         })
-    log(f"[{ctx.kind}] replay of the task")
-    replay = replay_section(ctx, images["python"], facts["python"]["digest"])
-    log(f"[{ctx.kind}] sequential reads of /{READ_TREE}")
-    reads = read_and_mount_section(ctx, images["python"], mounts)
-    return {"url": ctx.url, "publish": published, "store": facts, "first_output": cases,
-            "replay": replay, "read": {k: reads[k] for k in ("files", "bytes", "passes", "page_cache")},
-            "mount_times": reads["mount_times"]}
+    return cases
+
+
+def bench_backend(kind: str, url: str, work: Path, images: Mapping[str, ImageInput],
+                  opened: Mapping[tuple[str, str], Any], rootfs: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Publish the images to this store, then every selected section for each data path."""
+    hosts = work / "hosts" / kind
+    publisher = hosts / "publisher"
+    convert_dir = work / "convert"
+    convert_dir.mkdir(exist_ok=True)
+    published = asyncio.run(_publish_all(url, publisher, images, convert_dir))
+    facts = asyncio.run(_store_facts(url, publisher, images))
+    sections = args.sections
+    out: dict[str, Any] = {"url": url, "publish": published, "store": facts, "paths": {}}
+    first_ctx = Ctx(kind, args.data_paths[0], url, work, hosts, work / "mnt", args.trace_seconds)
+    with contextlib.ExitStack() as stack:
+        peers = None
+        if "read" in sections:
+            peers = stack.enter_context(read_peers(first_ctx, images["python"], rootfs, local=True))
+        for path in args.data_paths:
+            ctx = Ctx(kind, path, url, work, hosts, work / "mnt", args.trace_seconds)
+            r: dict[str, Any] = {}
+            if "first" in sections:
+                r["first_output"] = first_output_section(ctx, images, opened, facts, args.repeat)
+            if "replay" in sections:
+                log(f"[{ctx.label}] replay of the task")
+                r["replay"] = replay_section(ctx, images["python"], facts["python"]["digest"])
+            if peers is not None:
+                log(f"[{ctx.label}] sequential reads of /{READ_TREE}")
+                reads = read_and_mount_section(ctx, images["python"], peers, rounds=args.repeat,
+                                               readers=args.readers,
+                                               mounts=args.mounts if "mount" in sections else None)
+                r["read"] = {k: v for k, v in reads.items() if k != "mount_times"}
+                if reads["mount_times"] is not None:
+                    r["mount_times"] = reads["mount_times"]
+            elif "mount" in sections:
+                r["mount_times"] = mount_only(ctx, images["python"], args.mounts)
+            if "start" in sections:
+                r["start"] = start_section(ctx, images["python"], args.repeat)
+            out["paths"][path] = r
+        if peers is not None:
+            out["local_blob_bytes"] = peers.local_bytes
+    if "burst" in sections:
+        out["burst"] = burst_section(kind, url, work, work / "layout", args.data_paths, args)
+    return out
+
+
+def mount_only(ctx: Ctx, image: ImageInput, mounts: int) -> dict[str, Any]:
+    root, mp = ctx.fresh("mounts")
+    with host(ctx, root) as hm:
+        resolved = resolve(ctx.url, root, image.name)
+        log(f"[{ctx.label}] mount times: {mounts} x 4 variants")
+        times = mount_times(hm, resolved, mp, ctx.mnt / f"{ctx.kind}-{ctx.path}-holder", mounts)
+    mp.rmdir()
+    return times
 
 
 # -- statistics --------------------------------------------------------------------------------
@@ -890,42 +1561,66 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
             "mean": statistics.fmean(values)}
 
 
+def path_results(doc: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(``store/data path``, its results) for every store and data path measured."""
+    return [(f"{kind}/{path}", r) for kind, b in doc["backends"].items() for path, r in b["paths"].items()]
+
+
 def goals(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """The issue's goals, per backend (see bench/README.md)."""
+    """The issues' goals, per store and data path (see bench/README.md); absent sections are skipped."""
     out: dict[str, Any] = {}
     eager = {(c["image"], c["command"]): c for c in doc["eager"]["cases"]}
     sizes = {tag: img["compressed_bytes"] for tag, img in doc["images"].items()}
-    plain_pc = doc["plain"]["page_cache"]["resident_per_byte"]
-    for name, b in doc["backends"].items():
-        fetch = [{"image": c["image"], "command": c["command"], "ratio": c["fetched_over_opened"],
-                  "met": c["fetched_over_opened"] is not None and c["fetched_over_opened"] <= GOAL_FETCH_OVER_READ}
-                 for c in b["first_output"]]
-        size_rows = []
-        for cmd in COMMANDS:
-            rows = sorted((c for c in b["first_output"] if c["command"] == cmd), key=lambda c: sizes[c["image"]])
-            if len(rows) < 2:
-                continue
-            small, large = rows[0], rows[-1]
-            lazy_ratio = ratio(large["lazy"]["median"]["first_output"], small["lazy"]["median"]["first_output"])
-            lm, sm = large["lazy"]["median"], small["lazy"]["median"]
-            size_rows.append({
-                "command": cmd, "small": small["image"], "large": large["image"],
-                "size_ratio": ratio(sizes[large["image"]], sizes[small["image"]]),
-                "lazy_ratio": lazy_ratio,
-                "lazy_ratio_without_daemon": ratio(lm["first_output"] - lm["daemon"], sm["first_output"] - sm["daemon"]),
-                "eager_ratio": ratio(eager[(large["image"], cmd)]["median"]["first_output"],
-                                     eager[(small["image"], cmd)]["median"]["first_output"]),
-                "met": lazy_ratio is not None and lazy_ratio <= GOAL_SIZE_RATIO,
-            })
-        mount_pc = b["read"]["page_cache"]["resident_per_byte"]
-        out[name] = {
-            "fetch_over_read": {"want": GOAL_FETCH_OVER_READ, "cases": fetch, "met": all(f["met"] for f in fetch)},
-            "size_independent": {"want": GOAL_SIZE_RATIO, "pairs": size_rows,
-                                 "met": bool(size_rows) and all(r["met"] for r in size_rows)},
-            "cached_once": {"want": GOAL_CACHED_ONCE, "mount_per_byte": mount_pc, "plain_per_byte": plain_pc,
-                            "ratio": ratio(mount_pc, plain_pc),
-                            "met": (ratio(mount_pc, plain_pc) or math.inf) <= GOAL_CACHED_ONCE},
-        }
+    for name, b in path_results(doc):
+        g: dict[str, Any] = {}
+        if "first_output" in b:
+            fetch = [{"image": c["image"], "command": c["command"], "ratio": c["fetched_over_opened"],
+                      "met": c["fetched_over_opened"] is not None
+                      and c["fetched_over_opened"] <= GOAL_FETCH_OVER_READ}
+                     for c in b["first_output"]]
+            size_rows = []
+            for cmd in COMMANDS:
+                rows = sorted((c for c in b["first_output"] if c["command"] == cmd), key=lambda c: sizes[c["image"]])
+                if len(rows) < 2:
+                    continue
+                small, large = rows[0], rows[-1]
+                lm, sm = large["lazy"]["median"], small["lazy"]["median"]
+                lazy_ratio = ratio(lm["first_output"], sm["first_output"])
+                size_rows.append({
+                    "command": cmd, "small": small["image"], "large": large["image"],
+                    "size_ratio": ratio(sizes[large["image"]], sizes[small["image"]]),
+                    "lazy_ratio": lazy_ratio,
+                    "lazy_ratio_without_daemon": ratio(lm["first_output"] - lm["daemon"],
+                                                       sm["first_output"] - sm["daemon"]),
+                    "eager_ratio": ratio(eager[(large["image"], cmd)]["median"]["first_output"],
+                                         eager[(small["image"], cmd)]["median"]["first_output"]),
+                    "met": lazy_ratio is not None and lazy_ratio <= GOAL_SIZE_RATIO,
+                })
+            g["fetch_over_read"] = {"want": GOAL_FETCH_OVER_READ, "cases": fetch, "met": all(f["met"] for f in fetch)}
+            g["size_independent"] = {"want": GOAL_SIZE_RATIO, "pairs": size_rows,
+                                     "met": bool(size_rows) and all(r["met"] for r in size_rows)}
+        if "read" in b:
+            plain_pc = doc["plain"]["page_cache"]["resident_per_byte"]
+            mount_pc = b["read"]["page_cache"]["resident_per_byte"]
+            g["cached_once"] = {"want": GOAL_CACHED_ONCE, "mount_per_byte": mount_pc, "plain_per_byte": plain_pc,
+                                "ratio": ratio(mount_pc, plain_pc),
+                                "met": (ratio(mount_pc, plain_pc) or math.inf) <= GOAL_CACHED_ONCE}
+            rr = b["read"]["reread"]["ratios"].get("local_blob")
+            g["reread_vs_local_blob"] = {"want": GOAL_REREAD, "ratio": rr, "met": (rr or 0) >= GOAL_REREAD}
+            cold = b["read"]["cold"]
+            for key in ("one", "many"):
+                v = cold[key]["vs_raw"]
+                g[f"cold_vs_store_{key}"] = {"want": GOAL_COLD, "readers": cold[key]["readers"], "ratio": v,
+                                             "met": (v or 0) >= GOAL_COLD}
+        if "replay" in b:
+            plain = doc["eager"]["task"]["plain_cold"]["median"]["seconds"]
+            r = b["replay"]
+            for key, want in (("cold", GOAL_TASK_COLD), ("trace", GOAL_TASK_TRACE)):
+                # the daemon's start is a host's, once (the start section): not the task's
+                v = ratio(r[key]["without_daemon"], plain)
+                g[f"task_{key}"] = {"want": want, "ratio": v, "met": v is not None and v <= want,
+                                    "with_daemon_start": ratio(r[key]["seconds"], plain)}
+        out[name] = g
     return out
 
 
@@ -944,15 +1639,20 @@ def _met(flag: bool) -> str:
     return "MET" if flag else "MISSED"
 
 
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def render(doc: Mapping[str, Any]) -> str:
     s, env = doc["settings"], doc["environment"]
-    backends = list(doc["backends"])
+    results = path_results(doc)
     out = [
-        f"layerbox lazy-mount benchmark: backends {', '.join(backends)}; median of {s['repeat']} run(s) per "
-        f"case; MB = 10^6 bytes",
+        f"layerbox lazy-mount benchmark: stores {', '.join(s['backends'])}; data paths {', '.join(s['data_paths'])}; "
+        f"sections {', '.join(s['sections'])}; median of {s['repeat']} run(s) per case; MB = 10^6 bytes",
         f"fixture: {s['fixture']}; work dir {env['workdir']}; {env['cpus']} CPUs; kernel {env['kernel']}; "
-        f"load average {env['loadavg_start']} at start, {env['loadavg_end']} at end",
-        f"peers: {env['skopeo']}, {env['umoci']}; page cache dropped before every cold run",
+        f"load average {env['loadavg_start']} at start, {env['loadavg_end']} at end; {env['wall_seconds']} s",
+        f"peers: {env['skopeo']}, {env['umoci']}; page cache dropped before every cold run; the daemons' "
+        "background fill is off except in the burst's 'fill on' rows",
         "",
         "Images",
     ]
@@ -962,9 +1662,52 @@ def render(doc: Mapping[str, Any]) -> str:
                      _mb(img["file_bytes"]), img["src"]])
     out.append(_table(["image", "layers", "gzip MB", "files", "file MB", "source"], rows, left=1))
     out.append("")
+    if "first" in s["sections"]:
+        out += _render_first(doc, results)
+    if "replay" in s["sections"]:
+        out += _render_replay(doc, results)
+    if "read" in s["sections"]:
+        out += _render_read(doc, results)
+    if "mount" in s["sections"]:
+        out.append("Mount time of a cached image (ms; HostMounts.mount on a running daemon; umount separately)")
+        rows = []
+        variants = {"ro": "read-only", "ro_shared": "read-only, layers shared", "rw": "writable",
+                    "rw_shared": "writable, layers shared"}
+        for name, b in results:
+            for key, label in variants.items():
+                m = b["mount_times"][key]
+                rows.append([name, label, str(m["n"]), _ms(m["mount"]["p50"]), _ms(m["mount"]["p99"]),
+                             _ms(m["mount"]["max"]), _ms(m["umount"]["p50"]), _ms(m["umount"]["p99"]),
+                             f"{m['layer_mounts_created']:.0f}"])
+        out.append(_table(["store/path", "variant", "n", "mount p50", "p99", "max", "umount p50", "p99",
+                           "EROFS mounts/call"], rows, left=2))
+        out.append("")
+    if "start" in s["sections"]:
+        out.append("First `layerbox mount` of python (the CLI as a shell runs it: Python start, resolve, "
+                   "layer mounts; seconds, median)")
+        rows = []
+        for name, b in results:
+            m = b["start"]["median"]
+            rows.append([name, _f(m["fresh_host"], 3), _f(m["daemon_running"], 3),
+                         _x(b["start"]["first_over_running"]), _f(m["fresh_host"] - m["daemon_running"], 3),
+                         _f(m["daemon_start"], 3), _f(m["again"], 3)])
+        out.append(_table(["store/path", "fresh host (starts daemon+holder)", "daemon already running",
+                           "ratio", "difference", "`layerbox daemon start` alone", "2nd mount, layers known"],
+                          rows, left=1))
+        out.append("")
+    for kind, b in doc["backends"].items():
+        if "burst" in b:
+            out += _render_burst(kind, b["burst"])
+    if doc["goals"]:
+        out += _render_goals(doc)
+    out.append(f"  mounts left under the work dir after every host's teardown: {len(doc['leftover_mounts'])}; "
+               f"after cleanup: {len(doc['mounts_after_cleanup'])}")
+    return "\n".join(out)
 
-    out.append("Time to first output from an empty host (seconds; eager: download = skopeo copy, "
-               "unpack = umoci unpack; layerbox: fresh data dir and daemon)")
+
+def _render_first(doc: Mapping[str, Any], results: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
+    out = ["Time to first output from an empty host (seconds; eager: download = skopeo copy, "
+           "unpack = umoci unpack; layerbox: fresh data dir and daemon)"]
     rows = []
     for c in doc["eager"]["cases"]:
         m = c["median"]
@@ -972,9 +1715,8 @@ def render(doc: Mapping[str, Any]) -> str:
                      _f(m["first_output"], 3), "-", "-",
                      _f(m["download"], 3), _f(m["unpack"], 3), _f(m["command"], 3),
                      _mb(m["bytes_downloaded"]), "-"])
-        for name in backends:
-            fo = next(x for x in doc["backends"][name]["first_output"]
-                      if (x["image"], x["command"]) == (c["image"], c["command"]))
+        for name, b in results:
+            fo = next(x for x in b["first_output"] if (x["image"], x["command"]) == (c["image"], c["command"]))
             for label, key in (("lazy", "lazy"), ("prefetch+mount", "prefetch")):
                 m = fo[key]["median"]
                 rows.append(["", "", f"{label} [{name}]", _f(m["first_output"], 3),
@@ -987,113 +1729,196 @@ def render(doc: Mapping[str, Any]) -> str:
     out.append("  commands: " + "; ".join(f"{k} = {shlex.join(v)}" for k, v in COMMANDS.items())
                + "; run as `unshare --mount --propagation private chroot ROOT CMD`")
     out.append("")
-
     out.append("Bytes (lazy, empty cache): fetched = compressed chunk bytes from the store; served = blob bytes "
-               "the kernel read through FUSE; opened = sizes of the image files the command opened (strace)")
+               "the daemon delivered; opened = sizes of the image files the command opened (strace)")
     rows = []
     opened = {(c["image"], c["command"]): c["opened"] for c in doc["eager"]["cases"]}
-    for name in backends:
-        for c in doc["backends"][name]["first_output"]:
+    for name, b in results:
+        for c in b["first_output"]:
             m = c["lazy"]["median"]
             o = opened[(c["image"], c["command"])]
             rows.append([name, c["image"], c["command"], str(o["files"]), _mb(o["bytes"]), _mb(m["bytes_served"]),
                          _mb(m["bytes_fetched"]), str(int(m["chunks_fetched"])), _mb(c["metadata_bytes"]),
                          _mb(doc["images"][c["image"]]["compressed_bytes"]),
                          _f(c["fetched_over_opened"]), _f(c["fetched_over_served"])])
-    out.append(_table(["backend", "image", "cmd", "files opened", "opened MB", "served MB", "fetched MB",
+    out.append(_table(["store/path", "image", "cmd", "files opened", "opened MB", "served MB", "fetched MB",
                        "chunks", "metadata MB", "eager MB", "fetched/opened", "fetched/served"], rows, left=3))
     out.append("  metadata = image document + metadata images + pack indexes a fresh host also fetches "
                "(not in 'fetched'); eager MB = the gzip layers a pull downloads")
     out.append("")
+    return out
 
+
+def _render_replay(doc: Mapping[str, Any], results: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
     t = doc["eager"]["task"]
-    out.append(f"Replay of a task (writable mount): {TASK_SCRIPT}")
-    out.append(f"  opened by the task: {t['opened']['files']} files, {_mb(t['opened']['bytes'])} MB")
-    rows = [["eager", "skopeo copy + umoci unpack + task", _f(t["eager"]["median"]["seconds"], 3), "-",
-             _f(t["eager"]["median"]["download"] + t["eager"]["median"]["unpack"], 3),
-             _f(t["eager"]["median"]["seconds"] - t["eager"]["median"]["download"] - t["eager"]["median"]["unpack"], 3),
-             _mb(t["eager"]["median"]["bytes_downloaded"]), "-", "-", "-"],
-            ["eager", "plain dir, page cache dropped", _f(t["plain_cold"]["median"]["seconds"], 3), "-", "-",
-             _f(t["plain_cold"]["median"]["seconds"], 3), "0.00", "-", "-", "-"],
-            ["eager", "plain dir, hot", _f(t["plain_hot"]["median"]["seconds"], 3), "-", "-",
-             _f(t["plain_hot"]["median"]["seconds"], 3), "0.00", "-", "-", "-"]]
+    plain = t["plain_cold"]["median"]["seconds"]
+    out = [f"Replay of a task (writable mount): {TASK_SCRIPT}",
+           f"  opened by the task: {t['opened']['files']} files, {_mb(t['opened']['bytes'])} MB; "
+           "vs plain = the time before it / the plain dir's with its page cache dropped; "
+           "w/o daemon start = total - the daemon's start (a host's, once)"]
+    em = t["eager"]["median"]
+    hot = t["plain_hot"]["median"]["seconds"]
+    rows = [["eager", "skopeo copy + umoci unpack + task", _f(em["seconds"], 3), _x(ratio(em["seconds"], plain)),
+             "-", "-", "-", _f(em["download"] + em["unpack"], 3), _f(em["seconds"] - em["download"] - em["unpack"], 3),
+             _mb(em["bytes_downloaded"]), "-", "-", "-"],
+            ["eager", "plain dir, page cache dropped", _f(plain, 3), "1.00x", "-", "-", "-", "-", _f(plain, 3),
+             "0.00", "-", "-", "-"],
+            ["eager", "plain dir, hot", _f(hot, 3), _x(ratio(hot, plain)), "-", "-", "-", "-", _f(hot, 3),
+             "0.00", "-", "-", "-"]]
     labels = {"cold": "cold, empty cache (records trace)", "trace": "new host, trace replayed",
               "cached": "same host, page cache dropped", "hot": "same host, hot"}
-    for name in backends:
-        r = doc["backends"][name]["replay"]
+    for name, b in results:
+        r = b["replay"]
         for key, label in labels.items():
             row = r[key]
-            rows.append([name, label, _f(row["seconds"], 3), _f(row["mount"], 3), "-", _f(row["task"], 3),
-                         _mb(row["bytes_fetched"]), str(row["store_requests"]), str(row["misses"]),
-                         str(row["chunks_prefetched"])])
-    out.append(_table(["backend", "run", "total s", "mount s", "pull s", "task s", "fetched MB", "req",
-                       "misses", "prefetched"], rows, left=2))
-    for name in backends:
-        r = doc["backends"][name]["replay"]
+            rows.append([name, label, _f(row["seconds"], 3), _x(ratio(row["seconds"], plain)),
+                         _f(row["without_daemon"], 3), _x(ratio(row["without_daemon"], plain)), _f(row["mount"], 3),
+                         "-", _f(row["task"], 3), _mb(row["bytes_fetched"]), str(row["store_requests"]),
+                         str(row["misses"]), str(row["chunks_prefetched"])])
+    out.append(_table(["store/path", "run", "total s", "vs plain", "w/o daemon start", "vs plain", "mount s",
+                       "pull s", "task s", "fetched MB", "req", "misses", "prefetched"], rows, left=2))
+    for name, b in results:
+        r = b["replay"]
         end = r["trace"]["at_task_end"]
         out.append(f"  [{name}] trace window {r['trace_seconds']} s, trace object {r['trace_bytes']} B; with the "
                    f"trace, at task end: {_mb(end['bytes_fetched'])} MB fetched, {end['misses']} misses "
                    f"(reads that waited for the store)")
     out.append("")
+    return out
 
+
+def _render_read(doc: Mapping[str, Any], results: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
     p = doc["plain"]
-    out.append(f"Sequential read of every file under /{READ_TREE} of the python image "
-               f"({p['files']} files, {_mb(p['bytes'])} MB), 1 MiB reads, one thread")
+    out = [f"Sequential read of every file under /{READ_TREE} of the python image "
+           f"({p['files']} files, {_mb(p['bytes'])} MB), 1 MiB reads"]
+    out.append(f"  Re-read with every chunk on the host, page cache dropped before each pass (median of "
+               f"{doc['settings']['repeat']} round(s), the methods in turns); ratio = the mount's MB/s / the peer's")
+    rows = []
+    peers = {"local_blob": "EROFS on local blob files", "plain": "plain dir (umoci unpack)",
+             "copy": "plain dir (cp -a copy)"}
+    for name, b in results:
+        rr = b["read"]["reread"]
+        m = rr["methods"]
+        rows.append([name, "lazy mount", _mb(m["mount"]["bytes"]), _f(m["mount"]["seconds"], 3),
+                     _f(m["mount"]["mb_per_s"], 1), "-"])
+        for key, label in peers.items():
+            if key in m:
+                rows.append(["", label, _mb(m[key]["bytes"]), _f(m[key]["seconds"], 3), _f(m[key]["mb_per_s"], 1),
+                             _x(rr["ratios"][key])])
+    out.append(_table(["store/path", "what", "MB", "s", "MB/s", "mount/peer"], rows, left=2))
+    out.append("  EROFS on local blob files = the same metadata images mounted with device= a plain local file "
+               "holding every chunk (built from the store), stacked in the same overlay")
+    out.append("")
+    out.append("  Cold reads from an empty host (fill off) against the store's own delivery: raw ranged GETs "
+               "(Store.read_pack_range) of the same chunks, adjacent frames merged up to 4 MiB, no decoding")
+    rows = []
+    for name, b in results:
+        for key in ("one", "many"):
+            c = b["read"]["cold"][key]
+            raw = c["raw"]
+            rows.append([name, str(c["readers"]), _mb(c["bytes"]), _f(c["seconds"], 3), _f(c["mb_per_s"], 1),
+                         _mb(c["bytes_fetched"]), str(c["store_requests"]), _f(c["fetched_mb_per_s"], 1),
+                         _mb(raw["bytes"]), str(raw["requests"]), _f(raw["seconds"], 3), _f(raw["mb_per_s"], 1),
+                         _x(c["vs_raw"])])
+    out.append(_table(["store/path", "readers", "file MB", "s", "file MB/s", "fetched MB", "GETs",
+                       "fetched MB/s", "raw MB", "raw GETs", "raw s", "raw MB/s", "lazy/raw"], rows, left=2))
+    out.append("  lazy/raw = compressed MB/s the mount drew from the store / what as many raw GET loops drew")
+    out.append("")
+    out.append("  Other passes (one reader)")
     rows = [["plain dir", "page cache dropped", *_pass(p["passes"]["cold"])],
             ["plain dir", "warm", *_pass(p["passes"]["warm"])]]
-    labels = {"store": "empty host cache (fetch from store)", "chunk_cache": "chunk cache, page cache dropped",
-              "warm": "warm", "fuse": "fresh layer mounts, chunk files in page cache"}
-    for name in backends:
+    labels = {"store": "empty host cache (fetch from store)", "cached": "blobs on the host, page cache dropped",
+              "warm": "warm", "remount": "fresh layer mounts, blob files in page cache"}
+    for name, b in results:
         for key, label in labels.items():
-            rows.append([f"mount [{name}]", label, *_pass(doc["backends"][name]["read"]["passes"][key])])
-    out.append(_table(["what", "pass", "MB", "s", "MB/s", "FUSE chunk reads"], rows, left=2))
+            rows.append([f"mount [{name}]", label, *_pass(b["read"]["passes"][key])])
+    out.append(_table(["what", "pass", "MB", "s", "MB/s", "chunk reads"], rows, left=2))
     out.append("")
-
-    out.append("Page cache after one pass from a dropped page cache (mount: chunk cache full); resident = fincore")
+    out.append("Page cache after one pass from a dropped page cache (mount: blobs complete); resident = fincore")
     rows = [["plain dir", *_pc(p["page_cache"])]]
-    for name in backends:
-        rows.append([f"mount [{name}]", *_pc(doc["backends"][name]["read"]["page_cache"])])
-    out.append(_table(["what", "MB read", "files res MB", "chunk cache res MB", "blob res MB",
-                       "resident/byte", "Cached delta MB", "delta/byte"], rows))
-    out.append("  files = the files read (EROFS's page cache through the overlay); chunk cache = the daemon's "
-               "cache directory; blob = the FUSE blob files; Cached delta = /proc/meminfo, system-wide "
-               "(other processes' I/O lands in it too)")
+    for name, b in results:
+        rows.append([f"mount [{name}]", *_pc(b["read"]["page_cache"])])
+    out.append(_table(["what", "MB read", "files res MB", "blob res MB", "resident/byte", "Cached delta MB",
+                       "delta/byte"], rows))
+    out.append("  files = the files read (EROFS's page cache through the overlay); blob = the layers' blob files "
+               "in the blob cache (fuse: and the FUSE files EROFS reads); Cached delta = /proc/meminfo, system-wide (other processes' I/O lands in it too)")
     out.append("")
+    return out
 
-    out.append("Mount time of a cached image (ms; HostMounts.mount on a running daemon; umount separately)")
-    rows = []
-    names = {"ro": "read-only", "ro_shared": "read-only, layers shared", "rw": "writable",
-             "rw_shared": "writable, layers shared"}
-    for name in backends:
-        for key, label in names.items():
-            m = doc["backends"][name]["mount_times"][key]
-            rows.append([name, label, str(m["n"]), _ms(m["mount"]["p50"]), _ms(m["mount"]["p99"]),
-                         _ms(m["mount"]["max"]), _ms(m["umount"]["p50"]), _ms(m["umount"]["p99"]),
-                         f"{m['layer_mounts_created']:.0f}"])
-    out.append(_table(["backend", "variant", "n", "mount p50", "p99", "max", "umount p50", "p99",
-                       "EROFS mounts/call"], rows, left=2))
+
+DSEC = {"lazy_over_cached": 1.0, "eager_over_lazy": 1.7, "eager_writes_over_lazy": 1.57}
+
+
+def _render_burst(kind: str, b: Mapping[str, Any]) -> list[str]:
+    out = [f"Burst [{kind}]: {b['sandboxes']} sandboxes, {b['parallel']} at a time, over {len(b['images'])} images "
+           f"(base python + one of {len(b['projects'])} workspaces + toolkit), each running its unittest suite "
+           f"in a chroot on a writable mount; from an empty host; disk written = bytes written to {b['device']} "
+           "(sync before and after; the whole device: other processes' writes count too); allocated = what the "
+           "host's data dir (eager: its OCI layout and bundles) grew by on disk, uppers discarded after each sandbox"]
+    e = b["eager"]
+    rows = [["eager (skopeo copy + umoci unpack, once per image)", _f(e["seconds"], 2), _f(e["sandbox"]["p50"], 3),
+             _f(e["sandbox"]["max"], 3), _mb(e["disk_written"], 1), _mb(e["allocated"], 1), "-", "-", "-", "-"]]
+    for path, r in b["lazy"].items():
+        lazy = r["lazy"]
+        for key, label in (("lazy", "lazy, fill off"), ("fill", "lazy, fill on"),
+                           ("cached", "fully cached (same host again)")):
+            x = r[key]
+            rows.append([f"{label} [{kind}/{path}]", _f(x["seconds"], 2), _f(x["sandbox"]["p50"], 3),
+                         _f(x["sandbox"]["max"], 3), _mb(x["disk_written"], 1), _mb(x["allocated"], 1),
+                         _mb(x["bytes_fetched"], 1), _x(ratio(x["seconds"], lazy["seconds"])),
+                         _x(ratio(x["disk_written"], lazy["disk_written"])), _x(ratio(x["allocated"], lazy["allocated"]))])
+    out.append(_table(["method", "total s", "sandbox p50 s", "max s", "disk written MB", "allocated MB",
+                       "fetched MB", "time/lazy", "written/lazy", "allocated/lazy"], rows, left=1))
+    for path, r in b["lazy"].items():
+        lazy, cached = r["lazy"], r["cached"]
+        out.append(f"  [{kind}/{path}] ours: lazy/cached {_x(ratio(lazy['seconds'], cached['seconds']))} time; "
+                   f"eager/lazy {_x(ratio(e['seconds'], lazy['seconds']))} time, "
+                   f"{_x(ratio(e['disk_written'], lazy['disk_written']))} disk writes "
+                   f"({_x(ratio(e['allocated'], lazy['allocated']))} allocated); "
+                   f"eager/lazy (fill on) {_x(ratio(e['seconds'], r['fill']['seconds']))} time, "
+                   f"{_x(ratio(e['disk_written'], r['fill']['disk_written']))} disk writes "
+                   f"({_x(ratio(e['allocated'], r['fill']['allocated']))} allocated)")
+    out.append(f"  DSec reports: lazy/cached {_x(DSEC['lazy_over_cached'])} (35 vs 35 min); eager/lazy "
+               f"{_x(DSEC['eager_over_lazy'])} time, {_x(DSEC['eager_writes_over_lazy'])} disk writes (57% more)")
+    out.append("  layer tar bytes: " + ", ".join(f"{k} {_mb(v)} MB" for k, v in b["layer_bytes"].items()))
     out.append("")
+    return out
 
-    out.append("Goals")
+
+def _render_goals(doc: Mapping[str, Any]) -> list[str]:
+    out = ["Goals (issue 12's and issue 13's; figures, not asserts)"]
     for name, g in doc["goals"].items():
-        f = g["fetch_over_read"]
-        worst = max((c["ratio"] for c in f["cases"] if c["ratio"] is not None), default=None)
-        out.append(f"  [{name}] bytes fetched <= {f['want']} x bytes opened, every case: {_met(f['met'])} "
-                   f"(worst {_f(worst)}: " + ", ".join(f"{c['image']}/{c['command']} {_f(c['ratio'])}"
-                                                      for c in f["cases"]) + ")")
-        si = g["size_independent"]
-        for r in si["pairs"]:
-            out.append(f"  [{name}] first output independent of image size ({r['command']}: {r['large']} is "
-                       f"{_f(r['size_ratio'], 1)}x {r['small']}): lazy {_f(r['lazy_ratio'])}x, want <= "
-                       f"{si['want']}: {_met(r['met'])} (without the daemon start {_f(r['lazy_ratio_without_daemon'])}x; "
-                       f"eager {_f(r['eager_ratio'])}x)")
-        co = g["cached_once"]
-        out.append(f"  [{name}] data cached once: page cache per byte read {_f(co['mount_per_byte'])} through the "
-                   f"mount vs {_f(co['plain_per_byte'])} plain = {_f(co['ratio'])}x, want <= {co['want']}x: "
-                   f"{_met(co['met'])}")
-    out.append(f"  mounts left under the work dir after every host's teardown: {len(doc['leftover_mounts'])}; "
-               f"after cleanup: {len(doc['mounts_after_cleanup'])}")
-    return "\n".join(out)
+        if "fetch_over_read" in g:
+            f = g["fetch_over_read"]
+            worst = max((c["ratio"] for c in f["cases"] if c["ratio"] is not None), default=None)
+            out.append(f"  [{name}] bytes fetched <= {f['want']} x bytes opened, every case: {_met(f['met'])} "
+                       f"(worst {_f(worst)}: " + ", ".join(f"{c['image']}/{c['command']} {_f(c['ratio'])}"
+                                                          for c in f["cases"]) + ")")
+            si = g["size_independent"]
+            for r in si["pairs"]:
+                out.append(f"  [{name}] first output independent of image size ({r['command']}: {r['large']} is "
+                           f"{_f(r['size_ratio'], 1)}x {r['small']}): lazy {_f(r['lazy_ratio'])}x, want <= "
+                           f"{si['want']}: {_met(r['met'])} (without the daemon start "
+                           f"{_f(r['lazy_ratio_without_daemon'])}x; eager {_f(r['eager_ratio'])}x)")
+        if "cached_once" in g:
+            co = g["cached_once"]
+            out.append(f"  [{name}] data cached once: page cache per byte read {_f(co['mount_per_byte'])} through "
+                       f"the mount vs {_f(co['plain_per_byte'])} plain = {_f(co['ratio'])}x, want <= {co['want']}x: "
+                       f"{_met(co['met'])}")
+            rr = g["reread_vs_local_blob"]
+            out.append(f"  [{name}] re-read, page cache dropped: {_x(rr['ratio'])} of EROFS on a local blob, "
+                       f"want >= {rr['want']}x: {_met(rr['met'])}")
+            for key in ("one", "many"):
+                c = g[f"cold_vs_store_{key}"]
+                out.append(f"  [{name}] cold read, {c['readers']} reader(s): {_x(c['ratio'])} of the raw GET "
+                           f"loop(s), want >= {c['want']}x: {_met(c['met'])}")
+        for key, label in (("task_cold", "task cold"), ("task_trace", "task with its trace")):
+            if key in g:
+                t = g[key]
+                out.append(f"  [{name}] {label} (resolve + mount + task, the daemon running): {_x(t['ratio'])} "
+                           f"of the plain dir with dropped caches, want <= {t['want']}x: {_met(t['met'])} "
+                           f"({_x(t['with_daemon_start'])} with the daemon's start)")
+    return out
 
 
 def _pass(p: Mapping[str, Any]) -> list[str]:
@@ -1102,21 +1927,17 @@ def _pass(p: Mapping[str, Any]) -> list[str]:
 
 
 def _pc(pc: Mapping[str, Any]) -> list[str]:
-    return [_mb(pc["bytes_read"]), _mb(pc["files_resident"]), _mb(pc["chunk_cache_resident"]),
-            _mb(pc["blob_resident"]), _f(pc["resident_per_byte"]), _mb(pc["cached_delta"]),
-            _f(pc["cached_delta_per_byte"])]
+    return [_mb(pc["bytes_read"]), _mb(pc["files_resident"]), _mb(pc["blob_resident"]), _f(pc["resident_per_byte"]),
+            _mb(pc["cached_delta"]), _f(pc["cached_delta_per_byte"])]
 
 
 # -- command line ------------------------------------------------------------------------------
 
 
 def run_backend(kind: str, work: Path, images: Mapping[str, ImageInput], opened: Mapping[tuple[str, str], Any],
-                args: argparse.Namespace) -> dict[str, Any]:
-    def ctx(url: str) -> Ctx:
-        return Ctx(kind, url, work, work / "hosts" / kind, work / "mnt", args.trace_seconds)
-
+                rootfs: Path, args: argparse.Namespace) -> dict[str, Any]:
     if kind == "file":
-        return bench_backend(ctx(f"file://{work / 'stores' / 'file'}"), images, opened, args.repeat, args.mounts)
+        return bench_backend(kind, f"file://{work / 'stores' / 'file'}", work, images, opened, rootfs, args)
     try:
         from tests.support.moto import MotoServer
     except ImportError as exc:
@@ -1129,8 +1950,7 @@ def run_backend(kind: str, work: Path, images: Mapping[str, ImageInput], opened:
         raise BenchError(f"cannot start moto_server: {exc}") from None
     try:
         with aws_environment(server.endpoint, work):
-            result = bench_backend(ctx(f"s3://{server.new_bucket()}/layerbox"), images, opened,
-                                   args.repeat, args.mounts)
+            result = bench_backend(kind, f"s3://{server.new_bucket()}/layerbox", work, images, opened, rootfs, args)
             result["server"] = {"endpoint": server.endpoint, "kind": "moto_server"}
             return result
     finally:
@@ -1190,6 +2010,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the oci-archive with tags minbase and python (default ../shared/fixtures/{FIXTURE_NAME})")
     p.add_argument("--tmpdir", type=Path, default=Path("/var/tmp"), metavar="DIR",
                    help="where the layout, eager trees, stores, hosts and mounts go (default /var/tmp); removed at exit")
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS), metavar="LIST",
+                   help=f"comma-separated, of {', '.join(SECTIONS)}, or all (default {','.join(DEFAULT_SECTIONS)})")
+    p.add_argument("--data-paths", default="fanotify,fuse", metavar="LIST",
+                   help="the daemon's data paths to measure, side by side: fanotify, fuse (default both)")
+    p.add_argument("--readers", type=int, default=16, metavar="N",
+                   help="concurrent readers of the cold concurrent read, and raw GET loops (default 16)")
+    p.add_argument("--burst", type=int, default=None, metavar="N", help="sandboxes of the burst (default 32; 4 with --quick)")
+    p.add_argument("--burst-parallel", type=int, default=2, metavar="N", help="burst sandboxes at a time (default 2)")
+    p.add_argument("--burst-images", type=int, default=None, metavar="N",
+                   help="distinct workspace images of the burst (default 4; 2 with --quick)")
+    p.add_argument("--burst-data-mb", type=int, default=None, metavar="MB",
+                   help="text data per workspace its tests read (default 4; 1 with --quick)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     return p
 
@@ -1201,6 +2033,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.mounts = args.mounts if args.mounts is not None else (10 if quick else 100)
     args.filler_mb = args.filler_mb if args.filler_mb is not None else (32 if quick else 512)
     args.trace_seconds = args.trace_seconds if args.trace_seconds is not None else (3.0 if quick else 5.0)
+    args.burst = args.burst if args.burst is not None else (4 if quick else 32)
+    args.burst_images = args.burst_images if args.burst_images is not None else (2 if quick else 4)
+    args.burst_data_mb = args.burst_data_mb if args.burst_data_mb is not None else (1 if quick else 4)
+    names = [x.strip() for x in args.sections.split(",") if x.strip()]
+    args.sections = list(SECTIONS) if names == ["all"] else names
+    if not args.sections or any(x not in SECTIONS for x in args.sections):
+        print(f"bench/lazy.py: --sections {','.join(names)!r}: use some of {', '.join(SECTIONS)}, or all",
+              file=sys.stderr)
+        return 2
+    args.data_paths = [x.strip() for x in args.data_paths.split(",") if x.strip()]
+    if not args.data_paths or any(x not in DATA_PATHS for x in args.data_paths) \
+            or len(set(args.data_paths)) != len(args.data_paths):
+        print("bench/lazy.py: --data-paths: use fanotify, fuse or fanotify,fuse", file=sys.stderr)
+        return 2
+    if args.readers < 1 or args.burst < 1 or args.burst_parallel < 1 or args.burst_images < 1 \
+            or args.burst_data_mb < 1:
+        print("bench/lazy.py: --readers, --burst, --burst-parallel, --burst-images and --burst-data-mb "
+              "must be at least 1", file=sys.stderr)
+        return 2
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if not backends or any(b not in ("file", "s3") for b in backends) or len(set(backends)) != len(backends):
         print(f"bench/lazy.py: --backends {args.backends!r}: use file, s3 or file,s3", file=sys.stderr)
@@ -1218,17 +2069,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         with workspace(args.tmpdir, "layerbox-bench-lazy-", before_removal=unmount_leftovers) as work:
             try:
                 trash = Trash(work / "trash")
-                images = prepare_images(fixture, work, args.filler_mb)
-                eager, rootfs = eager_section(images, work, trash, args.repeat)
-                log("plain directory: sequential reads")
-                plain = plain_read(rootfs)
+                images = prepare_images(fixture, work, args.filler_mb if "first" in args.sections else 0)
+                eager, rootfs = eager_section(images, work, trash, args.repeat, first="first" in args.sections,
+                                              with_task="replay" in args.sections)
+                plain = None
+                if "read" in args.sections:
+                    log("plain directory: sequential reads")
+                    plain = plain_read(rootfs)
                 opened = {(c["image"], c["command"]): c["opened"] for c in eager["cases"]}
-                results = {kind: run_backend(kind, work, images, opened, args) for kind in backends}
+                results = {kind: run_backend(kind, work, images, opened, rootfs, args) for kind in backends}
             finally:
                 leftovers = kmount.mounts_under(work)
             doc: dict[str, Any] = {
                 "schema": SCHEMA,
-                "settings": {"backends": backends, "quick": quick, "repeat": args.repeat, "mounts": args.mounts,
+                "settings": {"backends": backends, "sections": args.sections, "data_paths": args.data_paths,
+                             "readers": args.readers, "burst": args.burst, "burst_parallel": args.burst_parallel,
+                             "burst_images": args.burst_images, "burst_data_mb": args.burst_data_mb,
+                             "quick": quick, "repeat": args.repeat, "mounts": args.mounts,
                              "filler_mb": args.filler_mb, "trace_seconds": args.trace_seconds,
                              "fixture": str(fixture), "tmpdir": str(args.tmpdir),
                              "commands": {k: list(v) for k, v in COMMANDS.items()}, "task": list(TASK),
