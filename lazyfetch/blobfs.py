@@ -45,6 +45,7 @@ class BlobServer:
         self.metrics = metrics
         self._by_inode: dict[tuple[int, int], LayerBlob] = {}
         self._lock = threading.Lock()
+        self._quick_hits = self._quick_bytes = 0
 
     @property
     def layers(self) -> dict[str, LayerBlob]:
@@ -104,12 +105,19 @@ class BlobServer:
             return False
         if layer.trace is not None:
             self._record(layer, idxs)
-        self.metrics.hits.inc(len(idxs))
-        self.metrics.bytes_served.inc(count)
+        self._quick_hits += len(idxs)  # (only the event reader calls this: plain ints, counted per batch)
+        self._quick_bytes += count
         self.cache.touch(layer, idxs)
         if layer.window and offset + count > layer.ahead_mark:
             self._next_window(layer)
         return True
+
+    def count_batch(self) -> None:
+        """Add what :meth:`present` answered since the last call to the counters."""
+        if self._quick_hits:
+            self.metrics.hits.inc(self._quick_hits)
+            self.metrics.bytes_served.inc(self._quick_bytes)
+            self._quick_hits = self._quick_bytes = 0
 
     def allow(self, fd: int, offset: int, count: int) -> bool:
         """Fill the chunks [offset, offset+count) of the event's file overlaps; False: deny (EIO)."""

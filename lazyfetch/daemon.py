@@ -548,6 +548,7 @@ class Daemon:
                     log.error("cannot answer a fanotify event: %s", exc)
                 os.close(event.fd)
 
+        os.set_blocking(group.fd, False)  # (shared with the holder: its watchdog may flip it back)
         try:
             while not self.stopping.is_set():
                 for event in group.events(timeout=0.2):
@@ -562,6 +563,7 @@ class Daemon:
                         os.close(event.fd)
                     else:
                         pool.submit(answer, event)
+                self.server.count_batch()
         finally:
             pool.shutdown(wait=True)
 

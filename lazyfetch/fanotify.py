@@ -161,8 +161,29 @@ class Mark:
     flags: int
 
 
+# The event nearly every read is: metadata and one range record, nothing else.
+_RANGE_EVENT: Final = struct.Struct("=IBBHQiiBBHIQQ")
+assert _RANGE_EVENT.size == EVENT_METADATA.size + RANGE_INFO.size
+
+
 def parse_events(buf: bytes | memoryview) -> list[Event]:
     """Decode one ``read()`` of a group: several events, each with its info records."""
+    if len(buf) % _RANGE_EVENT.size == 0:
+        # the fast path (a daemon answers thousands a second): every event is metadata + range
+        out = []
+        for (event_len, vers, _, meta_len, mask, fd, pid, info_type, _, info_len, _, offset,
+             count) in _RANGE_EVENT.iter_unpack(buf):
+            if (event_len != _RANGE_EVENT.size or vers != FANOTIFY_METADATA_VERSION
+                    or meta_len != EVENT_METADATA.size or info_type != FAN_EVENT_INFO_TYPE_RANGE
+                    or info_len != RANGE_INFO.size):
+                break
+            out.append(Event(fd=fd, pid=pid, mask=mask, offset=offset, count=count))
+        else:
+            return out
+    return _parse_events(buf)  # not all of that shape: the batch in full
+
+
+def _parse_events(buf: bytes | memoryview) -> list[Event]:
     events: list[Event] = []
     view = memoryview(buf)
     pos = 0
@@ -279,6 +300,11 @@ class Group:
     def events(self, timeout: float | None = None) -> list[Event]:
         """Read one batch of events; blocks, or returns [] after ``timeout`` seconds."""
         if timeout is not None:
+            if not os.get_blocking(self.fd):  # events come in bursts: try before waiting
+                try:
+                    return parse_events(os.read(self.fd, _READ_SIZE))
+                except BlockingIOError:
+                    pass
             ready, _, _ = select.select([self.fd], [], [], timeout)
             if not ready:
                 return []

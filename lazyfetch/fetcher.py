@@ -36,6 +36,7 @@ from lazyfetch.metrics import Metrics
 log = logging.getLogger("layerbox.lazyfetch")
 
 MAX_RUN = 4 << 20  # one ranged GET covers at most this many compressed bytes
+SETTLE_EVERY = 0.001  # seconds: how long a decoded chunk may wait for its waiters to be woken
 MAX_GAP = 0  # only exactly adjacent frames are merged; gaps would fetch bytes nobody asked for
 
 
@@ -204,9 +205,12 @@ class Fetcher:
     def _decode_run(self, run: _Run, data: bytes, layer: LayerBlob, prefetch: bool) -> None:
         """Decompress and verify each chunk, write the good ones into the blob (off the loop).
 
-        Each chunk's waiters are woken as soon as it is in the blob, not when the whole
-        run is: a reader waiting for the first chunk of a 4 MiB run waits for one chunk.
+        A chunk's waiters are woken within ``SETTLE_EVERY`` seconds of it being in the
+        blob, not when the whole run is: a reader waiting for the first chunk of a 4 MiB run
+        waits for about one chunk; the loop is woken once per batch, not once per chunk.
         """
+        done: list[tuple[tuple[str, bytes], bytes | Exception]] = []
+        woken = time.perf_counter()
         for digest, loc in run.items:
             frame = data[loc.offset - run.start : loc.offset - run.start + loc.length]
             where = f"{pack_key(run.pack)}@{loc.offset}+{loc.length}"
@@ -227,7 +231,16 @@ class Fetcher:
                 log.error("chunk %s from %s (%s) does not match its digest; not served, will refetch",
                           digest.hex(), self.store.url, where)
                 value = CorruptChunk(f"chunk {digest.hex()} from {self.store.url} ({where}) is corrupt")
-            self.loop.call_soon_threadsafe(self._settle, (layer.hexd, digest), value)
+            done.append(((layer.hexd, digest), value))
+            if time.perf_counter() - woken >= SETTLE_EVERY:
+                self.loop.call_soon_threadsafe(self._settle_all, done)
+                done, woken = [], time.perf_counter()
+        if done:
+            self.loop.call_soon_threadsafe(self._settle_all, done)
+
+    def _settle_all(self, done: list[tuple[tuple[str, bytes], bytes | Exception]]) -> None:
+        for key, value in done:
+            self._settle(key, value)
 
 
 def _log_failure(future: concurrent.futures.Future[dict[bytes, bytes]]) -> None:

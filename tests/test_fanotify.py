@@ -427,6 +427,31 @@ def test_parse_events_batches_and_unknown_records() -> None:
         parse_events(EVENT_METADATA.pack(200, 3, 0, 24, FAN_PRE_ACCESS, 7, 100))
 
 
+def test_the_fast_path_reads_range_events_as_the_full_parser_does() -> None:
+    """A batch of metadata + range events (what a daemon reads thousands of a second) has its own
+    decoder; it must give exactly what the general one gives (a swapped field fills the wrong
+    range and allows a read of a hole), and step aside for anything else."""
+    from lazyfetch.fanotify import (
+        EVENT_METADATA,
+        FAN_PRE_ACCESS,
+        RANGE_INFO,
+        _parse_events,
+        parse_events,
+    )
+
+    batch = b"".join(EVENT_METADATA.pack(48, 3, 0, 24, FAN_PRE_ACCESS, 10 + i, 200 + i)
+                     + RANGE_INFO.pack(6, 0, RANGE_INFO.size, 0, 4096 * (i + 1), 65536 * (i + 1))
+                     for i in range(5))
+    fast = parse_events(batch)
+    assert fast == _parse_events(batch)
+    assert [(e.fd, e.pid, e.mask, e.offset, e.count) for e in fast] == [
+        (10 + i, 200 + i, FAN_PRE_ACCESS, 4096 * (i + 1), 65536 * (i + 1)) for i in range(5)]
+    # 48-byte events that are not metadata + range go to the general parser, which refuses them
+    odd = EVENT_METADATA.pack(48, 4, 0, 24, FAN_PRE_ACCESS, 7, 100) + RANGE_INFO.pack(6, 0, 24, 0, 1, 2)
+    with pytest.raises(FanotifyError, match="version 4"):
+        parse_events(batch + odd)
+
+
 def test_watching_is_false_without_our_mark(layer: Layer, tmp_path: Path, cleanup: Cleanup) -> None:
     group = _group(cleanup)
     sparse = str(layer.sparse)
