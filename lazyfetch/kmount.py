@@ -4,7 +4,8 @@ Everything goes through libc via ctypes: ``mount(2)`` for file-backed EROFS
 layers (``mount -t erofs FILE`` from util-linux would silently set up a loop
 device instead), the new mount API (``fsopen``/``fsconfig``/``fsmount``/
 ``move_mount``) for overlayfs so that many long ``lowerdir+`` paths never hit
-the one-page limit of ``mount(2)``'s option string, and ``umount2(2)``.
+the one-page limit of ``mount(2)``'s option string, ``mount(2)`` of a FUSE
+connection (lazyfetch/fuseserver.py serves it), and ``umount2(2)``.
 Mount state is read from ``/proc/self/mountinfo``, never guessed from
 ``st_dev`` (bind mounts and same-device mounts defeat that).
 
@@ -358,6 +359,7 @@ def mount_fuse(
     buf = ctypes.create_string_buffer(_STATX_BUF)
     if _libc().statx(_AT_FDCWD, target, _AT_SYMLINK_NOFOLLOW | _AT_STATX_DONT_SYNC, 0, buf) != 0:
         err = ctypes.get_errno()
+        umount(mountpoint, lazy=True, missing_ok=True)  # a mount nobody would serve
         raise KernelMountError(err, operation="statx of the new mount", source=source,
                                mountpoint=os.fsdecode(target), fstype=fstype)
     major, minor = _STATX_DEV.unpack_from(buf, 136)  # stx_dev_major, stx_dev_minor
