@@ -1286,16 +1286,26 @@ def disk_written(device: str | None) -> int | None:
 
 
 def allocated(path: Path) -> int:
-    """Bytes the files under ``path`` occupy on disk (st_blocks; each inode once)."""
+    """Bytes the files under ``path`` occupy on its filesystem (st_blocks; each inode once), not
+    crossing into mounts below it (the layers' EROFS, the FUSE blob files: views, not disk)."""
+    dev = os.lstat(path).st_dev
     seen: set[int] = set()
     total = 0
-    for top, _dirs, files in os.walk(path):
-        for name in [*files, *_dirs]:
-            with contextlib.suppress(FileNotFoundError):
+    for top, dirs, files in os.walk(path):
+        keep = []
+        for name in [*dirs, *files]:
+            try:
                 st = os.lstat(os.path.join(top, name))
-                if st.st_ino not in seen:
-                    seen.add(st.st_ino)
-                    total += st.st_blocks * 512
+            except FileNotFoundError:
+                continue
+            if st.st_dev != dev:
+                continue
+            if name in dirs:
+                keep.append(name)
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                total += st.st_blocks * 512
+        dirs[:] = [d for d in dirs if d in keep]
     return total
 
 
