@@ -196,10 +196,15 @@ class BlobCache:
     under the layer's lock, so a completeness check and a punch never interleave.
     """
 
-    def __init__(self, root: str | os.PathLike[str], capacity: int, *, min_age: float = EVICT_MIN_AGE) -> None:
+    def __init__(self, root: str | os.PathLike[str], capacity: int, *, min_age: float = EVICT_MIN_AGE,
+                 reads_pinned: bool = True) -> None:
         self.root = private_dir(root)
         self.capacity = capacity
         self.min_age = min_age
+        # True when every read of the files pins what it reads (FUSE): then a full disk may
+        # evict chunks read just now.  Through fanotify the kernel reads after our answer, and
+        # only min_age keeps a hole from under an allowed read, so it holds even then.
+        self.reads_pinned = reads_pinned
         self.on_complete: Callable[[LayerBlob], None] | None = None
         self.on_punch: Callable[[LayerBlob], None] | None = None
         self.layers: dict[str, LayerBlob] = {}
@@ -356,15 +361,24 @@ class BlobCache:
 
     @contextmanager
     def pinned(self, layer: LayerBlob, idxs: Iterable[int]) -> Iterator[None]:
-        """Keep these chunks from being punched while a read between check and pread runs."""
+        """Keep these chunks from being punched while a read checks them and is served.
+
+        Taken before the check: a chunk chosen for eviction already is punched first (the
+        reader waits, then sees the hole and fetches the chunk, instead of finding it present
+        and reading it after the punch: zeros); any other is not chosen while pinned, and is
+        stamped as read now, so ``min_age`` keeps it for the kernel's read after a fanotify
+        answer, which no pin covers.
+        """
         keys = [(layer.hexd, i) for i in idxs]
+        now = time.monotonic()
         with self._lock:
-            # a chunk chosen for eviction is punched first: the reader then sees the hole and
-            # fetches it, instead of finding it present and preading it after the punch (zeros)
             while any(k in self._evicting for k in keys):
                 self._punched.wait()
             for k in keys:
                 self._pins[k] = self._pins.get(k, 0) + 1
+                if k in self._lru:
+                    self._lru[k] = now
+                    self._lru.move_to_end(k)
         try:
             yield
         finally:
@@ -381,12 +395,13 @@ class BlobCache:
         """Punch least recently read chunks until at most ``target`` bytes are used; bytes freed.
 
         Chunks read within ``min_age`` seconds are kept (fanotify's allowed reads may still be
-        on their way to the page cache), unless ``force`` (the disk is full: a read would fail).
+        on their way to the page cache), unless ``force`` (the disk is full: a read would fail)
+        and reads are pinned.
         """
         freed = 0
         victims: list[tuple[LayerBlob, int]] = []
         with self._lock:
-            cutoff = time.monotonic() - (0 if force else self.min_age)
+            cutoff = time.monotonic() - (0 if force and self.reads_pinned else self.min_age)
             skipped = []
             used = self.used
             while used > target and self._lru:

@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from lazyfetch.blobcache import BlobCache, LayerBlob
 from lazyfetch.fetcher import Fetcher, FetchError
@@ -90,26 +91,33 @@ class BlobServer:
         st = os.fstat(fd)
         return self._by_inode.get((st.st_dev, st.st_ino))
 
-    def present(self, fd: int, offset: int, count: int) -> bool:
-        """True when the event's range needs nothing fetched: answered at once by the event reader.
+    def present(self, fd: int, offset: int, count: int, answer: Callable[[bool], None]) -> bool:
+        """Answer the event at once if its range needs nothing fetched; whether it did.
 
-        Most events of a warm host are this; only the others go to the worker pool.
+        Called by the event reader: most events of a warm host are this, only the others go
+        to the worker pool (:meth:`allow`).  The answer is given while the chunks are pinned.
         """
         layer = self.layer_of(fd)
         if layer is None:
+            answer(True)
             return True
         idxs = layer.overlapping(offset, min(offset + count, layer.blob_size))
         if not idxs:
+            answer(True)
             return True
-        if layer.missing(idxs):
-            return False
-        if layer.trace is not None:
-            self._record(layer, idxs)
-        self._quick_hits += len(idxs)  # (only the event reader calls this: plain ints, counted per batch)
-        self._quick_bytes += count
-        self.cache.touch(layer, idxs)
-        if layer.window and offset + count > layer.ahead_mark:
-            self._next_window(layer)
+        with self.cache.pinned(layer, idxs):
+            if layer.missing(idxs):
+                return False
+            answer(True)
+        try:  # answered: nothing below may make the caller answer again
+            if layer.trace is not None:
+                self._record(layer, idxs)
+            self._quick_hits += len(idxs)  # (only the event reader calls this: plain ints, counted per batch)
+            self._quick_bytes += count
+            if layer.window and offset + count > layer.ahead_mark:
+                self._next_window(layer)
+        except Exception:
+            log.exception("after answering a read of %s at %d+%d", layer.digest, offset, count)
         return True
 
     def count_batch(self) -> None:
@@ -119,23 +127,26 @@ class BlobServer:
             self.metrics.bytes_served.inc(self._quick_bytes)
             self._quick_hits = self._quick_bytes = 0
 
-    def allow(self, fd: int, offset: int, count: int) -> bool:
-        """Fill the chunks [offset, offset+count) of the event's file overlaps; False: deny (EIO)."""
+    def allow(self, fd: int, offset: int, count: int, answer: Callable[[bool], None]) -> None:
+        """Fill the chunks the event's range overlaps and answer: allow, or deny (EIO)."""
         layer = self.layer_of(fd)
         if layer is None:  # a file we never marked: nothing of ours to fill
-            return True
+            answer(True)
+            return
         idxs = layer.overlapping(offset, min(offset + count, layer.blob_size))
-        try:
-            fetched = self._ensure(layer, idxs)
-            if fetched and layer.missing([i for i in idxs if layer.records[i].digest in fetched]):
-                # the disk refused a chunk: the kernel would read a hole, so the read fails
-                raise OSError(errno.ENOSPC, "the blob cache could not store a chunk this read needs")
-        except (FetchError, OSError) as exc:
-            self.metrics.read_errors.inc()
-            log.error("read of %s at %d+%d: %s", layer.digest, offset, count, exc)
-            return False
+        with self.cache.pinned(layer, idxs):
+            try:
+                fetched = self._ensure(layer, idxs)
+                if fetched and layer.missing([i for i in idxs if layer.records[i].digest in fetched]):
+                    # the disk refused a chunk: the kernel would read a hole, so the read fails
+                    raise OSError(errno.ENOSPC, "the blob cache could not store a chunk this read needs")
+            except (FetchError, OSError) as exc:
+                self.metrics.read_errors.inc()
+                log.error("read of %s at %d+%d: %s", layer.digest, offset, count, exc)
+                answer(False)
+                return
+            answer(True)
         self.metrics.bytes_served.inc(count)
-        return True
 
     # -- shared -----------------------------------------------------------------------
     def _ensure(self, layer: LayerBlob, idxs: range) -> dict[bytes, bytes]:
@@ -147,7 +158,6 @@ class BlobServer:
         self.metrics.hits.inc(len(idxs) - len(missing))
         end = layer.span(idxs[-1])[1]
         if not missing:
-            self.cache.touch(layer, idxs)
             if layer.window and end > layer.ahead_mark:
                 self._next_window(layer)
             return {}
@@ -164,7 +174,6 @@ class BlobServer:
         wanted = [layer.records[i].digest for i in missing + sync]
         ahead = self._window(layer) if layer.window else []
         fetched = self.fetcher.fetch_blocking(layer, wanted, ahead)
-        self.cache.touch(layer, idxs)
         self.cache.note_complete(layer)
         return fetched
 

@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,7 +144,8 @@ class Daemon:
         self.instance = uuid.uuid4().hex
         self.started = time.time()
         self.metrics = Metrics()
-        self.cache = BlobCache(cfg.blob_dir, cfg.cache_size, min_age=cfg.evict_min_age)
+        self.cache = BlobCache(cfg.blob_dir, cfg.cache_size, min_age=cfg.evict_min_age,
+                               reads_pinned=path == "fuse")
         self.fetcher = Fetcher(store, self.cache, self.metrics, loop, timeout=cfg.fetch_timeout)
         self.server = BlobServer(self.cache, self.fetcher, self.metrics)
         self.ready = threading.Event()
@@ -535,17 +536,29 @@ class Daemon:
         self.ready.set()
         pool = concurrent.futures.ThreadPoolExecutor(EVENT_WORKERS, thread_name_prefix="layerbox-event")
 
-        def answer(event: fanotify.Event) -> None:
-            ok = False
-            try:
-                ok = self.server.allow(event.fd, event.offset, event.count)
-            except Exception:
-                log.exception("fanotify event of pid %d at %d+%d", event.pid, event.offset, event.count)
-            finally:
+        def responder(event: fanotify.Event) -> Callable[[bool], None]:
+            def respond(ok: bool) -> None:
                 try:
                     group.respond(event.fd, ok)
                 except OSError as exc:
                     log.error("cannot answer a fanotify event: %s", exc)
+            return respond
+
+        def answer(event: fanotify.Event) -> None:
+            respond = responder(event)
+            answered = [False]
+
+            def once(ok: bool) -> None:
+                answered[0] = True
+                respond(ok)
+
+            try:
+                self.server.allow(event.fd, event.offset, event.count, once)
+            except Exception:
+                log.exception("fanotify event of pid %d at %d+%d", event.pid, event.offset, event.count)
+            finally:
+                if not answered[0]:
+                    respond(False)
                 os.close(event.fd)
 
         os.set_blocking(group.fd, False)  # (shared with the holder: its watchdog may flip it back)
@@ -555,11 +568,10 @@ class Daemon:
                     if event.fd < 0:
                         continue
                     try:
-                        here = self.server.present(event.fd, event.offset, event.count)
+                        here = self.server.present(event.fd, event.offset, event.count, responder(event))
                     except Exception:
                         here = False  # the worker finds out and answers
                     if here:
-                        group.respond(event.fd, True)
                         os.close(event.fd)
                     else:
                         pool.submit(answer, event)

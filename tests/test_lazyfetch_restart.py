@@ -76,6 +76,9 @@ def outcomes(running: list[tuple[str, subprocess.Popen[str]]], src: Path, timeou
     results = []
     for name, proc in running:
         out, err = proc.communicate(timeout=timeout)
+        if proc.returncode == -signal.SIGBUS:  # how a failed read of an mmap'd page is reported
+            results.append("eio")
+            continue
         kind, _, value = out.strip().partition(" ")
         assert kind in ("sha256", "error"), (name, out, err)
         if kind == "sha256":
@@ -244,3 +247,25 @@ def test_a_mounted_image_is_not_filled_above_the_threshold(hosts, tmp_path: Path
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def test_a_full_blob_disk_gives_the_bytes_or_eio_never_zeros(hosts, tmp_path: Path) -> None:
+    """Through fanotify the kernel reads the blob file itself, so a chunk the disk refuses cannot be
+    served from memory: the read must fail (EIO), or succeed once eviction made room."""
+    image, blobs = tmp_path / "blobs.img", tmp_path / "host" / "blobcache"
+    with open(image, "wb") as f:
+        f.truncate(6 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", "-m", "0", str(image)], check=True)
+    blobs.mkdir(parents=True)
+    # (util-linux sets the loop device up with autoclear: it goes with the umount)
+    subprocess.run(["mount", "-t", "ext4", "-o", "loop", str(image), str(blobs)], check=True)
+    try:
+        src, host, mnt = lazy_host(hosts, tmp_path, "fanotify", big_mb=24, cache_size=1 << 30)
+        results = outcomes(readers(mnt, [f"data/blob{i}" for i in range(3)]), src)
+        st = host.stats()
+        assert st["cache_put_failures"] > 0  # the disk did refuse chunks
+        assert "eio" in results or st["cache"]["evictions"] > 0  # and each read failed or made room
+        assert st["read_errors"] >= results.count("eio")
+        host.close()
+    finally:
+        subprocess.run(["umount", "-l", str(blobs)], check=False)
