@@ -8,7 +8,8 @@ a dup, so when the server dies the mount stays up and readers wait.  The next se
 takes the fd back (:func:`take_fd`: ``pidfd_getfd``) and calls
 ``serve(resumed=True)``, which first writes ``FUSE_NOTIFY_RESEND`` (Linux 6.9+): the
 kernel then queues again every request the dead server had read but not answered
-(with bit 63 set in their ``unique``, which the reply simply echoes).  The holder
+(with bit 63 set in their ``unique``, which the reply simply echoes; each is
+logged at INFO).  The holder
 must hold the *same open file* (a dup, ``pass_fds``, SCM_RIGHTS or ``pidfd_getfd``),
 not a new open of /dev/fuse, and a resumed connection must have been INITed by
 this module (``max_write`` is fixed here, not negotiated again).  Tested on Linux
@@ -135,6 +136,7 @@ _DESTROY: Final = 38
 _BATCH_FORGET: Final = 42
 
 _NOTIFY_RESEND: Final = 7
+_UNIQUE_RESEND: Final = 1 << 63  # the kernel's mark on a request it queued again
 
 # INIT flags (flags2 holds bits 32..63, announced by FUSE_INIT_EXT)
 _ASYNC_READ: Final = 1 << 0
@@ -500,6 +502,8 @@ class FuseServer:
 
     def _handle(self, request: memoryview) -> None:
         _, opcode, unique, nid, *_ = _IN_HEADER.unpack_from(request)
+        if unique & _UNIQUE_RESEND:  # rare: only after a takeover
+            log.info("request %#x (opcode %d, node %#x) resent by the kernel", unique, opcode, nid)
         if opcode in (_FORGET, _BATCH_FORGET, _INTERRUPT):
             return  # no reply; node ids are names, so there is nothing to forget
         handler = self._handlers.get(opcode)

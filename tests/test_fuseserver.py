@@ -326,12 +326,15 @@ def test_killed_server_is_replaced_without_errors(fuse: FuseMounts, tmp_path: Pa
     assert all(t.is_alive() for t in threads)
 
     began = time.perf_counter()
-    fuse.spawn([sys.executable, str(CHILD), str(blobs), f"{holder.pid}:{fd}", "--resumed"])
+    second = fuse.spawn([sys.executable, str(CHILD), str(blobs), f"{holder.pid}:{fd}",
+                         "--resumed"], stdout=subprocess.PIPE)
     for thread in threads:
         thread.join(180)
     seconds = time.perf_counter() - began
     assert [r.errors for r in readers] == [[]] * 4
     assert all(r.done for r in readers)
+    # the reads the first server held came again, marked as resent (FUSE_NOTIFY_RESEND)
+    _await_lines(second, b"INFO:lazyfetch.fuseserver:request 0x8", 2, timeout=10)
     after = sum(r.bytes_read for r in readers) - sum(progress)
     print(f"\nafter the takeover: {after / MIB:.0f} MiB in {seconds:.1f} s by 4 readers")
 

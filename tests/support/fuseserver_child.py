@@ -5,7 +5,8 @@
 Takes the /dev/fuse fd from process PID (pidfd_getfd), as a restarted daemon
 takes it from its holder, and serves DIR's blobs until unmounted.  With
 ``--stall-after N`` every read after the first N blocks forever, after printing
-``stalled OFFSET`` on stdout: the test then knows requests are in flight.
+``stalled OFFSET`` on stdout: the test then knows requests are in flight.  The
+server's log goes to stdout too (``INFO:lazyfetch.fuseserver:request ... resent``).
 """
 
 from __future__ import annotations
@@ -45,12 +46,11 @@ def main() -> None:
     parser.add_argument("--resumed", action="store_true")
     parser.add_argument("--stall-after", type=int)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)  # the test reads the log
     pid, fd = (int(x) for x in args.holder.split(":"))
     source = (DirectorySource(args.dir) if args.stall_after is None
               else Stalling(args.dir, args.stall_after))
     server = FuseServer(source, take_fd(pid, fd), threads=4)
-    print("serving", flush=True)
     server.serve(resumed=args.resumed)
 
 
