@@ -407,3 +407,16 @@ def test_stop_then_resume_in_process(fuse: FuseMounts, caplog: pytest.LogCapture
     assert (mountpoint / _name(3)).read_bytes() == files[_name(3)]
     assert os.stat(mountpoint / _name(0)).st_size == len(files[_name(0)])
     assert "FUSE_NOTIFY_RESEND refused" not in caplog.text  # the kernel took it (6.9+)
+
+
+def test_init_read_by_a_dead_server_comes_again(fuse: FuseMounts) -> None:
+    files = _random_files(random.Random(8))
+    mountpoint, fd = fuse.mount()
+    # a server that read the kernel's INIT and died before answering it
+    request = os.read(fd, 256 << 10)
+    opcode = int.from_bytes(request[4:8], "little")
+    assert opcode == 26  # FUSE_INIT
+    # resumed=True (its caller cannot know how far the dead server got): the RESEND brings
+    # the INIT back, and the new server answers it
+    fuse.serve_resumed(MemorySource(files), fd)
+    assert (mountpoint / _name(1)).read_bytes() == files[_name(1)]
