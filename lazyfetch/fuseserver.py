@@ -409,7 +409,6 @@ class FuseServer:
         self._done = threading.Event()
         self._stopping = False
         self._failure: BaseException | None = None
-        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._handlers = {
             _INIT: self._init,
             _LOOKUP: self._lookup,
@@ -439,18 +438,21 @@ class FuseServer:
         fcntl.fcntl(self._fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
         if resumed:
             self._resend()
-        workers = [threading.Thread(target=self._work, name=f"fuse-{i}", daemon=True)
+        wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)  # written once: all stop
+        workers = [threading.Thread(target=self._work, args=(wake,), name=f"fuse-{i}",
+                                    daemon=True)
                    for i in range(self._threads)]
-        for worker in workers:
-            worker.start()
         try:
+            for worker in workers:
+                worker.start()
             self._done.wait()
         finally:
             self._stopping = True
-            os.eventfd_write(self._wake, 1)
+            os.eventfd_write(wake, 1)
             for worker in workers:
-                worker.join()
-            os.close(self._wake)
+                if worker.ident is not None:
+                    worker.join()
+            os.close(wake)
         if self._failure is not None:
             raise self._failure
 
@@ -471,13 +473,13 @@ class FuseServer:
             log.warning("FUSE_NOTIFY_RESEND refused (%s): requests the previous server "
                         "had read are lost and their readers wait forever", exc)
 
-    def _work(self) -> None:
+    def _work(self, wake: int) -> None:
         buf = bytearray(_BUFSIZE)
         view = memoryview(buf)
         poller = select.epoll()
         try:
             poller.register(self._fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
-            poller.register(self._wake, select.EPOLLIN)
+            poller.register(wake, select.EPOLLIN)
             while not self._stopping:
                 try:
                     n = os.readv(self._fd, [buf])
