@@ -390,12 +390,15 @@ class Sandbox:
             try:  # crun sends the master before it starts the command
                 master = console.receive(proc)
                 attach.on_terminal(os.dup(master))
-            except BaseException:
+            except BaseException as exc:
                 kill_group(proc)
                 if master is not None:
                     os.close(master)
                 process_file.unlink(missing_ok=True)
                 pid_file.unlink(missing_ok=True)
+                if isinstance(exc, RuntimeFailed) and (mgr.runtime.state(self.id) or {}).get("status") == "paused":
+                    # a pause landed between our check and crun's (found by the API fuzzer): a 409
+                    raise SandboxStateError(f"sandbox {self.id} was paused meanwhile; resume it first") from None
                 raise
             finally:
                 console.close()
