@@ -383,7 +383,8 @@ class Hosts:
         self.made: list[HostMounts] = []
 
     def new(self, data_dir: Path) -> HostMounts:
-        host = HostMounts(data_dir, self.url)
+        # no background fill: the restore rows measure what a lazy restore fetches by itself
+        host = HostMounts(data_dir, self.url, daemon_options={"fill_below": 0})
         self.made.append(host)
         return host
 
@@ -392,7 +393,7 @@ class Hosts:
         host = self.new(data_dir)
         start = time.perf_counter()
         with SIGNALS.critical():
-            host.client.ensure_running(self.url)
+            host.start_daemon()
         return host, time.perf_counter() - start
 
     def release(self, host: HostMounts) -> None:
@@ -468,6 +469,7 @@ def restore_ours(url: str, hosts: Hosts, work: Path, index: int, ckpt: Checkpoin
         "layers": ckpt.layers, "daemon_start_seconds": daemon_seconds, "restore_seconds": restore_seconds,
         "read_seconds": read_seconds, "first_read_seconds": restore_seconds + read_seconds,
         "bytes_fetched": int(stats["bytes_fetched"]), "store_requests": int(stats["store_requests"]),
+        "chunks_prefetched": int(stats["chunks_prefetched"]), "misses": int(stats["misses"]),
         "meta_bytes": meta_bytes,
     }
 

@@ -208,6 +208,8 @@ class BlobCache:
         self.on_complete: Callable[[LayerBlob], None] | None = None
         self.on_punch: Callable[[LayerBlob], None] | None = None
         self.layers: dict[str, LayerBlob] = {}
+        self._holders: dict[bytes, list[LayerBlob]] = {}  # chunk digest -> the served layers whose blob map has it
+        self.copied = 0  # chunks filled from another layer's blob instead of the store
         self._lock = threading.Lock()
         self._lru: OrderedDict[tuple[str, int], float] = OrderedDict()  # present chunks, oldest first
         self._pins: dict[tuple[str, int], int] = {}
@@ -286,6 +288,8 @@ class BlobCache:
                 os.close(fd)
                 return self.layers[hexd]
             self.layers[hexd] = layer
+            for digest in layer.positions:
+                self._holders.setdefault(digest, []).append(layer)
             for i, rec in enumerate(layer.records):
                 if i not in missing:
                     layer.present[i] = 1
@@ -339,6 +343,35 @@ class BlobCache:
         if self.used > self.capacity:
             self.evict(int(self.capacity * EVICT_LOW_WATER))
         return True
+
+    def shared(self, layer: LayerBlob, digest: bytes) -> bool:
+        """Whether another served layer's blob map has this chunk too (a cheap look, no I/O)."""
+        holders = self._holders.get(digest)
+        return holders is not None and (len(holders) > 1 or holders[0] is not layer)
+
+    def copy_local(self, layer: LayerBlob, digests: Iterable[bytes]) -> set[bytes]:
+        """Fill chunks ``layer`` lacks from another served layer's blob that has them; which did.
+
+        Layers share chunks (a checkpoint's copy of a large file, a rebuilt toolkit): a chunk
+        is kept once per layer, but fetched once per host.  The copy is hashed again before it
+        is written, like a fetched chunk.
+        """
+        done: set[bytes] = set()
+        for digest in digests:
+            for other in self._holders.get(digest, ()):
+                i = other.positions[digest][0]
+                if other is layer or not other.present[i]:  # (the hint only skips; the file decides)
+                    continue
+                with self.pinned(other, [i]):
+                    if other.missing([i]):
+                        continue
+                    a, b = other.span(i)
+                    data = os.pread(other.fd, b - a, a)
+                if len(data) == b - a and blake3.blake3(data).digest() == digest and self.fill(layer, digest, data):
+                    done.add(digest)
+                    self.copied += 1
+                    break
+        return done
 
     def _refused(self, layer: LayerBlob, digest: bytes, exc: OSError) -> None:
         log.warning("blob cache %s: cannot store chunk %s of layer %s: %s (free space on that "
@@ -472,7 +505,7 @@ class BlobCache:
                     "layers": len(self.layers), "chunks": len(self._lru), "complete_layers": sum(1 for x in self.layers.values()
                                                                        if x.complete_hint),
                     "evictions": self.evictions, "evicted_bytes": self.evicted_bytes,
-                    "pinned": len(self._pins), "reverified": self.reverified,
+                    "pinned": len(self._pins), "reverified": self.reverified, "copied": self.copied,
                     "refused_at_verify": self.refused_at_verify}
 
     def close(self) -> None:

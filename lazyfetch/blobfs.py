@@ -34,9 +34,9 @@ from lazyfetch.metrics import Metrics
 log = logging.getLogger("layerbox.lazyfetch")
 
 SYNC_AHEAD = 256 << 10  # bytes of following chunks fetched along with a miss and waited for
-FIRST_WINDOW = 1 << 20  # a sequential reader's first window beyond that, not waited for
-ASYNC_AHEAD = 16 << 20  # the largest window
-SEQUENTIAL_SLACK = 2 << 20  # a miss this close to the region fetched lately is sequential
+FIRST_WINDOW = 512 << 10  # a sequential reader's first window beyond that, not waited for
+ASYNC_AHEAD = 8 << 20  # the largest window
+SEQUENTIAL_SLACK = 128 << 10  # a miss this close to the region fetched lately is sequential
 
 
 class BlobServer:
@@ -201,8 +201,8 @@ class BlobServer:
         next frames of the same pack and cost no extra request.
         """
         last = first
-        while last < len(layer.records) and budget > 0:
-            budget -= layer.records[last].length
+        while last < len(layer.records) and layer.records[last].length <= budget:
+            budget -= layer.records[last].length  # (a chunk larger than what is left is not fetched)
             last += 1
         return layer.missing(range(first, last))
 

@@ -141,7 +141,12 @@ class Fetcher:
         out: dict[bytes, bytes] = {}
         waiting: list[tuple[bytes, asyncio.Future[bytes]]] = []
         todo: list[tuple[bytes, ChunkLocation]] = []
-        for digest in dict.fromkeys(wanted):
+        wanted = list(dict.fromkeys(wanted))
+        shared = [d for d in wanted if self.cache.shared(layer, d) and (layer.hexd, d) not in self._inflight]
+        if shared:  # another layer on this host has them: no store request
+            copied = await asyncio.to_thread(self.cache.copy_local, layer, shared)
+            wanted = [d for d in wanted if d not in copied]
+        for digest in wanted:
             key = (layer.hexd, digest)
             fut = self._inflight.get(key)
             if fut is None:

@@ -145,3 +145,28 @@ def test_the_fanotify_path_leaves_no_fuse_mount(hosts, tmp_path: Path) -> None:
     host.mount("nofuse/img")
     assert [m.fstype for m in kmount.read_mountinfo() if m.mountpoint.startswith(str(host.data_dir))
             and m.fstype.startswith("fuse")] == []
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_chunk_another_layer_holds_is_copied_not_fetched(hosts, tmp_path: Path, path: str) -> None:
+    """Blobs are per layer, so two layers sharing a chunk (a checkpoint's copy of a large file, a
+    rebuilt toolkit) keep it twice on disk, but the host fetches it once."""
+    url = f"file://{tmp_path / 'store'}"
+    one = make_source(tmp_path / "one", big_mb=8, seed=1)
+    two = tmp_path / "two"
+    (two / "data").mkdir(parents=True)
+    (two / "data" / "blob0").write_bytes((one / "data" / "blob0").read_bytes())  # the same 8 MB
+    (two / "only-here").write_text("a different layer")
+    publish_sync(url, tmp_path / "pub", str(one), "share/one")
+    publish_sync(url, tmp_path / "pub", str(two), "share/two")
+    host = hosts(url, data_path=path)
+    a, b = host.mount("share/one"), host.mount("share/two")
+    assert len(host.mounts.status()["layers"]) == 2
+    assert (a / "data/blob0").read_bytes() == (one / "data/blob0").read_bytes()
+    fetched = host.stats()["bytes_fetched"]
+    drop_caches()
+    assert (b / "data/blob0").read_bytes() == (one / "data/blob0").read_bytes()
+    st = host.stats()
+    # nothing of the 8 MB from the store again (the read-ahead may take the tiny file after it)
+    assert st["bytes_fetched"] - fetched < 1024
+    assert st["cache"]["copied"] >= 8

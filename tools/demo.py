@@ -543,7 +543,7 @@ def resolve_image(store_url: str, host: Path, report: Report, say: Say) -> Resol
 def start_daemon(mounts: HostMounts, store_url: str, report: Report, say: Say) -> None:
     started = time.perf_counter()
     with interrupts_held():
-        health = mounts.client.ensure_running(store_url)
+        health = mounts.start_daemon()
     seconds = report.step_seconds["daemon"] = time.perf_counter() - started
     report.host["daemon_pid"] = health["pid"]
     report.host["data_path"] = health["data_path"]
