@@ -148,6 +148,7 @@ class LayerBlob:
         # read past ahead_mark starts the next window of ``window`` bytes (0: not sequential)
         self.seen_from = self.ahead_mark = self.ahead_end = -(1 << 62)
         self.window = 0
+        self.streak = 0  # sequential misses in a row
 
     def overlapping(self, offset: int, end: int) -> range:
         """Indices of the records overlapping [offset, end)."""

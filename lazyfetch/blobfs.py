@@ -9,8 +9,8 @@ missing is asked of the file (SEEK_HOLE), never of memory.  A miss fetches the
 missing chunks and the next ``SYNC_AHEAD`` bytes, and waits.
 
 Read-ahead, one level below the kernel's and shaped like it: a miss inside or
-right after the region fetched for the layer lately is sequential.  It gets a
-window fetched beyond what it waits for, without waiting, and a *mark* at the
+right after the region fetched for the layer lately is sequential; from the
+``SEQUENTIAL_STREAK``-th such miss in a row on, it gets a window fetched beyond what it waits for, without waiting, and a *mark* at the
 window's start; a read (hit or miss) that reaches the mark starts the next
 window, twice as large, up to ``ASYNC_AHEAD``.  So a sequential reader finds
 the store's next window on its way and stops waiting, while random small reads
@@ -33,10 +33,11 @@ from lazyfetch.metrics import Metrics
 
 log = logging.getLogger("layerbox.lazyfetch")
 
-SYNC_AHEAD = 256 << 10  # bytes of following chunks fetched along with a miss and waited for
+SYNC_AHEAD = 128 << 10  # bytes of following chunks fetched along with a miss and waited for
 FIRST_WINDOW = 512 << 10  # a sequential reader's first window beyond that, not waited for
 ASYNC_AHEAD = 8 << 20  # the largest window
 SEQUENTIAL_SLACK = 128 << 10  # a miss this close to the region fetched lately is sequential
+SEQUENTIAL_STREAK = 3  # sequential misses in a row before a window opens (imports read neighbours too)
 
 
 class BlobServer:
@@ -167,9 +168,11 @@ class BlobServer:
         sync = self._missing_from(layer, idxs[-1] + 1, SYNC_AHEAD)
         sync_end = layer.span(sync[-1])[1] if sync else end
         if sequential:
-            layer.window = min(max(layer.window * 2, FIRST_WINDOW), ASYNC_AHEAD)
+            layer.streak += 1
+            if layer.streak >= SEQUENTIAL_STREAK:
+                layer.window = min(max(layer.window * 2, FIRST_WINDOW), ASYNC_AHEAD)
         else:
-            layer.window, layer.seen_from = 0, first
+            layer.window, layer.seen_from, layer.streak = 0, first, 0
         layer.ahead_mark = layer.ahead_end = sync_end
         wanted = [layer.records[i].digest for i in missing + sync]
         ahead = self._window(layer) if layer.window else []

@@ -396,8 +396,11 @@ class Sandbox:
                     os.close(master)
                 process_file.unlink(missing_ok=True)
                 pid_file.unlink(missing_ok=True)
-                if isinstance(exc, RuntimeFailed) and (mgr.runtime.state(self.id) or {}).get("status") == "paused":
-                    # a pause landed between our check and crun's (found by the API fuzzer): a 409
+                if isinstance(exc, RuntimeFailed) and (
+                        "is paused" in str(exc) or (mgr.runtime.state(self.id) or {}).get("status") == "paused"):
+                    # a pause (a request, the reaper's idle pause) landed between our check and crun's,
+                    # found by the API fuzzer; crun says so ("the container `...` is paused"), and its
+                    # state may say running again by the time we ask: a 409 either way
                     raise SandboxStateError(f"sandbox {self.id} was paused meanwhile; resume it first") from None
                 raise
             finally:
