@@ -118,16 +118,25 @@ _FUSECTL = "/sys/fs/fuse/connections"
 def _abort_fuse(conn: int) -> None:
     """Abort FUSE connection ``conn``: its requests and later ones fail with ENOTCONN."""
     abort = f"{_FUSECTL}/{conn}/abort"
+    mounted = False
     if not os.path.exists(abort) and not os.listdir(_FUSECTL):
-        # fusectl is not mounted (systemd mounts it; containers often do not)
+        # fusectl is not mounted (systemd mounts it; containers often do not): mount it for
+        # this one write, and take it away again, so the host is left as it was
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.mount(b"fusectl", _FUSECTL.encode(), b"fusectl", ctypes.c_ulong(0), None) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"mounting fusectl on {_FUSECTL}: {os.strerror(err)}")
-    with open(abort, "w") as f:
-        f.write("1")
+        mounted = True
+    try:
+        with open(abort, "w") as f:
+            f.write("1")
+    finally:
+        if mounted:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).umount2(_FUSECTL.encode(), 2)  # MNT_DETACH
 
 
 class _Server:
