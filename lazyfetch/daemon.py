@@ -251,13 +251,11 @@ class Daemon:
 
     def _marked(self, layer: LayerBlob) -> bool:
         assert self.group is not None
-        st = os.fstat(layer.fd)
-        dev = fanotify._kernel_dev(st.st_dev)
-        for mark in self.group.marks():
-            if mark.dev == dev and mark.ino == st.st_ino and mark.mask & fanotify.FAN_PRE_ACCESS:
-                # an ignore mark only on a complete blob: a hole under it would read zeros
-                return not (mark.ignored_mask & fanotify.FAN_PRE_ACCESS) or layer.complete()
-        return False
+        mark = self.group.mark_of(os.fstat(layer.fd))
+        if mark is None:
+            return False
+        # an ignore mark only on a complete blob: a hole under it would read zeros
+        return not (mark.ignored_mask & fanotify.FAN_PRE_ACCESS) or layer.complete()
 
     def adopt_layers(self, held: dict[str, tuple[int, dict[str, Any]]]) -> int:
         """After a restart: serve again every layer whose blob fd the holder kept."""

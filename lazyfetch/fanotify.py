@@ -92,8 +92,6 @@ _READ_SIZE: Final = 64 * 1024  # ~1,300 events a read
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    libc.fallocate.restype = ctypes.c_int
     return libc
 
 
@@ -118,13 +116,6 @@ def _init(flags: int, event_f_flags: int) -> int:
         }.get(err, "")
         raise FanotifyError(err, "fanotify_init(FAN_CLASS_PRE_CONTENT)", hint=hint)
     return fd
-
-
-def punch_hole(fd: int, offset: int, length: int) -> None:
-    """Deallocate ``[offset, offset+length)`` of ``fd`` (PUNCH_HOLE|KEEP_SIZE): reads give zeros."""
-    if _libc().fallocate(fd, 0x3, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise FanotifyError(err, f"fallocate(PUNCH_HOLE) of fd {fd} at {offset}+{length}")
 
 
 def _kernel_dev(st_dev: int) -> int:
@@ -286,16 +277,20 @@ class Group:
                               flags=int(fields.get("mflags", "0"), 16)))
         return found
 
+    def mark_of(self, st: os.stat_result) -> Mark | None:
+        """Our FAN_PRE_ACCESS mark on the inode ``st`` describes (ignored or not), if any."""
+        dev = _kernel_dev(st.st_dev)
+        return next((m for m in self.marks() if m.dev == dev and m.ino == st.st_ino and m.mask & FAN_PRE_ACCESS),
+                    None)
+
     def watching(self, path: str) -> bool:
         """Whether the inode now at ``path`` has our FAN_PRE_ACCESS mark, not ignored.
 
         The canary before and after a mount.  It cannot see a mark added
         after the mount opened the blob (that mount never raises events).
         """
-        st = os.stat(path)
-        dev = _kernel_dev(st.st_dev)
-        return any(m.dev == dev and m.ino == st.st_ino and m.mask & FAN_PRE_ACCESS
-                   and not m.ignored_mask & FAN_PRE_ACCESS for m in self.marks())
+        mark = self.mark_of(os.stat(path))
+        return mark is not None and not mark.ignored_mask & FAN_PRE_ACCESS
 
     def events(self, timeout: float | None = None) -> list[Event]:
         """Read one batch of events; blocks, or returns [] after ``timeout`` seconds."""

@@ -122,7 +122,7 @@ class Fetcher:
         try:
             if ahead:
                 task = asyncio.ensure_future(self.fetch_many(layer, ahead, prefetch=True))
-                task.add_done_callback(_ignore_result)
+                task.add_done_callback(_log_failure)
             return await self.fetch_many(layer, wanted)
         finally:
             self.foreground -= 1
@@ -248,11 +248,8 @@ class Fetcher:
             self._settle(key, value)
 
 
-def _log_failure(future: concurrent.futures.Future[dict[bytes, bytes]]) -> None:
+def _log_failure(future: concurrent.futures.Future[dict[bytes, bytes]] | asyncio.Future[dict[bytes, bytes]]
+                 ) -> None:
+    """A read-ahead nobody waits for: its failure is logged (the read that needs it fetches again)."""
     if not future.cancelled() and future.exception() is not None:
         log.warning("read-ahead failed: %s", future.exception())
-
-
-def _ignore_result(task: asyncio.Future[dict[bytes, bytes]]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("read-ahead failed: %s", task.exception())

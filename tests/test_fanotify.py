@@ -29,8 +29,9 @@ from support.env import in_ci, require
 
 from converters.layer import LayerResult, convert_directory
 from lazyfetch import kmount
+from lazyfetch.blobcache import punch_hole
 from lazyfetch.errors import FanotifyError
-from lazyfetch.fanotify import Group, probe, punch_hole
+from lazyfetch.fanotify import Group, probe
 from lazyfetch.holder import Holder
 
 if TYPE_CHECKING:
