@@ -47,8 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from layerstore.erofs.reader import ErofsImage
 from layerstore.objects import LayerEntry, digest_of, hex_digest
 from layerstore.store import Store
@@ -62,6 +60,7 @@ from lazyfetch.client import (
     private_dirs,
     socket_path,
 )
+from lazyfetch.control import ControlServer, HTTPError, Request, Response, json_response
 from lazyfetch.fetcher import Fetcher
 from lazyfetch.holder import Holder
 from lazyfetch.metrics import Metrics
@@ -244,7 +243,7 @@ class Daemon:
         if self.group is None:
             return
         if not self._marked(layer):
-            raise web.HTTPInternalServerError(text=(
+            raise HTTPError(500, (
                 f"refusing to serve layer {layer.digest}: its blob {layer.path} has no fanotify mark "
                 "of this daemon's group, so a mount would read holes as zeros; "
                 "`layerbox umount --all` and mount again"))
@@ -429,17 +428,12 @@ class Daemon:
                 "blobs": str(self.cfg.blob_dir), "holder": self.holder_pid}
 
     # -- control server -----------------------------------------------------------------
-    def app(self) -> web.Application:
-        app = web.Application()
-        routes = web.RouteTableDef()
+    def control(self) -> ControlServer:
+        async def health(_: Request) -> Response:
+            return json_response(self.health())
 
-        @routes.get("/health")
-        async def health(_: web.Request) -> web.Response:
-            return web.json_response(self.health())
-
-        @routes.post("/layers")
-        async def layers(req: web.Request) -> web.Response:
-            body = await req.json()
+        async def layers(req: Request) -> Response:
+            body = req.json()
             image = body.get("image")
             out = []
             for obj in body["layers"]:
@@ -449,22 +443,19 @@ class Daemon:
             if image and body.get("trace", True):
                 mode = await self.start_trace_or_prefetch(image, digests)
             filling = self.maybe_fill(digests) if body.get("fill", True) else False
-            return web.json_response({"layers": out, "trace": mode, "fill": filling})
+            return json_response({"layers": out, "trace": mode, "fill": filling})
 
-        @routes.post("/check")
-        async def check(req: web.Request) -> web.Response:
+        async def check(req: Request) -> Response:
             """After a mount: are the layers' reads still sure to reach this daemon?"""
-            body = await req.json()
-            for hexd in body["layers"]:
+            for hexd in req.json()["layers"]:
                 layer = self.cache.layers.get(hexd)
                 if layer is None:
-                    raise web.HTTPNotFound(text=f"layer {hexd} is not served by this daemon")
+                    raise HTTPError(404, f"layer {hexd} is not served by this daemon")
                 self._check_served(layer)
-            return web.json_response({"ok": True, "generation": self.generation})
+            return json_response({"ok": True, "generation": self.generation})
 
-        @routes.post("/prefetch")
-        async def prefetch(req: web.Request) -> web.Response:
-            body = await req.json()
+        async def prefetch(req: Request) -> Response:
+            body = req.json()
             wanted: list[tuple[str, bytes]] = []
             for obj in body["layers"]:
                 entry = LayerEntry.from_json(obj, "request")
@@ -472,26 +463,23 @@ class Daemon:
                 layer = self.cache.layers[hex_digest(entry.digest)]
                 wanted.extend((layer.hexd, r.digest) for r in layer.records)
             fetched = await self.prefetch(wanted)
-            return web.json_response({"chunks": len(wanted), "fetched": fetched})
+            return json_response({"chunks": len(wanted), "fetched": fetched})
 
-        @routes.get("/stats")
-        async def stats(_: web.Request) -> web.Response:
-            return web.json_response(self.stats())
+        async def stats(_: Request) -> Response:
+            return json_response(self.stats())
 
-        @routes.get("/metrics")
-        async def metrics(_: web.Request) -> web.Response:
+        async def metrics(_: Request) -> Response:
             self.metrics.cache_bytes.set(self.cache.used)
-            return web.Response(body=self.metrics.prometheus(), content_type="text/plain")
+            return Response(body=self.metrics.prometheus(), content_type="text/plain")
 
-        @routes.post("/shutdown")
-        async def shutdown(req: web.Request) -> web.Response:
-            body = await req.json() if req.can_read_body else {}
-            self.release = bool(body.get("release", False))
+        async def shutdown(req: Request) -> Response:
+            self.release = bool(req.json().get("release", False))
             self.loop.call_later(0.05, self.request_exit)
-            return web.json_response({"stopping": True, "release": self.release})
+            return json_response({"stopping": True, "release": self.release})
 
-        app.add_routes(routes)
-        return app
+        return ControlServer({("GET", "/health"): health, ("POST", "/layers"): layers, ("POST", "/check"): check,
+                              ("POST", "/prefetch"): prefetch, ("GET", "/stats"): stats,
+                              ("GET", "/metrics"): metrics, ("POST", "/shutdown"): shutdown})
 
     def watch_holder(self, main: tuple[str, int, dict[str, Any]]) -> None:
         """A holder that died (killed, OOM) is replaced at once, with every fd it held.
@@ -717,16 +705,14 @@ def _serve(cfg: DaemonConfig) -> int:
         log.info("took over generation %s from the holder: %d layer(s), data path %s", generation, n, path)
     elif reason:
         log.info("data path fuse (%s)", reason)
-    runner = web.AppRunner(daemon.app())
-    on_loop(runner.setup())
+    control = daemon.control()
     with contextlib.suppress(FileNotFoundError):
         cfg.socket.unlink()
     if cfg.socket.parent == cfg.data_dir:
         cfg.socket.parent.mkdir(parents=True, exist_ok=True)
     else:  # /run/layerbox: closed to others already while the socket waits for its chmod below
         private_dir(cfg.socket.parent)
-    site = web.UnixSite(runner, str(cfg.socket))
-    on_loop(site.start())
+    on_loop(control.start(str(cfg.socket)))
     os.chmod(cfg.socket, 0o600)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: daemon.request_exit())
@@ -748,7 +734,7 @@ def _serve(cfg: DaemonConfig) -> int:
         with contextlib.suppress(Exception):
             on_loop(daemon.cancel_tasks(), 5)
         with contextlib.suppress(Exception):
-            on_loop(runner.cleanup(), 5)
+            on_loop(control.close(), 5)
         with contextlib.suppress(Exception):
             on_loop(store.close(), 5)
         if daemon.release:

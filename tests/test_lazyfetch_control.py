@@ -1,0 +1,148 @@
+"""The daemon's control API (lazyfetch/control.py) on a real unix socket, spoken to in raw bytes.
+
+The socket is root's alone, but whatever reaches it must get a status naming what
+was wrong and leave the server answering the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from lazyfetch.control import (
+    MAX_BODY,
+    MAX_HEAD,
+    ControlServer,
+    HTTPError,
+    Request,
+    Response,
+    json_response,
+)
+
+
+async def _echo(req: Request) -> Response:
+    return json_response({"got": req.json()})
+
+
+async def _boom(_: Request) -> Response:
+    raise RuntimeError("the disk went away")
+
+
+async def _missing(req: Request) -> Response:
+    return json_response({"layers": req.json()["layers"]})
+
+
+async def _teapot(_: Request) -> Response:
+    raise HTTPError(409, "layer abc is busy; try again")
+
+
+@pytest_asyncio.fixture
+async def server(tmp_path: Path) -> AsyncIterator[str]:
+    srv = ControlServer({("POST", "/echo"): _echo, ("GET", "/boom"): _boom, ("POST", "/need"): _missing,
+                         ("GET", "/busy"): _teapot})
+    path = str(tmp_path / "c.sock")
+    await srv.start(path)
+    try:
+        yield path
+    finally:
+        await srv.close()
+
+
+async def _raw(path: str, data: bytes, *, half_close: bool = True) -> tuple[int, str]:
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(data)
+    await writer.drain()
+    if half_close:
+        writer.write_eof()
+    out = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = out.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1]) if head else 0
+    return status, body.decode()
+
+
+def _post(path: str, body: bytes, extra: str = "") -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+@pytest.mark.asyncio
+async def test_a_request_gets_its_answer_and_each_fault_a_status_naming_it(server: str) -> None:
+    status, body = await _raw(server, _post("/echo", b'{"a": [1, 2]}'))
+    assert (status, json.loads(body)) == (200, {"got": {"a": [1, 2]}})
+    cases = [
+        (_post("/nope", b"{}"), 404, "no route /nope"),
+        (b"GET /echo HTTP/1.1\r\n\r\n", 405, "GET is not allowed on /echo"),
+        (_post("/echo", b"{not json"), 400, "not JSON"),
+        (_post("/echo", b"[1]"), 400, "must be a JSON object, not list"),
+        (_post("/echo", b'"\xff"'), 400, "not JSON"),
+        (_post("/need", b"{}"), 400, "KeyError: 'layers'"),
+        (b"GET /boom HTTP/1.1\r\n\r\n", 500, "RuntimeError: the disk went away"),
+        (b"GET /busy HTTP/1.1\r\n\r\n", 409, "layer abc is busy"),
+        (b"BREW /echo\r\n\r\n", 400, "not an HTTP/1.x request line"),
+        (b"POST /echo HTTP/1.1\r\nno colon here\r\n\r\n", 400, "malformed header line"),
+        (b"POST /echo HTTP/1.1\r\nContent-Length: ten\r\n\r\n", 400, "is not a number"),
+        (b"POST /echo HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400, "negative"),
+        (f"POST /echo HTTP/1.1\r\nContent-Length: {MAX_BODY + 1}\r\n\r\n".encode(), 413, "over the"),
+        (b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 411,
+         "Content-Length"),
+        (b"GET /echo HTTP/1.1\r\nX: " + b"a" * (MAX_HEAD + 10) + b"\r\n\r\n", 431, "headers over"),
+    ]
+    for raw, want_status, want_text in cases:
+        status, body = await _raw(server, raw)
+        assert (status, want_text in body) == (want_status, True), (raw[:60], body)
+    # and after all that it still answers
+    assert (await _raw(server, _post("/echo", b"{}")))[0] == 200
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_hangs_up_mid_body_or_before_a_request_harms_nothing(server: str) -> None:
+    for partial in (_post("/echo", b'{"a": 1}')[:-3], b"POST /ec", b""):
+        reader, writer = await asyncio.open_unix_connection(server)
+        writer.write(partial)
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+    # many at once, some hanging up: each whole request is still answered
+    good = [_raw(server, _post("/echo", json.dumps({"i": i}).encode())) for i in range(20)]
+    results = await asyncio.gather(*good)
+    assert [json.loads(b)["got"]["i"] for _, b in results] == list(range(20))
+
+
+def test_the_daemon_imports_no_http_framework() -> None:
+    """The reason control.py exists: the daemon's start (on a fresh host's first mount and on
+    every restart readers wait through) does not pay for aiohttp."""
+    probe = "import sys, lazyfetch.daemon; print(sorted(m for m in ('aiohttp', 'yarl', 'multidict') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.usefixtures("need_root")
+@pytest.mark.root("fuse")
+def test_the_real_daemon_answers_its_client_and_refuses_what_is_wrong(tmp_path: Path) -> None:
+    from lazyfetch.client import DaemonClient, LazyfetchError
+
+    client = DaemonClient(tmp_path / "host")
+    store = tmp_path / "store"
+    store.mkdir()
+    client.ensure_running(f"file://{store}", data_path="fuse", fill_below=0)
+    try:
+        assert client.health()["ready"] is True  # type: ignore[index]
+        with pytest.raises(LazyfetchError, match=r"\(404\): layer 00ff is not served"):
+            client.request("POST", "/check", {"layers": ["00ff"]})
+        with pytest.raises(LazyfetchError, match=r"\(400\).*KeyError: 'layers'"):
+            client.request("POST", "/layers", {"image": "x"})
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(str(client.socket))
+        sock.sendall(b"GET /health HTTP/1.0\r\n")  # and never the rest: the daemon is not held up
+        assert client.request("GET", "/stats")["misses"] == 0
+        sock.close()
+    finally:
+        assert client.stop(release=True)
