@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from support.proc import run
+from .proc import run
 
 # ../shared beside this checkout (the shared fixtures and notes), wherever the checkout is
 SHARED = Path(__file__).resolve().parents[3] / "shared"

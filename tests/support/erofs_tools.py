@@ -11,8 +11,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from support.env import require
-from support.proc import run
+from .env import require
+from .proc import run
 
 _TIMEOUT = 600.0  # seconds; generous for multi-GiB trees on a slow disk
 

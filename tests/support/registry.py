@@ -52,8 +52,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
 
-from support.env import FIXTURE_IMAGE, in_ci
-from support.proc import run
+from .env import FIXTURE_IMAGE, in_ci
+from .proc import run
 
 T = TypeVar("T")
 

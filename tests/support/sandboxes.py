@@ -20,8 +20,9 @@ from lazyfetch import kmount
 from sandbox.manager import Sandbox, SandboxManager
 from sandbox.model import POOL_LABEL
 from sandbox.service import AuthConfig, SandboxService
-from support.env import FIXTURE_IMAGE, require
 from tests.support.hosts import publish_sync
+
+from .env import FIXTURE_IMAGE, require
 
 FIXTURE = FIXTURE_IMAGE
 REF = "img/python"
