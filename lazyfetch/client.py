@@ -130,7 +130,7 @@ class DaemonClient:
 
         ``options`` are the daemon's flags (lazyfetch.daemon.parse_args) by their
         Python names: ``cache_size``, ``fetch_timeout``, ``trace_seconds``,
-        ``data_path``, ``fill_below``, ``fill_bandwidth``, ``holder_grace``.
+        ``data_path``, ``fill_below``, ``fill_bandwidth``, ``holder_grace``, ``blob_io``.
         """
         h = self.health()
         if h and h.get("ready"):

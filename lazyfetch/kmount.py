@@ -303,13 +303,16 @@ def _refuse_missing_blob(meta: bytes) -> None:
 
 
 def mount_erofs(
-    meta: StrPath, mountpoint: StrPath, blob: StrPath | None = None, *, flags: int = MS_RDONLY
+    meta: StrPath, mountpoint: StrPath, blob: StrPath | None = None, *, flags: int = MS_RDONLY,
+    direct: bool = False,
 ) -> None:
     """Mount the EROFS metadata image ``meta`` (a regular file) on ``mountpoint``.
 
     ``blob`` is the extra device that holds the chunk-based files' data; it is
     passed as ``device=<blob>`` and may be a regular file or a block device.
     ``flags`` are ``MS_*`` flags; EROFS is read-only whatever they say.
+    ``direct``: the kernel reads a file-backed image and its blob with direct I/O
+    (``directio``, Linux 6.13+), so their bytes are not cached as well as the files'.
 
     Raises :class:`MountArgumentError` when the blob path contains a comma
     (the option string cannot express it) or when ``blob`` is missing but the
@@ -331,6 +334,8 @@ def mount_erofs(
             )
         paths["blob"] = blob_b
         data = b"device=" + blob_b
+    if direct:
+        data += b",directio" if data else b"directio"
     _check_data_fits(data, f"erofs mount of {os.fsdecode(meta_b)!r}")
     _mount2(meta_b, target, "erofs", flags, data, paths)
 

@@ -221,7 +221,8 @@ class HostMounts:
         mp.mkdir(exist_ok=True)
         if kmount.is_mountpoint(mp):  # left by a crash before the state was written
             kmount.umount(mp, lazy=True, missing_ok=True)
-        kmount.mount_erofs(paths["meta"], mp, paths["blob"], flags=self.LAYER_FLAGS)
+        kmount.mount_erofs(paths["meta"], mp, paths["blob"], flags=self.LAYER_FLAGS,
+                           direct=paths.get("blob_io") == "direct")
         try:
             # the canary after the mount: its reads must still reach the daemon (fanotify: the
             # blob's mark is there; one added later would never be seen and holes read as zeros)
@@ -230,7 +231,7 @@ class HostMounts:
             kmount.umount(mp, lazy=True, missing_ok=True)
             raise MountError(f"layer {hexd}: not mounted: {exc}") from None
         return {"mountpoint": str(mp), "generation": generation, "path": paths.get("path"), "users": [],
-                "meta": paths["meta"]}
+                "meta": paths["meta"], "blob_io": paths.get("blob_io", "buffered")}
 
     def _mount_user(self, target: str, lowers: list[str], writable: bool,
                     upper: str | os.PathLike[str] | None) -> dict[str, Any]:

@@ -170,3 +170,38 @@ def test_a_chunk_another_layer_holds_is_copied_not_fetched(hosts, tmp_path: Path
     # nothing of the 8 MB from the store again (the read-ahead may take the tiny file after it)
     assert st["bytes_fetched"] - fetched < 1024
     assert st["cache"]["copied"] >= 8
+
+
+def resident(path: Path) -> int:
+    """Bytes of ``path`` in the page cache (util-linux fincore, i.e. mincore(2))."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split()[0])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_direct_blob_io_reads_every_byte_and_caches_it_once(hosts, tmp_path: Path, path: str) -> None:
+    """--blob-io direct: EROFS reads the blob with direct I/O, cold (every read fetched) and again
+    from the host's blob; a re-read leaves the blob's own pages out of the page cache, where a
+    buffered host caches them as well as the files."""
+    url = f"file://{tmp_path / 'store'}"
+    src = make_source(tmp_path / "src", big_mb=16)
+    publish_sync(url, tmp_path / "pub", str(src), "dio/img")
+    cached = {}
+    for blob_io in ("direct", "buffered"):
+        host = hosts(url, f"{path}-{blob_io}", data_path=path, blob_io=blob_io)
+        mnt = host.mount("dio/img")
+        assert host.mounts.client.health()["blob_io"] == blob_io  # type: ignore[index]
+        (hexd,) = host.mounts.status()["layers"]
+        layer_mp = host.data_dir / "layers" / hexd
+        opts = [m for m in kmount.read_mountinfo() if m.mountpoint == str(layer_mp)][0].super_options
+        assert ("directio" in opts.split(",")) == (blob_io == "direct"), opts
+        assert_trees_equal(src, mnt, check_root_meta=False)  # cold
+        drop_caches()
+        assert_trees_equal(src, mnt, check_root_meta=False)  # from the host's blob
+        served = (host.data_dir / "blobcache" / f"{hexd}.blob") if path == "fanotify" else \
+            (host.data_dir / "blobs" / hexd)
+        cached[blob_io] = resident(served)
+        assert host.stats()["read_errors"] == 0
+    assert cached["direct"] == 0
+    assert cached["buffered"] >= 16 << 20  # the big file's bytes, cached as blob too

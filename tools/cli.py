@@ -329,7 +329,7 @@ def _host(args: argparse.Namespace) -> Any:
 
     opts: dict[str, Any] = {}
     for name in ("cache_size", "fetch_timeout", "trace_seconds", "data_path", "fill_below", "fill_bandwidth",
-                 "holder_grace"):
+                 "holder_grace", "blob_io"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value
@@ -562,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="bytes per second the background fill may fetch")
     host.add_argument("--holder-grace", type=float, default=None,
                       help="seconds reads wait for a successor of a dead daemon before EIO")
+    host.add_argument("--blob-io", choices=["buffered", "direct"], default=None,
+                      help="EROFS reads blobs through the page cache (buffered, default) or with direct I/O "
+                           "(direct: each byte cached once, as the file; slower re-reads)")
     host.add_argument("--fetch-timeout", type=float, default=None, help="seconds a read waits for the store")
     host.add_argument("--trace-seconds", type=float, default=None, help="access-trace window after a mount")
 
