@@ -167,6 +167,13 @@ class LayerBlob:
         if not idxs:
             return []
         lo, hi = self.span(idxs[0])[0], self.span(idxs[-1])[1]
+        try:  # the common answer, in one lseek: no hole in the whole range
+            if os.lseek(self.fd, lo, os.SEEK_HOLE) >= hi:
+                return []
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            return []  # lo at or past the end of the file: nothing there is a hole
         gaps = list(holes(self.fd, lo, hi))
         if not gaps:
             return []
@@ -403,26 +410,39 @@ class BlobCache:
         stamped as read now, so ``min_age`` keeps it for the kernel's read after a fanotify
         answer, which no pin covers.
         """
-        keys = [(layer.hexd, i) for i in idxs]
-        now = time.monotonic()
-        with self._lock:
-            while any(k in self._evicting for k in keys):
-                self._punched.wait()
-            for k in keys:
-                self._pins[k] = self._pins.get(k, 0) + 1
-                if k in self._lru:
-                    self._lru[k] = now
-                    self._lru.move_to_end(k)
+        keys = self.pin(layer, idxs)
         try:
             yield
         finally:
-            with self._lock:
-                for k in keys:
-                    n = self._pins[k] - 1
-                    if n:
-                        self._pins[k] = n
-                    else:
-                        del self._pins[k]
+            self.unpin(keys)
+
+    def pin(self, layer: LayerBlob, idxs: Iterable[int]) -> list[tuple[str, int]]:
+        """:meth:`pinned` without the context manager (the fanotify event reader's hot path);
+        the caller passes the keys to :meth:`unpin` in a ``finally``."""
+        hexd = layer.hexd
+        keys = [(hexd, i) for i in idxs]
+        now = time.monotonic()
+        pins, lru = self._pins, self._lru
+        with self._lock:
+            if self._evicting:
+                while any(k in self._evicting for k in keys):
+                    self._punched.wait()
+            for k in keys:
+                pins[k] = pins.get(k, 0) + 1
+                if k in lru:
+                    lru[k] = now
+                    lru.move_to_end(k)
+        return keys
+
+    def unpin(self, keys: list[tuple[str, int]]) -> None:
+        pins = self._pins
+        with self._lock:
+            for k in keys:
+                n = pins[k] - 1
+                if n:
+                    pins[k] = n
+                else:
+                    del pins[k]
 
     # -- eviction -----------------------------------------------------------------------
     def evict(self, target: int, *, force: bool = False) -> int:

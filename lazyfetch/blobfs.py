@@ -106,10 +106,13 @@ class BlobServer:
         if not idxs:
             answer(True)
             return True
-        with self.cache.pinned(layer, idxs):
+        keys = self.cache.pin(layer, idxs)
+        try:
             if layer.missing(idxs):
                 return False
             answer(True)
+        finally:
+            self.cache.unpin(keys)
         try:  # answered: nothing below may make the caller answer again
             if layer.trace is not None:
                 self._record(layer, idxs)

@@ -211,6 +211,7 @@ class Group:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self._poll: select.poll | None = None
 
     @classmethod
     def create(cls) -> Group:
@@ -295,13 +296,10 @@ class Group:
     def events(self, timeout: float | None = None) -> list[Event]:
         """Read one batch of events; blocks, or returns [] after ``timeout`` seconds."""
         if timeout is not None:
-            if not os.get_blocking(self.fd):  # events come in bursts: try before waiting
-                try:
-                    return parse_events(os.read(self.fd, _READ_SIZE))
-                except BlockingIOError:
-                    pass
-            ready, _, _ = select.select([self.fd], [], [], timeout)
-            if not ready:
+            if self._poll is None:
+                self._poll = select.poll()
+                self._poll.register(self.fd, select.POLLIN)
+            if not self._poll.poll(timeout * 1000):
                 return []
         try:
             buf = os.read(self.fd, _READ_SIZE)
