@@ -91,7 +91,10 @@ class ControlServer:
                 resp = Response(exc.status, (exc.text + "\n").encode(), "text/plain; charset=utf-8")
             if resp is None:
                 return  # the client went away before its request was whole
-            reason = HTTPStatus(resp.status).phrase if resp.status in HTTPStatus._value2member_map_ else ""
+            try:
+                reason = HTTPStatus(resp.status).phrase
+            except ValueError:  # a status http.HTTPStatus does not name
+                reason = ""
             writer.write(f"HTTP/1.1 {resp.status} {reason}\r\nContent-Type: {resp.content_type}\r\n"
                          f"Content-Length: {len(resp.body)}\r\nConnection: close\r\n\r\n".encode() + resp.body)
             await writer.drain()
