@@ -568,9 +568,7 @@ def plain_read(rootfs: Path) -> dict[str, Any]:
     return {
         "files": len(files), "bytes": n,
         "passes": {"cold": pass_row(n, cold), "warm": pass_row(n, warm)},
-        "page_cache": {"bytes_read": n, "cached_delta": c1 - c0, "files_resident": resident,
-                       "blob_resident": 0,
-                       "resident_per_byte": ratio(resident, n), "cached_delta_per_byte": ratio(c1 - c0, n)},
+        "page_cache": page_cache_row(n, c1 - c0, resident, 0),
     }
 
 
@@ -788,6 +786,14 @@ def replay_section(ctx: Ctx, image: ImageInput, digest: str) -> dict[str, Any]:
     return {"trace_seconds": ctx.trace_seconds, "trace_bytes": trace_bytes, **rows}
 
 
+def page_cache_row(nbytes: int, cached_delta: int, files_resident: int, blob_resident: int) -> dict[str, Any]:
+    """What one pass of ``nbytes`` left in the page cache: the files read and the blobs under
+    them (fincore), and /proc/meminfo's Cached growth (system-wide)."""
+    return {"bytes_read": nbytes, "cached_delta": cached_delta, "files_resident": files_resident,
+            "blob_resident": blob_resident, "resident_per_byte": ratio(files_resident + blob_resident, nbytes),
+            "cached_delta_per_byte": ratio(cached_delta, nbytes)}
+
+
 def pass_row(nbytes: int, seconds: float) -> dict[str, Any]:
     return {"bytes": nbytes, "seconds": seconds, "mb_per_s": rate(nbytes, seconds)}
 
@@ -931,9 +937,7 @@ def direct_pass(ctx: Ctx, image: ImageInput) -> dict[str, Any]:
         files_res, blob_res = resident_bytes(files), resident_bytes(served_blobs(ctx, root, resolved))
         hm.umount(mp)
     mp.rmdir()
-    return {**pass_row(n, seconds), "page_cache": {
-        "bytes_read": n, "cached_delta": c1 - c0, "files_resident": files_res, "blob_resident": blob_res,
-        "resident_per_byte": ratio(files_res + blob_res, n), "cached_delta_per_byte": ratio(c1 - c0, n)}}
+    return {**pass_row(n, seconds), "page_cache": page_cache_row(n, c1 - c0, files_res, blob_res)}
 
 
 def read_and_mount_section(ctx: Ctx, image: ImageInput, peers: ReadPeers, *, rounds: int, readers: int,
@@ -969,10 +973,7 @@ def read_and_mount_section(ctx: Ctx, image: ImageInput, peers: ReadPeers, *, rou
         before = stats(hm)
         n, seconds = timed_read(files)
         passes["warm"] = {**pass_row(n, seconds), **stat_delta(stats(hm), before)}
-        page_cache = {
-            "bytes_read": n, "cached_delta": c1 - c0, "files_resident": files_res, "blob_resident": blob_res,
-            "resident_per_byte": ratio(files_res + blob_res, n), "cached_delta_per_byte": ratio(c1 - c0, n),
-        }
+        page_cache = page_cache_row(n, c1 - c0, files_res, blob_res)
         # unmounting the layers drops EROFS's page cache; the blob files stay in memory, so
         # this pass costs only the data path (fanotify marks or FUSE) and EROFS
         hm.umount(mp)

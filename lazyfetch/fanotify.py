@@ -211,7 +211,8 @@ class Group:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self._poll: select.poll | None = None
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
 
     @classmethod
     def create(cls) -> Group:
@@ -296,9 +297,6 @@ class Group:
     def events(self, timeout: float | None = None) -> list[Event]:
         """Read one batch of events; blocks, or returns [] after ``timeout`` seconds."""
         if timeout is not None:
-            if self._poll is None:
-                self._poll = select.poll()
-                self._poll.register(self.fd, select.POLLIN)
             if not self._poll.poll(timeout * 1000):
                 return []
         try:
