@@ -69,14 +69,16 @@ def cgroup_hierarchies() -> list[Path]:
 
 
 def cgroup_dirs(parent: str) -> list[Path]:
-    """The directories named ``parent`` (a manager's cgroup parent) and below, in every hierarchy."""
+    """The directories named ``parent`` (a manager's cgroup parent) and below, in every hierarchy.
+
+    A running service removes a finished sandbox's cgroup while this walks: os.walk skips a
+    directory gone between listing and descending (rglob raised FileNotFoundError there)."""
     found = []
     for root in cgroup_hierarchies():
         top = root / parent
-        if top.is_dir():
-            found.append(top)
-            found += sorted(p for p in top.rglob("*") if p.is_dir())
-    return found
+        for dirpath, _dirs, _files in os.walk(top):
+            found.append(Path(dirpath))
+    return sorted(found)
 
 
 def leftovers(mgr: SandboxManager) -> list[str]:
@@ -86,8 +88,8 @@ def leftovers(mgr: SandboxManager) -> list[str]:
         problems.append(f"crun containers: {[c['id'] for c in mgr.runtime.list()]}")
     if kmount.mounts_under(mgr.data_dir):
         problems.append(f"mounts: {kmount.mounts_under(mgr.data_dir)}")
-    if cgroup_dirs(mgr.cgroup_parent):
-        problems.append(f"cgroups: {[str(d) for d in cgroup_dirs(mgr.cgroup_parent)]}")
+    if cgroups := cgroup_dirs(mgr.cgroup_parent):
+        problems.append(f"cgroups: {[str(d) for d in cgroups]}")
     netns = mgr.data_dir / "net" / "netns"
     if netns.is_dir() and os.listdir(netns):
         problems.append(f"network namespaces: {os.listdir(netns)}")
