@@ -216,6 +216,18 @@ class HostMounts:
         return MountResult(target, resolved.digest, len(lowers), writable, record.get("upper"),
                            round(time.perf_counter() - start, 6), created, reply.get("trace"))
 
+    def layer_files(self, resolved: Resolved, *, trace: bool = True, fill: bool = True) -> list[dict[str, str]]:
+        """The daemon's metadata image and blob file of each layer of ``resolved``, base first, with
+        no mount: what a VM attaches as block devices (its reads of a blob's holes are fetches).
+
+        The daemon's fd holder keeps each blob (and, on the fanotify path, its mark) across
+        daemon restarts, as it does for mounted layers."""
+        self._daemon()
+        reply = self.client.request("POST", "/layers", {
+            "image": resolved.digest, "trace": trace, "fill": fill,
+            "layers": [layer.to_json() for layer in resolved.layers]})
+        return list(reply["layers"])
+
     def _mount_layer(self, hexd: str, paths: dict[str, str], generation: str) -> dict[str, Any]:
         mp = self.layer_root / hexd
         mp.mkdir(exist_ok=True)

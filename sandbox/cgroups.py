@@ -130,6 +130,50 @@ class CgroupLayout:
                 return True
         return False
 
+    def make(self, cgroups_path: str, limits: dict[str, int]) -> list[Path]:
+        """Make ``cgroups_path`` with ``limits`` (memory, pids, cpu_quota per 100 ms, cpu_shares) for a
+        process the manager starts itself (a VMM; crun makes a container's).  Returns the
+        ``cgroup.procs`` files the process writes its pid to before it execs."""
+        wants: dict[str, dict[str, dict[str, int | str]]] = {"memory": {"v1": {"memory.limit_in_bytes": limits["memory"]}, "v2": {"memory.max": limits["memory"],
+                                                                                     "memory.swap.max": 0}},
+                 "pids": {"v1": {"pids.max": limits["pids"]}, "v2": {"pids.max": limits["pids"]}},
+                 "cpu": {"v1": {"cpu.cfs_period_us": 100_000, "cpu.cfs_quota_us": limits["cpu_quota"],
+                                "cpu.shares": limits["cpu_shares"]},
+                         "v2": {"cpu.max": f"{limits['cpu_quota']} 100000",
+                                "cpu.weight": max(1, min(10_000, limits["cpu_shares"] * 100 // 1024))}}}
+        rel = cgroups_path.strip("/")
+        if self.version == 2:
+            parts = rel.split("/")
+            for depth in range(len(parts)):  # every level passes the controllers down
+                d = CGROUP_ROOT.joinpath(*parts[:depth])
+                (d / parts[depth]).mkdir(exist_ok=True)
+                with open(d / "cgroup.subtree_control", "w") as f:
+                    f.write("+memory +pids +cpu")
+            d = CGROUP_ROOT / rel
+            for files in wants.values():
+                for name, value in files["v2"].items():
+                    (d / name).write_text(str(value))
+            return [d / "cgroup.procs"]
+        procs = []
+        for d in sorted(set(self.dirs(cgroups_path))):
+            d.mkdir(parents=True, exist_ok=True)
+            procs.append(d / "cgroup.procs")
+        cpuset = self.v1.get("cpuset")
+        if cpuset is not None:  # a v1 cpuset takes no task until its cpus and mems are set
+            d = cpuset
+            for part in rel.split("/"):
+                parent, d = d, d / part
+                for name in ("cpuset.cpus", "cpuset.mems"):
+                    if not (d / name).read_text().strip():
+                        (d / name).write_text((parent / name).read_text())
+        for controller, files in wants.items():
+            cd = self.controller_dir(controller, cgroups_path)
+            if cd is None:
+                continue
+            for name, value in files["v1"].items():
+                (cd / name).write_text(str(value))
+        return procs
+
     def remove(self, cgroups_path: str, *, wait: float = 5.0) -> bool:
         """rmdir every directory of ``cgroups_path``; True when none is left.
 

@@ -55,6 +55,7 @@ from lazyfetch.errors import KernelMountError, LazyfetchError
 from lazyfetch.mounts import HostMounts, MountError
 from sandbox import disk as sbdisk
 from sandbox import idmap
+from sandbox.agent import AgentError
 from sandbox.cgroups import CgroupLayout, preflight_cgroups
 from sandbox.errors import (
     CommandInProgress,
@@ -82,6 +83,7 @@ from sandbox.execs import (
 )
 from sandbox.files import RootFiles
 from sandbox.leases import Leases
+from sandbox.microvm import GuestFiles, MicroVms
 from sandbox.model import (
     DEFAULT_OUTPUT_CAP,
     POOL_LABEL,
@@ -142,7 +144,7 @@ def limits_of(options: SandboxOptions) -> Limits:
                   best_effort=options.cpu_class == "best-effort")
 
 
-def _uid_gid(files: RootFiles, user: str) -> tuple[int, int]:
+def _uid_gid(files: RootFiles | GuestFiles, user: str) -> tuple[int, int]:
     """An OCI ``User`` ("", "name", "uid", "uid:gid", "name:group") looked up in the rootfs.
 
     The rootfs may hold an earlier agent's writes (a restored checkpoint): its passwd is
@@ -191,13 +193,20 @@ class Sandbox:
         self._exec_seq = 0
 
     @functools.cached_property
-    def files(self) -> RootFiles:
-        """The host file API of this rootfs (idmap-aware when the sandbox has a user namespace)."""
+    def files(self) -> RootFiles | GuestFiles:
+        """The host file API of this rootfs (idmap-aware when the sandbox has a user namespace);
+        a microVM's files, through its guest agent."""
         try:
-            mapping = self.state.userns
+            st: SandboxState | None = self.state
         except SandboxNotFound:
-            mapping = None
-        return RootFiles(self.rootfs, idmap=mapping, open_root=self._open_root, no_xdev=True)
+            st = None
+        if st is not None and st.options.isolation == "microvm":
+            return GuestFiles(lambda: self.manager.vms.conn(self.id, self.dir, self.state))
+        return RootFiles(self.rootfs, idmap=st.userns if st else None, open_root=self._open_root, no_xdev=True)
+
+    @property
+    def is_vm(self) -> bool:
+        return self.state.options.isolation == "microvm"
 
     def init_pid(self, st: SandboxState | None = None) -> int:
         """The container's init, checked: same start time as recorded and a task of this
@@ -339,6 +348,11 @@ class Sandbox:
                 # the same command may run with and without a key), or that it ran in the background
                 self._receipt("exec_started", command=req.argv, **({"idempotency_key": key} if key else {}),
                               tag=tag, **(attach.started() if attach is not None else {}))
+            if st.options.isolation == "microvm":
+                if attach is not None:
+                    raise UnsupportedOption(f"sandbox {self.id} is a microvm: interactive commands (stdin "
+                                            "left open, a terminal) are not available for microvms yet")
+                return self._exec_vm(st, req, on_stdout, on_stderr, cancel, keep_output, on_cut)
             return self._exec(tag, st, req, on_stdout, on_stderr, cancel, keep_output, on_cut,
                               attach=attach)
         finally:
@@ -453,6 +467,62 @@ class Sandbox:
                       policy_version=st.policy_version, **extra)
         return result
 
+    def _exec_vm(self, st: SandboxState, req: ExecRequest, on_stdout: Callable[[bytes], None] | None,
+                 on_stderr: Callable[[bytes], None] | None, cancel: Cancel, keep_output: bool,
+                 on_cut: Callable[[Cut], None] | None) -> ExecResult:
+        """A command in the guest through its agent, streamed, capped and timed out by the same
+        ``pump`` as a container's (the agent's output arrives in OS pipes)."""
+        mgr, cg = self.manager, st.cgroups_path
+        args, workdir = req.argv, req.cwd or st.cwd
+        conn = mgr.vms.conn(self.id, self.dir, st)
+        cpu_before = mgr.layout.cpu_seconds(cg)
+        started = time.perf_counter()
+        try:
+            proc = conn.exec(list(args), env={**st.env, **req.env}, cwd=workdir, uid=st.uid, gid=st.gid)
+        except AgentError as exc:
+            raise SandboxStateError(f"sandbox {self.id}: its guest agent: {exc}") from None
+        keep = req.output_cap if keep_output else (KEYED_OUTPUT_CAP if req.idempotency_key else 0)
+
+        def kill() -> bool:
+            proc.kill()
+            return True
+
+        try:
+            out = pump(proc, req.stdin, cap=req.output_cap, keep=min(keep, req.output_cap),  # type: ignore[arg-type]
+                       timeout=req.timeout, on_stdout=on_stdout, on_stderr=on_stderr, cancel=cancel, kill=kill,
+                       tail=req.keep == "tail", on_cut=on_cut)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        try:
+            rc: int | None = proc.wait(5.0)
+        except TimeoutError:
+            rc = None
+        duration = time.perf_counter() - started
+        interrupted = cancel.reason if cancel.is_set() else None
+        killed = out.timed_out or interrupted is not None
+        sig = int(signal.SIGKILL) if killed else (rc - 128 if rc is not None and 128 < rc <= 128 + 64 else None)
+        result = ExecResult(rc, sig, out.stdout, out.stderr, out.truncated, round(duration, 6), out.timed_out,
+                            False, interrupted, cuts=out.cuts)
+        cpu_after = mgr.layout.cpu_seconds(cg)
+        extra: dict[str, Any] = {
+            "resources": {"cpu_seconds": round(cpu_after - cpu_before, 6)  # the VMM's, guest and emulation
+                          if cpu_before is not None and cpu_after is not None else None,
+                          "memory_peak": mgr.layout.memory_peak(cg), "pids": mgr.layout.pids_current(cg)}}
+        if req.keep != "head":
+            extra["keep"] = req.keep
+        if req.idempotency_key is not None:
+            kept = slice(-KEYED_OUTPUT_CAP, None) if req.keep == "tail" else slice(KEYED_OUTPUT_CAP)
+            extra.update(idempotency_key=req.idempotency_key,
+                         stdout=base64.b64encode(out.stdout[kept]).decode(),
+                         stderr=base64.b64encode(out.stderr[kept]).decode())
+        self._receipt("exec", command=args, cwd=workdir, exit_code=rc, signal=sig, timed_out=out.timed_out,
+                      oom_killed=False, interrupted=interrupted, stdout_bytes=out.sizes[0],
+                      stderr_bytes=out.sizes[1], stdout_blake3=out.digests[0], stderr_blake3=out.digests[1],
+                      truncated=out.truncated, duration=result.duration, cpu_class=st.options.cpu_class,
+                      policy_version=st.policy_version, isolation="microvm", **extra)
+        return result
+
     def _kill_exec(self, pid_file: Path, since: int, st: SandboxState) -> bool:
         """Kill an exec's tree; False while crun has not yet written the command's pid."""
         try:
@@ -537,6 +607,13 @@ class Sandbox:
         """Freeze every process, then push the sandbox's page cache out of memory."""
         st = self.state
         self._require_running(st)
+        if st.options.isolation == "microvm":
+            # reclaim: the VM is saved (device state and the RAM it changed) and its VMM stopped
+            record, info = self.manager.vms.pause(self.id, self.dir, st, reclaim)
+            self._update(status="paused", vm=record, pid=None if record["saved"] else st.pid,
+                         init_start=None if record["saved"] else st.init_start)
+            rec = self._receipt("pause", reclaim=info["reclaim"], isolation="microvm")
+            return {"reclaim": info["reclaim"], "receipt": rec["id"]}
         self._runtime(self.manager.runtime.pause)
         self._update(status="paused")
         freed = self.manager.layout.reclaim(st.cgroups_path) if reclaim else None
@@ -547,6 +624,11 @@ class Sandbox:
         st = self.state
         if st.status != "paused":
             raise SandboxStateError(f"sandbox {self.id} is {st.status}, not paused")
+        if st.options.isolation == "microvm":
+            record, seconds = self.manager.vms.resume(self.id, self.dir, st, st.cgroups_path)
+            self._update(status="running", vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"])
+            self._receipt("resume", isolation="microvm", resume_seconds=round(seconds, 6))
+            return
         self._runtime(self.manager.runtime.resume)
         self._update(status="running")
         self._receipt("resume")
@@ -584,6 +666,9 @@ class Sandbox:
         st = self.state
         if not st.live:
             raise SandboxStateError(f"sandbox {self.id} is {st.status}")
+        if st.options.isolation == "microvm":
+            raise UnsupportedOption(f"sandbox {self.id} is a microvm: block checkpoints of a VM's disk are not "
+                                    "available yet (pause and resume keep its disk and memory on this host)")
         last = self.manager.receipts(self.id)
         head = verify_receipt_chain(last, what=f"sandbox {self.id}'s receipts")  # never carry a broken log on
         async with await self.manager._store() as store:
@@ -640,6 +725,7 @@ class SandboxManager:
         self.runtime = OciRuntime(self.paths.runtime, binary=runtime)
         self.host = HostMounts(self.data_dir, store_url)
         self.host.on_remount = self._on_remount
+        self.vms = MicroVms(self.data_dir, self.host, lambda: self.layout)
         self.leases = Leases(self.root / "leases.json")
         digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()
         # one cgroup parent per data dir: two managers on one machine never share cgroups
@@ -900,6 +986,11 @@ class SandboxManager:
                       inherited: Sequence[Mapping[str, Any]] = (), name: str | None = None) -> Sandbox:
         if options.userns:
             self._check_traversable()
+        if options.isolation == "microvm":
+            self.vms.check_options(options)
+            await asyncio.to_thread(self.vms.prepare)  # a host without QEMU or guest assets: refused here
+            if resolved.kind == "checkpoint":
+                raise UnsupportedOption(f"{ref} is a checkpoint: restoring one into a microvm is not available yet")
         self._join_job(options, admitting)
         layout = self.layout
         sid = new_sandbox_id()
@@ -929,6 +1020,8 @@ class SandboxManager:
         self._write_state(state)  # first: a crash from here on is reconciled
         for rec in inherited:  # the history of the checkpoint this sandbox continues
             self.receipt_logs.append(sid, {**rec, "inherited": True})
+        if options.isolation == "microvm":
+            return await self._launch_vm(box, resolved, state, name or ref)
         started = time.perf_counter()
         try:
             upper = None
@@ -964,6 +1057,28 @@ class SandboxManager:
                      layer_digests=list(state.layer_digests), mount_seconds=round(mounted - started, 6),
                      start_seconds=round(time.perf_counter() - mounted, 6),
                      **({"userns": list(mapping)} if mapping is not None else {}))
+        return box
+
+    async def _launch_vm(self, box: Sandbox, resolved: Resolved, state: SandboxState, ref: str) -> Sandbox:
+        options = state.options
+        try:
+            record, timings = await asyncio.to_thread(self.vms.launch, box.id, box.dir, resolved, options,
+                                                      state.cgroups_path)
+            state = state.replace(vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"], status="starting")
+            self._write_state(state)
+            env, cwd, uid, gid = await asyncio.to_thread(self._process_defaults, box, resolved, options)
+            state = state.replace(env=env, cwd=cwd, uid=uid, gid=gid, status="running")
+            self._write_state(state)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.destroy(box.id)
+            raise
+        box._receipt("create", ref=ref, cpu=options.cpu, memory=options.memory, pids=options.pids, disk=options.disk,
+                     cpu_class=options.cpu_class, job=options.job, policy_version=options.policy_version,
+                     layer_digests=list(state.layer_digests), isolation="microvm",
+                     vm={k: record[k] for k in ("machine", "assets", "template", "accel", "qemu", "shape")},
+                     template_seconds=timings["template_seconds"], template_made=bool(timings["template_made"]),
+                     start_seconds=timings["restore_seconds"])
         return box
 
     def _check_traversable(self) -> None:
@@ -1186,6 +1301,12 @@ class SandboxManager:
         with self._lock:  # its running commands end with it, and their callers learn why
             for cancel in self._inflight.get(sid, {}).values():
                 cancel.cancel("destroy")
+        if (box.dir / "vm").exists():
+            try:
+                st: SandboxState | None = box.state
+            except (SandboxNotFound, StateUnreadable):
+                st = None
+            self.vms.destroy(sid, box.dir, st, self.layout.dirs(f"/{self.cgroup_parent}/{sid}"))
         self._delete_container(sid)
         mounted_here = kmount.is_mountpoint(box.rootfs)
         try:
@@ -1286,6 +1407,13 @@ class SandboxManager:
             except (SandboxNotFound, StateUnreadable) as exc:
                 log.warning("reconcile: %s", exc)
                 st = None
+            if st is not None and st.options.isolation == "microvm" and c is None:
+                if st.live and POOL_LABEL not in st.labels and self.vms.alive(box.dir, st):
+                    report["adopted"].append(sid)  # its VMM runs on (or it is saved): reconnected on use
+                    continue
+                self.destroy(sid)  # the VMM died (killed, OOM, the host rebooted): nothing to adopt
+                report["destroyed"].append(sid)
+                continue
             ok = (st is not None and c is not None and c.get("status") in ("running", "paused")
                   and str(box.rootfs) in mounted and POOL_LABEL not in st.labels)
             if ok and st is not None and c is not None:
@@ -1338,6 +1466,7 @@ class SandboxManager:
             except (SandboxError, LazyfetchError, OSError) as exc:
                 log.error("close: destroying sandbox %s failed: %s", sid, exc)
                 failed.append(exc)
+        self.vms.close()
         try:
             self.host.umount_all(stop_daemon=stop_daemon)
         finally:

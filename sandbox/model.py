@@ -66,6 +66,9 @@ SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's attachment: its
 CpuClass = Literal["latency", "best-effort"]
 CPU_CLASSES: tuple[str, ...] = get_args(CpuClass)
 Status = Literal["creating", "starting", "running", "paused"]
+# what isolates a sandbox: a crun container, or a QEMU microvm with its own guest kernel
+Isolation = Literal["container", "microvm"]
+ISOLATIONS: tuple[str, ...] = get_args(Isolation)
 STATUSES: tuple[str, ...] = get_args(Status)
 Protocol = Literal["tcp", "udp", "icmp", "any"]
 PROTOCOLS: tuple[str, ...] = get_args(Protocol)
@@ -415,10 +418,11 @@ class SandboxOptions:
     network: tuple[EgressRule, ...] | None = None
     userns: bool = False
     policy_version: str | None = None
+    isolation: Isolation = "container"
 
     # the fields a client may send (the rest are set by whoever serves it)
     CLIENT_FIELDS = ("cpu", "memory", "pids", "disk", "cpu_class", "env", "workdir", "user", "labels", "ttl",
-                     "idle_timeout", "job", "lease_ttl", "network", "userns", "policy_version")
+                     "idle_timeout", "job", "lease_ttl", "network", "userns", "policy_version", "isolation")
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -453,6 +457,10 @@ class SandboxOptions:
         if self.policy_version is not None:
             put("policy_version", check_str("policy_version", self.policy_version, max_len=128,
                                             pattern=PRINTABLE, what="printable ASCII"))
+        if self.isolation not in ISOLATIONS:
+            raise InvalidField("isolation", f"{_shown(self.isolation)} is not one of {', '.join(ISOLATIONS)}")
+        if self.isolation == "microvm" and self.userns:
+            raise InvalidField("userns", "a microvm has its own kernel: userns=true applies to containers only")
 
     @classmethod
     def from_json(cls, doc: object, *, field_prefix: str = "", extra: Sequence[str] = ()) -> SandboxOptions:
@@ -489,7 +497,7 @@ class SandboxOptions:
     # what a checkpoint keeps of its sandbox's options, for a restore to start from: the
     # sandbox itself (environment, limits, labels), not its place in a job or its lifetime
     CARRIED = ("cpu", "memory", "pids", "disk", "cpu_class", "env", "workdir", "user", "labels", "network",
-               "userns")
+               "userns", "isolation")
 
     def carried(self) -> dict[str, Any]:
         """The JSON a checkpoint keeps (``layerbox.sandbox-options.v1``): :attr:`CARRIED`, without
@@ -515,7 +523,7 @@ class SandboxOptions:
         namespace, user namespace, CPU scheduling class, policy) must be the defaults; env, workdir,
         user, labels and lifetimes are the manager's own state, and limits a cgroup write."""
         return (self.disk is None and self.network is None and not self.userns
-                and self.cpu_class == "latency" and self.policy_version is None)
+                and self.cpu_class == "latency" and self.policy_version is None and self.isolation == "container")
 
 
 # -- exec requests -------------------------------------------------------------------------------------
@@ -691,7 +699,9 @@ class SandboxFilter:
 
 
 # -- the manager's record of one sandbox ------------------------------------------------------------------
-STATE_VERSION = 1
+# 2 added ``vm``; a version 1 state (a container's, written before) reads as one with vm=None
+STATE_VERSION = 2
+READABLE_STATE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -724,6 +734,8 @@ class SandboxState:
     cwd: str = "/"
     uid: int = 0
     gid: int = 0
+    # a microvm's: its guest assets, template, VMM accel (sandbox.vm); None for a container
+    vm: Mapping[str, Any] | None = None
     version: int = STATE_VERSION
 
     def __post_init__(self) -> None:
@@ -764,6 +776,7 @@ class SandboxState:
             "admitting": self.admitting, "userns": list(self.userns) if self.userns is not None else None,
             "network": dict(self.network) if self.network is not None else None, "env": dict(self.env),
             "cwd": self.cwd, "uid": self.uid, "gid": self.gid,
+            "vm": dict(self.vm) if self.vm is not None else None,
         }
 
     @classmethod
@@ -771,7 +784,7 @@ class SandboxState:
         """Strict: a state of another version, a missing or mistyped field is :class:`StateUnreadable`."""
         if not isinstance(doc, Mapping):
             raise StateUnreadable(f"{where}: not a JSON object")
-        if doc.get("version") != STATE_VERSION:
+        if doc.get("version") not in READABLE_STATE_VERSIONS:
             raise StateUnreadable(f"{where}: state version {doc.get('version')!r}, this layerbox reads "
                                   f"{STATE_VERSION} (a sandbox left by another version: destroy it)")
         try:
@@ -785,7 +798,8 @@ class SandboxState:
                 admitting=_typed(doc, "admitting", bool),
                 userns=(int(userns[0]), int(userns[1])) if userns is not None else None,
                 network=doc.get("network"), env=_typed(doc, "env", dict), cwd=_typed(doc, "cwd", str),
-                uid=_typed(doc, "uid", int), gid=_typed(doc, "gid", int))
+                uid=_typed(doc, "uid", int), gid=_typed(doc, "gid", int),
+                vm=_typed(doc, "vm", dict) if doc.get("vm") is not None else None)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise StateUnreadable(f"{where}: {type(exc).__name__}: {exc}") from None
         return state

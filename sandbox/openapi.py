@@ -63,6 +63,9 @@ OPTIONS_PROPERTIES: dict[str, Any] = {
                 "description": "egress allow rules (default deny); null or absent: loopback only"},
     "userns": {"type": "boolean"},
     "policy_version": {**_PRINTABLE, "maxLength": 128},
+    "isolation": {"type": "string", "enum": list(m.ISOLATIONS),
+                  "description": "container (crun) or microvm (QEMU, its own guest kernel); "
+                                 "/v1/capabilities says which this edge runs"},
 }
 assert set(OPTIONS_PROPERTIES) == set(m.SandboxOptions.CLIENT_FIELDS)
 
@@ -79,8 +82,7 @@ def _body(properties: dict[str, Any], required: tuple[str, ...] = (), **more: An
 
 
 SCHEMAS: dict[str, dict[str, Any]] = {
-    "create": _body({"image": _REF, "isolation": {"type": "string", "enum": ["container"]}, **OPTIONS_PROPERTIES},
-                    ("image",)),
+    "create": _body({"image": _REF, **OPTIONS_PROPERTIES}, ("image",)),
     "restore": _body({"checkpoint": _REF, "count": _COUNT, **OPTIONS_PROPERTIES}, ("checkpoint",)),
     "fork": _body({"count": _COUNT, **OPTIONS_PROPERTIES}),
     "ttl": _body({"ttl": {**_SECONDS, "description": "seconds from now; the sandbox's age plus these is at most "

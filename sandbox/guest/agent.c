@@ -1,0 +1,516 @@
+/* lb-agent: layerbox's guest agent (docs/FORMAT.md, Part 5, "The agent protocol").
+ *
+ * Runs in the guest's initramfs, never in the user's image: the init script mounts the
+ * sandbox's root at argv[2] and execs this with argv[1] the virtio-serial port named
+ * "lb.agent".  It chroots into the root and then serves one host connection at a time:
+ * commands with streamed output, signals, stdin, and file operations.
+ *
+ * The host trusts nothing it reads here (a guest runs anything, this agent included);
+ * this side trusts the host.  One thread, one poll loop: the port, every command's
+ * stdout/stderr, and a signalfd for SIGCHLD.  Built static by sandbox/vmassets.py.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <grp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define AGENT_VERSION "lb-agent/1"
+#define MAX_FRAME (1u << 20) /* the host never sends more in one frame */
+#define IO_CHUNK (256u << 10)
+#define MAX_PROCS 256
+
+enum {
+	T_PING = 1, T_PONG = 2, T_EXEC = 3, T_STARTED = 4, T_STDIN = 5, T_SIGNAL = 6,
+	T_READ = 7, T_DATA = 8, T_END = 9, T_WRITE = 10, T_LIST = 11, T_STAT = 12,
+	T_REMOVE = 13, T_MKDIR = 14, T_SYNC = 15, T_ENTRY = 16,
+	T_STDOUT = 20, T_STDERR = 21, T_EXIT = 22, T_READY = 100,
+};
+
+struct proc {
+	uint32_t chan;
+	pid_t pid;
+	int out, err, in; /* -1 once closed */
+	char *inbuf;      /* stdin the child has not taken yet */
+	size_t inlen;
+	int in_eof;
+};
+
+static int port = -1;
+static struct proc procs[MAX_PROCS];
+static int writing = -1;     /* the file a T_WRITE stream goes to */
+static uint32_t writing_chan;
+static char writing_tmp[4096], writing_path[4096];
+
+static void die(const char *what)
+{
+	fprintf(stderr, "lb-agent: %s: %s\n", what, strerror(errno));
+	exit(1);
+}
+
+static void put32(unsigned char *p, uint32_t v)
+{
+	p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v;
+}
+
+static uint32_t get32(const unsigned char *p)
+{
+	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+static void write_all(const void *buf, size_t len)
+{
+	const char *p = buf;
+	while (len) {
+		ssize_t n = write(port, p, len);
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			if (errno == EAGAIN) {
+				struct pollfd pf = {port, POLLOUT, 0};
+				poll(&pf, 1, 100);
+				continue;
+			}
+			return; /* the host went away: what it missed it asks for again */
+		}
+		p += n;
+		len -= n;
+	}
+}
+
+static void send_frame(int type, uint32_t chan, const void *payload, size_t len)
+{
+	unsigned char head[9];
+	put32(head, (uint32_t)(len + 5));
+	head[4] = type;
+	put32(head + 5, chan);
+	write_all(head, 9);
+	if (len)
+		write_all(payload, len);
+}
+
+/* END: errno 0 is success; otherwise a message that names the path */
+static void send_end(uint32_t chan, int err, const char *what, const char *path)
+{
+	char buf[4096 + 256];
+	int n = 4;
+	put32((unsigned char *)buf, (uint32_t)err);
+	if (err)
+		n += snprintf(buf + 4, sizeof buf - 4, "%s %s: %s", what, path, strerror(err));
+	send_frame(T_END, chan, buf, n > (int)sizeof buf ? (int)sizeof buf : n);
+}
+
+/* payload reader: length-prefixed strings and u32s; a short payload is an error */
+struct rd { const unsigned char *p, *end; int bad; };
+
+static uint32_t rd32(struct rd *r)
+{
+	if (r->end - r->p < 4) { r->bad = 1; return 0; }
+	uint32_t v = get32(r->p);
+	r->p += 4;
+	return v;
+}
+
+static char *rdstr(struct rd *r)
+{
+	uint32_t n = rd32(r);
+	if (r->bad || (uint32_t)(r->end - r->p) < n) { r->bad = 1; return NULL; }
+	char *s = malloc(n + 1);
+	if (!s) die("malloc");
+	memcpy(s, r->p, n);
+	s[n] = 0;
+	r->p += n;
+	return s;
+}
+
+static struct proc *find(uint32_t chan)
+{
+	for (int i = 0; i < MAX_PROCS; i++)
+		if (procs[i].pid > 0 && procs[i].chan == chan)
+			return &procs[i];
+	return NULL;
+}
+
+static void nonblock(int fd)
+{
+	fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+}
+
+static void do_exec(uint32_t chan, struct rd *r)
+{
+	uint32_t uid = rd32(r), gid = rd32(r);
+	char *cwd = rdstr(r);
+	uint32_t argc = rd32(r);
+	if (r->bad || argc == 0 || argc > 65536) { send_end(chan, EINVAL, "exec", "(request)"); return; }
+	char **argv = calloc(argc + 1, sizeof *argv);
+	for (uint32_t i = 0; i < argc && !r->bad; i++)
+		argv[i] = rdstr(r);
+	uint32_t envc = rd32(r);
+	if (r->bad || envc > 65536) { send_end(chan, EINVAL, "exec", "(request)"); return; }
+	char **envp = calloc(envc + 1, sizeof *envp);
+	for (uint32_t i = 0; i < envc && !r->bad; i++)
+		envp[i] = rdstr(r);
+	if (r->bad) { send_end(chan, EINVAL, "exec", "(request)"); return; }
+
+	struct proc *slot = NULL;
+	for (int i = 0; i < MAX_PROCS; i++)
+		if (procs[i].pid <= 0) { slot = &procs[i]; break; }
+	int o[2], e[2], in[2], ep[2];
+	if (!slot || find(chan)) {
+		send_end(chan, slot ? EEXIST : EAGAIN, "exec", argv[0]);
+		goto out;
+	}
+	if (pipe2(o, O_CLOEXEC) || pipe2(e, O_CLOEXEC) || pipe2(in, O_CLOEXEC) || pipe2(ep, O_CLOEXEC)) {
+		send_end(chan, errno, "exec", argv[0]);
+		goto out;
+	}
+	pid_t pid = fork();
+	if (pid == 0) {
+		sigset_t all;
+		sigemptyset(&all);
+		sigprocmask(SIG_SETMASK, &all, NULL);
+		setsid();
+		dup2(in[0], 0); dup2(o[1], 1); dup2(e[1], 2);
+		int err = 0;
+		if (chdir(cwd)) err = errno;
+		else if (setgroups(0, NULL) && errno != EPERM) err = errno;
+		else if (setgid(gid)) err = errno;
+		else if (setuid(uid)) err = errno;
+		if (!err) {
+			environ = envp;
+			execvp(argv[0], argv);
+			err = errno;
+		}
+		int32_t v = err;
+		(void)!write(ep[1], &v, 4);
+		_exit(127);
+	}
+	close(o[1]); close(e[1]); close(in[0]); close(ep[1]);
+	if (pid < 0) {
+		send_end(chan, errno, "exec", argv[0]);
+		close(o[0]); close(e[0]); close(in[1]); close(ep[0]);
+		goto out;
+	}
+	int32_t err = 0;
+	ssize_t n = read(ep[0], &err, 4); /* EOF (0): the exec succeeded */
+	close(ep[0]);
+	if (n == 4) {
+		waitpid(pid, NULL, 0);
+		close(o[0]); close(e[0]); close(in[1]);
+		send_end(chan, err, "exec", argv[0]);
+		goto out;
+	}
+	nonblock(o[0]); nonblock(e[0]); nonblock(in[1]);
+	*slot = (struct proc){.chan = chan, .pid = pid, .out = o[0], .err = e[0], .in = in[1]};
+	unsigned char p[4];
+	put32(p, (uint32_t)pid);
+	send_frame(T_STARTED, chan, p, 4);
+out:
+	for (uint32_t i = 0; i < argc; i++) free(argv[i]);
+	for (uint32_t i = 0; envp && i < envc; i++) free(envp[i]);
+	free(argv); free(envp); free(cwd);
+}
+
+static void close_in(struct proc *p)
+{
+	if (p->in >= 0) close(p->in);
+	p->in = -1;
+	free(p->inbuf);
+	p->inbuf = NULL;
+	p->inlen = 0;
+}
+
+static void flush_in(struct proc *p)
+{
+	while (p->in >= 0 && p->inlen) {
+		ssize_t n = write(p->in, p->inbuf, p->inlen);
+		if (n < 0) {
+			if (errno == EAGAIN || errno == EINTR) return;
+			close_in(p); /* EPIPE: the command stopped reading */
+			return;
+		}
+		memmove(p->inbuf, p->inbuf + n, p->inlen - n);
+		p->inlen -= n;
+	}
+	if (p->in >= 0 && !p->inlen && p->in_eof)
+		close_in(p);
+}
+
+static void do_stdin(uint32_t chan, const unsigned char *data, size_t len)
+{
+	struct proc *p = find(chan);
+	if (!p || p->in < 0) return;
+	if (!len) { p->in_eof = 1; flush_in(p); return; }
+	p->inbuf = realloc(p->inbuf, p->inlen + len);
+	if (!p->inbuf) die("realloc");
+	memcpy(p->inbuf + p->inlen, data, len);
+	p->inlen += len;
+	flush_in(p);
+}
+
+/* 0 at EOF or when the pipe is empty for now; the caller tells them apart by *eof */
+static void drain(struct proc *p, int *fd, int type)
+{
+	static char buf[64 << 10];
+	while (*fd >= 0) {
+		ssize_t n = read(*fd, buf, sizeof buf);
+		if (n > 0) { send_frame(type, p->chan, buf, n); continue; }
+		if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+		close(*fd);
+		*fd = -1;
+	}
+}
+
+static void reap(void)
+{
+	int status;
+	pid_t pid;
+	while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+		for (int i = 0; i < MAX_PROCS; i++) {
+			struct proc *p = &procs[i];
+			if (p->pid != pid) continue;
+			/* what it wrote before exiting is all in the pipes now; a descendant that
+			 * keeps them open does not hold the exit back */
+			drain(p, &p->out, T_STDOUT);
+			drain(p, &p->err, T_STDERR);
+			if (p->out >= 0) close(p->out);
+			if (p->err >= 0) close(p->err);
+			close_in(p);
+			unsigned char v[4];
+			int32_t code = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+			put32(v, (uint32_t)code);
+			send_frame(T_EXIT, p->chan, v, 4);
+			*p = (struct proc){.pid = 0, .out = -1, .err = -1, .in = -1};
+		}
+	}
+}
+
+static void send_stat(int type, uint32_t chan, const char *name, const struct stat *st, const char *link)
+{
+	size_t nl = strlen(name), ll = link ? strlen(link) : 0;
+	unsigned char *b = malloc(40 + nl + ll);
+	put32(b, st->st_mode); put32(b + 4, st->st_uid); put32(b + 8, st->st_gid);
+	put32(b + 12, (uint32_t)((uint64_t)st->st_size >> 32)); put32(b + 16, (uint32_t)st->st_size);
+	int64_t ns = (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec;
+	put32(b + 20, (uint32_t)((uint64_t)ns >> 32)); put32(b + 24, (uint32_t)ns);
+	put32(b + 28, st->st_nlink);
+	put32(b + 32, nl); memcpy(b + 36, name, nl);
+	put32(b + 36 + nl, ll); if (ll) memcpy(b + 40 + nl, link, ll);
+	send_frame(type, chan, b, 40 + nl + ll);
+	free(b);
+}
+
+static void do_read(uint32_t chan, const char *path)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+	struct stat st;
+	if (fd < 0) { send_end(chan, errno, "read", path); return; }
+	if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
+		int err = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+		close(fd);
+		send_end(chan, err, "read", path);
+		return;
+	}
+	static char buf[IO_CHUNK];
+	for (;;) {
+		ssize_t n = read(fd, buf, sizeof buf);
+		if (n < 0 && errno == EINTR) continue;
+		if (n < 0) { int err = errno; close(fd); send_end(chan, err, "read", path); return; }
+		if (n == 0) break;
+		send_frame(T_DATA, chan, buf, n);
+	}
+	close(fd);
+	send_end(chan, 0, "read", path);
+}
+
+static void do_write_open(uint32_t chan, uint32_t mode, const char *path)
+{
+	if (writing >= 0) { send_end(chan, EBUSY, "write", path); return; }
+	/* into a temporary beside it, renamed at the end: an interrupted upload leaves the old file */
+	snprintf(writing_path, sizeof writing_path, "%s", path);
+	snprintf(writing_tmp, sizeof writing_tmp, "%s.lb-upload-%u", path, chan);
+	struct stat st;
+	if (stat(path, &st) == 0 && !S_ISREG(st.st_mode)) { send_end(chan, EISDIR, "write", path); return; }
+	writing = open(writing_tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, mode & 07777);
+	if (writing < 0) { send_end(chan, errno, "write", path); return; }
+	fchmod(writing, mode & 07777);
+	writing_chan = chan;
+}
+
+static void do_write_data(uint32_t chan, const unsigned char *data, size_t len, int end)
+{
+	if (writing < 0 || chan != writing_chan) return; /* already failed and answered */
+	while (len) {
+		ssize_t n = write(writing, data, len);
+		if (n < 0 && errno == EINTR) continue;
+		if (n < 0) {
+			int err = errno;
+			close(writing); writing = -1; unlink(writing_tmp);
+			send_end(chan, err, "write", writing_path);
+			return;
+		}
+		data += n; len -= n;
+	}
+	if (!end) return;
+	int err = 0;
+	if (close(writing)) err = errno;
+	writing = -1;
+	if (!err && rename(writing_tmp, writing_path)) err = errno;
+	if (err) unlink(writing_tmp);
+	send_end(chan, err, "write", writing_path);
+}
+
+static void do_list(uint32_t chan, const char *path)
+{
+	DIR *d = opendir(path);
+	if (!d) { send_end(chan, errno, "list", path); return; }
+	struct dirent *de;
+	while ((de = readdir(d))) {
+		if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+		struct stat st;
+		if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW)) continue; /* removed meanwhile */
+		char link[4096] = "";
+		if (S_ISLNK(st.st_mode)) {
+			ssize_t n = readlinkat(dirfd(d), de->d_name, link, sizeof link - 1);
+			link[n > 0 ? n : 0] = 0;
+		}
+		send_stat(T_ENTRY, chan, de->d_name, &st, S_ISLNK(st.st_mode) ? link : NULL);
+	}
+	closedir(d);
+	send_end(chan, 0, "list", path);
+}
+
+static int rm_one(const char *p, const struct stat *st, int flag, struct FTW *f)
+{
+	(void)st; (void)f;
+	return flag == FTW_DP ? rmdir(p) : unlink(p);
+}
+
+static void do_remove(uint32_t chan, uint32_t recursive, const char *path)
+{
+	struct stat st;
+	int err = 0;
+	if (lstat(path, &st)) err = errno;
+	else if (S_ISDIR(st.st_mode)) {
+		if (recursive) { if (nftw(path, rm_one, 64, FTW_DEPTH | FTW_PHYS | FTW_MOUNT)) err = errno; }
+		else if (rmdir(path)) err = errno;
+	} else if (unlink(path)) err = errno;
+	send_end(chan, err, "remove", path);
+}
+
+static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
+{
+	struct rd r = {pl, pl + len, 0};
+	char *path = NULL;
+	uint32_t a;
+	switch (type) {
+	case T_PING: send_frame(T_PONG, chan, pl, len); break;
+	case T_EXEC: do_exec(chan, &r); break;
+	case T_STDIN: do_stdin(chan, pl, len); break;
+	case T_SIGNAL: {
+		struct proc *p = find(chan);
+		a = rd32(&r);
+		if (p && !r.bad && kill(-p->pid, (int)a)) kill(p->pid, (int)a);
+		break;
+	}
+	case T_READ: if ((path = rdstr(&r))) do_read(chan, path); break;
+	case T_WRITE: a = rd32(&r); if ((path = rdstr(&r))) do_write_open(chan, a, path); break;
+	case T_DATA: do_write_data(chan, pl, len, 0); break;
+	case T_END: do_write_data(chan, pl, 0, 1); break;
+	case T_LIST: if ((path = rdstr(&r))) do_list(chan, path); break;
+	case T_STAT:
+		if ((path = rdstr(&r))) {
+			struct stat st;
+			if (lstat(path, &st)) send_end(chan, errno, "stat", path);
+			else { send_stat(T_ENTRY, chan, path, &st, NULL); send_end(chan, 0, "stat", path); }
+		}
+		break;
+	case T_REMOVE: a = rd32(&r); if ((path = rdstr(&r))) do_remove(chan, a, path); break;
+	case T_MKDIR:
+		a = rd32(&r);
+		if ((path = rdstr(&r))) send_end(chan, mkdir(path, a & 07777) ? errno : 0, "mkdir", path);
+		break;
+	case T_SYNC: sync(); send_end(chan, 0, "sync", "/"); break;
+	default: send_end(chan, ENOSYS, "frame", "(unknown type)");
+	}
+	if (r.bad) send_end(chan, EINVAL, "frame", "(short payload)");
+	free(path);
+}
+
+int main(int argc, char **argv)
+{
+	if (argc != 3) { fprintf(stderr, "usage: lb-agent PORT ROOT\n"); return 2; }
+	for (int i = 0; i < MAX_PROCS; i++) procs[i] = (struct proc){.out = -1, .err = -1, .in = -1};
+	port = open(argv[1], O_RDWR | O_CLOEXEC);
+	if (port < 0) die(argv[1]);
+	if (chroot(argv[2]) || chdir("/")) die(argv[2]);
+	signal(SIGPIPE, SIG_IGN);
+	sigset_t mask;
+	sigemptyset(&mask);
+	sigaddset(&mask, SIGCHLD);
+	sigprocmask(SIG_BLOCK, &mask, NULL);
+	int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
+	if (sfd < 0) die("signalfd");
+	send_frame(T_READY, 0, AGENT_VERSION, strlen(AGENT_VERSION));
+
+	size_t cap = MAX_FRAME + 16, have = 0;
+	unsigned char *buf = malloc(cap);
+	struct pollfd pf[2 + 3 * MAX_PROCS];
+	struct proc *owner[2 + 3 * MAX_PROCS];
+	int kind[2 + 3 * MAX_PROCS];
+	for (;;) {
+		int n = 0;
+		pf[n++] = (struct pollfd){port, POLLIN, 0};
+		pf[n++] = (struct pollfd){sfd, POLLIN, 0};
+		for (int i = 0; i < MAX_PROCS; i++) {
+			struct proc *p = &procs[i];
+			if (p->pid <= 0) continue;
+			if (p->out >= 0) { owner[n] = p; kind[n] = 1; pf[n++] = (struct pollfd){p->out, POLLIN, 0}; }
+			if (p->err >= 0) { owner[n] = p; kind[n] = 2; pf[n++] = (struct pollfd){p->err, POLLIN, 0}; }
+			if (p->in >= 0 && p->inlen) { owner[n] = p; kind[n] = 3; pf[n++] = (struct pollfd){p->in, POLLOUT, 0}; }
+		}
+		if (poll(pf, n, -1) < 0) { if (errno == EINTR) continue; die("poll"); }
+		for (int i = 2; i < n; i++) {
+			if (!pf[i].revents) continue;
+			struct proc *p = owner[i];
+			if (kind[i] == 1) drain(p, &p->out, T_STDOUT);
+			else if (kind[i] == 2) drain(p, &p->err, T_STDERR);
+			else flush_in(p);
+		}
+		if (pf[1].revents) {
+			struct signalfd_siginfo si;
+			while (read(sfd, &si, sizeof si) == sizeof si) {}
+			reap();
+		}
+		if (pf[0].revents & POLLIN) {
+			ssize_t got = read(port, buf + have, cap - have);
+			if (got <= 0) { usleep(5000); continue; }
+			have += got;
+			size_t off = 0;
+			while (have - off >= 9) {
+				uint32_t len = get32(buf + off);
+				if (len < 5 || len > MAX_FRAME + 5) { have = off = 0; break; } /* lost sync: drop */
+				if (have - off < 4 + len) break;
+				handle(buf[off + 4], get32(buf + off + 5), buf + off + 9, len - 5);
+				off += 4 + len;
+			}
+			memmove(buf, buf + off, have - off);
+			have -= off;
+		} else if (pf[0].revents & (POLLHUP | POLLERR)) {
+			usleep(5000); /* no host connected (between a save and its restore): wait for one */
+		}
+	}
+}

@@ -1,0 +1,303 @@
+"""The microVM backend: what the manager calls for a sandbox with ``isolation="microvm"``.
+
+The manager keeps owning state.json, receipts, leases and admission; this module starts,
+reaches, pauses and stops the VMM (sandbox/vm.py) and serves a VM's files through its
+agent.  Host state per VM sandbox, under ``boxes/<id>/vm/`` (docs/FORMAT.md Part 5):
+``disk.qcow2`` (its writes, over the template's disk), ``saved.bin`` (its device state and
+RAM while paused with reclaim), the VMM's sockets, ``vmm.log`` and ``console.log``.
+Nothing in that directory is written by the guest except through QEMU's own devices.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from layerstore.objects import Resolved
+from lazyfetch.mounts import HostMounts
+from sandbox import vm, vmassets
+from sandbox.agent import AgentConnection, AgentError, GuestFileError, entry_json
+from sandbox.cgroups import CgroupLayout
+from sandbox.errors import HostUnsupported, SandboxStateError, UnsupportedOption
+from sandbox.model import SandboxOptions, SandboxState
+
+log = logging.getLogger("layerbox.sandbox")
+
+VM_RECORD = "layerbox.vm.v1"
+MAX_PATH = 4096
+
+
+def _guest_path(path: str) -> str:
+    """A path the guest resolves inside the sandbox's root (its agent is chrooted there)."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path or len(path.encode()) > MAX_PATH:
+        raise GuestFileError(errno.EINVAL, f"{path!r}: give an absolute path of at most {MAX_PATH} bytes")
+    return path
+
+
+def _os_error(exc: GuestFileError, path: str) -> OSError:
+    """The guest's errno as the OSError subclass the host file API raises for it."""
+    return OSError(exc.errno, f"{path}: {exc}", path)
+
+
+class GuestFiles:
+    """RootFiles' interface over a VM's agent: the same calls, answers and errors."""
+
+    def __init__(self, conn: Callable[[], AgentConnection]) -> None:
+        self._conn = conn
+
+    @contextlib.contextmanager
+    def _mapped(self, path: str) -> Iterator[None]:
+        try:
+            yield
+        except GuestFileError as exc:
+            raise _os_error(exc, path) from None
+
+    def iter_read(self, path: str, chunk: int = 0) -> Iterator[bytes]:
+        with self._mapped(path):
+            yield from self._conn().iter_read(_guest_path(path))
+
+    def read(self, path: str) -> bytes:
+        return b"".join(self.iter_read(path))
+
+    def download(self, path: str, dst: BinaryIO, chunk: int = 0) -> int:
+        total = 0
+        for data in self.iter_read(path):
+            dst.write(data)
+            total += len(data)
+        return total
+
+    def upload(self, path: str, src: BinaryIO, mode: int = 0o644, chunk: int = 256 << 10) -> int:
+        def chunks() -> Iterator[bytes]:
+            while data := src.read(chunk):
+                yield data
+
+        with self._mapped(path):
+            return self._conn().write(_guest_path(path), chunks(), mode & 0o7777)
+
+    def write(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        return self.upload(path, io.BytesIO(data), mode)
+
+    def mkdir(self, path: str, mode: int = 0o755) -> None:
+        with self._mapped(path):
+            self._conn().mkdir(_guest_path(path), mode & 0o7777)
+
+    def stat(self, path: str) -> os.stat_result:
+        with self._mapped(path):
+            return self._conn().stat(_guest_path(path)).to_stat_result()
+
+    def list(self, path: str = "/") -> list[dict[str, Any]]:
+        with self._mapped(path):
+            return sorted((entry_json(e) for e in self._conn().list(_guest_path(path))), key=lambda e: e["name"])
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        if path.rstrip("/") in ("", "/."):
+            raise OSError(errno.EINVAL, f"{path!r} does not name an entry inside the sandbox", path)
+        with self._mapped(path):
+            self._conn().remove(_guest_path(path), recursive=recursive)
+
+
+class MicroVms:
+    """Every microVM of one manager: their VMMs, agent connections and this host's templates."""
+
+    def __init__(self, data_dir: Path, host: HostMounts, layout: Callable[[], CgroupLayout],
+                 assets_root: Path | None = None) -> None:
+        self.templates_dir = data_dir / "vm" / "templates"
+        self.host = host
+        self._layout = layout
+        self.assets_root = assets_root or vmassets.DEFAULT_ROOT
+        self._hv: vm.Hypervisor | None = None
+        self._assets: vmassets.Assets | None = None
+        self._unavailable: str | None = None
+        self._conns: dict[str, AgentConnection] = {}
+        self._lock = threading.Lock()
+
+    # -- the host ---------------------------------------------------------------------------------
+    def prepare(self) -> tuple[vm.Hypervisor, vmassets.Assets]:
+        """The hypervisor and guest assets, found once; HostUnsupported says what is missing."""
+        with self._lock:
+            if self._hv is None or self._assets is None:
+                try:
+                    assets = vmassets.find(self.assets_root)
+                    self._hv, self._assets = vm.hypervisor(assets), assets
+                except (HostUnsupported, vmassets.AssetsError) as exc:
+                    raise HostUnsupported(f"isolation=microvm is not available on this host: {exc}") from None
+            return self._hv, self._assets
+
+    def capabilities(self) -> dict[str, Any]:
+        try:
+            hv, assets = self.prepare()
+        except HostUnsupported as exc:
+            return {"available": False, "reason": str(exc)}
+        return {"available": True, **hv.to_json(), "guest_assets": assets.key,
+                "kernel": assets.manifest.get("kernel_version"),
+                "provides": ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates"],
+                "lacks": ["checkpoint", "network_allow_rules", "interactive", "fork"]}
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def check_options(self, options: SandboxOptions) -> None:
+        if options.network:
+            raise UnsupportedOption("network: a microvm has no network device yet, so it cannot take egress "
+                                    "allow rules; create it with network=null or [] (no egress at all)")
+
+    def launch(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
+               cgroups_path: str) -> tuple[dict[str, Any], dict[str, float]]:
+        """Start the VM of a new sandbox: its template (booted now if this host has none), then a
+        restore of it.  Returns the VM record for state.json and the timings for the receipt."""
+        hv, assets = self.prepare()
+        t0 = time.perf_counter()
+        files = self.host.layer_files(resolved)
+        layers = [(f["meta"], f["blob"]) for f in files]
+        shape = vm.shape_of(options.cpu, options.memory, options.disk)
+        template, made = vm.ensure_template(self.templates_dir, hv, assets, layers,
+                                            [x.digest for x in resolved.layers], shape)
+        t1 = time.perf_counter()
+        vm_dir = box_dir / "vm"
+        vm_dir.mkdir(mode=0o700, exist_ok=True)
+        vm.sandbox_disk(template, vm_dir / "disk.qcow2")
+        procs = self._cgroup(cgroups_path, options, shape)
+        vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, template.state, procs)
+        with self._lock:
+            self._conns[sid] = conn
+        record = {"schema": VM_RECORD, "machine": shape.machine, "assets": assets.key, "template": template.key,
+                  "accel": hv.accel, "qemu": ".".join(map(str, hv.version)), "shape": shape.to_json(),
+                  "layers": [list(x) for x in layers], "vmm_pid": vmm.pid, "vmm_start": vmm.start, "saved": False}
+        timings = {"template_seconds": round(t1 - t0, 6), "template_made": float(made),
+                   "restore_seconds": round(time.perf_counter() - t1, 6)}
+        return record, timings
+
+    def _cgroup(self, cgroups_path: str, options: SandboxOptions, shape: vm.Shape) -> list[Path]:
+        """The VMM's cgroup with the sandbox's limits: the guest's RAM plus the VMM's own, its
+        CPU quota and class, and pids (the VMM's threads; the guest's processes are the guest's)."""
+        layout = self._layout()
+        limits = {
+            "memory": shape.memory + vm.VMM_OVERHEAD,
+            "pids": max(64, options.pids),
+            "cpu_quota": max(1000, int(options.cpu * 100_000)),
+            "cpu_shares": 2 if options.cpu_class == "best-effort" else max(2, int(1024 * options.cpu)),
+        }
+        return layout.make(cgroups_path, limits)
+
+    def _record(self, st: SandboxState) -> Mapping[str, Any]:
+        if st.vm is None:
+            raise SandboxStateError(f"sandbox {st.id} has no VM record")
+        return st.vm
+
+    def vmm_of(self, box_dir: Path, st: SandboxState) -> vm.Vmm:
+        rec = self._record(st)
+        return vm.Vmm(box_dir / "vm", int(rec["vmm_pid"]), int(rec["vmm_start"]))
+
+    def alive(self, box_dir: Path, st: SandboxState) -> bool:
+        return st.vm is not None and (st.vm.get("saved") or self.vmm_of(box_dir, st).alive())
+
+    def conn(self, sid: str, box_dir: Path, st: SandboxState) -> AgentConnection:
+        """The agent of a running VM, reconnected when this manager did not make the connection."""
+        with self._lock:
+            conn = self._conns.get(sid)
+            if conn is not None and not conn.closed:
+                return conn
+        if st.status != "running":
+            raise SandboxStateError(f"sandbox {sid} is {st.status}: its VM's agent is reachable only while it runs")
+        vmm = self.vmm_of(box_dir, st)
+        if not vmm.alive():
+            raise SandboxStateError(f"sandbox {sid}: its VMM ({vmm.pid}) is gone; destroy it")
+        try:
+            conn = vm.connect_agent(vmm, timeout=10.0)
+        except vm.VmError as exc:
+            raise SandboxStateError(f"sandbox {sid}: its guest agent does not answer: {exc}") from None
+        with self._lock:
+            self._conns[sid] = conn
+        return conn
+
+    def _drop_conn(self, sid: str) -> None:
+        with self._lock:
+            conn = self._conns.pop(sid, None)
+        if conn is not None:
+            conn.close()
+
+    def pause(self, sid: str, box_dir: Path, st: SandboxState, reclaim: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Stop the guest's vCPUs; with ``reclaim`` also save it and stop the VMM (its RAM freed)."""
+        vmm = self.vmm_of(box_dir, st)
+        rec = dict(self._record(st))
+        if not reclaim:
+            qmp = vmm.qmp()
+            try:
+                qmp.execute("stop")
+            finally:
+                qmp.close()
+            return rec, {"reclaim": None}
+        self._drop_conn(sid)
+        saved = box_dir / "vm" / "saved.bin"
+        seconds = vmm.save(saved)
+        vmm.quit()
+        rec.update(saved=True, vmm_pid=0, vmm_start=0)
+        return rec, {"reclaim": {"vm_state_bytes": saved.stat().st_size, "save_seconds": round(seconds, 6)}}
+
+    def resume(self, sid: str, box_dir: Path, st: SandboxState, cgroups_path: str) -> tuple[dict[str, Any], float]:
+        rec = dict(self._record(st))
+        t = time.perf_counter()
+        if not rec.get("saved"):
+            qmp = self.vmm_of(box_dir, st).qmp()
+            try:
+                qmp.execute("cont")
+            finally:
+                qmp.close()
+            return rec, time.perf_counter() - t
+        hv, assets = self.prepare()
+        if assets.key != rec["assets"]:
+            raise SandboxStateError(f"sandbox {sid} was saved with guest assets {rec['assets']}, this host has "
+                                    f"{assets.key}: it cannot resume here")
+        template = vm.Template(rec["template"], self.templates_dir / rec["template"], {})
+        shape = vm.Shape(**rec["shape"])
+        layers = [(m, b) for m, b in rec["layers"]]
+        saved = box_dir / "vm" / "saved.bin"
+        procs = self._cgroup(cgroups_path, st.options, shape)
+        vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, procs)
+        with self._lock:
+            self._conns[sid] = conn
+        saved.unlink()
+        rec.update(saved=False, vmm_pid=vmm.pid, vmm_start=vmm.start)
+        return rec, time.perf_counter() - t
+
+    def destroy(self, sid: str, box_dir: Path, st: SandboxState | None, cgroup_dirs: Sequence[Path] = ()) -> None:
+        """Stop the VMM and remove the VM's files.  The VMM is found by its record and, should the
+        record be missing (a crash between its start and the state write), by the sandbox's cgroup,
+        where nothing but the VMM runs."""
+        self._drop_conn(sid)
+        if st is not None and st.vm is not None and st.vm.get("vmm_pid"):
+            self.vmm_of(box_dir, st).kill()
+        for d in cgroup_dirs:
+            with contextlib.suppress(OSError, ValueError):
+                for pid in {int(x) for x in (d / "cgroup.procs").read_text().split()}:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, 0)
+        shutil.rmtree(box_dir / "vm", ignore_errors=True)
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close()
+
+    def prune_templates(self, keep: Sequence[str] = ()) -> list[str]:
+        """Remove this host's templates but ``keep``; a template is derived data, made again on demand."""
+        removed = []
+        if self.templates_dir.is_dir():
+            for d in self.templates_dir.iterdir():
+                if d.is_dir() and d.name not in keep:
+                    shutil.rmtree(d, ignore_errors=True)
+                    removed.append(d.name)
+        return removed
+
+
+__all__ = ["GuestFiles", "MicroVms", "AgentError"]

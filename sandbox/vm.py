@@ -1,0 +1,497 @@
+"""MicroVM sandboxes on QEMU: layers as block devices, a qcow2 disk, templates, memory saves.
+
+A VM sandbox's read-only layers reach the guest as two virtio-blk disks each, the layer's
+EROFS metadata image and its blob, the blob being the lazyfetch daemon's file: the guest's
+reads of it are the only fetches (no host mount is made).  Its writes go to an ext4 disk,
+a qcow2 overlay over the *template*'s disk.  A template is an image booted once per host and
+shape (vCPUs, memory, disk, guest assets), its agent answering, then saved: QEMU's device
+state with ``x-ignore-shared`` and its RAM as a ``share=on`` memory file.  Every sandbox of
+that image then starts by restoring the template, its RAM a private copy-on-write mapping of
+the template's file (clean pages shared between all of them) -- this is how VM sandboxes
+start fast without KVM.  Layout and crash analysis: docs/FORMAT.md Part 5.
+
+This module knows QEMU, QMP and the guest; the manager decides when, and owns state.json.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from sandbox import vmassets
+from sandbox.agent import AgentConnection, AgentError
+from sandbox.errors import HostUnsupported, SandboxError
+from sandbox.execs import proc_stat
+
+log = logging.getLogger("layerbox.sandbox")
+
+QEMU = "qemu-system-x86_64"
+TEMPLATE_SCHEMA = "layerbox.vm-template.v1"
+VM_SCHEMA = "layerbox.vm.v1"
+BOOT_TIMEOUT = 120.0  # TCG on a loaded 2-core host: a cold boot takes 3-5 s, ten times that is trouble
+SAVE_TIMEOUT = 120.0
+MIN_QEMU = (8, 2)  # a read-only, private memory-backend-file (QEMU 7.2 refuses readonly=on)
+DEFAULT_DISK = 1 << 30
+TCG_TB_MIB = 64  # the translation cache; QEMU's default for system mode is 1 GiB of host RAM
+VMM_OVERHEAD = 256 << 20  # the VMM's own memory (TCG cache, device emulation) over guest RAM
+
+
+class VmError(SandboxError):
+    """A VMM that could not start, save or restore; the message names the step and its log."""
+
+
+# -- the host --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hypervisor:
+    """What this host runs VMs with: detected once per manager, reported in /v1/capabilities."""
+    qemu: str
+    version: tuple[int, int, int]
+    accel: str  # "kvm" or "tcg"
+    accel_reason: str
+    tsc_khz: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"vmm": "qemu", "qemu": ".".join(map(str, self.version)), "accel": self.accel,
+                "accel_reason": self.accel_reason}
+
+
+def qemu_version(binary: str = QEMU) -> tuple[int, int, int]:
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
+    except (FileNotFoundError, subprocess.CalledProcessError):
+        raise HostUnsupported(f"{binary} is not installed: microVMs need qemu-system-x86 >= "
+                              f"{'.'.join(map(str, MIN_QEMU))} (bookworm-backports; make deps installs it)") from None
+    m = re.search(r"version (\d+)\.(\d+)\.(\d+)", out)
+    if not m:
+        raise HostUnsupported(f"{binary} --version said {out[:80]!r}")
+    return int(m[1]), int(m[2]), int(m[3])
+
+
+def host_tsc_khz() -> int | None:
+    """The host TSC in kHz, for the guest's ``tsc_early_khz=``: without it about one TCG boot
+    in three hung calibrating (docs/FORMAT.md Part 5)."""
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path("/sys/devices/system/cpu/cpu0/tsc_freq_khz").read_text())
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, check=True).stdout
+        m = re.search(r"tsc: (?:Refined TSC clocksource calibration|Detected): (\d+)\.(\d+) MHz", out)
+        if m:
+            return int(m[1]) * 1000 + int(m[2].ljust(3, "0")[:3])
+    with contextlib.suppress(OSError):
+        m = re.search(r"cpu MHz\s*:\s*(\d+)\.(\d+)", Path("/proc/cpuinfo").read_text())
+        if m:
+            return int(m[1]) * 1000 + int(m[2].ljust(3, "0")[:3])
+    return None
+
+
+def detect_accel(assets: vmassets.Assets, binary: str = QEMU) -> tuple[str, str]:
+    """KVM when /dev/kvm runs the stock guest kernel, else TCG; with the reason.
+
+    ``LAYERBOX_VM_ACCEL=tcg|kvm`` decides instead.  The probe boots the guest kernel under
+    KVM without a root and waits up to 3 s for its banner on the serial port: on a PVM-only
+    host (this one) /dev/kvm opens, a paused VM starts, and a stock kernel never prints.
+    The answer is kept per boot of the host (``accel-<boot id>.json`` beside the assets)."""
+    forced = os.environ.get("LAYERBOX_VM_ACCEL")
+    if forced in ("tcg", "kvm"):
+        return forced, f"LAYERBOX_VM_ACCEL={forced}"
+    if not os.path.exists("/dev/kvm"):
+        return "tcg", "no /dev/kvm"
+    try:
+        os.close(os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC))
+    except OSError as exc:
+        return "tcg", f"/dev/kvm: {exc.strerror}"
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    cache = assets.dir / f"accel-{boot_id}.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        doc = json.loads(cache.read_text())
+        return doc["accel"], doc["reason"]
+    probe = subprocess.Popen([binary, "-accel", "kvm", "-cpu", "host", "-M", "microvm,rtc=on,isa-serial=on",
+                              "-L", str(assets.firmware), "-m", "256M", "-nodefaults", "-no-user-config",
+                              "-display", "none", "-no-reboot", "-serial", "stdio", "-kernel", str(assets.kernel),
+                              "-append", "console=ttyS0 panic=-1"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = probe.communicate(timeout=3.0)
+    except subprocess.TimeoutExpired:
+        probe.kill()
+        out, _ = probe.communicate()
+    text = out.decode(errors="replace")
+    if "Linux version" in text:
+        accel, reason = "kvm", "/dev/kvm boots the stock guest kernel"
+    else:
+        tail = text.strip().splitlines()[-1][-160:] if text.strip() else "no output in 3 s"
+        accel, reason = "tcg", f"/dev/kvm does not run the stock guest kernel ({tail})"
+    with contextlib.suppress(OSError):
+        cache.write_text(json.dumps({"accel": accel, "reason": reason}))
+    return accel, reason
+
+
+def hypervisor(assets: vmassets.Assets) -> Hypervisor:
+    version = qemu_version()
+    if version[:2] < MIN_QEMU:
+        raise HostUnsupported(f"{QEMU} {'.'.join(map(str, version))} is too old: microVMs need "
+                              f">= {'.'.join(map(str, MIN_QEMU))} (bookworm-backports; make deps installs it)")
+    accel, why = detect_accel(assets)
+    return Hypervisor(QEMU, version, accel, why, host_tsc_khz())
+
+
+# -- QMP ----------------------------------------------------------------------------------------------
+class Qmp:
+    """A QMP connection (one command at a time; events are skipped)."""
+
+    def __init__(self, path: Path, timeout: float = 30.0) -> None:
+        from sandbox.agent import _connect
+        self.sock = _connect(path, timeout)
+        self.sock.settimeout(timeout)
+        self.file = self.sock.makefile("rb")
+        self._read()  # the greeting
+        self.execute("qmp_capabilities")
+
+    def _read(self) -> dict[str, Any]:
+        while True:
+            line = self.file.readline()
+            if not line:
+                raise VmError("QMP: the VMM closed its monitor")
+            msg = json.loads(line)
+            if "event" not in msg:
+                return msg
+
+    def execute(self, command: str, **arguments: Any) -> Any:
+        self.sock.sendall(json.dumps({"execute": command, **({"arguments": arguments} if arguments else {})}
+                                     ).encode() + b"\n")
+        reply = self._read()
+        if "error" in reply:
+            raise VmError(f"QMP {command}: {reply['error'].get('desc', reply['error'])}")
+        return reply.get("return")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+            self.sock.close()
+
+
+# -- one VM's command line ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    """What must match between a template and every VM restored from it."""
+    vcpus: int
+    memory: int  # bytes of guest RAM
+    disk: int    # bytes of the ext4 disk
+    machine: str = "microvm"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"vcpus": self.vcpus, "memory": self.memory, "disk": self.disk, "machine": self.machine}
+
+
+def shape_of(cpu: float, memory: int, disk: int | None) -> Shape:
+    # guest RAM in whole MiB, at least 128 MiB (the kernel and the initramfs' unpacked modules)
+    mem = max(128 << 20, memory >> 20 << 20)
+    return Shape(vcpus=max(1, min(64, int(cpu + 0.999))), memory=mem, disk=disk or DEFAULT_DISK)
+
+
+def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: Sequence[tuple[str, str]],
+                 disk: Path, disk_format: str, memory_file: Path, *, template: bool, hostname: str) -> list[str]:
+    """QEMU's argv, relative to the VM's directory (its sockets are made there)."""
+    append = ["console=ttyS0", "quiet", "panic=-1", f"lb.layers={len(layers)}", f"lb.hostname={hostname}"]
+    if hv.tsc_khz:
+        append.append(f"tsc_early_khz={hv.tsc_khz}")
+    mem = f"memory-backend-file,id=mem,size={shape.memory},mem-path={memory_file}"
+    # a template's RAM is its file (share=on: a save leaves it there); a sandbox maps the
+    # template's file privately and read-only, so its writes are its own and the file stays
+    mem += ",share=on" if template else ",share=off,readonly=on,rom=off"
+    argv = [hv.qemu, "-L", str(assets.firmware),
+            "-M", "microvm,x-option-roms=off,pit=off,pic=off,rtc=on,isa-serial=on,memory-backend=mem",
+            "-accel", f"tcg,tb-size={TCG_TB_MIB}" if hv.accel == "tcg" else "kvm",
+            "-cpu", "max" if hv.accel == "tcg" else "host",
+            "-m", f"{shape.memory >> 20}M", "-smp", str(shape.vcpus), "-object", mem,
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-serial", "file:console.log", "-qmp", "unix:qmp.sock,server=on,wait=off",
+            "-kernel", str(assets.kernel), "-initrd", str(assets.initrd), "-append", " ".join(append)]
+    for i, (meta, blob) in enumerate(layers):
+        for kind, path in (("meta", meta), ("blob", blob)):
+            argv += ["-drive", f"id={kind}{i},file={path},format=raw,if=none,readonly=on,cache=writeback",
+                     "-device", f"virtio-blk-device,drive={kind}{i},serial=lb-{kind}-{i}"]
+    argv += ["-drive", f"id=upper,file={disk},format={disk_format},if=none,discard=unmap",
+             "-device", "virtio-blk-device,drive=upper,serial=lb-upper",
+             "-device", "virtio-serial-device,max_ports=2",
+             "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
+             "-device", "virtserialport,chardev=agent,name=lb.agent",
+             "-device", "virtio-balloon-device,free-page-reporting=on"]
+    return argv
+
+
+# -- the VMM process ------------------------------------------------------------------------------------
+def _into_cgroup(procs_files: Sequence[Path]) -> Any:
+    def enter() -> None:
+        pid = str(os.getpid())
+        for f in procs_files:
+            with open(f, "w") as out:
+                out.write(pid)
+    return enter
+
+
+@dataclass
+class Vmm:
+    """One running QEMU: its pid (with its start time, the identity check) and its directory."""
+    dir: Path
+    pid: int
+    start: int
+
+    @classmethod
+    def spawn(cls, vm_dir: Path, argv: list[str], cgroup_procs: Sequence[Path] = ()) -> Vmm:
+        log_file = open(vm_dir / "vmm.log", "ab")
+        try:
+            proc = subprocess.Popen(argv, cwd=vm_dir, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                                    start_new_session=True, close_fds=True,
+                                    preexec_fn=_into_cgroup(cgroup_procs) if cgroup_procs else None)
+        finally:
+            log_file.close()
+        st = proc_stat(proc.pid)
+        vmm = cls(vm_dir, proc.pid, st[1] if st else 0)
+        vmm._popen = proc  # type: ignore[attr-defined]  # reaped by whoever made it
+        return vmm
+
+    def alive(self) -> bool:
+        st = proc_stat(self.pid)
+        return st is not None and st[1] == self.start
+
+    def log_tail(self) -> str:
+        out = []
+        for name in ("vmm.log", "console.log"):
+            with contextlib.suppress(OSError):
+                text = (self.dir / name).read_bytes()[-600:].decode(errors="replace").strip()
+                if text:
+                    out.append(f"{name}: {text}")
+        return "; ".join(out) or "(no output)"
+
+    def kill(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        self.reap()
+
+    def reap(self, timeout: float = 10.0) -> None:
+        popen = getattr(self, "_popen", None)
+        if popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(timeout)
+            return
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(self.pid, os.WNOHANG)[0]:
+                    return
+            time.sleep(0.01)
+
+    def qmp(self, timeout: float = 30.0) -> Qmp:
+        return Qmp(self.dir / "qmp.sock", timeout)
+
+    def wait_status(self, qmp: Qmp, want: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = qmp.execute("query-status")["status"]
+            if status == want:
+                return
+            if time.monotonic() > deadline:
+                raise VmError(f"VMM {self.pid}: status {status!r}, not {want!r} after {timeout:g} s; "
+                              f"{self.log_tail()}")
+            time.sleep(0.005)
+
+    def save(self, state_file: Path) -> float:
+        """Stop the guest and write its device state (RAM stays in a share=on memory file; a
+        private mapping's pages go into the state).  Returns the seconds the save took."""
+        t = time.perf_counter()
+        qmp = self.qmp()
+        try:
+            qmp.execute("stop")
+            qmp.execute("migrate-set-capabilities",
+                        capabilities=[{"capability": "x-ignore-shared", "state": True}])
+            tmp = state_file.with_suffix(".tmp")
+            qmp.execute("migrate", uri=f"exec:cat > {tmp.name}")
+            deadline = time.monotonic() + SAVE_TIMEOUT
+            while True:
+                info = qmp.execute("query-migrate")
+                if info.get("status") == "completed":
+                    break
+                if info.get("status") in ("failed", "cancelled") or time.monotonic() > deadline:
+                    raise VmError(f"VMM {self.pid}: save {info.get('status')}: {info.get('error-desc', '')}")
+                time.sleep(0.002)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, state_file)
+            return time.perf_counter() - t
+        finally:
+            qmp.close()
+
+    def restore(self, state_file: Path) -> None:
+        """Load ``state_file`` into a VMM started with ``-incoming defer`` and run it."""
+        qmp = self.qmp()
+        try:
+            qmp.execute("migrate-set-capabilities",
+                        capabilities=[{"capability": "x-ignore-shared", "state": True}])
+            qmp.execute("migrate-incoming", uri=f"exec:cat {state_file}")
+            self.wait_status(qmp, "paused", BOOT_TIMEOUT)
+            qmp.execute("cont")
+        finally:
+            qmp.close()
+
+    def quit(self) -> None:
+        with contextlib.suppress(VmError, OSError, AgentError):
+            qmp = self.qmp(timeout=5.0)
+            try:
+                qmp.execute("quit")
+            finally:
+                qmp.close()
+        self.reap(5.0)
+        self.kill()
+
+
+def connect_agent(vmm: Vmm, timeout: float = BOOT_TIMEOUT) -> AgentConnection:
+    """The guest's agent, once it answers a ping; a VMM that exits meanwhile is an error with its log."""
+    deadline = time.monotonic() + timeout
+    conn = AgentConnection(vmm.dir / "agent.sock", timeout=timeout)
+    while True:
+        try:
+            conn.ping(timeout=min(1.0, max(0.05, deadline - time.monotonic())))
+            return conn
+        except AgentError:
+            if conn.closed or not vmm.alive() or time.monotonic() > deadline:
+                conn.close()
+                why = "exited" if not vmm.alive() else f"did not answer in {timeout:g} s"
+                raise VmError(f"guest of VMM {vmm.pid} {why}; {vmm.log_tail()}") from None
+
+
+# -- templates -------------------------------------------------------------------------------------------
+def template_key(assets: vmassets.Assets, layers: Sequence[str], shape: Shape) -> str:
+    h = blake3.blake3(TEMPLATE_SCHEMA.encode())
+    h.update(json.dumps({"assets": assets.key, "layers": list(layers), "shape": shape.to_json()},
+                        sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Template:
+    key: str
+    dir: Path
+    doc: dict[str, Any]
+
+    @property
+    def memory(self) -> Path:
+        return self.dir / "memory"
+
+    @property
+    def state(self) -> Path:
+        return self.dir / "state.bin"
+
+    @property
+    def disk(self) -> Path:
+        return self.dir / "disk.raw"
+
+
+def make_ext4(path: Path, size: int) -> None:
+    """A sparse ext4 image of ``size`` bytes: the guest's writable disk."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+    try:
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal" if size < (64 << 20) else "has_journal",
+                        "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "-L", "lb-upper", str(path)],
+                       check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        raise VmError(f"mkfs.ext4 {path}: {exc.stderr.strip()}") from None
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[tuple[str, str]],
+                    layer_digests: Sequence[str], shape: Shape) -> tuple[Template, bool]:
+    """The template of these layers and shape on this host, booted and saved now if missing.
+    Returns it and whether it was made by this call."""
+    key = template_key(assets, layer_digests, shape)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    final = root / key
+    with _flock(root / f"{key}.lock"):
+        with contextlib.suppress(OSError, ValueError):
+            doc = json.loads((final / "template.json").read_text())
+            if doc.get("schema") == TEMPLATE_SCHEMA and doc.get("key") == key:
+                return Template(key, final, doc), False
+        shutil.rmtree(final, ignore_errors=True)  # a half-made one (a crash while booting it)
+        work = root / f".{key}.tmp"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(mode=0o700)
+        t = time.perf_counter()
+        make_ext4(work / "disk.raw", shape.disk)
+        with open(work / "memory", "wb") as f:
+            f.truncate(shape.memory)
+        argv = command_line(hv, assets, shape, layers, work / "disk.raw", "raw", work / "memory",
+                            template=True, hostname="sandbox")
+        vmm = Vmm.spawn(work, argv)
+        try:
+            conn = connect_agent(vmm)
+            booted = time.perf_counter() - t
+            try:
+                conn.sync()  # the guest's page cache of its disk, on the disk before the freeze
+            finally:
+                conn.close()
+            save_seconds = vmm.save(work / "state.bin")
+        finally:
+            vmm.quit()
+        doc = {"schema": TEMPLATE_SCHEMA, "key": key, "assets": assets.key, "layers": list(layer_digests),
+               "shape": shape.to_json(), "accel": hv.accel, "qemu": ".".join(map(str, hv.version)),
+               "boot_seconds": round(booted, 3), "save_seconds": round(save_seconds, 3),
+               "argv": argv, "created": time.time()}
+        (work / "template.json").write_text(json.dumps(doc, indent=1) + "\n")
+        for name in ("disk.raw", "memory"):  # what every sandbox of it shares: never written again
+            (work / name).chmod(0o400)
+        os.rename(work, final)
+        return Template(key, final, doc), True
+
+
+def sandbox_disk(template: Template, path: Path) -> None:
+    """The sandbox's disk: a qcow2 overlay over the template's (its writes only)."""
+    try:
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(template.disk),
+                        str(path)], check=True, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise HostUnsupported("qemu-img is not installed (apt-get install qemu-utils)") from None
+    except subprocess.CalledProcessError as exc:
+        raise VmError(f"qemu-img create {path}: {exc.stderr.strip()}") from None
+
+
+def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, template: Template,
+                        layers: Sequence[tuple[str, str]], shape: Shape, state_file: Path,
+                        cgroup_procs: Sequence[Path] = ()) -> tuple[Vmm, AgentConnection]:
+    """A VMM restored from ``state_file`` (the template's, or this sandbox's own saved state)."""
+    argv = command_line(hv, assets, shape, layers, vm_dir / "disk.qcow2", "qcow2", template.memory,
+                        template=False, hostname="sandbox") + ["-incoming", "defer", "-S"]
+    vmm = Vmm.spawn(vm_dir, argv, cgroup_procs)
+    try:
+        vmm.restore(state_file)
+        return vmm, connect_agent(vmm)
+    except BaseException:
+        vmm.kill()
+        raise
+
+
+__all__ = ["Hypervisor", "Qmp", "Shape", "Template", "VmError", "Vmm", "command_line", "connect_agent",
+           "ensure_template", "hypervisor", "sandbox_disk", "shape_of", "start_from_template"]

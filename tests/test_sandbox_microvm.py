@@ -1,0 +1,263 @@
+"""MicroVM sandboxes: real QEMU (TCG here), the real guest kernel and agent, lazily fetched layers.
+
+One manager per module, so one template boot (~6 s under TCG) serves every test: each
+sandbox after the first starts by restoring it.
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.sandboxes import REF, run, store_url  # noqa: F401  (the module's store)
+
+from sandbox.agent import HEAD, T_READY, AgentConnection, AgentError
+from sandbox.errors import UnsupportedOption
+from sandbox.execs import proc_stat
+from sandbox.manager import Sandbox, SandboxManager
+from sandbox.model import SandboxOptions
+
+pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "cmd:qemu-system-x86_64")]
+
+VM = SandboxOptions(isolation="microvm", memory=384 << 20, disk=256 << 20)
+
+
+def qemu_pids() -> set[int]:
+    out = subprocess.run(["pgrep", "-f", "qemu-system-x86_64"], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+@pytest.fixture(scope="module")
+def vm_manager(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
+    before = qemu_pids()
+    mgr = SandboxManager(tmp_path_factory.mktemp("vm-host1"), store_url)
+    mgr.host.daemon_options = {"fill_below": 0}  # no background fill: what is fetched, the guests read
+    try:
+        yield mgr
+    finally:
+        mgr.close()
+        assert qemu_pids() - before == set(), "a VMM outlived the manager"
+        assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
+
+
+@pytest.fixture
+def vms(vm_manager: SandboxManager) -> Any:
+    made: list[Sandbox] = []
+
+    def make(options: SandboxOptions = VM) -> Sandbox:
+        box = run(vm_manager.create(REF, options))
+        made.append(box)
+        return box
+
+    yield make
+    for box in made:
+        box.destroy()
+        assert not box.dir.exists()
+
+
+def test_create_exec_streams_and_files(vms: Any, vm_manager: SandboxManager) -> None:
+    box = vms()
+    st = box.state
+    assert st.status == "running"
+    assert st.vm is not None
+    assert st.vm["accel"] in ("tcg", "kvm")
+    vmm = st.vm["vmm_pid"]
+    assert proc_stat(vmm) is not None
+    assert vm_manager.layout.holds(vmm, st.cgroups_path)
+    # a guest of its own: its kernel, not the host's
+    uname = box.exec(["uname", "-r"])
+    assert uname.exit_code == 0
+    assert uname.stdout.decode().strip() != os.uname().release
+    assert b"Debian GNU/Linux 12" in box.exec("cat /etc/os-release").stdout
+    chunks: list[bytes] = []
+    res = box.exec("for i in 1 2 3; do echo line$i; done; echo oops >&2; exit 7", on_stdout=chunks.append)
+    assert (res.exit_code, res.stdout, res.stderr) == (7, b"line1\nline2\nline3\n", b"oops\n")
+    assert b"".join(chunks) == res.stdout
+    assert box.exec(["cat"], stdin=b"from the host\n" * 1000).stdout == b"from the host\n" * 1000
+    missing = box.exec(["/no/such/program"])
+    assert missing.exit_code == 127
+    assert b"No such file" in missing.stderr
+    # files: through the agent, the same API as a container's
+    payload = os.urandom(3 << 20)
+    assert box.upload("/root/blob", io.BytesIO(payload)) == len(payload)
+    out = io.BytesIO()
+    assert box.download("/root/blob", out) == len(payload)
+    assert out.getvalue() == payload
+    assert box.exec("sha256sum /root/blob").stdout.split()[0].decode() == __import__("hashlib").sha256(payload).hexdigest()
+    box.write("/root/note.txt", b"hi", 0o600)
+    names = {e["name"]: e for e in box.list("/root")}
+    assert names["note.txt"]["size"] == 2
+    assert names["note.txt"]["mode"] == 0o600
+    assert names["blob"]["type"] == "file"
+    assert box.stat("/root/blob").st_size == len(payload)
+    box.remove("/root/blob")
+    with pytest.raises(FileNotFoundError):
+        box.read("/root/blob")
+    with pytest.raises(OSError, match="absolute"):
+        box.read("relative/path")
+    actions = [r["action"] for r in box.receipts()]
+    assert actions[0] == "create"
+    assert "exec" in actions
+    assert "upload" in actions
+    create = box.receipts()[0]
+    assert create["isolation"] == "microvm"
+    assert create["vm"]["assets"] == st.vm["assets"]
+
+
+def test_timeout_output_cap_and_a_real_test_suite(vms: Any) -> None:
+    box = vms()
+    t = time.monotonic()
+    slow = box.exec("echo started; sleep 60", timeout=2)
+    assert slow.timed_out
+    assert slow.signal == signal.SIGKILL
+    assert slow.stdout == b"started\n"
+    assert time.monotonic() - t < 30
+    assert b"sleep 60" not in box.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '").stdout
+    big = box.exec("head -c 5000000 /dev/zero", output_cap=1000)
+    assert big.truncated
+    assert len(big.stdout) == 1000
+    box.write("/root/test_demo.py", b"import unittest\n"
+              b"class T(unittest.TestCase):\n"
+              b"    def test_math(self):\n        self.assertEqual(sum(range(10)), 45)\n"
+              b"    def test_fs(self):\n        open('/tmp/x', 'w').write('y'); self.assertEqual(open('/tmp/x').read(), 'y')\n")
+    suite = box.exec(["python3", "-m", "unittest", "-v", "test_demo"], cwd="/root", timeout=120)
+    assert suite.exit_code == 0, suite.stderr
+    assert b"Ran 2 tests" in suite.stderr
+    assert b"OK" in suite.stderr
+
+
+def test_sandboxes_of_one_template_are_apart_and_fetch_lazily(vms: Any, vm_manager: SandboxManager) -> None:
+    a, b = vms(), vms()
+    assert a.state.vm["template"] == b.state.vm["template"]
+    assert b.receipts()[0]["template_made"] is False  # the second restores the template
+    a.write("/root/mine", b"a")
+    assert b.exec("test -e /root/mine").exit_code == 1
+    assert a.exec("cat /root/mine").stdout == b"a"
+    stats = vm_manager.host.client.request("GET", "/stats")
+    fetched = stats["bytes_fetched_uncompressed"]
+    sizes = [os.stat(m).st_size for m, _ in (tuple(x) for x in a.state.vm["layers"])]
+    blobs = sum(os.stat(bl).st_size for _, bl in (tuple(x) for x in a.state.vm["layers"]))
+    assert sizes
+    assert fetched < blobs / 2, f"fetched {fetched} of {blobs} blob bytes: not lazy"
+
+
+def test_pause_with_reclaim_stops_the_vmm_and_resume_continues(vms: Any) -> None:
+    box = vms()
+    box.exec("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done' "
+             ">/dev/null 2>&1 &")
+    time.sleep(1)
+    box.write("/root/before", b"kept")
+    vmm = box.state.vm["vmm_pid"]
+    light = box.pause(reclaim=False)
+    assert light["reclaim"] is None
+    assert proc_stat(vmm) is not None
+    box.resume()
+    info = box.pause(reclaim=True)
+    assert info["reclaim"]["vm_state_bytes"] > 0
+    assert proc_stat(vmm) is None or proc_stat(vmm)[1] != box.state.vm.get("vmm_start")
+    assert box.state.status == "paused"
+    assert box.state.vm["saved"] is True
+    with pytest.raises(Exception, match="paused"):
+        box.exec("true")
+    box.resume()
+    assert box.state.status == "running"
+    assert box.read("/root/before") == b"kept"
+    first = int(box.read("/root/count"))
+    time.sleep(1.5)
+    assert int(box.read("/root/count")) > first, "the guest's loop did not go on after the resume"
+
+
+def test_guest_that_exhausts_memory_forks_and_fills_its_disk_stays_inside(vms: Any, vm_manager: SandboxManager) -> None:
+    box = vms()
+    st = box.state
+    hog = box.exec(["python3", "-c", "b = [bytearray(1 << 20) for _ in range(4096)]"], timeout=120)
+    assert hog.exit_code != 0  # the guest's OOM killer or MemoryError: its own RAM only
+    fill = box.exec("dd if=/dev/zero of=/root/fill bs=1M count=400 2>&1; sync", timeout=180)
+    assert b"No space left on device" in fill.stdout
+    disk = box.dir / "vm" / "disk.qcow2"
+    assert disk.stat().st_blocks * 512 < (256 << 20) + (64 << 20)
+    bomb = box.exec("for i in $(seq 1 300); do sleep 5 & done 2>/dev/null; echo forked", timeout=120)
+    assert bomb.exit_code in (0, 1, 2)
+    host_pids = vm_manager.layout.pids_current(st.cgroups_path)
+    assert host_pids is not None
+    assert host_pids <= 64, f"the VMM's cgroup has {host_pids} tasks"
+    peak = vm_manager.layout.memory_peak(st.cgroups_path)
+    assert peak is None or peak <= st.vm["shape"]["memory"] + (256 << 20)
+    box.exec("rm -f /root/fill")
+    assert box.exec("echo alive").stdout == b"alive\n"
+
+
+def test_no_network_device_and_allow_rules_refused(vms: Any, vm_manager: SandboxManager) -> None:
+    box = vms()
+    devs = box.exec("cat /proc/net/dev").stdout.decode()
+    assert [ln.split(":")[0].strip() for ln in devs.splitlines()[2:]] == ["lo"]
+    with pytest.raises(UnsupportedOption, match="network"):
+        run(vm_manager.create(REF, VM.replace(network=({"cidr": "10.0.0.1/32", "ports": 80},))))
+    with pytest.raises(UnsupportedOption, match="microvm"):
+        run(box.checkpoint())
+
+
+def test_vmm_killed_reconcile_cleans_up(vm_manager: SandboxManager) -> None:
+    box = run(vm_manager.create(REF, VM))
+    vmm = box.state.vm["vmm_pid"]
+    os.kill(vmm, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while proc_stat(vmm) is not None and proc_stat(vmm)[0] != 0 and time.monotonic() < deadline:
+        try:
+            if os.waitpid(vmm, os.WNOHANG)[0]:
+                break
+        except ChildProcessError:
+            break
+        time.sleep(0.05)
+    report = vm_manager.reconcile()
+    assert box.id in report["destroyed"]
+    assert not box.dir.exists()
+    assert not [d for d in vm_manager.layout.dirs(f"/{vm_manager.cgroup_parent}/{box.id}") if d.exists()]
+
+
+# -- the host side of the agent protocol, against a guest that lies ----------------------------------
+def _fake_guest(tmp_path: Path, frames: bytes) -> tuple[Path, threading.Thread]:
+    path = tmp_path / "agent.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(1)
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        conn.recv(64)
+        conn.sendall(frames)
+        time.sleep(0.5)
+        conn.close()
+        srv.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return path, t
+
+
+def test_agent_frame_over_the_limit_ends_the_connection(tmp_path: Path) -> None:
+    # a guest claiming a 4 GiB frame: the host must not try to read (or allocate) it
+    path, t = _fake_guest(tmp_path, HEAD.pack(0xFFFFFFF0, T_READY, 0))
+    conn = AgentConnection(path, timeout=5)
+    with pytest.raises(AgentError, match="frame of"):
+        conn.ping(timeout=5)
+    assert conn.closed
+    assert "at most" in conn.closed
+    t.join(5)
+
+
+def test_agent_entry_frame_with_a_lying_name_length(tmp_path: Path) -> None:
+    from sandbox.agent import ENTRY_FIXED, T_ENTRY
+    bad = ENTRY_FIXED.pack(0o100644, 0, 0, 0, 1, 0, 0, 1, 1 << 30) + b"x"
+    path, t = _fake_guest(tmp_path, HEAD.pack(len(bad) + 5, T_ENTRY, 1) + bad)
+    conn = AgentConnection(path, timeout=5)
+    with pytest.raises(AgentError):
+        conn.stat("/x")
+    t.join(5)
