@@ -16,14 +16,20 @@ STAMP := $(VENV)/.layerbox-installed
 CEPH_DEB_PACKAGES := ceph-mon ceph-mgr ceph-osd radosgw ceph-common
 DEB_PACKAGES := python3 python3-venv python3-dev erofs-utils fuse3 zstd mmdebstrap \
 	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2 crun nftables iproute2 \
+	gcc libc6-dev binutils procps \
 	$(CEPH_DEB_PACKAGES)
+# microVMs: QEMU >= 8.2 (a read-only private memory mapping for template restores); Debian 12 has
+# 7.2, bookworm-backports 10.0.  The guest's kernel and busybox are downloaded by `layerbox vm assets`.
+BACKPORTS_SOURCES := /etc/apt/sources.list.d/layerbox-backports.sources
+BACKPORTS_PACKAGES := qemu-system-x86 qemu-utils
+QEMU_MIN := 1:8.2
 KERNEL_FILESYSTEMS := erofs overlay fuse
 # Benchmark-only packages (the peers bench/sandbox.py measures against); never needed by the tests.
 BENCH_DEB_PACKAGES := podman
 
 DEMO_ARGS ?=
 
-.PHONY: help deps bench-deps venv lint typecheck test demo clean
+.PHONY: help deps backports vm-assets bench-deps venv lint typecheck test demo clean
 
 help:
 	@echo "make deps      install missing Debian packages, load erofs/overlay/fuse (root)"
@@ -58,6 +64,31 @@ deps:
 	  modprobe "$$fs" 2>/dev/null || true; \
 	  has_fs "$$fs" || echo "deps: warning: the kernel has no '$$fs' filesystem (modprobe $$fs failed)" >&2; \
 	done
+	@$(MAKE) --no-print-directory backports
+
+# QEMU from bookworm-backports unless a new enough one is installed (the same check-then-install).
+backports:
+	@missing=""; \
+	for pkg in $(BACKPORTS_PACKAGES); do \
+	  ver=$$(dpkg-query -W -f='$${db:Status-Status} $${Version}' "$$pkg" 2>/dev/null || true); \
+	  case "$$ver" in installed\ *) dpkg --compare-versions "$${ver#installed }" ge "$(QEMU_MIN)" && continue;; esac; \
+	  missing="$$missing $$pkg"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" -ne 0 ]; then \
+	    echo "deps: missing (bookworm-backports):$$missing -- run 'sudo make deps'" >&2; exit 1; \
+	  fi; \
+	  if [ ! -e $(BACKPORTS_SOURCES) ] && grep -q bookworm /etc/os-release; then \
+	    printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' > $(BACKPORTS_SOURCES); \
+	  fi; \
+	  echo "deps: installing from bookworm-backports:$$missing"; \
+	  apt-get update -q; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends -t bookworm-backports $$missing; \
+	fi
+
+# The microVM guest (kernel, busybox initramfs, agent), built once per host from Debian packages.
+vm-assets: venv
+	@$(BIN)/layerbox vm assets --quiet
 
 # The same check-then-install as deps, for BENCH_DEB_PACKAGES only.
 bench-deps: deps
@@ -77,7 +108,7 @@ typecheck: venv
 	$(BIN)/mypy
 
 # pytest exits 5 when it collected nothing: an empty or fully deselected suite is not a pass.
-test: lint typecheck
+test: lint typecheck vm-assets
 	@rc=0; $(BIN)/python -m pytest -q || rc=$$?; \
 	if [ "$$rc" -eq 5 ]; then \
 	  echo "test: pytest collected no tests (tests/ empty or everything deselected) -- failing" >&2; \

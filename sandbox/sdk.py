@@ -54,6 +54,7 @@ import aiofiles
 import aiohttp
 
 from sandbox.model import (
+    ISOLATIONS,
     EgressRule,
     SandboxFilter,
     SandboxOptions,
@@ -153,7 +154,7 @@ __all__ = [
     "UnsupportedIsolation",
 ]
 
-SUPPORTED_ISOLATION = ("container",)
+SUPPORTED_ISOLATION = ISOLATIONS  # what some layerbox edge runs; /v1/capabilities says what this one does
 CONNECT_TIMEOUT = 30.0  # seconds to reach the service
 READ_TIMEOUT = 300.0  # seconds a request may wait for the service's next bytes (not exec streams)
 _REQUEST = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT, sock_read=READ_TIMEOUT)
@@ -292,9 +293,8 @@ def _options_body(options: SandboxOptions | None, fields: Mapping[str, Any]) -> 
 def _check_isolation(isolation: str) -> None:
     if isolation not in SUPPORTED_ISOLATION:
         raise UnsupportedIsolation(
-            f"isolation={isolation!r} is not available: layerbox runs sandboxes as crun containers "
-            f"(supported: {', '.join(SUPPORTED_ISOLATION)}); it never falls back silently, so pass "
-            f"isolation='container' if container isolation is acceptable")
+            f"isolation={isolation!r} is not available: layerbox runs sandboxes as crun containers or "
+            f"QEMU microvms (supported: {', '.join(SUPPORTED_ISOLATION)}); it never falls back silently")
 
 
 def _event(line: bytes) -> dict[str, Any]:
@@ -980,7 +980,16 @@ class AsyncSandbox(_Session):
         :class:`InvalidRequest` for a value past this service's limits; nothing is created then.
         """
         _check_isolation(isolation)  # before any request
-        body = {"image": image, "isolation": isolation, **_options_body(options, fields)}
+        body = _options_body(options, fields)
+        wanted = isolation if isolation != "container" else body.get("isolation", "container")
+        if wanted != "container":  # refused here when this edge lacks it, with its reason
+            caps = await capabilities(url=url, token=token)
+            if wanted not in caps.isolation:
+                why = (caps.backends.get(wanted) or {}).get("reason", "the edge does not list it")
+                raise UnsupportedIsolation(f"isolation={wanted!r} is not available at {url}: {why}")
+        if isolation != "container" or "isolation" not in body:  # the argument, unless options say microvm
+            body["isolation"] = isolation
+        body = {"image": image, **body}
         return await cls._post(url, token, "/v1/sandboxes", body)
 
     @classmethod

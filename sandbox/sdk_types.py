@@ -601,6 +601,8 @@ class Capabilities:
     preemption: bool = False
     fncall: bool = False
     streaming: str | None = None
+    # per isolation kind: {"available": bool, "reason"...; "provides": [...], "lacks": [...]}
+    backends: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,6 @@ log = logging.getLogger("layerbox.sandbox.service")
 
 T = TypeVar("T")
 
-ISOLATION = "container"  # what this service runs: crun containers, never microVMs
 DEFAULT_QUOTA = 10
 MAX_BODY = 64 << 20  # JSON bodies; file uploads stream and have no limit but the sandbox's disk
 MAX_JSON_DEPTH = 32
@@ -272,7 +271,7 @@ def _view(state: SandboxState) -> dict[str, Any]:
     return {"id": state.id, "status": state.status, "image": state.ref, "image_digest": state.image_digest,
             "labels": labels, "limits": {"cpu": o.cpu, "memory": o.memory, "pids": o.pids,
                                          "best_effort": o.cpu_class == "best-effort"},
-            "created": state.created, "last_active": state.last_active, "isolation": ISOLATION,
+            "created": state.created, "last_active": state.last_active, "isolation": o.isolation,
             "job": state.job.partition("/")[2] if state.job else None, "cpu_class": o.cpu_class,
             "disk": o.disk, "admitting": state.admitting, "network": state.network, "userns": o.userns,
             "ttl": o.ttl, "idle_timeout": o.idle_timeout,
@@ -609,14 +608,14 @@ class SandboxService:
         project = self._project(request)
         body = await self._json(request)
         image = check_str("image", body.get("image"), max_len=512, what="an image or checkpoint ref")
-        isolation = body.get("isolation", ISOLATION)
-        if isolation != ISOLATION:
-            raise ApiError(400, "unsupported_isolation",
-                           f"isolation {isolation!r} is not available: this service runs {ISOLATION!r} only",
-                           field="isolation")
-        SandboxOptions.from_json(body, extra=("image", "isolation"))  # every field checked before any lookup
+        SandboxOptions.from_json(body, extra=("image",))  # every field checked before any lookup
+        if body.get("isolation") == "microvm":
+            vms = await asyncio.to_thread(self.manager.vms.capabilities)
+            if not vms["available"]:
+                raise ApiError(400, "unsupported_isolation", f"isolation 'microvm' is not available on this edge: "
+                               f"{vms['reason']}", field="isolation")
         resolved = await self._resolve(project, image, field="image", kinds=("image", "composition", "checkpoint"))
-        options = self._options(project, body, extra=("image", "isolation"), base=await self._carried(resolved))
+        options = self._options(project, body, extra=("image",), base=await self._carried(resolved))
         return await self._launch(project, [options], lambda: self._create(resolved, options, image))
 
     async def _create(self, resolved: Resolved, options: SandboxOptions, name: str) -> Sandbox:
@@ -1029,7 +1028,9 @@ class SandboxService:
 
     async def capabilities(self, request: web.Request) -> web.Response:
         self._project(request)
-        return web.json_response(CAPABILITIES)
+        vms = await asyncio.to_thread(self.manager.vms.capabilities)
+        return web.json_response({**CAPABILITIES, "isolation": ["container", *(["microvm"] if vms["available"] else [])],
+                                  "backends": {"container": {"available": True, "runtime": "crun"}, "microvm": vms}})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi.DOCUMENT)
@@ -1071,7 +1072,7 @@ def _flag(request: web.Request, name: str) -> bool:
 
 # What this backend can do; a request for anything else is refused, never downgraded.
 CAPABILITIES: dict[str, Any] = {
-    "isolation": [ISOLATION],
+    "isolation": ["container"],  # and "microvm" where this edge can run one (capabilities())
     "cpu_classes": ["latency", "best-effort"],
     "limits": ["cpu", "memory", "pids", "disk"],
     "network": {"default": "deny", "egress_rules": ["cidr", "host", "ports", "protocol"], "runtime_changes": True},

@@ -73,16 +73,19 @@ def _field(deb: Path, name: str) -> str:
     return _run("dpkg-deb", "-f", str(deb), name).strip()
 
 
-def _inputs(work: Path) -> tuple[Path, Path, dict[str, str]]:
-    meta = _download(KERNEL_PACKAGE, work)
+def _candidate(package: str) -> dict[str, str]:
+    """The fields of the version apt would install (no download)."""
+    out = _run("apt-cache", "show", "--no-all-versions", package)
+    return {k: v.strip() for k, _, v in (line.partition(":") for line in out.splitlines() if line[:1] != " ")}
+
+
+def _versions() -> dict[str, str]:
+    meta = _candidate(KERNEL_PACKAGE)
     # the metapackage depends on exactly one versioned image package
-    versioned = next(d.split()[0] for d in _field(meta, "Depends").split(",")
+    versioned = next(d.split()[0] for d in meta.get("Depends", "").split(",")
                      if d.strip().startswith("linux-image-"))
-    kernel_deb = _download(versioned, work)
-    busybox_deb = _download(BUSYBOX_PACKAGE, work)
-    versions = {"kernel_package": versioned, "kernel_version": _field(kernel_deb, "Version"),
-                "busybox_version": _field(busybox_deb, "Version")}
-    return kernel_deb, busybox_deb, versions
+    return {"kernel_package": versioned, "kernel_version": _candidate(versioned)["Version"],
+            "busybox_version": _candidate(BUSYBOX_PACKAGE)["Version"]}
 
 
 def assets_key(versions: dict[str, str]) -> str:
@@ -148,13 +151,18 @@ def _cpio(root: Path) -> bytes:
 def build(root: Path = DEFAULT_ROOT) -> Assets:
     """Build (or find) the assets for the candidate packages; safe to run concurrently."""
     root.mkdir(parents=True, exist_ok=True)
+    versions = _versions()
+    key = assets_key(versions)
+    final = root / key
+    if (final / "manifest.json").exists():
+        return load(root, key)
     with tempfile.TemporaryDirectory(dir=root, prefix=".build-") as tmp:
         work = Path(tmp)
-        kernel_deb, busybox_deb, versions = _inputs(work)
-        key = assets_key(versions)
-        final = root / key
-        if (final / "manifest.json").exists():
-            return load(root, key)
+        kernel_deb = _download(versions["kernel_package"], work)
+        busybox_deb = _download(BUSYBOX_PACKAGE, work)
+        if _field(kernel_deb, "Version") != versions["kernel_version"]:
+            raise AssetsError(f"apt-get download {versions['kernel_package']} gave {_field(kernel_deb, 'Version')}, "
+                              f"apt-cache said {versions['kernel_version']}: run apt-get update and retry")
         kx, bx, ir = work / "k", work / "b", work / "ir"
         _run("dpkg-deb", "-x", str(kernel_deb), str(kx))
         _run("dpkg-deb", "-x", str(busybox_deb), str(bx))

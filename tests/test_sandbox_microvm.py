@@ -150,7 +150,7 @@ def test_sandboxes_of_one_template_are_apart_and_fetch_lazily(vms: Any, vm_manag
 
 def test_pause_with_reclaim_stops_the_vmm_and_resume_continues(vms: Any) -> None:
     box = vms()
-    box.exec("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done' "
+    box.exec("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/c.tmp; mv /root/c.tmp /root/count; sleep 0.2; done' "
              ">/dev/null 2>&1 &")
     time.sleep(1)
     box.write("/root/before", b"kept")
@@ -261,3 +261,47 @@ def test_agent_entry_frame_with_a_lying_name_length(tmp_path: Path) -> None:
     with pytest.raises(AgentError):
         conn.stat("/x")
     t.join(5)
+
+
+# -- through the edge service and the SDK ------------------------------------------------------------
+def test_microvm_through_the_service_and_a_job_of_both_kinds(vm_manager: SandboxManager) -> None:
+    from sandbox.sdk import AsyncClient, AsyncJob, AsyncSandbox, InvalidRequest
+    from tests.support.sandboxes import no_sandboxes_left, serving
+
+    token = "vm-token-0123456789abcdef"
+    tokens = {"projects": {"vmp": {"tokens": [token], "max_sandboxes": 4}}}
+
+    async def scenario(url: str) -> None:
+        async with AsyncClient(url=url, token=token) as client:
+            caps = await client.capabilities()
+            assert "microvm" in caps.isolation
+            assert caps.backends["microvm"]["available"] is True
+        vm_sb = await AsyncSandbox.create(REF, url=url, token=token, isolation="microvm", memory=384 << 20,
+                                          disk=256 << 20, job="mixed")
+        ct_sb = await AsyncSandbox.create(REF, url=url, token=token, job="mixed")
+        try:
+            info = await vm_sb.refresh()
+            assert info.isolation == "microvm"
+            assert (await ct_sb.refresh()).isolation == "container"
+            seen: list[str] = []
+            res = await vm_sb.commands.run("echo one; echo two >&2; uname -r", on_stdout=seen.append)
+            assert res.exit_code == 0
+            assert "one" in "".join(seen)
+            assert res.stdout.splitlines()[-1] != os.uname().release  # the guest's kernel
+            await vm_sb.files.write("/root/f.txt", b"through the edge")
+            assert await vm_sb.files.read("/root/f.txt") == "through the edge"
+            with pytest.raises(InvalidRequest, match="network"):
+                await AsyncSandbox.create(REF, url=url, token=token, isolation="microvm",
+                                          network=[{"cidr": "10.1.2.3/32"}])
+            async with AsyncJob("mixed", url=url, token=token) as job:
+                paused = await job.pause()
+                assert sorted(paused) == sorted([vm_sb.sandbox_id, ct_sb.sandbox_id])
+                assert (await vm_sb.refresh()).status == "paused"
+                await job.resume()
+            assert (await vm_sb.commands.run("cat /root/f.txt")).stdout == "through the edge"
+        finally:
+            await vm_sb.kill()
+            await ct_sb.kill()
+
+    with no_sandboxes_left(vm_manager), serving(vm_manager, tokens) as srv:
+        run(scenario(srv.url))

@@ -101,8 +101,8 @@ def test_lifecycle_through_the_blocking_sdk(url: str) -> None:
 
 def test_auth_ownership_quota_and_isolation(url: str, manager: SandboxManager) -> None:
     async def scenario() -> None:
-        with pytest.raises(UnsupportedIsolation, match="microvm"):  # refused before any request:
-            await AsyncSandbox.create(REF, url="http://127.0.0.1:9", token=ALPHA, isolation="microvm")
+        with pytest.raises(UnsupportedIsolation, match="gvisor"):  # refused before any request:
+            await AsyncSandbox.create(REF, url="http://127.0.0.1:9", token=ALPHA, isolation="gvisor")
         with pytest.raises(AuthError) as unknown:
             await AsyncSandbox.create(REF, url=url, token="not-a-token-at-all")
         assert unknown.value.status == 401

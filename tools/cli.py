@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import pathlib
 import stat
 import sys
 import time
@@ -649,7 +650,33 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("rest", nargs=argparse.REMAINDER)
     d.set_defaults(func=cmd_demo)
     _add_sandbox_parser(sub)
+    vmp = sub.add_parser("vm", help="the microVM guest: its assets (kernel, initramfs, agent) on this host")
+    vms = vmp.add_subparsers(dest="vm_command", required=True)
+    va = vms.add_parser("assets", help="build (or find) the guest assets from Debian packages; prints their key")
+    va.add_argument("--root", default=None, help="where they are kept (default $LAYERBOX_VM_ASSETS or "
+                                                 "/var/cache/layerbox/vm)")
+    va.add_argument("--offline", action="store_true", help="only find a set built before; no apt-get download")
+    va.add_argument("--quiet", action="store_true", help="print nothing when the assets are already there")
+    va.add_argument("--json", action="store_true")
+    va.set_defaults(func=cmd_vm_assets)
     return p
+
+
+def cmd_vm_assets(args: argparse.Namespace) -> int:
+    from sandbox import vmassets
+
+    root = pathlib.Path(args.root) if args.root else vmassets.DEFAULT_ROOT
+    t = time.perf_counter()
+    assets = vmassets.find(root) if args.offline else vmassets.build(root)
+    took = time.perf_counter() - t
+    doc = {**assets.manifest, "dir": str(assets.dir), "seconds": round(took, 3)}
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    elif not (args.quiet and took < 5):
+        print(f"guest assets {assets.key} in {assets.dir}: {assets.manifest.get('kernel_package')} "
+              f"{assets.manifest.get('kernel_version')}, busybox {assets.manifest.get('busybox_version')} "
+              f"({took:.1f} s)")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -690,7 +717,7 @@ def _sandbox_cmd(args: argparse.Namespace) -> int:
         options = SandboxOptions(cpu=args.cpu, memory=args.memory, pids=args.pids, disk=args.disk,
                                  cpu_class=args.cpu_class, job=args.job, lease_ttl=args.lease_ttl, ttl=args.ttl,
                                  idle_timeout=args.idle_timeout, userns=args.userns, env=dict(args.env),
-                                 workdir=args.workdir, user=args.user)
+                                 workdir=args.workdir, user=args.user, isolation=args.isolation)
         box = asyncio.run(mgr.create(args.ref, options))
         _emit(args, box.state.to_json(), lambda: print(box.id))
     elif action == "exec":
@@ -782,6 +809,8 @@ def _add_sandbox_parser(sub: Any) -> None:
                    help="an environment variable of every command (repeatable)")
     c.add_argument("--workdir", default=None, help="the working directory of every command")
     c.add_argument("--user", default=None, help="user[:group] every command runs as (name or id)")
+    c.add_argument("--isolation", choices=("container", "microvm"), default="container",
+                   help="a crun container, or a QEMU microvm with its own guest kernel")
     e = sbs.add_parser("exec", parents=[common], help="run a command: exec [--data-dir D --store URL --timeout S] ID -- CMD...")
     e.add_argument("id")
     e.add_argument("--timeout", type=float, default=None)
