@@ -65,7 +65,7 @@ async def _mark(store: Store, report: GcReport) -> tuple[set[str], set[str], set
         doc = await store.get_doc(digest)
         resolved = resolve_document(digest, doc)
         pending.extend(doc_references(doc))
-        for layer in resolved.layers:
+        for layer in resolved.stored_layers:
             if layer.digest in layers:
                 continue
             layers.add(layer.digest)

@@ -310,6 +310,19 @@ class Resolved:
     config: Mapping[str, Any]
     doc: Mapping[str, Any]
 
+    @property
+    def disk(self) -> LayerEntry | None:
+        """A microVM checkpoint's disk: a layer holding one file, ``disk.img`` (the VM's whole
+        block device, holes where nothing was written), not a layer of the root's overlay."""
+        disk = self.doc.get("disk")
+        return LayerEntry.from_json(disk, f"document {self.digest}: disk") if disk is not None else None
+
+    @property
+    def stored_layers(self) -> tuple[LayerEntry, ...]:
+        """Every layer the document keeps alive in the store: its layers and its disk."""
+        disk = self.disk
+        return (*self.layers, disk) if disk is not None else self.layers
+
 
 def resolve_document(digest: str, doc: Mapping[str, Any]) -> Resolved:
     schema = doc.get("schema")

@@ -118,7 +118,7 @@ async def verify(store: Store, ref: str | None = None) -> VerifyReport:
             doc = load_json(doc_bytes, doc_key(digest))
             pending.extend(doc_references(doc))
             try:
-                layers = resolve_document(digest, doc).layers
+                layers = resolve_document(digest, doc).stored_layers
             except LayerstoreError:
                 continue  # reported by _check_named
             for layer in layers:

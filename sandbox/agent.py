@@ -26,7 +26,7 @@ from sandbox.errors import SandboxError
 from sandbox.files import _kind
 
 T_PING, T_PONG, T_EXEC, T_STARTED, T_STDIN, T_SIGNAL = 1, 2, 3, 4, 5, 6
-T_READ, T_DATA, T_END, T_WRITE, T_LIST, T_STAT, T_REMOVE, T_MKDIR, T_SYNC, T_ENTRY = range(7, 17)
+T_READ, T_DATA, T_END, T_WRITE, T_LIST, T_STAT, T_REMOVE, T_MKDIR, T_SYNC, T_ENTRY, T_MOUNT = range(7, 18)
 T_STDOUT, T_STDERR, T_EXIT, T_READY = 20, 21, 22, 100
 HEAD = struct.Struct(">IBI")  # length of what follows the length field, type, channel
 MAX_FRAME = 1 << 20  # payload bytes, both directions (the agent's MAX_FRAME)
@@ -362,6 +362,15 @@ class AgentConnection:
         for kind, payload in self._call(T_MKDIR, struct.pack(">I", mode) + _str(path)):
             if kind == T_END:
                 self._check_end(payload)
+
+    def mount(self, timeout: float = 60.0) -> None:
+        """Mount the sandbox's disk and root in the guest (once; again is a no-op)."""
+        for kind, payload in self._call(T_MOUNT, b"", timeout=timeout):
+            if kind == T_END:
+                try:
+                    self._check_end(payload)
+                except GuestFileError as exc:
+                    raise AgentError(f"the guest could not mount the sandbox's disk: {exc}") from None
 
     def sync(self) -> None:
         for kind, payload in self._call(T_SYNC, b"", timeout=120.0):

@@ -666,11 +666,11 @@ class Sandbox:
         st = self.state
         if not st.live:
             raise SandboxStateError(f"sandbox {self.id} is {st.status}")
-        if st.options.isolation == "microvm":
-            raise UnsupportedOption(f"sandbox {self.id} is a microvm: block checkpoints of a VM's disk are not "
-                                    "available yet (pause and resume keep its disk and memory on this host)")
         last = self.manager.receipts(self.id)
         head = verify_receipt_chain(last, what=f"sandbox {self.id}'s receipts")  # never carry a broken log on
+        if st.options.isolation == "microvm":
+            return await self._checkpoint_vm(st, last, head, name=name, labels=labels,
+                                             trajectory_offset=trajectory_offset, policy_version=policy_version)
         async with await self.manager._store() as store:
             # receipts travel with the checkpoint: a restored sandbox knows its history and idempotency keys
             receipts = {"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last, "head": head}
@@ -685,6 +685,47 @@ class Sandbox:
                 name_prefix=project_namespace(st.project) if st.project else "")
         self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
                       bytes_changed=ckpt.bytes_changed)
+        return ckpt
+
+    async def _checkpoint_vm(self, st: SandboxState, last: builtins.list[dict[str, Any]], head: str | None, *,
+                             name: str | None, labels: Mapping[str, str] | None, trajectory_offset: int | None,
+                             policy_version: str | None) -> Checkpoint:
+        """A microVM's checkpoint: its whole disk, stopped and flushed, as the checkpoint's disk
+        layer (chunks dedup against its parent's); the chain is kept in its VM record."""
+        assert st.vm is not None
+        if st.status == "paused":
+            # the guest's own page cache may hold writes its disk does not have yet: it runs for the
+            # capture (a sync, then stopped again for the copy) and is paused again after
+            saved = bool(st.vm.get("saved"))
+            self.resume()
+            try:
+                return await self._checkpoint_vm(self.state, last, head, name=name, labels=labels,
+                                                 trajectory_offset=trajectory_offset, policy_version=policy_version)
+            finally:
+                self.pause(reclaim=saved)
+        mgr = self.manager
+        record = dict(st.vm)
+        seq = int(record.get("checkpoints", 0)) + 1
+        parent = record.get("parent") or st.image_digest
+        prefix = project_namespace(st.project) if st.project else ""
+        async with await mgr._store() as store:
+            receipts = {"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last, "head": head}
+            ckpt = await Snapshots(store, mgr.host).checkpoint_disk(
+                parent, lambda out: mgr.vms.capture_disk(self.id, self.dir, self.state, out),
+                ref_name=name or f"{prefix}checkpoints/{self.id}:{seq}",
+                vm={k: record[k] for k in ("machine", "assets", "shape")},
+                labels={**st.labels, **(labels or {})},
+                trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
+                receipt_id=last[-1]["id"] if last else None,
+                policy_version=policy_version if policy_version is not None else st.policy_version,
+                attach_docs={"receipts": receipts,
+                             "options": {"schema": SCHEMA_OPTIONS, "options": st.options.carried()}})
+        with mgr._lock:
+            fresh = self.state
+            assert fresh.vm is not None
+            self._update(vm={**fresh.vm, "parent": ckpt.digest, "checkpoints": seq})
+        self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
+                      bytes_changed=ckpt.bytes_changed, isolation="microvm", disk_layer=ckpt.layer)
         return ckpt
 
     async def fork(self, count: int, options: SandboxOptions | None = None, *, name: str | None = None,
@@ -989,8 +1030,11 @@ class SandboxManager:
         if options.isolation == "microvm":
             self.vms.check_options(options)
             await asyncio.to_thread(self.vms.prepare)  # a host without QEMU or guest assets: refused here
-            if resolved.kind == "checkpoint":
-                raise UnsupportedOption(f"{ref} is a checkpoint: restoring one into a microvm is not available yet")
+            if resolved.kind == "checkpoint" and resolved.disk is None:
+                raise UnsupportedOption(f"{ref} is a container's checkpoint (files of an overlay): it restores "
+                                        "into a container, not a microvm")
+        elif resolved.disk is not None:
+            raise UnsupportedOption(f"{ref} is a microvm's checkpoint (a disk): restore it with isolation=microvm")
         self._join_job(options, admitting)
         layout = self.layout
         sid = new_sandbox_id()
@@ -1433,7 +1477,9 @@ class SandboxManager:
             report["destroyed" if had_state else "orphans"].append(sid)
         # mounts of boxes whose state vanished
         for mp in self.host.status()["mounts"]:
-            if mp.startswith(str(self.boxes) + "/") and Path(mp).parent.name not in report["adopted"]:
+            # boxes/<id>/rootfs, or a microvm's boxes/<id>/vm/disk-layer
+            if (mp.startswith(str(self.boxes) + "/")
+                    and Path(mp).relative_to(self.boxes).parts[0] not in report["adopted"]):
                 self.host.umount(mp, discard=True)
                 report["orphans"].append(mp)
         if (self.data_dir / "net").exists():

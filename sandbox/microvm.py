@@ -16,13 +16,16 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from layerstore.objects import Resolved
+from layerstore.objects import LayerEntry, Resolved
+from lazyfetch import kmount
+from lazyfetch.errors import LazyfetchError
 from lazyfetch.mounts import HostMounts
 from sandbox import vm, vmassets
 from sandbox.agent import AgentConnection, AgentError, GuestFileError, entry_json
@@ -46,6 +49,17 @@ def _guest_path(path: str) -> str:
 def _os_error(exc: GuestFileError, path: str) -> OSError:
     """The guest's errno as the OSError subclass the host file API raises for it."""
     return OSError(exc.errno, f"{path}: {exc}", path)
+
+
+def _mem_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class GuestFiles:
@@ -139,11 +153,20 @@ class MicroVms:
             return {"available": False, "reason": str(exc)}
         return {"available": True, **hv.to_json(), "guest_assets": assets.key,
                 "kernel": assets.manifest.get("kernel_version"),
-                "provides": ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates"],
-                "lacks": ["checkpoint", "network_allow_rules", "interactive", "fork"]}
+                "provides": ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates",
+                             "checkpoint", "restore", "fork"],
+                "lacks": ["network_allow_rules", "interactive", "memory_snapshot_in_store"]}
 
     # -- lifecycle --------------------------------------------------------------------------------
     def check_options(self, options: SandboxOptions) -> None:
+        """What a microVM cannot be given, refused before anything is made (a 400 naming the field)."""
+        cpus = os.cpu_count() or 1
+        if vm.shape_of(options.cpu, options.memory, options.disk).vcpus > cpus:
+            raise UnsupportedOption(f"cpu: {options.cpu:g} CPUs is more vCPUs than this host's {cpus}")
+        total = _mem_total()
+        if total and options.memory > total:
+            raise UnsupportedOption(f"memory: {options.memory} bytes of guest RAM is more than this host's "
+                                    f"{total}")
         if options.network:
             raise UnsupportedOption("network: a microvm has no network device yet, so it cannot take egress "
                                     "allow rules; create it with network=null or [] (no egress at all)")
@@ -151,28 +174,77 @@ class MicroVms:
     def launch(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
                cgroups_path: str) -> tuple[dict[str, Any], dict[str, float]]:
         """Start the VM of a new sandbox: its template (booted now if this host has none), then a
-        restore of it.  Returns the VM record for state.json and the timings for the receipt."""
+        restore of it with the sandbox's own disk: this host's empty ext4, or for a checkpoint
+        its disk image, mounted lazily here (only the blocks the guest reads are fetched).
+        Returns the VM record for state.json and the timings for the receipt."""
         hv, assets = self.prepare()
         t0 = time.perf_counter()
+        disk_layer = resolved.disk
+        if disk_layer is not None:
+            bound = resolved.doc.get("bound", {}).get("vm") or {}
+            shape = vm.Shape(**bound["shape"])  # the disk's size is the checkpoint's
+        else:
+            shape = vm.shape_of(options.cpu, options.memory, options.disk)
         files = self.host.layer_files(resolved)
         layers = [(f["meta"], f["blob"]) for f in files]
-        shape = vm.shape_of(options.cpu, options.memory, options.disk)
         template, made = vm.ensure_template(self.templates_dir, hv, assets, layers,
                                             [x.digest for x in resolved.layers], shape)
         t1 = time.perf_counter()
         vm_dir = box_dir / "vm"
         vm_dir.mkdir(mode=0o700, exist_ok=True)
-        vm.sandbox_disk(template, vm_dir / "disk.qcow2")
+        if disk_layer is not None:
+            backing = self._mount_disk(resolved, disk_layer, vm_dir)
+        else:
+            backing = vm.pristine_disk(self.templates_dir, shape.disk)
+        vm.sandbox_disk(backing, vm_dir / "disk.qcow2")
         procs = self._cgroup(cgroups_path, options, shape)
         vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, template.state, procs)
         with self._lock:
             self._conns[sid] = conn
         record = {"schema": VM_RECORD, "machine": shape.machine, "assets": assets.key, "template": template.key,
                   "accel": hv.accel, "qemu": ".".join(map(str, hv.version)), "shape": shape.to_json(),
-                  "layers": [list(x) for x in layers], "vmm_pid": vmm.pid, "vmm_start": vmm.start, "saved": False}
+                  "layers": [list(x) for x in layers], "vmm_pid": vmm.pid, "vmm_start": vmm.start, "saved": False,
+                  "disk_layer": disk_layer.digest if disk_layer is not None else None}
         timings = {"template_seconds": round(t1 - t0, 6), "template_made": float(made),
                    "restore_seconds": round(time.perf_counter() - t1, 6)}
         return record, timings
+
+    def _mount_disk(self, resolved: Resolved, disk: LayerEntry, vm_dir: Path) -> Path:
+        """The checkpoint's disk layer mounted read-only under the VM's directory; its one file,
+        ``disk.img``, is the raw backing of the sandbox's qcow2."""
+        target = vm_dir / "disk-layer"
+        target.mkdir(exist_ok=True)
+        only = Resolved(disk.digest, "image", (disk,), {}, {})
+        self.host.mount(only, target, trace=False, fill=False)
+        image = target / "disk.img"
+        if not image.is_file():
+            raise SandboxStateError(f"checkpoint {resolved.digest}: its disk layer {disk.digest} has no disk.img")
+        return image
+
+    def capture_disk(self, sid: str, box_dir: Path, st: SandboxState, out: Path) -> float:
+        """Write the VM's whole disk (the qcow2 and what it stands on) to ``out/disk.img``, sparse,
+        with the guest's page cache flushed and its vCPUs stopped meanwhile; the seconds stopped."""
+        disk = box_dir / "vm" / "disk.qcow2"
+        qmp = None
+        if st.status == "running":
+            self.conn(sid, box_dir, st).sync()
+            qmp = self.vmm_of(box_dir, st).qmp()
+        t = time.perf_counter()
+        try:
+            if qmp is not None:
+                qmp.execute("stop")  # also drains and flushes every block device
+            # -U: the VMM holds the image's lock; nothing writes it while the guest is stopped
+            subprocess.run(["qemu-img", "convert", "-U", "-f", "qcow2", "-O", "raw", "-S", "4k", str(disk),
+                            str(out / "disk.img")], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as exc:
+            raise SandboxStateError(f"sandbox {sid}: reading its disk failed: {exc.stderr.strip()}") from None
+        finally:
+            if qmp is not None:
+                try:
+                    qmp.execute("cont")
+                finally:
+                    qmp.close()
+        return time.perf_counter() - t
 
     def _cgroup(self, cgroups_path: str, options: SandboxOptions, shape: vm.Shape) -> list[Path]:
         """The VMM's cgroup with the sandbox's limits: the guest's RAM plus the VMM's own, its
@@ -274,6 +346,7 @@ class MicroVms:
         self._drop_conn(sid)
         if st is not None and st.vm is not None and st.vm.get("vmm_pid"):
             self.vmm_of(box_dir, st).kill()
+        target = box_dir / "vm" / "disk-layer"
         for d in cgroup_dirs:
             with contextlib.suppress(OSError, ValueError):
                 for pid in {int(x) for x in (d / "cgroup.procs").read_text().split()}:
@@ -281,6 +354,11 @@ class MicroVms:
                         os.kill(pid, signal.SIGKILL)
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(pid, 0)
+        if target.exists():  # after the VMM: it read its backing file from there
+            with contextlib.suppress(LazyfetchError, OSError):
+                self.host.umount(target, discard=True)
+            if kmount.is_mountpoint(target):
+                kmount.umount(target, lazy=True, missing_ok=True)
         shutil.rmtree(box_dir / "vm", ignore_errors=True)
 
     def close(self) -> None:

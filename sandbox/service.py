@@ -96,6 +96,7 @@ from sandbox.errors import (
 from sandbox.execs import Cut
 from sandbox.manager import IN_FLIGHT, Cancel, Sandbox, SandboxManager
 from sandbox.model import (
+    ISOLATIONS,
     MAX_REF_NAME,
     PROJECT_LABEL,
     ExecRequest,
@@ -304,8 +305,11 @@ class SandboxService:
                  lease_ttl: float = DEFAULT_LEASE_TTL, reap_interval: float = REAP_INTERVAL,
                  fncall_pool: int = 2, maxima: Maxima | None = None, shutdown_manager: bool = False,
                  url_secret: bytes | None = None,
-                 command_limits: CommandLimits | None = None, ready: Mapping[str, int] | None = None) -> None:
+                 command_limits: CommandLimits | None = None, ready: Mapping[str, int] | None = None,
+                 isolations: Sequence[str] = ISOLATIONS) -> None:
         self.manager = manager
+        # what this edge runs when its host can (an operator may keep microVMs off an edge)
+        self.isolations = tuple(isolations)
         # ref -> how many sandboxes of it to keep started ahead of need (sandbox.fncall.WarmPool):
         # a create of that image with options a ready sandbox can take is an adopt, not a start
         self.ready = dict(ready or {})
@@ -610,7 +614,7 @@ class SandboxService:
         image = check_str("image", body.get("image"), max_len=512, what="an image or checkpoint ref")
         SandboxOptions.from_json(body, extra=("image",))  # every field checked before any lookup
         if body.get("isolation") == "microvm":
-            vms = await asyncio.to_thread(self.manager.vms.capabilities)
+            vms = await self._microvms()
             if not vms["available"]:
                 raise ApiError(400, "unsupported_isolation", f"isolation 'microvm' is not available on this edge: "
                                f"{vms['reason']}", field="isolation")
@@ -1028,9 +1032,14 @@ class SandboxService:
 
     async def capabilities(self, request: web.Request) -> web.Response:
         self._project(request)
-        vms = await asyncio.to_thread(self.manager.vms.capabilities)
+        vms = await self._microvms()
         return web.json_response({**CAPABILITIES, "isolation": ["container", *(["microvm"] if vms["available"] else [])],
                                   "backends": {"container": {"available": True, "runtime": "crun"}, "microvm": vms}})
+
+    async def _microvms(self) -> dict[str, Any]:
+        if "microvm" not in self.isolations:
+            return {"available": False, "reason": "this edge is configured without microvms (--isolation)"}
+        return await asyncio.to_thread(self.manager.vms.capabilities)
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi.DOCUMENT)
@@ -1113,6 +1122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-ttl", type=float, default=maxima.ttl, help="seconds (default %(default)s)")
     parser.add_argument("--max-lease-ttl", type=float, default=maxima.lease_ttl,
                         help="seconds (default %(default)s)")
+    parser.add_argument("--isolation", action="append", choices=ISOLATIONS, default=[],
+                        help="what this edge runs (repeatable; default every kind its host can run)")
     parser.add_argument("--ready", action="append", default=[], metavar="IMAGE=N",
                         help="keep N sandboxes of IMAGE (a ref) started ahead of need; a create of it with "
                         "default disk, network, userns and cpu_class adopts one (repeatable)")
@@ -1146,7 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
     limits = Maxima(memory=args.max_memory, pids=args.max_pids, output_cap=args.max_output_cap, ttl=args.max_ttl,
                     idle_timeout=args.max_ttl, lease_ttl=args.max_lease_ttl)
     service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True, url_secret=url_secret,
-                             ready=ready)
+                             ready=ready, isolations=args.isolation or ISOLATIONS)
     # SIGTERM: commands streaming are interrupted at once (_interrupt_streams); other requests in flight
     # (a file transfer to a slow client) get SHUTDOWN_GRACE s to finish, then as long again once cancelled
     web.run_app(service.app(), host="127.0.0.1", port=args.port, shutdown_timeout=SHUTDOWN_GRACE)

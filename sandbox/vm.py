@@ -3,12 +3,15 @@
 A VM sandbox's read-only layers reach the guest as two virtio-blk disks each, the layer's
 EROFS metadata image and its blob, the blob being the lazyfetch daemon's file: the guest's
 reads of it are the only fetches (no host mount is made).  Its writes go to an ext4 disk,
-a qcow2 overlay over the *template*'s disk.  A template is an image booted once per host and
-shape (vCPUs, memory, disk, guest assets), its agent answering, then saved: QEMU's device
-state with ``x-ignore-shared`` and its RAM as a ``share=on`` memory file.  Every sandbox of
-that image then starts by restoring the template, its RAM a private copy-on-write mapping of
-the template's file (clean pages shared between all of them) -- this is how VM sandboxes
-start fast without KVM.  Layout and crash analysis: docs/FORMAT.md Part 5.
+a qcow2 overlay over a *backing* file: this host's pristine ext4 of that size for a new
+sandbox, a checkpoint's disk image (lazily fetched) for a restored one.  A template is an
+image booted once per host and shape (vCPUs, memory, disk size, guest assets, QEMU), its
+layers mounted and its agent answering, and saved before any writable disk is mounted:
+QEMU's device state with ``x-ignore-shared`` and its RAM as a ``share=on`` memory file.
+Every sandbox then restores the template, its RAM a private copy-on-write mapping of the
+template's file (clean pages shared between all of them), and has the agent mount its own
+disk -- this is how VM sandboxes start fast without KVM.  Layout and crash analysis:
+docs/FORMAT.md Part 5.
 
 This module knows QEMU, QMP and the guest; the manager decides when, and owns state.json.
 """
@@ -378,10 +381,11 @@ def connect_agent(vmm: Vmm, timeout: float = BOOT_TIMEOUT) -> AgentConnection:
 
 
 # -- templates -------------------------------------------------------------------------------------------
-def template_key(assets: vmassets.Assets, layers: Sequence[str], shape: Shape) -> str:
+def template_key(hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[str], shape: Shape) -> str:
+    # the QEMU version and accelerator too: a saved device state loads into the same VMM only
     h = blake3.blake3(TEMPLATE_SCHEMA.encode())
-    h.update(json.dumps({"assets": assets.key, "layers": list(layers), "shape": shape.to_json()},
-                        sort_keys=True).encode())
+    h.update(json.dumps({"assets": assets.key, "layers": list(layers), "shape": shape.to_json(),
+                         "qemu": list(hv.version), "accel": hv.accel}, sort_keys=True).encode())
     return h.hexdigest()[:32]
 
 
@@ -401,6 +405,7 @@ class Template:
 
     @property
     def disk(self) -> Path:
+        """A sparse placeholder of the disk's size: the template's guest never mounts it."""
         return self.dir / "disk.raw"
 
 
@@ -427,7 +432,7 @@ def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers:
                     layer_digests: Sequence[str], shape: Shape) -> tuple[Template, bool]:
     """The template of these layers and shape on this host, booted and saved now if missing.
     Returns it and whether it was made by this call."""
-    key = template_key(assets, layer_digests, shape)
+    key = template_key(hv, assets, layer_digests, shape)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     final = root / key
     with _flock(root / f"{key}.lock"):
@@ -440,19 +445,16 @@ def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(mode=0o700)
         t = time.perf_counter()
-        make_ext4(work / "disk.raw", shape.disk)
-        with open(work / "memory", "wb") as f:
-            f.truncate(shape.memory)
+        for name, size in (("disk.raw", shape.disk), ("memory", shape.memory)):
+            with open(work / name, "wb") as f:
+                f.truncate(size)
         argv = command_line(hv, assets, shape, layers, work / "disk.raw", "raw", work / "memory",
                             template=True, hostname="sandbox")
         vmm = Vmm.spawn(work, argv)
         try:
-            conn = connect_agent(vmm)
+            conn = connect_agent(vmm)  # layers mounted, no writable disk: nothing of it to flush
             booted = time.perf_counter() - t
-            try:
-                conn.sync()  # the guest's page cache of its disk, on the disk before the freeze
-            finally:
-                conn.close()
+            conn.close()
             save_seconds = vmm.save(work / "state.bin")
         finally:
             vmm.quit()
@@ -467,10 +469,26 @@ def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers:
         return Template(key, final, doc), True
 
 
-def sandbox_disk(template: Template, path: Path) -> None:
-    """The sandbox's disk: a qcow2 overlay over the template's (its writes only)."""
+def pristine_disk(root: Path, size: int) -> Path:
+    """This host's empty ext4 of ``size`` bytes (made once, then read-only): every new
+    sandbox's disk is a qcow2 overlay over it."""
+    path = root / f"ext4-{size}.raw"
+    if path.exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with _flock(root / f"ext4-{size}.lock"):
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            make_ext4(tmp, size)
+            tmp.chmod(0o400)
+            os.rename(tmp, path)
+    return path
+
+
+def sandbox_disk(backing: Path, path: Path) -> None:
+    """The sandbox's disk: a qcow2 overlay (its writes only) over ``backing``, a raw ext4 image."""
     try:
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(template.disk),
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(backing),
                         str(path)], check=True, capture_output=True, text=True)
     except FileNotFoundError:
         raise HostUnsupported("qemu-img is not installed (apt-get install qemu-utils)") from None
@@ -487,11 +505,17 @@ def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, t
     vmm = Vmm.spawn(vm_dir, argv, cgroup_procs)
     try:
         vmm.restore(state_file)
-        return vmm, connect_agent(vmm)
+        conn = connect_agent(vmm)
+        try:
+            conn.mount()  # the sandbox's own disk (a resumed guest has it mounted already)
+        except BaseException:
+            conn.close()
+            raise
+        return vmm, conn
     except BaseException:
         vmm.kill()
         raise
 
 
 __all__ = ["Hypervisor", "Qmp", "Shape", "Template", "VmError", "Vmm", "command_line", "connect_agent",
-           "ensure_template", "hypervisor", "sandbox_disk", "shape_of", "start_from_template"]
+           "ensure_template", "hypervisor", "pristine_disk", "sandbox_disk", "shape_of", "start_from_template"]

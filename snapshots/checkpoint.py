@@ -226,39 +226,16 @@ class Snapshots:
                 entries = await upload_layers(self.store, [LocalLayer(meta, blob, {"checkpoint_of": target})],
                                               stats, chunk_size=chunk_size)
             new_layer = entries[0]
-            attached = dict(attachments or {})
-            for key, attach in (attach_docs or {}).items():
-                attached[key] = await self.store.put_doc(attach, stats)
-            base = parent.doc.get("base", parent.digest) if parent.kind == "checkpoint" else parent.digest
             layers = [*parent.layers, new_layer]
-            doc = {
-                "schema": SCHEMA,
-                "parent": parent.digest,
-                "parent_kind": parent.kind,
-                "base": base,
-                "layers": [layer.to_json() for layer in layers],
-                "config": dict(parent.config),
-                "bound": {
-                    "layer_digests": [layer.digest for layer in layers],
-                    "format_version": FORMAT_VERSION,
-                    "runtime": RUNTIME,
-                    "kernel": platform.release(),
-                    "policy_version": policy_version,
-                },
-                "trajectory_offset": trajectory_offset,
-                "receipt_id": receipt_id,
-                "caller": caller or f"uid:{os.getuid()}@{socket.gethostname()}",
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "labels": dict(labels or {}),
-                "attachments": attached,
-                "stats": {"entries": len(include) + len(whiteouts), "bytes_changed": result.data_bytes},
-            }
-            digest = await self.store.put_doc(doc, stats)
-            if before_ref is not None:
-                before_ref()
             seq = rec["seq"] + 1
             ref_name = name or f"{name_prefix}checkpoints/{rec['id']}:{seq}"
-            await self.store.set_ref(ref_name, digest, "checkpoint", stats=stats)
+            digest = await self._commit(
+                parent, layers, ref_name, stats, extra={},
+                bound={"policy_version": policy_version},
+                fields={"trajectory_offset": trajectory_offset, "receipt_id": receipt_id,
+                        "caller": caller, "labels": labels,
+                        "stats": {"entries": len(include) + len(whiteouts), "bytes_changed": result.data_bytes}},
+                attachments=attachments, attach_docs=attach_docs, before_ref=before_ref)
         rec.update(parent=digest, manifest=now, seq=seq, upper=mount["upper"])
         self._save_record(target, rec)
         return Checkpoint(
@@ -267,6 +244,86 @@ class Snapshots:
             bytes_uploaded=stats.bytes_uploaded, freeze_seconds=round(freeze_seconds, 6),
             seconds=round(time.perf_counter() - started, 6),
         )
+
+    async def _commit(self, parent: Resolved, layers: list[Any], ref_name: str, stats: UploadStats, *,
+                      extra: Mapping[str, Any], bound: Mapping[str, Any], fields: Mapping[str, Any],
+                      attachments: Mapping[str, str] | None, attach_docs: Mapping[str, Mapping[str, Any]] | None,
+                      before_ref: Callable[[], None] | None) -> str:
+        """Store the attached documents and the checkpoint document, then move ``ref_name``
+        (under the caller's writer lock): the checkpoint exists once its ref does."""
+        attached = dict(attachments or {})
+        for key, attach in (attach_docs or {}).items():
+            attached[key] = await self.store.put_doc(attach, stats)
+        base = parent.doc.get("base", parent.digest) if parent.kind == "checkpoint" else parent.digest
+        doc = {
+            "schema": SCHEMA,
+            "parent": parent.digest,
+            "parent_kind": parent.kind,
+            "base": base,
+            "layers": [layer.to_json() for layer in layers],
+            **extra,
+            "config": dict(parent.config),
+            "bound": {
+                "layer_digests": [layer.digest for layer in layers],
+                "format_version": FORMAT_VERSION,
+                "runtime": RUNTIME,
+                "kernel": platform.release(),
+                **bound,
+            },
+            "trajectory_offset": fields.get("trajectory_offset"),
+            "receipt_id": fields.get("receipt_id"),
+            "caller": fields.get("caller") or f"uid:{os.getuid()}@{socket.gethostname()}",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "labels": dict(fields.get("labels") or {}),
+            "attachments": attached,
+            "stats": fields.get("stats") or {},
+        }
+        digest = await self.store.put_doc(doc, stats)
+        if before_ref is not None:
+            before_ref()
+        await self.store.set_ref(ref_name, digest, "checkpoint", stats=stats)
+        return digest
+
+    async def checkpoint_disk(
+        self, parent_ref: str, capture: Callable[[Path], float], *, ref_name: str, vm: Mapping[str, Any],
+        labels: Mapping[str, str] | None = None, trajectory_offset: int | None = None,
+        receipt_id: str | None = None, policy_version: str | None = None,
+        attach_docs: Mapping[str, Mapping[str, Any]] | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> Checkpoint:
+        """A microVM's checkpoint: its whole disk as one sparse file, ``disk.img``, in a layer of
+        its own (the document's ``disk``); its layers stay the image's.
+
+        ``capture(dir)`` writes the disk there while the VM is stopped and returns the seconds
+        it was.  Chunks dedup against the parent's disk, so the store grows by what changed;
+        reading the disk costs what is allocated in it (docs/FORMAT.md Part 5)."""
+        started = time.perf_counter()
+        parent = await self.store.resolve(parent_ref)
+        async with self.store.writer_lock("checkpoint"):
+            with tempfile.TemporaryDirectory(prefix="checkpoint-disk-", dir=self.host.data_dir) as tmp:
+                src = Path(tmp) / "disk"
+                src.mkdir()
+                meta, blob = Path(tmp) / "layer.erofs", Path(tmp) / "layer.blob"
+
+                def run() -> tuple[float, Any]:
+                    frozen = capture(src)
+                    return frozen, convert_entries(walk_directory(src), meta, blob, chunk_size=chunk_size,
+                                                   oci_whiteouts=False)
+
+                freeze_seconds, result = await asyncio.to_thread(run)
+                stats = UploadStats()
+                (disk,) = await upload_layers(self.store, [LocalLayer(meta, blob, {"disk_of": parent.digest})],
+                                              stats, chunk_size=chunk_size)
+            digest = await self._commit(
+                parent, list(parent.layers), ref_name, stats, extra={"disk": disk.to_json()},
+                bound={"policy_version": policy_version, "disk": "block", "disk_digest": disk.digest,
+                       "isolation": "microvm", "vm": dict(vm)},
+                fields={"trajectory_offset": trajectory_offset, "receipt_id": receipt_id, "labels": labels,
+                        "stats": {"entries": 1, "bytes_changed": result.data_bytes}},
+                attachments=None, attach_docs=attach_docs, before_ref=None)
+        return Checkpoint(
+            name=ref_name, digest=digest, parent=parent.digest, layer=disk.digest, layers=len(parent.layers),
+            entries=1, bytes_changed=result.data_bytes, bytes_uploaded=stats.bytes_uploaded,
+            freeze_seconds=round(freeze_seconds, 6), seconds=round(time.perf_counter() - started, 6))
 
     # -- restore ------------------------------------------------------------------------------------
     async def verify_bound(self, ref: str, *, policy_version: str | None = None) -> Any:
@@ -280,10 +337,13 @@ class Snapshots:
                                      f"{FORMAT_VERSION}; this layerbox cannot restore it")
         if [layer.digest for layer in resolved.layers] != bound.get("layer_digests"):
             raise CheckpointMismatch(f"{ref}: its layer list does not match the digests it is bound to")
+        disk = resolved.disk
+        if (disk.digest if disk is not None else None) != bound.get("disk_digest"):
+            raise CheckpointMismatch(f"{ref}: its disk does not match the digest it is bound to")
         if policy_version is not None and bound.get("policy_version") != policy_version:
             raise CheckpointMismatch(f"{ref}: made under policy {bound.get('policy_version')!r}, "
                                      f"refusing to resume under {policy_version!r}")
-        missing = await self.store.missing_objects(resolved.layers)
+        missing = await self.store.missing_objects(resolved.stored_layers)
         if missing:
             raise SnapshotError(f"{ref}: the store {self.store.url} lacks {len(missing)} object(s) this "
                                 f"checkpoint needs, e.g. {missing[0]}; nothing was mounted")

@@ -1,8 +1,9 @@
 /* lb-agent: layerbox's guest agent (docs/FORMAT.md, Part 5, "The agent protocol").
  *
  * Runs in the guest's initramfs, never in the user's image: the init script mounts the
- * sandbox's root at argv[2] and execs this with argv[1] the virtio-serial port named
- * "lb.agent".  It chroots into the root and then serves one host connection at a time:
+ * image's layers and execs this with argv[1] the virtio-serial port named "lb.agent".
+ * Asked to (T_MOUNT, after a template restore), it runs argv[3], which mounts the
+ * sandbox's own disk and composes its root at argv[2], and chroots there; then it serves
  * commands with streamed output, signals, stdin, and file operations.
  *
  * The host trusts nothing it reads here (a guest runs anything, this agent included);
@@ -36,7 +37,7 @@
 enum {
 	T_PING = 1, T_PONG = 2, T_EXEC = 3, T_STARTED = 4, T_STDIN = 5, T_SIGNAL = 6,
 	T_READ = 7, T_DATA = 8, T_END = 9, T_WRITE = 10, T_LIST = 11, T_STAT = 12,
-	T_REMOVE = 13, T_MKDIR = 14, T_SYNC = 15, T_ENTRY = 16,
+	T_REMOVE = 13, T_MKDIR = 14, T_SYNC = 15, T_ENTRY = 16, T_MOUNT = 17,
 	T_STDOUT = 20, T_STDERR = 21, T_EXIT = 22, T_READY = 100,
 };
 
@@ -50,6 +51,8 @@ struct proc {
 };
 
 static int port = -1;
+static int mounted;
+static const char *root_dir, *mount_script;
 static struct proc procs[MAX_PROCS];
 static int writing = -1;     /* the file a T_WRITE stream goes to */
 static uint32_t writing_chan;
@@ -411,12 +414,55 @@ static void do_remove(uint32_t chan, uint32_t recursive, const char *path)
 	send_end(chan, err, "remove", path);
 }
 
+/* the sandbox's disk and root, once: the script's output is the error the host sees */
+static void do_mount(uint32_t chan)
+{
+	if (mounted) { send_end(chan, 0, "mount", root_dir); return; }
+	int p[2];
+	if (pipe2(p, O_CLOEXEC)) { send_end(chan, errno, "mount", root_dir); return; }
+	pid_t pid = fork();
+	if (pid == 0) {
+		sigset_t all;
+		sigemptyset(&all);
+		sigprocmask(SIG_SETMASK, &all, NULL);
+		dup2(p[1], 1); dup2(p[1], 2);
+		execl("/bin/busybox", "sh", mount_script, (char *)NULL);
+		_exit(127);
+	}
+	close(p[1]);
+	char out[2048];
+	size_t have = 0;
+	ssize_t n;
+	while ((n = read(p[0], out + have, sizeof out - 1 - have)) > 0) have += n;
+	close(p[0]);
+	out[have] = 0;
+	int status = 0;
+	waitpid(pid, &status, 0);
+	if (pid < 0 || !WIFEXITED(status) || WEXITSTATUS(status)) {
+		char msg[2200];
+		int m = snprintf(msg, sizeof msg, "%s", have ? out : "failed");
+		unsigned char buf[4 + sizeof msg];
+		put32(buf, EIO);
+		memcpy(buf + 4, msg, m);
+		send_frame(T_END, chan, buf, 4 + m);
+		return;
+	}
+	if (chroot(root_dir) || chdir("/")) { send_end(chan, errno, "chroot", root_dir); return; }
+	mounted = 1;
+	send_end(chan, 0, "mount", root_dir);
+}
+
 static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 {
 	struct rd r = {pl, pl + len, 0};
 	char *path = NULL;
 	uint32_t a;
+	if (!mounted && type != T_PING && type != T_MOUNT && type != T_SYNC && type != T_STDIN && type != T_SIGNAL) {
+		send_end(chan, EAGAIN, "request", "(the sandbox's disk is not mounted yet)");
+		return;
+	}
 	switch (type) {
+	case T_MOUNT: do_mount(chan); break;
 	case T_PING: send_frame(T_PONG, chan, pl, len); break;
 	case T_EXEC: do_exec(chan, &r); break;
 	case T_STDIN: do_stdin(chan, pl, len); break;
@@ -452,11 +498,12 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 
 int main(int argc, char **argv)
 {
-	if (argc != 3) { fprintf(stderr, "usage: lb-agent PORT ROOT\n"); return 2; }
+	if (argc != 4) { fprintf(stderr, "usage: lb-agent PORT ROOT MOUNT-SCRIPT\n"); return 2; }
+	root_dir = argv[2];
+	mount_script = argv[3];
 	for (int i = 0; i < MAX_PROCS; i++) procs[i] = (struct proc){.out = -1, .err = -1, .in = -1};
 	port = open(argv[1], O_RDWR | O_CLOEXEC);
 	if (port < 0) die(argv[1]);
-	if (chroot(argv[2]) || chdir("/")) die(argv[2]);
 	signal(SIGPIPE, SIG_IGN);
 	sigset_t mask;
 	sigemptyset(&mask);
