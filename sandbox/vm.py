@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -410,15 +411,19 @@ class Template:
 
 
 def make_ext4(path: Path, size: int) -> None:
-    """A sparse ext4 image of ``size`` bytes: the guest's writable disk."""
+    """A sparse ext4 image of ``size`` bytes, the overlay's ``upper/`` and ``work/`` in it already
+    (the guest's MOUNT then writes nothing): the guest's writable disk."""
     with open(path, "wb") as f:
         f.truncate(size)
-    try:
-        subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal" if size < (64 << 20) else "has_journal",
-                        "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "-L", "lb-upper", str(path)],
-                       check=True, capture_output=True, text=True)
-    except subprocess.CalledProcessError as exc:
-        raise VmError(f"mkfs.ext4 {path}: {exc.stderr.strip()}") from None
+    with tempfile.TemporaryDirectory(dir=path.parent) as tree:
+        for d in ("upper", "work"):
+            os.mkdir(os.path.join(tree, d), 0o755)
+        try:
+            subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal" if size < (64 << 20) else "has_journal",
+                            "-E", "lazy_itable_init=1,lazy_journal_init=1,nodiscard", "-L", "lb-upper",
+                            "-d", tree, str(path)], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as exc:
+            raise VmError(f"mkfs.ext4 {path}: {exc.stderr.strip()}") from None
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ BUSYBOX_PACKAGE = "busybox-static"
 MODULES = ("virtio_mmio", "virtio_pci", "virtio_blk", "virtio_console", "virtio_balloon", "virtio_net",
            "crc32c_intel", "erofs", "overlay")
 QBOOT = Path("/usr/share/qemu/qboot.rom")
-GUEST_FILES = ("agent.c", "init", "mount-upper")
+GUEST_FILES = ("agent.c", "init")
 
 
 class AssetsError(SandboxError):
@@ -174,9 +174,8 @@ def build(root: Path = DEFAULT_ROOT) -> Assets:
         for m in mods:
             shutil.copy(m, ir / "lib/modules" / m.name)
         (ir / "lib/modules/order").write_text("".join(m.name.split(".ko")[0] + "\n" for m in mods))
-        for script in ("init", "mount-upper"):
-            shutil.copy(GUEST_DIR / script, ir / script)
-            (ir / script).chmod(0o755)
+        shutil.copy(GUEST_DIR / "init", ir / "init")
+        (ir / "init").chmod(0o755)
         _run("gcc", "-static", "-O2", "-Wall", "-o", str(ir / "bin/lb-agent"), str(GUEST_DIR / "agent.c"))
         _run("strip", str(ir / "bin/lb-agent"))
         stage = work / "out"
