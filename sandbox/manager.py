@@ -1452,6 +1452,12 @@ class SandboxManager:
                 log.warning("reconcile: %s", exc)
                 st = None
             if st is not None and st.options.isolation == "microvm" and c is None:
+                if (st.live and st.vm is not None and not st.vm.get("saved")
+                        and (box.dir / "vm" / "saved.bin").exists() and not self.vms.alive(box.dir, st)):
+                    # a pause with reclaim that saved the VM and stopped its VMM, then died before
+                    # its state said so: the save is complete (it is renamed into place last)
+                    st = box._update(status="paused", pid=None, init_start=None,
+                                     vm={**st.vm, "saved": True, "vmm_pid": 0, "vmm_start": 0})
                 if st.live and POOL_LABEL not in st.labels and self.vms.alive(box.dir, st):
                     report["adopted"].append(sid)  # its VMM runs on (or it is saved): reconnected on use
                     continue

@@ -409,3 +409,19 @@ def test_preempting_a_job_of_a_container_and_a_microvm(vm_manager: SandboxManage
         assert kinds == {"microvm": b"vm", "container": b"container"}
     finally:
         host2.close()
+
+
+def test_a_crash_between_the_save_and_its_state_write_keeps_the_saved_vm(vms: Any,
+                                                                        vm_manager: SandboxManager) -> None:
+    box = vms()
+    box.write("/root/kept", b"across the crash")
+    box.pause(reclaim=True)
+    st = box.state
+    # what a manager that died right after the VMM quit leaves: running, not saved, no VMM
+    box._update(status="running", vm={**st.vm, "saved": False, "vmm_pid": 999999, "vmm_start": 1})
+    report = vm_manager.reconcile()
+    assert box.id in report["adopted"]
+    assert box.state.status == "paused"
+    assert box.state.vm["saved"] is True
+    box.resume()
+    assert box.read("/root/kept") == b"across the crash"
