@@ -47,6 +47,17 @@ def vm_manager(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
         assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
 
 
+@pytest.fixture(scope="module")
+def vm_host2(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
+    """A second host on the same store, its cache empty at first (one template boot for the module)."""
+    mgr = SandboxManager(tmp_path_factory.mktemp("vm-host2"), store_url)
+    mgr.host.daemon_options = {"fill_below": 0}
+    try:
+        yield mgr
+    finally:
+        mgr.close()
+
+
 @pytest.fixture
 def vms(vm_manager: SandboxManager) -> Any:
     made: list[Sandbox] = []
@@ -209,7 +220,7 @@ def test_no_network_device_and_allow_rules_refused(vms: Any, vm_manager: Sandbox
 
 
 def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
-        vms: Any, vm_manager: SandboxManager, store_url: str, tmp_path: Path) -> None:  # noqa: F811
+        vms: Any, vm_host2: SandboxManager, store_url: str, tmp_path: Path) -> None:  # noqa: F811
     box = vms()
     payload = os.urandom(5 << 20)
     box.upload("/root/work.bin", io.BytesIO(payload))
@@ -226,27 +237,24 @@ def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
     second = run(box.checkpoint())
     assert second.bytes_uploaded < len(payload) / 2, second
     assert box.exec("cat /root/small").stdout == b"x" * 1000  # the guest went on after the freeze
-    host2 = SandboxManager(tmp_path / "host2", store_url)
-    host2.host.daemon_options = {"fill_below": 0}
+    host2 = vm_host2
+    assert host2.host.client.health() is None  # nothing ran there yet: every byte comes from the store
+    restored = run(host2.restore(second.digest))
     try:
-        restored = run(host2.restore(second.digest))
-        try:
-            assert restored.state.options.isolation == "microvm"
-            assert restored.read("/root/work.bin") == payload
-            assert restored.read("/opt/tool/version") == b"v1\n"
-            assert restored.exec("test -e /etc/motd").exit_code == 1  # the delete is kept too
-            assert restored.read("/root/small") == b"x" * 1000
-            restored.write("/root/after", b"own")  # its own writes, not the checkpoint's
-            assert restored.exec("cat /root/after").stdout == b"own"
-            fetched = host2.host.client.request("GET", "/stats")["bytes_fetched_uncompressed"]
-            disk = restored.state.vm["shape"]["disk"]
-            assert fetched < disk / 4, f"fetched {fetched} bytes for a {disk}-byte disk: not lazy"
-            inherited = [r for r in restored.receipts() if r.get("inherited")]
-            assert any(r["action"] == "checkpoint" and r["digest"] == first.digest for r in inherited)
-        finally:
-            restored.destroy()
+        assert restored.state.options.isolation == "microvm"
+        assert restored.read("/root/work.bin") == payload
+        assert restored.read("/opt/tool/version") == b"v1\n"
+        assert restored.exec("test -e /etc/motd").exit_code == 1  # the delete is kept too
+        assert restored.read("/root/small") == b"x" * 1000
+        restored.write("/root/after", b"own")  # its own writes, not the checkpoint's
+        assert restored.exec("cat /root/after").stdout == b"own"
+        fetched = host2.host.client.request("GET", "/stats")["bytes_fetched_uncompressed"]
+        disk = restored.state.vm["shape"]["disk"]
+        assert fetched < disk / 4, f"fetched {fetched} bytes for a {disk}-byte disk: not lazy"
+        inherited = [r for r in restored.receipts() if r.get("inherited")]
+        assert any(r["action"] == "checkpoint" and r["digest"] == first.digest for r in inherited)
     finally:
-        host2.close()
+        restored.destroy()
     assert box.exec("test -e /root/after").exit_code == 1
 
 
@@ -388,8 +396,8 @@ def test_fork_and_a_checkpoint_of_a_paused_vm(vms: Any, vm_manager: SandboxManag
     box.resume()
 
 
-def test_preempting_a_job_of_a_container_and_a_microvm(vm_manager: SandboxManager, store_url: str,  # noqa: F811
-                                                        tmp_path: Path) -> None:
+def test_preempting_a_job_of_a_container_and_a_microvm(vm_manager: SandboxManager,
+                                                        vm_host2: SandboxManager) -> None:
     from sandbox.runs import preempt, resume_run
 
     vm_box = run(vm_manager.create(REF, VM.replace(job="both")))
@@ -399,16 +407,16 @@ def test_preempting_a_job_of_a_container_and_a_microvm(vm_manager: SandboxManage
     done = run(preempt(vm_manager, "both", timeout=5))
     assert not vm_box.dir.exists()
     assert not ct_box.dir.exists()
-    host2 = SandboxManager(tmp_path / "host2", store_url)
+    back = run(resume_run(vm_host2, done.ref))
+    kinds = {}
     try:
-        back = run(resume_run(host2, done.ref))
-        kinds = {}
         for new in back.sandboxes.values():
-            box = host2.get(new)
+            box = vm_host2.get(new)
             kinds[box.state.options.isolation] = box.read("/root/who")
-        assert kinds == {"microvm": b"vm", "container": b"container"}
     finally:
-        host2.close()
+        for new in back.sandboxes.values():
+            vm_host2.destroy(new)
+    assert kinds == {"microvm": b"vm", "container": b"container"}
 
 
 def test_a_crash_between_the_save_and_its_state_write_keeps_the_saved_vm(vms: Any,
