@@ -9,6 +9,7 @@ use, and a malformed frame ends the connection (the VM is then unreachable, neve
 from __future__ import annotations
 
 import errno
+import ipaddress
 import itertools
 import os
 import queue
@@ -26,7 +27,7 @@ from sandbox.errors import SandboxError
 from sandbox.files import _kind
 
 T_PING, T_PONG, T_EXEC, T_STARTED, T_STDIN, T_SIGNAL = 1, 2, 3, 4, 5, 6
-T_READ, T_DATA, T_END, T_WRITE, T_LIST, T_STAT, T_REMOVE, T_MKDIR, T_SYNC, T_ENTRY, T_MOUNT = range(7, 18)
+T_READ, T_DATA, T_END, T_WRITE, T_LIST, T_STAT, T_REMOVE, T_MKDIR, T_SYNC, T_ENTRY, T_MOUNT, T_NET = range(7, 19)
 T_STDOUT, T_STDERR, T_EXIT, T_READY = 20, 21, 22, 100
 HEAD = struct.Struct(">IBI")  # length of what follows the length field, type, channel
 MAX_FRAME = 1 << 20  # payload bytes, both directions (the agent's MAX_FRAME)
@@ -371,6 +372,17 @@ class AgentConnection:
                     self._check_end(payload)
                 except GuestFileError as exc:
                     raise AgentError(f"the guest could not mount the sandbox's disk: {exc}") from None
+
+    def net(self, address: str, prefixlen: int, gateway: str) -> None:
+        """The guest's eth0 address and default route."""
+        payload = struct.pack(">III", int(ipaddress.IPv4Address(address)), prefixlen,
+                              int(ipaddress.IPv4Address(gateway)))
+        for kind, p in self._call(T_NET, payload):
+            if kind == T_END:
+                try:
+                    self._check_end(p)
+                except GuestFileError as exc:
+                    raise AgentError(f"the guest could not configure its network: {exc}") from None
 
     def sync(self) -> None:
         for kind, payload in self._call(T_SYNC, b"", timeout=120.0):

@@ -38,7 +38,7 @@ from aiohttp import web
 from layerstore.errors import LayerboxError
 from layerstore.objects import BadName, parse_ref
 from sandbox import disk as sbdisk
-from sandbox.errors import InvalidField
+from sandbox.errors import InvalidField, SandboxError
 from sandbox.manager import Sandbox, SandboxManager
 from sandbox.model import (
     MAX_REF_NAME,
@@ -177,10 +177,14 @@ def usage(manager: SandboxManager, box: Sandbox, st: SandboxState) -> dict[str, 
     spent = [float(c) for r in commands if isinstance(r.get("resources"), dict)
              and isinstance(c := r["resources"].get("cpu_seconds"), (int, float))]
     last = commands[-1] if commands else None
+    memory: dict[str, Any] = {"current": layout.memory_current(cg), "peak": layout.memory_peak(cg),
+                              "limit": st.options.memory}
+    if st.options.isolation == "microvm":
+        memory["guest"] = guest_memory(box, st)  # the VMM's cgroup above is the host's side
     return {
         "sandbox": box.id, "status": st.status, "time": time.time(),
         "cpu_seconds": layout.cpu_seconds(cg),
-        "memory": {"current": layout.memory_current(cg), "peak": layout.memory_peak(cg), "limit": st.options.memory},
+        "memory": memory,
         "pids": {"current": layout.pids_current(cg), "limit": st.options.pids},
         "disk": disk_usage(manager, box, st),
         "commands": {"count": len(commands), "cpu_seconds": round(sum(spent), 6),
@@ -191,9 +195,33 @@ def usage(manager: SandboxManager, box: Sandbox, st: SandboxState) -> dict[str, 
     }
 
 
+def guest_memory(box: Sandbox, st: SandboxState) -> dict[str, int] | None:
+    """A running microVM's own view (its /proc/meminfo: total, available, and used = the difference;
+    with free-page reporting, what it frees goes back to the host); None when it does not run."""
+    if st.status != "running":
+        return None
+    try:
+        text = box.files.read("/proc/meminfo").decode(errors="replace")
+    except (OSError, SandboxError):
+        return None
+    kb = {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in text.splitlines())
+          if v.strip() and v.split()[0].isdigit()}
+    if "MemTotal" not in kb or "MemAvailable" not in kb:
+        return None
+    return {"total": kb["MemTotal"], "available": kb["MemAvailable"], "used": kb["MemTotal"] - kb["MemAvailable"]}
+
+
 def disk_usage(manager: SandboxManager, box: Sandbox, st: SandboxState) -> dict[str, Any]:
     """``used`` bytes of the sandbox's writes: its ext4's used blocks with a disk limit, else the
-    blocks its upper directory's entries hold (``partial`` past MAX_WALK entries)."""
+    blocks its upper directory's entries hold (``partial`` past MAX_WALK entries); a microVM's,
+    what its qcow2 holds on the host."""
+    if st.options.isolation == "microvm" and st.vm is not None:
+        try:
+            held = (box.dir / "vm" / "disk.qcow2").stat().st_blocks * 512
+        except OSError:
+            held = None
+        return {"where": "vm-disk", "used": held, "free": None, "limit": int(st.vm["shape"]["disk"]),
+                "partial": False}
     if st.options.disk is not None:
         got = sbdisk.usage(box.dir / "disk")
         if got is not None:

@@ -475,6 +475,7 @@ class Sandbox:
         mgr, cg = self.manager, st.cgroups_path
         args, workdir = req.argv, req.cwd or st.cwd
         conn = mgr.vms.conn(self.id, self.dir, st)
+        egress_before = mgr.net.counters(self.id) if st.network is not None else None
         cpu_before = mgr.layout.cpu_seconds(cg)
         started = time.perf_counter()
         try:
@@ -509,6 +510,8 @@ class Sandbox:
             "resources": {"cpu_seconds": round(cpu_after - cpu_before, 6)  # the VMM's, guest and emulation
                           if cpu_before is not None and cpu_after is not None else None,
                           "memory_peak": mgr.layout.memory_peak(cg), "pids": mgr.layout.pids_current(cg)}}
+        if egress_before is not None:
+            extra["egress"] = diff_counters(egress_before, mgr.net.counters(self.id))
         if req.keep != "head":
             extra["keep"] = req.keep
         if req.idempotency_key is not None:
@@ -612,6 +615,8 @@ class Sandbox:
             record, info = self.manager.vms.pause(self.id, self.dir, st, reclaim)
             self._update(status="paused", vm=record, pid=None if record["saved"] else st.pid,
                          init_start=None if record["saved"] else st.init_start)
+            if reclaim:  # the page cache the save left charged to the sandbox (its state file, its disk)
+                info["reclaim"]["page_cache"] = self.manager.layout.reclaim(st.cgroups_path)
             rec = self._receipt("pause", reclaim=info["reclaim"], isolation="microvm")
             return {"reclaim": info["reclaim"], "receipt": rec["id"]}
         self._runtime(self.manager.runtime.pause)
@@ -766,7 +771,7 @@ class SandboxManager:
         self.runtime = OciRuntime(self.paths.runtime, binary=runtime)
         self.host = HostMounts(self.data_dir, store_url)
         self.host.on_remount = self._on_remount
-        self.vms = MicroVms(self.data_dir, self.host, lambda: self.layout)
+        self.vms = MicroVms(self.data_dir, self.host, lambda: self.layout, lambda: self.net)
         self.leases = Leases(self.root / "leases.json")
         digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()
         # one cgroup parent per data dir: two managers on one machine never share cgroups
@@ -1106,9 +1111,10 @@ class SandboxManager:
     async def _launch_vm(self, box: Sandbox, resolved: Resolved, state: SandboxState, ref: str) -> Sandbox:
         options = state.options
         try:
-            record, timings = await asyncio.to_thread(self.vms.launch, box.id, box.dir, resolved, options,
-                                                      state.cgroups_path)
-            state = state.replace(vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"], status="starting")
+            record, network, timings = await asyncio.to_thread(self.vms.launch, box.id, box.dir, resolved, options,
+                                                               state.cgroups_path)
+            state = state.replace(vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"], status="starting",
+                                  network=network)
             self._write_state(state)
             env, cwd, uid, gid = await asyncio.to_thread(self._process_defaults, box, resolved, options)
             state = state.replace(env=env, cwd=cwd, uid=uid, gid=gid, status="running")

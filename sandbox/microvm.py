@@ -32,6 +32,7 @@ from sandbox.agent import AgentConnection, AgentError, GuestFileError, entry_jso
 from sandbox.cgroups import CgroupLayout
 from sandbox.errors import HostUnsupported, SandboxStateError, UnsupportedOption
 from sandbox.model import SandboxOptions, SandboxState
+from sandbox.network import VM_GUEST_ADDRESS, VM_TAP_ADDRESS, NetworkManager
 
 log = logging.getLogger("layerbox.sandbox")
 
@@ -123,10 +124,11 @@ class MicroVms:
     """Every microVM of one manager: their VMMs, agent connections and this host's templates."""
 
     def __init__(self, data_dir: Path, host: HostMounts, layout: Callable[[], CgroupLayout],
-                 assets_root: Path | None = None) -> None:
+                 net: Callable[[], NetworkManager], assets_root: Path | None = None) -> None:
         self.templates_dir = data_dir / "vm" / "templates"
         self.host = host
         self._layout = layout
+        self._net = net
         self.assets_root = assets_root or vmassets.DEFAULT_ROOT
         self._hv: vm.Hypervisor | None = None
         self._assets: vmassets.Assets | None = None
@@ -154,8 +156,8 @@ class MicroVms:
         return {"available": True, **hv.to_json(), "guest_assets": assets.key,
                 "kernel": assets.manifest.get("kernel_version"),
                 "provides": ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates",
-                             "checkpoint", "restore", "fork"],
-                "lacks": ["network_allow_rules", "interactive", "memory_snapshot_in_store"]}
+                             "checkpoint", "restore", "fork", "network"],
+                "lacks": ["ports", "interactive", "memory_snapshot_in_store"]}
 
     # -- lifecycle --------------------------------------------------------------------------------
     def check_options(self, options: SandboxOptions) -> None:
@@ -167,16 +169,15 @@ class MicroVms:
         if total and options.memory > total:
             raise UnsupportedOption(f"memory: {options.memory} bytes of guest RAM is more than this host's "
                                     f"{total}")
-        if options.network:
-            raise UnsupportedOption("network: a microvm has no network device yet, so it cannot take egress "
-                                    "allow rules; create it with network=null or [] (no egress at all)")
 
     def launch(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
-               cgroups_path: str) -> tuple[dict[str, Any], dict[str, float]]:
+               cgroups_path: str) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, float]]:
         """Start the VM of a new sandbox: its template (booted now if this host has none), then a
         restore of it with the sandbox's own disk: this host's empty ext4, or for a checkpoint
         its disk image, mounted lazily here (only the blocks the guest reads are fetched).
-        Returns the VM record for state.json and the timings for the receipt."""
+        The VMM runs in the sandbox's network namespace: with ``network`` rules the policed one
+        a container gets, its tap routed (sandbox.network), else one with nothing but the tap.
+        Returns the VM record and network for state.json and the timings for the receipt."""
         hv, assets = self.prepare()
         t0 = time.perf_counter()
         disk_layer = resolved.disk
@@ -188,7 +189,7 @@ class MicroVms:
         files = self.host.layer_files(resolved)
         layers = [(f["meta"], f["blob"]) for f in files]
         template, made = vm.ensure_template(self.templates_dir, hv, assets, layers,
-                                            [x.digest for x in resolved.layers], shape)
+                                            [x.digest for x in resolved.layers], shape, self._scratch_netns)
         t1 = time.perf_counter()
         vm_dir = box_dir / "vm"
         vm_dir.mkdir(mode=0o700, exist_ok=True)
@@ -198,16 +199,37 @@ class MicroVms:
             backing = vm.pristine_disk(self.templates_dir, shape.disk)
         vm.sandbox_disk(backing, vm_dir / "disk.qcow2")
         procs = self._cgroup(cgroups_path, options, shape)
-        vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, template.state, procs)
+        network, guest_net = self._network(sid, options)
+        vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, template.state, procs,
+                                           netns=self._net().netns_path(sid), guest_net=guest_net)
         with self._lock:
             self._conns[sid] = conn
         record = {"schema": VM_RECORD, "machine": shape.machine, "assets": assets.key, "template": template.key,
                   "accel": hv.accel, "qemu": ".".join(map(str, hv.version)), "shape": shape.to_json(),
                   "layers": [list(x) for x in layers], "vmm_pid": vmm.pid, "vmm_start": vmm.start, "saved": False,
                   "disk_layer": disk_layer.digest if disk_layer is not None else None}
+        record["guest_net"] = list(guest_net) if guest_net is not None else None
         timings = {"template_seconds": round(t1 - t0, 6), "template_made": float(made),
                    "restore_seconds": round(time.perf_counter() - t1, 6)}
-        return record, timings
+        return record, network, timings
+
+    def _network(self, sid: str, options: SandboxOptions) -> tuple[dict[str, Any] | None,
+                                                                   tuple[str, int, str] | None]:
+        net = self._net()
+        if options.network is None:
+            net.create_isolated(sid)
+            return None, None
+        info = net.create(sid, list(options.network), vm=True)
+        return {**info.to_dict(), "policy": net.policy(sid)}, (VM_GUEST_ADDRESS, 30, VM_TAP_ADDRESS)
+
+    @contextlib.contextmanager
+    def _scratch_netns(self, name: str) -> Iterator[Path]:
+        net = self._net()
+        path = net.create_isolated(name)
+        try:
+            yield path
+        finally:
+            net.destroy(name)
 
     def _mount_disk(self, resolved: Resolved, disk: LayerEntry, vm_dir: Path) -> Path:
         """The checkpoint's disk layer mounted read-only under the VM's directory; its one file,
@@ -332,7 +354,10 @@ class MicroVms:
         layers = [(m, b) for m, b in rec["layers"]]
         saved = box_dir / "vm" / "saved.bin"
         procs = self._cgroup(cgroups_path, st.options, shape)
-        vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, procs)
+        guest = rec.get("guest_net")
+        vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, procs,
+                                           netns=self._net().netns_path(sid),
+                                           guest_net=(guest[0], int(guest[1]), guest[2]) if guest else None)
         with self._lock:
             self._conns[sid] = conn
         saved.unlink()

@@ -281,12 +281,14 @@ class NetworkManager:
         return self.if_prefix + blake3.blake3(_valid_sid(sid).encode()).hexdigest()[:9]
 
     def create(self, sid: str, rules: Sequence[EgressRule | Mapping[str, Any]] = (), *,
-               userns_fd: int | None = None) -> NetnsInfo:
+               userns_fd: int | None = None, vm: bool = False) -> NetnsInfo:
         """Make the sandbox's netns, veth, addresses and (default-deny) table; ``rules`` start allowed.
 
         With ``userns_fd`` the namespace is owned by that user namespace (the sandbox's), so
         the runtime can mount a sysfs of its own for it; host root still configures it.
-        On any failure everything made so far is removed again.
+        ``vm``: also a tap device (:data:`VM_TAP`) for a microVM's NIC, routed to eth0 and
+        masqueraded as the sandbox's address, its forwarded packets policed by the same rules
+        (:meth:`_vm_commands`).  On any failure everything made so far is removed again.
         """
         parsed = parse_rules(rules)
         path = self.netns_path(sid)
@@ -318,6 +320,9 @@ class NetworkManager:
             inside = (f"link set lo up\naddr add {info.address}/{info.prefixlen} dev eth0\n"
                       f"link set eth0 up\nroute add default via {info.host_address} dev eth0\n")
 
+            if vm:
+                ruleset += self._vm_commands()
+
             def configure() -> None:
                 # (a namespace made in a user namespace did not get the "no IPv6 on new links" default)
                 v6 = Path("/proc/sys/net/ipv6/conf/eth0/disable_ipv6")
@@ -326,12 +331,55 @@ class NetworkManager:
                 # the table first: eth0 comes up already policed
                 _nft(ruleset, what=f"sandbox {sid}: egress table")
                 _run(["ip", "-batch", "-"], inside, what=f"sandbox {sid}: addresses inside")
+                if vm:
+                    _vm_tap(sid)
+                    Path("/proc/sys/net/ipv4/ip_forward").write_text("1")  # this namespace's own
 
             _on_thread(configure, netns=path)
         except BaseException:
             self.destroy(sid)
             raise
         return info
+
+    def create_isolated(self, sid: str) -> Path:
+        """A network namespace with loopback and a microVM's tap only: no route anywhere (a
+        microVM without a network, and a template's boot).  Removed by :meth:`destroy`."""
+        path = self.netns_path(sid)
+        if path.exists():
+            raise NetworkError(f"sandbox {sid}: a network already exists under {self.state_dir} (destroy it first)")
+        try:
+            path.touch(exist_ok=False)
+            _on_thread(lambda: None, new=path)
+            def configure() -> None:
+                _run(["ip", "link", "set", "lo", "up"], what=f"sandbox {sid}: lo")
+                _vm_tap(sid)
+
+            _on_thread(configure, netns=path)
+        except BaseException:
+            self.destroy(sid)
+            raise
+        return path
+
+    def _vm_commands(self) -> str:
+        """The forward chain (the tap's packets: the output chain sees only the namespace's own) and
+        the masquerade, for :meth:`create` with ``vm``: every new packet from the guest goes
+        through the same allow/deny chains, replies to what they allowed come back."""
+        # the output rule: what the namespace itself sends the guest (the deny chain's rejects, so
+        # the guest's programs fail at once as a container's do); nothing else runs there to send
+        return f"""insert rule inet {TABLE} output oifname "{VM_TAP}" accept
+add chain inet {TABLE} forward {{ type filter hook forward priority filter; policy drop; }}
+add rule inet {TABLE} forward iifname "eth0" oifname "{VM_TAP}" ct state established,related accept
+add rule inet {TABLE} forward iifname "{VM_TAP}" oifname "eth0" ip daddr @protected4 jump allow_protected
+add rule inet {TABLE} forward iifname "{VM_TAP}" oifname "eth0" ip6 daddr @protected6 jump allow_protected
+add rule inet {TABLE} forward iifname "{VM_TAP}" oifname "eth0" ip daddr @protected4 goto deny
+add rule inet {TABLE} forward iifname "{VM_TAP}" oifname "eth0" ip6 daddr @protected6 goto deny
+add rule inet {TABLE} forward iifname "{VM_TAP}" oifname "eth0" jump allow
+add rule inet {TABLE} forward iifname "{VM_TAP}" goto deny
+add rule inet {TABLE} forward counter name "ingress_dropped" drop
+add table ip {TABLE}_vm
+add chain ip {TABLE}_vm post {{ type nat hook postrouting priority srcnat; }}
+add rule ip {TABLE}_vm post oifname "eth0" ip saddr {VM_GUEST_NET} masquerade
+"""
 
     def info(self, sid: str) -> NetnsInfo:
         entry = self._entry(sid)
@@ -599,6 +647,22 @@ class NetworkManager:
   }}
 }}
 """ + self._allow_commands(policy, flush=False)
+
+
+# A microVM's side of its namespace: the tap its VMM attaches to, a /30 of its own (the
+# namespace .1, the guest .2), masqueraded to the sandbox's address on eth0.
+VM_TAP = "tap0"
+VM_GUEST_NET = "169.254.100.0/30"
+VM_TAP_ADDRESS = "169.254.100.1"
+VM_GUEST_ADDRESS = "169.254.100.2"
+
+
+def _vm_tap(sid: str) -> None:
+    """In the calling thread's namespace: the tap a microVM's VMM attaches to (by name)."""
+    _run(["ip", "-batch", "-"], what=f"sandbox {sid}: the VM's tap", stdin=(
+        f"tuntap add dev {VM_TAP} mode tap vnet_hdr\n"
+        f"addr add {VM_TAP_ADDRESS}/30 dev {VM_TAP}\n"
+        f"link set {VM_TAP} up\n"))
 
 
 def _within(net: IPNetwork, outer: IPNetwork) -> bool:

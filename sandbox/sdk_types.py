@@ -231,6 +231,8 @@ class MemoryUsage:
     current: int | None = None
     peak: int | None = None
     limit: int | None = None
+    # a running microVM's own view: {"total", "available", "used"} (the fields above are its VMM's)
+    guest: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)

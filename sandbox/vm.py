@@ -18,6 +18,7 @@ This module knows QEMU, QMP and the guest; the manager decides when, and owns st
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import logging
@@ -28,7 +29,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,20 +231,34 @@ def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: 
                      "-device", f"virtio-blk-device,drive={kind}{i},serial=lb-{kind}-{i}"]
     argv += ["-drive", f"id=upper,file={disk},format={disk_format},if=none,discard=unmap",
              "-device", "virtio-blk-device,drive=upper,serial=lb-upper",
+             # the NIC: the tap of the namespace the VMM runs in (sandbox.network, VM_TAP); its MAC
+             # is the same in every VM, each alone on its own link
+             "-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
+             "-device", "virtio-net-device,netdev=net0,mac=52:54:00:6c:62:02",
              "-device", "virtio-serial-device,max_ports=2",
              "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
              "-device", "virtserialport,chardev=agent,name=lb.agent",
-             "-device", "virtio-balloon-device,free-page-reporting=on"]
+             # free-page reporting off: QEMU 10 refuses to discard pages of a read-only file mapping
+             # ("Discarding RAM with readonly files is not supported"), which is what a sandbox's RAM
+             # over its template is, so every report would fail (docs/FORMAT.md Part 5)
+             "-device", "virtio-balloon-device,free-page-reporting=off"]
     return argv
 
 
 # -- the VMM process ------------------------------------------------------------------------------------
-def _into_cgroup(procs_files: Sequence[Path]) -> Any:
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _enter(procs_files: Sequence[Path], netns_fd: int | None) -> Any:
+    """What the VMM's child does before exec: join the sandbox's cgroup and network namespace."""
     def enter() -> None:
         pid = str(os.getpid())
         for f in procs_files:
             with open(f, "w") as out:
                 out.write(pid)
+        if netns_fd is not None and _libc.setns(netns_fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNET)")
     return enter
 
 
@@ -255,14 +270,18 @@ class Vmm:
     start: int
 
     @classmethod
-    def spawn(cls, vm_dir: Path, argv: list[str], cgroup_procs: Sequence[Path] = ()) -> Vmm:
+    def spawn(cls, vm_dir: Path, argv: list[str], cgroup_procs: Sequence[Path] = (), *,
+              netns: Path | None = None) -> Vmm:
         log_file = open(vm_dir / "vmm.log", "ab")
+        ns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC) if netns is not None else None
         try:
             proc = subprocess.Popen(argv, cwd=vm_dir, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                                     start_new_session=True, close_fds=True,
-                                    preexec_fn=_into_cgroup(cgroup_procs) if cgroup_procs else None)
+                                    preexec_fn=_enter(cgroup_procs, ns_fd))
         finally:
             log_file.close()
+            if ns_fd is not None:
+                os.close(ns_fd)
         st = proc_stat(proc.pid)
         vmm = cls(vm_dir, proc.pid, st[1] if st else 0)
         vmm._popen = proc  # type: ignore[attr-defined]  # reaped by whoever made it
@@ -434,8 +453,10 @@ def _flock(path: Path) -> Iterator[None]:
 
 
 def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[tuple[str, str]],
-                    layer_digests: Sequence[str], shape: Shape) -> tuple[Template, bool]:
+                    layer_digests: Sequence[str], shape: Shape,
+                    netns: Callable[[str], contextlib.AbstractContextManager[Path]]) -> tuple[Template, bool]:
     """The template of these layers and shape on this host, booted and saved now if missing.
+    ``netns(name)`` gives an isolated network namespace with the VM's tap for the boot.
     Returns it and whether it was made by this call."""
     key = template_key(hv, assets, layer_digests, shape)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -455,14 +476,15 @@ def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers:
                 f.truncate(size)
         argv = command_line(hv, assets, shape, layers, work / "disk.raw", "raw", work / "memory",
                             template=True, hostname="sandbox")
-        vmm = Vmm.spawn(work, argv)
-        try:
-            conn = connect_agent(vmm)  # layers mounted, no writable disk: nothing of it to flush
-            booted = time.perf_counter() - t
-            conn.close()
-            save_seconds = vmm.save(work / "state.bin")
-        finally:
-            vmm.quit()
+        with netns(f"lb-t{key[:10]}") as ns:
+            vmm = Vmm.spawn(work, argv, netns=ns)
+            try:
+                conn = connect_agent(vmm)  # layers mounted, no writable disk: nothing of it to flush
+                booted = time.perf_counter() - t
+                conn.close()
+                save_seconds = vmm.save(work / "state.bin")
+            finally:
+                vmm.quit()
         doc = {"schema": TEMPLATE_SCHEMA, "key": key, "assets": assets.key, "layers": list(layer_digests),
                "shape": shape.to_json(), "accel": hv.accel, "qemu": ".".join(map(str, hv.version)),
                "boot_seconds": round(booted, 3), "save_seconds": round(save_seconds, 3),
@@ -503,16 +525,20 @@ def sandbox_disk(backing: Path, path: Path) -> None:
 
 def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, template: Template,
                         layers: Sequence[tuple[str, str]], shape: Shape, state_file: Path,
-                        cgroup_procs: Sequence[Path] = ()) -> tuple[Vmm, AgentConnection]:
-    """A VMM restored from ``state_file`` (the template's, or this sandbox's own saved state)."""
+                        cgroup_procs: Sequence[Path] = (), *, netns: Path,
+                        guest_net: tuple[str, int, str] | None = None) -> tuple[Vmm, AgentConnection]:
+    """A VMM restored from ``state_file`` (the template's, or this sandbox's own saved state), in
+    the network namespace ``netns``; ``guest_net`` (address, prefix length, gateway) for eth0."""
     argv = command_line(hv, assets, shape, layers, vm_dir / "disk.qcow2", "qcow2", template.memory,
                         template=False, hostname="sandbox") + ["-incoming", "defer", "-S"]
-    vmm = Vmm.spawn(vm_dir, argv, cgroup_procs)
+    vmm = Vmm.spawn(vm_dir, argv, cgroup_procs, netns=netns)
     try:
         vmm.restore(state_file)
         conn = connect_agent(vmm)
         try:
             conn.mount()  # the sandbox's own disk (a resumed guest has it mounted already)
+            if guest_net is not None:
+                conn.net(*guest_net)
         except BaseException:
             conn.close()
             raise

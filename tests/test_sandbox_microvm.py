@@ -211,12 +211,21 @@ def test_guest_that_exhausts_memory_forks_and_fills_its_disk_stays_inside(vms: A
     assert box.exec("echo alive").stdout == b"alive\n"
 
 
-def test_no_network_device_and_allow_rules_refused(vms: Any, vm_manager: SandboxManager) -> None:
+def test_without_a_network_the_nic_leads_nowhere_and_shapes_past_the_host_are_refused(
+        vms: Any, vm_manager: SandboxManager) -> None:
     box = vms()
     devs = box.exec("cat /proc/net/dev").stdout.decode()
-    assert [ln.split(":")[0].strip() for ln in devs.splitlines()[2:]] == ["lo"]
-    with pytest.raises(UnsupportedOption, match="network"):
-        run(vm_manager.create(REF, VM.replace(network=({"cidr": "10.0.0.1/32", "ports": 80},))))
+    assert sorted(ln.split(":")[0].strip() for ln in devs.splitlines()[2:]) == ["eth0", "lo"]
+    routes = box.read("/proc/net/route").decode().splitlines()[1:]
+    assert routes == []  # no address, no route: nothing to send to
+    st = box.state
+    assert st.network is None
+    # the VMM runs in a namespace of its own with nothing but the tap (and lo)
+    links = subprocess.run(["nsenter", f"--net={vm_manager.net.netns_path(box.id)}", "ip", "-o", "link"],
+                           capture_output=True, text=True, check=True).stdout
+    assert sorted(ln.split(":")[1].strip().split("@")[0] for ln in links.splitlines()) == ["lo", "tap0"]
+    with pytest.raises(UnsupportedOption, match="cpu"):
+        run(vm_manager.create(REF, VM.replace(cpu=float((os.cpu_count() or 1) + 1))))
 
 
 def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
@@ -350,9 +359,18 @@ def test_microvm_through_the_service_and_a_job_of_both_kinds(vm_manager: Sandbox
             assert res.stdout.splitlines()[-1] != os.uname().release  # the guest's kernel
             await vm_sb.files.write("/root/f.txt", b"through the edge")
             assert await vm_sb.files.read("/root/f.txt") == "through the edge"
-            with pytest.raises(InvalidRequest, match="network"):
+            with pytest.raises(InvalidRequest, match="cpu"):  # more vCPUs than the host: a 400 naming it
                 await AsyncSandbox.create(REF, url=url, token=token, isolation="microvm",
-                                          network=[{"cidr": "10.1.2.3/32"}])
+                                          cpu=float((os.cpu_count() or 1) + 1))
+            policed = await AsyncSandbox.create(REF, url=url, token=token, isolation="microvm", memory=384 << 20,
+                                                disk=256 << 20, network=[{"cidr": "10.1.2.3/32"}])
+            try:
+                got = await policed.refresh()
+                assert got.network is not None
+                assert got.network.policy is not None
+                assert got.network.policy.rules[0]["addresses"] == ["10.1.2.3/32"]
+            finally:
+                await policed.kill()
             async with AsyncJob("mixed", url=url, token=token) as job:
                 paused = await job.pause()
                 assert sorted(paused) == sorted([vm_sb.sandbox_id, ct_sb.sandbox_id])
@@ -433,3 +451,27 @@ def test_a_crash_between_the_save_and_its_state_write_keeps_the_saved_vm(vms: An
     assert box.state.vm["saved"] is True
     box.resume()
     assert box.read("/root/kept") == b"across the crash"
+
+
+def test_metrics_report_guest_and_host_memory(vms: Any, vm_manager: SandboxManager) -> None:
+    from sandbox.lifecycle import usage
+
+    box = vms()
+    before = usage(vm_manager, box, box.state)
+    guest = before["memory"]["guest"]
+    assert 0 < guest["used"] < guest["total"] <= box.state.vm["shape"]["memory"]
+    assert before["memory"]["current"] > 0  # the VMM's cgroup: what the host pays
+    assert before["disk"]["where"] == "vm-disk"
+    assert before["disk"]["limit"] == box.state.vm["shape"]["disk"]
+    cg = box.state.cgroups_path
+    base = vm_manager.layout.memory_current(cg) or 0
+    box.exec(["python3", "-c", "b = b'x' * (150 << 20); import time; time.sleep(0.1)"], timeout=120)
+    # the guest's touched pages are the host's (charged to the VMM), its view says what it uses now
+    assert (vm_manager.layout.memory_peak(cg) or 0) >= base + (100 << 20)
+    after = usage(vm_manager, box, box.state)
+    assert after["memory"]["guest"]["used"] < guest["used"] + (40 << 20)
+    box.pause(reclaim=True)
+    paused = usage(vm_manager, box, box.state)
+    assert paused["memory"]["guest"] is None
+    assert (paused["memory"]["current"] or 0) < base  # a saved VM's RAM is off the host
+    box.resume()

@@ -447,3 +447,42 @@ def test_manager_sandbox_with_egress_rules_changed_at_runtime(
         box.destroy()
     assert not Path(netns).exists()
     assert manager.net.list() == []
+
+
+def test_microvm_egress_goes_through_the_same_policy(server: Server, manager: Any) -> None:
+    """A microVM's NIC is a tap in the sandbox's namespace: its packets are routed out through the
+    same allow/deny chains as a container's (forwarded, not output), changed at runtime the same
+    way; a microVM without a network has a NIC on a link that leads nowhere."""
+    from support.sandboxes import REF, run
+
+    from sandbox.model import SandboxOptions
+
+    probe = (f"import socket\nfor port in ({PORT_A}, {PORT_B}):\n    try:\n"
+             f"        s = socket.create_connection(('{server.addr}', port), timeout=3); s.sendall(b'hi')\n"
+             f"        print(port, s.recv(2).decode())\n    except OSError as e:\n        print(port, e.errno)\n")
+    vm = SandboxOptions(isolation="microvm", memory=384 << 20, disk=256 << 20)
+    box = run(manager.create(REF, vm.replace(network=(allow(server, str(PORT_A)),))))
+    try:
+        first = box.exec(["python3", "-c", probe], timeout=60)
+        assert first.stdout.decode().split("\n") == [f"{PORT_A} hi", f"{PORT_B} 113", ""]
+        receipt = [r for r in box.receipts() if r["action"] == "exec"][-1]
+        assert receipt["egress"]["accepted"]["packets"] >= 1
+        assert (server.addr, PORT_B) in {(d["address"], d["port"]) for d in receipt["egress"]["denied_destinations"]}
+        # the host side of its veth and the metadata address are protected for VMs too
+        host = box.state.network["host_address"]
+        blocked = box.exec(["python3", "-c", f"import socket\nfor a in ('{host}', '169.254.169.254'):\n    try:\n"
+                            "        socket.create_connection((a, 80), timeout=3)\n    except OSError as e:\n"
+                            "        print(e.errno)\n"], timeout=60)
+        assert blocked.stdout.decode().split() == ["113", "113"]
+        box.set_network([allow(server, f"{PORT_A}-{PORT_B}")])
+        second = box.exec(["python3", "-c", probe], timeout=60)
+        assert second.stdout.decode().split("\n") == [f"{PORT_A} hi", f"{PORT_B} hi", ""]
+    finally:
+        box.destroy()
+    alone = run(manager.create(REF, vm))
+    try:
+        cut = alone.exec(["python3", "-c", probe], timeout=60)
+        assert all(line.split()[1] != "hi" for line in cut.stdout.decode().splitlines()), cut.stdout
+        assert alone.state.network is None
+    finally:
+        alone.destroy()

@@ -22,7 +22,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <net/if.h>
+#include <net/route.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
+#include <sys/socket.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -38,7 +43,7 @@
 enum {
 	T_PING = 1, T_PONG = 2, T_EXEC = 3, T_STARTED = 4, T_STDIN = 5, T_SIGNAL = 6,
 	T_READ = 7, T_DATA = 8, T_END = 9, T_WRITE = 10, T_LIST = 11, T_STAT = 12,
-	T_REMOVE = 13, T_MKDIR = 14, T_SYNC = 15, T_ENTRY = 16, T_MOUNT = 17,
+	T_REMOVE = 13, T_MKDIR = 14, T_SYNC = 15, T_ENTRY = 16, T_MOUNT = 17, T_NET = 18,
 	T_STDOUT = 20, T_STDERR = 21, T_EXIT = 22, T_READY = 100,
 };
 
@@ -480,17 +485,58 @@ static void do_mount(uint32_t chan)
 	send_end(chan, 0, "mount", root_dir);
 }
 
+/* eth0's address and default route (the sandbox's namespace routes and polices the rest) */
+static void do_net(uint32_t chan, uint32_t addr, uint32_t prefix, uint32_t gw)
+{
+	int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	if (s < 0) { send_end(chan, errno, "socket", "eth0"); return; }
+	struct ifreq ifr;
+	memset(&ifr, 0, sizeof ifr);
+	snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "eth0");
+	struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
+	sin->sin_family = AF_INET;
+	sin->sin_addr.s_addr = htonl(addr);
+	int err = 0;
+	const char *step = "";
+	if (ioctl(s, SIOCSIFADDR, &ifr)) { err = errno; step = "address"; }
+	sin->sin_addr.s_addr = htonl(prefix ? ~0u << (32 - prefix) : 0);
+	if (!err && ioctl(s, SIOCSIFNETMASK, &ifr)) { err = errno; step = "netmask"; }
+	if (!err && ioctl(s, SIOCGIFFLAGS, &ifr)) { err = errno; step = "flags"; }
+	ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+	if (!err && ioctl(s, SIOCSIFFLAGS, &ifr)) { err = errno; step = "up"; }
+	if (!err && gw) {
+		struct rtentry rt;
+		memset(&rt, 0, sizeof rt);
+		((struct sockaddr_in *)&rt.rt_dst)->sin_family = AF_INET;
+		((struct sockaddr_in *)&rt.rt_genmask)->sin_family = AF_INET;
+		struct sockaddr_in *g = (struct sockaddr_in *)&rt.rt_gateway;
+		g->sin_family = AF_INET;
+		g->sin_addr.s_addr = htonl(gw);
+		rt.rt_flags = RTF_UP | RTF_GATEWAY;
+		rt.rt_dev = ifr.ifr_name;
+		if (ioctl(s, SIOCADDRT, &rt) && errno != EEXIST) { err = errno; step = "default route"; }
+	}
+	close(s);
+	send_end(chan, err, step, "eth0");
+}
+
 static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 {
 	struct rd r = {pl, pl + len, 0};
 	char *path = NULL;
 	uint32_t a;
-	if (!mounted && type != T_PING && type != T_MOUNT && type != T_SYNC && type != T_STDIN && type != T_SIGNAL) {
+	if (!mounted && type != T_PING && type != T_MOUNT && type != T_SYNC && type != T_STDIN && type != T_SIGNAL
+	    && type != T_NET) {
 		send_end(chan, EAGAIN, "request", "(the sandbox's disk is not mounted yet)");
 		return;
 	}
 	switch (type) {
 	case T_MOUNT: do_mount(chan); break;
+	case T_NET: {
+		uint32_t addr = rd32(&r), prefix = rd32(&r), gw = rd32(&r);
+		if (!r.bad) do_net(chan, addr, prefix > 32 ? 32 : prefix, gw);
+		break;
+	}
 	case T_PING: send_frame(T_PONG, chan, pl, len); break;
 	case T_EXEC: do_exec(chan, &r); break;
 	case T_STDIN: do_stdin(chan, pl, len); break;
