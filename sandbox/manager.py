@@ -1123,7 +1123,8 @@ class SandboxManager:
             with contextlib.suppress(Exception):
                 self.destroy(box.id)
             raise
-        box._receipt("create", ref=ref, cpu=options.cpu, memory=options.memory, pids=options.pids, disk=options.disk,
+        box._receipt("create" if resolved.kind != "checkpoint" else "restore", ref=ref, cpu=options.cpu,
+                     memory=options.memory, pids=options.pids, disk=options.disk,
                      cpu_class=options.cpu_class, job=options.job, policy_version=options.policy_version,
                      layer_digests=list(state.layer_digests), isolation="microvm",
                      vm={k: record[k] for k in ("machine", "assets", "template", "accel", "qemu", "shape")},
