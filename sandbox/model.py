@@ -786,7 +786,8 @@ class SandboxState:
             raise StateUnreadable(f"{where}: not a JSON object")
         if doc.get("version") not in READABLE_STATE_VERSIONS:
             raise StateUnreadable(f"{where}: state version {doc.get('version')!r}, this layerbox reads "
-                                  f"{STATE_VERSION} (a sandbox left by another version: destroy it)")
+                                  f"{' or '.join(map(str, READABLE_STATE_VERSIONS))} (a sandbox left by another "
+                                  "version: destroy it)")
         try:
             userns = doc.get("userns")
             state = cls(

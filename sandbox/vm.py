@@ -223,6 +223,9 @@ def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: 
             "-cpu", "max" if hv.accel == "tcg" else "host",
             "-m", f"{shape.memory >> 20}M", "-smp", str(shape.vcpus), "-object", mem,
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            # QEMU's seccomp filter: no exec, no setuid, no obsolete or scheduler syscalls for a
+            # VMM a guest may have taken over (saves go to a file, not through an exec'd cat)
+            "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
             "-serial", "file:console.log", "-qmp", "unix:qmp.sock,server=on,wait=off",
             "-kernel", str(assets.kernel), "-initrd", str(assets.initrd), "-append", " ".join(append)]
     for i, (meta, blob) in enumerate(layers):
@@ -343,7 +346,7 @@ class Vmm:
             qmp.execute("migrate-set-capabilities",
                         capabilities=[{"capability": "x-ignore-shared", "state": True}])
             tmp = state_file.with_suffix(".tmp")
-            qmp.execute("migrate", uri=f"exec:cat > {tmp.name}")
+            qmp.execute("migrate", uri=f"file:{tmp.resolve()}")
             deadline = time.monotonic() + SAVE_TIMEOUT
             while True:
                 info = qmp.execute("query-migrate")
@@ -368,7 +371,7 @@ class Vmm:
         try:
             qmp.execute("migrate-set-capabilities",
                         capabilities=[{"capability": "x-ignore-shared", "state": True}])
-            qmp.execute("migrate-incoming", uri=f"exec:cat {state_file}")
+            qmp.execute("migrate-incoming", uri=f"file:{state_file.resolve()}")
             self.wait_status(qmp, "paused", BOOT_TIMEOUT)
             qmp.execute("cont")
         finally:

@@ -82,6 +82,8 @@ def test_create_exec_streams_and_files(vms: Any, vm_manager: SandboxManager) -> 
     vmm = st.vm["vmm_pid"]
     assert proc_stat(vmm) is not None
     assert vm_manager.layout.holds(vmm, st.cgroups_path)
+    # QEMU's seccomp filter is on (-sandbox: no exec, no setuid) for a VMM a guest may take over
+    assert "Seccomp:\t2" in Path(f"/proc/{vmm}/status").read_text()
     # a guest of its own: its kernel, not the host's
     uname = box.exec(["uname", "-r"])
     assert uname.exit_code == 0
