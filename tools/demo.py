@@ -906,7 +906,7 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         out["restore_bytes_fetched"] = second.host.client.request("GET", "/stats")["bytes_fetched"]
         say(f"restore   {out['restore_to_first_exec']:8.3f} s  microVM {restored.id} on a second fresh host "
             f"(its own template boot included) reads {WRITE_PATH} back; that host fetched "
-            f"{out['restore_bytes_fetched'] / MB:.1f} MB")
+            f"{out['restore_bytes_fetched'] / MB:.1f} MB (its daemon's background fill of the image included)")
     finally:
         with interrupts_held():
             for mgr in (first, second):
