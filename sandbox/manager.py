@@ -75,6 +75,7 @@ from sandbox.execs import (
     Cancel,
     Cut,
     ExecResult,
+    Pumped,
     kill_tree,
     proc_stat,
     pump,
@@ -435,37 +436,10 @@ class Sandbox:
                 os.close(master)
             process_file.unlink(missing_ok=True)
             pid_file.unlink(missing_ok=True)
-        duration = time.perf_counter() - started
-        rc = proc.returncode
-        interrupted = cancel.reason if cancel.is_set() else None
-        killed = out.timed_out or interrupted is not None
-        sig = int(signal.SIGKILL) if killed else (rc - 128 if rc is not None and 128 < rc <= 128 + 64 else None)
         oom = mgr.layout.oom_kills(cg) > oom_before
-        result = ExecResult(rc, sig, out.stdout, out.stderr, out.truncated, round(duration, 6), out.timed_out,
-                            oom, interrupted, cuts=out.cuts)
-        cpu_after = mgr.layout.cpu_seconds(cg)
-        extra: dict[str, Any] = {
-            # the sandbox's cgroup over the command's span (background processes included)
-            "resources": {"cpu_seconds": round(cpu_after - cpu_before, 6)
-                          if cpu_before is not None and cpu_after is not None else None,
-                          "memory_peak": mgr.layout.memory_peak(cg), "pids": mgr.layout.pids_current(cg)}}
-        if egress_before is not None:  # what the network policy allowed and denied during the command
-            extra["egress"] = diff_counters(egress_before, mgr.net.counters(self.id))
-        if attach is not None:
-            extra.update(attach.finished())
-        if req.keep != "head":
-            extra["keep"] = req.keep
-        if req.idempotency_key is not None:
-            kept = slice(-KEYED_OUTPUT_CAP, None) if req.keep == "tail" else slice(KEYED_OUTPUT_CAP)
-            extra.update(idempotency_key=req.idempotency_key,
-                         stdout=base64.b64encode(out.stdout[kept]).decode(),
-                         stderr=base64.b64encode(out.stderr[kept]).decode())
-        self._receipt("exec", command=args, cwd=workdir, exit_code=rc, signal=sig, timed_out=out.timed_out,
-                      oom_killed=oom, interrupted=interrupted, stdout_bytes=out.sizes[0], stderr_bytes=out.sizes[1],
-                      stdout_blake3=out.digests[0], stderr_blake3=out.digests[1], truncated=out.truncated,
-                      duration=result.duration, cpu_class=st.options.cpu_class,
-                      policy_version=st.policy_version, **extra)
-        return result
+        return self._record_exec(st, req, args, workdir, out, proc.returncode, time.perf_counter() - started,
+                                 cancel, oom, cpu_before, egress_before,
+                                 attach.finished() if attach is not None else {})
 
     def _exec_vm(self, st: SandboxState, req: ExecRequest, on_stdout: Callable[[bytes], None] | None,
                  on_stderr: Callable[[bytes], None] | None, cancel: Cancel, keep_output: bool,
@@ -499,19 +473,29 @@ class Sandbox:
             rc: int | None = proc.wait(5.0)
         except TimeoutError:
             rc = None
-        duration = time.perf_counter() - started
+        return self._record_exec(st, req, args, workdir, out, rc, time.perf_counter() - started, cancel, False,
+                                 cpu_before, egress_before, {"isolation": "microvm"})
+
+    def _record_exec(self, st: SandboxState, req: ExecRequest, args: Sequence[str], workdir: str, out: Pumped,
+                     rc: int | None, duration: float, cancel: Cancel, oom: bool, cpu_before: float | None,
+                     egress_before: Mapping[str, Any] | None, more: Mapping[str, Any]) -> ExecResult:
+        """The result of a finished command and its ``exec`` receipt, for every backend: the
+        sandbox's cgroup over the command's span (background processes included; a microVM's is
+        its VMM's), the network verdicts, and what a keyed command's replay needs."""
+        mgr, cg = self.manager, st.cgroups_path
         interrupted = cancel.reason if cancel.is_set() else None
         killed = out.timed_out or interrupted is not None
         sig = int(signal.SIGKILL) if killed else (rc - 128 if rc is not None and 128 < rc <= 128 + 64 else None)
         result = ExecResult(rc, sig, out.stdout, out.stderr, out.truncated, round(duration, 6), out.timed_out,
-                            False, interrupted, cuts=out.cuts)
+                            oom, interrupted, cuts=out.cuts)
         cpu_after = mgr.layout.cpu_seconds(cg)
         extra: dict[str, Any] = {
-            "resources": {"cpu_seconds": round(cpu_after - cpu_before, 6)  # the VMM's, guest and emulation
+            "resources": {"cpu_seconds": round(cpu_after - cpu_before, 6)
                           if cpu_before is not None and cpu_after is not None else None,
                           "memory_peak": mgr.layout.memory_peak(cg), "pids": mgr.layout.pids_current(cg)}}
-        if egress_before is not None:
+        if egress_before is not None:  # what the network policy allowed and denied during the command
             extra["egress"] = diff_counters(egress_before, mgr.net.counters(self.id))
+        extra.update(more)
         if req.keep != "head":
             extra["keep"] = req.keep
         if req.idempotency_key is not None:
@@ -519,11 +503,11 @@ class Sandbox:
             extra.update(idempotency_key=req.idempotency_key,
                          stdout=base64.b64encode(out.stdout[kept]).decode(),
                          stderr=base64.b64encode(out.stderr[kept]).decode())
-        self._receipt("exec", command=args, cwd=workdir, exit_code=rc, signal=sig, timed_out=out.timed_out,
-                      oom_killed=False, interrupted=interrupted, stdout_bytes=out.sizes[0],
-                      stderr_bytes=out.sizes[1], stdout_blake3=out.digests[0], stderr_blake3=out.digests[1],
-                      truncated=out.truncated, duration=result.duration, cpu_class=st.options.cpu_class,
-                      policy_version=st.policy_version, isolation="microvm", **extra)
+        self._receipt("exec", command=list(args), cwd=workdir, exit_code=rc, signal=sig, timed_out=out.timed_out,
+                      oom_killed=oom, interrupted=interrupted, stdout_bytes=out.sizes[0], stderr_bytes=out.sizes[1],
+                      stdout_blake3=out.digests[0], stderr_blake3=out.digests[1], truncated=out.truncated,
+                      duration=result.duration, cpu_class=st.options.cpu_class,
+                      policy_version=st.policy_version, **extra)
         return result
 
     def _kill_exec(self, pid_file: Path, since: int, st: SandboxState) -> bool:
