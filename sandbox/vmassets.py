@@ -81,7 +81,12 @@ def _candidate(package: str) -> dict[str, str]:
 
 
 def _versions() -> dict[str, str]:
-    meta = _candidate(KERNEL_PACKAGE)
+    try:
+        meta = _candidate(KERNEL_PACKAGE)
+    except AssetsError:
+        # a machine whose package lists were never fetched (or were cleaned, as in many images)
+        _run("apt-get", "update", "-q")
+        meta = _candidate(KERNEL_PACKAGE)
     # the metapackage depends on exactly one versioned image package
     versioned = next(d.split()[0] for d in meta.get("Depends", "").split(",")
                      if d.strip().startswith("linux-image-"))
