@@ -787,20 +787,35 @@ def lazy_run(mounts: HostMounts, root: Path, report: Report, say: Say) -> None:
             print(f"layerbox demo: cleanup: {problem}", file=sys.stderr, flush=True)
 
 
-def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
-    """The same image as crun sandboxes: create to first command (cold, then warm), write,
-    pause/resume, checkpoint, and restore on a second fresh host; everything is destroyed after."""
+@contextlib.contextmanager
+def two_fresh_hosts(root: Path, store_url: str, names: tuple[str, str], what: str) -> Iterator[tuple[Any, Any]]:
+    """Two sandbox managers on fresh data dirs (what a killed demo left there taken down first),
+    closed however the block ends, with nothing left mounted under them."""
     from sandbox.manager import SandboxManager
 
-    hosts = [root / "sandbox-host", root / "sandbox-host-restore"]
-    for path in hosts:  # what a previous (killed) demo left
+    hosts = [root / name for name in names]
+    for path in hosts:
         if path.exists():
             SandboxManager(path, store_url).reconcile()
             SandboxManager(path, store_url).close()
             shutil.rmtree(path, ignore_errors=True)
     first, second = SandboxManager(hosts[0], store_url), SandboxManager(hosts[1], store_url)
-    out: dict[str, Any] = {}
     try:
+        yield first, second
+    finally:
+        with interrupts_held():
+            for mgr in (first, second):
+                mgr.close()
+        for path in hosts:
+            if left := kmount.mounts_under(path):
+                raise DemoError(f"{what} cleanup left mounts: {', '.join(left)}")
+
+
+def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
+    """The same image as crun sandboxes: create to first command (cold, then warm), write,
+    pause/resume, checkpoint, and restore on a second fresh host; everything is destroyed after."""
+    out: dict[str, Any] = {}
+    with two_fresh_hosts(root, store_url, ("sandbox-host", "sandbox-host-restore"), "sandbox") as (first, second):
         started = time.perf_counter()
         box = asyncio.run(first.create(IMAGE_NAME, memory=256 << 20, pids=128))
         res = box.exec(list(GUEST_COMMAND))
@@ -841,13 +856,6 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
             f"{WRITE_PATH} back; that host fetched {fetched / MB:.1f} MB from the store")
         out["receipts"] = len(box.receipts())
         out["sdk"] = asyncio.run(sdk_run(first, say))
-    finally:
-        with interrupts_held():
-            for mgr in (first, second):
-                mgr.close()
-        for path in hosts:
-            if left := kmount.mounts_under(path):
-                raise DemoError(f"sandbox cleanup left mounts: {', '.join(left)}")
     report.sandbox = out
     for step, key in (("sandbox_cold", "cold_create_to_first_exec"), ("sandbox_warm", "warm_create_to_first_exec"),
                       ("sandbox_restore", "restore_to_first_exec")):
@@ -857,24 +865,16 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
 def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
     """The same image as QEMU microVMs: the first on a host boots its template, the next
     restores it; a write, a checkpoint of the VM's disk, and a restore on a second fresh host."""
-    from sandbox.manager import SandboxManager
     from sandbox.model import SandboxOptions
 
-    hosts = [root / "microvm-host", root / "microvm-host-restore"]
-    for path in hosts:
-        if path.exists():
-            SandboxManager(path, store_url).reconcile()
-            SandboxManager(path, store_url).close()
-            shutil.rmtree(path, ignore_errors=True)
-    first, second = SandboxManager(hosts[0], store_url), SandboxManager(hosts[1], store_url)
-    caps = first.vms.capabilities()
-    if not caps["available"]:
-        say(f"microvm   skipped: {caps['reason']}")
-        report.microvm = {"skipped": caps["reason"]}
-        return
-    options = SandboxOptions(isolation="microvm", memory=256 << 20, disk=256 << 20)
-    out: dict[str, Any] = {"accel": caps["accel"], "qemu": caps["qemu"], "guest_assets": caps["guest_assets"]}
-    try:
+    with two_fresh_hosts(root, store_url, ("microvm-host", "microvm-host-restore"), "microvm") as (first, second):
+        caps = first.vms.capabilities()
+        if not caps["available"]:
+            say(f"microvm   skipped: {caps['reason']}")
+            report.microvm = {"skipped": caps["reason"]}
+            return
+        options = SandboxOptions(isolation="microvm", memory=256 << 20, disk=256 << 20)
+        out: dict[str, Any] = {"accel": caps["accel"], "qemu": caps["qemu"], "guest_assets": caps["guest_assets"]}
         started = time.perf_counter()
         box = asyncio.run(first.create(IMAGE_NAME, options))
         res = box.exec(list(GUEST_COMMAND))
@@ -907,13 +907,6 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         say(f"restore   {out['restore_to_first_exec']:8.3f} s  microVM {restored.id} on a second fresh host "
             f"(its own template boot included) reads {WRITE_PATH} back; that host fetched "
             f"{out['restore_bytes_fetched'] / MB:.1f} MB (its daemon's background fill of the image included)")
-    finally:
-        with interrupts_held():
-            for mgr in (first, second):
-                mgr.close()
-        for path in hosts:
-            if left := kmount.mounts_under(path):
-                raise DemoError(f"microvm cleanup left mounts: {', '.join(left)}")
     report.microvm = out
     for step, key in (("microvm_cold", "cold_create_to_first_exec"), ("microvm_warm", "warm_create_to_first_exec"),
                       ("microvm_restore", "restore_to_first_exec")):
