@@ -365,8 +365,9 @@ class AgentConnection:
                 self._check_end(payload)
 
     def mount(self, timeout: float = 60.0) -> None:
-        """Mount the sandbox's disk and root in the guest (once; again is a no-op)."""
-        for kind, payload in self._call(T_MOUNT, b"", timeout=timeout):
+        """Reseed the guest's kernel RNG with 64 fresh bytes, then mount the sandbox's disk and
+        root (once; again only reseeds).  Every VM of a template shares its RNG state until then."""
+        for kind, payload in self._call(T_MOUNT, os.urandom(64), timeout=timeout):
             if kind == T_END:
                 try:
                     self._check_end(payload)

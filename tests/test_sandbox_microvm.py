@@ -150,6 +150,12 @@ def test_sandboxes_of_one_template_are_apart_and_fetch_lazily(vms: Any, vm_manag
     a, b = vms(), vms()
     assert a.state.vm["template"] == b.state.vm["template"]
     assert b.receipts()[0]["template_made"] is False  # the second restores the template
+    # both start from the template's memory, kernel RNG included: the agent reseeds it on MOUNT
+    # (without that, these were the same 16 bytes in every sandbox of a template, and so was
+    # every seed a program took from them)
+    draws = [box.exec("head -c 16 /dev/urandom | od -An -tx1").stdout for box in (a, b)]
+    assert len(draws[0].split()) == 16
+    assert draws[0] != draws[1], "two sandboxes of one template drew the same random bytes"
     a.write("/root/mine", b"a")
     assert b.exec("test -e /root/mine").exit_code == 1
     assert a.exec("cat /root/mine").stdout == b"a"

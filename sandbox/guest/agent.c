@@ -2,8 +2,9 @@
  *
  * Runs in the guest's initramfs, never in the user's image: the init script mounts the
  * image's layers and execs this with argv[1] the virtio-serial port named "lb.agent".
- * Asked to (T_MOUNT, after a template restore), it mounts the sandbox's own disk,
- * composes its root at argv[2] and chroots there; then it serves
+ * Asked to (T_MOUNT, after a template restore), it reseeds the kernel's random number
+ * generator from the host's bytes, mounts the sandbox's own disk, composes its root at
+ * argv[2] and chroots there; then it serves
  * commands with streamed output, signals, stdin, and file operations.
  *
  * The host trusts nothing it reads here (a guest runs anything, this agent included);
@@ -25,6 +26,7 @@
 #include <arpa/inet.h>
 #include <net/if.h>
 #include <net/route.h>
+#include <linux/random.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/socket.h>
@@ -450,8 +452,31 @@ static int mount_err(uint32_t chan, const char *what, const char *path)
 
 /* The sandbox's disk and root, once, with mount(2) rather than a script: under TCG every
  * process a shell starts costs tens of ms (docs/FORMAT.md Part 5, "The guest"). */
-static void do_mount(uint32_t chan)
+/* Every VM restored from one template starts with the template's kernel RNG state: without
+ * fresh bytes credited and a forced reseed, two sandboxes' /dev/urandom (and every seed taken
+ * from it) agree byte for byte until the kernel's next periodic reseed. */
+static int reseed(const unsigned char *seed, size_t len)
 {
+	struct { int entropy_count; int buf_size; unsigned char buf[256]; } e;
+	if (len < 32 || len > sizeof e.buf) { errno = EINVAL; return -1; }
+	int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+	if (fd < 0) return -1;
+	e.entropy_count = (int)(len * 8);
+	e.buf_size = (int)len;
+	memcpy(e.buf, seed, len);
+	int rc = ioctl(fd, RNDADDENTROPY, &e);
+	if (!rc) rc = ioctl(fd, RNDRESEEDCRNG);
+	int saved = errno;
+	explicit_bzero(&e, sizeof e);
+	close(fd);
+	errno = saved;
+	return rc;
+}
+
+static void do_mount(uint32_t chan, const unsigned char *seed, size_t len)
+{
+	/* every MOUNT, a resumed guest's too: the host sends fresh bytes each time */
+	if (reseed(seed, len)) { mount_err(chan, "reseed", "/dev/urandom"); return; }
 	if (mounted) { send_end(chan, 0, "mount", root_dir); return; }
 	char dev[300], lowers[4096], opts[4200], sub[4200];
 	disk_by_serial("lb-upper", dev, sizeof dev);
@@ -531,7 +556,7 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 		return;
 	}
 	switch (type) {
-	case T_MOUNT: do_mount(chan); break;
+	case T_MOUNT: do_mount(chan, pl, len); break;
 	case T_NET: {
 		uint32_t addr = rd32(&r), prefix = rd32(&r), gw = rd32(&r);
 		if (!r.bad) do_net(chan, addr, prefix > 32 ? 32 : prefix, gw);
