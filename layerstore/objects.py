@@ -38,6 +38,7 @@ CONFIG_KEY = "config"
 SCHEMA_RECEIPTS = "layerbox.receipts.v1"
 SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's sandbox options (sandbox.model)
 SCHEMA_RUN = "layerbox.run.v1"
+SCHEMA_VM_TEMPLATE = "layerbox.vm-template.v2"  # a saved VM: one layer, its memory and device state (sandbox.vm)
 SCHEMA_TRACE = "layerbox.trace.v1"  # not a document: mutable, kept while its document is reachable
 REF_HISTORY = 50
 PART_ORDER = ("base", "workspace", "toolkit")  # lowest first: the mission's base + workspace + toolkit
@@ -305,7 +306,7 @@ class Resolved:
     """Any document that resolves to an ordered layer list."""
 
     digest: str
-    kind: str  # "image", "composition", "checkpoint"
+    kind: str  # "image", "composition", "checkpoint", "vm-template", ...
     layers: tuple[LayerEntry, ...]
     config: Mapping[str, Any]
     doc: Mapping[str, Any]
@@ -328,7 +329,7 @@ def resolve_document(digest: str, doc: Mapping[str, Any]) -> Resolved:
     schema = doc.get("schema")
     what = f"document {digest}"
     kinds = {SCHEMA_IMAGE: "image", SCHEMA_COMPOSITION: "composition", SCHEMA_RECEIPTS: "receipts",
-             SCHEMA_OPTIONS: "options", SCHEMA_RUN: "run"}
+             SCHEMA_OPTIONS: "options", SCHEMA_RUN: "run", SCHEMA_VM_TEMPLATE: "vm-template"}
     kind = kinds.get(str(schema)) or ("checkpoint" if str(schema).startswith("layerbox.checkpoint.") else None)
     if kind is None:
         raise FormatError(f"{what}: unknown schema {schema!r} (a newer layerbox may have written it)")

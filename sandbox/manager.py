@@ -48,13 +48,14 @@ from typing import Any
 
 import blake3
 
+from layerstore.errors import LayerstoreError
 from layerstore.objects import SCHEMA_RECEIPTS, Resolved
 from layerstore.store import Store
 from lazyfetch import kmount
 from lazyfetch.errors import KernelMountError, LazyfetchError
 from lazyfetch.mounts import HostMounts, MountError
 from sandbox import disk as sbdisk
-from sandbox import idmap
+from sandbox import idmap, vm
 from sandbox.agent import AgentError
 from sandbox.cgroups import CgroupLayout, preflight_cgroups
 from sandbox.errors import (
@@ -102,7 +103,9 @@ from sandbox.paths import SandboxPaths, read_beneath, replace_beneath
 from sandbox.receipts import ReceiptLogs, verify_receipt_chain
 from sandbox.runtime import ConsoleSocket, OciRuntime, kill_group
 from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec
+from snapshots import vmstate
 from snapshots.checkpoint import Checkpoint, Snapshots
+from snapshots.errors import SnapshotError
 
 log = logging.getLogger("layerbox.sandbox")
 
@@ -885,6 +888,9 @@ class SandboxManager:
             resolved = await store.resolve(ref)
         if resolved.kind == "checkpoint":
             return await self.restore(ref, options, admitting=admitting, name=name, **fields)
+        if resolved.kind not in ("image", "composition"):  # a VM template, a run manifest, receipts
+            raise UnsupportedOption(f"{ref} is a {resolved.kind} document ({resolved.digest}), not an image, "
+                                    "composition or checkpoint: nothing to run")
         return await self._launch(resolved, ref, _options(options, fields), admitting=admitting, name=name)
 
     async def restore(self, checkpoint_ref: str, options: SandboxOptions | None = None, *, admitting: bool = True,
@@ -1092,11 +1098,43 @@ class SandboxManager:
                      **({"userns": list(mapping)} if mapping is not None else {}))
         return box
 
+    async def _vm_template(self, resolved: Resolved, options: SandboxOptions) -> tuple[vm.Template, str]:
+        """The template a new VM restores, and where it came from: ``host`` (this host has it),
+        ``store`` (another host booted it: mounted lazily from the store) or ``boot`` (booted
+        here now, then published so that no other host boots it)."""
+        shape = self.vms.shape_for(resolved, options)
+        key = await asyncio.to_thread(self.vms.template_key, resolved, shape)
+        local = self.vms.host_template(key)
+        if local is not None:
+            return local, "host"
+        store = await self._store()
+        try:
+            found = await vmstate.find_template(store, key)
+            if found is not None:
+                return await asyncio.to_thread(self.vms.mount_template, key, found), "store"
+        except (LayerstoreError, LazyfetchError, SnapshotError) as exc:  # a cache: boot it instead
+            log.warning("template %s from %s: %s; booting it here", key, store.url, exc)
+        template, made = await asyncio.to_thread(self.vms.boot_template, resolved, shape)
+        if not made:
+            return template, "host"
+        try:
+            pub = await vmstate.publish_template(store, template.dir, ("memory", "state.bin", "template.json"),
+                                                 template.doc, self.data_dir)
+            log.info("template %s published as %s: %d bytes stored, %d uploaded in %.2f s", key, pub.digest,
+                     pub.bytes_stored, pub.bytes_uploaded, pub.seconds)
+        except (LayerstoreError, SnapshotError, OSError) as exc:
+            log.warning("template %s: publishing it to %s failed (%s); other hosts boot their own", key,
+                        store.url, exc)
+        return template, "boot"
+
     async def _launch_vm(self, box: Sandbox, resolved: Resolved, state: SandboxState, ref: str) -> Sandbox:
         options = state.options
         try:
+            t = time.perf_counter()
+            template, source = await self._vm_template(resolved, options)
+            template_seconds = time.perf_counter() - t
             record, network, timings = await asyncio.to_thread(self.vms.launch, box.id, box.dir, resolved, options,
-                                                               state.cgroups_path)
+                                                               state.cgroups_path, template)
             state = state.replace(vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"], status="starting",
                                   network=network)
             self._write_state(state)
@@ -1112,8 +1150,8 @@ class SandboxManager:
                      cpu_class=options.cpu_class, job=options.job, policy_version=options.policy_version,
                      layer_digests=list(state.layer_digests), isolation="microvm",
                      vm={k: record[k] for k in ("machine", "assets", "template", "accel", "qemu", "shape")},
-                     template_seconds=timings["template_seconds"], template_made=bool(timings["template_made"]),
-                     start_seconds=timings["restore_seconds"])
+                     template_seconds=round(template_seconds, 6), template_made=source == "boot",
+                     template_source=source, start_seconds=timings["restore_seconds"])
         return box
 
     def _check_traversable(self) -> None:

@@ -156,8 +156,9 @@ class MicroVms:
         return {"available": True, **hv.to_json(), "guest_assets": assets.key,
                 "kernel": assets.manifest.get("kernel_version"),
                 "provides": ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates",
+                             "templates_in_store",
                              "checkpoint", "restore", "fork", "network"],
-                "lacks": ["ports", "interactive", "memory_snapshot_in_store"]}
+                "lacks": ["ports", "interactive", "pause_to_store"]}
 
     # -- lifecycle --------------------------------------------------------------------------------
     def check_options(self, options: SandboxOptions) -> None:
@@ -170,26 +171,64 @@ class MicroVms:
             raise UnsupportedOption(f"memory: {options.memory} bytes of guest RAM is more than this host's "
                                     f"{total}")
 
-    def launch(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
-               cgroups_path: str) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, float]]:
-        """Start the VM of a new sandbox: its template (booted now if this host has none), then a
-        restore of it with the sandbox's own disk: this host's empty ext4, or for a checkpoint
-        its disk image, mounted lazily here (only the blocks the guest reads are fetched).
-        The VMM runs in the sandbox's network namespace: with ``network`` rules the policed one
-        a container gets, its tap routed (sandbox.network), else one with nothing but the tap.
-        Returns the VM record and network for state.json and the timings for the receipt."""
-        hv, assets = self.prepare()
-        t0 = time.perf_counter()
-        disk_layer = resolved.disk
-        if disk_layer is not None:
+    # -- templates --------------------------------------------------------------------------------
+    def shape_for(self, resolved: Resolved, options: SandboxOptions) -> vm.Shape:
+        if resolved.disk is not None:
             bound = resolved.doc.get("bound", {}).get("vm") or {}
-            shape = vm.Shape(**bound["shape"])  # the disk's size is the checkpoint's
-        else:
-            shape = vm.shape_of(options.cpu, options.memory, options.disk)
+            return vm.Shape(**bound["shape"])  # the disk's size is the checkpoint's
+        return vm.shape_of(options.cpu, options.memory, options.disk)
+
+    def template_key(self, resolved: Resolved, shape: vm.Shape) -> str:
+        hv, assets = self.prepare()
+        return vm.template_key(hv, assets, [x.digest for x in resolved.layers], shape)
+
+    def host_template(self, key: str) -> vm.Template | None:
+        """This host's template ``key``: booted here (``<key>/``) or mounted from the store
+        (``<key>.store/``), else None."""
+        return (vm.load_template(self.templates_dir / key, key)
+                or vm.load_template(self.templates_dir / f"{key}.store", key))
+
+    def boot_template(self, resolved: Resolved, shape: vm.Shape) -> tuple[vm.Template, bool]:
+        """Boot and save the template of ``resolved`` and ``shape`` here (unless another call
+        just did); whether this call made it."""
+        hv, assets = self.prepare()
+        layers = [(f["meta"], f["blob"]) for f in self.host.layer_files(resolved)]
+        return vm.ensure_template(self.templates_dir, hv, assets, layers, [x.digest for x in resolved.layers],
+                                  shape, self._scratch_netns)
+
+    def mount_template(self, key: str, found: Resolved) -> vm.Template:
+        """The store's template ``key`` (``found``, its document) mounted lazily here: its VMs
+        map its memory file, so what they touch is all that is fetched."""
+        target = self.templates_dir / f"{key}.store"
+        self.templates_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with vm.template_lock(self.templates_dir, key):
+            template = self.host_template(key)
+            if template is not None:
+                return template
+            if kmount.is_mountpoint(target):  # a mount whose template.json does not check out
+                self.host.umount(target, discard=True)
+            target.mkdir(mode=0o700, exist_ok=True)
+            self.host.mount(found, target, trace=False)  # fill: a restored guest touches most of what is not zero
+            template = vm.load_template(target, key)
+            if template is None or not template.memory.is_file() or not template.state.is_file():
+                self.host.umount(target, discard=True)
+                raise SandboxStateError(f"template document {found.digest}: its layer has no template {key} "
+                                        "(template.json, memory, state.bin)")
+            return template
+
+    def launch(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
+               cgroups_path: str, template: vm.Template) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, float]]:
+        """Start the VM of a new sandbox: a restore of ``template`` with the sandbox's own disk:
+        this host's empty ext4, or for a checkpoint its disk image, mounted lazily here (only
+        the blocks the guest reads are fetched).  The VMM runs in the sandbox's network
+        namespace: with ``network`` rules the policed one a container gets, its tap routed
+        (sandbox.network), else one with nothing but the tap.  Returns the VM record and
+        network for state.json and the timings for the receipt."""
+        hv, assets = self.prepare()
+        disk_layer = resolved.disk
+        shape = self.shape_for(resolved, options)
         files = self.host.layer_files(resolved)
         layers = [(f["meta"], f["blob"]) for f in files]
-        template, made = vm.ensure_template(self.templates_dir, hv, assets, layers,
-                                            [x.digest for x in resolved.layers], shape, self._scratch_netns)
         t1 = time.perf_counter()
         vm_dir = box_dir / "vm"
         vm_dir.mkdir(mode=0o700, exist_ok=True)
@@ -209,9 +248,7 @@ class MicroVms:
                   "layers": [list(x) for x in layers], "vmm_pid": vmm.pid, "vmm_start": vmm.start, "saved": False,
                   "disk_layer": disk_layer.digest if disk_layer is not None else None}
         record["guest_net"] = list(guest_net) if guest_net is not None else None
-        timings = {"template_seconds": round(t1 - t0, 6), "template_made": float(made),
-                   "restore_seconds": round(time.perf_counter() - t1, 6)}
-        return record, network, timings
+        return record, network, {"restore_seconds": round(time.perf_counter() - t1, 6)}
 
     def _network(self, sid: str, options: SandboxOptions) -> tuple[dict[str, Any] | None,
                                                                    tuple[str, int, str] | None]:
@@ -349,7 +386,10 @@ class MicroVms:
         if assets.key != rec["assets"]:
             raise SandboxStateError(f"sandbox {sid} was saved with guest assets {rec['assets']}, this host has "
                                     f"{assets.key}: it cannot resume here")
-        template = vm.Template(rec["template"], self.templates_dir / rec["template"], {})
+        template = self.host_template(rec["template"])
+        if template is None:
+            raise SandboxStateError(f"sandbox {sid} was saved over template {rec['template']}, which this host "
+                                    "no longer has: it cannot resume; destroy it")
         shape = vm.Shape(**rec["shape"])
         layers = [(m, b) for m, b in rec["layers"]]
         saved = box_dir / "vm" / "saved.bin"
@@ -393,13 +433,19 @@ class MicroVms:
             conn.close()
 
     def prune_templates(self, keep: Sequence[str] = ()) -> list[str]:
-        """Remove this host's templates but ``keep``; a template is derived data, made again on demand."""
+        """Remove this host's templates but ``keep``, booted or mounted; a template is derived
+        data, mounted from the store or booted again on demand."""
         removed = []
         if self.templates_dir.is_dir():
             for d in self.templates_dir.iterdir():
-                if d.is_dir() and d.name not in keep:
+                key = d.name.removesuffix(".store")
+                if not d.is_dir() or key in keep or key.startswith("."):
+                    continue
+                with vm.template_lock(self.templates_dir, key):
+                    if kmount.is_mountpoint(d):
+                        self.host.umount(d, discard=True)
                     shutil.rmtree(d, ignore_errors=True)
-                    removed.append(d.name)
+                removed.append(d.name)
         return removed
 
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import blake3
 
+from layerstore.objects import SCHEMA_VM_TEMPLATE
 from sandbox import vmassets
 from sandbox.agent import AgentConnection, AgentError
 from sandbox.errors import HostUnsupported, SandboxError
@@ -44,7 +45,7 @@ from sandbox.execs import proc_stat
 log = logging.getLogger("layerbox.sandbox")
 
 QEMU = "qemu-system-x86_64"
-TEMPLATE_SCHEMA = "layerbox.vm-template.v1"
+TEMPLATE_SCHEMA = SCHEMA_VM_TEMPLATE  # template.json; the store's template document adds its layer
 VM_SCHEMA = "layerbox.vm.v1"
 BOOT_TIMEOUT = 120.0  # TCG on a loaded 2-core host: a cold boot takes 3-5 s, ten times that is trouble
 SAVE_TIMEOUT = 120.0
@@ -404,12 +405,34 @@ def connect_agent(vmm: Vmm, timeout: float = BOOT_TIMEOUT) -> AgentConnection:
 
 
 # -- templates -------------------------------------------------------------------------------------------
+def _cpu_flags() -> str:
+    with contextlib.suppress(OSError):
+        m = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
+        if m:
+            return blake3.blake3(" ".join(sorted(m[1].split())).encode()).hexdigest()[:16]
+    return ""
+
+
 def template_key(hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[str], shape: Shape) -> str:
-    # the QEMU version and accelerator too: a saved device state loads into the same VMM only
+    """What a saved template depends on, digested: it is shared through the store, so every
+    host whose VMM would load its state differently has a key of its own.  The QEMU version
+    and accelerator (a device state loads into the same VMM only); the TSC rate the guest
+    calibrated at boot (under TCG the guest reads the host's TSC: another rate would run its
+    clock fast or slow); under KVM the host CPU's flags (``-cpu host``)."""
     h = blake3.blake3(TEMPLATE_SCHEMA.encode())
     h.update(json.dumps({"assets": assets.key, "layers": list(layers), "shape": shape.to_json(),
-                         "qemu": list(hv.version), "accel": hv.accel}, sort_keys=True).encode())
+                         "qemu": list(hv.version), "accel": hv.accel, "tsc_khz": hv.tsc_khz,
+                         "cpu": _cpu_flags() if hv.accel == "kvm" else ""}, sort_keys=True).encode())
     return h.hexdigest()[:32]
+
+
+def load_template(path: Path, key: str) -> Template | None:
+    """The complete template in ``path`` (its ``template.json`` of this schema and key), else None."""
+    with contextlib.suppress(OSError, ValueError):
+        doc = json.loads((path / "template.json").read_text())
+        if isinstance(doc, dict) and doc.get("schema") == TEMPLATE_SCHEMA and doc.get("key") == key:
+            return Template(key, path, doc)
+    return None
 
 
 @dataclass(frozen=True)
@@ -448,6 +471,11 @@ def make_ext4(path: Path, size: int) -> None:
             raise VmError(f"mkfs.ext4 {path}: {exc.stderr.strip()}") from None
 
 
+def template_lock(root: Path, key: str) -> contextlib.AbstractContextManager[None]:
+    """Held while this host boots, mounts or removes the template ``key``."""
+    return _flock(root / f"{key}.lock")
+
+
 @contextlib.contextmanager
 def _flock(path: Path) -> Iterator[None]:
     with open(path, "w") as f:
@@ -464,11 +492,10 @@ def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers:
     key = template_key(hv, assets, layer_digests, shape)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     final = root / key
-    with _flock(root / f"{key}.lock"):
-        with contextlib.suppress(OSError, ValueError):
-            doc = json.loads((final / "template.json").read_text())
-            if doc.get("schema") == TEMPLATE_SCHEMA and doc.get("key") == key:
-                return Template(key, final, doc), False
+    with template_lock(root, key):
+        found = load_template(final, key)
+        if found is not None:
+            return found, False
         shutil.rmtree(final, ignore_errors=True)  # a half-made one (a crash while booting it)
         work = root / f".{key}.tmp"
         shutil.rmtree(work, ignore_errors=True)
@@ -490,8 +517,8 @@ def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers:
                 vmm.quit()
         doc = {"schema": TEMPLATE_SCHEMA, "key": key, "assets": assets.key, "layers": list(layer_digests),
                "shape": shape.to_json(), "accel": hv.accel, "qemu": ".".join(map(str, hv.version)),
-               "boot_seconds": round(booted, 3), "save_seconds": round(save_seconds, 3),
-               "argv": argv, "created": time.time()}
+               "tsc_khz": hv.tsc_khz, "boot_seconds": round(booted, 3), "save_seconds": round(save_seconds, 3),
+               "created": round(time.time(), 3)}
         (work / "template.json").write_text(json.dumps(doc, indent=1) + "\n")
         for name in ("disk.raw", "memory"):  # what every sandbox of it shares: never written again
             (work / name).chmod(0o400)
@@ -552,4 +579,5 @@ def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, t
 
 
 __all__ = ["Hypervisor", "Qmp", "Shape", "Template", "VmError", "Vmm", "command_line", "connect_agent",
-           "ensure_template", "hypervisor", "pristine_disk", "sandbox_disk", "shape_of", "start_from_template"]
+           "ensure_template", "hypervisor", "load_template", "pristine_disk", "sandbox_disk", "shape_of",
+           "start_from_template", "template_key", "template_lock"]

@@ -265,9 +265,17 @@ def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
         assert restored.read("/root/small") == b"x" * 1000
         restored.write("/root/after", b"own")  # its own writes, not the checkpoint's
         assert restored.exec("cat /root/after").stdout == b"own"
-        fetched = host2.host.client.request("GET", "/stats")["bytes_fetched_uncompressed"]
+        per_layer = host2.host.client.request("GET", "/stats")["bytes_fetched_uncompressed_per_layer"]
+        fetched = per_layer[second.layer]
         disk = restored.state.vm["shape"]["disk"]
-        assert fetched < disk / 4, f"fetched {fetched} bytes for a {disk}-byte disk: not lazy"
+        assert 0 < fetched < disk / 4, f"fetched {fetched} bytes for a {disk}-byte disk: not lazy"
+        # host 1 published its template: host 2 mapped it from the store instead of booting one
+        create = next(r for r in restored.receipts() if r["action"] == "restore" and not r.get("inherited"))
+        assert create["template_source"] == "store", create
+        assert create["template_made"] is False
+        # the template's document is in the store beside the images, but nothing runs from it
+        with pytest.raises(UnsupportedOption, match="vm-template document"):
+            run(host2.create(f"vm-templates/{restored.state.vm['template']}"))
         inherited = [r for r in restored.receipts() if r.get("inherited")]
         assert any(r["action"] == "checkpoint" and r["digest"] == first.digest for r in inherited)
     finally:

@@ -28,6 +28,7 @@
 #include <net/route.h>
 #include <linux/random.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/signalfd.h>
@@ -595,6 +596,35 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 	free(path);
 }
 
+/* Before the template is saved: every free page of the guest zeroed.  The pages the kernel
+ * freed after boot (the unpacked initramfs archive, early allocations) keep their bytes, and
+ * a restored guest allocates from them first: each would be a fetch from the store on a host
+ * that maps the template lazily.  Zeroed, they are holes of the published memory file and
+ * cost nothing to read.  The kernel zeroes an anonymous page it faults in (MAP_POPULATE);
+ * unmapping hands it back, still zero. */
+static void scrub_free_memory(void)
+{
+	int fd = open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
+	if (fd >= 0) { if (write(fd, "3", 1) < 0) {} close(fd); }
+	FILE *f = fopen("/proc/meminfo", "re");
+	if (!f) return;
+	char line[128];
+	long free_kb = 0;
+	while (fgets(line, sizeof line, f))
+		if (sscanf(line, "MemFree: %ld kB", &free_kb) == 1) break;
+	fclose(f);
+	const size_t step = 8u << 20, keep = 24u << 20; /* what the kernel may need meanwhile */
+	size_t want = free_kb > 0 && (size_t)free_kb * 1024 > keep ? (size_t)free_kb * 1024 - keep : 0;
+	void *maps[4096];
+	size_t n = 0;
+	for (size_t done = 0; done + step <= want && n < sizeof maps / sizeof maps[0]; done += step) {
+		void *p = mmap(NULL, step, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+		if (p == MAP_FAILED) break;
+		maps[n++] = p;
+	}
+	while (n) munmap(maps[--n], step);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc != 3) { fprintf(stderr, "usage: lb-agent PORT ROOT\n"); return 2; }
@@ -609,6 +639,7 @@ int main(int argc, char **argv)
 	sigprocmask(SIG_BLOCK, &mask, NULL);
 	int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
 	if (sfd < 0) die("signalfd");
+	scrub_free_memory(); /* the agent starts only in a template's boot: every VM restores one */
 	send_frame(T_READY, 0, AGENT_VERSION, strlen(AGENT_VERSION));
 
 	size_t cap = MAX_FRAME + 16, have = 0;
