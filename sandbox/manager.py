@@ -648,20 +648,26 @@ class Sandbox:
 
     # -- checkpoint ---------------------------------------------------------------------------------
     async def checkpoint(self, *, name: str | None = None, labels: Mapping[str, str] | None = None,
-                         trajectory_offset: int | None = None, policy_version: str | None = None) -> Checkpoint:
+                         trajectory_offset: int | None = None, policy_version: str | None = None,
+                         memory: bool = False) -> Checkpoint:
         """Capture the rootfs' writes (processes frozen meanwhile) as a checkpoint in the store.
 
         ``name`` is the ref to move (default ``checkpoints/<record id>:<n>``, under its
         project's namespace for a project's sandbox); the checkpoint carries the sandbox's
-        labels (its project among them) and receipts.
+        labels (its project among them) and receipts.  ``memory`` (microVMs only): the VM's
+        RAM and device state too, so a restore on a host of the same QEMU and guest assets
+        goes on with the same processes.
         """
         st = self.state
         if not st.live:
             raise SandboxStateError(f"sandbox {self.id} is {st.status}")
+        if memory and st.options.isolation != "microvm":
+            raise UnsupportedOption(f"memory: sandbox {self.id} is a container: its checkpoints hold files, "
+                                    "not processes (isolation=microvm checkpoints memory too)")
         last = self.manager.receipts(self.id)
         head = verify_receipt_chain(last, what=f"sandbox {self.id}'s receipts")  # never carry a broken log on
         if st.options.isolation == "microvm":
-            return await self._checkpoint_vm(st, last, head, name=name, labels=labels,
+            return await self._checkpoint_vm(st, last, head, name=name, labels=labels, memory=memory,
                                              trajectory_offset=trajectory_offset, policy_version=policy_version)
         async with await self.manager._store() as store:
             # receipts travel with the checkpoint: a restored sandbox knows its history and idempotency keys
@@ -681,9 +687,10 @@ class Sandbox:
 
     async def _checkpoint_vm(self, st: SandboxState, last: builtins.list[dict[str, Any]], head: str | None, *,
                              name: str | None, labels: Mapping[str, str] | None, trajectory_offset: int | None,
-                             policy_version: str | None) -> Checkpoint:
+                             policy_version: str | None, memory: bool) -> Checkpoint:
         """A microVM's checkpoint: its whole disk, stopped and flushed, as the checkpoint's disk
-        layer (chunks dedup against its parent's); the chain is kept in its VM record."""
+        layer (chunks dedup against its parent's), and with ``memory`` its RAM image beside it;
+        the chain is kept in its VM record."""
         assert st.vm is not None
         if st.status == "paused":
             # the guest's own page cache may hold writes its disk does not have yet: it runs for the
@@ -691,7 +698,7 @@ class Sandbox:
             saved = bool(st.vm.get("saved"))
             self.resume()
             try:
-                return await self._checkpoint_vm(self.state, last, head, name=name, labels=labels,
+                return await self._checkpoint_vm(self.state, last, head, name=name, labels=labels, memory=memory,
                                                  trajectory_offset=trajectory_offset, policy_version=policy_version)
             finally:
                 self.pause(reclaim=saved)
@@ -703,9 +710,10 @@ class Sandbox:
         async with await mgr._store() as store:
             receipts = {"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last, "head": head}
             ckpt = await Snapshots(store, mgr.host).checkpoint_disk(
-                parent, lambda out: mgr.vms.capture_disk(self.id, self.dir, self.state, out),
-                ref_name=name or f"{prefix}checkpoints/{self.id}:{seq}",
-                vm={k: record[k] for k in ("machine", "assets", "shape")},
+                parent, lambda out: mgr.vms.capture(self.id, self.dir, self.state, out, memory=memory),
+                ref_name=name or f"{prefix}checkpoints/{self.id}:{seq}", memory=memory,
+                chunk_size=vmstate.VM_CHUNK_SIZE,
+                vm={**{k: record[k] for k in ("machine", "shape")}, **mgr.vms.vm_identity()},
                 labels={**st.labels, **(labels or {})},
                 trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
                 receipt_id=last[-1]["id"] if last else None,
@@ -717,7 +725,7 @@ class Sandbox:
             assert fresh.vm is not None
             self._update(vm={**fresh.vm, "parent": ckpt.digest, "checkpoints": seq})
         self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
-                      bytes_changed=ckpt.bytes_changed, isolation="microvm", disk_layer=ckpt.layer)
+                      bytes_changed=ckpt.bytes_changed, isolation="microvm", disk_layer=ckpt.layer, memory=memory)
         return ckpt
 
     async def fork(self, count: int, options: SandboxOptions | None = None, *, name: str | None = None,
@@ -1131,7 +1139,17 @@ class SandboxManager:
         options = state.options
         try:
             t = time.perf_counter()
-            template, source = await self._vm_template(resolved, options)
+            template: vm.Template | None = None
+            memory_why = None
+            if resolved.doc.get("bound", {}).get("memory"):
+                memory_why = self.vms.memory_mismatch(resolved)
+                if memory_why is not None:
+                    log.warning("checkpoint %s: its memory does not load here (%s): only its disk is restored",
+                                resolved.digest, memory_why)
+            if resolved.doc.get("bound", {}).get("memory") and memory_why is None:
+                source = "checkpoint"  # its own memory image: no template
+            else:
+                template, source = await self._vm_template(resolved, options)
             template_seconds = time.perf_counter() - t
             record, network, timings = await asyncio.to_thread(self.vms.launch, box.id, box.dir, resolved, options,
                                                                state.cgroups_path, template)
@@ -1151,7 +1169,10 @@ class SandboxManager:
                      layer_digests=list(state.layer_digests), isolation="microvm",
                      vm={k: record[k] for k in ("machine", "assets", "template", "accel", "qemu", "shape")},
                      template_seconds=round(template_seconds, 6), template_made=source == "boot",
-                     template_source=source, start_seconds=timings["restore_seconds"])
+                     template_source=source, start_seconds=timings["restore_seconds"],
+                     **({"memory_restored": memory_why is None} if resolved.doc.get("bound", {}).get("memory")
+                        else {}),
+                     **({"memory_not_restored": memory_why} if memory_why else {}))
         return box
 
     def _check_traversable(self) -> None:

@@ -156,9 +156,9 @@ class MicroVms:
         return {"available": True, **hv.to_json(), "guest_assets": assets.key,
                 "kernel": assets.manifest.get("kernel_version"),
                 "provides": ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates",
-                             "templates_in_store",
+                             "templates_in_store", "memory_checkpoint",
                              "checkpoint", "restore", "fork", "network"],
-                "lacks": ["ports", "interactive", "pause_to_store"]}
+                "lacks": ["ports", "interactive"]}
 
     # -- lifecycle --------------------------------------------------------------------------------
     def check_options(self, options: SandboxOptions) -> None:
@@ -216,14 +216,32 @@ class MicroVms:
                                         "(template.json, memory, state.bin)")
             return template
 
+    def vm_identity(self) -> dict[str, Any]:
+        """What a saved VM's state needs of the host it loads on (a checkpoint's ``bound.vm``)."""
+        hv, assets = self.prepare()
+        return {"assets": assets.key, "qemu": ".".join(map(str, hv.version)), "accel": hv.accel,
+                "tsc_khz": hv.tsc_khz}
+
+    def memory_mismatch(self, resolved: Resolved) -> str | None:
+        """Why the memory image of checkpoint ``resolved`` cannot load here (None: it can);
+        only its disk is restored then."""
+        bound = resolved.doc.get("bound", {}).get("vm") or {}
+        have = self.vm_identity()
+        for field in ("assets", "qemu", "accel", "tsc_khz"):
+            if bound.get(field) != have[field]:
+                return f"its {field} is {bound.get(field)!r}, this host's {have[field]!r}"
+        return None
+
     def launch(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
-               cgroups_path: str, template: vm.Template) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, float]]:
+               cgroups_path: str, template: vm.Template | None
+               ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, float]]:
         """Start the VM of a new sandbox: a restore of ``template`` with the sandbox's own disk:
         this host's empty ext4, or for a checkpoint its disk image, mounted lazily here (only
-        the blocks the guest reads are fetched).  The VMM runs in the sandbox's network
-        namespace: with ``network`` rules the policed one a container gets, its tap routed
-        (sandbox.network), else one with nothing but the tap.  Returns the VM record and
-        network for state.json and the timings for the receipt."""
+        the blocks the guest reads are fetched).  ``template`` None: the checkpoint's own
+        memory image (its ``vmstate.bin``), so its processes go on where they were.  The VMM
+        runs in the sandbox's network namespace: with ``network`` rules the policed one a
+        container gets, its tap routed (sandbox.network), else one with nothing but the tap.
+        Returns the VM record and network for state.json and the timings for the receipt."""
         hv, assets = self.prepare()
         disk_layer = resolved.disk
         shape = self.shape_for(resolved, options)
@@ -239,11 +257,22 @@ class MicroVms:
         vm.sandbox_disk(backing, vm_dir / "disk.qcow2")
         procs = self._cgroup(cgroups_path, options, shape)
         network, guest_net = self._network(sid, options)
-        vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, template.state, procs,
-                                           netns=self._net().netns_path(sid), guest_net=guest_net)
+        if template is None:
+            if disk_layer is None:
+                raise SandboxStateError(f"sandbox {sid}: no template and no checkpoint memory to start from")
+            state_file = vm_dir / "disk-layer" / "vmstate.bin"
+            if not state_file.is_file():
+                raise SandboxStateError(f"checkpoint {resolved.digest}: its disk layer {disk_layer.digest} has "
+                                        "no vmstate.bin, though it is bound with memory")
+        else:
+            state_file = template.state
+        vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, state_file, procs,
+                                           netns=self._net().netns_path(sid), guest_net=guest_net,
+                                           mapped_ram=template is None)
         with self._lock:
             self._conns[sid] = conn
-        record = {"schema": VM_RECORD, "machine": shape.machine, "assets": assets.key, "template": template.key,
+        record: dict[str, Any] = {"schema": VM_RECORD, "machine": shape.machine, "assets": assets.key,
+                  "template": template.key if template is not None else None,
                   "accel": hv.accel, "qemu": ".".join(map(str, hv.version)), "shape": shape.to_json(),
                   "layers": [list(x) for x in layers], "vmm_pid": vmm.pid, "vmm_start": vmm.start, "saved": False,
                   "disk_layer": disk_layer.digest if disk_layer is not None else None}
@@ -280,14 +309,18 @@ class MicroVms:
             raise SandboxStateError(f"checkpoint {resolved.digest}: its disk layer {disk.digest} has no disk.img")
         return image
 
-    def capture_disk(self, sid: str, box_dir: Path, st: SandboxState, out: Path) -> float:
+    def capture(self, sid: str, box_dir: Path, st: SandboxState, out: Path, *, memory: bool = False) -> float:
         """Write the VM's whole disk (the qcow2 and what it stands on) to ``out/disk.img``, sparse,
-        with the guest's page cache flushed and its vCPUs stopped meanwhile; the seconds stopped."""
+        with the guest's page cache flushed and its vCPUs stopped meanwhile; with ``memory``
+        also its RAM and device state, at the same instant, to ``out/vmstate.bin`` (QEMU's
+        mapped-ram image).  The seconds the guest was stopped."""
         disk = box_dir / "vm" / "disk.qcow2"
         qmp = None
         if st.status == "running":
             self.conn(sid, box_dir, st).sync()
             qmp = self.vmm_of(box_dir, st).qmp()
+        elif memory:
+            raise SandboxStateError(f"sandbox {sid} is {st.status}: its memory is captured while it runs")
         t = time.perf_counter()
         try:
             if qmp is not None:
@@ -295,6 +328,8 @@ class MicroVms:
             # -U: the VMM holds the image's lock; nothing writes it while the guest is stopped
             subprocess.run(["qemu-img", "convert", "-U", "-f", "qcow2", "-O", "raw", "-S", "4k", str(disk),
                             str(out / "disk.img")], check=True, capture_output=True, text=True)
+            if memory and qmp is not None:
+                self.vmm_of(box_dir, st).save(out / "vmstate.bin", mapped_ram=True, qmp=qmp)
         except subprocess.CalledProcessError as exc:
             raise SandboxStateError(f"sandbox {sid}: reading its disk failed: {exc.stderr.strip()}") from None
         finally:
@@ -386,8 +421,8 @@ class MicroVms:
         if assets.key != rec["assets"]:
             raise SandboxStateError(f"sandbox {sid} was saved with guest assets {rec['assets']}, this host has "
                                     f"{assets.key}: it cannot resume here")
-        template = self.host_template(rec["template"])
-        if template is None:
+        template = self.host_template(rec["template"]) if rec["template"] is not None else None
+        if template is None and rec["template"] is not None:
             raise SandboxStateError(f"sandbox {sid} was saved over template {rec['template']}, which this host "
                                     "no longer has: it cannot resume; destroy it")
         shape = vm.Shape(**rec["shape"])

@@ -68,7 +68,9 @@ async def preempt(manager: SandboxManager, job: str, *, timeout: float = 30.0,  
     entries: dict[str, Any] = {}
     for box in boxes:
         st = box.state
-        ckpt = await box.checkpoint(labels={"layerbox.job": job})
+        # a microVM's memory too: its processes go on wherever the job resumes (a host of the
+        # same QEMU and guest assets; elsewhere only its disk comes back)
+        ckpt = await box.checkpoint(labels={"layerbox.job": job}, memory=st.options.isolation == "microvm")
         receipts = manager.receipts(box.id)
         resolved_layers = await _layers_of(manager, ckpt.digest)
         entries[box.id] = {

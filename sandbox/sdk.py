@@ -1071,11 +1071,15 @@ class AsyncSandbox(_Session):
         self.info = parse(SandboxInfo, await self._http.json("POST", self._path + "/resume"))
         return self.info
 
-    async def checkpoint(self, *, name: str | None = None, labels: Mapping[str, str] | None = None
-                         ) -> Checkpoint:
-        """Snapshot the sandbox's filesystem (not its processes) to the store; restore it anywhere with
-        :meth:`restore` by the returned ``name`` (``name`` given: a ref in your project's namespace)."""
-        body = {"name": name, "labels": dict(labels or {})}
+    async def checkpoint(self, *, name: str | None = None, labels: Mapping[str, str] | None = None,
+                         memory: bool = False) -> Checkpoint:
+        """Snapshot the sandbox's filesystem to the store; restore it anywhere with :meth:`restore`
+        by the returned ``name`` (``name`` given: a ref in your project's namespace).  ``memory``
+        (microVMs): its processes too, which a restore on an edge of the same QEMU and guest
+        assets continues."""
+        body: dict[str, Any] = {"name": name, "labels": dict(labels or {})}
+        if memory:
+            body["memory"] = True
         return parse(Checkpoint, await self._http.json("POST", self._path + "/checkpoint", json_body=body))
 
     async def receipts(self, *, action: str | None = None, since: float | None = None,

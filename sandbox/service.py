@@ -737,7 +737,10 @@ class SandboxService:
     async def checkpoint(self, request: web.Request) -> web.Response:
         project = self._project(request)
         box, _ = await self._box(request, project)
-        body = check_object("", await self._json(request), ("name", "labels"))
+        body = check_object("", await self._json(request), ("name", "labels", "memory"))
+        memory = body.get("memory", False)
+        if not isinstance(memory, bool):
+            raise _invalid("memory", f"expected true or false, got {type(memory).__name__}")
         labels = check_labels("labels", body.get("labels") or {}, reserved_ok=project.admin)
         if project.admin and set(labels) & {PROJECT_LABEL}:  # sharing is a label; ownership stays the sandbox's
             raise _invalid(f"labels.{PROJECT_LABEL}", "a checkpoint's project is its sandbox's")
@@ -750,7 +753,10 @@ class SandboxService:
                 parse_ref(name)
             except BadName as exc:
                 raise _invalid("name", str(exc)) from None
-        ckpt = await box.checkpoint(name=name, labels=labels)
+        try:
+            ckpt = await box.checkpoint(name=name, labels=labels, memory=memory)
+        except UnsupportedOption as exc:
+            raise _invalid("memory", str(exc)) from None
         return web.json_response(ckpt.to_json(), status=201)
 
     async def receipts(self, request: web.Request) -> web.Response:

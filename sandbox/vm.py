@@ -209,15 +209,19 @@ def shape_of(cpu: float, memory: int, disk: int | None) -> Shape:
 
 
 def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: Sequence[tuple[str, str]],
-                 disk: Path, disk_format: str, memory_file: Path, *, template: bool, hostname: str) -> list[str]:
-    """QEMU's argv, relative to the VM's directory (its sockets are made there)."""
+                 disk: Path, disk_format: str, memory_file: Path | None, *, template: bool, hostname: str) -> list[str]:
+    """QEMU's argv, relative to the VM's directory (its sockets are made there).  RAM: a
+    template's is ``memory_file`` (share=on: a save leaves it there); a sandbox's is a private,
+    read-only mapping of its template's file, so its writes are its own and the file stays;
+    without a ``memory_file`` (a VM restored from its own memory image) it is anonymous."""
     append = ["console=ttyS0", "quiet", "panic=-1", f"lb.layers={len(layers)}", f"lb.hostname={hostname}"]
     if hv.tsc_khz:
         append.append(f"tsc_early_khz={hv.tsc_khz}")
-    mem = f"memory-backend-file,id=mem,size={shape.memory},mem-path={memory_file}"
-    # a template's RAM is its file (share=on: a save leaves it there); a sandbox maps the
-    # template's file privately and read-only, so its writes are its own and the file stays
-    mem += ",share=on" if template else ",share=off,readonly=on,rom=off"
+    if memory_file is None:
+        mem = f"memory-backend-ram,id=mem,size={shape.memory}"
+    else:
+        mem = f"memory-backend-file,id=mem,size={shape.memory},mem-path={memory_file}"
+        mem += ",share=on" if template else ",share=off,readonly=on,rom=off"
     argv = [hv.qemu, "-L", str(assets.firmware),
             "-M", "microvm,x-option-roms=off,pit=off,pic=off,rtc=on,isa-serial=on,memory-backend=mem",
             "-accel", f"tcg,tb-size={TCG_TB_MIB}" if hv.accel == "tcg" else "kvm",
@@ -337,16 +341,23 @@ class Vmm:
                               f"{self.log_tail()}")
             time.sleep(0.005)
 
-    def save(self, state_file: Path) -> float:
-        """Stop the guest and write its device state (RAM stays in a share=on memory file; a
-        private mapping's pages go into the state).  Returns the seconds the save took."""
+    def save(self, state_file: Path, *, mapped_ram: bool = False, qmp: Qmp | None = None) -> float:
+        """Stop the guest and write its state; the seconds the save took.
+
+        By default the device state only, with ``x-ignore-shared``: a ``share=on`` memory file
+        keeps the RAM (a template), a private mapping's pages go into the stream.  With
+        ``mapped_ram``, every RAM page that is not zero at its own offset in the file
+        (QEMU's ``mapped-ram``: a page-aligned image of the RAM, zero pages holes, so
+        chunks of unchanged RAM dedup against its template's) and then the device state.
+        The guest stays stopped (``postmigrate``); ``cont`` runs it on."""
         t = time.perf_counter()
-        qmp = self.qmp()
+        own = qmp is None
+        qmp = qmp or self.qmp()
         try:
             qmp.execute("stop")
-            qmp.execute("migrate-set-capabilities",
-                        capabilities=[{"capability": "x-ignore-shared", "state": True}])
+            qmp.execute("migrate-set-capabilities", capabilities=_capabilities(mapped_ram))
             tmp = state_file.with_suffix(".tmp")
+            tmp.unlink(missing_ok=True)  # mapped-ram writes at offsets: never over an old file's pages
             qmp.execute("migrate", uri=f"file:{tmp.resolve()}")
             deadline = time.monotonic() + SAVE_TIMEOUT
             while True:
@@ -364,14 +375,15 @@ class Vmm:
             os.replace(tmp, state_file)
             return time.perf_counter() - t
         finally:
-            qmp.close()
+            if own:
+                qmp.close()
 
-    def restore(self, state_file: Path) -> None:
-        """Load ``state_file`` into a VMM started with ``-incoming defer`` and run it."""
+    def restore(self, state_file: Path, *, mapped_ram: bool = False) -> None:
+        """Load ``state_file`` (a :meth:`save` of the same ``mapped_ram``) into a VMM started with
+        ``-incoming defer`` and run it."""
         qmp = self.qmp()
         try:
-            qmp.execute("migrate-set-capabilities",
-                        capabilities=[{"capability": "x-ignore-shared", "state": True}])
+            qmp.execute("migrate-set-capabilities", capabilities=_capabilities(mapped_ram))
             qmp.execute("migrate-incoming", uri=f"file:{state_file.resolve()}")
             self.wait_status(qmp, "paused", BOOT_TIMEOUT)
             qmp.execute("cont")
@@ -387,6 +399,14 @@ class Vmm:
                 qmp.close()
         self.reap(5.0)
         self.kill()
+
+
+def _capabilities(mapped_ram: bool) -> list[dict[str, Any]]:
+    # both, every time: a VMM keeps capabilities between migrations, and loading refuses a
+    # stream whose capabilities differ from its own (mapped-ram with x-ignore-shared does
+    # not load at all: "region has bad alignment")
+    return [{"capability": "x-ignore-shared", "state": not mapped_ram},
+            {"capability": "mapped-ram", "state": mapped_ram}]
 
 
 def connect_agent(vmm: Vmm, timeout: float = BOOT_TIMEOUT) -> AgentConnection:
@@ -553,17 +573,20 @@ def sandbox_disk(backing: Path, path: Path) -> None:
         raise VmError(f"qemu-img create {path}: {exc.stderr.strip()}") from None
 
 
-def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, template: Template,
+def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, template: Template | None,
                         layers: Sequence[tuple[str, str]], shape: Shape, state_file: Path,
                         cgroup_procs: Sequence[Path] = (), *, netns: Path,
-                        guest_net: tuple[str, int, str] | None = None) -> tuple[Vmm, AgentConnection]:
-    """A VMM restored from ``state_file`` (the template's, or this sandbox's own saved state), in
-    the network namespace ``netns``; ``guest_net`` (address, prefix length, gateway) for eth0."""
-    argv = command_line(hv, assets, shape, layers, vm_dir / "disk.qcow2", "qcow2", template.memory,
+                        guest_net: tuple[str, int, str] | None = None,
+                        mapped_ram: bool = False) -> tuple[Vmm, AgentConnection]:
+    """A VMM restored from ``state_file`` (the template's, or this sandbox's own saved state;
+    with ``template`` None and ``mapped_ram``, a memory image of its own: its RAM anonymous),
+    in the network namespace ``netns``; ``guest_net`` (address, prefix length, gateway) for eth0."""
+    argv = command_line(hv, assets, shape, layers, vm_dir / "disk.qcow2", "qcow2",
+                        template.memory if template is not None else None,
                         template=False, hostname="sandbox") + ["-incoming", "defer", "-S"]
     vmm = Vmm.spawn(vm_dir, argv, cgroup_procs, netns=netns)
     try:
-        vmm.restore(state_file)
+        vmm.restore(state_file, mapped_ram=mapped_ram)
         conn = connect_agent(vmm)
         try:
             conn.mount()  # the sandbox's own disk (a resumed guest has it mounted already)

@@ -289,11 +289,14 @@ class Snapshots:
         labels: Mapping[str, str] | None = None, trajectory_offset: int | None = None,
         receipt_id: str | None = None, policy_version: str | None = None,
         attach_docs: Mapping[str, Mapping[str, Any]] | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
+        memory: bool = False,
     ) -> Checkpoint:
         """A microVM's checkpoint: its whole disk as one sparse file, ``disk.img``, in a layer of
-        its own (the document's ``disk``); its layers stay the image's.
+        its own (the document's ``disk``); its layers stay the image's.  With ``memory``, the
+        same layer holds ``vmstate.bin``, the VM's RAM image and device state of the same
+        instant (bound as ``"memory": "mapped-ram"``).
 
-        ``capture(dir)`` writes the disk there while the VM is stopped and returns the seconds
+        ``capture(dir)`` writes them there while the VM is stopped and returns the seconds
         it was.  Chunks dedup against the parent's disk, so the store grows by what changed;
         reading the disk costs what is allocated in it (docs/FORMAT.md Part 5)."""
         started = time.perf_counter()
@@ -316,13 +319,13 @@ class Snapshots:
             digest = await self._commit(
                 parent, list(parent.layers), ref_name, stats, extra={"disk": disk.to_json()},
                 bound={"policy_version": policy_version, "disk": "block", "disk_digest": disk.digest,
-                       "isolation": "microvm", "vm": dict(vm)},
+                       "isolation": "microvm", "vm": dict(vm), **({"memory": "mapped-ram"} if memory else {})},
                 fields={"trajectory_offset": trajectory_offset, "receipt_id": receipt_id, "labels": labels,
-                        "stats": {"entries": 1, "bytes_changed": result.data_bytes}},
+                        "stats": {"entries": 2 if memory else 1, "bytes_changed": result.data_bytes}},
                 attachments=None, attach_docs=attach_docs, before_ref=None)
         return Checkpoint(
             name=ref_name, digest=digest, parent=parent.digest, layer=disk.digest, layers=len(parent.layers),
-            entries=1, bytes_changed=result.data_bytes, bytes_uploaded=stats.bytes_uploaded,
+            entries=2 if memory else 1, bytes_changed=result.data_bytes, bytes_uploaded=stats.bytes_uploaded,
             freeze_seconds=round(freeze_seconds, 6), seconds=round(time.perf_counter() - started, 6))
 
     # -- restore ------------------------------------------------------------------------------------

@@ -33,9 +33,12 @@ from layerstore.store import RefNotFound, Store, UploadStats
 from snapshots.errors import SnapshotError
 
 TEMPLATE_REF = "vm-templates/{key}"
-# The unit a host fetches when its guest first touches a page: smaller than an image's 1 MiB,
+# The chunk of everything a VM saves (templates, checkpoint disks and memory images): the unit
+# a host fetches when its guest first touches a page or block, smaller than an image's 1 MiB
 # since a restored guest touches pages scattered over its RAM, not files read end to end.
-MEMORY_CHUNK_SIZE = 256 << 10
+# One size for all, so a checkpoint's RAM dedups against its template's and a disk against
+# its parent's.
+VM_CHUNK_SIZE = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,10 @@ async def publish_template(store: Store, src: Path, files: Sequence[str], doc: M
                 os.link(src / name, tree / name)
             meta, blob = Path(tmp) / "layer.erofs", Path(tmp) / "layer.blob"
             result = await asyncio.to_thread(convert_entries, walk_directory(tree), meta, blob,
-                                             chunk_size=MEMORY_CHUNK_SIZE, oci_whiteouts=False)
+                                             chunk_size=VM_CHUNK_SIZE, oci_whiteouts=False)
             stats = UploadStats()
             (layer,) = await upload_layers(store, [LocalLayer(meta, blob, {"vm_template": key})], stats,
-                                           chunk_size=MEMORY_CHUNK_SIZE)
+                                           chunk_size=VM_CHUNK_SIZE)
         digest = await store.put_doc({**doc, "layers": [layer.to_json()]}, stats)
         await store.set_ref(ref, digest, "vm-template", stats=stats)
     return PublishedTemplate(ref, digest, layer.digest, result.data_bytes, stats.bytes_uploaded,
@@ -85,4 +88,4 @@ async def find_template(store: Store, key: str) -> Resolved | None:
     return found
 
 
-__all__ = ["MEMORY_CHUNK_SIZE", "TEMPLATE_REF", "PublishedTemplate", "find_template", "publish_template"]
+__all__ = ["VM_CHUNK_SIZE", "TEMPLATE_REF", "PublishedTemplate", "find_template", "publish_template"]

@@ -283,6 +283,55 @@ def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
     assert box.exec("test -e /root/after").exit_code == 1
 
 
+def test_memory_checkpoint_goes_on_on_a_second_host_and_dedups_against_the_template(
+        vms: Any, vm_host2: SandboxManager, vm_manager: SandboxManager, store_url: str,  # noqa: F811
+        tmp_path: Path) -> None:
+    box = vms()
+    box.exec("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/c.tmp; mv /root/c.tmp /root/count; "
+             "sleep 0.2; done' >/dev/null 2>&1 &")
+    secret = os.urandom(8).hex().encode()
+    box.exec(["sh", "-c", f"echo {secret.decode()} > /dev/shm/note"])
+    _counting(box)
+    ckpt = run(box.checkpoint(memory=True))
+    doc = run(_doc(store_url, tmp_path, ckpt.digest))
+    assert doc["bound"]["memory"] == "mapped-ram"
+    assert doc["bound"]["vm"]["qemu"]
+    assert doc["bound"]["vm"]["assets"] == box.state.vm["assets"]
+    # the RAM image's unchanged 256 KiB runs are its template's chunks, already in the store
+    assert ckpt.bytes_uploaded < ckpt.bytes_changed / 4, ckpt
+    assert box.exec("cat /dev/shm/note").stdout.strip() == secret  # the source went on
+    restored = run(vm_host2.restore(ckpt.digest))
+    try:
+        assert restored.read("/dev/shm/note").strip() == secret
+        first = int(restored.read("/root/count"))
+        time.sleep(1)
+        assert int(restored.read("/root/count")) > first
+        # its own RNG from here on: the MOUNT after the load reseeds a restored memory too
+        draws = [b.exec("head -c 16 /dev/urandom | od -An -tx1").stdout for b in (box, restored)]
+        assert draws[0] != draws[1]
+        # its own writes, and a checkpoint of it (no template under it) restores again
+        restored.write("/root/second", b"2")
+        again = run(restored.checkpoint(memory=True))
+        third = run(vm_manager.restore(again.digest))
+        try:
+            assert third.read("/root/second") == b"2"
+            assert third.read("/dev/shm/note").strip() == secret
+        finally:
+            third.destroy()
+    finally:
+        restored.destroy()
+    with pytest.raises(UnsupportedOption, match="memory"):
+        run(Sandbox(vm_manager, run(vm_manager.create(REF)).id).checkpoint(memory=True))
+
+
+def _counting(box: Sandbox) -> None:
+    """Wait until the guest's counting loop has written its file once."""
+    deadline = time.monotonic() + 30
+    while box.exec("test -s /root/count").exit_code != 0:
+        assert time.monotonic() < deadline, "the guest's loop never wrote /root/count"
+        time.sleep(0.1)
+
+
 async def _doc(url: str, tmp: Path, digest: str) -> dict[str, Any]:
     from layerstore.store import Store
     async with await Store.open(url, tmp / "reader") as s:
@@ -438,6 +487,11 @@ def test_preempting_a_job_of_a_container_and_a_microvm(vm_manager: SandboxManage
     ct_box = run(vm_manager.create(REF, SandboxOptions(job="both")))
     vm_box.write("/root/who", b"vm")
     ct_box.write("/root/who", b"container")
+    # a process of the VM's and what only its RAM holds: a microVM is preempted with its memory
+    vm_box.exec("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/c.tmp; mv /root/c.tmp /root/count; "
+                "sleep 0.2; done' >/dev/null 2>&1 &")
+    vm_box.exec("echo in-ram > /dev/shm/note")
+    _counting(vm_box)
     done = run(preempt(vm_manager, "both", timeout=5))
     assert not vm_box.dir.exists()
     assert not ct_box.dir.exists()
@@ -447,6 +501,14 @@ def test_preempting_a_job_of_a_container_and_a_microvm(vm_manager: SandboxManage
         for new in back.sandboxes.values():
             box = vm_host2.get(new)
             kinds[box.state.options.isolation] = box.read("/root/who")
+            if box.state.options.isolation == "microvm":
+                assert box.read("/dev/shm/note") == b"in-ram\n"  # a tmpfs: not on the disk
+                first = int(box.read("/root/count"))
+                time.sleep(1)
+                assert int(box.read("/root/count")) > first, "the VM's loop did not go on on the second host"
+                restore = next(r for r in box.receipts() if r["action"] == "restore" and not r.get("inherited"))
+                assert restore["memory_restored"] is True
+                assert restore["template_source"] == "checkpoint"
     finally:
         for new in back.sandboxes.values():
             vm_host2.destroy(new)

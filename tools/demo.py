@@ -904,12 +904,33 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         if back.stdout.decode() != WRITE_TEXT:
             raise DemoError(f"restored microVM {restored.id} reads {back.stdout!r} at {WRITE_PATH}")
         out["restore_bytes_fetched"] = second.host.client.request("GET", "/stats")["bytes_fetched"]
+        source = next(r for r in restored.receipts() if r["action"] == "restore" and not r.get("inherited"))
         say(f"restore   {out['restore_to_first_exec']:8.3f} s  microVM {restored.id} on a second fresh host "
-            f"(its own template boot included) reads {WRITE_PATH} back; that host fetched "
-            f"{out['restore_bytes_fetched'] / MB:.1f} MB (its daemon's background fill of the image included)")
+            f"(template: {source.get('template_source')}) reads {WRITE_PATH} back; that host fetched "
+            f"{out['restore_bytes_fetched'] / MB:.1f} MB (its daemon's background fill included)")
+        restored.destroy()
+        # memory too: what only the guest's RAM holds (a tmpfs) comes back on the other host
+        box.exec(["/bin/sh", "-c", f"printf %s {shlex.quote(WRITE_TEXT)} > /dev/shm/demo"])
+        mem = asyncio.run(box.checkpoint(labels={"demo": "microvm"}, memory=True))
+        out["memory_checkpoint"] = mem.to_json()
+        say(f"checkpoint {mem.seconds:7.3f} s  of the microVM's disk and memory (stopped "
+            f"{mem.freeze_seconds * 1000:.0f} ms, {mem.bytes_changed / MB:.1f} MB captured, "
+            f"{mem.bytes_uploaded / MB:.1f} MB uploaded: the rest are its template's chunks)")
+        before = second.host.client.request("GET", "/stats")["bytes_fetched"]
+        started = time.perf_counter()
+        moved = asyncio.run(second.restore(mem.name))
+        back = moved.exec(["/bin/cat", "/dev/shm/demo"])
+        out["memory_restore_to_first_exec"] = time.perf_counter() - started
+        if back.stdout.decode() != WRITE_TEXT:
+            raise DemoError(f"microVM {moved.id} restored with memory reads {back.stdout!r} at /dev/shm/demo")
+        out["memory_restore_bytes_fetched"] = second.host.client.request("GET", "/stats")["bytes_fetched"] - before
+        say(f"restore   {out['memory_restore_to_first_exec']:8.3f} s  microVM {moved.id} from that memory on the "
+            f"second host: its RAM file /dev/shm/demo is back ({out['memory_restore_bytes_fetched'] / MB:.1f} MB "
+            "fetched)")
     report.microvm = out
     for step, key in (("microvm_cold", "cold_create_to_first_exec"), ("microvm_warm", "warm_create_to_first_exec"),
-                      ("microvm_restore", "restore_to_first_exec")):
+                      ("microvm_restore", "restore_to_first_exec"),
+                      ("microvm_memory_restore", "memory_restore_to_first_exec")):
         report.step_seconds[step] = out[key]
 
 
@@ -1007,7 +1028,8 @@ def print_summary(report: Report, stream: TextIO) -> None:
         f"pool, through the edge service; fork of 2 {report.sandbox['sdk']['fork_2']:.3f} s",
         (f"microvm   create to first command {steps['microvm_cold']:.3f} s with its template boot, "
          f"{steps['microvm_warm']:.3f} s from the template ({report.microvm.get('accel')}); restore on another host "
-         f"{steps['microvm_restore']:.3f} s ({_mb(report.microvm['restore_bytes_fetched'])} fetched)"
+         f"{steps['microvm_restore']:.3f} s ({_mb(report.microvm['restore_bytes_fetched'])} fetched), "
+         f"with its memory {steps['microvm_memory_restore']:.3f} s"
          if "microvm_cold" in steps else f"microvm   skipped: {report.microvm.get('skipped')}"),
         # first_output is part of command: the total counts it once
         f"total     {sum(v for k, v in steps.items() if k != 'first_output'):.2f} s ("
