@@ -442,6 +442,19 @@ def test_microvm_through_the_service_and_a_job_of_both_kinds(vm_manager: Sandbox
                 assert (await vm_sb.refresh()).status == "paused"
                 await job.resume()
             assert (await vm_sb.commands.run("cat /root/f.txt")).stdout == "through the edge"
+            # memory is a microVM's: a container's checkpoint with it, or a memory that is not a
+            # boolean, is a 400 naming the field
+            with pytest.raises(InvalidRequest, match="memory"):
+                await ct_sb.checkpoint(memory=True)
+            http = vm_sb._http  # the raw request: the SDK sends only booleans
+            with pytest.raises(InvalidRequest, match="memory"):
+                await http.json("POST", vm_sb._path + "/checkpoint", json_body={"memory": "yes"})
+            ckpt = await vm_sb.checkpoint(memory=True)
+            moved = await AsyncSandbox.restore(ckpt.name, url=url, token=token)
+            try:
+                assert (await moved.commands.run("cat /root/f.txt")).stdout == "through the edge"
+            finally:
+                await moved.kill()
         finally:
             await vm_sb.kill()
             await ct_sb.kill()
