@@ -320,8 +320,12 @@ def test_memory_checkpoint_goes_on_on_a_second_host_and_dedups_against_the_templ
             third.destroy()
     finally:
         restored.destroy()
-    with pytest.raises(UnsupportedOption, match="memory"):
-        run(Sandbox(vm_manager, run(vm_manager.create(REF)).id).checkpoint(memory=True))
+    container = run(vm_manager.create(REF))
+    try:
+        with pytest.raises(UnsupportedOption, match="memory"):
+            run(container.checkpoint(memory=True))
+    finally:
+        container.destroy()
 
 
 def _counting(box: Sandbox) -> None:
