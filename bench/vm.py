@@ -14,8 +14,15 @@ On the fixture's ``python`` image published to a ``file://`` store:
 * **block checkpoint**: ``--writes`` MB written in the guest, then ``checkpoint()``: its
   freeze and total time and bytes uploaded against bytes written.
 * **restore**: the checkpoint restored into a microVM on a second host (another data dir,
-  an empty cache: every block and layer chunk fetched from the store) against a restore on
-  the host that made it (warm cache).
+  an empty cache: every block and layer chunk fetched from the store, the template mapped
+  from the store) against a restore on the host that made it (warm cache).
+* **template from the store**: a third fresh host creates a microVM of the image: the
+  template the first host published is mounted lazily instead of booted; against the cold
+  boot on the first host; bytes fetched.
+* **memory checkpoint**: ``checkpoint(memory=True)`` of the running VM (disk, RAM and device
+  state in one stop): its freeze and total time, RAM captured and bytes uploaded (unchanged
+  RAM is its template's chunks); restored on the third host, where the guest's processes go
+  on, against the disk-only restore there.
 
 TCG inflates everything the guest executes (boot, exec, guest work) by 10-50x; it does not
 inflate the host side: QEMU's save and restore of device state, the store's upload and
@@ -86,6 +93,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     host1 = SandboxManager(work / "host1", url)
     host2 = SandboxManager(work / "host2", url)
     host2.host.daemon_options = {"fill_below": 0}  # what it fetches, the guest read
+    host3 = SandboxManager(work / "host3", url)
+    host3.host.daemon_options = {"fill_below": 0}
     made: list[Sandbox] = []  # destroyed by the hosts' close() at the end, whatever happens
     try:
         accel = host1.vms.capabilities()
@@ -167,23 +176,64 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out[f"{name}_template_boot_ms"] = _ms(start["template_seconds"]) if start.get("template_made") else 0.0
             out[f"{name}_reads_back"] = int(first.stdout) == args.writes * 1000000
             made.append(r)
+            out[f"{name}_template_source"] = start.get("template_source")
         stats = host2.host.client.request("GET", "/stats")
         out["cold_fetched_mb"] = round(stats["bytes_fetched"] / 1e6, 1)
         out["cold_vs_warm"] = round(out["cold_to_first_exec_ms"] / out["warm_to_first_exec_ms"], 2)
         doc["restore"] = out
+        log("template from the store: a third fresh host")
+        b3, t3 = create_first_exec(host3, vm)
+        made.append(b3)
+        start = b3.receipts()[0]
+        fetched3 = host3.host.client.request("GET", "/stats")["bytes_fetched"]
+        doc["store_template"] = {"create_to_first_exec_ms": _ms(t3), "template_source": start.get("template_source"),
+                                 "template_mount_ms": _ms(start["template_seconds"]),
+                                 "fetched_mb": round(fetched3 / 1e6, 1),
+                                 "vs_cold_boot": round(t3 / cold, 2)}
+        b3.destroy()
+        made.remove(b3)
+        log("memory checkpoint, restored on the third host")
+        box.exec("nohup sh -c 'while true; do date +%s%N > /root/tick; sleep 0.1; done' >/dev/null 2>&1 &")
+        box.exec("echo in-ram > /dev/shm/note")
+        t = time.perf_counter()
+        mem = asyncio.run(box.checkpoint(memory=True))
+        mem_s = time.perf_counter() - t
+        before = host3.host.client.request("GET", "/stats")["bytes_fetched"]
+        t = time.perf_counter()
+        moved = asyncio.run(host3.restore(mem.digest))
+        note = moved.exec("cat /dev/shm/note")
+        moved_s = time.perf_counter() - t
+        made.append(moved)
+        if note.stdout != b"in-ram\n":
+            raise BenchError(f"the memory restore lost the guest's tmpfs: {note.stdout!r}")
+        after = host3.host.client.request("GET", "/stats")["bytes_fetched"]
+        t = time.perf_counter()
+        disk_only = asyncio.run(host3.restore(ckpt.digest))
+        disk_only.exec(["/bin/true"])
+        disk_s = time.perf_counter() - t
+        made.append(disk_only)
+        doc["memory_checkpoint"] = {
+            "guest_ram_mib": args.memory, "seconds": round(mem_s, 3), "freeze_ms": _ms(mem.freeze_seconds),
+            "captured_mb": round(mem.bytes_changed / 1e6, 1), "uploaded_mb": round(mem.bytes_uploaded / 1e6, 1),
+            "uploaded_vs_captured": round(mem.bytes_uploaded / max(1, mem.bytes_changed), 3),
+            "restore_to_first_exec_ms": _ms(moved_s), "restore_fetched_mb": round((after - before) / 1e6, 1),
+            "disk_only_restore_ms": _ms(disk_s), "memory_vs_disk_only": round(moved_s / disk_s, 2)}
     finally:
         # close() destroys every sandbox of a host (the ones a failed step left too), its mounts,
         # namespaces and daemon; a failure of the first host's does not keep the second's
         try:
             host1.close()
         finally:
-            host2.close()
+            try:
+                host2.close()
+            finally:
+                host3.close()
     return doc
 
 
 def render(doc: dict[str, Any]) -> str:
     lines = [f"VMM: {doc.get('vmm')}"]
-    for section in ("create", "exec", "idle", "pause", "checkpoint", "restore"):
+    for section in ("create", "exec", "idle", "pause", "checkpoint", "restore", "store_template", "memory_checkpoint"):
         if section in doc:
             lines.append(f"{section:<11} " + ", ".join(f"{k} {v}" for k, v in doc[section].items()))
     return "\n".join(lines)

@@ -319,10 +319,21 @@ class Resolved:
         return LayerEntry.from_json(disk, f"document {self.digest}: disk") if disk is not None else None
 
     @property
-    def stored_layers(self) -> tuple[LayerEntry, ...]:
-        """Every layer the document keeps alive in the store: its layers and its disk."""
+    def disk_chain(self) -> tuple[LayerEntry, ...]:
+        """A microVM checkpoint's disk as the layers it stacks, base first: the base holds
+        ``disk.img``, each later one ``delta.qcow2`` (the clusters written since the one
+        before it); the last is :attr:`disk`.  Empty for any other document."""
         disk = self.disk
-        return (*self.layers, disk) if disk is not None else self.layers
+        if disk is None:
+            return ()
+        base = tuple(LayerEntry.from_json(x, f"document {self.digest}: disk_base")
+                     for x in self.doc.get("disk_base") or ())
+        return (*base, disk)
+
+    @property
+    def stored_layers(self) -> tuple[LayerEntry, ...]:
+        """Every layer the document keeps alive in the store: its layers and its disk's chain."""
+        return (*self.layers, *self.disk_chain)
 
 
 def resolve_document(digest: str, doc: Mapping[str, Any]) -> Resolved:

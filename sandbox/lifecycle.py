@@ -217,7 +217,7 @@ def disk_usage(manager: SandboxManager, box: Sandbox, st: SandboxState) -> dict[
     what its qcow2 holds on the host."""
     if st.options.isolation == "microvm" and st.vm is not None:
         try:
-            held = (box.dir / "vm" / "disk.qcow2").stat().st_blocks * 512
+            held = sum(f.stat().st_blocks * 512 for f in (box.dir / "vm").glob("disk*.qcow2"))
         except OSError:
             held = None
         return {"where": "vm-disk", "used": held, "free": None, "limit": int(st.vm["shape"]["disk"]),

@@ -709,9 +709,15 @@ class Sandbox:
         prefix = project_namespace(st.project) if st.project else ""
         async with await mgr._store() as store:
             receipts = {"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last, "head": head}
+            def on_snapshot(rec: dict[str, Any]) -> None:  # the VM's disk chain changed: state says so at once
+                with mgr._lock:
+                    self._update(vm={**(self.state.vm or {}), "disk_nodes": rec["disk_nodes"], "disk_chain": None})
+
             ckpt = await Snapshots(store, mgr.host).checkpoint_disk(
-                parent, lambda out: mgr.vms.capture(self.id, self.dir, self.state, out, memory=memory),
+                parent, lambda out: mgr.vms.capture(self.id, self.dir, self.state, out, memory=memory,
+                                                    on_snapshot=on_snapshot),
                 ref_name=name or f"{prefix}checkpoints/{self.id}:{seq}", memory=memory,
+                base=record.get("disk_chain") or (),
                 chunk_size=vmstate.VM_CHUNK_SIZE,
                 vm={**{k: record[k] for k in ("machine", "shape")}, **mgr.vms.vm_identity()},
                 labels={**st.labels, **(labels or {})},
@@ -720,10 +726,13 @@ class Sandbox:
                 policy_version=policy_version if policy_version is not None else st.policy_version,
                 attach_docs={"receipts": receipts,
                              "options": {"schema": SCHEMA_OPTIONS, "options": st.options.carried()}})
+        async with await mgr._store() as store:
+            chain = (await store.resolve(ckpt.digest)).disk_chain
         with mgr._lock:
             fresh = self.state
             assert fresh.vm is not None
-            self._update(vm={**fresh.vm, "parent": ckpt.digest, "checkpoints": seq})
+            self._update(vm={**fresh.vm, "parent": ckpt.digest, "checkpoints": seq,
+                             "disk_chain": [x.to_json() for x in chain]})
         self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
                       bytes_changed=ckpt.bytes_changed, isolation="microvm", disk_layer=ckpt.layer, memory=memory)
         return ckpt

@@ -36,6 +36,7 @@ from sandbox.network import VM_GUEST_ADDRESS, VM_TAP_ADDRESS, NetworkManager
 
 log = logging.getLogger("layerbox.sandbox")
 
+MAX_DISK_CHAIN = 8  # deltas a checkpoint's disk may stand on; the next one is a whole disk again
 VM_RECORD = "layerbox.vm.v1"
 MAX_PATH = 4096
 
@@ -243,30 +244,29 @@ class MicroVms:
         container gets, its tap routed (sandbox.network), else one with nothing but the tap.
         Returns the VM record and network for state.json and the timings for the receipt."""
         hv, assets = self.prepare()
-        disk_layer = resolved.disk
+        chain = resolved.disk_chain
         shape = self.shape_for(resolved, options)
         files = self.host.layer_files(resolved)
         layers = [(f["meta"], f["blob"]) for f in files]
         t1 = time.perf_counter()
         vm_dir = box_dir / "vm"
         vm_dir.mkdir(mode=0o700, exist_ok=True)
-        if disk_layer is not None:
-            backing = self._mount_disk(resolved, disk_layer, vm_dir)
+        if chain:
+            nodes = self._mount_disk_chain(resolved, chain, vm_dir)
         else:
-            backing = vm.pristine_disk(self.templates_dir, shape.disk)
-        vm.sandbox_disk(backing, vm_dir / "disk.qcow2")
+            nodes = [(str(vm.pristine_disk(self.templates_dir, shape.disk)), "raw")]
+        vm.sandbox_disk(nodes[-1][0], nodes[-1][1], vm_dir / "disk.qcow2", shape.disk)
+        nodes.append((str(vm_dir / "disk.qcow2"), "qcow2"))
         procs = self._cgroup(cgroups_path, options, shape)
         network, guest_net = self._network(sid, options)
         if template is None:
-            if disk_layer is None:
-                raise SandboxStateError(f"sandbox {sid}: no template and no checkpoint memory to start from")
-            state_file = vm_dir / "disk-layer" / "vmstate.bin"
-            if not state_file.is_file():
-                raise SandboxStateError(f"checkpoint {resolved.digest}: its disk layer {disk_layer.digest} has "
-                                        "no vmstate.bin, though it is bound with memory")
+            state_file = vm_dir / f"disk-layer-{len(chain) - 1}" / "vmstate.bin"
+            if not chain or not state_file.is_file():
+                raise SandboxStateError(f"checkpoint {resolved.digest}: its disk layer has no vmstate.bin, "
+                                        "though it is bound with memory")
         else:
             state_file = template.state
-        vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, state_file, procs,
+        vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, state_file, nodes, procs,
                                            netns=self._net().netns_path(sid), guest_net=guest_net,
                                            mapped_ram=template is None)
         with self._lock:
@@ -275,7 +275,11 @@ class MicroVms:
                   "template": template.key if template is not None else None,
                   "accel": hv.accel, "qemu": ".".join(map(str, hv.version)), "shape": shape.to_json(),
                   "layers": [list(x) for x in layers], "vmm_pid": vmm.pid, "vmm_start": vmm.start, "saved": False,
-                  "disk_layer": disk_layer.digest if disk_layer is not None else None}
+                  "disk_layer": chain[-1].digest if chain else None,
+                  # the disk as QEMU has it, base first, the last one written; and the store's layers
+                  # equal to all but that last one (None while they are this host's own files)
+                  "disk_nodes": [list(x) for x in nodes],
+                  "disk_chain": [x.to_json() for x in chain] if chain else None}
         record["guest_net"] = list(guest_net) if guest_net is not None else None
         return record, network, {"restore_seconds": round(time.perf_counter() - t1, 6)}
 
@@ -297,48 +301,80 @@ class MicroVms:
         finally:
             net.destroy(name)
 
-    def _mount_disk(self, resolved: Resolved, disk: LayerEntry, vm_dir: Path) -> Path:
-        """The checkpoint's disk layer mounted read-only under the VM's directory; its one file,
-        ``disk.img``, is the raw backing of the sandbox's qcow2."""
-        target = vm_dir / "disk-layer"
-        target.mkdir(exist_ok=True)
-        only = Resolved(disk.digest, "image", (disk,), {}, {})
-        self.host.mount(only, target, trace=False, fill=False)
-        image = target / "disk.img"
-        if not image.is_file():
-            raise SandboxStateError(f"checkpoint {resolved.digest}: its disk layer {disk.digest} has no disk.img")
-        return image
+    def _mount_disk_chain(self, resolved: Resolved, chain: Sequence[LayerEntry], vm_dir: Path
+                          ) -> list[tuple[str, str]]:
+        """The checkpoint's disk layers mounted read-only under the VM's directory
+        (``disk-layer-<i>``, base first): the base's one file is ``disk.img`` (raw), every
+        other's ``delta.qcow2``.  Their (file, format) nodes, base first."""
+        nodes = []
+        for i, layer in enumerate(chain):
+            target = vm_dir / f"disk-layer-{i}"
+            target.mkdir(exist_ok=True)
+            self.host.mount(Resolved(layer.digest, "image", (layer,), {}, {}), target, trace=False, fill=False)
+            name, fmt = ("disk.img", "raw") if i == 0 else ("delta.qcow2", "qcow2")
+            if not (target / name).is_file():
+                raise SandboxStateError(f"checkpoint {resolved.digest}: its disk layer {layer.digest} has no {name}")
+            nodes.append((str(target / name), fmt))
+        return nodes
 
-    def capture(self, sid: str, box_dir: Path, st: SandboxState, out: Path, *, memory: bool = False) -> float:
-        """Write the VM's whole disk (the qcow2 and what it stands on) to ``out/disk.img``, sparse,
-        with the guest's page cache flushed and its vCPUs stopped meanwhile; with ``memory``
-        also its RAM and device state, at the same instant, to ``out/vmstate.bin`` (QEMU's
-        mapped-ram image).  The seconds the guest was stopped."""
-        disk = box_dir / "vm" / "disk.qcow2"
-        qmp = None
-        if st.status == "running":
-            self.conn(sid, box_dir, st).sync()
-            qmp = self.vmm_of(box_dir, st).qmp()
-        elif memory:
-            raise SandboxStateError(f"sandbox {sid} is {st.status}: its memory is captured while it runs")
+    def capture(self, sid: str, box_dir: Path, st: SandboxState, out: Path, *, memory: bool = False,
+                on_snapshot: Callable[[dict[str, Any]], None]) -> tuple[float, str]:
+        """Capture the VM's disk into ``out``: ``delta.qcow2``, the clusters written since the
+        disk the VM's record says the store has (``disk_chain``), or with no such chain (a new
+        sandbox's disk is this host's own) or a chain of :data:`MAX_DISK_CHAIN`, the whole
+        disk as a sparse raw ``disk.img``.  With ``memory``, also its RAM and device state of
+        the same instant in ``out/vmstate.bin`` (QEMU's mapped-ram image).
+
+        The guest's page cache is synced, its vCPUs stopped, and its disk switched to a new
+        overlay (``blockdev-add``, ``blockdev-snapshot``): what was written before is frozen, so it is
+        read after the guest runs on.  ``on_snapshot(record)`` is called with the VM record
+        of the new chain at once (its ``disk_chain`` None until the checkpoint lands).
+        Returns the seconds the guest was stopped and which file was made."""
+        rec = dict(self._record(st))
+        nodes = [(str(p), f) for p, f in rec.get("disk_nodes") or []]
+        if not nodes:
+            raise SandboxStateError(f"sandbox {sid}: its VM record predates disk chains; checkpoint it "
+                                    "after a restart of its VM, or restore a checkpoint of it")
+        chain = rec.get("disk_chain")
+        if st.status != "running":
+            raise SandboxStateError(f"sandbox {sid} is {st.status}: its disk is captured while it runs")
+        top = box_dir / "vm" / f"disk-{len(nodes)}.qcow2"
+        top.unlink(missing_ok=True)  # one a failed checkpoint made and never switched to
+        vm.sandbox_disk(nodes[-1][0], nodes[-1][1], top, int(rec["shape"]["disk"]))
+        self.conn(sid, box_dir, st).sync()
+        vmm = self.vmm_of(box_dir, st)
+        qmp = vmm.qmp()
         t = time.perf_counter()
         try:
-            if qmp is not None:
-                qmp.execute("stop")  # also drains and flushes every block device
-            # -U: the VMM holds the image's lock; nothing writes it while the guest is stopped
-            subprocess.run(["qemu-img", "convert", "-U", "-f", "qcow2", "-O", "raw", "-S", "4k", str(disk),
-                            str(out / "disk.img")], check=True, capture_output=True, text=True)
-            if memory and qmp is not None:
-                self.vmm_of(box_dir, st).save(out / "vmstate.bin", mapped_ram=True, qmp=qmp)
+            qmp.execute("stop")  # also drains and flushes every block device
+            # the new overlay with the options disk_args gives a restarted VMM its top, then the switch
+            qmp.execute("blockdev-add", **{"driver": "qcow2", "node-name": f"d{len(nodes)}", "discard": "unmap",
+                                           "backing": None, "file": {"driver": "file", "filename": str(top)}})
+            qmp.execute("blockdev-snapshot", node=f"d{len(nodes) - 1}", overlay=f"d{len(nodes)}")
+            frozen, nodes = nodes, [*nodes, (str(top), "qcow2")]
+            rec.update(disk_nodes=[list(x) for x in nodes], disk_chain=None)
+            on_snapshot(rec)
+            if memory:
+                vmm.save(out / "vmstate.bin", mapped_ram=True, qmp=qmp)
+        finally:
+            try:
+                qmp.execute("cont")
+            finally:
+                qmp.close()
+        stopped = time.perf_counter() - t
+        try:
+            if chain and len(chain) < MAX_DISK_CHAIN:
+                # the frozen overlay is exactly what was written since the chain's top
+                subprocess.run(["cp", "--sparse=always", frozen[-1][0], str(out / "delta.qcow2")], check=True,
+                               capture_output=True, text=True)
+                return stopped, "delta.qcow2"
+            # -U: the VMM holds the images' locks (it reads them, it writes only the new overlay)
+            subprocess.run(["qemu-img", "convert", "-U", "--image-opts", vm.chain_image_opts(frozen),
+                            "-O", "raw", "-S", "4k", str(out / "disk.img")], check=True, capture_output=True,
+                           text=True)
+            return stopped, "disk.img"
         except subprocess.CalledProcessError as exc:
             raise SandboxStateError(f"sandbox {sid}: reading its disk failed: {exc.stderr.strip()}") from None
-        finally:
-            if qmp is not None:
-                try:
-                    qmp.execute("cont")
-                finally:
-                    qmp.close()
-        return time.perf_counter() - t
 
     def _cgroup(self, cgroups_path: str, options: SandboxOptions, shape: vm.Shape) -> list[Path]:
         """The VMM's cgroup with the sandbox's limits: the guest's RAM plus the VMM's own, its
@@ -430,7 +466,14 @@ class MicroVms:
         saved = box_dir / "vm" / "saved.bin"
         procs = self._cgroup(cgroups_path, st.options, shape)
         guest = rec.get("guest_net")
-        vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, procs,
+        # a record of an older layerbox: its qcow2 names its backing file itself
+        nodes = [(str(p), f) for p, f in rec.get("disk_nodes") or [[box_dir / "vm" / "disk.qcow2", "qcow2"]]]
+        while (box_dir / "vm" / f"disk-{len(nodes)}.qcow2").exists():
+            # an overlay a checkpoint switched to before the state said so (a crash in between): the
+            # guest has written there since, so it goes on top (unused, it is an empty overlay)
+            nodes.append((str(box_dir / "vm" / f"disk-{len(nodes)}.qcow2"), "qcow2"))
+        rec["disk_nodes"] = [list(x) for x in nodes]
+        vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, nodes, procs,
                                            netns=self._net().netns_path(sid),
                                            guest_net=(guest[0], int(guest[1]), guest[2]) if guest else None)
         with self._lock:
@@ -446,7 +489,6 @@ class MicroVms:
         self._drop_conn(sid)
         if st is not None and st.vm is not None and st.vm.get("vmm_pid"):
             self.vmm_of(box_dir, st).kill()
-        target = box_dir / "vm" / "disk-layer"
         for d in cgroup_dirs:
             with contextlib.suppress(OSError, ValueError):
                 for pid in {int(x) for x in (d / "cgroup.procs").read_text().split()}:
@@ -454,12 +496,14 @@ class MicroVms:
                         os.kill(pid, signal.SIGKILL)
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(pid, 0)
-        if target.exists():  # after the VMM: it read its backing file from there
+        vm_dir = box_dir / "vm"
+        # after the VMM: it read its backing files from there (disk-layer: an older layerbox's)
+        for target in sorted(vm_dir.glob("disk-layer*")) if vm_dir.is_dir() else ():
             with contextlib.suppress(LazyfetchError, OSError):
                 self.host.umount(target, discard=True)
             if kmount.is_mountpoint(target):
                 kmount.umount(target, lazy=True, missing_ok=True)
-        shutil.rmtree(box_dir / "vm", ignore_errors=True)
+        shutil.rmtree(vm_dir, ignore_errors=True)
 
     def close(self) -> None:
         with self._lock:

@@ -208,8 +208,44 @@ def shape_of(cpu: float, memory: int, disk: int | None) -> Shape:
     return Shape(vcpus=max(1, min(64, int(cpu + 0.999))), memory=mem, disk=disk or DEFAULT_DISK)
 
 
+def _q(value: str | os.PathLike[str]) -> str:
+    """A value inside a QEMU option string (a comma is doubled)."""
+    return str(value).replace(",", ",,")
+
+
+def disk_args(nodes: Sequence[tuple[str, str]]) -> list[str]:
+    """The ``-blockdev`` graph of the sandbox's disk: ``nodes`` are (file, format) base first,
+    the last one the guest writes (node ``d<n-1>``); each qcow2 node's backing is the node
+    before it, never the name its header records (a checkpoint's delta was written on
+    another host).  The device is ``lb-upper``.  A lone qcow2 node (a record of an older
+    layerbox) opens its backing chain from its header."""
+    argv: list[str] = []
+    last = len(nodes) - 1
+    for i, (path, fmt) in enumerate(nodes):
+        ro = "on" if i < last else "off"
+        node = f"driver={fmt},node-name=d{i},read-only={ro},file.driver=file,file.filename={_q(path)}"
+        if fmt == "qcow2" and i > 0:
+            node += f",backing=d{i - 1}"
+        if i == last:
+            node += ",discard=unmap"
+        argv += ["-blockdev", node]
+    return argv + ["-device", f"virtio-blk-device,drive=d{last},serial=lb-upper"]
+
+
+def chain_image_opts(nodes: Sequence[tuple[str, str]]) -> str:
+    """``qemu-img --image-opts`` for the disk ``nodes`` (base first) as one image, each
+    backing given explicitly (see :func:`disk_args`)."""
+    opts: list[str] = []
+    prefix = ""
+    for path, fmt in reversed(nodes):
+        opts += [f"{prefix}driver={fmt}", f"{prefix}file.driver=file", f"{prefix}file.filename={_q(path)}"]
+        prefix += "backing."
+    return ",".join(opts)
+
+
 def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: Sequence[tuple[str, str]],
-                 disk: Path, disk_format: str, memory_file: Path | None, *, template: bool, hostname: str) -> list[str]:
+                 disk_nodes: Sequence[tuple[str, str]], memory_file: Path | None, *, template: bool,
+                 hostname: str) -> list[str]:
     """QEMU's argv, relative to the VM's directory (its sockets are made there).  RAM: a
     template's is ``memory_file`` (share=on: a save leaves it there); a sandbox's is a private,
     read-only mapping of its template's file, so its writes are its own and the file stays;
@@ -237,11 +273,10 @@ def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: 
         for kind, path in (("meta", meta), ("blob", blob)):
             argv += ["-drive", f"id={kind}{i},file={path},format=raw,if=none,readonly=on,cache=writeback",
                      "-device", f"virtio-blk-device,drive={kind}{i},serial=lb-{kind}-{i}"]
-    argv += ["-drive", f"id=upper,file={disk},format={disk_format},if=none,discard=unmap",
-             "-device", "virtio-blk-device,drive=upper,serial=lb-upper",
-             # the NIC: the tap of the namespace the VMM runs in (sandbox.network, VM_TAP); its MAC
-             # is the same in every VM, each alone on its own link
-             "-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
+    argv += disk_args(disk_nodes)  # its device after the layers' and before the NIC: the slots a save records
+    # the NIC: the tap of the namespace the VMM runs in (sandbox.network, VM_TAP); its MAC is the
+    # same in every VM, each alone on its own link
+    argv += ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
              "-device", "virtio-net-device,netdev=net0,mac=52:54:00:6c:62:02",
              "-device", "virtio-serial-device,max_ports=2",
              "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
@@ -524,7 +559,7 @@ def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers:
         for name, size in (("disk.raw", shape.disk), ("memory", shape.memory)):
             with open(work / name, "wb") as f:
                 f.truncate(size)
-        argv = command_line(hv, assets, shape, layers, work / "disk.raw", "raw", work / "memory",
+        argv = command_line(hv, assets, shape, layers, [(str(work / "disk.raw"), "raw")], work / "memory",
                             template=True, hostname="sandbox")
         with netns(f"lb-t{key[:10]}") as ns:
             vmm = Vmm.spawn(work, argv, netns=ns)
@@ -562,11 +597,12 @@ def pristine_disk(root: Path, size: int) -> Path:
     return path
 
 
-def sandbox_disk(backing: Path, path: Path) -> None:
-    """The sandbox's disk: a qcow2 overlay (its writes only) over ``backing``, a raw ext4 image."""
+def sandbox_disk(backing: str, backing_format: str, path: Path, size: int) -> None:
+    """The sandbox's disk: a qcow2 overlay (its writes only) over ``backing`` (a raw ext4 image, or
+    the top of a checkpoint's chain), not opened here: QEMU is given the chain (:func:`disk_args`)."""
     try:
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(backing),
-                        str(path)], check=True, capture_output=True, text=True)
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", backing_format, "-b", backing,
+                        str(path), str(size)], check=True, capture_output=True, text=True)
     except FileNotFoundError:
         raise HostUnsupported("qemu-img is not installed (apt-get install qemu-utils)") from None
     except subprocess.CalledProcessError as exc:
@@ -575,14 +611,13 @@ def sandbox_disk(backing: Path, path: Path) -> None:
 
 def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, template: Template | None,
                         layers: Sequence[tuple[str, str]], shape: Shape, state_file: Path,
-                        cgroup_procs: Sequence[Path] = (), *, netns: Path,
-                        guest_net: tuple[str, int, str] | None = None,
+                        disk_nodes: Sequence[tuple[str, str]], cgroup_procs: Sequence[Path] = (), *,
+                        netns: Path, guest_net: tuple[str, int, str] | None = None,
                         mapped_ram: bool = False) -> tuple[Vmm, AgentConnection]:
     """A VMM restored from ``state_file`` (the template's, or this sandbox's own saved state;
     with ``template`` None and ``mapped_ram``, a memory image of its own: its RAM anonymous),
     in the network namespace ``netns``; ``guest_net`` (address, prefix length, gateway) for eth0."""
-    argv = command_line(hv, assets, shape, layers, vm_dir / "disk.qcow2", "qcow2",
-                        template.memory if template is not None else None,
+    argv = command_line(hv, assets, shape, layers, disk_nodes, template.memory if template is not None else None,
                         template=False, hostname="sandbox") + ["-incoming", "defer", "-S"]
     vmm = Vmm.spawn(vm_dir, argv, cgroup_procs, netns=netns)
     try:
@@ -601,6 +636,6 @@ def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, t
         raise
 
 
-__all__ = ["Hypervisor", "Qmp", "Shape", "Template", "VmError", "Vmm", "command_line", "connect_agent",
-           "ensure_template", "hypervisor", "load_template", "pristine_disk", "sandbox_disk", "shape_of",
+__all__ = ["Hypervisor", "Qmp", "Shape", "Template", "VmError", "Vmm", "chain_image_opts", "command_line",
+           "connect_agent", "disk_args", "ensure_template", "hypervisor", "load_template", "pristine_disk", "sandbox_disk", "shape_of",
            "start_from_template", "template_key", "template_lock"]

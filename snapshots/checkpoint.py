@@ -35,7 +35,7 @@ import stat
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -285,20 +285,23 @@ class Snapshots:
         return digest
 
     async def checkpoint_disk(
-        self, parent_ref: str, capture: Callable[[Path], float], *, ref_name: str, vm: Mapping[str, Any],
+        self, parent_ref: str, capture: Callable[[Path], tuple[float, str]], *, ref_name: str,
+        vm: Mapping[str, Any], base: Sequence[Mapping[str, Any]] = (),
         labels: Mapping[str, str] | None = None, trajectory_offset: int | None = None,
         receipt_id: str | None = None, policy_version: str | None = None,
         attach_docs: Mapping[str, Mapping[str, Any]] | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
         memory: bool = False,
     ) -> Checkpoint:
-        """A microVM's checkpoint: its whole disk as one sparse file, ``disk.img``, in a layer of
-        its own (the document's ``disk``); its layers stay the image's.  With ``memory``, the
+        """A microVM's checkpoint: its disk in a layer of its own (the document's ``disk``): the
+        whole disk as one sparse ``disk.img``, or ``delta.qcow2``, the clusters written since
+        the disk chain ``base`` (layer entries, base first: the document's ``disk_base``),
+        which the restore stacks under it.  Its layers stay the image's.  With ``memory``, the
         same layer holds ``vmstate.bin``, the VM's RAM image and device state of the same
         instant (bound as ``"memory": "mapped-ram"``).
 
-        ``capture(dir)`` writes them there while the VM is stopped and returns the seconds
-        it was.  Chunks dedup against the parent's disk, so the store grows by what changed;
-        reading the disk costs what is allocated in it (docs/FORMAT.md Part 5)."""
+        ``capture(dir)`` writes them there and returns the seconds the VM was stopped and the
+        disk file it wrote; ``base`` applies to a ``delta.qcow2`` only.  Chunks dedup against
+        everything in the store (docs/FORMAT.md Part 5)."""
         started = time.perf_counter()
         parent = await self.store.resolve(parent_ref)
         async with self.store.writer_lock("checkpoint"):
@@ -307,18 +310,21 @@ class Snapshots:
                 src.mkdir()
                 meta, blob = Path(tmp) / "layer.erofs", Path(tmp) / "layer.blob"
 
-                def run() -> tuple[float, Any]:
-                    frozen = capture(src)
-                    return frozen, convert_entries(walk_directory(src), meta, blob, chunk_size=chunk_size,
-                                                   oci_whiteouts=False)
+                def run() -> tuple[float, str, Any]:
+                    frozen, made = capture(src)
+                    return frozen, made, convert_entries(walk_directory(src), meta, blob, chunk_size=chunk_size,
+                                                         oci_whiteouts=False)
 
-                freeze_seconds, result = await asyncio.to_thread(run)
+                freeze_seconds, made, result = await asyncio.to_thread(run)
+                chain_base = [dict(x) for x in base] if made == "delta.qcow2" else []
                 stats = UploadStats()
                 (disk,) = await upload_layers(self.store, [LocalLayer(meta, blob, {"disk_of": parent.digest})],
                                               stats, chunk_size=chunk_size)
             digest = await self._commit(
-                parent, list(parent.layers), ref_name, stats, extra={"disk": disk.to_json()},
+                parent, list(parent.layers), ref_name, stats,
+                extra={"disk": disk.to_json(), **({"disk_base": chain_base} if chain_base else {})},
                 bound={"policy_version": policy_version, "disk": "block", "disk_digest": disk.digest,
+                       "disk_chain": [*(x["digest"] for x in chain_base), disk.digest],
                        "isolation": "microvm", "vm": dict(vm), **({"memory": "mapped-ram"} if memory else {})},
                 fields={"trajectory_offset": trajectory_offset, "receipt_id": receipt_id, "labels": labels,
                         "stats": {"entries": 2 if memory else 1, "bytes_changed": result.data_bytes}},
@@ -343,6 +349,9 @@ class Snapshots:
         disk = resolved.disk
         if (disk.digest if disk is not None else None) != bound.get("disk_digest"):
             raise CheckpointMismatch(f"{ref}: its disk does not match the digest it is bound to")
+        chain = [x.digest for x in resolved.disk_chain]
+        if disk is not None and chain != bound.get("disk_chain", [disk.digest]):  # one disk.img before chains
+            raise CheckpointMismatch(f"{ref}: its disk chain does not match the digests it is bound to")
         if policy_version is not None and bound.get("policy_version") != policy_version:
             raise CheckpointMismatch(f"{ref}: made under policy {bound.get('policy_version')!r}, "
                                      f"refusing to resume under {policy_version!r}")

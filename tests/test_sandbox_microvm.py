@@ -249,10 +249,14 @@ def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
     assert doc["bound"]["isolation"] == "microvm"
     assert doc["disk"]["digest"] == first.layer
     assert [x["digest"] for x in doc["layers"]] == list(box.state.layer_digests)  # the image's, bound
-    # a second checkpoint of a small change uploads about the change, not the disk again
+    # a second checkpoint is the clusters written since the first (a qcow2 delta over its disk)
     box.write("/root/small", b"x" * 1000)
     second = run(box.checkpoint())
     assert second.bytes_uploaded < len(payload) / 2, second
+    assert second.bytes_changed < len(payload) / 2, second  # what was read: the delta, not the disk
+    doc2 = run(_doc(store_url, tmp_path, second.digest))
+    assert [x["digest"] for x in doc2["disk_base"]] == [first.layer]
+    assert doc2["bound"]["disk_chain"] == [first.layer, second.layer]
     assert box.exec("cat /root/small").stdout == b"x" * 1000  # the guest went on after the freeze
     host2 = vm_host2
     assert host2.host.client.health() is None  # nothing ran there yet: every byte comes from the store
@@ -265,10 +269,19 @@ def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
         assert restored.read("/root/small") == b"x" * 1000
         restored.write("/root/after", b"own")  # its own writes, not the checkpoint's
         assert restored.exec("cat /root/after").stdout == b"own"
+        restored.exec("sync")  # the writes' copy-on-write reads of the chain are done before the counts
         per_layer = host2.host.client.request("GET", "/stats")["bytes_fetched_uncompressed_per_layer"]
-        fetched = per_layer[second.layer]
+        fetched = per_layer[first.layer] + per_layer[second.layer]
         disk = restored.state.vm["shape"]["disk"]
         assert 0 < fetched < disk / 4, f"fetched {fetched} bytes for a {disk}-byte disk: not lazy"
+        # a checkpoint of the restored VM is a delta over the chain: it reads none of the chain,
+        # so it fetches nothing more of the first host's disk
+        third = run(restored.checkpoint())
+        after = host2.host.client.request("GET", "/stats")["bytes_fetched_uncompressed_per_layer"]
+        assert after[first.layer] == per_layer[first.layer]
+        assert third.bytes_changed < len(payload) / 2, third
+        doc3 = run(_doc(store_url, tmp_path, third.digest))
+        assert doc3["bound"]["disk_chain"] == [first.layer, second.layer, third.layer]
         # host 1 published its template: host 2 mapped it from the store instead of booting one
         create = next(r for r in restored.receipts() if r["action"] == "restore" and not r.get("inherited"))
         assert create["template_source"] == "store", create
