@@ -344,24 +344,30 @@ class MicroVms:
         self.conn(sid, box_dir, st).sync()
         vmm = self.vmm_of(box_dir, st)
         qmp = vmm.qmp()
+        frozen = list(nodes)
+
+        def switch() -> None:  # the guest is stopped: its disk goes to the new overlay
+            # the new overlay with the options disk_args gives a restarted VMM its top, then the switch
+            qmp.execute("blockdev-add", **{"driver": "qcow2", "node-name": f"d{len(frozen)}", "discard": "unmap",
+                                           "backing": None, "file": {"driver": "file", "filename": str(top)}})
+            qmp.execute("blockdev-snapshot", node=f"d{len(frozen) - 1}", overlay=f"d{len(frozen)}")
+            rec.update(disk_nodes=[*(list(x) for x in frozen), [str(top), "qcow2"]], disk_chain=None)
+            on_snapshot(rec)
+
         t = time.perf_counter()
         try:
-            qmp.execute("stop")  # also drains and flushes every block device
-            # the new overlay with the options disk_args gives a restarted VMM its top, then the switch
-            qmp.execute("blockdev-add", **{"driver": "qcow2", "node-name": f"d{len(nodes)}", "discard": "unmap",
-                                           "backing": None, "file": {"driver": "file", "filename": str(top)}})
-            qmp.execute("blockdev-snapshot", node=f"d{len(nodes) - 1}", overlay=f"d{len(nodes)}")
-            frozen, nodes = nodes, [*nodes, (str(top), "qcow2")]
-            rec.update(disk_nodes=[list(x) for x in nodes], disk_chain=None)
-            on_snapshot(rec)
-            if memory:
-                vmm.save(out / "vmstate.bin", mapped_ram=True, qmp=qmp)
+            if memory:  # RAM copied live; the disk switched in the last pass's stop
+                stopped = vmm.save(out / "vmstate.bin", mapped_ram=True, qmp=qmp, switchover=switch, durable=False)
+            else:
+                qmp.execute("stop")  # also drains and flushes every block device
+                switch()
         finally:
             try:
                 qmp.execute("cont")
             finally:
                 qmp.close()
-        stopped = time.perf_counter() - t
+        if not memory:
+            stopped = time.perf_counter() - t
         try:
             if chain and len(chain) < MAX_DISK_CHAIN:
                 # the frozen overlay is exactly what was written since the chain's top

@@ -376,21 +376,32 @@ class Vmm:
                               f"{self.log_tail()}")
             time.sleep(0.005)
 
-    def save(self, state_file: Path, *, mapped_ram: bool = False, qmp: Qmp | None = None) -> float:
-        """Stop the guest and write its state; the seconds the save took.
+    def save(self, state_file: Path, *, mapped_ram: bool = False, qmp: Qmp | None = None,
+             switchover: Callable[[], None] | None = None, durable: bool = True) -> float:
+        """Write the guest's state and leave it stopped; the seconds it was stopped.
 
         By default the device state only, with ``x-ignore-shared``: a ``share=on`` memory file
         keeps the RAM (a template), a private mapping's pages go into the stream.  With
         ``mapped_ram``, every RAM page that is not zero at its own offset in the file
         (QEMU's ``mapped-ram``: a page-aligned image of the RAM, zero pages holes, so
         chunks of unchanged RAM dedup against its template's) and then the device state.
-        The guest stays stopped (``postmigrate``); ``cont`` runs it on."""
+
+        Without ``switchover`` the guest is stopped first.  With it (mapped-ram only) the
+        RAM is copied while the guest runs (pages it dirties meanwhile are written again at
+        their offsets) and QEMU stops it only for the last pass (``pause-before-switchover``):
+        ``switchover()`` is called in that stop, before the device state is written, for what
+        must be taken at the same instant (the disk's switch to a new overlay).  The guest
+        stays stopped (``postmigrate``) either way; ``cont`` runs it on.  ``durable``: fsync'd
+        before it is renamed into place (a file that is uploaded and deleted needs not be)."""
         t = time.perf_counter()
         own = qmp is None
         qmp = qmp or self.qmp()
+        live = switchover is not None
         try:
-            qmp.execute("stop")
-            qmp.execute("migrate-set-capabilities", capabilities=_capabilities(mapped_ram))
+            if not live:
+                qmp.execute("stop")
+            qmp.execute("migrate-set-capabilities", capabilities=[
+                *_capabilities(mapped_ram), {"capability": "pause-before-switchover", "state": live}])
             tmp = state_file.with_suffix(".tmp")
             tmp.unlink(missing_ok=True)  # mapped-ram writes at offsets: never over an old file's pages
             qmp.execute("migrate", uri=f"file:{tmp.resolve()}")
@@ -399,14 +410,24 @@ class Vmm:
                 info = qmp.execute("query-migrate")
                 if info.get("status") == "completed":
                     break
+                if info.get("status") == "pre-switchover" and switchover is not None:
+                    t = time.perf_counter()  # the guest is stopped from here on
+                    switchover()
+                    switchover = None
+                    qmp.execute("migrate-continue", state="pre-switchover")
+                    continue
                 if info.get("status") in ("failed", "cancelled") or time.monotonic() > deadline:
+                    if live:
+                        with contextlib.suppress(VmError, OSError):
+                            qmp.execute("migrate_cancel")
                     raise VmError(f"VMM {self.pid}: save {info.get('status')}: {info.get('error-desc', '')}")
                 time.sleep(0.002)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            if durable:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             os.replace(tmp, state_file)
             return time.perf_counter() - t
         finally:
