@@ -882,8 +882,12 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         if res.exit_code != 0:
             raise DemoError(f"microvm {box.id}: {shlex.join(GUEST_COMMAND)} exited {res.exit_code}: "
                             f"{res.stderr.decode(errors='replace')}")
+        made = box.receipts()[0].get("template_source")
+        out["template_source"] = made
+        how = {"boot": "booted its template (and published it)", "store": "mapped its template from the store",
+               "host": "restored this host's template"}.get(str(made), f"template: {made}")
         say(f"microvm   {out['cold_create_to_first_exec']:8.3f} s  microVM {box.id} ({caps['accel']}, QEMU "
-            f"{caps['qemu']}) booted its template and ran {shlex.join(GUEST_COMMAND)} in guest kernel "
+            f"{caps['qemu']}) {how} and ran {shlex.join(GUEST_COMMAND)} in guest kernel "
             f"{box.exec(['uname', '-r']).stdout.decode().strip()}")
         started = time.perf_counter()
         warm = asyncio.run(first.create(IMAGE_NAME, options))
@@ -1026,7 +1030,8 @@ def print_summary(report: Report, stream: TextIO) -> None:
         f"({_mb(report.sandbox['restore_bytes_fetched'])} fetched)",
         f"sdk       create to first exit {report.sandbox['sdk']['ready_create_to_first_exit']:.3f} s from a ready "
         f"pool, through the edge service; fork of 2 {report.sandbox['sdk']['fork_2']:.3f} s",
-        (f"microvm   create to first command {steps['microvm_cold']:.3f} s with its template boot, "
+        (f"microvm   create to first command {steps['microvm_cold']:.3f} s on a fresh host (template: "
+         f"{report.microvm.get('template_source')}), "
          f"{steps['microvm_warm']:.3f} s from the template ({report.microvm.get('accel')}); restore on another host "
          f"{steps['microvm_restore']:.3f} s ({_mb(report.microvm['restore_bytes_fetched'])} fetched), "
          f"with its memory {steps['microvm_memory_restore']:.3f} s"
