@@ -711,7 +711,8 @@ class Sandbox:
             receipts = {"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last, "head": head}
             def on_snapshot(rec: dict[str, Any]) -> None:  # the VM's disk chain changed: state says so at once
                 with mgr._lock:
-                    self._update(vm={**(self.state.vm or {}), "disk_nodes": rec["disk_nodes"], "disk_chain": None})
+                    self._update(vm={**(self.state.vm or {}), "disk_nodes": rec["disk_nodes"], "disk_chain": None,
+                                     "disk_top_node": rec["disk_top_node"]})
 
             ckpt = await Snapshots(store, mgr.host).checkpoint_disk(
                 parent, lambda out: mgr.vms.capture(self.id, self.dir, self.state, out, memory=memory,

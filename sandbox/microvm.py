@@ -14,11 +14,13 @@ import errno
 import io
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -119,6 +121,16 @@ class GuestFiles:
             raise OSError(errno.EINVAL, f"{path!r} does not name an entry inside the sandbox", path)
         with self._mapped(path):
             self._conn().remove(_guest_path(path), recursive=recursive)
+
+
+def _overlay_number(path: Path) -> int | None:
+    m = re.fullmatch(r"disk-(\d+)\.qcow2", path.name)
+    return int(m[1]) if m else None
+
+
+def _overlay_numbers(vm_dir: Path) -> list[int]:
+    """The numbers of the checkpoint overlays (``disk-<n>.qcow2``) in ``vm_dir``."""
+    return [n for f in vm_dir.glob("disk-*.qcow2") if (n := _overlay_number(f)) is not None]
 
 
 class MicroVms:
@@ -338,20 +350,24 @@ class MicroVms:
         chain = rec.get("disk_chain")
         if st.status != "running":
             raise SandboxStateError(f"sandbox {sid} is {st.status}: its disk is captured while it runs")
-        top = box_dir / "vm" / f"disk-{len(nodes)}.qcow2"
-        top.unlink(missing_ok=True)  # one a failed checkpoint made and never switched to
+        # a name no file of this VM has had: a merge shortens the chain, never the numbering
+        top = box_dir / "vm" / f"disk-{max([len(nodes), *_overlay_numbers(box_dir / 'vm')]) + 1}.qcow2"
         vm.sandbox_disk(nodes[-1][0], nodes[-1][1], top, int(rec["shape"]["disk"]))
         self.conn(sid, box_dir, st).sync()
         vmm = self.vmm_of(box_dir, st)
         qmp = vmm.qmp()
         frozen = list(nodes)
+        # node names are unique in a VMM's life (a merge below removes one); a restarted VMM
+        # names them d0..dn again (vm.disk_args)
+        active, overlay = rec.get("disk_top_node") or f"d{len(nodes) - 1}", f"o{uuid.uuid4().hex[:12]}"
 
         def switch() -> None:  # the guest is stopped: its disk goes to the new overlay
             # the new overlay with the options disk_args gives a restarted VMM its top, then the switch
-            qmp.execute("blockdev-add", **{"driver": "qcow2", "node-name": f"d{len(frozen)}", "discard": "unmap",
+            qmp.execute("blockdev-add", **{"driver": "qcow2", "node-name": overlay, "discard": "unmap",
                                            "backing": None, "file": {"driver": "file", "filename": str(top)}})
-            qmp.execute("blockdev-snapshot", node=f"d{len(frozen) - 1}", overlay=f"d{len(frozen)}")
-            rec.update(disk_nodes=[*(list(x) for x in frozen), [str(top), "qcow2"]], disk_chain=None)
+            qmp.execute("blockdev-snapshot", node=active, overlay=overlay)
+            rec.update(disk_nodes=[*(list(x) for x in frozen), [str(top), "qcow2"]], disk_chain=None,
+                       disk_top_node=overlay)
             on_snapshot(rec)
 
         t = time.perf_counter()
@@ -373,14 +389,65 @@ class MicroVms:
                 # the frozen overlay is exactly what was written since the chain's top
                 subprocess.run(["cp", "--sparse=always", frozen[-1][0], str(out / "delta.qcow2")], check=True,
                                capture_output=True, text=True)
-                return stopped, "delta.qcow2"
-            # -U: the VMM holds the images' locks (it reads them, it writes only the new overlay)
-            subprocess.run(["qemu-img", "convert", "-U", "--image-opts", vm.chain_image_opts(frozen),
-                            "-O", "raw", "-S", "4k", str(out / "disk.img")], check=True, capture_output=True,
-                           text=True)
-            return stopped, "disk.img"
+                made = "delta.qcow2"
+            else:
+                # -U: the VMM holds the images' locks (it reads them, it writes only the new overlay)
+                subprocess.run(["qemu-img", "convert", "-U", "--image-opts", vm.chain_image_opts(frozen),
+                                "-O", "raw", "-S", "4k", str(out / "disk.img")], check=True, capture_output=True,
+                               text=True)
+                made = "disk.img"
         except subprocess.CalledProcessError as exc:
             raise SandboxStateError(f"sandbox {sid}: reading its disk failed: {exc.stderr.strip()}") from None
+        self._merge_frozen(sid, box_dir, st, rec, on_snapshot)
+        return stopped, made
+
+    def _merge_frozen(self, sid: str, box_dir: Path, st: SandboxState, rec: dict[str, Any],
+                      on_snapshot: Callable[[dict[str, Any]], None]) -> None:
+        """Keep the VM's own overlays at two however often it checkpoints: the one a checkpoint
+        just froze is committed into the local overlay under it (``block-commit``, while the
+        guest runs) and leaves the chain.  Only this VM's files in its directory are merged
+        into; a checkpoint's mounted layers and this host's pristine ext4 never are.  A crash
+        meanwhile leaves the frozen overlay in the state and on disk, and the chain reads the
+        same through it (every cluster it has is also in the one under it, or not yet)."""
+        nodes = [(str(p), f) for p, f in rec["disk_nodes"]]
+        vm_dir = box_dir / "vm"
+
+        def local(path: str) -> bool:
+            return Path(path).parent == vm_dir and Path(path).name.startswith("disk") and path.endswith(".qcow2")
+
+        if len(nodes) < 3 or not (local(nodes[-2][0]) and local(nodes[-3][0])):
+            return
+        qmp = self.vmm_of(box_dir, st).qmp()
+        try:
+            names = {n.get("file"): n["node-name"] for n in qmp.execute("query-named-block-nodes")
+                     if n.get("drv") == "qcow2"}
+            top, base = names.get(nodes[-2][0]), names.get(nodes[-3][0])
+            if top is None or base is None:
+                log.warning("sandbox %s: its frozen overlay is not in its VMM's graph; left unmerged", sid)
+                return
+            job = f"merge-{uuid.uuid4().hex[:8]}"
+            qmp.execute("block-commit", **{"job-id": job, "device": rec["disk_top_node"], "top-node": top,
+                                           "base-node": base, "auto-dismiss": False})
+            deadline = time.monotonic() + 600
+            while True:
+                info = next((j for j in qmp.execute("query-jobs") if j["id"] == job), None)
+                if info is None or info["status"] == "concluded":
+                    break
+                if time.monotonic() > deadline:
+                    qmp.execute("job-cancel", id=job)
+                    raise SandboxStateError(f"sandbox {sid}: merging its frozen overlay took over 600 s")
+                time.sleep(0.01)
+            if info is not None:
+                qmp.execute("job-dismiss", id=job)
+                if info.get("error"):
+                    log.warning("sandbox %s: merging its frozen overlay failed: %s", sid, info["error"])
+                    return
+        finally:
+            qmp.close()
+        merged = nodes[-2][0]
+        rec["disk_nodes"] = [list(x) for x in (*nodes[:-2], nodes[-1])]
+        on_snapshot(rec)  # the state stops naming it before it is deleted
+        Path(merged).unlink(missing_ok=True)
 
     def _cgroup(self, cgroups_path: str, options: SandboxOptions, shape: vm.Shape) -> list[Path]:
         """The VMM's cgroup with the sandbox's limits: the guest's RAM plus the VMM's own, its
@@ -474,11 +541,13 @@ class MicroVms:
         guest = rec.get("guest_net")
         # a record of an older layerbox: its qcow2 names its backing file itself
         nodes = [(str(p), f) for p, f in rec.get("disk_nodes") or [[box_dir / "vm" / "disk.qcow2", "qcow2"]]]
-        while (box_dir / "vm" / f"disk-{len(nodes)}.qcow2").exists():
+        recorded = max((_overlay_number(Path(p)) or 0 for p, _ in nodes), default=0)
+        for n in sorted(x for x in _overlay_numbers(box_dir / "vm") if x > recorded):
             # an overlay a checkpoint switched to before the state said so (a crash in between): the
             # guest has written there since, so it goes on top (unused, it is an empty overlay)
-            nodes.append((str(box_dir / "vm" / f"disk-{len(nodes)}.qcow2"), "qcow2"))
+            nodes.append((str(box_dir / "vm" / f"disk-{n}.qcow2"), "qcow2"))
         rec["disk_nodes"] = [list(x) for x in nodes]
+        rec["disk_top_node"] = f"d{len(nodes) - 1}"  # a new VMM's names (vm.disk_args)
         vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, nodes, procs,
                                            netns=self._net().netns_path(sid),
                                            guest_net=(guest[0], int(guest[1]), guest[2]) if guest else None)

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from support.sandboxes import REF, run, store_url  # noqa: F401  (the module's store)
 
+from sandbox import microvm
 from sandbox.agent import HEAD, T_READY, AgentConnection, AgentError
 from sandbox.errors import UnsupportedOption
 from sandbox.execs import proc_stat
@@ -237,7 +238,8 @@ def test_without_a_network_the_nic_leads_nowhere_and_shapes_past_the_host_are_re
 
 
 def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
-        vms: Any, vm_host2: SandboxManager, store_url: str, tmp_path: Path) -> None:  # noqa: F811
+        vms: Any, vm_host2: SandboxManager, store_url: str, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
     box = vms()
     payload = os.urandom(5 << 20)
     box.upload("/root/work.bin", io.BytesIO(payload))
@@ -258,6 +260,13 @@ def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
     assert [x["digest"] for x in doc2["disk_base"]] == [first.layer]
     assert doc2["bound"]["disk_chain"] == [first.layer, second.layer]
     assert box.exec("cat /root/small").stdout == b"x" * 1000  # the guest went on after the freeze
+    # the overlay the second checkpoint froze was merged into the one under it: this VM's own
+    # files stay two (its first overlay and the one it writes), over the pristine disk
+    nodes = box.state.vm["disk_nodes"]
+    assert len(nodes) == 3, nodes
+    assert sum(1 for p, _ in nodes if Path(p).parent == box.dir / "vm") == 2
+    assert len(list((box.dir / "vm").glob("disk*.qcow2"))) == 2
+    assert box.read("/root/work.bin") == payload
     host2 = vm_host2
     assert host2.host.client.health() is None  # nothing ran there yet: every byte comes from the store
     restored = run(host2.restore(second.digest))
@@ -282,6 +291,19 @@ def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
         assert third.bytes_changed < len(payload) / 2, third
         doc3 = run(_doc(store_url, tmp_path, third.digest))
         assert doc3["bound"]["disk_chain"] == [first.layer, second.layer, third.layer]
+        # a chain at its longest: the next checkpoint is a whole disk again, and restores
+        monkeypatch.setattr(microvm, "MAX_DISK_CHAIN", 3)
+        restored.write("/root/fourth", b"4")
+        fourth = run(restored.checkpoint())
+        doc4 = run(_doc(store_url, tmp_path, fourth.digest))
+        assert doc4["bound"]["disk_chain"] == [fourth.layer]
+        assert "disk_base" not in doc4
+        again = run(vm_host2.restore(fourth.digest))
+        try:
+            assert again.read("/root/fourth") == b"4"
+            assert again.read("/root/work.bin") == payload
+        finally:
+            again.destroy()
         # host 1 published its template: host 2 mapped it from the store instead of booting one
         create = next(r for r in restored.receipts() if r["action"] == "restore" and not r.get("inherited"))
         assert create["template_source"] == "store", create
@@ -559,6 +581,26 @@ def test_a_crash_between_the_save_and_its_state_write_keeps_the_saved_vm(vms: An
     assert box.state.vm["saved"] is True
     box.resume()
     assert box.read("/root/kept") == b"across the crash"
+
+
+def test_a_crash_between_a_disk_switch_and_its_state_write_keeps_the_writes(vms: Any) -> None:
+    box = vms()
+    run(box.checkpoint())
+    box.write("/root/after-switch", b"kept")
+    box.exec("sync")
+    st = box.state
+    assert st.vm is not None
+    top = st.vm["disk_nodes"][-1][0]
+    assert Path(top).parent == box.dir / "vm"
+    assert Path(top).name.startswith("disk-"), st.vm["disk_nodes"]  # the checkpoint's new overlay
+    # the state as a manager killed between QEMU's switch and the state write leaves it: the
+    # overlay the guest writes since then is not in it
+    box._update(vm={**st.vm, "disk_nodes": st.vm["disk_nodes"][:-1]})
+    box.pause(reclaim=True)
+    box.resume()  # a new VMM: it must stack the unrecorded overlay again
+    box.exec("echo 3 > /proc/sys/vm/drop_caches")  # read from the disk, not the restored page cache
+    assert box.read("/root/after-switch") == b"kept"
+    assert box.state.vm["disk_nodes"][-1][0] == top
 
 
 def test_metrics_report_guest_and_host_memory(vms: Any, vm_manager: SandboxManager) -> None:
