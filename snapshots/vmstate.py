@@ -32,7 +32,8 @@ from layerstore.objects import Resolved
 from layerstore.store import RefNotFound, Store, UploadStats
 from snapshots.errors import SnapshotError
 
-TEMPLATE_REF = "vm-templates/{key}"
+TEMPLATE_PREFIX = "vm-templates/"
+TEMPLATE_REF = TEMPLATE_PREFIX + "{key}"
 # The chunk of everything a VM saves (templates, checkpoint disks and memory images): the unit
 # a host fetches when its guest first touches a page or block, smaller than an image's 1 MiB
 # since a restored guest touches pages scattered over its RAM, not files read end to end.
@@ -88,4 +89,4 @@ async def find_template(store: Store, key: str) -> Resolved | None:
     return found
 
 
-__all__ = ["VM_CHUNK_SIZE", "TEMPLATE_REF", "PublishedTemplate", "find_template", "publish_template"]
+__all__ = ["VM_CHUNK_SIZE", "TEMPLATE_PREFIX", "TEMPLATE_REF", "PublishedTemplate", "find_template", "publish_template"]

@@ -625,3 +625,34 @@ def test_metrics_report_guest_and_host_memory(vms: Any, vm_manager: SandboxManag
     assert paused["memory"]["guest"] is None
     assert (paused["memory"]["current"] or 0) < base  # a saved VM's RAM is off the host
     box.resume()
+
+
+def test_vm_templates_lists_and_prunes_only_what_no_sandbox_uses(vm_manager: SandboxManager, store_url: str,  # noqa: F811
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Last in the module: it removes the module's template from this host."""
+    import json
+
+    from tools.cli import main as cli
+
+    box = run(vm_manager.create(REF, VM))
+    key = box.state.vm["template"]
+    argv = ["vm", "templates", "--data-dir", str(vm_manager.data_dir), "--store", store_url, "--json"]
+    try:
+        assert cli([*argv, "--prune"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        mine = next(t for t in doc["host"] if t["key"] == key)
+        assert mine["sandboxes"] == [box.id]
+        assert mine["memory_allocated"] > 0
+        assert key not in [p.removesuffix(".store") for p in doc["pruned"]]  # in use: kept
+        assert f"vm-templates/{key}:latest" in [r["ref"] for r in doc["store"]]
+        assert box.exec("true").exit_code == 0
+    finally:
+        box.destroy()
+    assert cli([*argv, "--prune"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert key in [p.removesuffix(".store") for p in doc["pruned"]]
+    assert vm_manager.vms.host_template(key) is None
+    assert cli(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert key not in [t["key"] for t in doc["host"]]
+    assert f"vm-templates/{key}:latest" in [r["ref"] for r in doc["store"]]  # other hosts still map it

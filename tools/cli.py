@@ -659,7 +659,55 @@ def build_parser() -> argparse.ArgumentParser:
     va.add_argument("--quiet", action="store_true", help="print nothing when the assets are already there")
     va.add_argument("--json", action="store_true")
     va.set_defaults(func=cmd_vm_assets)
+    vt = vms.add_parser("templates", help="this host's templates (booted here or mapped from the store), which "
+                                          "sandboxes use them, and the store's; --prune removes unused ones here")
+    vt.add_argument("--data-dir", default=None, help="host state, sandboxes under DATA_DIR/sandbox")
+    vt.add_argument("--store", default=None, help="store URL (default $LAYERBOX_STORE)")
+    vt.add_argument("--prune", action="store_true",
+                    help="remove this host's templates no sandbox uses (the store's stay: other hosts map them)")
+    vt.add_argument("--json", action="store_true")
+    vt.set_defaults(func=cmd_vm_templates)
     return p
+
+
+def cmd_vm_templates(args: argparse.Namespace) -> int:
+    from snapshots.vmstate import TEMPLATE_PREFIX
+
+    mgr = _sandbox_manager(args)
+    used: dict[str, list[str]] = {}
+    for st in mgr.list():
+        if st.vm is not None and st.vm.get("template"):
+            used.setdefault(str(st.vm["template"]), []).append(st.id)
+    local = []
+    root = mgr.vms.templates_dir
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        key = d.name.removesuffix(".store")
+        template = mgr.vms.host_template(key) if d.is_dir() and not key.startswith(".") else None
+        if template is None or template.dir != d:
+            continue
+        mem = template.memory.stat()
+        local.append({"key": key, "source": "store" if d.name.endswith(".store") else "boot", "dir": str(d),
+                      "memory_bytes": mem.st_size, "memory_allocated": mem.st_blocks * 512,
+                      "shape": template.doc.get("shape"), "sandboxes": used.get(key, [])})
+    pruned = mgr.vms.prune_templates(keep=list(used)) if args.prune else []
+
+    async def store_refs() -> list[dict[str, Any]]:
+        async with await mgr._store() as store:
+            return [{"ref": r.name, "digest": r.digest}
+                    for r in await store.list_refs(TEMPLATE_PREFIX)]
+
+    stored = asyncio.run(store_refs())
+    if args.json:
+        print(json.dumps({"host": local, "store": stored, "pruned": pruned}, indent=1))
+        return 0
+    for t in local:
+        print(f"{t['key']}  {t['source']:<5}  {t['memory_allocated'] / 1e6:7.1f} MB of RAM image  "
+              f"{len(t['sandboxes'])} sandbox(es)  {t['dir']}")
+    for r in stored:
+        print(f"store  {r['ref']}  {r['digest']}")
+    for name in pruned:
+        print(f"pruned {name}")
+    return 0
 
 
 def cmd_vm_assets(args: argparse.Namespace) -> int:
