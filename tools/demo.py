@@ -844,12 +844,7 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         out["checkpoint"] = ckpt.to_json()
         say(f"checkpoint {ckpt.seconds:7.3f} s  of the running sandbox (frozen {ckpt.freeze_seconds * 1000:.1f} ms, "
             f"{ckpt.bytes_uploaded / 1024:.1f} KiB uploaded) -> {ckpt.name}")
-        started = time.perf_counter()
-        restored = asyncio.run(second.restore(ckpt.name))
-        back = restored.exec(["/bin/cat", WRITE_PATH])
-        out["restore_to_first_exec"] = time.perf_counter() - started
-        if back.stdout.decode() != WRITE_TEXT:
-            raise DemoError(f"restored sandbox {restored.id} reads {back.stdout!r} at {WRITE_PATH}")
+        restored, out["restore_to_first_exec"] = restore_reads_back(second, ckpt.name, WRITE_PATH, "sandbox")
         fetched = second.host.client.request("GET", "/stats")["bytes_fetched"]
         out["restore_bytes_fetched"] = fetched
         say(f"restore   {out['restore_to_first_exec']:8.3f} s  sandbox {restored.id} on a second fresh host reads "
@@ -860,6 +855,18 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
     for step, key in (("sandbox_cold", "cold_create_to_first_exec"), ("sandbox_warm", "warm_create_to_first_exec"),
                       ("sandbox_restore", "restore_to_first_exec")):
         report.step_seconds[step] = out[key]
+
+
+def restore_reads_back(host: Any, ref: str, path: str, what: str) -> tuple[Any, float]:
+    """Restore checkpoint ``ref`` on ``host`` and read ``path`` in the new sandbox: it and the
+    seconds to that read; a DemoError unless it reads WRITE_TEXT."""
+    started = time.perf_counter()
+    box = asyncio.run(host.restore(ref))
+    back = box.exec(["/bin/cat", path])
+    seconds = time.perf_counter() - started
+    if back.stdout.decode() != WRITE_TEXT:
+        raise DemoError(f"{what} {box.id} restored from {ref} reads {back.stdout!r} at {path}")
+    return box, seconds
 
 
 def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
@@ -901,12 +908,7 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         out["checkpoint"] = ckpt.to_json()
         say(f"checkpoint {ckpt.seconds:7.3f} s  of the microVM's disk (stopped {ckpt.freeze_seconds * 1000:.1f} ms, "
             f"{ckpt.bytes_uploaded / 1024:.1f} KiB uploaded) -> {ckpt.name}")
-        started = time.perf_counter()
-        restored = asyncio.run(second.restore(ckpt.name))
-        back = restored.exec(["/bin/cat", WRITE_PATH])
-        out["restore_to_first_exec"] = time.perf_counter() - started
-        if back.stdout.decode() != WRITE_TEXT:
-            raise DemoError(f"restored microVM {restored.id} reads {back.stdout!r} at {WRITE_PATH}")
+        restored, out["restore_to_first_exec"] = restore_reads_back(second, ckpt.name, WRITE_PATH, "microVM")
         out["restore_bytes_fetched"] = second.host.client.request("GET", "/stats")["bytes_fetched"]
         source = next(r for r in restored.receipts() if r["action"] == "restore" and not r.get("inherited"))
         say(f"restore   {out['restore_to_first_exec']:8.3f} s  microVM {restored.id} on a second fresh host "
@@ -921,12 +923,7 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
             f"{mem.freeze_seconds * 1000:.0f} ms, {mem.bytes_changed / MB:.1f} MB captured, "
             f"{mem.bytes_uploaded / MB:.1f} MB uploaded: the rest are its template's chunks)")
         before = second.host.client.request("GET", "/stats")["bytes_fetched"]
-        started = time.perf_counter()
-        moved = asyncio.run(second.restore(mem.name))
-        back = moved.exec(["/bin/cat", "/dev/shm/demo"])
-        out["memory_restore_to_first_exec"] = time.perf_counter() - started
-        if back.stdout.decode() != WRITE_TEXT:
-            raise DemoError(f"microVM {moved.id} restored with memory reads {back.stdout!r} at /dev/shm/demo")
+        moved, out["memory_restore_to_first_exec"] = restore_reads_back(second, mem.name, "/dev/shm/demo", "microVM")
         out["memory_restore_bytes_fetched"] = second.host.client.request("GET", "/stats")["bytes_fetched"] - before
         say(f"restore   {out['memory_restore_to_first_exec']:8.3f} s  microVM {moved.id} from that memory on the "
             f"second host: its RAM file /dev/shm/demo is back ({out['memory_restore_bytes_fetched'] / MB:.1f} MB "
