@@ -233,15 +233,15 @@ class MicroVms:
         """What a saved VM's state needs of the host it loads on (a checkpoint's ``bound.vm``)."""
         hv, assets = self.prepare()
         return {"assets": assets.key, "qemu": ".".join(map(str, hv.version)), "accel": hv.accel,
-                "tsc_khz": hv.tsc_khz}
+                "tsc_khz": hv.tsc_khz, "cpu": vm.cpu_flags() if hv.accel == "kvm" else ""}
 
     def memory_mismatch(self, resolved: Resolved) -> str | None:
         """Why the memory image of checkpoint ``resolved`` cannot load here (None: it can);
         only its disk is restored then."""
         bound = resolved.doc.get("bound", {}).get("vm") or {}
         have = self.vm_identity()
-        for field in ("assets", "qemu", "accel", "tsc_khz"):
-            if bound.get(field) != have[field]:
+        for field in ("assets", "qemu", "accel", "tsc_khz", "cpu"):
+            if bound.get(field, "") != have[field]:
                 return f"its {field} is {bound.get(field)!r}, this host's {have[field]!r}"
         return None
 

@@ -481,7 +481,8 @@ def connect_agent(vmm: Vmm, timeout: float = BOOT_TIMEOUT) -> AgentConnection:
 
 
 # -- templates -------------------------------------------------------------------------------------------
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The host CPU's flags, digested: under KVM (``-cpu host``) a saved state loads only where they match."""
     with contextlib.suppress(OSError):
         m = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
         if m:
@@ -498,7 +499,7 @@ def template_key(hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[str],
     h = blake3.blake3(TEMPLATE_SCHEMA.encode())
     h.update(json.dumps({"assets": assets.key, "layers": list(layers), "shape": shape.to_json(),
                          "qemu": list(hv.version), "accel": hv.accel, "tsc_khz": hv.tsc_khz,
-                         "cpu": _cpu_flags() if hv.accel == "kvm" else ""}, sort_keys=True).encode())
+                         "cpu": cpu_flags() if hv.accel == "kvm" else ""}, sort_keys=True).encode())
     return h.hexdigest()[:32]
 
 
@@ -658,5 +659,5 @@ def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, t
 
 
 __all__ = ["Hypervisor", "Qmp", "Shape", "Template", "VmError", "Vmm", "chain_image_opts", "command_line",
-           "connect_agent", "disk_args", "ensure_template", "hypervisor", "load_template", "pristine_disk", "sandbox_disk", "shape_of",
+           "connect_agent", "cpu_flags", "disk_args", "ensure_template", "hypervisor", "load_template", "pristine_disk", "sandbox_disk", "shape_of",
            "start_from_template", "template_key", "template_lock"]
