@@ -1125,25 +1125,25 @@ class SandboxManager:
         local = self.vms.host_template(key)
         if local is not None:
             return local, "host"
-        store = await self._store()
-        try:
-            found = await vmstate.find_template(store, key)
-            if found is not None:
-                return await asyncio.to_thread(self.vms.mount_template, key, found), "store"
-        except (LayerstoreError, LazyfetchError, SnapshotError) as exc:  # a cache: boot it instead
-            log.warning("template %s from %s: %s; booting it here", key, store.url, exc)
-        template, made = await asyncio.to_thread(self.vms.boot_template, resolved, shape)
-        if not made:
-            return template, "host"
-        try:
-            pub = await vmstate.publish_template(store, template.dir, ("memory", "state.bin", "template.json"),
-                                                 template.doc, self.data_dir)
-            log.info("template %s published as %s: %d bytes stored, %d uploaded in %.2f s", key, pub.digest,
-                     pub.bytes_stored, pub.bytes_uploaded, pub.seconds)
-        except (LayerstoreError, SnapshotError, OSError) as exc:
-            log.warning("template %s: publishing it to %s failed (%s); other hosts boot their own", key,
-                        store.url, exc)
-        return template, "boot"
+        async with await self._store() as store:
+            try:
+                found = await vmstate.find_template(store, key)
+                if found is not None:
+                    return await asyncio.to_thread(self.vms.mount_template, key, found), "store"
+            except (LayerstoreError, LazyfetchError, SnapshotError) as exc:  # a cache: boot it instead
+                log.warning("template %s from %s: %s; booting it here", key, store.url, exc)
+            template, made = await asyncio.to_thread(self.vms.boot_template, resolved, shape)
+            if not made:
+                return template, "host"
+            try:
+                pub = await vmstate.publish_template(store, template.dir, ("memory", "state.bin", "template.json"),
+                                                     template.doc, self.data_dir)
+                log.info("template %s published as %s: %d bytes stored, %d uploaded in %.2f s", key, pub.digest,
+                         pub.bytes_stored, pub.bytes_uploaded, pub.seconds)
+            except (LayerstoreError, SnapshotError, OSError) as exc:
+                log.warning("template %s: publishing it to %s failed (%s); other hosts boot their own", key,
+                            store.url, exc)
+            return template, "boot"
 
     async def _launch_vm(self, box: Sandbox, resolved: Resolved, state: SandboxState, ref: str) -> Sandbox:
         options = state.options
