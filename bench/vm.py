@@ -23,6 +23,10 @@ On the fixture's ``python`` image published to a ``file://`` store:
   state in one stop): its freeze and total time, RAM captured and bytes uploaded (unchanged
   RAM is its template's chunks); restored on the third host, where the guest's processes go
   on, against the disk-only restore there.
+* **full VM** (``isolation="vm"``, q35): its cold boot and template restore to first exec and
+  its exec latency, against the microVM's of the same run; with ``--image-kernel`` also an
+  image that brings its own kernel (Debian's newest cloud kernel, installed in a layer over
+  the fixture): its first boot (its set built from the image, then the template) and restore.
 
 TCG inflates everything the guest executes (boot, exec, guest work) by 10-50x; it does not
 inflate the host side: QEMU's save and restore of device state, the store's upload and
@@ -53,6 +57,7 @@ from sandbox.model import SandboxOptions  # noqa: E402
 
 FIXTURE = ROOT.parent / "shared" / "fixtures" / "debian-bookworm.oci.tar"
 REF = "img/python"
+KERNEL_REF = "img/python-own-kernel"
 MiB = 1 << 20
 
 
@@ -68,6 +73,12 @@ async def _publish(url: str, work: Path) -> None:
         await publish(s, f"oci-archive:{_fixture()}:python", REF)
 
 
+async def _publish_kernel(url: str, work: Path, tree: Path) -> None:
+    async with await Store.open(url, work / "pub") as s:
+        await publish(s, str(tree), "kernels/cloud")
+        await s.compose(KERNEL_REF, {"base": REF, "toolkit": "kernels/cloud"})
+
+
 def _ms(t: float) -> float:
     return round(t * 1000, 1)
 
@@ -78,11 +89,21 @@ def guest_used(box: Sandbox) -> int:
     return kb * 1024
 
 
-def create_first_exec(mgr: SandboxManager, options: SandboxOptions) -> tuple[Sandbox, float]:
+def create_first_exec(mgr: SandboxManager, options: SandboxOptions, ref: str = REF) -> tuple[Sandbox, float]:
     t = time.perf_counter()
-    box = asyncio.run(mgr.create(REF, options))
+    box = asyncio.run(mgr.create(ref, options))
     box.exec(["/bin/true"])
     return box, time.perf_counter() - t
+
+
+def creates(mgr: SandboxManager, options: SandboxOptions, n: int, ref: str = REF) -> list[float]:
+    """``n`` sandboxes created to their first exec and destroyed: the seconds of each."""
+    took = []
+    for _ in range(n):
+        b, t = create_first_exec(mgr, options, ref)
+        took.append(t)
+        b.destroy()
+    return took
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -103,16 +124,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         box, cold = create_first_exec(host1, vm)
         made.append(box)
         rec = box.receipts()[0]
-        warm = []
-        for _ in range(args.creates):
-            b, t = create_first_exec(host1, vm)
-            warm.append(t)
-            b.destroy()
-        cont = []
-        for _ in range(args.creates):
-            b, t = create_first_exec(host1, SandboxOptions())
-            cont.append(t)
-            b.destroy()
+        warm = creates(host1, vm, args.creates)
+        cont = creates(host1, SandboxOptions(), args.creates)
         doc["create"] = {"cold_boot_ms": _ms(cold), "template_seconds": rec.get("template_seconds"),
                          "template_restore_p50_ms": _ms(statistics.median(warm)),
                          "container_p50_ms": _ms(statistics.median(cont)),
@@ -218,6 +231,36 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "uploaded_vs_captured": round(mem.bytes_uploaded / max(1, mem.bytes_changed), 3),
             "restore_to_first_exec_ms": _ms(moved_s), "restore_fetched_mb": round((after - before) / 1e6, 1),
             "disk_only_restore_ms": _ms(disk_s), "memory_vs_disk_only": round(moved_s / disk_s, 2)}
+        log("full VM (q35)")
+        full = vm.replace(isolation="vm")
+        fbox, fcold = create_first_exec(host1, full)
+        made.append(fbox)
+        fwarm = creates(host1, full, args.creates)
+        flat = []
+        for _ in range(args.execs):
+            t = time.perf_counter()
+            fbox.exec(["/bin/true"])
+            flat.append(time.perf_counter() - t)
+        doc["full_vm"] = {"cold_boot_ms": _ms(fcold), "template_restore_p50_ms": _ms(statistics.median(fwarm)),
+                          "exec_p50_ms": _ms(statistics.median(flat)),
+                          "cold_vs_microvm": round(fcold / cold, 2),
+                          "restore_vs_microvm": round(statistics.median(fwarm) / statistics.median(warm), 2),
+                          "exec_vs_microvm": round(statistics.median(flat) / statistics.median(lat["microvm"]), 2)}
+        if args.image_kernel:
+            log("full VM on the image's own kernel")
+            from tests.support.vmkernel import kernel_tree
+            tree, version = kernel_tree()
+            asyncio.run(_publish_kernel(url, work, tree))
+            own = full.replace(kernel="image")
+            kbox, kcold = create_first_exec(host1, own, KERNEL_REF)
+            made.append(kbox)
+            kwarm = creates(host1, own, args.creates, KERNEL_REF)
+            uname = kbox.exec("uname -r").stdout.decode().strip()
+            if uname != version:
+                raise BenchError(f"the image kernel VM runs {uname!r}, not the image's {version!r}")
+            doc["image_kernel"] = {"kernel": version, "first_create_ms": _ms(kcold),
+                                   "template_restore_p50_ms": _ms(statistics.median(kwarm)),
+                                   "first_vs_layerbox_kernel": round(kcold / fcold, 2)}
     finally:
         # close() destroys every sandbox of a host (the ones a failed step left too), its mounts,
         # namespaces and daemon; a failure of the first host's does not keep the second's
@@ -233,7 +276,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def render(doc: dict[str, Any]) -> str:
     lines = [f"VMM: {doc.get('vmm')}"]
-    for section in ("create", "exec", "idle", "pause", "checkpoint", "restore", "store_template", "memory_checkpoint"):
+    for section in ("create", "exec", "idle", "pause", "checkpoint", "restore", "store_template", "memory_checkpoint",
+                    "full_vm", "image_kernel"):
         if section in doc:
             lines.append(f"{section:<11} " + ", ".join(f"{k} {v}" for k, v in doc[section].items()))
     return "\n".join(lines)
@@ -247,6 +291,8 @@ def main() -> int:
     p.add_argument("--idle", type=int, default=4, help="idle microVMs measured (default 4)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the idle reading (default 5)")
     p.add_argument("--writes", type=int, default=20, help="MB the guest writes before the checkpoint (default 20)")
+    p.add_argument("--image-kernel", action="store_true",
+                   help="also a full VM on an image's own kernel (downloads Debian's newest cloud kernel once)")
     p.add_argument("--tmpdir", type=Path, default=Path("/var/tmp"))
     p.add_argument("--json", action="store_true")
     args = p.parse_args()

@@ -179,7 +179,7 @@ def usage(manager: SandboxManager, box: Sandbox, st: SandboxState) -> dict[str, 
     last = commands[-1] if commands else None
     memory: dict[str, Any] = {"current": layout.memory_current(cg), "peak": layout.memory_peak(cg),
                               "limit": st.options.memory}
-    if st.options.isolation == "microvm":
+    if st.options.is_vm:
         memory["guest"] = guest_memory(box, st)  # the VMM's cgroup above is the host's side
     return {
         "sandbox": box.id, "status": st.status, "time": time.time(),
@@ -215,7 +215,7 @@ def disk_usage(manager: SandboxManager, box: Sandbox, st: SandboxState) -> dict[
     """``used`` bytes of the sandbox's writes: its ext4's used blocks with a disk limit, else the
     blocks its upper directory's entries hold (``partial`` past MAX_WALK entries); a microVM's,
     what its qcow2 holds on the host."""
-    if st.options.isolation == "microvm" and st.vm is not None:
+    if st.options.is_vm and st.vm is not None:
         try:
             held = sum(f.stat().st_blocks * 512 for f in (box.dir / "vm").glob("disk*.qcow2"))
         except OSError:

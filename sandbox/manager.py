@@ -55,7 +55,7 @@ from lazyfetch import kmount
 from lazyfetch.errors import KernelMountError, LazyfetchError
 from lazyfetch.mounts import HostMounts, MountError
 from sandbox import disk as sbdisk
-from sandbox import idmap, vm
+from sandbox import idmap, vm, vmassets
 from sandbox.agent import AgentError
 from sandbox.cgroups import CgroupLayout, preflight_cgroups
 from sandbox.errors import (
@@ -85,7 +85,7 @@ from sandbox.execs import (
 )
 from sandbox.files import RootFiles
 from sandbox.leases import Leases
-from sandbox.microvm import GuestFiles, MicroVms
+from sandbox.microvm import GuestFiles, Vms
 from sandbox.model import (
     DEFAULT_OUTPUT_CAP,
     POOL_LABEL,
@@ -204,13 +204,13 @@ class Sandbox:
             st: SandboxState | None = self.state
         except SandboxNotFound:
             st = None
-        if st is not None and st.options.isolation == "microvm":
+        if st is not None and st.options.is_vm:
             return GuestFiles(lambda: self.manager.vms.conn(self.id, self.dir, self.state))
         return RootFiles(self.rootfs, idmap=st.userns if st else None, open_root=self._open_root, no_xdev=True)
 
     @property
     def is_vm(self) -> bool:
-        return self.state.options.isolation == "microvm"
+        return self.state.options.is_vm
 
     def init_pid(self, st: SandboxState | None = None) -> int:
         """The container's init, checked: same start time as recorded and a task of this
@@ -352,10 +352,10 @@ class Sandbox:
                 # the same command may run with and without a key), or that it ran in the background
                 self._receipt("exec_started", command=req.argv, **({"idempotency_key": key} if key else {}),
                               tag=tag, **(attach.started() if attach is not None else {}))
-            if st.options.isolation == "microvm":
+            if st.options.is_vm:
                 if attach is not None:
-                    raise UnsupportedOption(f"sandbox {self.id} is a microvm: interactive commands (stdin "
-                                            "left open, a terminal) are not available for microvms yet")
+                    raise UnsupportedOption(f"sandbox {self.id} is a {st.options.isolation}: interactive commands "
+                                            "(stdin left open, a terminal) are not available for VMs yet")
                 return self._exec_vm(st, req, on_stdout, on_stderr, cancel, keep_output, on_cut)
             return self._exec(tag, st, req, on_stdout, on_stderr, cancel, keep_output, on_cut,
                               attach=attach)
@@ -477,7 +477,7 @@ class Sandbox:
         except TimeoutError:
             rc = None
         return self._record_exec(st, req, args, workdir, out, rc, time.perf_counter() - started, cancel, False,
-                                 cpu_before, egress_before, {"isolation": "microvm"})
+                                 cpu_before, egress_before, {"isolation": st.options.isolation})
 
     def _record_exec(self, st: SandboxState, req: ExecRequest, args: Sequence[str], workdir: str, out: Pumped,
                      rc: int | None, duration: float, cancel: Cancel, oom: bool, cpu_before: float | None,
@@ -597,14 +597,14 @@ class Sandbox:
         """Freeze every process, then push the sandbox's page cache out of memory."""
         st = self.state
         self._require_running(st)
-        if st.options.isolation == "microvm":
+        if st.options.is_vm:
             # reclaim: the VM is saved (device state and the RAM it changed) and its VMM stopped
             record, info = self.manager.vms.pause(self.id, self.dir, st, reclaim)
             self._update(status="paused", vm=record, pid=None if record["saved"] else st.pid,
                          init_start=None if record["saved"] else st.init_start)
             if reclaim:  # the page cache the save left charged to the sandbox (its state file, its disk)
                 info["reclaim"]["page_cache"] = self.manager.layout.reclaim(st.cgroups_path)
-            rec = self._receipt("pause", reclaim=info["reclaim"], isolation="microvm")
+            rec = self._receipt("pause", reclaim=info["reclaim"], isolation=st.options.isolation)
             return {"reclaim": info["reclaim"], "receipt": rec["id"]}
         self._runtime(self.manager.runtime.pause)
         self._update(status="paused")
@@ -616,10 +616,10 @@ class Sandbox:
         st = self.state
         if st.status != "paused":
             raise SandboxStateError(f"sandbox {self.id} is {st.status}, not paused")
-        if st.options.isolation == "microvm":
+        if st.options.is_vm:
             record, seconds = self.manager.vms.resume(self.id, self.dir, st, st.cgroups_path)
             self._update(status="running", vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"])
-            self._receipt("resume", isolation="microvm", resume_seconds=round(seconds, 6))
+            self._receipt("resume", isolation=st.options.isolation, resume_seconds=round(seconds, 6))
             return
         self._runtime(self.manager.runtime.resume)
         self._update(status="running")
@@ -661,12 +661,12 @@ class Sandbox:
         st = self.state
         if not st.live:
             raise SandboxStateError(f"sandbox {self.id} is {st.status}")
-        if memory and st.options.isolation != "microvm":
+        if memory and not st.options.is_vm:
             raise UnsupportedOption(f"memory: sandbox {self.id} is a container: its checkpoints hold files, "
-                                    "not processes (isolation=microvm checkpoints memory too)")
+                                    "not processes (isolation=microvm or vm checkpoints memory too)")
         last = self.manager.receipts(self.id)
         head = verify_receipt_chain(last, what=f"sandbox {self.id}'s receipts")  # never carry a broken log on
-        if st.options.isolation == "microvm":
+        if st.options.is_vm:
             return await self._checkpoint_vm(st, last, head, name=name, labels=labels, memory=memory,
                                              trajectory_offset=trajectory_offset, policy_version=policy_version)
         async with await self.manager._store() as store:
@@ -717,10 +717,10 @@ class Sandbox:
             ckpt = await Snapshots(store, mgr.host).checkpoint_disk(
                 parent, lambda out: mgr.vms.capture(self.id, self.dir, self.state, out, memory=memory,
                                                     on_snapshot=on_snapshot),
-                ref_name=name or f"{prefix}checkpoints/{self.id}:{seq}", memory=memory,
+                ref_name=name or f"{prefix}checkpoints/{self.id}:{seq}", memory=memory, isolation=st.options.isolation,
                 base=record.get("disk_chain") or (),
                 chunk_size=vmstate.VM_CHUNK_SIZE,
-                vm={**{k: record[k] for k in ("machine", "shape")}, **mgr.vms.vm_identity()},
+                vm={**{k: record[k] for k in ("machine", "shape")}, **mgr.vms.vm_identity(record["assets"])},
                 labels={**st.labels, **(labels or {})},
                 trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
                 receipt_id=last[-1]["id"] if last else None,
@@ -735,7 +735,8 @@ class Sandbox:
             self._update(vm={**fresh.vm, "parent": ckpt.digest, "checkpoints": seq,
                              "disk_chain": [x.to_json() for x in chain]})
         self._receipt("checkpoint", checkpoint=ckpt.name, digest=ckpt.digest, freeze_seconds=ckpt.freeze_seconds,
-                      bytes_changed=ckpt.bytes_changed, isolation="microvm", disk_layer=ckpt.layer, memory=memory)
+                      bytes_changed=ckpt.bytes_changed, isolation=st.options.isolation, disk_layer=ckpt.layer,
+                      memory=memory)
         return ckpt
 
     async def fork(self, count: int, options: SandboxOptions | None = None, *, name: str | None = None,
@@ -776,7 +777,7 @@ class SandboxManager:
         self.runtime = OciRuntime(self.paths.runtime, binary=runtime)
         self.host = HostMounts(self.data_dir, store_url)
         self.host.on_remount = self._on_remount
-        self.vms = MicroVms(self.data_dir, self.host, lambda: self.layout, lambda: self.net)
+        self.vms = Vms(self.data_dir, self.host, lambda: self.layout, lambda: self.net)
         self.leases = Leases(self.root / "leases.json")
         digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()
         # one cgroup parent per data dir: two managers on one machine never share cgroups
@@ -1040,14 +1041,21 @@ class SandboxManager:
                       inherited: Sequence[Mapping[str, Any]] = (), name: str | None = None) -> Sandbox:
         if options.userns:
             self._check_traversable()
-        if options.isolation == "microvm":
+        if options.is_vm:
             self.vms.check_options(options)
             await asyncio.to_thread(self.vms.prepare)  # a host without QEMU or guest assets: refused here
             if resolved.kind == "checkpoint" and resolved.disk is None:
                 raise UnsupportedOption(f"{ref} is a container's checkpoint (files of an overlay): it restores "
-                                        "into a container, not a microvm")
+                                        f"into a container, not a {options.isolation}")
+            machine = ((resolved.doc.get("bound", {}).get("vm") or {}).get("machine")
+                       if resolved.disk is not None else None)
+            if machine is not None and machine != vm.MACHINES[options.isolation]:
+                wanted = next(k for k, v in vm.MACHINES.items() if v == machine)
+                raise UnsupportedOption(f"isolation: {ref} is a checkpoint of a {machine} VM: restore it with "
+                                        f"isolation={wanted}")
         elif resolved.disk is not None:
-            raise UnsupportedOption(f"{ref} is a microvm's checkpoint (a disk): restore it with isolation=microvm")
+            raise UnsupportedOption(f"{ref} is a VM's checkpoint (a disk): restore it with the isolation it had "
+                                    "(microvm or vm)")
         self._join_job(options, admitting)
         layout = self.layout
         sid = new_sandbox_id()
@@ -1077,7 +1085,7 @@ class SandboxManager:
         self._write_state(state)  # first: a crash from here on is reconciled
         for rec in inherited:  # the history of the checkpoint this sandbox continues
             self.receipt_logs.append(sid, {**rec, "inherited": True})
-        if options.isolation == "microvm":
+        if options.is_vm:
             return await self._launch_vm(box, resolved, state, name or ref)
         started = time.perf_counter()
         try:
@@ -1116,12 +1124,13 @@ class SandboxManager:
                      **({"userns": list(mapping)} if mapping is not None else {}))
         return box
 
-    async def _vm_template(self, resolved: Resolved, options: SandboxOptions) -> tuple[vm.Template, str]:
+    async def _vm_template(self, resolved: Resolved, options: SandboxOptions, assets: vmassets.Assets
+                           ) -> tuple[vm.Template, str]:
         """The template a new VM restores, and where it came from: ``host`` (this host has it),
         ``store`` (another host booted it: mounted lazily from the store) or ``boot`` (booted
         here now, then published so that no other host boots it)."""
         shape = self.vms.shape_for(resolved, options)
-        key = await asyncio.to_thread(self.vms.template_key, resolved, shape)
+        key = await asyncio.to_thread(self.vms.template_key, resolved, shape, assets)
         local = self.vms.host_template(key)
         if local is not None:
             return local, "host"
@@ -1132,7 +1141,7 @@ class SandboxManager:
                     return await asyncio.to_thread(self.vms.mount_template, key, found), "store"
             except (LayerstoreError, LazyfetchError, SnapshotError) as exc:  # a cache: boot it instead
                 log.warning("template %s from %s: %s; booting it here", key, store.url, exc)
-            template, made = await asyncio.to_thread(self.vms.boot_template, resolved, shape)
+            template, made = await asyncio.to_thread(self.vms.boot_template, resolved, shape, assets)
             if not made:
                 return template, "host"
             try:
@@ -1151,18 +1160,19 @@ class SandboxManager:
             t = time.perf_counter()
             template: vm.Template | None = None
             memory_why = None
+            assets = await asyncio.to_thread(self.vms.assets_for, resolved, options)
             if resolved.doc.get("bound", {}).get("memory"):
-                memory_why = self.vms.memory_mismatch(resolved)
+                memory_why = self.vms.memory_mismatch(resolved, assets)
                 if memory_why is not None:
                     log.warning("checkpoint %s: its memory does not load here (%s): only its disk is restored",
                                 resolved.digest, memory_why)
             if resolved.doc.get("bound", {}).get("memory") and memory_why is None:
                 source = "checkpoint"  # its own memory image: no template
             else:
-                template, source = await self._vm_template(resolved, options)
+                template, source = await self._vm_template(resolved, options, assets)
             template_seconds = time.perf_counter() - t
             record, network, timings = await asyncio.to_thread(self.vms.launch, box.id, box.dir, resolved, options,
-                                                               state.cgroups_path, template)
+                                                               state.cgroups_path, template, assets)
             state = state.replace(vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"], status="starting",
                                   network=network)
             self._write_state(state)
@@ -1176,8 +1186,9 @@ class SandboxManager:
         box._receipt("create" if resolved.kind != "checkpoint" else "restore", ref=ref, cpu=options.cpu,
                      memory=options.memory, pids=options.pids, disk=options.disk,
                      cpu_class=options.cpu_class, job=options.job, policy_version=options.policy_version,
-                     layer_digests=list(state.layer_digests), isolation="microvm",
-                     vm={k: record[k] for k in ("machine", "assets", "template", "accel", "qemu", "shape")},
+                     layer_digests=list(state.layer_digests), isolation=options.isolation,
+                     vm={k: record[k] for k in ("machine", "assets", "kernel", "kernel_from", "template", "accel",
+                                                "qemu", "shape")},
                      template_seconds=round(template_seconds, 6), template_made=source == "boot",
                      template_source=source, start_seconds=timings["restore_seconds"],
                      **({"memory_restored": memory_why is None} if resolved.doc.get("bound", {}).get("memory")
@@ -1511,7 +1522,7 @@ class SandboxManager:
             except (SandboxNotFound, StateUnreadable) as exc:
                 log.warning("reconcile: %s", exc)
                 st = None
-            if st is not None and st.options.isolation == "microvm" and c is None:
+            if st is not None and st.options.is_vm and c is None:
                 if (st.live and st.vm is not None and not st.vm.get("saved")
                         and (box.dir / "vm" / "saved.bin").exists() and not self.vms.alive(box.dir, st)):
                     # a pause with reclaim that saved the VM and stopped its VMM, then died before

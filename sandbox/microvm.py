@@ -1,4 +1,5 @@
-"""The microVM backend: what the manager calls for a sandbox with ``isolation="microvm"``.
+"""The VM backends: what the manager calls for a sandbox with ``isolation="microvm"`` (QEMU's
+microvm machine) or ``isolation="vm"`` (a full q35 VM, optionally booting the image's own kernel).
 
 The manager keeps owning state.json, receipts, leases and admission; this module starts,
 reaches, pauses and stops the VMM (sandbox/vm.py) and serves a VM's files through its
@@ -133,8 +134,8 @@ def _overlay_numbers(vm_dir: Path) -> list[int]:
     return [n for f in vm_dir.glob("disk-*.qcow2") if (n := _overlay_number(f)) is not None]
 
 
-class MicroVms:
-    """Every microVM of one manager: their VMMs, agent connections and this host's templates."""
+class Vms:
+    """Every VM of one manager, microvm or q35: their VMMs, agent connections and this host's templates."""
 
     def __init__(self, data_dir: Path, host: HostMounts, layout: Callable[[], CgroupLayout],
                  net: Callable[[], NetworkManager], assets_root: Path | None = None) -> None:
@@ -161,17 +162,56 @@ class MicroVms:
                     raise HostUnsupported(f"isolation=microvm is not available on this host: {exc}") from None
             return self._hv, self._assets
 
-    def capabilities(self) -> dict[str, Any]:
+    def capabilities(self, isolation: str = "microvm") -> dict[str, Any]:
+        """What ``isolation`` (microvm or vm) provides here, for /v1/capabilities."""
         try:
             hv, assets = self.prepare()
         except HostUnsupported as exc:
-            return {"available": False, "reason": str(exc)}
-        return {"available": True, **hv.to_json(), "guest_assets": assets.key,
-                "kernel": assets.manifest.get("kernel_version"),
-                "provides": ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates",
-                             "templates_in_store", "memory_checkpoint",
-                             "checkpoint", "restore", "fork", "network"],
-                "lacks": ["ports", "interactive"]}
+            return {"available": False, "reason": str(exc).replace("isolation=microvm", f"isolation={isolation}")}
+        provides = ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates", "templates_in_store",
+                    "memory_checkpoint", "checkpoint", "restore", "fork", "network"]
+        lacks = ["ports", "interactive"]
+        if isolation == "vm":
+            provides.append("image_kernel")
+            lacks += ["bootloader", "pmem_dax"]
+        return {"available": True, **hv.to_json(), "machine": vm.MACHINES[isolation], "guest_assets": assets.key,
+                "kernel": assets.manifest.get("kernel_version"), "provides": provides, "lacks": lacks}
+
+    def assets_for(self, resolved: Resolved, options: SandboxOptions) -> vmassets.Assets:
+        """The guest assets a sandbox boots: layerbox's, or with ``kernel="image"`` a set around
+        the image's own kernel and modules (built once per image from a read-only lazy mount
+        of it, then kept beside the base set)."""
+        _, base = self.prepare()
+        if options.kernel != "image":
+            return base
+        digests = [x.digest for x in resolved.layers]
+        found = vmassets.load_image_kernel(base, digests)
+        if found is not None:
+            return found
+        key = vmassets.image_kernel_key(base, digests)
+        self.templates_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with vm.template_lock(self.templates_dir, f"kernel-{key}"):
+            target = self.templates_dir / f".kernel-{key}"
+            target.mkdir(mode=0o700, exist_ok=True)
+            if kmount.is_mountpoint(target):
+                self.host.umount(target, discard=True)
+            self.host.mount(Resolved(resolved.digest, "image", resolved.layers, {}, {}), target, trace=False,
+                            fill=False)
+            try:
+                return vmassets.build_image_kernel(base, digests, target)
+            except vmassets.AssetsError as exc:
+                raise UnsupportedOption(f"kernel: {exc}") from None
+            finally:
+                self.host.umount(target, discard=True)
+                with contextlib.suppress(OSError):
+                    target.rmdir()
+
+    def assets_by_key(self, key: str) -> vmassets.Assets:
+        """The set a VM's record names, on this host (a resume, a restart)."""
+        try:
+            return vmassets.load_key(self.assets_root, key)
+        except vmassets.AssetsError as exc:
+            raise SandboxStateError(f"guest assets {key}: {exc}") from None
 
     # -- lifecycle --------------------------------------------------------------------------------
     def check_options(self, options: SandboxOptions) -> None:
@@ -189,10 +229,10 @@ class MicroVms:
         if resolved.disk is not None:
             bound = resolved.doc.get("bound", {}).get("vm") or {}
             return vm.Shape(**bound["shape"])  # the disk's size is the checkpoint's
-        return vm.shape_of(options.cpu, options.memory, options.disk)
+        return vm.shape_of(options.cpu, options.memory, options.disk, vm.MACHINES[options.isolation])
 
-    def template_key(self, resolved: Resolved, shape: vm.Shape) -> str:
-        hv, assets = self.prepare()
+    def template_key(self, resolved: Resolved, shape: vm.Shape, assets: vmassets.Assets) -> str:
+        hv, _ = self.prepare()
         return vm.template_key(hv, assets, [x.digest for x in resolved.layers], shape)
 
     def host_template(self, key: str) -> vm.Template | None:
@@ -201,10 +241,11 @@ class MicroVms:
         return (vm.load_template(self.templates_dir / key, key)
                 or vm.load_template(self.templates_dir / f"{key}.store", key))
 
-    def boot_template(self, resolved: Resolved, shape: vm.Shape) -> tuple[vm.Template, bool]:
-        """Boot and save the template of ``resolved`` and ``shape`` here (unless another call
-        just did); whether this call made it."""
-        hv, assets = self.prepare()
+    def boot_template(self, resolved: Resolved, shape: vm.Shape, assets: vmassets.Assets
+                      ) -> tuple[vm.Template, bool]:
+        """Boot and save the template of ``resolved``, ``shape`` and guest ``assets`` here (unless
+        another call just did); whether this call made it."""
+        hv, _ = self.prepare()
         layers = [(f["meta"], f["blob"]) for f in self.host.layer_files(resolved)]
         return vm.ensure_template(self.templates_dir, hv, assets, layers, [x.digest for x in resolved.layers],
                                   shape, self._scratch_netns)
@@ -229,24 +270,24 @@ class MicroVms:
                                         "(template.json, memory, state.bin)")
             return template
 
-    def vm_identity(self) -> dict[str, Any]:
+    def vm_identity(self, assets_key: str) -> dict[str, Any]:
         """What a saved VM's state needs of the host it loads on (a checkpoint's ``bound.vm``)."""
-        hv, assets = self.prepare()
-        return {"assets": assets.key, "qemu": ".".join(map(str, hv.version)), "accel": hv.accel,
+        hv, _ = self.prepare()
+        return {"assets": assets_key, "qemu": ".".join(map(str, hv.version)), "accel": hv.accel,
                 "tsc_khz": hv.tsc_khz, "cpu": vm.cpu_flags() if hv.accel == "kvm" else ""}
 
-    def memory_mismatch(self, resolved: Resolved) -> str | None:
-        """Why the memory image of checkpoint ``resolved`` cannot load here (None: it can);
-        only its disk is restored then."""
+    def memory_mismatch(self, resolved: Resolved, assets: vmassets.Assets) -> str | None:
+        """Why the memory image of checkpoint ``resolved`` cannot load here with ``assets``
+        (None: it can); only its disk is restored then."""
         bound = resolved.doc.get("bound", {}).get("vm") or {}
-        have = self.vm_identity()
+        have = self.vm_identity(assets.key)
         for field in ("assets", "qemu", "accel", "tsc_khz", "cpu"):
             if bound.get(field, "") != have[field]:
                 return f"its {field} is {bound.get(field)!r}, this host's {have[field]!r}"
         return None
 
     def launch(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
-               cgroups_path: str, template: vm.Template | None
+               cgroups_path: str, template: vm.Template | None, assets: vmassets.Assets
                ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, float]]:
         """Start the VM of a new sandbox: a restore of ``template`` with the sandbox's own disk:
         this host's empty ext4, or for a checkpoint its disk image, mounted lazily here (only
@@ -255,7 +296,7 @@ class MicroVms:
         runs in the sandbox's network namespace: with ``network`` rules the policed one a
         container gets, its tap routed (sandbox.network), else one with nothing but the tap.
         Returns the VM record and network for state.json and the timings for the receipt."""
-        hv, assets = self.prepare()
+        hv, _ = self.prepare()
         chain = resolved.disk_chain
         shape = self.shape_for(resolved, options)
         files = self.host.layer_files(resolved)
@@ -284,6 +325,8 @@ class MicroVms:
         with self._lock:
             self._conns[sid] = conn
         record: dict[str, Any] = {"schema": VM_RECORD, "machine": shape.machine, "assets": assets.key,
+                  "kernel": assets.manifest.get("kernel_version"), "kernel_from": assets.manifest.get("kernel_from",
+                                                                                                      "layerbox"),
                   "template": template.key if template is not None else None,
                   "accel": hv.accel, "qemu": ".".join(map(str, hv.version)), "shape": shape.to_json(),
                   "layers": [list(x) for x in layers], "vmm_pid": vmm.pid, "vmm_start": vmm.start, "saved": False,
@@ -526,10 +569,8 @@ class MicroVms:
             finally:
                 qmp.close()
             return rec, time.perf_counter() - t
-        hv, assets = self.prepare()
-        if assets.key != rec["assets"]:
-            raise SandboxStateError(f"sandbox {sid} was saved with guest assets {rec['assets']}, this host has "
-                                    f"{assets.key}: it cannot resume here")
+        hv, _ = self.prepare()
+        assets = self.assets_by_key(rec["assets"])  # SandboxStateError: this host has no longer that set
         template = self.host_template(rec["template"]) if rec["template"] is not None else None
         if template is None and rec["template"] is not None:
             raise SandboxStateError(f"sandbox {sid} was saved over template {rec['template']}, which this host "
@@ -603,4 +644,4 @@ class MicroVms:
         return removed
 
 
-__all__ = ["GuestFiles", "MicroVms", "AgentError"]
+__all__ = ["AgentError", "GuestFiles", "Vms"]

@@ -66,9 +66,14 @@ SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's attachment: its
 CpuClass = Literal["latency", "best-effort"]
 CPU_CLASSES: tuple[str, ...] = get_args(CpuClass)
 Status = Literal["creating", "starting", "running", "paused"]
-# what isolates a sandbox: a crun container, or a QEMU microvm with its own guest kernel
-Isolation = Literal["container", "microvm"]
+# what isolates a sandbox: a crun container, or a QEMU VM with its own guest kernel: a
+# microvm (QEMU's virtio-mmio "microvm" machine) or a full VM (q35: PCI, ACPI, a BIOS)
+Isolation = Literal["container", "microvm", "vm"]
 ISOLATIONS: tuple[str, ...] = get_args(Isolation)
+VM_ISOLATIONS = ("microvm", "vm")
+# which kernel a VM boots: layerbox's guest kernel, or the image's own (/vmlinuz, isolation=vm)
+Kernel = Literal["layerbox", "image"]
+KERNELS: tuple[str, ...] = get_args(Kernel)
 STATUSES: tuple[str, ...] = get_args(Status)
 Protocol = Literal["tcp", "udp", "icmp", "any"]
 PROTOCOLS: tuple[str, ...] = get_args(Protocol)
@@ -419,10 +424,12 @@ class SandboxOptions:
     userns: bool = False
     policy_version: str | None = None
     isolation: Isolation = "container"
+    kernel: Kernel = "layerbox"
 
     # the fields a client may send (the rest are set by whoever serves it)
     CLIENT_FIELDS = ("cpu", "memory", "pids", "disk", "cpu_class", "env", "workdir", "user", "labels", "ttl",
-                     "idle_timeout", "job", "lease_ttl", "network", "userns", "policy_version", "isolation")
+                     "idle_timeout", "job", "lease_ttl", "network", "userns", "policy_version", "isolation",
+                     "kernel")
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -459,8 +466,18 @@ class SandboxOptions:
                                             pattern=PRINTABLE, what="printable ASCII"))
         if self.isolation not in ISOLATIONS:
             raise InvalidField("isolation", f"{_shown(self.isolation)} is not one of {', '.join(ISOLATIONS)}")
-        if self.isolation == "microvm" and self.userns:
-            raise InvalidField("userns", "a microvm has its own kernel: userns=true applies to containers only")
+        if self.isolation in VM_ISOLATIONS and self.userns:
+            raise InvalidField("userns", f"a {self.isolation} has its own kernel: userns=true applies to containers "
+                               "only")
+        if self.kernel not in KERNELS:
+            raise InvalidField("kernel", f"{_shown(self.kernel)} is not one of {', '.join(KERNELS)}")
+        if self.kernel == "image" and self.isolation != "vm":
+            raise InvalidField("kernel", "kernel=image (the image's own /vmlinuz) needs isolation=vm")
+
+    @property
+    def is_vm(self) -> bool:
+        """Whether a QEMU VM (microvm or full VM) isolates the sandbox."""
+        return self.isolation in VM_ISOLATIONS
 
     @classmethod
     def from_json(cls, doc: object, *, field_prefix: str = "", extra: Sequence[str] = ()) -> SandboxOptions:
@@ -497,7 +514,7 @@ class SandboxOptions:
     # what a checkpoint keeps of its sandbox's options, for a restore to start from: the
     # sandbox itself (environment, limits, labels), not its place in a job or its lifetime
     CARRIED = ("cpu", "memory", "pids", "disk", "cpu_class", "env", "workdir", "user", "labels", "network",
-               "userns", "isolation")
+               "userns", "isolation", "kernel")
 
     def carried(self) -> dict[str, Any]:
         """The JSON a checkpoint keeps (``layerbox.sandbox-options.v1``): :attr:`CARRIED`, without

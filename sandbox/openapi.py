@@ -64,8 +64,11 @@ OPTIONS_PROPERTIES: dict[str, Any] = {
     "userns": {"type": "boolean"},
     "policy_version": {**_PRINTABLE, "maxLength": 128},
     "isolation": {"type": "string", "enum": list(m.ISOLATIONS),
-                  "description": "container (crun) or microvm (QEMU, its own guest kernel); "
-                                 "/v1/capabilities says which this edge runs"},
+                  "description": "container (crun), microvm (QEMU's microvm machine, its own guest kernel) or "
+                                 "vm (a full q35 VM); /v1/capabilities says which this edge runs"},
+    "kernel": {"type": "string", "enum": list(m.KERNELS),
+               "description": "which kernel a VM boots: layerbox's guest kernel, or (isolation=vm) the "
+                              "image's own /vmlinuz with its /lib/modules"},
 }
 assert set(OPTIONS_PROPERTIES) == set(m.SandboxOptions.CLIENT_FIELDS)
 

@@ -70,7 +70,7 @@ async def preempt(manager: SandboxManager, job: str, *, timeout: float = 30.0,  
         st = box.state
         # a microVM's memory too: its processes go on wherever the job resumes (a host of the
         # same QEMU and guest assets; elsewhere only its disk comes back)
-        ckpt = await box.checkpoint(labels={"layerbox.job": job}, memory=st.options.isolation == "microvm")
+        ckpt = await box.checkpoint(labels={"layerbox.job": job}, memory=st.options.is_vm)
         receipts = manager.receipts(box.id)
         resolved_layers = await _layers_of(manager, ckpt.digest)
         entries[box.id] = {

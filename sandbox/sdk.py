@@ -294,7 +294,7 @@ def _check_isolation(isolation: str) -> None:
     if isolation not in SUPPORTED_ISOLATION:
         raise UnsupportedIsolation(
             f"isolation={isolation!r} is not available: layerbox runs sandboxes as crun containers or "
-            f"QEMU microvms (supported: {', '.join(SUPPORTED_ISOLATION)}); it never falls back silently")
+            f"QEMU microvms and VMs (supported: {', '.join(SUPPORTED_ISOLATION)}); it never falls back silently")
 
 
 def _event(line: bytes) -> dict[str, Any]:
@@ -987,6 +987,9 @@ class AsyncSandbox(_Session):
             if wanted not in caps.isolation:
                 why = (caps.backends.get(wanted) or {}).get("reason", "the edge does not list it")
                 raise UnsupportedIsolation(f"isolation={wanted!r} is not available at {url}: {why}")
+            if body.get("kernel") == "image" and "image_kernel" not in (caps.backends.get(wanted) or {}).get(
+                    "provides", ()):
+                raise UnsupportedIsolation(f"kernel='image' is not available for isolation={wanted!r} at {url}")
         if isolation != "container" or "isolation" not in body:  # the argument, unless options say microvm
             body["isolation"] = isolation
         body = {"image": image, **body}

@@ -83,6 +83,7 @@ class SandboxFields(TypedDict, total=False):
     network: Sequence[EgressRule | Mapping[str, Any]] | None
     userns: bool
     policy_version: str | None
+    kernel: str
 
 
 class CommandFields(TypedDict, total=False):

@@ -99,6 +99,7 @@ from sandbox.model import (
     ISOLATIONS,
     MAX_REF_NAME,
     PROJECT_LABEL,
+    VM_ISOLATIONS,
     ExecRequest,
     Maxima,
     SandboxFilter,
@@ -613,10 +614,11 @@ class SandboxService:
         body = await self._json(request)
         image = check_str("image", body.get("image"), max_len=512, what="an image or checkpoint ref")
         SandboxOptions.from_json(body, extra=("image",))  # every field checked before any lookup
-        if body.get("isolation") == "microvm":
-            vms = await self._microvms()
+        if body.get("isolation") in VM_ISOLATIONS:
+            isolation = body["isolation"]
+            vms = await self._vms(isolation)
             if not vms["available"]:
-                raise ApiError(400, "unsupported_isolation", f"isolation 'microvm' is not available on this edge: "
+                raise ApiError(400, "unsupported_isolation", f"isolation {isolation!r} is not available on this edge: "
                                f"{vms['reason']}", field="isolation")
         resolved = await self._resolve(project, image, field="image", kinds=("image", "composition", "checkpoint"))
         options = self._options(project, body, extra=("image",), base=await self._carried(resolved))
@@ -1038,14 +1040,15 @@ class SandboxService:
 
     async def capabilities(self, request: web.Request) -> web.Response:
         self._project(request)
-        vms = await self._microvms()
-        return web.json_response({**CAPABILITIES, "isolation": ["container", *(["microvm"] if vms["available"] else [])],
-                                  "backends": {"container": {"available": True, "runtime": "crun"}, "microvm": vms}})
+        vms = {isolation: await self._vms(isolation) for isolation in VM_ISOLATIONS}
+        return web.json_response({**CAPABILITIES,
+                                  "isolation": ["container", *(k for k, v in vms.items() if v["available"])],
+                                  "backends": {"container": {"available": True, "runtime": "crun"}, **vms}})
 
-    async def _microvms(self) -> dict[str, Any]:
-        if "microvm" not in self.isolations:
-            return {"available": False, "reason": "this edge is configured without microvms (--isolation)"}
-        return await asyncio.to_thread(self.manager.vms.capabilities)
+    async def _vms(self, isolation: str) -> dict[str, Any]:
+        if isolation not in self.isolations:
+            return {"available": False, "reason": f"this edge is configured without isolation={isolation} (--isolation)"}
+        return await asyncio.to_thread(self.manager.vms.capabilities, isolation)
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi.DOCUMENT)
@@ -1087,7 +1090,7 @@ def _flag(request: web.Request, name: str) -> bool:
 
 # What this backend can do; a request for anything else is refused, never downgraded.
 CAPABILITIES: dict[str, Any] = {
-    "isolation": ["container"],  # and "microvm" where this edge can run one (capabilities())
+    "isolation": ["container"],  # and "microvm", "vm" where this edge can run them (capabilities())
     "cpu_classes": ["latency", "best-effort"],
     "limits": ["cpu", "memory", "pids", "disk"],
     "network": {"default": "deny", "egress_rules": ["cidr", "host", "ports", "protocol"], "runtime_changes": True},

@@ -202,10 +202,20 @@ class Shape:
         return {"vcpus": self.vcpus, "memory": self.memory, "disk": self.disk, "machine": self.machine}
 
 
-def shape_of(cpu: float, memory: int, disk: int | None) -> Shape:
+# QEMU's machine per isolation: "microvm" (virtio-mmio, no PCI, no firmware but qboot) or a
+# full PC (q35: PCI, ACPI, SeaBIOS) for what needs one (the image's own kernel, PCI devices)
+MACHINES = {"microvm": "microvm", "vm": "q35"}
+
+
+def shape_of(cpu: float, memory: int, disk: int | None, machine: str = "microvm") -> Shape:
     # guest RAM in whole MiB, at least 128 MiB (the kernel and the initramfs' unpacked modules)
     mem = max(128 << 20, memory >> 20 << 20)
-    return Shape(vcpus=max(1, min(64, int(cpu + 0.999))), memory=mem, disk=disk or DEFAULT_DISK)
+    return Shape(vcpus=max(1, min(64, int(cpu + 0.999))), memory=mem, disk=disk or DEFAULT_DISK, machine=machine)
+
+
+def _device(machine: str, kind: str) -> str:
+    """The virtio device ``kind`` (blk, net, serial, balloon) on ``machine``'s bus."""
+    return f"virtio-{kind}-{'pci' if machine == 'q35' else 'device'}"
 
 
 def _q(value: str | os.PathLike[str]) -> str:
@@ -213,7 +223,7 @@ def _q(value: str | os.PathLike[str]) -> str:
     return str(value).replace(",", ",,")
 
 
-def disk_args(nodes: Sequence[tuple[str, str]]) -> list[str]:
+def disk_args(nodes: Sequence[tuple[str, str]], machine: str = "microvm") -> list[str]:
     """The ``-blockdev`` graph of the sandbox's disk: ``nodes`` are (file, format) base first,
     the last one the guest writes (node ``d<n-1>``); each qcow2 node's backing is the node
     before it, never the name its header records (a checkpoint's delta was written on
@@ -229,7 +239,7 @@ def disk_args(nodes: Sequence[tuple[str, str]]) -> list[str]:
         if i == last:
             node += ",discard=unmap"
         argv += ["-blockdev", node]
-    return argv + ["-device", f"virtio-blk-device,drive=d{last},serial=lb-upper"]
+    return argv + ["-device", f"{_device(machine, 'blk')},drive=d{last},serial=lb-upper"]
 
 
 def chain_image_opts(nodes: Sequence[tuple[str, str]]) -> str:
@@ -258,8 +268,14 @@ def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: 
     else:
         mem = f"memory-backend-file,id=mem,size={shape.memory},mem-path={memory_file}"
         mem += ",share=on" if template else ",share=off,readonly=on,rom=off"
-    argv = [hv.qemu, "-L", str(assets.firmware),
-            "-M", "microvm,x-option-roms=off,pit=off,pic=off,rtc=on,isa-serial=on,memory-backend=mem",
+    machine = shape.machine
+    if machine == "microvm":
+        board = "microvm,x-option-roms=off,pit=off,pic=off,rtc=on,isa-serial=on,memory-backend=mem"
+    elif machine == "q35":  # SeaBIOS and its linuxboot ROM from QEMU's own data dir (after -L)
+        board = "q35,memory-backend=mem,vmport=off,smbus=off,sata=off,usb=off"
+    else:
+        raise VmError(f"machine {machine!r} is neither microvm nor q35")
+    argv = [hv.qemu, "-L", str(assets.firmware), "-M", board,
             "-accel", f"tcg,tb-size={TCG_TB_MIB}" if hv.accel == "tcg" else "kvm",
             "-cpu", "max" if hv.accel == "tcg" else "host",
             "-m", f"{shape.memory >> 20}M", "-smp", str(shape.vcpus), "-object", mem,
@@ -272,19 +288,20 @@ def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: 
     for i, (meta, blob) in enumerate(layers):
         for kind, path in (("meta", meta), ("blob", blob)):
             argv += ["-drive", f"id={kind}{i},file={path},format=raw,if=none,readonly=on,cache=writeback",
-                     "-device", f"virtio-blk-device,drive={kind}{i},serial=lb-{kind}-{i}"]
-    argv += disk_args(disk_nodes)  # its device after the layers' and before the NIC: the slots a save records
+                     "-device", f"{_device(machine, 'blk')},drive={kind}{i},serial=lb-{kind}-{i}"]
+    argv += disk_args(disk_nodes, machine)  # after the layers' devices, before the NIC: the slots a save records
     # the NIC: the tap of the namespace the VMM runs in (sandbox.network, VM_TAP); its MAC is the
-    # same in every VM, each alone on its own link
+    # same in every VM, each alone on its own link; on PCI without a boot ROM (the kernel is given)
     argv += ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
-             "-device", "virtio-net-device,netdev=net0,mac=52:54:00:6c:62:02",
-             "-device", "virtio-serial-device,max_ports=2",
+             "-device", f"{_device(machine, 'net')},netdev=net0,mac=52:54:00:6c:62:02"
+             + (",romfile=" if machine == "q35" else ""),
+             "-device", f"{_device(machine, 'serial')},max_ports=2",
              "-chardev", "socket,id=agent,path=agent.sock,server=on,wait=off",
              "-device", "virtserialport,chardev=agent,name=lb.agent",
              # free-page reporting off: QEMU 10 refuses to discard pages of a read-only file mapping
              # ("Discarding RAM with readonly files is not supported"), which is what a sandbox's RAM
              # over its template is, so every report would fail (docs/FORMAT.md Part 5)
-             "-device", "virtio-balloon-device,free-page-reporting=off"]
+             "-device", f"{_device(machine, 'balloon')},free-page-reporting=off"]
     return argv
 
 

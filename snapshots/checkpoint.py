@@ -290,9 +290,9 @@ class Snapshots:
         labels: Mapping[str, str] | None = None, trajectory_offset: int | None = None,
         receipt_id: str | None = None, policy_version: str | None = None,
         attach_docs: Mapping[str, Mapping[str, Any]] | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-        memory: bool = False,
+        memory: bool = False, isolation: str = "microvm",
     ) -> Checkpoint:
-        """A microVM's checkpoint: its disk in a layer of its own (the document's ``disk``): the
+        """A VM's checkpoint (``isolation`` microvm or vm, bound so that it restores as one): its disk in a layer of its own (the document's ``disk``): the
         whole disk as one sparse ``disk.img``, or ``delta.qcow2``, the clusters written since
         the disk chain ``base`` (layer entries, base first: the document's ``disk_base``),
         which the restore stacks under it.  Its layers stay the image's.  With ``memory``, the
@@ -325,7 +325,7 @@ class Snapshots:
                 extra={"disk": disk.to_json(), **({"disk_base": chain_base} if chain_base else {})},
                 bound={"policy_version": policy_version, "disk": "block", "disk_digest": disk.digest,
                        "disk_chain": [*(x["digest"] for x in chain_base), disk.digest],
-                       "isolation": "microvm", "vm": dict(vm), **({"memory": "mapped-ram"} if memory else {})},
+                       "isolation": isolation, "vm": dict(vm), **({"memory": "mapped-ram"} if memory else {})},
                 fields={"trajectory_offset": trajectory_offset, "receipt_id": receipt_id, "labels": labels,
                         "stats": {"entries": 2 if memory else 1, "bytes_changed": result.data_bytes}},
                 attachments=None, attach_docs=attach_docs, before_ref=None)

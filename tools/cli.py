@@ -765,7 +765,8 @@ def _sandbox_cmd(args: argparse.Namespace) -> int:
         options = SandboxOptions(cpu=args.cpu, memory=args.memory, pids=args.pids, disk=args.disk,
                                  cpu_class=args.cpu_class, job=args.job, lease_ttl=args.lease_ttl, ttl=args.ttl,
                                  idle_timeout=args.idle_timeout, userns=args.userns, env=dict(args.env),
-                                 workdir=args.workdir, user=args.user, isolation=args.isolation)
+                                 workdir=args.workdir, user=args.user, isolation=args.isolation,
+                                 kernel=args.kernel)
         box = asyncio.run(mgr.create(args.ref, options))
         _emit(args, box.state.to_json(), lambda: print(box.id))
     elif action == "exec":
@@ -857,8 +858,10 @@ def _add_sandbox_parser(sub: Any) -> None:
                    help="an environment variable of every command (repeatable)")
     c.add_argument("--workdir", default=None, help="the working directory of every command")
     c.add_argument("--user", default=None, help="user[:group] every command runs as (name or id)")
-    c.add_argument("--isolation", choices=("container", "microvm"), default="container",
-                   help="a crun container, or a QEMU microvm with its own guest kernel")
+    c.add_argument("--isolation", choices=("container", "microvm", "vm"), default="container",
+                   help="a crun container, a QEMU microvm, or a full q35 VM (each VM with its own guest kernel)")
+    c.add_argument("--kernel", choices=("layerbox", "image"), default="layerbox",
+                   help="the kernel a VM boots: layerbox's, or the image's own /vmlinuz (--isolation vm)")
     e = sbs.add_parser("exec", parents=[common], help="run a command: exec [--data-dir D --store URL --timeout S] ID -- CMD...")
     e.add_argument("id")
     e.add_argument("--timeout", type=float, default=None)
