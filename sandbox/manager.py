@@ -777,7 +777,7 @@ class SandboxManager:
         self.runtime = OciRuntime(self.paths.runtime, binary=runtime)
         self.host = HostMounts(self.data_dir, store_url)
         self.host.on_remount = self._on_remount
-        self.vms = Vms(self.data_dir, self.host, lambda: self.layout, lambda: self.net)
+        self.vms = Vms(self.data_dir, self.host, lambda: self.layout, lambda: self.net, lambda: self.uid_ranges)
         self.leases = Leases(self.root / "leases.json")
         digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()
         # one cgroup parent per data dir: two managers on one machine never share cgroups

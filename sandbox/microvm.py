@@ -34,6 +34,7 @@ from sandbox import vm, vmassets
 from sandbox.agent import AgentConnection, AgentError, GuestFileError, entry_json
 from sandbox.cgroups import CgroupLayout
 from sandbox.errors import HostUnsupported, SandboxStateError, UnsupportedOption
+from sandbox.idmap import RangePool
 from sandbox.model import SandboxOptions, SandboxState
 from sandbox.network import VM_GUEST_ADDRESS, VM_TAP_ADDRESS, NetworkManager
 
@@ -138,11 +139,13 @@ class Vms:
     """Every VM of one manager, microvm or q35: their VMMs, agent connections and this host's templates."""
 
     def __init__(self, data_dir: Path, host: HostMounts, layout: Callable[[], CgroupLayout],
-                 net: Callable[[], NetworkManager], assets_root: Path | None = None) -> None:
+                 net: Callable[[], NetworkManager], uids: Callable[[], RangePool],
+                 assets_root: Path | None = None) -> None:
         self.templates_dir = data_dir / "vm" / "templates"
         self.host = host
         self._layout = layout
         self._net = net
+        self._uids = uids
         self.assets_root = assets_root or vmassets.DEFAULT_ROOT
         self._hv: vm.Hypervisor | None = None
         self._assets: vmassets.Assets | None = None
@@ -213,6 +216,21 @@ class Vms:
         except vmassets.AssetsError as exc:
             raise SandboxStateError(f"guest assets {key}: {exc}") from None
 
+    # -- the VMM's jail ---------------------------------------------------------------------------
+    def jail_of(self, owner: str) -> tuple[int, int]:
+        """The host uid and gid the VMM of ``owner`` (a sandbox id, or a template boot's name)
+        runs as: the first of a uid range of its own in the manager's pool, the same again for
+        the same owner (a resume), released with the sandbox (the manager's destroy and reconcile)."""
+        base, _ = self._uids().allocate(owner)
+        return base, base
+
+    @contextlib.contextmanager
+    def _template_jail(self, name: str) -> Iterator[tuple[int, int]]:
+        try:
+            yield self.jail_of(name)
+        finally:
+            self._uids().release(name)
+
     # -- lifecycle --------------------------------------------------------------------------------
     def check_options(self, options: SandboxOptions) -> None:
         """What a microVM cannot be given, refused before anything is made (a 400 naming the field)."""
@@ -248,7 +266,7 @@ class Vms:
         hv, _ = self.prepare()
         layers = [(f["meta"], f["blob"]) for f in self.host.layer_files(resolved)]
         return vm.ensure_template(self.templates_dir, hv, assets, layers, [x.digest for x in resolved.layers],
-                                  shape, self._scratch_netns)
+                                  shape, self._scratch_netns, self._template_jail)
 
     def mount_template(self, key: str, found: Resolved) -> vm.Template:
         """The store's template ``key`` (``found``, its document) mounted lazily here: its VMs
@@ -303,12 +321,13 @@ class Vms:
         layers = [(f["meta"], f["blob"]) for f in files]
         t1 = time.perf_counter()
         vm_dir = box_dir / "vm"
-        vm_dir.mkdir(mode=0o700, exist_ok=True)
+        vm_dir.mkdir(mode=0o711, exist_ok=True)  # the VMM's chroot: it may traverse it, not list or change it
+        jail = self.jail_of(sid)
         if chain:
             nodes = self._mount_disk_chain(resolved, chain, vm_dir)
         else:
             nodes = [(str(vm.pristine_disk(self.templates_dir, shape.disk)), "raw")]
-        vm.sandbox_disk(nodes[-1][0], nodes[-1][1], vm_dir / "disk.qcow2", shape.disk)
+        vm.sandbox_disk(nodes[-1][0], nodes[-1][1], vm_dir / "disk.qcow2", shape.disk, jail)
         nodes.append((str(vm_dir / "disk.qcow2"), "qcow2"))
         procs = self._cgroup(cgroups_path, options, shape)
         network, guest_net = self._network(sid, options)
@@ -320,7 +339,7 @@ class Vms:
         else:
             state_file = template.state
         vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, state_file, nodes, procs,
-                                           netns=self._net().netns_path(sid), guest_net=guest_net,
+                                           netns=self._net().netns_path(sid), jail=jail, guest_net=guest_net,
                                            mapped_ram=template is None)
         with self._lock:
             self._conns[sid] = conn
@@ -395,7 +414,7 @@ class Vms:
             raise SandboxStateError(f"sandbox {sid} is {st.status}: its disk is captured while it runs")
         # a name no file of this VM has had: a merge shortens the chain, never the numbering
         top = box_dir / "vm" / f"disk-{max([len(nodes), *_overlay_numbers(box_dir / 'vm')]) + 1}.qcow2"
-        vm.sandbox_disk(nodes[-1][0], nodes[-1][1], top, int(rec["shape"]["disk"]))
+        vm.sandbox_disk(nodes[-1][0], nodes[-1][1], top, int(rec["shape"]["disk"]), self.jail_of(sid))
         self.conn(sid, box_dir, st).sync()
         vmm = self.vmm_of(box_dir, st)
         qmp = vmm.qmp()
@@ -407,7 +426,8 @@ class Vms:
         def switch() -> None:  # the guest is stopped: its disk goes to the new overlay
             # the new overlay with the options disk_args gives a restarted VMM its top, then the switch
             qmp.execute("blockdev-add", **{"driver": "qcow2", "node-name": overlay, "discard": "unmap",
-                                           "backing": None, "file": {"driver": "file", "filename": str(top)}})
+                                           "backing": None,
+                                           "file": {"driver": "file", "filename": vm.qemu_path(top, top.parent)}})
             qmp.execute("blockdev-snapshot", node=active, overlay=overlay)
             rec.update(disk_nodes=[*(list(x) for x in frozen), [str(top), "qcow2"]], disk_chain=None,
                        disk_top_node=overlay)
@@ -464,7 +484,7 @@ class Vms:
         try:
             names = {n.get("file"): n["node-name"] for n in qmp.execute("query-named-block-nodes")
                      if n.get("drv") == "qcow2"}
-            top, base = names.get(nodes[-2][0]), names.get(nodes[-3][0])
+            top, base = names.get(vm.qemu_path(nodes[-2][0], vm_dir)), names.get(vm.qemu_path(nodes[-3][0], vm_dir))
             if top is None or base is None:
                 log.warning("sandbox %s: its frozen overlay is not in its VMM's graph; left unmerged", sid)
                 return
@@ -589,8 +609,14 @@ class Vms:
             nodes.append((str(box_dir / "vm" / f"disk-{n}.qcow2"), "qcow2"))
         rec["disk_nodes"] = [list(x) for x in nodes]
         rec["disk_top_node"] = f"d{len(nodes) - 1}"  # a new VMM's names (vm.disk_args)
+        jail = self.jail_of(sid)
+        vm_dir = box_dir / "vm"
+        vm_dir.chmod(0o711)  # (a VM saved by a layerbox before the jail: its directory was 0700, its disks root's)
+        for p, _ in nodes:
+            if Path(p).parent == vm_dir:
+                os.chown(p, *jail, follow_symlinks=False)
         vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, nodes, procs,
-                                           netns=self._net().netns_path(sid),
+                                           netns=self._net().netns_path(sid), jail=jail,
                                            guest_net=(guest[0], int(guest[1]), guest[2]) if guest else None)
         with self._lock:
             self._conns[sid] = conn

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -176,12 +177,29 @@ class Qmp:
                 return msg
 
     def execute(self, command: str, **arguments: Any) -> Any:
-        self.sock.sendall(json.dumps({"execute": command, **({"arguments": arguments} if arguments else {})}
-                                     ).encode() + b"\n")
+        return self._call(command, arguments, ())
+
+    def _call(self, command: str, arguments: dict[str, Any], fds: Sequence[int]) -> Any:
+        data = json.dumps({"execute": command, **({"arguments": arguments} if arguments else {})}).encode() + b"\n"
+        if fds:
+            socket.send_fds(self.sock, [data], list(fds))
+        else:
+            self.sock.sendall(data)
         reply = self._read()
         if "error" in reply:
             raise VmError(f"QMP {command}: {reply['error'].get('desc', reply['error'])}")
         return reply.get("return")
+
+    @contextlib.contextmanager
+    def fdset(self, fd: int) -> Iterator[str]:
+        """``fd`` handed to the VMM (``add-fd``: a jailed VMM opens no host path itself) as a
+        name its opens accept, ``/dev/fdset/<id>``; removed from it after the block."""
+        info = self._call("add-fd", {}, [fd])
+        try:
+            yield f"/dev/fdset/{info['fdset-id']}"
+        finally:
+            with contextlib.suppress(VmError, OSError):
+                self.execute("remove-fd", **{"fdset-id": info["fdset-id"]})
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -223,7 +241,16 @@ def _q(value: str | os.PathLike[str]) -> str:
     return str(value).replace(",", ",,")
 
 
-def disk_args(nodes: Sequence[tuple[str, str]], machine: str = "microvm") -> list[str]:
+def qemu_path(path: str | os.PathLike[str], vm_dir: Path) -> str:
+    """How the VMM names ``path``: a file of its own directory by its name alone (relative to
+    its working directory, which its chroot makes ``/``: the same file before and after the
+    jail, so it can reopen it to write, as a merge does), anything else as given (opened at
+    its start, before the jail)."""
+    p = Path(path)
+    return p.name if p.parent == vm_dir else str(p)
+
+
+def disk_args(nodes: Sequence[tuple[str, str]], machine: str = "microvm", vm_dir: Path | None = None) -> list[str]:
     """The ``-blockdev`` graph of the sandbox's disk: ``nodes`` are (file, format) base first,
     the last one the guest writes (node ``d<n-1>``); each qcow2 node's backing is the node
     before it, never the name its header records (a checkpoint's delta was written on
@@ -233,7 +260,8 @@ def disk_args(nodes: Sequence[tuple[str, str]], machine: str = "microvm") -> lis
     last = len(nodes) - 1
     for i, (path, fmt) in enumerate(nodes):
         ro = "on" if i < last else "off"
-        node = f"driver={fmt},node-name=d{i},read-only={ro},file.driver=file,file.filename={_q(path)}"
+        name = qemu_path(path, vm_dir) if vm_dir is not None else path
+        node = f"driver={fmt},node-name=d{i},read-only={ro},file.driver=file,file.filename={_q(name)}"
         if fmt == "qcow2" and i > 0:
             node += f",backing=d{i - 1}"
         if i == last:
@@ -255,8 +283,13 @@ def chain_image_opts(nodes: Sequence[tuple[str, str]]) -> str:
 
 def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: Sequence[tuple[str, str]],
                  disk_nodes: Sequence[tuple[str, str]], memory_file: Path | None, *, template: bool,
-                 hostname: str) -> list[str]:
-    """QEMU's argv, relative to the VM's directory (its sockets are made there).  RAM: a
+                 hostname: str, vm_dir: Path, jail: tuple[int, int]) -> list[str]:
+    """QEMU's argv, relative to the VM's directory ``vm_dir`` (its sockets are made there).
+
+    The VMM opens every file and device as root, then (``-run-with``) chroots to ``vm_dir``
+    and becomes ``jail`` (uid, gid): a host uid of its own that owns nothing but the VM's
+    writable overlays, so a guest that took QEMU over reaches the VM's directory only, as a
+    nobody.  What it opens later comes as fds (:meth:`Qmp.fdset`).  RAM: a
     template's is ``memory_file`` (share=on: a save leaves it there); a sandbox's is a private,
     read-only mapping of its template's file, so its writes are its own and the file stays;
     without a ``memory_file`` (a VM restored from its own memory image) it is anonymous."""
@@ -282,14 +315,16 @@ def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: 
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             # QEMU's seccomp filter: no exec, no setuid, no obsolete or scheduler syscalls for a
             # VMM a guest may have taken over (saves go to a file, not through an exec'd cat)
-            "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            # (set*id stays allowed: the jail below is QEMU's own setuid; once done, it has no way back)
+            "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny",
+            "-run-with", f"user={jail[0]}:{jail[1]},chroot={_q(vm_dir)}",
             "-serial", "file:console.log", "-qmp", "unix:qmp.sock,server=on,wait=off",
             "-kernel", str(assets.kernel), "-initrd", str(assets.initrd), "-append", " ".join(append)]
     for i, (meta, blob) in enumerate(layers):
         for kind, path in (("meta", meta), ("blob", blob)):
             argv += ["-drive", f"id={kind}{i},file={path},format=raw,if=none,readonly=on,cache=writeback",
                      "-device", f"{_device(machine, 'blk')},drive={kind}{i},serial=lb-{kind}-{i}"]
-    argv += disk_args(disk_nodes, machine)  # after the layers' devices, before the NIC: the slots a save records
+    argv += disk_args(disk_nodes, machine, vm_dir)  # after the layers' devices, before the NIC: the slots a save records
     # the NIC: the tap of the namespace the VMM runs in (sandbox.network, VM_TAP); its MAC is the
     # same in every VM, each alone on its own link; on PCI without a boot ROM (the kernel is given)
     argv += ["-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
@@ -411,17 +446,20 @@ class Vmm:
         stays stopped (``postmigrate``) either way; ``cont`` runs it on.  ``durable``: fsync'd
         before it is renamed into place (a file that is uploaded and deleted needs not be)."""
         t = time.perf_counter()
-        own = qmp is None
-        qmp = qmp or self.qmp()
         live = switchover is not None
-        try:
+        with contextlib.ExitStack() as stack:
+            if qmp is None:
+                qmp = self.qmp()
+                stack.callback(qmp.close)
             if not live:
                 qmp.execute("stop")
             qmp.execute("migrate-set-capabilities", capabilities=[
                 *_capabilities(mapped_ram), {"capability": "pause-before-switchover", "state": live}])
             tmp = state_file.with_suffix(".tmp")
             tmp.unlink(missing_ok=True)  # mapped-ram writes at offsets: never over an old file's pages
-            qmp.execute("migrate", uri=f"file:{tmp.resolve()}")
+            out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            stack.callback(os.close, out_fd)
+            qmp.execute("migrate", uri=f"file:{stack.enter_context(qmp.fdset(out_fd))}")
             deadline = time.monotonic() + SAVE_TIMEOUT
             while True:
                 info = qmp.execute("query-migrate")
@@ -440,27 +478,23 @@ class Vmm:
                     raise VmError(f"VMM {self.pid}: save {info.get('status')}: {info.get('error-desc', '')}")
                 time.sleep(0.002)
             if durable:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            os.replace(tmp, state_file)
-            return time.perf_counter() - t
-        finally:
-            if own:
-                qmp.close()
+                os.fsync(out_fd)
+        os.replace(tmp, state_file)
+        return time.perf_counter() - t
 
     def restore(self, state_file: Path, *, mapped_ram: bool = False) -> None:
         """Load ``state_file`` (a :meth:`save` of the same ``mapped_ram``) into a VMM started with
         ``-incoming defer`` and run it."""
         qmp = self.qmp()
+        fd = os.open(state_file, os.O_RDONLY | os.O_CLOEXEC)
         try:
             qmp.execute("migrate-set-capabilities", capabilities=_capabilities(mapped_ram))
-            qmp.execute("migrate-incoming", uri=f"file:{state_file.resolve()}")
-            self.wait_status(qmp, "paused", BOOT_TIMEOUT)
+            with qmp.fdset(fd) as name:
+                qmp.execute("migrate-incoming", uri=f"file:{name}")
+                self.wait_status(qmp, "paused", BOOT_TIMEOUT)
             qmp.execute("cont")
         finally:
+            os.close(fd)
             qmp.close()
 
     def quit(self) -> None:
@@ -579,9 +613,12 @@ def _flock(path: Path) -> Iterator[None]:
 
 def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[tuple[str, str]],
                     layer_digests: Sequence[str], shape: Shape,
-                    netns: Callable[[str], contextlib.AbstractContextManager[Path]]) -> tuple[Template, bool]:
+                    netns: Callable[[str], contextlib.AbstractContextManager[Path]],
+                    jail: Callable[[str], contextlib.AbstractContextManager[tuple[int, int]]]
+                    ) -> tuple[Template, bool]:
     """The template of these layers and shape on this host, booted and saved now if missing.
-    ``netns(name)`` gives an isolated network namespace with the VM's tap for the boot.
+    ``netns(name)`` gives an isolated network namespace with the VM's tap for the boot,
+    ``jail(name)`` the uid and gid its VMM runs as (the image's kernel may be the tenant's).
     Returns it and whether it was made by this call."""
     key = template_key(hv, assets, layer_digests, shape)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -593,14 +630,14 @@ def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers:
         shutil.rmtree(final, ignore_errors=True)  # a half-made one (a crash while booting it)
         work = root / f".{key}.tmp"
         shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(mode=0o700)
+        work.mkdir(mode=0o711)  # the VMM's chroot: it may traverse it, not list or change it
         t = time.perf_counter()
         for name, size in (("disk.raw", shape.disk), ("memory", shape.memory)):
             with open(work / name, "wb") as f:
                 f.truncate(size)
-        argv = command_line(hv, assets, shape, layers, [(str(work / "disk.raw"), "raw")], work / "memory",
-                            template=True, hostname="sandbox")
-        with netns(f"lb-t{key[:10]}") as ns:
+        with netns(f"lb-t{key[:10]}") as ns, jail(f"template-{key[:16]}") as ids:
+            argv = command_line(hv, assets, shape, layers, [(str(work / "disk.raw"), "raw")], work / "memory",
+                                template=True, hostname="sandbox", vm_dir=work, jail=ids)
             vmm = Vmm.spawn(work, argv, netns=ns)
             try:
                 conn = connect_agent(vmm)  # layers mounted, no writable disk: nothing of it to flush
@@ -636,28 +673,34 @@ def pristine_disk(root: Path, size: int) -> Path:
     return path
 
 
-def sandbox_disk(backing: str, backing_format: str, path: Path, size: int) -> None:
+def sandbox_disk(backing: str, backing_format: str, path: Path, size: int, owner: tuple[int, int]) -> None:
     """The sandbox's disk: a qcow2 overlay (its writes only) over ``backing`` (a raw ext4 image, or
-    the top of a checkpoint's chain), not opened here: QEMU is given the chain (:func:`disk_args`)."""
+    the top of a checkpoint's chain), not opened here: QEMU is given the chain (:func:`disk_args`).
+    It belongs to ``owner``, the VMM's jail (a merge reopens it to write after the jail)."""
     try:
-        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", backing_format, "-b", backing,
-                        str(path), str(size)], check=True, capture_output=True, text=True)
+        # the backing as the VMM names it (qemu_path): QEMU then calls the overlay by its plain
+        # name, not a json: one, which is how a merge finds it (query-named-block-nodes)
+        subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-F", backing_format,
+                        "-b", qemu_path(backing, path.parent), str(path), str(size)],
+                       check=True, capture_output=True, text=True)
     except FileNotFoundError:
         raise HostUnsupported("qemu-img is not installed (apt-get install qemu-utils)") from None
     except subprocess.CalledProcessError as exc:
         raise VmError(f"qemu-img create {path}: {exc.stderr.strip()}") from None
+    os.chown(path, *owner)
+    path.chmod(0o600)
 
 
 def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, template: Template | None,
                         layers: Sequence[tuple[str, str]], shape: Shape, state_file: Path,
                         disk_nodes: Sequence[tuple[str, str]], cgroup_procs: Sequence[Path] = (), *,
-                        netns: Path, guest_net: tuple[str, int, str] | None = None,
+                        netns: Path, jail: tuple[int, int], guest_net: tuple[str, int, str] | None = None,
                         mapped_ram: bool = False) -> tuple[Vmm, AgentConnection]:
     """A VMM restored from ``state_file`` (the template's, or this sandbox's own saved state;
     with ``template`` None and ``mapped_ram``, a memory image of its own: its RAM anonymous),
     in the network namespace ``netns``; ``guest_net`` (address, prefix length, gateway) for eth0."""
     argv = command_line(hv, assets, shape, layers, disk_nodes, template.memory if template is not None else None,
-                        template=False, hostname="sandbox") + ["-incoming", "defer", "-S"]
+                        template=False, hostname="sandbox", vm_dir=vm_dir, jail=jail) + ["-incoming", "defer", "-S"]
     vmm = Vmm.spawn(vm_dir, argv, cgroup_procs, netns=netns)
     try:
         vmm.restore(state_file, mapped_ram=mapped_ram)
@@ -676,5 +719,5 @@ def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, t
 
 
 __all__ = ["Hypervisor", "Qmp", "Shape", "Template", "VmError", "Vmm", "chain_image_opts", "command_line",
-           "connect_agent", "cpu_flags", "disk_args", "ensure_template", "hypervisor", "load_template", "pristine_disk", "sandbox_disk", "shape_of",
+           "connect_agent", "cpu_flags", "disk_args", "qemu_path", "ensure_template", "hypervisor", "load_template", "pristine_disk", "sandbox_disk", "shape_of",
            "start_from_template", "template_key", "template_lock"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -123,6 +124,42 @@ def test_create_exec_streams_and_files(vms: Any, vm_manager: SandboxManager) -> 
     create = box.receipts()[0]
     assert create["isolation"] == "microvm"
     assert create["vm"]["assets"] == st.vm["assets"]
+
+
+def _ids(pid: int) -> tuple[set[int], int]:
+    """The uids and gids of process ``pid`` (real, effective, saved, fs) and its effective capabilities."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    ids = {int(x) for key in ("Uid", "Gid") for x in re.search(rf"^{key}:(.*)$", status, re.M)[1].split()}  # type: ignore[index]
+    return ids, int(re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.M)[1], 16)  # type: ignore[index]
+
+
+def test_each_vmm_is_jailed_as_a_uid_of_its_own(vms: Any) -> None:
+    a, b = vms(), vms()
+    uids = []
+    for box in (a, b):
+        pid = box.state.vm["vmm_pid"]
+        ids, caps = _ids(pid)
+        assert len(ids) == 1, ids  # uid == gid, real == effective == saved: no way back to root
+        (uid,) = ids
+        assert uid != 0
+        assert caps == 0
+        assert os.readlink(f"/proc/{pid}/root") == str(box.dir / "vm")  # chrooted to its own directory
+        vm_dir = box.dir / "vm"
+        assert vm_dir.stat().st_uid == 0
+        assert vm_dir.stat().st_mode & 0o777 == 0o711  # it cannot add, remove or swap a file there
+        assert sorted(p.name for p in vm_dir.iterdir() if p.lstat().st_uid == uid) == ["disk.qcow2"]
+        uids.append(uid)
+    assert uids[0] != uids[1]
+    # as the first VMM's uid (what a guest that took its QEMU over would be): the other VM's
+    # disk, its process and the host's files are out of reach
+    pid_b = b.state.vm["vmm_pid"]
+    as_a = ["setpriv", f"--reuid={uids[0]}", f"--regid={uids[0]}", "--clear-groups", "--"]
+    for target in (f"/proc/{pid_b}/root/disk.qcow2", str(b.dir / "vm" / "disk.qcow2"), "/etc/shadow"):
+        got = subprocess.run([*as_a, "cat", target], capture_output=True, text=True)
+        assert got.returncode != 0, target
+        assert "Permission denied" in got.stderr, got.stderr
+    assert subprocess.run([*as_a, "kill", "-0", str(pid_b)], capture_output=True).returncode != 0
+    assert a.exec("echo still here").stdout == b"still here\n"
 
 
 def test_timeout_output_cap_and_a_real_test_suite(vms: Any) -> None:
