@@ -232,7 +232,7 @@ def test_streamed_upload_and_download_of_a_large_file(url: str, tmp_path: Path) 
 def test_fncall_through_the_service(url: str) -> None:
     async def scenario() -> None:
         caps = await capabilities(url=url, token=ALPHA)
-        assert caps.isolation == ("container", "microvm")  # this host has QEMU and the guest assets
+        assert caps.isolation == ("container", "microvm", "vm")  # this host has QEMU and the guest assets
         assert caps.backends["microvm"]["accel"] in ("tcg", "kvm")
         assert caps.checkpoint == {"filesystem": True, "processes": False}
         with pytest.raises(UnsupportedIsolation):

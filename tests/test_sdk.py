@@ -441,7 +441,7 @@ def test_results_are_typed(url: str) -> None:
             assert job.resume() == [sb.sandbox_id]
     with Client(url=url, token=ALPHA) as client:
         caps = client.capabilities()
-        assert caps.isolation == ("container", "microvm")
+        assert caps.isolation == ("container", "microvm", "vm")
         assert caps.fncall
         assert caps.preemption
         load = client.load()
@@ -547,5 +547,5 @@ def test_the_sample_agent_program_runs(url: str, flavour: str) -> None:
     assert report == sdk_sample.Report(
         status="running", memory=256 << 20, answer=45, listed=(".bashrc", ".profile", "task.py"),
         failed_with=3, missing_raised=True, checkpoint=f"projects/alpha/{job}-step-1", branch_saw=sdk_sample.TASK,
-        lease_state="active", isolation=("container", "microvm"), doubled=42, served=sdk_sample.TASK, server_killed=True,
+        lease_state="active", isolation=("container", "microvm", "vm"), doubled=42, served=sdk_sample.TASK, server_killed=True,
         terminal_exit=4, fork_saw=sdk_sample.TASK)
