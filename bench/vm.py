@@ -9,8 +9,9 @@ On the fixture's ``python`` image published to a ``file://`` store:
 * **idle memory**: ``--idle`` microVMs started and left alone; per VM, the VMM cgroup's
   memory against what the guest uses (MemTotal - MemAvailable in the guest).  Goal: host
   memory per idle VM <= guest memory used + 20 MiB.
-* **pause with reclaim / resume**: the saved state's size and the save time against the
-  guest's RAM, and the resume time.
+* **pause with reclaim / resume**: a pause to the store (a checkpoint with memory, then the
+  VMM stopped and its files removed): bytes uploaded, the time the guest was stopped, the
+  pause and the resume here; then the same pause resumed on the second host.
 * **block checkpoint**: ``--writes`` MB written in the guest, then ``checkpoint()``: its
   freeze and total time and bytes uploaded against bytes written.
 * **restore**: the checkpoint restored into a microVM on a second host (another data dir,
@@ -167,8 +168,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         t = time.perf_counter()
         box.resume()
         resume_s = time.perf_counter() - t
-        doc["pause"] = {"guest_ram_mib": args.memory, "state_mib": round(paused["reclaim"]["vm_state_bytes"] / MiB, 1),
-                        "save_ms": _ms(paused["reclaim"]["save_seconds"]), "pause_ms": _ms(pause_s),
+        doc["pause"] = {"guest_ram_mib": args.memory, "uploaded_mb": round(paused["reclaim"]["bytes_uploaded"] / 1e6, 1),
+                        "stopped_ms": _ms(paused["reclaim"]["stopped_seconds"]), "pause_ms": _ms(pause_s),
                         "resume_ms": _ms(resume_s)}
         log(f"block checkpoint of {args.writes} MB written")
         box.exec(f"head -c {args.writes * 1000000} /dev/urandom > /root/written; sync", timeout=600)
@@ -194,6 +195,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out["cold_fetched_mb"] = round(stats["bytes_fetched"] / 1e6, 1)
         out["cold_vs_warm"] = round(out["cold_to_first_exec_ms"] / out["warm_to_first_exec_ms"], 2)
         doc["restore"] = out
+        log("resume elsewhere: the pause's checkpoint restored on the second host")
+        t = time.perf_counter()
+        moved_pause = asyncio.run(host2.restore(paused["reclaim"]["digest"]))
+        moved_pause.exec(["/bin/true"])
+        doc["pause"]["resume_elsewhere_ms"] = _ms(time.perf_counter() - t)
+        moved_pause.destroy()
         log("template from the store: a third fresh host")
         b3, t3 = create_first_exec(host3, vm)
         made.append(b3)

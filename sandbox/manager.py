@@ -41,10 +41,10 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import blake3
 
@@ -108,6 +108,7 @@ from snapshots.checkpoint import Checkpoint, Snapshots
 from snapshots.errors import SnapshotError
 
 log = logging.getLogger("layerbox.sandbox")
+T = TypeVar("T")
 
 __all__ = ["Cancel", "ExecResult", "Sandbox", "SandboxManager", "become_subreaper"]
 
@@ -598,14 +599,12 @@ class Sandbox:
         st = self.state
         self._require_running(st)
         if st.options.is_vm:
-            # reclaim: the VM is saved (device state and the RAM it changed) and its VMM stopped
-            record, info = self.manager.vms.pause(self.id, self.dir, st, reclaim)
-            self._update(status="paused", vm=record, pid=None if record["saved"] else st.pid,
-                         init_start=None if record["saved"] else st.init_start)
-            if reclaim:  # the page cache the save left charged to the sandbox (its state file, its disk)
-                info["reclaim"]["page_cache"] = self.manager.layout.reclaim(st.cgroups_path)
-            rec = self._receipt("pause", reclaim=info["reclaim"], isolation=st.options.isolation)
-            return {"reclaim": info["reclaim"], "receipt": rec["id"]}
+            if reclaim:
+                return _sync(self._pause_vm_to_store())
+            self.manager.vms.pause(self.id, self.dir, st)
+            self._update(status="paused")
+            rec = self._receipt("pause", reclaim=None, isolation=st.options.isolation)
+            return {"reclaim": None, "receipt": rec["id"]}
         self._runtime(self.manager.runtime.pause)
         self._update(status="paused")
         freed = self.manager.layout.reclaim(st.cgroups_path) if reclaim else None
@@ -617,6 +616,9 @@ class Sandbox:
         if st.status != "paused":
             raise SandboxStateError(f"sandbox {self.id} is {st.status}, not paused")
         if st.options.is_vm:
+            if (st.vm or {}).get("saved") == "store":
+                _sync(self._resume_vm_from_store())
+                return
             record, seconds = self.manager.vms.resume(self.id, self.dir, st, st.cgroups_path)
             self._update(status="running", vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"])
             self._receipt("resume", isolation=st.options.isolation, resume_seconds=round(seconds, 6))
@@ -624,6 +626,50 @@ class Sandbox:
         self._runtime(self.manager.runtime.resume)
         self._update(status="running")
         self._receipt("resume")
+
+    async def _pause_vm_to_store(self) -> dict[str, Any]:
+        """A VM's pause with reclaim, which frees the host: a checkpoint with memory of it
+        (disk, RAM, device state of one instant) into the store, its guest left stopped after
+        the capture; then its VMM stopped and its disk files and mounts here removed.  Its
+        state keeps the checkpoint (``vm.paused_checkpoint``): a resume here, or a restore of
+        it on any host, goes on from there."""
+        st = self.state
+        started = time.perf_counter()
+        last = self.manager.receipts(self.id)
+        head = verify_receipt_chain(last, what=f"sandbox {self.id}'s receipts")
+        ckpt = await self._checkpoint_vm(st, last, head, name=None, labels=None, trajectory_offset=None,
+                                         policy_version=None, memory=True, keep_stopped=True)
+        # the state says paused first: a crash from here on leaves a sandbox to resume from the store
+        self._update(status="paused", vm={**(self.state.vm or {}), "saved": "store", "paused_checkpoint": ckpt.digest})
+        record = await asyncio.to_thread(self.manager.vms.release, self.id, self.dir, self.state)
+        self._update(vm=record, pid=None, init_start=None)
+        reclaim = {"checkpoint": ckpt.name, "digest": ckpt.digest, "stopped_seconds": ckpt.freeze_seconds,
+                   "bytes_uploaded": ckpt.bytes_uploaded, "save_seconds": round(time.perf_counter() - started, 6),
+                   "page_cache": self.manager.layout.reclaim(st.cgroups_path)}
+        rec = self._receipt("pause", reclaim=reclaim, isolation=st.options.isolation)
+        return {"reclaim": reclaim, "receipt": rec["id"]}
+
+    async def _resume_vm_from_store(self) -> None:
+        """Resume a VM paused to the store: its checkpoint restored in place (the same sandbox,
+        network and limits), the guest going on where the pause stopped it."""
+        st = self.state
+        assert st.vm is not None
+        mgr = self.manager
+        started = time.perf_counter()
+        async with await mgr._store() as store:
+            resolved = await store.resolve(st.vm["paused_checkpoint"], refresh=True)
+        await asyncio.to_thread(mgr.vms.release, self.id, self.dir, st)  # what a crash in the pause left
+        assets = await asyncio.to_thread(mgr.vms.assets_by_key, st.vm["assets"])
+        why = mgr.vms.memory_mismatch(resolved, assets)
+        if why is not None:
+            raise SandboxStateError(f"sandbox {self.id}: its paused memory does not load on this host ({why}); "
+                                    f"restore {resolved.digest} on a host where it does")
+        record, _, _ = await asyncio.to_thread(mgr.vms.launch, self.id, self.dir, resolved, st.options,
+                                               st.cgroups_path, None, assets, st.vm)
+        record.update(parent=resolved.digest, checkpoints=st.vm.get("checkpoints", 0))
+        self._update(status="running", vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"])
+        self._receipt("resume", isolation=st.options.isolation, checkpoint=resolved.digest,
+                      resume_seconds=round(time.perf_counter() - started, 6))
 
     @contextlib.contextmanager
     def _frozen(self) -> Iterator[None]:
@@ -687,7 +733,7 @@ class Sandbox:
 
     async def _checkpoint_vm(self, st: SandboxState, last: builtins.list[dict[str, Any]], head: str | None, *,
                              name: str | None, labels: Mapping[str, str] | None, trajectory_offset: int | None,
-                             policy_version: str | None, memory: bool) -> Checkpoint:
+                             policy_version: str | None, memory: bool, keep_stopped: bool = False) -> Checkpoint:
         """A microVM's checkpoint: its whole disk, stopped and flushed, as the checkpoint's disk
         layer (chunks dedup against its parent's), and with ``memory`` its RAM image beside it;
         the chain is kept in its VM record."""
@@ -696,12 +742,20 @@ class Sandbox:
             # the guest's own page cache may hold writes its disk does not have yet: it runs for the
             # capture (a sync, then stopped again for the copy) and is paused again after
             saved = bool(st.vm.get("saved"))
-            self.resume()
+            if st.vm.get("saved") == "store":
+                await self._resume_vm_from_store()
+            else:
+                await asyncio.to_thread(self.resume)
             try:
+                last = self.manager.receipts(self.id)  # the resume's record is the history's last now
+                head = verify_receipt_chain(last, what=f"sandbox {self.id}'s receipts")
                 return await self._checkpoint_vm(self.state, last, head, name=name, labels=labels, memory=memory,
                                                  trajectory_offset=trajectory_offset, policy_version=policy_version)
             finally:
-                self.pause(reclaim=saved)
+                if saved:
+                    await self._pause_vm_to_store()
+                else:
+                    await asyncio.to_thread(self.pause, reclaim=False)
         mgr = self.manager
         record = dict(st.vm)
         seq = int(record.get("checkpoints", 0)) + 1
@@ -716,11 +770,13 @@ class Sandbox:
 
             ckpt = await Snapshots(store, mgr.host).checkpoint_disk(
                 parent, lambda out: mgr.vms.capture(self.id, self.dir, self.state, out, memory=memory,
-                                                    on_snapshot=on_snapshot),
+                                                    on_snapshot=on_snapshot, keep_stopped=keep_stopped),
                 ref_name=name or f"{prefix}checkpoints/{self.id}:{seq}", memory=memory, isolation=st.options.isolation,
                 base=record.get("disk_chain") or (),
                 chunk_size=vmstate.VM_CHUNK_SIZE,
-                vm={**{k: record[k] for k in ("machine", "shape")}, **mgr.vms.vm_identity(record["assets"])},
+                vm={**{k: record[k] for k in ("machine", "shape")}, **mgr.vms.vm_identity(record["assets"]),
+                    # its vmstate.bin's page region is the RAM itself (vm.exact_ram_image): mappable
+                    **({"ram_image": "exact"} if memory else {})},
                 labels={**st.labels, **(labels or {})},
                 trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
                 receipt_id=last[-1]["id"] if last else None,
@@ -1191,8 +1247,8 @@ class SandboxManager:
                                                 "qemu", "shape")},
                      template_seconds=round(template_seconds, 6), template_made=source == "boot",
                      template_source=source, start_seconds=timings["restore_seconds"],
-                     **({"memory_restored": memory_why is None} if resolved.doc.get("bound", {}).get("memory")
-                        else {}),
+                     **({"memory_restored": memory_why is None, "memory_lazy": bool(record.get("memory_lazy"))}
+                        if resolved.doc.get("bound", {}).get("memory") else {}),
                      **({"memory_not_restored": memory_why} if memory_why else {}))
         return box
 
@@ -1523,14 +1579,14 @@ class SandboxManager:
                 log.warning("reconcile: %s", exc)
                 st = None
             if st is not None and st.options.is_vm and c is None:
-                if (st.live and st.vm is not None and not st.vm.get("saved")
-                        and (box.dir / "vm" / "saved.bin").exists() and not self.vms.alive(box.dir, st)):
-                    # a pause with reclaim that saved the VM and stopped its VMM, then died before
-                    # its state said so: the save is complete (it is renamed into place last)
-                    st = box._update(status="paused", pid=None, init_start=None,
-                                     vm={**st.vm, "saved": True, "vmm_pid": 0, "vmm_start": 0})
                 if st.live and POOL_LABEL not in st.labels and self.vms.alive(box.dir, st):
-                    report["adopted"].append(sid)  # its VMM runs on (or it is saved): reconnected on use
+                    if (st.status == "running" and st.vm is not None and not st.vm.get("saved")
+                            and self.vms.ensure_running(box.dir, st)):
+                        # a manager that died in a pause to the store after the capture stopped the
+                        # guest and before its state said paused: the guest runs on as if not paused
+                        log.warning("sandbox %s: its guest was stopped by a pause that did not finish; "
+                                    "running it on", sid)
+                    report["adopted"].append(sid)  # its VMM runs on (or it is paused): reconnected on use
                     continue
                 self.destroy(sid)  # the VMM died (killed, OOM, the host rebooted): nothing to adopt
                 report["destroyed"].append(sid)
@@ -1599,6 +1655,16 @@ class SandboxManager:
                 self._userns_fds.clear()
         if failed:
             raise failed[0]
+
+
+def _sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` from blocking code (a request's worker thread, the CLI, the reaper)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError("a blocking sandbox call from inside an event loop: await its async form")
 
 
 def _options(options: SandboxOptions | None, fields: Mapping[str, Any]) -> SandboxOptions:

@@ -4,8 +4,9 @@ microvm machine) or ``isolation="vm"`` (a full q35 VM, optionally booting the im
 The manager keeps owning state.json, receipts, leases and admission; this module starts,
 reaches, pauses and stops the VMM (sandbox/vm.py) and serves a VM's files through its
 agent.  Host state per VM sandbox, under ``boxes/<id>/vm/`` (docs/FORMAT.md Part 5):
-``disk.qcow2`` (its writes, over the template's disk), ``saved.bin`` (its device state and
-RAM while paused with reclaim), the VMM's sockets, ``vmm.log`` and ``console.log``.
+``disk.qcow2`` (its writes, over the template's disk), the VMM's sockets, ``vmm.log`` and
+``console.log``; a VM paused with reclaim is a checkpoint with memory in the store and
+nothing here but its record (``saved.bin``: a pause of a layerbox before that, resumed once).
 Nothing in that directory is written by the guest except through QEMU's own devices.
 """
 from __future__ import annotations
@@ -305,7 +306,8 @@ class Vms:
         return None
 
     def launch(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
-               cgroups_path: str, template: vm.Template | None, assets: vmassets.Assets
+               cgroups_path: str, template: vm.Template | None, assets: vmassets.Assets,
+               prior: Mapping[str, Any] | None = None
                ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, float]]:
         """Start the VM of a new sandbox: a restore of ``template`` with the sandbox's own disk:
         this host's empty ext4, or for a checkpoint its disk image, mounted lazily here (only
@@ -313,6 +315,8 @@ class Vms:
         memory image (its ``vmstate.bin``), so its processes go on where they were.  The VMM
         runs in the sandbox's network namespace: with ``network`` rules the policed one a
         container gets, its tap routed (sandbox.network), else one with nothing but the tap.
+        ``prior``: the record of this sandbox's VM paused to the store, which this launch
+        resumes: its network namespace and guest address stay as they are.
         Returns the VM record and network for state.json and the timings for the receipt."""
         hv, _ = self.prepare()
         chain = resolved.disk_chain
@@ -330,20 +334,34 @@ class Vms:
         vm.sandbox_disk(nodes[-1][0], nodes[-1][1], vm_dir / "disk.qcow2", shape.disk, jail)
         nodes.append((str(vm_dir / "disk.qcow2"), "qcow2"))
         procs = self._cgroup(cgroups_path, options, shape)
-        network, guest_net = self._network(sid, options)
+        if prior is None:
+            network, guest_net = self._network(sid, options)
+        else:
+            kept = prior.get("guest_net")
+            network, guest_net = None, (kept[0], int(kept[1]), kept[2]) if kept else None
+        memory: tuple[Path, int] | None = None
         if template is None:
             state_file = vm_dir / f"disk-layer-{len(chain) - 1}" / "vmstate.bin"
             if not chain or not state_file.is_file():
                 raise SandboxStateError(f"checkpoint {resolved.digest}: its disk layer has no vmstate.bin, "
                                         "though it is bound with memory")
+            if (resolved.doc.get("bound", {}).get("vm") or {}).get("ram_image") == "exact":
+                # its RAM mapped from the image (fetched as the guest touches it), the rest loaded
+                try:
+                    block = vm.device_state_of(state_file, vm_dir / "devices.bin")
+                    memory, state_file = (state_file, block.pages_offset), vm_dir / "devices.bin"
+                except vm.VmError as exc:
+                    log.warning("checkpoint %s: %s; loading its RAM image whole", resolved.digest, exc)
         else:
             state_file = template.state
         vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, state_file, nodes, procs,
                                            netns=self._net().netns_path(sid), jail=jail, guest_net=guest_net,
-                                           mapped_ram=template is None)
+                                           mapped_ram=template is None, memory=memory)
+        (vm_dir / "devices.bin").unlink(missing_ok=True)
         with self._lock:
             self._conns[sid] = conn
         record: dict[str, Any] = {"schema": VM_RECORD, "machine": shape.machine, "assets": assets.key,
+                  "memory_lazy": memory is not None,
                   "kernel": assets.manifest.get("kernel_version"), "kernel_from": assets.manifest.get("kernel_from",
                                                                                                       "layerbox"),
                   "template": template.key if template is not None else None,
@@ -392,7 +410,7 @@ class Vms:
         return nodes
 
     def capture(self, sid: str, box_dir: Path, st: SandboxState, out: Path, *, memory: bool = False,
-                on_snapshot: Callable[[dict[str, Any]], None]) -> tuple[float, str]:
+                on_snapshot: Callable[[dict[str, Any]], None], keep_stopped: bool = False) -> tuple[float, str]:
         """Capture the VM's disk into ``out``: ``delta.qcow2``, the clusters written since the
         disk the VM's record says the store has (``disk_chain``), or with no such chain (a new
         sandbox's disk is this host's own) or a chain of :data:`MAX_DISK_CHAIN`, the whole
@@ -403,6 +421,8 @@ class Vms:
         overlay (``blockdev-add``, ``blockdev-snapshot``): what was written before is frozen, so it is
         read after the guest runs on.  ``on_snapshot(record)`` is called with the VM record
         of the new chain at once (its ``disk_chain`` None until the checkpoint lands).
+        ``keep_stopped`` (a pause to the store): the guest is not run on after a capture that
+        succeeded, and its overlays are not merged (:meth:`release` removes them).
         Returns the seconds the guest was stopped and which file was made."""
         rec = dict(self._record(st))
         nodes = [(str(p), f) for p, f in rec.get("disk_nodes") or []]
@@ -412,16 +432,30 @@ class Vms:
         chain = rec.get("disk_chain")
         if st.status != "running":
             raise SandboxStateError(f"sandbox {sid} is {st.status}: its disk is captured while it runs")
+        vm_dir = box_dir / "vm"
+        recorded = max((_overlay_number(Path(p)) or 0 for p, _ in nodes), default=0)
+        unrecorded = sorted(n for n in _overlay_numbers(vm_dir) if n > recorded)
+        for n in unrecorded:
+            # an overlay a checkpoint switched the guest to before the state said so (a crash in
+            # between): the guest writes there, so it is the top; what was written since the
+            # store's chain now spans two files, so this capture is a whole disk
+            nodes.append((str(vm_dir / f"disk-{n}.qcow2"), "qcow2"))
+            chain = None
         # a name no file of this VM has had: a merge shortens the chain, never the numbering
-        top = box_dir / "vm" / f"disk-{max([len(nodes), *_overlay_numbers(box_dir / 'vm')]) + 1}.qcow2"
+        top = vm_dir / f"disk-{max([len(nodes), *_overlay_numbers(vm_dir)]) + 1}.qcow2"
         vm.sandbox_disk(nodes[-1][0], nodes[-1][1], top, int(rec["shape"]["disk"]), self.jail_of(sid))
         self.conn(sid, box_dir, st).sync()
         vmm = self.vmm_of(box_dir, st)
         qmp = vmm.qmp()
         frozen = list(nodes)
         # node names are unique in a VMM's life (a merge below removes one); a restarted VMM
-        # names them d0..dn again (vm.disk_args)
+        # names them d0..dn again (vm.disk_args); the active one is asked of the VMM when the
+        # state may not know it
         active, overlay = rec.get("disk_top_node") or f"d{len(nodes) - 1}", f"o{uuid.uuid4().hex[:12]}"
+        if unrecorded:
+            names = {n.get("file"): n["node-name"] for n in qmp.execute("query-named-block-nodes")
+                     if n.get("drv") == "qcow2"}
+            active = names.get(vm.qemu_path(nodes[-1][0], vm_dir), active)
 
         def switch() -> None:  # the guest is stopped: its disk goes to the new overlay
             # the new overlay with the options disk_args gives a restarted VMM its top, then the switch
@@ -434,15 +468,19 @@ class Vms:
             on_snapshot(rec)
 
         t = time.perf_counter()
+        captured = False
         try:
             if memory:  # RAM copied live; the disk switched in the last pass's stop
                 stopped = vmm.save(out / "vmstate.bin", mapped_ram=True, qmp=qmp, switchover=switch, durable=False)
+                vm.exact_ram_image(out / "vmstate.bin")  # so a restore can map it (bound.vm.ram_image)
             else:
                 qmp.execute("stop")  # also drains and flushes every block device
                 switch()
+            captured = True
         finally:
             try:
-                qmp.execute("cont")
+                if not (keep_stopped and captured):
+                    qmp.execute("cont")
             finally:
                 qmp.close()
         if not memory:
@@ -461,7 +499,8 @@ class Vms:
                 made = "disk.img"
         except subprocess.CalledProcessError as exc:
             raise SandboxStateError(f"sandbox {sid}: reading its disk failed: {exc.stderr.strip()}") from None
-        self._merge_frozen(sid, box_dir, st, rec, on_snapshot)
+        if not keep_stopped:
+            self._merge_frozen(sid, box_dir, st, rec, on_snapshot)
         return stopped, made
 
     def _merge_frozen(self, sid: str, box_dir: Path, st: SandboxState, rec: dict[str, Any],
@@ -561,25 +600,48 @@ class Vms:
         if conn is not None:
             conn.close()
 
-    def pause(self, sid: str, box_dir: Path, st: SandboxState, reclaim: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Stop the guest's vCPUs; with ``reclaim`` also save it and stop the VMM (its RAM freed)."""
-        vmm = self.vmm_of(box_dir, st)
+    def pause(self, sid: str, box_dir: Path, st: SandboxState) -> None:
+        """Stop the guest's vCPUs (a pause without reclaim: the VMM and its RAM stay)."""
+        qmp = self.vmm_of(box_dir, st).qmp()
+        try:
+            qmp.execute("stop")
+        finally:
+            qmp.close()
+
+    def ensure_running(self, box_dir: Path, st: SandboxState) -> bool:
+        """Run on a guest the state says runs but whose vCPUs are stopped (a manager that died
+        in a pause to the store, between the capture and its state write); whether it had to."""
+        try:
+            qmp = self.vmm_of(box_dir, st).qmp(timeout=5.0)
+        except (vm.VmError, OSError, AgentError):
+            return False
+        try:
+            if qmp.execute("query-status")["status"] in ("paused", "postmigrate"):
+                qmp.execute("cont")
+                return True
+            return False
+        except (vm.VmError, OSError):
+            return False
+        finally:
+            qmp.close()
+
+    def release(self, sid: str, box_dir: Path, st: SandboxState) -> dict[str, Any]:
+        """After a pause's checkpoint landed in the store: stop the VMM (its guest stopped since
+        the capture) and remove the VM's disk files and mounts here; the VM record left."""
         rec = dict(self._record(st))
-        if not reclaim:
-            qmp = vmm.qmp()
-            try:
-                qmp.execute("stop")
-            finally:
-                qmp.close()
-            return rec, {"reclaim": None}
         self._drop_conn(sid)
-        saved = box_dir / "vm" / "saved.bin"
-        seconds = vmm.save(saved)
-        vmm.quit()
-        rec.update(saved=True, vmm_pid=0, vmm_start=0)
-        return rec, {"reclaim": {"vm_state_bytes": saved.stat().st_size, "save_seconds": round(seconds, 6)}}
+        if rec.get("vmm_pid"):
+            self.vmm_of(box_dir, st).quit()
+        vm_dir = box_dir / "vm"
+        self._unmount_disk_layers(vm_dir)
+        for f in vm_dir.glob("disk*.qcow2"):
+            f.unlink()
+        rec.update(vmm_pid=0, vmm_start=0, disk_nodes=None, disk_top_node=None)
+        return rec
 
     def resume(self, sid: str, box_dir: Path, st: SandboxState, cgroups_path: str) -> tuple[dict[str, Any], float]:
+        """Run a paused VM on: its vCPUs, or (a record of an older layerbox) its ``saved.bin``.
+        A VM paused to the store is resumed by the manager (:meth:`launch` with ``prior``)."""
         rec = dict(self._record(st))
         t = time.perf_counter()
         if not rec.get("saved"):
@@ -639,13 +701,17 @@ class Vms:
                     with contextlib.suppress(ChildProcessError):
                         os.waitpid(pid, 0)
         vm_dir = box_dir / "vm"
-        # after the VMM: it read its backing files from there (disk-layer: an older layerbox's)
-        for target in sorted(vm_dir.glob("disk-layer*")) if vm_dir.is_dir() else ():
+        self._unmount_disk_layers(vm_dir)  # after the VMM: it read its backing files from there
+        shutil.rmtree(vm_dir, ignore_errors=True)
+
+    def _unmount_disk_layers(self, vm_dir: Path) -> None:
+        for target in sorted(vm_dir.glob("disk-layer*")) if vm_dir.is_dir() else ():  # (disk-layer: older)
             with contextlib.suppress(LazyfetchError, OSError):
                 self.host.umount(target, discard=True)
             if kmount.is_mountpoint(target):
                 kmount.umount(target, lazy=True, missing_ok=True)
-        shutil.rmtree(vm_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                target.rmdir()
 
     def close(self) -> None:
         with self._lock:

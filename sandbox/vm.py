@@ -283,7 +283,7 @@ def chain_image_opts(nodes: Sequence[tuple[str, str]]) -> str:
 
 def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: Sequence[tuple[str, str]],
                  disk_nodes: Sequence[tuple[str, str]], memory_file: Path | None, *, template: bool,
-                 hostname: str, vm_dir: Path, jail: tuple[int, int]) -> list[str]:
+                 hostname: str, vm_dir: Path, jail: tuple[int, int], memory_offset: int = 0) -> list[str]:
     """QEMU's argv, relative to the VM's directory ``vm_dir`` (its sockets are made there).
 
     The VMM opens every file and device as root, then (``-run-with``) chroots to ``vm_dir``
@@ -299,8 +299,10 @@ def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: 
     if memory_file is None:
         mem = f"memory-backend-ram,id=mem,size={shape.memory}"
     else:
-        mem = f"memory-backend-file,id=mem,size={shape.memory},mem-path={memory_file}"
+        mem = f"memory-backend-file,id=mem,size={shape.memory},mem-path={_q(memory_file)}"
         mem += ",share=on" if template else ",share=off,readonly=on,rom=off"
+        if memory_offset:
+            mem += f",offset={memory_offset}"
     machine = shape.machine
     if machine == "microvm":
         board = "microvm,x-option-roms=off,pit=off,pic=off,rtc=on,isa-serial=on,memory-backend=mem"
@@ -508,6 +510,168 @@ class Vmm:
         self.kill()
 
 
+# -- mapped-ram images ---------------------------------------------------------------------------------
+# QEMU 10's mapped-ram file (docs/devel/migration/mapped-ram.rst in its source; docs/FORMAT.md
+# Part 5): the stream header, then per RAM block a record with a bitmap of the pages present
+# and the pages at fixed offsets, then the rest of the stream (device state) after the last
+# block's pages.  Big-endian but for the bitmap (host-endian unsigned longs: bit i of byte i>>3).
+QEVM_MAGIC = 0x5145564D
+RAM_SAVE_FLAG_MEM_SIZE = 0x4
+MAX_RAM_BLOCKS = 256
+
+
+@dataclass(frozen=True)
+class RamBlock:
+    idstr: str
+    used_length: int
+    page_size: int
+    bitmap_offset: int
+    pages_offset: int
+
+    @property
+    def bitmap_size(self) -> int:
+        return -(-(self.used_length // self.page_size) // 64) * 8
+
+
+class _Reader:
+    def __init__(self, f: Any, what: str) -> None:
+        self.f, self.what = f, what
+
+    def take(self, n: int) -> bytes:
+        data = self.f.read(n)
+        if len(data) != n:
+            raise VmError(f"{self.what}: ends at offset {self.f.tell()} inside a {n}-byte field")
+        return data
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def be32(self) -> int:
+        return int.from_bytes(self.take(4), "big")
+
+    def be64(self) -> int:
+        return int.from_bytes(self.take(8), "big")
+
+    def name(self) -> str:
+        return self.take(self.u8()).decode("ascii", "replace")
+
+
+def mapped_ram_blocks(path: Path) -> list[RamBlock]:
+    """The RAM blocks of the mapped-ram image ``path`` (a memory checkpoint's ``vmstate.bin``),
+    read from its header only.  A layout this parser does not know (a device section before
+    RAM, an unknown configuration subsection) is a VmError: the caller loads the image whole."""
+    with open(path, "rb") as f:
+        r = _Reader(f, f"mapped-ram image {path}")
+        if r.be32() != QEVM_MAGIC or r.be32() != 3:
+            raise VmError(f"{path}: not a QEMU migration stream of version 3")
+        if r.u8() != 0x07:  # QEMU_VM_CONFIGURATION
+            raise VmError(f"{path}: no configuration section")
+        r.take(r.be32())  # the machine type
+        while (kind := r.u8()) == 0x05:  # configuration subsections
+            sub = r.name()
+            r.be32()
+            if sub == "configuration/target-page-bits":
+                r.be32()
+            elif sub == "configuration/capabilities":
+                for _ in range(r.be32()):
+                    r.name()
+            elif sub == "configuration/uuid":
+                r.take(16)
+            else:
+                raise VmError(f"{path}: configuration subsection {sub!r} is unknown here")
+        if kind != 0x01:  # QEMU_VM_SECTION_START, of "ram" (a device section first: not parsed)
+            raise VmError(f"{path}: section type {kind:#x} before RAM")
+        r.be32()
+        if r.name() != "ram":
+            raise VmError(f"{path}: the first section is not RAM")
+        r.be32()
+        r.be32()
+        word = r.be64()
+        if not word & RAM_SAVE_FLAG_MEM_SIZE:
+            raise VmError(f"{path}: no RAM size record")
+        total, seen = word & ~0xFFF, 0
+        blocks: list[RamBlock] = []
+        while seen < total and len(blocks) < MAX_RAM_BLOCKS:
+            idstr, used = r.name(), r.be64()
+            version, page_size, bitmap_offset, pages_offset = r.be32(), r.be64(), r.be64(), r.be64()
+            if version != 1 or page_size <= 0 or page_size & (page_size - 1) or pages_offset % page_size:
+                raise VmError(f"{path}: RAM block {idstr!r} has a mapped-ram header QEMU would refuse")
+            blocks.append(RamBlock(idstr, used, page_size, bitmap_offset, pages_offset))
+            seen += used
+            f.seek(pages_offset + used)
+        if seen != total:
+            raise VmError(f"{path}: RAM blocks of {seen} bytes, the stream says {total}")
+        return blocks
+
+
+def _bit_runs(bitmap: bytes, pages: int, value: bool) -> Iterator[tuple[int, int]]:
+    """(first page, count) of every run of pages whose bit is ``value``."""
+    start = None
+    for i in range(pages):
+        if bool(bitmap[i >> 3] >> (i & 7) & 1) == value:
+            if start is None:
+                start = i
+        elif start is not None:
+            yield start, i - start
+            start = None
+    if start is not None:
+        yield start, pages - start
+
+
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 1, 2
+
+
+def exact_ram_image(path: Path) -> None:
+    """Make every RAM block's page region of ``path`` the exact RAM: a hole where the bitmap
+    says no page (a live save leaves a page written in one pass and zero in a later one in
+    place, its bit cleared), so the file can be mapped as the guest's memory."""
+    blocks = mapped_ram_blocks(path)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for b in blocks:
+            pages = b.used_length // b.page_size
+            bitmap = os.pread(fd, b.bitmap_size, b.bitmap_offset)
+            for first, count in _bit_runs(bitmap, pages, False):
+                if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                   ctypes.c_long(b.pages_offset + first * b.page_size),
+                                   ctypes.c_long(count * b.page_size)) != 0:
+                    err = ctypes.get_errno()
+                    raise VmError(f"{path}: punching the free pages of {b.idstr}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def device_state_of(image: Path, out: Path, block: str = "mem") -> RamBlock:
+    """A copy of the mapped-ram ``image`` in ``out`` without RAM block ``block``'s pages: its
+    bitmap all clear and its page region a hole, so a load takes every other block and the
+    device state from it and leaves ``block`` as the memory backend maps it (``image`` itself,
+    at the block's ``pages_offset``: fetched page by page as the guest touches it).  Reads only
+    the header, the other blocks and the stream's tail of ``image``.  Returns the block."""
+    blocks = mapped_ram_blocks(image)
+    mem = next((b for b in blocks if b.idstr == block), None)
+    if mem is None:
+        raise VmError(f"{image}: no RAM block {block!r} (it has {[b.idstr for b in blocks]})")
+    size = os.stat(image).st_size
+    fd_in = os.open(image, os.O_RDONLY | os.O_CLOEXEC)
+    fd_out = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        for lo, hi in ((0, mem.pages_offset), (mem.pages_offset + mem.used_length, size)):
+            pos = lo
+            while pos < hi:
+                data = os.pread(fd_in, min(1 << 20, hi - pos), pos)
+                if not data:
+                    raise VmError(f"{image}: ends at {pos}, before {hi}")
+                if data.count(0) != len(data):  # zeros stay a hole
+                    os.pwrite(fd_out, data, pos)
+                pos += len(data)
+        os.pwrite(fd_out, b"\0" * mem.bitmap_size, mem.bitmap_offset)
+        os.ftruncate(fd_out, size)
+    finally:
+        os.close(fd_in)
+        os.close(fd_out)
+    return mem
+
+
 def _capabilities(mapped_ram: bool) -> list[dict[str, Any]]:
     # both, every time: a VMM keeps capabilities between migrations, and loading refuses a
     # stream whose capabilities differ from its own (mapped-ram with x-ignore-shared does
@@ -695,12 +859,16 @@ def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, t
                         layers: Sequence[tuple[str, str]], shape: Shape, state_file: Path,
                         disk_nodes: Sequence[tuple[str, str]], cgroup_procs: Sequence[Path] = (), *,
                         netns: Path, jail: tuple[int, int], guest_net: tuple[str, int, str] | None = None,
-                        mapped_ram: bool = False) -> tuple[Vmm, AgentConnection]:
+                        mapped_ram: bool = False, memory: tuple[Path, int] | None = None
+                        ) -> tuple[Vmm, AgentConnection]:
     """A VMM restored from ``state_file`` (the template's, or this sandbox's own saved state;
-    with ``template`` None and ``mapped_ram``, a memory image of its own: its RAM anonymous),
-    in the network namespace ``netns``; ``guest_net`` (address, prefix length, gateway) for eth0."""
-    argv = command_line(hv, assets, shape, layers, disk_nodes, template.memory if template is not None else None,
-                        template=False, hostname="sandbox", vm_dir=vm_dir, jail=jail) + ["-incoming", "defer", "-S"]
+    with ``template`` None and ``mapped_ram``, a memory image of its own: its RAM anonymous,
+    or with ``memory`` (file, offset) a private mapping of that file's page region, which
+    ``state_file`` then leaves out: :func:`device_state_of`), in the network namespace
+    ``netns``; ``guest_net`` (address, prefix length, gateway) for eth0."""
+    memory_file, offset = (template.memory, 0) if template is not None else memory or (None, 0)
+    argv = command_line(hv, assets, shape, layers, disk_nodes, memory_file, template=False, hostname="sandbox",
+                        vm_dir=vm_dir, jail=jail, memory_offset=offset) + ["-incoming", "defer", "-S"]
     vmm = Vmm.spawn(vm_dir, argv, cgroup_procs, netns=netns)
     try:
         vmm.restore(state_file, mapped_ram=mapped_ram)
@@ -719,5 +887,6 @@ def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, t
 
 
 __all__ = ["Hypervisor", "Qmp", "Shape", "Template", "VmError", "Vmm", "chain_image_opts", "command_line",
-           "connect_agent", "cpu_flags", "disk_args", "qemu_path", "ensure_template", "hypervisor", "load_template", "pristine_disk", "sandbox_disk", "shape_of",
+           "connect_agent", "cpu_flags", "device_state_of", "disk_args", "exact_ram_image", "mapped_ram_blocks",
+           "qemu_path", "ensure_template", "hypervisor", "load_template", "pristine_disk", "sandbox_disk", "shape_of",
            "start_from_template", "template_key", "template_lock"]

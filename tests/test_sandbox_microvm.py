@@ -205,7 +205,8 @@ def test_sandboxes_of_one_template_are_apart_and_fetch_lazily(vms: Any, vm_manag
     assert fetched < blobs / 2, f"fetched {fetched} of {blobs} blob bytes: not lazy"
 
 
-def test_pause_with_reclaim_stops_the_vmm_and_resume_continues(vms: Any) -> None:
+def test_pause_with_reclaim_goes_to_the_store_and_resumes_here_or_elsewhere(
+        vms: Any, store_url: str, tmp_path: Path) -> None:  # noqa: F811
     box = vms()
     box.exec("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/c.tmp; mv /root/c.tmp /root/count; sleep 0.2; done' "
              ">/dev/null 2>&1 &")
@@ -216,19 +217,45 @@ def test_pause_with_reclaim_stops_the_vmm_and_resume_continues(vms: Any) -> None
     assert light["reclaim"] is None
     assert proc_stat(vmm) is not None
     box.resume()
+    box.exec("echo in-ram > /dev/shm/mark")
     info = box.pause(reclaim=True)
-    assert info["reclaim"]["vm_state_bytes"] > 0
+    # the host keeps nothing of the VM: no VMM, no disk file, no mount; the store has all of it
     assert proc_stat(vmm) is None or proc_stat(vmm)[1] != box.state.vm.get("vmm_start")
     assert box.state.status == "paused"
-    assert box.state.vm["saved"] is True
+    assert box.state.vm["saved"] == "store"
+    assert box.state.vm["paused_checkpoint"] == info["reclaim"]["digest"]
+    assert not list((box.dir / "vm").glob("disk*"))
+    assert not [line for line in Path("/proc/mounts").read_text().splitlines() if str(box.dir) in line]
     with pytest.raises(Exception, match="paused"):
         box.exec("true")
+    # another host goes on from the pause: the same processes, the same RAM-only file
+    other = SandboxManager(tmp_path / "elsewhere", store_url)
+    try:
+        elsewhere = run(other.restore(info["reclaim"]["digest"]))
+        try:
+            assert elsewhere.read("/dev/shm/mark") == b"in-ram\n"
+            first = int(elsewhere.read("/root/count"))
+            time.sleep(1.5)
+            assert int(elsewhere.read("/root/count")) > first, "the guest's loop did not go on on the other host"
+        finally:
+            elsewhere.destroy()
+    finally:
+        other.close()
     box.resume()
     assert box.state.status == "running"
+    assert box.state.vm["saved"] is False
     assert box.read("/root/before") == b"kept"
+    assert box.read("/dev/shm/mark") == b"in-ram\n"
     first = int(box.read("/root/count"))
     time.sleep(1.5)
     assert int(box.read("/root/count")) > first, "the guest's loop did not go on after the resume"
+    resumed = [r for r in box.receipts() if r["action"] == "resume"]
+    assert resumed[-1]["checkpoint"] == info["reclaim"]["digest"]
+    # and it pauses again, as a delta over the chain it was resumed on
+    again = box.pause(reclaim=True)
+    assert again["reclaim"]["bytes_uploaded"] < info["reclaim"]["bytes_uploaded"]
+    box.resume()
+    assert box.read("/root/before") == b"kept"
 
 
 def test_guest_that_exhausts_memory_forks_and_fills_its_disk_stays_inside(vms: Any, vm_manager: SandboxManager) -> None:
@@ -363,21 +390,36 @@ def test_memory_checkpoint_goes_on_on_a_second_host_and_dedups_against_the_templ
              "sleep 0.2; done' >/dev/null 2>&1 &")
     secret = os.urandom(8).hex().encode()
     box.exec(["sh", "-c", f"echo {secret.decode()} > /dev/shm/note"])
+    # 8 MB only the guest's RAM holds, checked by digest after the restore: the mapped image
+    # must be the RAM exactly, pages of every pass of the live save included
+    box.exec("head -c 8000000 /dev/urandom > /dev/shm/big")
+    big = box.exec("sha256sum /dev/shm/big").stdout.split()[0]
     _counting(box)
     ckpt = run(box.checkpoint(memory=True))
     doc = run(_doc(store_url, tmp_path, ckpt.digest))
     assert doc["bound"]["memory"] == "mapped-ram"
+    assert doc["bound"]["vm"]["ram_image"] == "exact"
     assert doc["bound"]["vm"]["qemu"]
     assert doc["bound"]["vm"]["assets"] == box.state.vm["assets"]
     # the RAM image's unchanged 256 KiB runs are its template's chunks, already in the store
     assert ckpt.bytes_uploaded < ckpt.bytes_changed / 4, ckpt
     assert box.exec("cat /dev/shm/note").stdout.strip() == secret  # the source went on
+    before = vm_host2.host.client.request("GET", "/stats")["bytes_fetched_uncompressed_per_layer"].get(ckpt.layer, 0)
     restored = run(vm_host2.restore(ckpt.digest))
     try:
+        rec = next(r for r in restored.receipts() if r["action"] == "restore" and not r.get("inherited"))
+        assert rec["memory_restored"] is True
+        assert rec["memory_lazy"] is True, rec
         assert restored.read("/dev/shm/note").strip() == secret
         first = int(restored.read("/root/count"))
         time.sleep(1)
         assert int(restored.read("/root/count")) > first
+        # lazily: what the guest touched so far of its RAM image (its page cache of the layers,
+        # most of its kernel's memory, are not), against all of it that is not zero
+        per_layer = vm_host2.host.client.request("GET", "/stats")["bytes_fetched_uncompressed_per_layer"]
+        touched = per_layer.get(ckpt.layer, 0) - before
+        assert 0 < touched < 0.6 * ckpt.bytes_changed, (touched, ckpt.bytes_changed)
+        assert restored.exec("sha256sum /dev/shm/big").stdout.split()[0] == big
         # its own RNG from here on: the MOUNT after the load reseeds a restored memory too
         draws = [b.exec("head -c 16 /dev/urandom | od -An -tx1").stdout for b in (box, restored)]
         assert draws[0] != draws[1]
@@ -559,7 +601,7 @@ def test_fork_and_a_checkpoint_of_a_paused_vm(vms: Any, vm_manager: SandboxManag
     box.pause(reclaim=True)
     late = run(box.checkpoint())
     assert box.state.status == "paused"
-    assert box.state.vm["saved"] is True
+    assert box.state.vm["saved"] == "store"
     again = run(vm_manager.restore(late.digest))
     try:
         assert again.read("/root/late") == b"unsynced\n"
@@ -604,20 +646,34 @@ def test_preempting_a_job_of_a_container_and_a_microvm(vm_manager: SandboxManage
     assert kinds == {"microvm": b"vm", "container": b"container"}
 
 
-def test_a_crash_between_the_save_and_its_state_write_keeps_the_saved_vm(vms: Any,
-                                                                        vm_manager: SandboxManager) -> None:
+def test_a_crash_in_a_pause_to_the_store_leaves_a_vm_that_runs_or_resumes(vms: Any,
+                                                                          vm_manager: SandboxManager) -> None:
     box = vms()
     box.write("/root/kept", b"across the crash")
-    box.pause(reclaim=True)
     st = box.state
-    # what a manager that died right after the VMM quit leaves: running, not saved, no VMM
-    box._update(status="running", vm={**st.vm, "saved": False, "vmm_pid": 999999, "vmm_start": 1})
+    # a manager that died after the pause's capture stopped the guest, before the state said
+    # paused: the state says running, the VMM lives with its vCPUs stopped
+    ckpt = run(box._checkpoint_vm(st, box.receipts(), None, name=None, labels=None, trajectory_offset=None,
+                                  policy_version=None, memory=True, keep_stopped=True))
+    qmp = vm_manager.vms.vmm_of(box.dir, box.state).qmp()
+    try:
+        assert qmp.execute("query-status")["status"] in ("paused", "postmigrate")
+    finally:
+        qmp.close()
     report = vm_manager.reconcile()
     assert box.id in report["adopted"]
-    assert box.state.status == "paused"
-    assert box.state.vm["saved"] is True
+    assert box.exec("cat /root/kept").stdout == b"across the crash"  # it runs on
+    # one that died after the state said paused, before its VMM was stopped: resumed from the store
+    box.write("/root/kept", b"second")
+    ckpt = run(box._checkpoint_vm(box.state, box.receipts(), None, name=None, labels=None, trajectory_offset=None,
+                                  policy_version=None, memory=True, keep_stopped=True))
+    box._update(status="paused", vm={**box.state.vm, "saved": "store", "paused_checkpoint": ckpt.digest})
+    vmm = box.state.vm["vmm_pid"]
+    report = vm_manager.reconcile()
+    assert box.id in report["adopted"]
     box.resume()
-    assert box.read("/root/kept") == b"across the crash"
+    assert proc_stat(vmm) is None  # the stale VMM was stopped, not left beside the new one
+    assert box.read("/root/kept") == b"second"
 
 
 def test_a_crash_between_a_disk_switch_and_its_state_write_keeps_the_writes(vms: Any) -> None:
@@ -633,11 +689,14 @@ def test_a_crash_between_a_disk_switch_and_its_state_write_keeps_the_writes(vms:
     # the state as a manager killed between QEMU's switch and the state write leaves it: the
     # overlay the guest writes since then is not in it
     box._update(vm={**st.vm, "disk_nodes": st.vm["disk_nodes"][:-1]})
+    # a pause (a checkpoint, then the VMM stopped) must take the unrecorded overlay: the guest's
+    # writes since the switch are only there
     box.pause(reclaim=True)
-    box.resume()  # a new VMM: it must stack the unrecorded overlay again
+    box.resume()
     box.exec("echo 3 > /proc/sys/vm/drop_caches")  # read from the disk, not the restored page cache
     assert box.read("/root/after-switch") == b"kept"
-    assert box.state.vm["disk_nodes"][-1][0] == top
+    # what was written since the store's chain spans two files then: the pause was a whole disk
+    assert len(box.state.vm["disk_chain"]) == 1, box.state.vm["disk_chain"]
 
 
 def test_metrics_report_guest_and_host_memory(vms: Any, vm_manager: SandboxManager) -> None:
