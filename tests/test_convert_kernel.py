@@ -152,10 +152,11 @@ def test_multi_gib_sparse_file(mounts, tmp_path: Path, tar_format: str) -> None:
 
 
 @pytest.mark.slow
-def test_hundred_thousand_small_files(mounts, tmp_path: Path) -> None:
+def test_thirty_thousand_small_files(mounts, tmp_path: Path) -> None:
+    # 30 directories of 1,000: 100,000 files took a minute of the suite's 20-minute budget
     t = TarBuilder()
     t.dir(".")
-    for d in range(100):
+    for d in range(30):
         t.dir(f"d{d:03}")
         for i in range(1000):
             # a tenth of the files share content, to exercise dedup at scale
@@ -163,8 +164,8 @@ def test_hundred_thousand_small_files(mounts, tmp_path: Path) -> None:
             t.file(f"d{d:03}/file-{i:04}.txt", data)
     tar = t.write(tmp_path / "many.tar")
     mnt, result = convert_and_mount(mounts, tmp_path, tar)
-    assert result.files == 100_000 + 100 + 1
-    assert result.unique_chunks == 90_000 + 1
+    assert result.files == 30_000 + 30 + 1
+    assert result.unique_chunks == 27_000 + 1
     assert_trees_equal(gnu_extract(tar, tmp_path / "expected"), mnt)
 
 

@@ -75,22 +75,21 @@ def test_fixture_image_reads_the_same_through_each_data_path(hosts, tmp_path: Pa
     if not FIXTURE_IMAGE.exists():
         (pytest.fail if in_ci() else pytest.skip)(f"{FIXTURE_IMAGE} is absent")
     url = f"file://{tmp_path / 'store'}"
-    for tag in ("minbase", "python"):
-        publish_sync(url, tmp_path / "pub", f"oci-archive:{FIXTURE_IMAGE}:{tag}", f"debian/{tag}")
+    # python: the minbase layer and two over it (the minbase image alone is that same layer)
+    publish_sync(url, tmp_path / "pub", f"oci-archive:{FIXTURE_IMAGE}:python", "debian/python")
+    # the reference: every layer's image on a complete local blob, stacked as the lazy mounts are
+    layers = materialize(url, tmp_path / "pub", "debian/python", tmp_path / "eager")
+    assert len(layers) > 1
+    reference = mounts.overlay([mounts.erofs(meta, blob) for meta, blob in layers])
     for path in PATHS:
         host = hosts(url, path, data_path=path)
-        for tag in ("minbase", "python"):
-            # the reference: every layer's image on a complete local blob, stacked as the lazy mounts are
-            layers = materialize(url, tmp_path / "pub", f"debian/{tag}", tmp_path / "eager")
-            lowers = [mounts.erofs(meta, blob) for meta, blob in layers]
-            reference = mounts.overlay(lowers) if len(lowers) > 1 else lowers[0]
-            mnt = host.mount(f"debian/{tag}")
-            health = host.mounts.client.health()
-            assert health is not None
-            assert health["data_path"] == path
-            assert_trees_equal(reference, mnt, check_root_meta=False)  # cold: every byte fetched on demand
-            drop_caches()
-            assert_trees_equal(reference, mnt, check_root_meta=False)  # from the host's blob files
+        mnt = host.mount("debian/python")
+        health = host.mounts.client.health()
+        assert health is not None
+        assert health["data_path"] == path
+        assert_trees_equal(reference, mnt, check_root_meta=False)  # cold: every byte fetched on demand
+        drop_caches()
+        assert_trees_equal(reference, mnt, check_root_meta=False)  # from the host's blob files
         assert host.stats()["read_errors"] == 0
 
 

@@ -61,7 +61,7 @@ FUZZ, BYSTANDER = "fuzz-token-0123456789abc", "bystander-token-0123456789"
 TOKENS = {"projects": {"fuzz": {"tokens": [FUZZ], "max_sandboxes": 3},
                        "bystander": {"tokens": [BYSTANDER], "max_sandboxes": 1}}}
 DEADLINE = 30.0  # per request: exec, create and checkpoint take a second or two, a hang takes forever
-EXAMPLES = 14  # per operation in the fuzzing phase (examples and coverage add their own; fewer for the 20-minute budget)
+EXAMPLES = 10  # per operation in the fuzzing phase (examples and coverage add their own; fewer for the 20-minute budget)
 # exec streams end with an "error" event instead of a status: these codes are the service's fault
 INTERNAL_CODES = ("internal", "sandbox_error", "receipts_broken")
 # the 503s the document promises: the edge is full (a create asking for more disk than it has free),
