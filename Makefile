@@ -16,7 +16,7 @@ STAMP := $(VENV)/.layerbox-installed
 CEPH_DEB_PACKAGES := ceph-mon ceph-mgr ceph-osd radosgw ceph-common
 DEB_PACKAGES := python3 python3-venv python3-dev erofs-utils fuse3 zstd mmdebstrap \
 	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2 crun nftables iproute2 \
-	gcc libc6-dev binutils procps \
+	gcc libc6-dev binutils procps containerd runc \
 	$(CEPH_DEB_PACKAGES)
 # microVMs: QEMU >= 8.2 (a read-only private memory mapping for template restores); Debian 12 has
 # 7.2, bookworm-backports 10.0.  The guest's kernel and busybox are downloaded by `layerbox vm assets`.
@@ -29,7 +29,7 @@ BENCH_DEB_PACKAGES := podman
 
 DEMO_ARGS ?=
 
-.PHONY: help deps backports vm-assets bench-deps venv lint typecheck test demo clean
+.PHONY: help deps backports containerd2 vm-assets bench-deps venv lint typecheck test demo clean
 
 help:
 	@echo "make deps      install missing Debian packages, load erofs/overlay/fuse (root)"
@@ -65,6 +65,7 @@ deps:
 	  has_fs "$$fs" || echo "deps: warning: the kernel has no '$$fs' filesystem (modprobe $$fs failed)" >&2; \
 	done
 	@$(MAKE) --no-print-directory backports
+	@$(MAKE) --no-print-directory containerd2
 
 # QEMU from bookworm-backports unless a new enough one is installed (the same check-then-install).
 backports:
@@ -86,6 +87,15 @@ backports:
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends -t bookworm-backports $$missing; \
 	fi
 
+# containerd 2.x beside Debian 12's 1.6 (the snapshotter is tested on both): Debian's own build from
+# sid, unpacked under /opt/layerbox (its binaries need only glibc >= 2.34); the system's stays.
+# (sid moves: when the pinned build is gone from the mirror, sid's current one is taken.)
+CONTAINERD2_VERSION := 2.1.9+ds1-5
+CONTAINERD2_DIR := /opt/layerbox/containerd-2
+containerd2:
+	@tools/deps/debian-unpack sid $(CONTAINERD2_DIR) containerd=$(CONTAINERD2_VERSION) 2>/dev/null || \
+	  tools/deps/debian-unpack sid $(CONTAINERD2_DIR) containerd  # that build left sid: its successor
+
 # The microVM guest (kernel, busybox initramfs, agent), built once per host from Debian packages.
 vm-assets: venv
 	@$(BIN)/layerbox vm assets --quiet
@@ -99,6 +109,7 @@ venv: deps $(STAMP)
 $(STAMP): pyproject.toml | deps
 	@[ -x $(BIN)/python ] || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m snapshots.containerd.grpcapi
 	@touch $@
 
 lint: venv

@@ -15,12 +15,13 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -31,7 +32,7 @@ from converters.oci import convert_image
 from layerstore.erofs import format as F
 from layerstore.erofs.reader import ErofsImage
 from layerstore.objects import ImageDoc, LayerEntry
-from layerstore.store import ChunkUploader, Progress, Store, UploadStats
+from layerstore.store import ChunkUploader, Progress, RefNotFound, Store, UploadStats
 
 IMAGE_SCHEMES = ("oci:", "oci-archive:", "docker-archive:", "docker://")
 WORK_PREFIX = "publish-"
@@ -109,6 +110,68 @@ class PublishResult:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# The OCI index of a store (docs/FORMAT.md "OCI indexes"): one ref per chain id and one per
+# layer (compressed blob) digest, each naming an image document of the stack up to that layer.
+# containerd asks for layers by chain id (the unpacker) and, from the CRI plugin, by layer digest.
+CHAIN_REFS = "oci/chains"
+LAYER_REFS = "oci/layers"
+_OCI_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def chain_ref(chain_id: str) -> str:
+    """The ref of chain id ``sha256:<hex>`` (``ValueError`` for anything else: never a path)."""
+    if not _OCI_DIGEST.match(chain_id):
+        raise ValueError(f"chain id {chain_id[:80]!r}: not sha256:<64 hex>")
+    return f"{CHAIN_REFS}/sha256/{chain_id[7:]}"
+
+
+def layer_ref(digest: str) -> str:
+    if not _OCI_DIGEST.match(digest):
+        raise ValueError(f"layer digest {digest[:80]!r}: not sha256:<64 hex>")
+    return f"{LAYER_REFS}/sha256/{digest[7:]}"
+
+
+def oci_ids(entry: LayerEntry) -> dict[str, str]:
+    """A layer entry's OCI identities (``digest``, ``diff_id``, ``chain_id``), as far as known."""
+    source = entry.source or {}
+    nested = source.get("oci")
+    oci: Mapping[str, Any] = nested if isinstance(nested, dict) else {}
+    out = {}
+    for key in ("digest", "diff_id", "chain_id"):
+        value = oci.get(key) or (source.get(key) if key != "digest" else None)
+        if isinstance(value, str) and _OCI_DIGEST.match(value):
+            out[key] = value
+    return out
+
+
+async def publish_oci_index(store: Store, entries: list[LayerEntry], stats: UploadStats | None = None
+                            ) -> list[str]:
+    """Ref every prefix of ``entries`` (base first) by its top layer's chain id and layer digest.
+
+    Only layers whose chain id is known (an OCI image's, whose diff ids the
+    conversion verified) are indexed; the first one without stops it, since
+    everything above depends on it.  Call with the writer lock held, after the
+    layers' objects are stored; returns the refs set.
+    """
+    made = []
+    for i, entry in enumerate(entries):
+        ids = oci_ids(entry)
+        if "chain_id" not in ids:
+            break
+        source = {"type": "oci-chain", "chain_id": ids["chain_id"], "diff_id": ids.get("diff_id")}
+        digest = await store.put_doc(ImageDoc(tuple(entries[: i + 1]), {}, source).to_json(), stats)
+        names = [chain_ref(ids["chain_id"])] + ([layer_ref(ids["digest"])] if "digest" in ids else [])
+        for name in names:
+            try:
+                current = (await store.read_ref(name)).digest
+            except RefNotFound:
+                current = None
+            if current != digest:  # a re-publish of the same stack moves nothing
+                await store.set_ref(name, digest, "image", stats=stats)
+            made.append(name)
+    return made
 
 
 @dataclass
@@ -201,6 +264,7 @@ async def publish(
         if before_ref is not None:
             before_ref()
         ref = await store.set_ref(name, doc_digest, "image", stats=stats)
+        await publish_oci_index(store, entries, stats)
     end = time.perf_counter()
     return PublishResult(
         name=ref.name, digest=doc_digest, layers=len(entries), files=sum(e.files for e in entries),

@@ -135,6 +135,7 @@ class HostMounts:
             state.setdefault("layers", {})
             state.setdefault("mounts", {})
             state.setdefault("entries", {})  # layer hex digest -> its layer entry, once per layer
+            state.setdefault("holds", {})  # owner -> the layers it holds mounted without a stack (hold)
             yield state
             # Compact, and only when changed: a host with 1,000 sandboxes rewrote ~3 MB of
             # indented JSON (with every layer entry repeated per mount) on each mount.
@@ -157,9 +158,10 @@ class HostMounts:
                 del state["layers"][hexd]
             elif info.get("generation") != generation:
                 stale.add(hexd)
+        holds = state["holds"]
         for info in state["layers"].values():
-            info["users"] = [u for u in info["users"] if u in state["mounts"]]
-        used = {h for rec in state["mounts"].values() for h in rec["layers"]}
+            info["users"] = [u for u in info["users"] if u in state["mounts"] or u in holds]
+        used = {h for rec in [*state["mounts"].values(), *holds.values()] for h in rec["layers"]}
         for hexd in [h for h in state["entries"] if h not in used]:
             del state["entries"][hexd]
         return stale
@@ -227,6 +229,66 @@ class HostMounts:
             "image": resolved.digest, "trace": trace, "fill": fill,
             "layers": [layer.to_json() for layer in resolved.layers]})
         return list(reply["layers"])
+
+    def hold(self, owner: str, resolved: Resolved) -> list[str]:
+        """Mount the layers of ``resolved`` for ``owner``, with no overlay: their mount points,
+        base first, each the layer as overlayfs takes it as a lower directory (whiteouts as
+        0/0 devices, opaque directories marked).  The containerd snapshotter hands them to
+        containerd, which stacks them itself.
+
+        A layer stays mounted while a hold or a mount uses it; ``owner`` (any string, never a
+        path) holds these layers until :meth:`release`.  Holding again replaces its layers."""
+        health = self._daemon()
+        with self._locked() as state:
+            stale = self._reconcile(state, health["generation"])
+            if stale:
+                self._remount_stale(state, stale, health["generation"])
+            reply = self.client.request("POST", "/layers", {
+                "image": resolved.digest, "trace": False, "fill": False,
+                "layers": [layer.to_json() for layer in resolved.layers]})
+            previous = state["holds"].pop(owner, None)
+            out = []
+            for layer, paths in zip(resolved.layers, reply["layers"], strict=True):
+                hexd = hex_digest(layer.digest)
+                info = state["layers"].get(hexd)
+                if info is None:
+                    info = state["layers"][hexd] = self._mount_layer(hexd, paths, health["generation"])
+                if owner not in info["users"]:
+                    info["users"].append(owner)
+                state["entries"].setdefault(hexd, layer.to_json())
+                out.append(info["mountpoint"])
+            state["holds"][owner] = {"digest": resolved.digest,
+                                     "layers": [hex_digest(x.digest) for x in resolved.layers]}
+            if previous is not None:
+                self._drop_users(state, owner, [h for h in previous["layers"]
+                                                if h not in state["holds"][owner]["layers"]])
+        return out
+
+    def release(self, owner: str) -> bool:
+        """End ``owner``'s hold: its layers no other hold or mount uses are unmounted (lazily:
+        a container that still has them open keeps reading).  False if it held nothing."""
+        with self._locked() as state:
+            health = self.client.health()
+            self._reconcile(state, health["generation"] if health else None)
+            rec = state["holds"].pop(owner, None)
+            if rec is None:
+                return False
+            self._drop_users(state, owner, rec["layers"])
+            return True
+
+    def holds(self) -> dict[str, dict[str, Any]]:
+        with self._locked() as state:
+            return dict(state["holds"])
+
+    def _drop_users(self, state: dict[str, Any], user: str, layers: list[str], *, lazy: bool = True) -> None:
+        for hexd in layers:
+            info = state["layers"].get(hexd)
+            if info is None:
+                continue
+            info["users"] = [u for u in info["users"] if u != user]
+            if not info["users"]:
+                kmount.umount(info["mountpoint"], lazy=lazy, missing_ok=True)
+                del state["layers"][hexd]
 
     def _mount_layer(self, hexd: str, paths: dict[str, str], generation: str) -> dict[str, Any]:
         mp = self.layer_root / hexd
@@ -305,7 +367,7 @@ class HostMounts:
         return str(skeleton)
 
     def _remount_stale(self, state: dict[str, Any], stale: set[str], generation: str) -> None:
-        users = sorted({u for h in stale for u in state["layers"][h]["users"]})
+        users = sorted({u for h in stale for u in state["layers"][h]["users"] if u in state["mounts"]})
         log.warning("daemon restarted: remounting %d layer(s) and %d mount(s)", len(stale), len(users))
         for mp in users:
             self._notify(mp, "detached")
@@ -333,6 +395,20 @@ class HostMounts:
                     self._detach(rec, mp, holder)
                 except MountError as exc:  # still mounted here: correct, only slower for others
                     log.warning("%s", exc)
+        for owner, hold in state["holds"].items():
+            missing = [h for h in hold["layers"] if h not in state["layers"]]
+            if not missing:
+                continue
+            # a holder's users (containerd's containers) keep their overlays on the old mounts,
+            # whose reads now fail: new ones get these (docs/SECURITY.md: fail closed)
+            entries = [state["entries"][h] for h in hold["layers"]]
+            reply = self.client.request("POST", "/layers", {"image": hold["digest"], "trace": False,
+                                                             "layers": entries})
+            for hexd, paths in zip(hold["layers"], reply["layers"], strict=True):
+                if hexd not in state["layers"]:
+                    state["layers"][hexd] = self._mount_layer(hexd, paths, generation)
+                if owner not in state["layers"][hexd]["users"]:
+                    state["layers"][hexd]["users"].append(owner)
 
     def _notify(self, mountpoint: str, phase: str) -> int | None:
         if self.on_remount is None:
@@ -415,6 +491,8 @@ class HostMounts:
             for hexd, info in list(state["layers"].items()):
                 kmount.umount(info["mountpoint"], lazy=True, missing_ok=True)
                 del state["layers"][hexd]
+            count += len(state["holds"])
+            state["holds"].clear()
         # layer mount points left by crashes (state lost) are ours too
         for mp in kmount.mounts_under(self.layer_root):
             kmount.umount(mp, lazy=True, missing_ok=True)
@@ -441,4 +519,5 @@ class HostMounts:
         with self._locked() as state:
             health = self.client.health()
             self._reconcile(state, health["generation"] if health else None)
-            return {"daemon": health, "mounts": state["mounts"], "layers": state["layers"]}
+            return {"daemon": health, "mounts": state["mounts"], "layers": state["layers"],
+                    "holds": state["holds"]}

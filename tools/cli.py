@@ -338,6 +338,22 @@ def _host(args: argparse.Namespace) -> Any:
                       daemon_options=opts)
 
 
+def _snapshotter(args: argparse.Namespace) -> int:
+    import logging
+
+    from layerstore.store import default_data_dir
+    from snapshots.containerd.service import serve
+    from snapshots.containerd.snapshotter import Snapshotter
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    host = _host(args)
+    data_dir = args.data_dir or default_data_dir()
+    root = args.root or str(pathlib.Path(data_dir) / "containerd")
+    snapshotter = Snapshotter(root, host, store_url=args.store, data_dir=data_dir, publish=not args.no_publish)
+    serve(snapshotter, args.socket, ready=lambda: print(f"serving {args.socket}", flush=True))
+    return 0
+
+
 async def _resolve(args: argparse.Namespace, ref: str) -> Any:
     async with await _open_store(args) as store:
         return await store.resolve(ref)
@@ -586,6 +602,16 @@ def build_parser() -> argparse.ArgumentParser:
     dmn = sub.add_parser("daemon", parents=[common, host], help="the host's lazyfetch daemon")
     dmn.add_argument("action", choices=["start", "stop", "status", "run"])
     dmn.set_defaults(func=_daemon_cmd)
+
+    snr = sub.add_parser("snapshotter", parents=[common, host],
+                         help="serve containerd's snapshots API (a proxy plugin) on layerbox layers")
+    snr.add_argument("--socket", default="/run/layerbox/snapshotter.sock",
+                     help="unix socket containerd's [proxy_plugins.layerbox] address names")
+    snr.add_argument("--root", default=None,
+                     help="snapshot metadata and directories (default DATA_DIR/containerd)")
+    snr.add_argument("--no-publish", action="store_true",
+                     help="do not publish layers containerd unpacks into the store")
+    snr.set_defaults(func=_snapshotter)
 
     pf = sub.add_parser("prefetch", parents=[common, host], help="fetch a whole image into the host cache")
     pf.add_argument("ref")
