@@ -497,6 +497,8 @@ def select_platform(entries: Sequence[Descriptor], want: Platform, where: str) -
 
     An index with a single entry that names no platform is taken as is.
     """
+    if not entries:
+        raise UnsupportedImage(f"{where}: the index lists no manifests")
     if len(entries) == 1 and entries[0].platform is None:
         return entries[0]
     for entry in entries:
