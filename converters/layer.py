@@ -175,15 +175,22 @@ def convert_stream(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     source: str = "-",
     verify: Callable[[], None] | None = None,
+    diff_id: Callable[[str], None] | None = None,
+    raw_sha256: str | None = None,
 ) -> LayerResult:
     """Convert one tar stream (plain, gzip or zstd, sniffed) into a layer.
 
     ``raw`` is read to its end, past the tar end-of-archive marker; then
     ``verify`` (if given) runs before the outputs get their final names, so a
-    digest check that fails leaves nothing behind.
+    digest check that fails leaves nothing behind.  ``diff_id`` (if given) runs
+    after ``verify``, with ``sha256:<hex>`` of the uncompressed tar (the OCI
+    diff id), and may refuse it the same way.  The uncompressed bytes are
+    hashed as they are decompressed; for an uncompressed stream they are
+    ``raw`` itself, and ``raw_sha256`` (the digest ``verify`` checked ``raw``
+    against, when it is a sha256) is passed on instead of hashing ``raw`` twice.
     """
     check_chunk_size(chunk_size)
-    reader = TarReader(raw, source)
+    reader = TarReader(raw, source, hash_uncompressed=diff_id is not None, hash_plain=raw_sha256 is None)
 
     def entries() -> Iterator[tuple[Entry, DataFn | None]]:
         for entry in reader:
@@ -193,6 +200,10 @@ def convert_stream(
         reader.finish()
         if verify is not None:
             verify()
+        if diff_id is not None:
+            digest = reader.uncompressed_digest or raw_sha256
+            assert digest is not None
+            diff_id(digest)
 
     try:
         return convert_entries(entries(), meta_path, blob_path, chunk_size=chunk_size, finish=finish)

@@ -1,4 +1,4 @@
-"""Image sources: OCI image layouts (directory or tar) and ``docker save`` archives.
+"""Image sources: OCI image layouts (directory or tar), ``docker save`` archives, registries.
 
 An image reference uses skopeo's syntax::
 
@@ -6,27 +6,32 @@ An image reference uses skopeo's syntax::
     oci-archive:FILE[:TAG]        the same layout inside a tar file (read in place, never unpacked)
     docker-archive:FILE[:REF]     a ``docker save`` tar; REF is ``name[:tag]`` or ``@N`` (N-th image)
     docker://HOST[:PORT]/REPO[:TAG|@DIGEST]
-                                  an image in an OCI distribution registry (layerstore.registry)
+                                  an image in an OCI distribution registry (converters.registry)
 
 As in skopeo, the path ends at the first ``:`` after the scheme.  A TAG is matched
 against the ``org.opencontainers.image.ref.name`` annotation of the layout's
 ``index.json``; it may be left out when the index holds exactly one image.
 
-Every blob that is read (manifest, config, layer) is hashed while it streams and
-compared with the digest and size its descriptor names; a layer's check is the
-``verify`` callback of :func:`converters.layer.convert_stream`, so a corrupt layer
-never gets its final name.  ``convert_image`` writes ``image.json`` last
-(temp file, fsync, rename), so a directory holding an ``image.json`` holds a
-complete image.
+What the documents mean (media types, descriptors, platforms, manifests,
+configs, diff ids, chain ids) and every error raised here are defined once, in
+:mod:`converters.ocispec`.  Each source is a :class:`converters.ocispec.BlobSource`
+whose ``open_blob(desc)`` hands out a verifying reader (:class:`VerifyingReader`
+over a file of a layout or archive, :class:`converters.registry.BlobStream`
+over a download), so one function, :func:`_convert_layer`, converts the layers
+of all four.  Every blob that is read (manifest, config, layer) is hashed while
+it streams and compared with the digest and size its descriptor names; a
+layer's check is the ``verify`` callback of :func:`converters.layer.convert_stream`,
+followed by the check of its uncompressed tar against the config's
+``rootfs.diff_ids``, so a corrupt layer never gets its final name.
+``convert_image`` writes ``image.json`` last (temp file, fsync, rename), so a
+directory holding an ``image.json`` holds a complete image.
 
 Images from a registry are never copied to disk whole: each layer streams from
-the registry (:class:`layerstore.registry.BlobStream`) straight into
-``convert_stream``, and the stream's digest check is the ``verify`` callback.
+the registry straight into ``convert_stream``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -37,98 +42,58 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO, Protocol
 
-from converters.errors import BadArchive, ConvertError, DigestMismatch
+from converters.errors import BadArchive, ConvertError
 from converters.layer import LayerResult, convert_stream
-from layerstore.registry import (
-    BlobDigestMismatch,
+from converters.ocispec import (
+    DIGEST_HEX,
+    MAX_CONFIG_BYTES,
+    MAX_INDEX_DEPTH,
+    MAX_MANIFEST_BYTES,
+    MT_DOCKER_CONFIG,
+    MT_DOCKER_LAYER_GZIP,
+    MT_DOCKER_LAYER_TAR,
+    MT_OCI_LAYER_ZSTD,
+    BlobCheck,
+    BlobMismatch,
     BlobNotFound,
-    InvalidPlatform,
+    BlobSource,
+    Descriptor,
+    DiffIdMismatch,
+    ImageRefError,
+    LayerDigestMismatch,
     ManifestNotFound,
+    ManifestTooLarge,
+    OciError,
     Platform,
-    PlatformNotFound,
     Reference,
-    RegistryError,
-    RegistryImage,
-    RegistryReferenceError,
-    SyncRegistryClient,
-    UnsupportedManifest,
-    host_platform,
+    SourceNotFound,
+    UnsupportedImage,
+    VerifyingStream,
+    chain_ids,
+    check_digest,
+    check_size,
+    config_platform,
+    diff_ids,
+    index_entries,
+    manifest_kind,
+    parse_json,
+    parse_manifest,
     parse_reference,
+    select_platform,
+    want_platform,
 )
-from layerstore.registry import Descriptor as RegistryDescriptor
+from converters.registry import RegistryImage, SyncRegistryClient
 
 IMAGE_SCHEMA = "layerbox.converted-image.v1"
 TRANSPORTS = ("oci", "oci-archive", "docker-archive", "docker")
-REF_NAME = "org.opencontainers.image.ref.name"
-# manifests and indexes are small documents; configs can carry long histories
-MAX_MANIFEST_BYTES = 4 << 20
-MAX_CONFIG_BYTES = 64 << 20
-MAX_INDEX_DEPTH = 4
 READ_SIZE = 1 << 20
+CORRUPT_HINT = "the archive is corrupt, export or download it again"
 
-MT_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-MT_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MT_OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
-MT_DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-MT_DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
-MT_DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
-MT_DOCKER_LAYER_TAR = "application/vnd.docker.image.rootfs.diff.tar"
-MT_DOCKER_LAYER_GZIP = "application/vnd.docker.image.rootfs.diff.tar.gzip"
-MT_OCI_LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
-
-INDEX_TYPES = frozenset({MT_OCI_INDEX, MT_DOCKER_LIST})
-MANIFEST_TYPES = frozenset({MT_OCI_MANIFEST, MT_DOCKER_MANIFEST})
-CONFIG_TYPES = frozenset({MT_OCI_CONFIG, MT_DOCKER_CONFIG})
-LAYER_TYPES = frozenset(
-    {
-        "application/vnd.oci.image.layer.v1.tar",
-        "application/vnd.oci.image.layer.v1.tar+gzip",
-        MT_OCI_LAYER_ZSTD,
-        "application/vnd.oci.image.layer.nondistributable.v1.tar",
-        "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip",
-        "application/vnd.oci.image.layer.nondistributable.v1.tar+zstd",
-        MT_DOCKER_LAYER_TAR,
-        MT_DOCKER_LAYER_GZIP,
-        "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
-    }
-)
-
-_DIGEST_HEX = {"sha256": 64, "sha512": 128}
-_DIGEST_RE = re.compile(r"^([a-z0-9]+(?:[+._-][a-z0-9]+)*):([a-zA-Z0-9=_-]+)$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
-
-
-# -- errors ------------------------------------------------------------------
-
-
-class ImageRefError(ConvertError, ValueError):
-    """The image reference is malformed or names nothing (unknown scheme, tag, platform)."""
-
-
-class SourceNotFound(ConvertError, FileNotFoundError):
-    """The file or directory an image reference points at does not exist."""
-
-
-class BlobMissing(ConvertError, FileNotFoundError):
-    """A blob a manifest names is not in the layout or archive."""
-
-
-class UnsupportedImage(ConvertError):
-    """The source holds something that is not a container image layerbox can read."""
-
-
-class LayerDigestMismatch(DigestMismatch):
-    """A layer's bytes do not match its descriptor; ``layer`` is 1-based, lowest first."""
-
-    def __init__(self, message: str, *, layer: int, expected: str, actual: str) -> None:
-        super().__init__(message)
-        self.layer = layer
-        self.expected = expected
-        self.actual = actual
 
 
 # -- references --------------------------------------------------------------
@@ -177,7 +142,7 @@ def parse_image_ref(ref: str) -> ImageSource:
             raise ImageRefError(f"{ref!r}: expected docker://HOST[:PORT]/REPO[:TAG|@DIGEST]")
         try:
             remote = parse_reference(rest[2:])
-        except RegistryReferenceError as exc:
+        except ImageRefError as exc:
             raise ImageRefError(f"{ref!r}: {exc}") from None
         return ImageSource(transport, None, remote.digest or remote.tag, remote)
     path_text, sep, reference = rest.partition(":")
@@ -194,54 +159,28 @@ def parse_image_ref(ref: str) -> ImageSource:
     return ImageSource(transport, path, reference if sep else None)
 
 
-# -- platforms ---------------------------------------------------------------
 
 
-# Platform and host_platform live in layerstore.registry (which must not import
-# converters), so that a layout and a registry choose the same image from an index.
-
-
-def _want_platform(text: str | None) -> Platform:
-    """The requested platform: ``OS/ARCH[/VARIANT]``, or this host's when ``None``."""
-    if not text:
-        return host_platform()
-    try:
-        return Platform.parse(text)
-    except InvalidPlatform as exc:
-        raise ImageRefError(str(exc)) from None
-
-
-def _descriptor_platform(obj: Mapping[str, Any]) -> Platform | None:
-    plat = obj.get("platform")
-    if not isinstance(plat, dict) or not plat.get("os") or not plat.get("architecture"):
-        return None
-    return Platform(str(plat["os"]), str(plat["architecture"]), plat.get("variant") or None)
-
-
-# -- descriptors and the resolved image --------------------------------------
-
-
-@dataclass(frozen=True)
-class Descriptor:
-    media_type: str
-    digest: str
-    size: int
-    platform: Platform | None = None
-    annotations: Mapping[str, str] = field(default_factory=dict)
-
-    @property
-    def ref_name(self) -> str | None:
-        return self.annotations.get(REF_NAME)
+# -- the resolved image ------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class LayerBlob:
-    """One layer as stored: ``path`` inside the source, the digest and size it must have."""
+    """One layer as stored: ``path`` inside the source, its descriptor, and its config diff id.
+
+    ``diff_id`` is the config's ``rootfs.diff_ids`` entry for this position:
+    the sha256 the uncompressed tar must have.
+    """
 
     path: str
     digest: str
-    size: int | None
+    size: int
     media_type: str
+    diff_id: str
+
+    @property
+    def descriptor(self) -> Descriptor:
+        return Descriptor(self.media_type, self.digest, self.size)
 
 
 @dataclass(frozen=True)
@@ -259,37 +198,10 @@ class ResolvedImage:
     layers: tuple[LayerBlob, ...]
     platform: str | None
 
-
-def _check_digest(digest: object, where: str) -> str:
-    if not isinstance(digest, str) or not (m := _DIGEST_RE.match(digest)):
-        raise UnsupportedImage(f"{where}: malformed digest {digest!r}")
-    alg, hexpart = m.groups()
-    if alg not in _DIGEST_HEX:
-        raise UnsupportedImage(
-            f"{where}: digest algorithm {alg!r} is not supported (sha256 and sha512 are)"
-        )
-    if len(hexpart) != _DIGEST_HEX[alg] or not re.fullmatch(r"[0-9a-f]+", hexpart):
-        raise UnsupportedImage(f"{where}: malformed {alg} digest {digest!r}")
-    return digest
-
-
-def _descriptor(obj: object, where: str) -> Descriptor:
-    if not isinstance(obj, dict):
-        raise UnsupportedImage(f"{where}: a descriptor must be a JSON object")
-    size = obj.get("size")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise UnsupportedImage(f"{where}: descriptor has no valid 'size'")
-    media_type = obj.get("mediaType")
-    annotations = obj.get("annotations") or {}
-    return Descriptor(
-        media_type=media_type if isinstance(media_type, str) else "",
-        digest=_check_digest(obj.get("digest"), where),
-        size=size,
-        platform=_descriptor_platform(obj),
-        annotations={str(k): str(v) for k, v in annotations.items()}
-        if isinstance(annotations, dict)
-        else {},
-    )
+    @property
+    def chain_ids(self) -> tuple[str, ...]:
+        """The chain id of each layer, lowest first (:func:`converters.ocispec.chain_ids`)."""
+        return chain_ids([layer.diff_id for layer in self.layers])
 
 
 def _blob_path(digest: str) -> str:
@@ -297,17 +209,21 @@ def _blob_path(digest: str) -> str:
     return f"blobs/{alg}/{hexpart}"
 
 
-# -- reading files from a directory or a tar, and hashing them ---------------
+# -- reading files from a directory or a tar, and verifying them -------------
 
 
 class _Files(Protocol):
     """Read-only access to the files of a layout, by ``/``-separated relative name."""
 
     def open(self, name: str) -> BinaryIO:
-        """Open ``name`` for reading; raises BlobMissing when it is absent."""
+        """Open ``name`` for reading; raises BlobNotFound when it is absent."""
         ...
 
     def exists(self, name: str) -> bool: ...
+
+    def size(self, name: str) -> int:
+        """The size of ``name`` in bytes; raises BlobNotFound when it is absent."""
+        ...
 
 
 def _normalise_name(name: str) -> str | None:
@@ -334,8 +250,14 @@ class _DirFiles:
     def open(self, name: str) -> BinaryIO:
         path = self._path(name)
         if path is None or not path.is_file():
-            raise BlobMissing(f"{self._label}: {name} is missing from {self._root}")
+            raise BlobNotFound(f"{self._label}: {name} is missing from {self._root}")
         return path.open("rb")
+
+    def size(self, name: str) -> int:
+        path = self._path(name)
+        if path is None or not path.is_file():
+            raise BlobNotFound(f"{self._label}: {name} is missing from {self._root}")
+        return path.stat().st_size
 
     def exists(self, name: str) -> bool:
         path = self._path(name)
@@ -368,8 +290,12 @@ class _TarFiles:
             except KeyError:  # a link whose target is not in the archive
                 stream = None
         if stream is None:
-            raise BlobMissing(f"{self._label}: {name} is missing from the archive")
+            raise BlobNotFound(f"{self._label}: {name} is missing from the archive")
         return stream  # type: ignore[return-value]
+
+    def size(self, name: str) -> int:
+        with self.open(name) as stream:  # links resolved as extraction resolves them
+            return stream.seek(0, io.SEEK_END)
 
     def exists(self, name: str) -> bool:
         return self._member(name) is not None
@@ -398,76 +324,75 @@ def _open_files(source: ImageSource) -> Iterator[_Files]:
         yield files
 
 
-class HashingReader(io.RawIOBase):
-    """A read-only stream that hashes and counts what passes through it.
+class VerifyingReader(VerifyingStream):
+    """A :class:`converters.ocispec.BlobReader` over a file of a layout or archive.
 
-    ``verify()`` compares the digest and byte count with what the descriptor
-    promised and raises ``DigestMismatch`` (built by ``make_error``) on a
-    difference.  Reads are serialised with a lock because the layer converter
-    reads on its decompression thread while a failing caller may drain.
+    Counts and hashes what passes (:class:`converters.ocispec.BlobCheck`);
+    ``problem()`` judges the bytes against the descriptor once they were all
+    read.  Reads are serialised with a lock because the layer converter reads
+    on its decompression thread while a failing caller may drain.
     """
 
-    def __init__(
-        self,
-        raw: BinaryIO,
-        digest: str,
-        size: int | None,
-        describe: str,
-    ) -> None:
+    def __init__(self, raw: BinaryIO, check: BlobCheck) -> None:
         super().__init__()
         self._raw = raw
-        self.expected = digest
-        self.expected_size = size
-        self._alg = digest.partition(":")[0]
-        self._hash = hashlib.new(self._alg)
-        self._describe = describe
+        self._check = check
         self._lock = threading.Lock()
-        self.count = 0
+        self._eof = False
 
-    def readable(self) -> bool:
-        return True
+    @property
+    def count(self) -> int:
+        return self._check.count
+
+    @property
+    def actual(self) -> str:
+        return self._check.actual
 
     def read(self, size: int | None = -1) -> bytes:
         with self._lock:
             data = self._raw.read(-1 if size is None else size)
-            self._hash.update(data)
-            self.count += len(data)
+            if not data and size != 0:
+                self._eof = True
+            self._check.update(data)
             return data
 
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
+    def problem(self) -> OciError | None:
+        if not self._eof:
+            return OciError(f"{self._check.what}: verified before its end ({self.count} bytes read)")
+        return self._check.problem()
 
-    def readall(self) -> bytes:
-        chunks = []
-        while chunk := self.read(READ_SIZE):
-            chunks.append(chunk)
-        return b"".join(chunks)
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
 
-    def drain(self) -> None:
-        while self.read(READ_SIZE):
-            pass
 
-    @property
-    def actual(self) -> str:
-        return f"{self._alg}:{self._hash.hexdigest()}"
+class _FileBlobs:
+    """The :class:`converters.ocispec.BlobSource` of a layout directory, layout tar or docker-archive.
 
-    def problem(self) -> str | None:
-        """What is wrong with the bytes read so far, or ``None`` when they match."""
-        if self.expected_size is not None and self.count != self.expected_size:
-            return (
-                f"expected {self.expected_size} bytes, read {self.count} "
-                f"(digest {self.actual}, expected {self.expected})"
-            )
-        if self.actual != self.expected:
-            return f"expected digest {self.expected}, got {self.actual}"
-        return None
+    A layout names blobs by digest (``blobs/<alg>/<hex>``); a docker-archive
+    stores them where its ``manifest.json`` says, given as ``paths``.
+    """
 
-    def verify(self) -> None:
-        problem = self.problem()
-        if problem is not None:
-            raise DigestMismatch(f"{self._describe}: {problem}; the archive is corrupt")
+    def __init__(self, files: _Files, label: str, paths: Mapping[str, str] | None = None) -> None:
+        self.files = files
+        self.label = label
+        self.paths = paths
+
+    def path(self, digest: str) -> str:
+        if self.paths is None:
+            return _blob_path(digest)
+        try:
+            return self.paths[digest]
+        except KeyError:
+            raise BlobNotFound(f"{self.label}: no blob {digest} in the archive's manifest.json") from None
+
+    def open_blob(self, desc: Descriptor, what: str | None = None) -> VerifyingReader:
+        """Open ``desc``'s blob; ``what`` names it in messages (default: ``<source>: blob <digest>``)."""
+        stream = self.files.open(self.path(desc.digest))
+        check = BlobCheck(desc, what or f"{self.label}: blob {desc.digest}", remedy=CORRUPT_HINT)
+        return VerifyingReader(stream, check)
 
 
 def _read_limited(stream: BinaryIO, limit: int, what: str) -> bytes:
@@ -477,37 +402,24 @@ def _read_limited(stream: BinaryIO, limit: int, what: str) -> bytes:
         parts.append(part)
         got += len(part)
     if got > limit:
-        raise UnsupportedImage(f"{what} is larger than {limit} bytes; refusing to parse it")
+        raise ManifestTooLarge(f"{what} is larger than the {limit} byte limit; refusing to read it")
     return b"".join(parts)
 
 
-def _parse_json(data: bytes, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UnsupportedImage(f"{what} is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise UnsupportedImage(f"{what} is not a JSON object")
-    return doc
-
-
 def _read_plain_json(files: _Files, name: str, what: str) -> dict[str, Any]:
-    """A file that is not content-addressed (``index.json``, ``manifest.json``)."""
+    """A file that is not content-addressed (``index.json``, ``manifest.json``, ``oci-layout``)."""
     with files.open(name) as stream:
-        return _parse_json(_read_limited(stream, MAX_MANIFEST_BYTES, what), what)
+        return parse_json(_read_limited(stream, MAX_MANIFEST_BYTES, what), what)
 
 
-def _read_blob_json(
-    files: _Files, path: str, digest: str, size: int | None, what: str, limit: int
-) -> dict[str, Any]:
-    """A content-addressed JSON blob, verified against ``digest`` (and ``size``)."""
-    if size is not None and size > limit:
-        raise UnsupportedImage(f"{what} is {size} bytes, more than {limit}; refusing to read it")
-    with files.open(path) as stream:
-        reader = HashingReader(stream, digest, size, what)
+def _read_blob_json(blobs: _FileBlobs, desc: Descriptor, what: str, limit: int) -> dict[str, Any]:
+    """A content-addressed JSON blob, verified against its descriptor."""
+    check_size(desc.size, limit, what)
+    with blobs.open_blob(desc, what) as reader:
         data = _read_limited(reader, limit, what)  # type: ignore[arg-type]
+        reader.drain()
         reader.verify()
-    return _parse_json(data, what)
+    return parse_json(data, what)
 
 
 # -- OCI image layouts -------------------------------------------------------
@@ -538,7 +450,7 @@ def _tag_list(descs: list[Descriptor]) -> str:
 def _select_tag(index: list[Descriptor], tag: str | None, label: str) -> list[Descriptor]:
     """The index entries a tag (or its absence) selects; several are platform variants."""
     if not index:
-        raise ImageRefError(f"{label}: index.json lists no images")
+        raise ManifestNotFound(f"{label}: index.json lists no images")
     if tag is None:
         if len(index) == 1 or all(d.platform is not None and not d.ref_name for d in index):
             return index
@@ -548,123 +460,58 @@ def _select_tag(index: list[Descriptor], tag: str | None, label: str) -> list[De
         )
     chosen = [d for d in index if d.ref_name == tag]
     if not chosen:
-        raise ImageRefError(f"{label}: no image tagged {tag!r}; available tags: {_tag_list(index)}")
+        raise ManifestNotFound(f"{label}: no image tagged {tag!r}; available tags: {_tag_list(index)}")
     return chosen
 
 
-def _select_platform(descs: list[Descriptor], want: Platform, label: str) -> Descriptor:
-    if len(descs) == 1 and descs[0].platform is None:
-        return descs[0]
-    for desc in descs:
-        if desc.platform is not None and want.matches(desc.platform):
-            return desc
-    have = sorted({str(d.platform) for d in descs if d.platform is not None})
-    raise ImageRefError(
-        f"{label}: no image for platform {want}; available: {', '.join(have) or 'none named'} "
-        "(pass platform='OS/ARCH' to choose one)"
-    )
-
-
-def _index_entries(doc: Mapping[str, Any], what: str) -> list[Descriptor]:
-    manifests = doc.get("manifests")
-    if not isinstance(manifests, list):
-        raise UnsupportedImage(f"{what} has no 'manifests' list")
-    return [_descriptor(m, f"{what}, manifests[{i}]") for i, m in enumerate(manifests)]
-
-
-def _document_kind(desc: Descriptor, doc: Mapping[str, Any], what: str) -> str:
-    """'index' or 'manifest', from the media types (or the shape when none is given)."""
-    declared = doc.get("mediaType")
-    if isinstance(declared, str) and desc.media_type and declared != desc.media_type:
-        raise UnsupportedImage(
-            f"{what}: descriptor says {desc.media_type!r} but the document says {declared!r}"
-        )
-    media_type = desc.media_type or (declared if isinstance(declared, str) else "")
-    if media_type in INDEX_TYPES or (not media_type and "manifests" in doc):
-        return "index"
-    if media_type in MANIFEST_TYPES or (not media_type and "layers" in doc):
-        return "manifest"
-    raise UnsupportedImage(
-        f"{what}: media type {media_type!r} is not an image manifest or index "
-        "(artifacts and schema-1 manifests are not images layerbox can convert)"
-    )
-
-
-def _resolve_oci(files: _Files, source: ImageSource, want: Platform) -> ResolvedImage:
-    label = str(source)
+def _resolve_oci(blobs: _FileBlobs, source: ImageSource, want: Platform) -> ResolvedImage:
+    files, label = blobs.files, blobs.label
     _check_layout(files, label)
-    entries = _index_entries(_read_plain_json(files, "index.json", f"{label}: index.json"), label)
-    candidates = _select_tag(entries, source.reference, label)
+    index = _read_plain_json(files, "index.json", f"{label}: index.json")
+    candidates = _select_tag(index_entries(index, f"{label}: index.json"), source.reference, label)
     chosen_platform: Platform | None = None
     for _depth in range(MAX_INDEX_DEPTH):
-        desc = _select_platform(candidates, want, label) if len(candidates) > 1 else candidates[0]
+        desc = select_platform(candidates, want, label) if len(candidates) > 1 else candidates[0]
         chosen_platform = desc.platform or chosen_platform
         what = f"{label}: manifest {desc.digest}"
-        doc = _read_blob_json(
-            files, _blob_path(desc.digest), desc.digest, desc.size, what, MAX_MANIFEST_BYTES
-        )
-        if _document_kind(desc, doc, what) == "manifest":
-            return _manifest_image(files, label, desc, doc, chosen_platform)
-        candidates = _index_entries(doc, what)
+        doc = _read_blob_json(blobs, desc, what, MAX_MANIFEST_BYTES)
+        media_type, kind = manifest_kind(doc, what, [desc.media_type])
+        if kind == "manifest":
+            return _manifest_image(blobs, desc, media_type, doc, chosen_platform)
+        candidates = index_entries(doc, what)
         if not candidates:
-            raise ImageRefError(f"{what}: the image index lists no manifests")
+            raise ManifestNotFound(f"{what}: the image index lists no manifests")
         if len(candidates) == 1 and candidates[0].platform is not None:
-            candidates = [_select_platform(candidates, want, what)]
+            candidates = [select_platform(candidates, want, what)]
     raise UnsupportedImage(f"{label}: image indexes nested more than {MAX_INDEX_DEPTH} deep")
 
 
 def _manifest_image(
-    files: _Files,
-    label: str,
+    blobs: _FileBlobs,
     desc: Descriptor,
+    media_type: str,
     doc: Mapping[str, Any],
     chosen: Platform | None,
 ) -> ResolvedImage:
-    what = f"{label}: manifest {desc.digest}"
-    if doc.get("schemaVersion") != 2:
-        raise UnsupportedImage(f"{what}: schemaVersion {doc.get('schemaVersion')!r}, expected 2")
-    config_desc = _descriptor(doc.get("config"), f"{what}, config")
-    if config_desc.media_type not in CONFIG_TYPES:
-        raise UnsupportedImage(
-            f"{what}: config media type {config_desc.media_type!r} is not a container image config"
-        )
-    config = _read_blob_json(
-        files,
-        _blob_path(config_desc.digest),
-        config_desc.digest,
-        config_desc.size,
-        f"{label}: config {config_desc.digest}",
-        MAX_CONFIG_BYTES,
+    label = blobs.label
+    manifest = parse_manifest(doc, f"{label}: manifest {desc.digest}")
+    what = f"{label}: config {manifest.config.digest}"
+    config = _read_blob_json(blobs, manifest.config, what, MAX_CONFIG_BYTES)
+    ids = diff_ids(config, len(manifest.layers), what)
+    layers = tuple(
+        LayerBlob(_blob_path(d.digest), d.digest, d.size, d.media_type, diff_id)
+        for d, diff_id in zip(manifest.layers, ids, strict=True)
     )
-    raw_layers = doc.get("layers")
-    if not isinstance(raw_layers, list):
-        raise UnsupportedImage(f"{what}: no 'layers' list")
-    layers = []
-    for i, obj in enumerate(raw_layers):
-        layer = _descriptor(obj, f"{what}, layer {i + 1}")
-        if layer.media_type not in LAYER_TYPES:
-            raise UnsupportedImage(
-                f"{what}: layer {i + 1} has media type {layer.media_type!r}, "
-                "which is not a tar layer (plain, gzip or zstd)"
-            )
-        layers.append(LayerBlob(_blob_path(layer.digest), layer.digest, layer.size, layer.media_type))
+    platform = chosen or config_platform(config)
     return ResolvedImage(
         source=label,
         manifest_digest=desc.digest,
-        manifest_media_type=desc.media_type or str(doc.get("mediaType") or "") or None,
-        config_digest=config_desc.digest,
+        manifest_media_type=media_type,
+        config_digest=manifest.config.digest,
         config=config,
-        layers=tuple(layers),
-        platform=str(chosen) if chosen else _config_platform(config),
+        layers=layers,
+        platform=str(platform) if platform else None,
     )
-
-
-def _config_platform(config: Mapping[str, Any]) -> str | None:
-    os_name, arch = config.get("os"), config.get("architecture")
-    if not isinstance(os_name, str) or not isinstance(arch, str):
-        return None
-    variant = config.get("variant")
-    return str(Platform(os_name, arch, variant if isinstance(variant, str) and variant else None))
 
 
 # -- docker-archive (docker save) --------------------------------------------
@@ -715,7 +562,7 @@ def _select_docker_entry(
 def _named_digest(path: str) -> str | None:
     """The sha256 a docker-archive file name carries (``<hex>.tar``, ``blobs/sha256/<hex>``)."""
     p = PurePosixPath(path)
-    if len(p.parts) >= 3 and p.parts[-3] == "blobs" and p.parts[-2] in _DIGEST_HEX:
+    if len(p.parts) >= 3 and p.parts[-3] == "blobs" and p.parts[-2] in DIGEST_HEX:
         return f"{p.parts[-2]}:{p.name}"
     stem = p.name.split(".", 1)[0]
     return f"sha256:{stem}" if _HEX64_RE.match(stem) else None
@@ -731,7 +578,7 @@ def _sniff_media_type(files: _Files, path: str) -> str:
     return MT_DOCKER_LAYER_TAR
 
 
-def _resolve_docker(files: _Files, source: ImageSource) -> ResolvedImage:
+def _resolve_docker(files: _Files, source: ImageSource) -> tuple[ResolvedImage, _FileBlobs]:
     label = str(source)
     if not files.exists("manifest.json"):
         hint = "; it looks like an OCI layout: use oci-archive:" if files.exists("oci-layout") else ""
@@ -753,111 +600,86 @@ def _resolve_docker(files: _Files, source: ImageSource) -> ResolvedImage:
         raise UnsupportedImage(
             f"{label}: config file {config_path!r} is not named by its digest; cannot verify it"
         )
-    config = _read_blob_json(
-        files, config_path, config_digest, None, f"{label}: config {config_digest}", MAX_CONFIG_BYTES
-    )
-    rootfs = config.get("rootfs")
-    diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
-    if not isinstance(diff_ids, list) or len(diff_ids) != len(layer_paths):
-        raise UnsupportedImage(
-            f"{label}: config lists {len(diff_ids) if isinstance(diff_ids, list) else 'no'} "
-            f"diff_ids for {len(layer_paths)} layers"
-        )
+    # a docker-archive has no descriptors: digests come from file names (or the
+    # config's diff ids), sizes from the archive, so every blob is still checked
+    paths = {config_digest: config_path}
+    blobs = _FileBlobs(files, label, paths)
+    config_desc = Descriptor(MT_DOCKER_CONFIG, config_digest, files.size(config_path))
+    what = f"{label}: config {config_digest}"
+    config = _read_blob_json(blobs, config_desc, what, MAX_CONFIG_BYTES)
+    ids = diff_ids(config, len(layer_paths), what)
     sources = entry.get("LayerSources") if isinstance(entry.get("LayerSources"), dict) else {}
     layers = []
-    for i, (path, diff_id) in enumerate(zip(layer_paths, diff_ids, strict=True)):
+    for i, (path, diff_id) in enumerate(zip(layer_paths, ids, strict=True)):
         if not isinstance(path, str):
-            raise UnsupportedImage(f"{label}: layer {i + 1} path is not a string")
+            raise UnsupportedImage(f"{label}: manifest.json, layer {i + 1}: the path is not a string")
         # the stored file is either named by its digest, or an uncompressed tar whose
         # sha256 is the config's diff_id (legacy `<id>/layer.tar`)
-        digest = _check_digest(_named_digest(path) or diff_id, f"{label}: layer {i + 1}")
+        digest = check_digest(_named_digest(path) or diff_id, f"{label}: manifest.json, layer {i + 1}")
         described = sources.get(diff_id) if isinstance(sources, dict) else None
         media_type = (
             described["mediaType"]
             if isinstance(described, dict) and isinstance(described.get("mediaType"), str)
             else _sniff_media_type(files, path)
         )
-        layers.append(LayerBlob(path, digest, None, media_type))
-    return ResolvedImage(
+        paths[digest] = path
+        layers.append(LayerBlob(path, digest, files.size(path), media_type, diff_id))
+    platform = config_platform(config)
+    image = ResolvedImage(
         source=label,
         manifest_digest=None,
         manifest_media_type=None,
         config_digest=config_digest,
         config=config,
         layers=tuple(layers),
-        platform=_config_platform(config),
+        platform=str(platform) if platform else None,
     )
-
-
-def _resolve(files: _Files, source: ImageSource, platform: str | None) -> ResolvedImage:
-    if source.transport == "docker-archive":
-        return _resolve_docker(files, source)
-    return _resolve_oci(files, source, _want_platform(platform))
+    return image, blobs
 
 
 # -- registries (docker://) --------------------------------------------------
 
 
-@contextmanager
-def _registry_errors() -> Iterator[None]:
-    """Map registry errors onto this module's contract where it has one.
-
-    A tag, digest or platform the registry does not have is an ``ImageRefError``
-    as it is for a layout, a missing blob ``BlobMissing``; a non-image manifest
-    is ``UnsupportedImage``; a corrupt manifest or config is ``DigestMismatch``.
-    Everything else (auth, unreachable registry, truncated download) stays a
-    ``layerstore.registry.RegistryError``.
-    """
-    try:
-        yield
-    except (ManifestNotFound, PlatformNotFound, InvalidPlatform) as exc:
-        raise ImageRefError(str(exc)) from exc
-    except BlobNotFound as exc:
-        raise BlobMissing(str(exc)) from exc
-    except UnsupportedManifest as exc:
-        raise UnsupportedImage(str(exc)) from exc
-    except BlobDigestMismatch as exc:
-        raise DigestMismatch(str(exc)) from exc
-
-
 def _remote_image(image: RegistryImage, source: ImageSource) -> ResolvedImage:
-    label = str(source)
-    what = f"{label}: manifest {image.manifest_digest}"
-    layers = []
-    for i, desc in enumerate(image.layers):
-        if desc.media_type not in LAYER_TYPES:
-            raise UnsupportedImage(
-                f"{what}: layer {i + 1} has media type {desc.media_type!r}, "
-                "which is not a tar layer (plain, gzip or zstd)"
-            )
-        path = f"/v2/{image.reference.repository}/blobs/{desc.digest}"
-        layers.append(LayerBlob(path, desc.digest, desc.size, desc.media_type))
+    what = f"{source}: config {image.config_digest}"
+    ids = diff_ids(image.config, len(image.layers), what)
+    path = f"/v2/{image.reference.repository}/blobs/"
     return ResolvedImage(
-        source=label,
+        source=str(source),
         manifest_digest=image.manifest_digest,
         manifest_media_type=image.manifest_media_type,
         config_digest=image.config_digest,
         config=image.config,
-        layers=tuple(layers),
+        layers=tuple(
+            LayerBlob(path + d.digest, d.digest, d.size, d.media_type, diff_id)
+            for d, diff_id in zip(image.layers, ids, strict=True)
+        ),
         platform=str(image.platform) if image.platform else None,
     )
 
 
-def _resolve_remote(
-    registry: SyncRegistryClient, source: ImageSource, platform: str | None
-) -> ResolvedImage:
-    assert source.remote is not None
-    return _remote_image(registry.get_manifest(source.remote, _want_platform(platform)), source)
+@contextmanager
+def _opened(source: ImageSource, platform: str | None) -> Iterator[tuple[ResolvedImage, BlobSource]]:
+    """The image ``source`` names, resolved for ``platform``, and where its blobs are."""
+    want = want_platform(platform)
+    if source.remote is not None:
+        with SyncRegistryClient() as registry:
+            image = _remote_image(registry.get_manifest(source.remote, want), source)
+            yield image, registry.blobs(source.remote)
+        return
+    with _open_files(source) as files:
+        if source.transport == "docker-archive":
+            image, blobs = _resolve_docker(files, source)
+        else:
+            blobs = _FileBlobs(files, str(source))
+            image = _resolve_oci(blobs, source, want)
+        yield image, blobs
 
 
 def inspect_image(ref: str, *, platform: str | None = None) -> ResolvedImage:
     """Read and verify an image's manifest and config without touching its layers."""
-    source = parse_image_ref(ref)
-    if source.remote is not None:
-        with _registry_errors(), SyncRegistryClient() as registry:
-            return _resolve_remote(registry, source, platform)
-    with _open_files(source) as files:
-        return _resolve(files, source, platform)
+    with _opened(parse_image_ref(ref), platform) as (image, _blobs):
+        return image
 
 
 # -- conversion --------------------------------------------------------------
@@ -865,7 +687,12 @@ def inspect_image(ref: str, *, platform: str | None = None) -> ResolvedImage:
 
 @dataclass(frozen=True)
 class ImageLayer:
-    """One converted layer of an image; file names are relative to the image directory."""
+    """One converted layer of an image; file names are relative to the image directory.
+
+    ``diff_id`` is the sha256 of the layer's uncompressed tar (checked against
+    the config's ``rootfs.diff_ids``), ``chain_id`` the OCI chain id of the
+    image's layers up to and including this one.
+    """
 
     digest: str
     meta: str
@@ -874,6 +701,8 @@ class ImageLayer:
     oci_digest: str
     oci_media_type: str
     oci_size: int
+    diff_id: str
+    chain_id: str
     files: int
     bytes: int
     chunks: int
@@ -891,6 +720,8 @@ class ImageLayer:
                 "digest": self.oci_digest,
                 "mediaType": self.oci_media_type,
                 "size": self.oci_size,
+                "diff_id": self.diff_id,
+                "chain_id": self.chain_id,
             },
             "stats": {
                 "files": self.files,
@@ -944,82 +775,55 @@ def _layer_names(number: int, digest: str) -> tuple[str, str]:
 
 
 def _convert_layer(
-    files: _Files,
+    blobs: BlobSource,
     image: ResolvedImage,
     number: int,
     layer: LayerBlob,
     out_dir: Path,
     chunk_size: int,
 ) -> tuple[LayerResult, int]:
-    """Convert one layer; returns the converter's result and the blob's size as read."""
+    """Convert one layer, verifying its digest and size and then its diff id.
+
+    Returns the converter's result and the number of blob bytes read.  A blob
+    whose bytes are wrong raises :class:`LayerDigestMismatch`, an uncompressed
+    tar that is not the config's diff id :class:`DiffIdMismatch`; a download
+    that broke raises what the source raised (retryable ``BlobTruncated`` ...).
+    """
     total = len(image.layers)
     describe = f"image {image.source}: layer {number} of {total} ({layer.digest})"
     meta, blob = _layer_names(number, layer.digest)
-    with files.open(layer.path) as stream:
-        reader = HashingReader(stream, layer.digest, layer.size, describe)
 
-        def verify() -> None:
-            problem = reader.problem()
-            if problem is not None:
-                raise LayerDigestMismatch(
-                    f"{describe}: {problem}; the archive is corrupt, export or download it again",
-                    layer=number,
-                    expected=layer.digest,
-                    actual=reader.actual,
-                )
-
-        try:
-            result = convert_stream(
-                reader,  # type: ignore[arg-type]
-                out_dir / meta,
-                out_dir / blob,
-                chunk_size=chunk_size,
-                source=describe,
-                verify=verify,
+    def layer_error(problem: OciError) -> OciError:
+        if isinstance(problem, BlobMismatch) and not problem.retryable:
+            return LayerDigestMismatch(
+                f"layer {number} of {total} is corrupt: {problem}",
+                layer=number,
+                expected=layer.digest,
+                actual=problem.actual,
             )
-        except DigestMismatch:
-            raise
-        except ConvertError as exc:
-            # damaged bytes usually break decompression before the digest is known:
-            # finish hashing, and when the digest is wrong say so, it is the cause
-            reader.drain()
-            if reader.problem() is not None:
-                try:
-                    verify()
-                except LayerDigestMismatch as mismatch:
-                    raise mismatch from exc
-            raise
-    return result, reader.count
+        return problem
 
+    def check_diff_id(actual: str) -> None:
+        if actual != layer.diff_id:
+            raise DiffIdMismatch(
+                f"{describe}: the uncompressed layer hashes to {actual}, but the config's "
+                f"rootfs.diff_ids[{number - 1}] is {layer.diff_id}; the config does not describe "
+                "this layer (a corrupt or hand-edited image)",
+                layer=number,
+                digest=layer.digest,
+                expected=layer.diff_id,
+                actual=actual,
+            )
 
-def _convert_remote_layer(
-    registry: SyncRegistryClient,
-    remote: Reference,
-    image: ResolvedImage,
-    number: int,
-    layer: LayerBlob,
-    out_dir: Path,
-    chunk_size: int,
-) -> tuple[LayerResult, int]:
-    """Convert one layer as it streams from the registry; returns the result and bytes read."""
-    total = len(image.layers)
-    describe = f"image {image.source}: layer {number} of {total} ({layer.digest})"
-    meta, blob = _layer_names(number, layer.digest)
-    assert layer.size is not None  # registry manifests always give sizes
-    descriptor = RegistryDescriptor(layer.media_type, layer.digest, layer.size)
-
-    def mismatch(exc: BlobDigestMismatch) -> LayerDigestMismatch:
-        return LayerDigestMismatch(
-            f"{describe}: {exc}", layer=number, expected=exc.expected, actual=exc.actual
-        )
-
-    with registry.open_blob(remote, descriptor) as stream:
+    with blobs.open_blob(layer.descriptor) as stream:
 
         def verify() -> None:
-            try:
-                stream.verify()
-            except BlobDigestMismatch as exc:
-                raise mismatch(exc) from exc
+            problem = stream.problem()
+            if problem is not None:
+                error = layer_error(problem)
+                if error is problem:
+                    raise problem
+                raise error from problem
 
         try:
             result = convert_stream(
@@ -1029,19 +833,26 @@ def _convert_remote_layer(
                 chunk_size=chunk_size,
                 source=describe,
                 verify=verify,
+                diff_id=check_diff_id,
+                raw_sha256=layer.digest if layer.digest.startswith("sha256:") else None,
             )
-        except DigestMismatch:
+        except (LayerDigestMismatch, DiffIdMismatch):
             raise
+        except OciError as exc:  # the source failed while the converter read
+            error = layer_error(exc)
+            if error is exc:
+                raise
+            raise error from exc
         except ConvertError as exc:
             # damaged bytes usually break decompression before the digest is known:
-            # finish the download, and when the digest is wrong say so, it is the cause
+            # read the rest, and when the digest is wrong say so, it is the cause
             try:
                 stream.drain()
-            except RegistryError:
-                raise exc from None  # the download failed too; the converter saw it first
+            except OciError:
+                raise exc from None  # reading failed too; the converter saw it first
             problem = stream.problem()
-            if isinstance(problem, BlobDigestMismatch):
-                raise mismatch(problem) from exc
+            if problem is not None and problem is not (error := layer_error(problem)):
+                raise error from exc
             raise
     return result, stream.count
 
@@ -1070,7 +881,9 @@ def _write_json_atomic(path: Path, doc: Mapping[str, object]) -> None:
     _fsync_dir(path.parent)
 
 
-def _image_layer(result: LayerResult, meta: str, blob: str, layer: LayerBlob, size: int) -> ImageLayer:
+def _image_layer(
+    result: LayerResult, meta: str, blob: str, layer: LayerBlob, size: int, chain: str
+) -> ImageLayer:
     return ImageLayer(
         digest=result.digest,
         meta=meta,
@@ -1079,6 +892,8 @@ def _image_layer(result: LayerResult, meta: str, blob: str, layer: LayerBlob, si
         oci_digest=layer.digest,
         oci_media_type=layer.media_type,
         oci_size=size,
+        diff_id=layer.diff_id,
+        chain_id=chain,
         files=result.files,
         bytes=result.bytes,
         chunks=result.chunks,
@@ -1097,18 +912,30 @@ def _convert_layers(
     """Convert each distinct layer once, lowest first; appends every new file to ``created``.
 
     ``convert_one(number, layer)`` converts one layer and returns the result
-    and the number of source bytes it read.
+    and the number of source bytes it read.  A layer listed twice is the same
+    layer files, but has a chain id of its own at each position.
     """
     done: dict[str, ImageLayer] = {}
     layers = []
-    for number, layer in enumerate(image.layers, start=1):
+    for number, (layer, chain) in enumerate(zip(image.layers, image.chain_ids, strict=True), start=1):
         if layer.digest not in done:
             meta, blob = _layer_names(number, layer.digest)
             fresh = [p for p in (out_dir / meta, out_dir / blob) if not p.exists()]
             result, size = convert_one(number, layer)
             created.extend(fresh)
-            done[layer.digest] = _image_layer(result, meta, blob, layer, size)
-        layers.append(done[layer.digest])
+            done[layer.digest] = _image_layer(result, meta, blob, layer, size, chain)
+        first = done[layer.digest]
+        if layer.diff_id != first.diff_id:
+            raise DiffIdMismatch(
+                f"image {image.source}: layer {number} of {len(image.layers)} ({layer.digest}) is the blob "
+                f"of an earlier layer, whose uncompressed tar is {first.diff_id}, but the config's "
+                f"rootfs.diff_ids[{number - 1}] is {layer.diff_id}",
+                layer=number,
+                digest=layer.digest,
+                expected=layer.diff_id,
+                actual=first.diff_id,
+            )
+        layers.append(replace(first, chain_id=chain))
     return tuple(layers)
 
 
@@ -1125,46 +952,33 @@ def convert_image(
     image) and ``.blob`` (data), NNN being the 1-based position of the layer's first
     occurrence, lowest first; a layer listed twice is converted once.  ``platform``
     (``OS/ARCH[/VARIANT]``) picks the image out of a multi-platform index and
-    defaults to ``linux/<host arch>``.
+    defaults to ``linux/<host arch>``.  Each layer's uncompressed tar must hash
+    to the config's ``rootfs.diff_ids`` entry; ``image.json`` records it and
+    the layer's chain id.
 
     On any failure the layer files this call created are removed, ``image.json``
-    is not written, and the exception propagates: ``ImageRefError`` or
-    ``SourceNotFound`` for references naming nothing, ``UnsupportedImage`` for
-    non-image content, ``DigestMismatch`` (``LayerDigestMismatch`` for layers) for
-    corrupt blobs, and the converter's ``BadArchive`` / ``BadEntry``.  From a
-    registry also ``layerstore.registry.RegistryError`` (``RegistryAuthError``,
-    ``RegistryUnavailable``, ``BlobTruncated``, ...).
+    is not written, and the exception propagates: the errors of
+    :mod:`converters.ocispec` (``ImageRefError`` and its ``ManifestNotFound``,
+    ``PlatformNotFound`` for references naming nothing, ``SourceNotFound``,
+    ``BlobNotFound``, ``UnsupportedImage`` for non-image content,
+    ``LayerDigestMismatch`` / ``BlobDigestMismatch`` / ``BlobSizeMismatch`` for
+    corrupt blobs, ``DiffIdMismatch``, and from a registry ``RegistryAuthError``,
+    ``RegistryUnavailable``, ``BlobTruncated``, ...), and the converter's
+    ``BadArchive`` / ``BadEntry``.
     """
     started = time.monotonic()
     source = parse_image_ref(ref)
     out = Path(out_dir)
     created: list[Path] = []
     try:
-        if source.remote is not None:
-            remote = source.remote
-            with _registry_errors(), SyncRegistryClient() as registry:
-                image = _resolve_remote(registry, source, platform)
-                (out / "layers").mkdir(parents=True, exist_ok=True)
-                layers = _convert_layers(
-                    lambda number, layer: _convert_remote_layer(
-                        registry, remote, image, number, layer, out, chunk_size
-                    ),
-                    image,
-                    out,
-                    created,
-                )
-        else:
-            with _open_files(source) as files:
-                image = _resolve(files, source, platform)
-                (out / "layers").mkdir(parents=True, exist_ok=True)
-                layers = _convert_layers(
-                    lambda number, layer: _convert_layer(
-                        files, image, number, layer, out, chunk_size
-                    ),
-                    image,
-                    out,
-                    created,
-                )
+        with _opened(source, platform) as (image, blobs):
+            (out / "layers").mkdir(parents=True, exist_ok=True)
+            layers = _convert_layers(
+                lambda number, layer: _convert_layer(blobs, image, number, layer, out, chunk_size),
+                image,
+                out,
+                created,
+            )
         result = ImageResult(
             path=str(out / "image.json"),
             source=ref,

@@ -35,6 +35,9 @@ from layerstore.objects import ImageDoc, LayerEntry
 from layerstore.store import ChunkUploader, Progress, RefNotFound, Store, UploadStats
 
 IMAGE_SCHEMES = ("oci:", "oci-archive:", "docker-archive:", "docker://")
+# keys of an image layer's LayerEntry.source: the OCI diff id and chain id, "sha256:<64 hex>"
+LAYER_SOURCE_DIFF_ID = "diff_id"
+LAYER_SOURCE_CHAIN_ID = "chain_id"
 WORK_PREFIX = "publish-"
 OWNER_FILE = "owner"  # in a publish's work directory; flock'ed while the publish runs
 
@@ -181,12 +184,19 @@ class LocalLayer:
     source: dict[str, Any]
 
 
+def _image_layer_source(oci: dict[str, Any]) -> dict[str, Any]:
+    """A store layer entry's ``source`` for an image layer: its OCI descriptor, and its
+    ``diff_id`` and ``chain_id`` at the top level, where a containerd snapshotter looks
+    layers up (``LAYER_SOURCE_DIFF_ID``, ``LAYER_SOURCE_CHAIN_ID``)."""
+    return {"oci": oci, LAYER_SOURCE_DIFF_ID: oci["diff_id"], LAYER_SOURCE_CHAIN_ID: oci["chain_id"]}
+
+
 def _convert_source(src: str, work: Path, chunk_size: int, platform: str | None
                     ) -> tuple[list[LocalLayer], dict[str, Any], dict[str, Any]]:
     if src.startswith(IMAGE_SCHEMES):
         convert_image(src, work, chunk_size=chunk_size, platform=platform)
         doc = json.loads((work / "image.json").read_text())
-        layers = [LocalLayer(work / layer["meta"], work / layer["blob"], {"oci": layer.get("oci", {})})
+        layers = [LocalLayer(work / layer["meta"], work / layer["blob"], _image_layer_source(layer["oci"]))
                   for layer in doc["layers"]]
         return layers, doc.get("config") or {}, {"ref": src, **(doc.get("source") or {})}
     meta, blob = work / "layer.erofs", work / "layer.blob"

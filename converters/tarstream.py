@@ -14,6 +14,7 @@ uncompressed tar stream, because that is what a user can look up with
 from __future__ import annotations
 
 import base64
+import hashlib
 import queue
 import stat
 import struct
@@ -41,9 +42,16 @@ class _Decompressor:
     The thread always reads ``raw`` to its end, so a caller hashing ``raw``
     (an OCI layer digest) sees every byte even though tar stops at its
     end-of-archive marker.  Errors in the thread surface from ``read``.
+
+    With ``hash_output`` the thread also hashes the decompressed bytes
+    (sha256, the OCI diff id) as it hands them over; an uncompressed stream
+    only with ``hash_plain`` (its bytes are ``raw``, which a caller may hash
+    already).
     """
 
-    def __init__(self, raw: BinaryIO, head: bytes, kind: str, source: str) -> None:
+    def __init__(
+        self, raw: BinaryIO, head: bytes, kind: str, source: str, *, hash_output: bool = False, hash_plain: bool = True
+    ) -> None:
         self._raw = raw
         self._head = head
         self._kind = kind
@@ -54,6 +62,7 @@ class _Decompressor:
         self._done = False
         self._stop = threading.Event()
         self.compressed_bytes = 0
+        self._output_hash = hashlib.sha256() if hash_output and (hash_plain or kind != "tar") else None
         self._thread = threading.Thread(target=self._run, name="layerbox-inflate", daemon=True)
         self._thread.start()
 
@@ -82,6 +91,8 @@ class _Decompressor:
                 self._unzstd()
             else:
                 for block in self._blocks():
+                    if self._output_hash is not None:
+                        self._output_hash.update(block)
                     if not self._put(block):
                         return
             self._put(None)
@@ -112,6 +123,8 @@ class _Decompressor:
                         f"{self.compressed_bytes - len(data)}: {exc}; the file is damaged, fetch it again"
                     ) from None
                 started = True
+                if out and self._output_hash is not None:
+                    self._output_hash.update(out)  # releases the GIL, like the inflating
                 if out and not self._put(out):
                     return
                 if d.eof:
@@ -127,6 +140,11 @@ class _Decompressor:
                 f"{self._source}: {label} stream is truncated after {self.compressed_bytes} compressed bytes; "
                 "the file was cut short (incomplete download or copy)"
             )
+
+    @property
+    def output_digest(self) -> str | None:
+        """``sha256:<hex>`` of the decompressed bytes (complete after ``drain``), if hashed."""
+        return None if self._output_hash is None else "sha256:" + self._output_hash.hexdigest()
 
     # -- consumer -----------------------------------------------------------
     def read(self, n: int = -1) -> bytes:
@@ -160,7 +178,7 @@ class _Decompressor:
         self._thread.join()
 
 
-def open_decompressed(raw: BinaryIO, source: str) -> _Decompressor:
+def open_decompressed(raw: BinaryIO, source: str, *, hash_output: bool = False, hash_plain: bool = True) -> _Decompressor:
     head = raw.read(READ_SIZE)
     if head.startswith(GZIP_MAGIC):
         kind = "gzip"
@@ -168,7 +186,7 @@ def open_decompressed(raw: BinaryIO, source: str) -> _Decompressor:
         kind = "zstd"
     else:
         kind = "tar"
-    return _Decompressor(raw, head, kind, source)
+    return _Decompressor(raw, head, kind, source, hash_output=hash_output, hash_plain=hash_plain)
 
 
 # ---------------------------------------------------------------------------
@@ -407,9 +425,9 @@ def _pax_mtime(text: bytes) -> tuple[int, int]:
 class TarReader:
     """Iterate a tar stream's entries; ``data()`` reads the current regular file."""
 
-    def __init__(self, raw: BinaryIO, source: str) -> None:
+    def __init__(self, raw: BinaryIO, source: str, *, hash_uncompressed: bool = False, hash_plain: bool = True) -> None:
         self.source = source
-        self._stream = open_decompressed(raw, source)
+        self._stream = open_decompressed(raw, source, hash_output=hash_uncompressed, hash_plain=hash_plain)
         self._in = _Input(self._stream)
         self._global: dict[bytes, bytes] = {}
         self._pending = 0  # bytes of the current member's data not yet consumed
@@ -648,6 +666,11 @@ class TarReader:
     def finish(self) -> None:
         """Read the input to its very end (after the tar end-of-archive marker)."""
         self._stream.drain()
+
+    @property
+    def uncompressed_digest(self) -> str | None:
+        """After ``finish``: ``sha256:<hex>`` of the decompressed tar, when it was hashed."""
+        return self._stream.output_digest
 
     def close(self) -> None:
         self._stream.close()

@@ -245,7 +245,7 @@ class LayerEntry:
     files: int
     bytes: int
     chunks: int
-    source: Mapping[str, Any] = field(default_factory=dict)  # e.g. the OCI layer digest
+    source: Mapping[str, Any] = field(default_factory=dict)  # provenance, opaque here (docs/FORMAT.md)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -75,3 +75,48 @@ def test_the_checks_see_what_they_look_for() -> None:
     assert any(isinstance(n, ast.Attribute) and _reaches_into_a_store(n) for n in ast.walk(probe))
     assert sum(1 for n in ast.walk(probe) if isinstance(n, ast.Attribute) and _reaches_into_a_store(n)) == 2
     assert "layerstore" in imported(ROOT / "lazyfetch" / "daemon.py")
+
+
+def _oci_constants(path: Path) -> list[str]:
+    """Module-level names bound to OCI/Docker media type strings, or named ``MT_OCI_*``."""
+    found = []
+    for node in ast.parse(path.read_text(), str(path)).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        value = getattr(node, "value", None)
+        for target in targets:
+            if not isinstance(target, ast.Name):
+                continue
+            media_type = (
+                isinstance(value, ast.Constant)
+                and isinstance(value.value, str)
+                and value.value.startswith(("application/vnd.oci.", "application/vnd.docker."))
+            )
+            if target.id.startswith("MT_OCI_") or media_type:
+                found.append(f"{path}:{node.lineno}: {target.id}")
+    return found
+
+
+def test_oci_lives_in_converters() -> None:
+    """Everything OCI is in one place (DESIGN.md): media types in converters/ocispec.py, the
+    registry client beside the converters; layerstore knows no OCI."""
+    assert not (ROOT / "layerstore" / "registry.py").exists()
+    outside = [p for pkg in ORDER for p in modules(pkg) if pkg != "converters"]
+    outside += sorted((ROOT / "bench").rglob("*.py"))
+    assert [c for p in outside for c in _oci_constants(p)] == []
+    # inside converters, once: every media type constant is ocispec's
+    inside = [c for p in modules("converters") if p.name != "ocispec.py" for c in _oci_constants(p)]
+    assert inside == []
+    for package in ORDER:
+        for path in modules(package):
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    assert node.module != "layerstore.registry", path
+                    assert not (node.module == "layerstore" and any(a.name == "registry" for a in node.names)), path
+
+
+def test_the_oci_check_sees_what_it_looks_for(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text('MT_OCI_INDEX = "x"\nLAYER: str = "application/vnd.docker.image.rootfs.diff.tar"\nOTHER = 1\n')
+    assert [c.split(": ")[1] for c in _oci_constants(probe)] == ["MT_OCI_INDEX", "LAYER"]
+    assert len(_oci_constants(ROOT / "converters" / "ocispec.py")) >= 9

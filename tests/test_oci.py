@@ -15,6 +15,7 @@ import os
 import shutil
 import tarfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,11 @@ from support.proc import run
 from converters.errors import BadArchive, ConvertError, DigestMismatch
 from converters.oci import (
     IMAGE_SCHEMA,
+    convert_image,
+    inspect_image,
+    parse_image_ref,
+)
+from converters.ocispec import (
     MT_DOCKER_CONFIG,
     MT_DOCKER_LAYER_GZIP,
     MT_DOCKER_LAYER_TAR,
@@ -35,15 +41,15 @@ from converters.oci import (
     MT_OCI_INDEX,
     MT_OCI_MANIFEST,
     REF_NAME,
-    BlobMissing,
+    BlobNotFound,
+    DiffIdMismatch,
     ImageRefError,
     LayerDigestMismatch,
     SourceNotFound,
     UnsupportedImage,
-    convert_image,
+    chain_id,
+    chain_ids,
     host_platform,
-    inspect_image,
-    parse_image_ref,
 )
 
 FIXTURES = FIXTURE_IMAGE.parent
@@ -106,13 +112,17 @@ class Layout:
         arch: str = "amd64",
         manifest_type: str = MT_OCI_MANIFEST,
         config_type: str = MT_OCI_CONFIG,
+        diff_ids: list[str] | None = None,
     ) -> dict[str, Any]:
-        """``layers`` are (uncompressed tar, compression, media type); returns the manifest descriptor."""
+        """``layers`` are (uncompressed tar, compression, media type); returns the manifest descriptor.
+
+        ``diff_ids`` replaces the config's (correct) ``rootfs.diff_ids``.
+        """
         config = {
             "architecture": arch,
             "os": "linux",
             "config": {"Env": ["PATH=/usr/bin:/bin"], "Cmd": ["/bin/sh"], "WorkingDir": "/w"},
-            "rootfs": {"type": "layers", "diff_ids": [sha256(t) for t, _, _ in layers]},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids or [sha256(t) for t, _, _ in layers]},
         }
         manifest = {
             "schemaVersion": 2,
@@ -307,8 +317,14 @@ def test_identical_layers_are_converted_once(tmp_path: Path) -> None:
     lay.index([tagged(desc, "dup")])
     out = tmp_path / "out"
     result = convert_image(f"oci:{lay.root}:dup", out)
-    first, _, third = result.layers
-    assert first == third
+    first, second, third = result.layers
+    # the same layer files and diff id; the chain id is the position's own (it covers the layers below)
+    assert replace(first, chain_id=third.chain_id) == third
+    chain1 = sha256(TAR_A)
+    chain2 = sha256(f"{chain1} {sha256(TAR_B)}".encode())
+    assert [first.chain_id, second.chain_id, third.chain_id] == [
+        chain1, chain2, sha256(f"{chain2} {sha256(TAR_A)}".encode())
+    ]
     assert first.meta.startswith("layers/001-")
     assert len(list((out / "layers").iterdir())) == 4  # two layers, meta + blob each
 
@@ -350,7 +366,7 @@ def test_missing_blob(tmp_path: Path) -> None:
     desc = lay.image([(TAR_A, "gzip", MT_LAYER_GZIP)])
     lay.index([tagged(desc, "x")])
     lay.blob_path(layer_of(desc, lay)[0]).unlink()
-    with pytest.raises(BlobMissing, match="blobs/sha256/"):
+    with pytest.raises(BlobNotFound, match="blobs/sha256/"):
         convert_image(f"oci:{lay.root}:x", tmp_path / "out")
     assert not (tmp_path / "out" / "image.json").exists()
 
@@ -389,6 +405,73 @@ def test_corrupt_layer_leaves_nothing(tmp_path: Path, kind: str) -> None:
     # the converter's own complaint stays attached as the cause
     assert isinstance(err.__cause__, BadArchive) == (kind != "plain")
     assert left_behind(out) == [], "layer 1 files or image.json survived a failed conversion"
+
+
+def independent_chain_ids(diff_ids: list[str]) -> list[str]:
+    """The OCI image spec's ChainID, written out with hashlib (not the code under test)."""
+    chain = [diff_ids[0]]
+    for diff_id in diff_ids[1:]:
+        chain.append("sha256:" + hashlib.sha256(f"{chain[-1]} {diff_id}".encode()).hexdigest())
+    return chain
+
+
+def test_chain_ids_of_a_known_image() -> None:
+    # diff ids of a two-layer image, and the chain id sha256("<diff0> <diff1>") computed by hand
+    a, b = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    top = "sha256:" + hashlib.sha256(("sha256:" + "a" * 64 + " sha256:" + "b" * 64).encode()).hexdigest()
+    assert chain_ids([a, b]) == (a, top)
+    assert chain_id([a]) == a
+    assert chain_id([a, b]) == top
+    assert chain_id([a, b, a]) == "sha256:" + hashlib.sha256(f"{top} {a}".encode()).hexdigest()
+    with pytest.raises(ValueError, match="no layers"):
+        chain_id([])
+
+
+@pytest.mark.parametrize("kind", ["plain", "gzip", "zstd"])
+def test_diff_ids_recorded_and_chain_ids_computed(tmp_path: Path, kind: str) -> None:
+    lay = Layout(tmp_path / "layout")
+    mt = {"plain": MT_LAYER, "gzip": MT_LAYER_GZIP, "zstd": MT_LAYER_ZSTD}[kind]
+    lay.index([tagged(lay.image([(TAR_A, kind, mt), (TAR_B, kind, mt)]), "v")])
+    out = tmp_path / "out"
+    result = convert_image(f"oci:{lay.root}:v", out)
+    diff = [sha256(TAR_A), sha256(TAR_B)]
+    oci = [layer["oci"] for layer in read_image_json(out)["layers"]]
+    assert [x["diff_id"] for x in oci] == [x.diff_id for x in result.layers] == diff
+    assert [x["chain_id"] for x in oci] == [x.chain_id for x in result.layers] == independent_chain_ids(diff)
+    if kind == "plain":
+        assert [x["digest"] for x in oci] == diff  # an uncompressed layer's digest is its diff id
+
+
+@pytest.mark.parametrize("kind", ["plain", "gzip", "zstd"])
+def test_wrong_diff_id_is_refused_naming_the_layer(tmp_path: Path, kind: str) -> None:
+    lay = Layout(tmp_path / "layout")
+    mt = {"plain": MT_LAYER, "gzip": MT_LAYER_GZIP, "zstd": MT_LAYER_ZSTD}[kind]
+    wrong = sha256(b"not the layer")
+    desc = lay.image([(TAR_B, kind, mt), (TAR_A, kind, mt)], diff_ids=[sha256(TAR_B), wrong])
+    lay.index([tagged(desc, "bad")])
+    bad = layer_of(desc, lay)[1]
+    out = tmp_path / "out"
+    with pytest.raises(DiffIdMismatch) as info:
+        convert_image(f"oci:{lay.root}:bad", out)
+    err = info.value
+    assert (err.layer, err.digest, err.expected, err.actual) == (2, bad["digest"], wrong, sha256(TAR_A))
+    msg = str(err)
+    assert "layer 2 of 2" in msg
+    assert "rootfs.diff_ids[1]" in msg
+    for named in (bad["digest"], wrong, sha256(TAR_A)):
+        assert named in msg
+    assert isinstance(err, DigestMismatch)
+    assert left_behind(out) == [], "a layer with a wrong diff id left files behind"
+
+
+def test_diff_ids_must_match_the_layer_count(tmp_path: Path) -> None:
+    lay = Layout(tmp_path / "layout")
+    lay.index([tagged(lay.image([(TAR_A, "gzip", MT_LAYER_GZIP)], diff_ids=[sha256(TAR_A)] * 2), "x")])
+    with pytest.raises(UnsupportedImage, match=r"config sha256:[0-9a-f]{64}: rootfs.diff_ids lists 2 diff ids for 1 layers"):
+        inspect_image(f"oci:{lay.root}:x")
+    lay.index([tagged(lay.image([(TAR_A, "gzip", MT_LAYER_GZIP)], diff_ids=["md5:" + "0" * 32]), "y")])
+    with pytest.raises(UnsupportedImage, match=r"rootfs.diff_ids\[0\]: malformed or unsupported digest 'md5:"):
+        inspect_image(f"oci:{lay.root}:y")
 
 
 def test_size_mismatch_is_an_error(tmp_path: Path) -> None:
@@ -528,6 +611,14 @@ def fixture_manifest(archive: Path, tag: str) -> tuple[str, dict[str, Any]]:
         return desc["digest"], json.loads(member("blobs/sha256/" + desc["digest"][7:]))
 
 
+def fixture_config(archive: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """The image config a manifest names, read with tarfile alone."""
+    with tarfile.open(archive) as tar:
+        f = tar.extractfile("./blobs/sha256/" + manifest["config"]["digest"][7:])
+        assert f is not None
+        return json.loads(f.read())
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path = tmp_path_factory.mktemp("oci")
@@ -560,10 +651,13 @@ def test_fixture_minbase(archive: Path, minbase: dict[str, Any]) -> None:
     assert minbase["source"]["manifest_digest"] == digest
     assert minbase["source"]["platform"] == "linux/amd64"
     (layer,) = minbase["layers"]
+    (diff_id,) = fixture_config(archive, manifest)["rootfs"]["diff_ids"]
     assert layer["oci"] == {
         "digest": manifest["layers"][0]["digest"],
         "mediaType": manifest["layers"][0]["mediaType"],
         "size": manifest["layers"][0]["size"],
+        "diff_id": diff_id,
+        "chain_id": diff_id,  # ChainID(L0) = DiffID(L0)
     }
     assert layer["stats"]["files"] > 5000
     assert layer["stats"]["bytes"] > 100_000_000
@@ -592,6 +686,17 @@ def test_fixture_python(archive: Path, work: Path, minbase: dict[str, Any],
     # layer 3 is the small change layer: whiteouts, /workspace/calc
     assert layers[2]["stats"]["bytes"] < 10_000
     assert layers[2]["oci"]["size"] < 10_000
+
+
+def test_fixture_diff_ids_and_chain_ids(archive: Path, python: dict[str, Any]) -> None:
+    _, manifest = fixture_manifest(archive, "python")
+    diff_ids = fixture_config(archive, manifest)["rootfs"]["diff_ids"]
+    assert len(diff_ids) == 3
+    oci = [x["oci"] for x in python["layers"]]
+    assert [x["diff_id"] for x in oci] == diff_ids
+    assert [x["chain_id"] for x in oci] == independent_chain_ids(diff_ids)
+    # gzip layers: the diff id is of the uncompressed tar, not the blob
+    assert all(x["diff_id"] != x["digest"] for x in oci)
 
 
 def test_fixture_as_oci_directory(unpacked: Path, work: Path, python: dict[str, Any]) -> None:

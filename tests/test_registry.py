@@ -1,4 +1,4 @@
-"""layerstore.registry and the docker:// transport of converters.oci, against a real registry.
+"""converters.registry and the docker:// transport of converters.oci, against a real registry.
 
 Debian's docker-registry runs on 127.0.0.1 (one plain instance, one in token
 auth mode behind the token server of support.registry); skopeo fills it with
@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from support.proc import run
 from support.registry import (
     FaultProxy,
     LayoutBuilder,
@@ -39,35 +40,36 @@ from support.registry import (
     tar_of,
 )
 
-from converters.errors import DigestMismatch
+from converters.errors import ConvertError, DigestMismatch
 from converters.oci import (
-    ImageRefError,
-    LayerDigestMismatch,
     convert_image,
     inspect_image,
     parse_image_ref,
 )
-from layerstore.errors import LayerstoreError
-from layerstore.registry import (
-    BLOB_QUEUE_DEPTH,
+from converters.ocispec import (
     BlobDigestMismatch,
     BlobNotFound,
     BlobTruncated,
-    Credentials,
     Descriptor,
+    ImageRefError,
+    LayerDigestMismatch,
     ManifestNotFound,
     ManifestTooLarge,
+    OciError,
     Platform,
     PlatformNotFound,
     Reference,
     RegistryAuthError,
-    RegistryClient,
     RegistryError,
-    RegistryReferenceError,
     RegistryUnavailable,
+    parse_reference,
+)
+from converters.registry import (
+    BLOB_QUEUE_DEPTH,
+    Credentials,
+    RegistryClient,
     SyncRegistryClient,
     default_credentials,
-    parse_reference,
 )
 
 ALICE = ("alice", "wonderland")
@@ -223,7 +225,7 @@ def test_parse_reference_forms() -> None:
     ["", "Upper/Case", "host:5000/repo:bad tag", "repo@sha256:1234", "repo@md5:" + "0" * 32, "a//b", "host:5000/"],
 )
 def test_parse_reference_rejects(text: str) -> None:
-    with pytest.raises(RegistryReferenceError, match="image reference"):
+    with pytest.raises(ImageRefError, match="image reference"):
         parse_reference(text)
 
 
@@ -378,7 +380,8 @@ async def test_missing_tag_and_digest(client: RegistryClient, registry: Registry
         await client.read_blob(parse_reference(f"{registry.host}/fixture/multi"),
                                Descriptor("x", missing, 1), limit=10)
     assert issubclass(ManifestNotFound, FileNotFoundError)
-    assert issubclass(ManifestNotFound, LayerstoreError)
+    assert issubclass(ManifestNotFound, OciError)
+    assert issubclass(ManifestNotFound, ConvertError)
 
 
 @pytest.mark.asyncio
@@ -610,6 +613,49 @@ def test_convert_matches_archive(converted: tuple[Path, Path], python_ref: str) 
         assert (converted[1] / r["meta"]).read_bytes() == (converted[0] / a["meta"]).read_bytes()
 
 
+def test_every_source_gives_the_same_layers_and_chain_ids(
+    converted: tuple[Path, Path], python_ref: str, tmp_path: Path
+) -> None:
+    """The fixture's python image from a registry, an oci-archive, an oci directory and a
+    docker-archive (skopeo stores its layers uncompressed): the same layers, diff ids and chain ids."""
+    archive = fixture_archive()
+    layout, saved = tmp_path / "layout", tmp_path / "python-docker.tar"
+    with tarfile.open(archive) as tar:
+        tar.extractall(layout, filter="data")
+    run(
+        ["skopeo", "--insecure-policy", "copy", "--quiet", f"oci-archive:{archive}:python",
+         f"docker-archive:{saved}:python:latest"],
+        timeout=600, env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    docs = {
+        "registry": json.loads((converted[1] / "image.json").read_text()),
+        "oci-archive": json.loads((converted[0] / "image.json").read_text()),
+    }
+    for name, ref in (("oci", f"oci:{layout}:python"), ("docker-archive", f"docker-archive:{saved}:python:latest")):
+        convert_image(ref, tmp_path / name)
+        docs[name] = json.loads((tmp_path / name / "image.json").read_text())
+    with tarfile.open(archive) as tar:
+        index = json.load(tar.extractfile("./index.json"))  # type: ignore[arg-type]
+        (desc,) = [m for m in index["manifests"] if m["annotations"][REF_NAME] == "python"]
+        manifest = json.load(tar.extractfile("./blobs/sha256/" + desc["digest"][7:]))  # type: ignore[arg-type]
+        config = json.load(tar.extractfile("./blobs/sha256/" + manifest["config"]["digest"][7:]))  # type: ignore[arg-type]
+    diff_ids = config["rootfs"]["diff_ids"]
+    chain = [diff_ids[0]]
+    for diff_id in diff_ids[1:]:
+        chain.append("sha256:" + hashlib.sha256(f"{chain[-1]} {diff_id}".encode()).hexdigest())
+    for name, doc in docs.items():
+        layers = doc["layers"]
+        assert [x["oci"]["diff_id"] for x in layers] == diff_ids, name
+        assert [x["oci"]["chain_id"] for x in layers] == chain, name
+        assert [(x["digest"], x["blob_digest"]) for x in layers] == [
+            (x["digest"], x["blob_digest"]) for x in docs["registry"]["layers"]
+        ], name
+    gzip_digests = [x["digest"] for x in manifest["layers"]]
+    for name in ("registry", "oci-archive", "oci"):
+        assert [x["oci"]["digest"] for x in docs[name]["layers"]] == gzip_digests, name
+    assert [x["oci"]["digest"] for x in docs["docker-archive"]["layers"]] == diff_ids
+
+
 def test_inspect_and_convert_by_digest(python_ref: str, registry: RegistryServer, small: Small, tmp_path: Path) -> None:
     digest = fixture_manifest_digest("python")
     image = inspect_image(f"docker://{registry.host}/fixture/python@{digest}")
@@ -623,11 +669,14 @@ def test_inspect_and_convert_by_digest(python_ref: str, registry: RegistryServer
 
 
 def test_convert_errors_map_to_converter_contract(registry: RegistryServer, tmp_path: Path) -> None:
-    with pytest.raises(ImageRefError, match="fixture/multi has no manifest tagged nope") as info:
+    """One error tree: what a registry lacks is the same error (and ImageRefError) as for a layout."""
+    with pytest.raises(ManifestNotFound, match="fixture/multi has no manifest tagged nope") as info:
         convert_image(f"docker://{registry.host}/fixture/multi:nope", tmp_path / "a")
-    assert isinstance(info.value.__cause__, ManifestNotFound)
-    with pytest.raises(ImageRefError, match="no image for platform linux/s390x"):
+    assert isinstance(info.value, ImageRefError)
+    assert isinstance(info.value, FileNotFoundError)
+    with pytest.raises(PlatformNotFound, match="no image for platform linux/s390x") as platform_info:
         convert_image(f"docker://{registry.host}/fixture/multi:latest", tmp_path / "b", platform="linux/s390x")
+    assert isinstance(platform_info.value, ImageRefError)
     with pytest.raises(ImageRefError, match="OS/ARCH"):
         inspect_image(f"docker://{registry.host}/fixture/multi:latest", platform="arm64")
     assert left_behind(tmp_path) == []

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from converters.ocispec import REF_NAME, DiffIdMismatch
 from converters.publish import publish
 from layerstore.backend import ObjectNotFound
 from layerstore.erofs.reader import ErofsImage
@@ -42,6 +45,7 @@ from tests.support.moto import (  # noqa: F401
     moto_fixture,
     opened_store,
 )
+from tests.support.registry import LayoutBuilder, tar_of
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = FIXTURE_IMAGE
@@ -340,7 +344,45 @@ async def test_fixture_images_share_their_base_layer(store: Store) -> None:
     assert shown.layers[0].digest == (await store.resolve("debian/minbase")).layers[0].digest
     assert shown.config["config"]["Cmd"] == ["/bin/bash"]
     assert meta_key(shown.layers[0].digest).startswith("meta/")
+    with tarfile.open(FIXTURE) as tar:  # the config's diff ids, read with tarfile alone
+        index = json.load(tar.extractfile("./index.json"))  # type: ignore[arg-type]
+        (desc,) = [m for m in index["manifests"] if m["annotations"][REF_NAME] == "python"]
+        manifest = json.load(tar.extractfile("./blobs/sha256/" + desc["digest"][7:]))  # type: ignore[arg-type]
+        config = json.load(tar.extractfile("./blobs/sha256/" + manifest["config"]["digest"][7:]))  # type: ignore[arg-type]
+    diff_ids = config["rootfs"]["diff_ids"]
+    assert [e.source["diff_id"] for e in shown.layers] == diff_ids
+    assert [e.source["chain_id"] for e in shown.layers] == _chain_ids(diff_ids)
     assert pack_key(shown.layers[0].packs[0]).startswith("packs/")
+
+
+def _chain_ids(diff_ids: list[str]) -> list[str]:
+    """The OCI image spec's ChainID, written out with hashlib (not the code under test)."""
+    chain = [diff_ids[0]]
+    for diff_id in diff_ids[1:]:
+        chain.append("sha256:" + hashlib.sha256(f"{chain[-1]} {diff_id}".encode()).hexdigest())
+    return chain
+
+
+@pytest.mark.asyncio
+async def test_image_layer_entries_carry_diff_and_chain_ids(store: Store, tmp_path: Path) -> None:
+    """What a containerd snapshotter looks layers up by: LayerEntry.source "diff_id" and "chain_id"."""
+    tars = [tar_of({"etc/a": b"a" * 5000}), tar_of({"etc/b": b"b\n"}), tar_of({"etc/c": b"c\n"})]
+    diff_ids = ["sha256:" + hashlib.sha256(t).hexdigest() for t in tars]
+    lay = LayoutBuilder(tmp_path / "layout")
+    lay.tag(lay.image(tars), "good")
+    wrong = [*diff_ids[:2], "sha256:" + "0" * 64]
+    lay.tag(lay.image(tars, diff_ids=wrong), "wrong")
+    await publish(store, f"oci:{lay.root}:good", "oci/good")
+    entries = (await store.resolve("oci/good")).layers
+    assert [e.source["diff_id"] for e in entries] == diff_ids
+    assert [e.source["chain_id"] for e in entries] == _chain_ids(diff_ids)
+    assert [e.source["oci"]["chain_id"] for e in entries] == _chain_ids(diff_ids)
+    gzipped = [d["digest"] for d in lay.manifest(lay.image(tars))["layers"]]
+    assert [e.source["oci"]["digest"] for e in entries] == gzipped
+    # a config whose diff ids do not describe the layers publishes nothing
+    with pytest.raises(DiffIdMismatch, match=r"layer 3 of 3 .*rootfs.diff_ids\[2\] is sha256:0{64}"):
+        await publish(store, f"oci:{lay.root}:wrong", "oci/wrong")
+    assert [r.name for r in await store.list_refs("oci/")] == ["oci/good:latest"]
 
 
 def test_sync_api_and_cache_rebuild(tmp_path: Path) -> None:

@@ -445,13 +445,18 @@ class LayoutBuilder:
     def json_blob(self, doc: Mapping[str, Any], media_type: str, **extra: Any) -> dict[str, Any]:
         return self.blob(json.dumps(doc).encode(), media_type, **extra)
 
-    def image(self, layers: list[bytes], *, arch: str = "amd64", gzip_layers: bool = True) -> dict[str, Any]:
-        """``layers`` are uncompressed tars; returns the manifest's descriptor (with platform)."""
+    def image(
+        self, layers: list[bytes], *, arch: str = "amd64", gzip_layers: bool = True, diff_ids: list[str] | None = None
+    ) -> dict[str, Any]:
+        """``layers`` are uncompressed tars; returns the manifest's descriptor (with platform).
+
+        ``diff_ids`` replaces the config's (correct) ``rootfs.diff_ids``.
+        """
         config = {
             "architecture": arch,
             "os": "linux",
             "config": {"Env": ["PATH=/usr/bin:/bin"], "Cmd": ["/bin/sh"]},
-            "rootfs": {"type": "layers", "diff_ids": [sha256(t) for t in layers]},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids or [sha256(t) for t in layers]},
         }
         blobs = [
             self.blob(gzip.compress(t, mtime=0), MT_LAYER_GZIP) if gzip_layers else self.blob(t, MT_LAYER)

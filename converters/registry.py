@@ -31,12 +31,19 @@ Contract:
 - Plain http is used for ``127.0.0.1``, ``localhost``, ``::1`` and hosts listed
   in ``LAYERBOX_INSECURE_REGISTRIES`` (comma separated ``host[:port]``) or
   ``insecure_hosts``; https everywhere else.
-- Errors derive from :class:`RegistryError` and name the registry, the
-  repository and the tag or digest; nothing here prints.
+- Errors are those of :mod:`converters.ocispec` (the one error tree of
+  everything OCI, rooted at ``OciError``): a tag or digest the registry lacks
+  is :class:`ManifestNotFound`, transport and HTTP failures derive from
+  :class:`RegistryError`; every message names the registry, the repository and
+  the tag or digest.  Nothing here prints.
+- Manifests, indexes, descriptors, platforms and configs are parsed by
+  :mod:`converters.ocispec`, with the same rules as for an image layout.
 
 Synchronous callers (the layer converter) use :class:`SyncRegistryClient`,
 which runs a client on an event loop in its own thread, and its
-:class:`BlobStream`, a file-like ``read(n)`` over a download in flight.
+:class:`BlobStream`, a file-like ``read(n)`` over a download in flight that
+implements :class:`converters.ocispec.BlobReader`
+(``SyncRegistryClient.blobs(ref)`` is the registry's ``BlobSource``).
 """
 
 from __future__ import annotations
@@ -44,18 +51,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-import io
 import json
 import logging
 import os
-import platform as _platform
 import queue
 import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
@@ -63,18 +68,45 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from layerstore.errors import LayerstoreError
+from converters.ocispec import (
+    DOCKER_HUB,
+    DOCKER_HUB_API,
+    MANIFEST_ACCEPT,
+    MAX_CONFIG_BYTES,
+    MAX_INDEX_DEPTH,
+    MAX_MANIFEST_BYTES,
+    BlobCheck,
+    BlobDigestMismatch,
+    BlobNotFound,
+    BlobSizeMismatch,
+    BlobTruncated,
+    Descriptor,
+    ManifestNotFound,
+    ManifestTooLarge,
+    OciError,
+    Platform,
+    Reference,
+    RegistryAuthError,
+    RegistryError,
+    RegistryUnavailable,
+    UnsupportedImage,
+    VerifyingStream,
+    check_size,
+    index_entries,
+    manifest_kind,
+    parse_json,
+    parse_manifest,
+    parse_reference,
+    select_platform,
+    want_platform,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DOCKER_HUB = "docker.io"
-DOCKER_HUB_API = "registry-1.docker.io"
-MAX_MANIFEST_BYTES = 4 << 20
-MAX_CONFIG_BYTES = 64 << 20
-MAX_INDEX_DEPTH = 4
 STREAM_CHUNK = 256 << 10
+CORRUPT_HINT = "the registry's copy is corrupt, or a proxy or the connection altered it; try again"
 INSECURE_ENV = "LAYERBOX_INSECURE_REGISTRIES"
 USER_ENV = "LAYERBOX_REGISTRY_USER"
 PASSWORD_ENV = "LAYERBOX_REGISTRY_PASSWORD"
@@ -85,300 +117,7 @@ TOKEN_MARGIN_SECONDS = 10
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
-MT_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
-MT_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MT_OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
-MT_DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-MT_DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
-MT_DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
-INDEX_TYPES = frozenset({MT_OCI_INDEX, MT_DOCKER_LIST})
-MANIFEST_TYPES = frozenset({MT_OCI_MANIFEST, MT_DOCKER_MANIFEST})
-CONFIG_TYPES = frozenset({MT_OCI_CONFIG, MT_DOCKER_CONFIG})
-MANIFEST_ACCEPT = ", ".join([MT_OCI_INDEX, MT_OCI_MANIFEST, MT_DOCKER_LIST, MT_DOCKER_MANIFEST])
-
-_DIGEST_HEX = {"sha256": 64, "sha512": 128}
-_DIGEST_RE = re.compile(r"^(sha256|sha512):([0-9a-f]+)$")
-_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
-_REPOSITORY_RE = re.compile(rf"^{_COMPONENT}(?:/{_COMPONENT})*$")
-_TAG_RE = re.compile(r"^\w[\w.-]{0,127}$")
-_HOST_RE = re.compile(
-    r"^(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*"
-    r"|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?$"
-)
 _CHALLENGE_PARAM_RE = re.compile(r'\s*([A-Za-z][\w-]*)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^,\s]*))\s*,?')
-_ARCH = {
-    "x86_64": "amd64",
-    "amd64": "amd64",
-    "aarch64": "arm64",
-    "arm64": "arm64",
-    "armv7l": "arm",
-    "armv6l": "arm",
-    "i386": "386",
-    "i686": "386",
-    "ppc64le": "ppc64le",
-    "s390x": "s390x",
-    "riscv64": "riscv64",
-}
-
-
-# -- errors ------------------------------------------------------------------
-
-
-class RegistryError(LayerstoreError):
-    """Pulling from a registry failed; ``retryable`` says whether trying again may help."""
-
-    retryable = False
-
-
-class RegistryReferenceError(RegistryError, ValueError):
-    """An image reference (``host[:port]/repo[:tag|@digest]``) is malformed."""
-
-
-class InvalidPlatform(RegistryError, ValueError):
-    """A platform is not ``OS/ARCH[/VARIANT]``."""
-
-
-class PlatformNotFound(RegistryError, LookupError):
-    """An image index has no image for the requested platform."""
-
-
-class RegistryAuthError(RegistryError, PermissionError):
-    """The registry wants credentials we do not have, or rejected the ones we sent."""
-
-
-class ManifestNotFound(RegistryError, FileNotFoundError):
-    """The registry has no manifest for this tag or digest (HTTP 404)."""
-
-
-class BlobNotFound(RegistryError, FileNotFoundError):
-    """The registry has no blob with this digest (HTTP 404)."""
-
-
-class ManifestTooLarge(RegistryError):
-    """A manifest or index is larger than the limit (4 MiB by default)."""
-
-
-class UnsupportedManifest(RegistryError):
-    """The manifest is not an OCI/Docker v2 image manifest or index layerbox can read."""
-
-
-class RegistryUnavailable(RegistryError, ConnectionError):
-    """Connection errors or 5xx answers persisted through every retry."""
-
-    retryable = True
-
-
-class BlobSizeMismatch(RegistryError):
-    """A blob's byte count differs from its descriptor's size."""
-
-
-class BlobTruncated(BlobSizeMismatch):
-    """A blob download ended (or the connection broke) before its last byte."""
-
-    retryable = True
-
-
-class BlobDigestMismatch(RegistryError):
-    """A blob or manifest does not hash to the digest that names it."""
-
-    def __init__(self, message: str, *, expected: str, actual: str) -> None:
-        super().__init__(message)
-        self.expected = expected
-        self.actual = actual
-
-
-# -- references and platforms --------------------------------------------------
-
-
-def check_digest(digest: object, where: str) -> str:
-    """Return ``digest`` if it is a well-formed sha256/sha512 digest, else raise."""
-    if not isinstance(digest, str) or not (m := _DIGEST_RE.match(digest)):
-        raise UnsupportedManifest(
-            f"{where}: malformed or unsupported digest {digest!r} (sha256:<64 hex> or sha512:<128 hex>)"
-        )
-    if len(m.group(2)) != _DIGEST_HEX[m.group(1)]:
-        raise UnsupportedManifest(f"{where}: malformed {m.group(1)} digest {digest!r}")
-    return digest
-
-
-@dataclass(frozen=True)
-class Reference:
-    """A parsed ``host[:port]/repository[:tag][@digest]``.
-
-    ``registry`` is the name as written (``docker.io`` for Docker Hub);
-    ``host`` is where the API lives.  A digest, when present, is what gets
-    fetched; the tag is kept for messages.
-    """
-
-    registry: str
-    repository: str
-    tag: str | None = None
-    digest: str | None = None
-
-    @property
-    def host(self) -> str:
-        return DOCKER_HUB_API if self.registry == DOCKER_HUB else self.registry
-
-    @property
-    def reference(self) -> str:
-        """The tag or digest the manifest is fetched by."""
-        return self.digest or self.tag or "latest"
-
-    @property
-    def scope(self) -> str:
-        """The token scope for reading this repository."""
-        return f"repository:{self.repository}:pull"
-
-    def with_digest(self, digest: str) -> Reference:
-        return replace(self, digest=digest)
-
-    def __str__(self) -> str:
-        text = f"{self.registry}/{self.repository}"
-        if self.tag is not None:
-            text += f":{self.tag}"
-        if self.digest is not None:
-            text += f"@{self.digest}"
-        return text
-
-
-def parse_reference(text: str) -> Reference:
-    """Parse ``host[:port]/repo[:tag|@digest]`` as docker and skopeo do.
-
-    The first path component is a registry host when it contains ``.`` or
-    ``:`` or is ``localhost``; otherwise the image is on Docker Hub
-    (``docker.io``, with ``library/`` before one-component names).  A
-    reference without tag or digest means ``:latest``.
-    """
-    if not text or text != text.strip():
-        raise RegistryReferenceError(f"image reference {text!r} is empty or has surrounding spaces")
-    name, at, digest = text.partition("@")
-    if at:
-        try:
-            check_digest(digest, f"image reference {text!r}")
-        except UnsupportedManifest as exc:
-            raise RegistryReferenceError(str(exc)) from None
-    first, slash, rest = name.partition("/")
-    if slash and ("." in first or ":" in first or first == "localhost"):
-        registry, remainder = first, rest
-        if not _HOST_RE.match(registry):
-            raise RegistryReferenceError(f"image reference {text!r}: malformed registry host {registry!r}")
-    else:
-        registry, remainder = DOCKER_HUB, name
-    if registry in ("index.docker.io", DOCKER_HUB_API):
-        registry = DOCKER_HUB
-    tag: str | None = None
-    last_slash = remainder.rfind("/")
-    colon = remainder.rfind(":")
-    if colon > last_slash:
-        remainder, tag = remainder[:colon], remainder[colon + 1 :]
-        if not _TAG_RE.match(tag):
-            raise RegistryReferenceError(
-                f"image reference {text!r}: malformed tag {tag!r} (letters, digits, '_', '.', '-'; "
-                "at most 128 characters)"
-            )
-    if registry == DOCKER_HUB and "/" not in remainder:
-        remainder = "library/" + remainder
-    if not _REPOSITORY_RE.match(remainder):
-        raise RegistryReferenceError(
-            f"image reference {text!r}: malformed repository {remainder!r} "
-            "(lowercase letters, digits and separators; expected host[:port]/repo[:tag|@digest])"
-        )
-    if tag is None and not at:
-        tag = "latest"
-    return Reference(registry, remainder, tag, digest if at else None)
-
-
-@dataclass(frozen=True)
-class Platform:
-    """``OS/ARCH[/VARIANT]`` as in OCI image indexes."""
-
-    os: str
-    architecture: str
-    variant: str | None = None
-
-    def __str__(self) -> str:
-        return "/".join(p for p in (self.os, self.architecture, self.variant) if p)
-
-    @classmethod
-    def parse(cls, text: str) -> Platform:
-        parts = text.split("/")
-        if not 2 <= len(parts) <= 3 or not all(parts):
-            raise InvalidPlatform(f"platform {text!r}: expected OS/ARCH[/VARIANT], e.g. linux/amd64")
-        return cls(parts[0], parts[1], parts[2] if len(parts) == 3 else None)
-
-    @classmethod
-    def from_json(cls, obj: object) -> Platform | None:
-        """The platform of a descriptor's ``platform`` object or an image config, if named."""
-        if not isinstance(obj, Mapping):
-            return None
-        os_name, arch, variant = obj.get("os"), obj.get("architecture"), obj.get("variant")
-        if not isinstance(os_name, str) or not isinstance(arch, str) or not os_name or not arch:
-            return None
-        return cls(os_name, arch, variant if isinstance(variant, str) and variant else None)
-
-    def matches(self, other: Platform) -> bool:
-        """Whether ``other`` (from a descriptor) satisfies this requested platform."""
-        if (self.os, self.architecture) != (other.os, other.architecture):
-            return False
-        if self.variant is None:
-            return True
-        default = "v8" if self.architecture == "arm64" else None
-        return self.variant == (other.variant or default)
-
-
-def host_platform() -> Platform:
-    """``linux/<GOARCH>`` of this host, e.g. ``linux/amd64`` on x86_64."""
-    machine = _platform.machine().lower()
-    return Platform("linux", _ARCH.get(machine, machine))
-
-
-@dataclass(frozen=True)
-class Descriptor:
-    """What a manifest says about another blob: media type, digest, size."""
-
-    media_type: str
-    digest: str
-    size: int
-    platform: Platform | None = None
-    annotations: Mapping[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, obj: object, where: str) -> Descriptor:
-        if not isinstance(obj, Mapping):
-            raise UnsupportedManifest(f"{where}: a descriptor must be a JSON object")
-        size = obj.get("size")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise UnsupportedManifest(f"{where}: descriptor has no valid 'size'")
-        media_type = obj.get("mediaType")
-        annotations = obj.get("annotations")
-        return cls(
-            media_type=media_type if isinstance(media_type, str) else "",
-            digest=check_digest(obj.get("digest"), where),
-            size=size,
-            platform=Platform.from_json(obj.get("platform")),
-            annotations={str(k): str(v) for k, v in annotations.items()}
-            if isinstance(annotations, Mapping)
-            else {},
-        )
-
-
-def select_platform(entries: list[Descriptor], want: Platform, where: str) -> Descriptor:
-    """The first index entry whose platform matches ``want``.
-
-    An index with a single entry that names no platform is taken as is.
-    """
-    if len(entries) == 1 and entries[0].platform is None:
-        return entries[0]
-    for entry in entries:
-        if entry.platform is not None and want.matches(entry.platform):
-            return entry
-    have = sorted({str(d.platform) for d in entries if d.platform is not None})
-    raise PlatformNotFound(
-        f"{where}: no image for platform {want}; available: {', '.join(have) or 'none named'} "
-        "(pass platform='OS/ARCH' to choose one)"
-    )
-
-
 # -- what get_manifest returns ----------------------------------------------
 
 
@@ -795,11 +534,11 @@ class RegistryClient:
 
     def _status_error(
         self, ref: Reference, kind: str, name: str, status: int, body: bytes, authenticated: bool
-    ) -> RegistryError:
+    ) -> OciError:
         what = f"registry {ref.registry}: {ref.repository} {kind} {name}"
         detail = _error_detail(body)
         if status == 404:
-            cls: type[RegistryError] = ManifestNotFound if kind == "manifest" else BlobNotFound
+            cls: type[OciError] = ManifestNotFound if kind == "manifest" else BlobNotFound
             missing = "no manifest tagged" if kind == "manifest" and ":" not in name else f"no {kind}"
             return cls(
                 f"registry {ref.registry}: repository {ref.repository} has {missing} {name} "
@@ -828,10 +567,8 @@ class RegistryClient:
         what = f"registry {ref.registry}: {ref.repository} manifest {name}"
         limit = self.max_manifest_bytes
         async with self._get(ref, f"manifests/{name}", kind="manifest", name=name, accept=MANIFEST_ACCEPT) as resp:
-            if resp.content_length is not None and resp.content_length > limit:
-                raise ManifestTooLarge(
-                    f"{what} is {resp.content_length} bytes, more than the {limit} byte limit; refusing to read it"
-                )
+            if resp.content_length is not None:
+                check_size(resp.content_length, limit, what)
             try:
                 body = await _read_body(resp, limit)
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -856,14 +593,14 @@ class RegistryClient:
                 actual=digest,
             )
         if expected is not None and len(body) != expected.size:
-            raise BlobSizeMismatch(f"{what}: {len(body)} bytes, the index says {expected.size}")
-        try:
-            document = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UnsupportedManifest(f"{what} is not valid JSON: {exc}") from None
-        if not isinstance(document, dict):
-            raise UnsupportedManifest(f"{what} is not a JSON object")
-        media_type, kind = _manifest_kind(content_type, expected, document, what)
+            raise BlobSizeMismatch(
+                f"{what}: expected {expected.size} bytes, read {len(body)}; the registry or a proxy is "
+                "corrupting data",
+                expected=expected.digest,
+                actual=digest,
+            )
+        document = parse_json(body, what)
+        media_type, kind = manifest_kind(document, what, [content_type, expected.media_type if expected else ""])
         log.debug("%s: %s %s (%d bytes)", what, kind, digest, len(body))
         return Manifest(ref, digest, media_type, kind, body, document, header_digest)
 
@@ -874,12 +611,12 @@ class RegistryClient:
 
         ``platform`` picks from an index and defaults to :func:`host_platform`.
         Raises :class:`ManifestNotFound`, :class:`PlatformNotFound`,
-        :class:`ManifestTooLarge`, :class:`UnsupportedManifest`,
+        :class:`ManifestTooLarge`, :class:`UnsupportedImage`,
         :class:`BlobDigestMismatch`, :class:`RegistryAuthError`,
         :class:`RegistryUnavailable`.
         """
         ref = parse_reference(ref) if isinstance(ref, str) else ref
-        want = Platform.parse(platform) if isinstance(platform, str) else platform or host_platform()
+        want = want_platform(platform)
         manifest = await self.fetch_manifest(ref)
         index_digest: str | None = None
         chosen: Platform | None = None
@@ -887,12 +624,12 @@ class RegistryClient:
             if manifest.kind == "manifest":
                 return await self._image(ref, manifest, index_digest, chosen)
             where = f"registry {ref.registry}: {ref.repository} index {manifest.digest}"
-            entries = _index_entries(manifest.document, where)
+            entries = index_entries(manifest.document, where)
             entry = select_platform(entries, want, where)
             index_digest = index_digest or manifest.digest
             chosen = entry.platform or chosen
             manifest = await self.fetch_manifest(ref.with_digest(entry.digest), entry)
-        raise UnsupportedManifest(
+        raise UnsupportedImage(
             f"registry {ref.registry}: {ref}: image indexes nested more than {MAX_INDEX_DEPTH} deep"
         )
 
@@ -901,25 +638,10 @@ class RegistryClient:
     ) -> RegistryImage:
         doc = manifest.document
         what = f"registry {ref.registry}: {ref.repository} manifest {manifest.digest}"
-        if doc.get("schemaVersion") != 2:
-            raise UnsupportedManifest(f"{what}: schemaVersion {doc.get('schemaVersion')!r}, expected 2")
-        config_desc = Descriptor.from_json(doc.get("config"), f"{what}, config")
-        if config_desc.media_type not in CONFIG_TYPES:
-            raise UnsupportedManifest(
-                f"{what}: config media type {config_desc.media_type!r} is not a container image config "
-                "(an artifact, not an image)"
-            )
-        raw_layers = doc.get("layers")
-        if not isinstance(raw_layers, list):
-            raise UnsupportedManifest(f"{what}: no 'layers' list")
-        layers = tuple(Descriptor.from_json(obj, f"{what}, layer {i + 1}") for i, obj in enumerate(raw_layers))
+        parsed = parse_manifest(doc, what)
+        config_desc, layers = parsed.config, parsed.layers
         data = await self.read_blob(ref, config_desc, limit=self.max_config_bytes)
-        try:
-            config = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UnsupportedManifest(f"{what}: config {config_desc.digest} is not valid JSON: {exc}") from None
-        if not isinstance(config, dict):
-            raise UnsupportedManifest(f"{what}: config {config_desc.digest} is not a JSON object")
+        config = parse_json(data, f"{what}: config {config_desc.digest}")
         return RegistryImage(
             reference=ref,
             manifest_digest=manifest.digest,
@@ -935,11 +657,7 @@ class RegistryClient:
 
     async def read_blob(self, ref: Reference, descriptor: Descriptor, *, limit: int) -> bytes:
         """A whole (small) blob, verified; refuses blobs larger than ``limit``."""
-        if descriptor.size > limit:
-            raise RegistryError(
-                f"registry {ref.registry}: {ref.repository} blob {descriptor.digest} is "
-                f"{descriptor.size} bytes, more than the {limit} byte limit; refusing to read it"
-            )
+        check_size(descriptor.size, limit, f"registry {ref.registry}: {ref.repository} blob {descriptor.digest}")
         async with self.open_blob(ref, descriptor) as blob:
             return b"".join([data async for data in blob])
 
@@ -981,16 +699,20 @@ class BlobDownload:
         self._resp = resp
         self.descriptor = descriptor
         self.what = what
-        self._hash = hashlib.new(descriptor.digest.partition(":")[0])
-        self.received = 0
+        self._check = BlobCheck(descriptor, what, remedy=CORRUPT_HINT, short=BlobTruncated)
         self._first: bytes | None = None
         self._done = False
         announced = resp.content_length
         if announced is not None and announced != descriptor.size:
             cls = BlobSizeMismatch if announced > descriptor.size else BlobTruncated
             raise cls(
-                f"{what}: the registry announces {announced} bytes, the manifest says {descriptor.size}"
+                f"{what}: the registry announces {announced} bytes, the manifest says {descriptor.size}",
+                expected=descriptor.digest,
             )
+
+    @property
+    def received(self) -> int:
+        return self._check.count
 
     async def _read(self) -> bytes:
         try:
@@ -998,7 +720,8 @@ class BlobDownload:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise BlobTruncated(
                 f"{self.what}: the download broke after {self.received} of {self.descriptor.size} "
-                f"bytes ({exc!r}); try again"
+                f"bytes ({exc!r}); try again",
+                expected=self.descriptor.digest,
             ) from exc
 
     async def prime(self) -> None:
@@ -1017,67 +740,16 @@ class BlobDownload:
             data = await self._read()
         if not data:
             self._done = True
-            self._finish()
+            problem = self._check.problem()
+            if problem is not None:
+                raise problem
             raise StopAsyncIteration
-        self.received += len(data)
-        if self.received > self.descriptor.size:
-            raise BlobSizeMismatch(
-                f"{self.what}: the registry sent more than the {self.descriptor.size} bytes the "
-                "manifest names; the registry or a proxy is corrupting data"
-            )
-        self._hash.update(data)
+        self._check.update(data)
         return data
 
     @property
     def actual(self) -> str:
-        return f"{self._hash.name}:{self._hash.hexdigest()}"
-
-    def _finish(self) -> None:
-        if self.received < self.descriptor.size:
-            raise BlobTruncated(
-                f"{self.what}: the download ended after {self.received} of {self.descriptor.size} "
-                "bytes (truncated); try again"
-            )
-        if self.actual != self.descriptor.digest:
-            raise BlobDigestMismatch(
-                f"{self.what}: content hashes to {self.actual}; the registry's copy is corrupt or a "
-                "proxy altered it",
-                expected=self.descriptor.digest,
-                actual=self.actual,
-            )
-
-
-def _manifest_kind(
-    content_type: str, expected: Descriptor | None, doc: Mapping[str, Any], what: str
-) -> tuple[str, Literal["index", "manifest"]]:
-    declared = doc.get("mediaType") if isinstance(doc.get("mediaType"), str) else ""
-    known = INDEX_TYPES | MANIFEST_TYPES
-    candidates = [declared, content_type, expected.media_type if expected else ""]
-    media_type = next((t for t in candidates if t in known), "")
-    if not media_type:
-        if any("v1+prettyjws" in t or t.endswith("manifest.v1+json") for t in candidates if t):
-            raise UnsupportedManifest(
-                f"{what}: Docker schema 1 manifests are not supported; push the image again with a "
-                "current client (skopeo, docker >= 1.10)"
-            )
-        if "manifests" in doc:
-            media_type = MT_OCI_INDEX
-        elif "layers" in doc and "config" in doc:
-            media_type = MT_OCI_MANIFEST
-        else:
-            raise UnsupportedManifest(
-                f"{what}: media type {declared or content_type!r} is not an image manifest or index"
-            )
-    if declared and declared != media_type:
-        raise UnsupportedManifest(f"{what}: the document says {declared!r}, served as {media_type!r}")
-    return media_type, "index" if media_type in INDEX_TYPES else "manifest"
-
-
-def _index_entries(doc: Mapping[str, Any], where: str) -> list[Descriptor]:
-    manifests = doc.get("manifests")
-    if not isinstance(manifests, list) or not manifests:
-        raise UnsupportedManifest(f"{where}: the index lists no manifests")
-    return [Descriptor.from_json(m, f"{where}, manifests[{i}]") for i, m in enumerate(manifests)]
+        return self._check.actual
 
 
 # -- the sync bridge ----------------------------------------------------------
@@ -1179,8 +851,23 @@ class SyncRegistryClient:
         """Start downloading a blob; read it from the returned :class:`BlobStream`."""
         return BlobStream(self.client, ref, descriptor, self.loop)
 
+    def blobs(self, ref: Reference) -> RegistryBlobs:
+        """The blobs of ``ref``'s repository as a :class:`converters.ocispec.BlobSource`."""
+        return RegistryBlobs(self, ref)
 
-class BlobStream(io.RawIOBase):
+
+@dataclass(frozen=True)
+class RegistryBlobs:
+    """One repository's blobs, streamed and verified (the registry's :class:`BlobSource`)."""
+
+    registry: SyncRegistryClient
+    reference: Reference
+
+    def open_blob(self, desc: Descriptor) -> BlobStream:
+        return self.registry.open_blob(self.reference, desc)
+
+
+class BlobStream(VerifyingStream):
     """A blocking, file-like view of a blob download running on an event loop.
 
     The download starts at once and runs up to ``depth`` chunks ahead of the
@@ -1191,6 +878,8 @@ class BlobStream(io.RawIOBase):
     :class:`BlobDigestMismatch`, so a converter that calls ``verify`` before
     committing leaves nothing behind.  ``close()`` cancels the download.
     """
+
+    chunk = STREAM_CHUNK
 
     def __init__(
         self,
@@ -1253,9 +942,6 @@ class BlobStream(io.RawIOBase):
         if self._credits is not None:
             self._credits.release()
 
-    def readable(self) -> bool:
-        return True
-
     @property
     def queued(self) -> int:
         """Chunks downloaded and not yet read (at most ``depth``, plus an end marker)."""
@@ -1302,25 +988,9 @@ class BlobStream(io.RawIOBase):
             self.count += got
             return b"".join(parts)
 
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def readall(self) -> bytes:
-        parts = []
-        while data := self.read(STREAM_CHUNK):
-            parts.append(data)
-        return b"".join(parts)
-
-    def drain(self) -> None:
-        """Read and discard the rest of the blob, so :meth:`verify` can judge it."""
-        while self.read(STREAM_CHUNK):
-            pass
-
-    def problem(self) -> RegistryError | None:
+    def problem(self) -> OciError | None:
         """Why the bytes read so far are not the blob, or ``None`` when they are all of it."""
-        if isinstance(self._error, RegistryError):
+        if isinstance(self._error, OciError):
             return self._error
         if self._error is not None:
             return RegistryError(f"{self.what}: the download failed: {self._error!r}")
@@ -1329,12 +999,6 @@ class BlobStream(io.RawIOBase):
                 f"{self.what}: verified before its end ({self.count} of {self.descriptor.size} bytes read)"
             )
         return self._mismatch
-
-    def verify(self) -> None:
-        """Raise unless the whole blob was read and matched its size and digest."""
-        problem = self.problem()
-        if problem is not None:
-            raise problem
 
     def close(self) -> None:
         if self.closed:
