@@ -131,6 +131,7 @@ def serve(snapshotter: Snapshotter, socket_path: str | os.PathLike[str], *,
         server.start()
     finally:
         os.umask(old_umask)
+    os.chmod(sock, 0o600)  # connecting needs write permission: root's alone
     done = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -65,6 +65,7 @@ class Snapshotter:
         argv = [sys.executable, "-m", "tools.cli", "snapshotter", "--socket", str(self.socket),
                 "--root", str(self.root), "--store", self.store, "--data-dir", str(self.data_dir),
                 "--fill-below", "0", *self.extra]
+        mark = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                          cwd=Path(__file__).resolve().parents[2])
@@ -72,7 +73,7 @@ class Snapshotter:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"snapshotter exited {self.proc.returncode}:\n{self.log_tail()}")
-            if self.socket.is_socket() and b"serving" in self.log.read_bytes():
+            if self.socket.is_socket() and b"serving" in self.log.read_bytes()[mark:]:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"snapshotter not ready in {READY_TIMEOUT} s:\n{self.log_tail()}")
