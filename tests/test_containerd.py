@@ -73,7 +73,7 @@ def _fixture_files() -> dict[str, Any]:
     for d in diff_ids[1:]:
         chains.append("sha256:" + hashlib.sha256(f"{chains[-1]} {d}".encode()).hexdigest())
     return {"layers": [x["digest"] for x in manifest["layers"]], "config": manifest["config"]["digest"],
-            "chains": chains}
+            "chains": chains, "diff_ids": diff_ids}
 
 
 @pytest.fixture(scope="module")
@@ -401,3 +401,43 @@ def test_a_restart_removes_what_a_crash_left(api: Any) -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_cri_layer_digest_counts_only_when_its_diff_id_gives_the_chain(
+        api: Any, fixture_image: dict[str, Any]) -> None:
+    """The CRI plugin names a layer's blob digest; the same blob over another parent is another
+    chain.  The snapshotter takes the store's layer only if its diff id over the parent it is
+    given yields the target chain id (computed here with hashlib), never on the label's word."""
+    from snapshots.containerd.grpcapi import pb
+
+    sn, stub = api
+    publish_sync(sn.store, sn.root.parent / "pub", f"oci-archive:{fixture_archive()}:python", "fixture/python")
+    python_layer = fixture_image["layers"][1]
+    found = resolve_sync(sn.store, sn.root.parent / "pub", chain_ref(fixture_image["chains"][1]))
+    diff_id = fixture_image["diff_ids"][1]  # from the image config, read with tarfile
+    # a parent that is not the fixture's base: a local layer with a chain id of its own
+    other = "sha256:" + hashlib.sha256(b"another base").hexdigest()
+    stub.Prepare(pb.PrepareSnapshotRequest(key=f"ns/1/extract-1 {other}", labels={
+        "containerd.io/snapshot.ref": other}))
+    stub.Commit(pb.CommitSnapshotRequest(name=f"ns/2/{other}", key=f"ns/1/extract-1 {other}"))
+    target = "sha256:" + hashlib.sha256(f"{other} {diff_id}".encode()).hexdigest()
+    labels = {"containerd.io/snapshot.ref": target, "containerd.io/snapshot/cri.layer-digest": python_layer}
+
+    # a chain the digest does not give (the label lies about the layer): the ordinary path
+    wrong = "sha256:" + hashlib.sha256(b"not this layer").hexdigest()
+    mounts = stub.Prepare(pb.PrepareSnapshotRequest(key=f"ns/3/extract-2 {wrong}", parent=f"ns/2/{other}",
+                                                    labels={**labels, "containerd.io/snapshot.ref": wrong})).mounts
+    assert mounts[0].type == "overlay"
+    # the right one: answered from the store
+    assert _code(lambda: stub.Prepare(pb.PrepareSnapshotRequest(
+        key=f"ns/4/extract-3 {target}", parent=f"ns/2/{other}", labels=labels))) == grpc.StatusCode.ALREADY_EXISTS
+    info = stub.Stat(pb.StatSnapshotRequest(key=target)).info
+    assert info.kind == pb.COMMITTED
+    assert info.parent == f"ns/2/{other}"
+    assert info.labels["containerd.io/snapshot/layerbox.layer"] == found.layers[-1].digest
+    view = stub.View(pb.ViewSnapshotRequest(key="ns/5/view", parent=target)).mounts
+    lowers = dict(o.split("=", 1) for o in view[0].options if "=" in o)["lowerdir"].split(":")
+    assert Path(lowers[0], "usr/bin/python3.11").is_file()  # python's layer, lazily mounted
+    for key in ("ns/5/view", target, f"ns/3/extract-2 {wrong}", f"ns/2/{other}"):
+        stub.Remove(pb.RemoveSnapshotRequest(key=key))
+    assert not kmount.mounts_under(sn.data_dir / "layers")
