@@ -605,14 +605,40 @@ def mapped_ram_blocks(path: Path) -> list[RamBlock]:
 
 
 def _bit_runs(bitmap: bytes, pages: int, value: bool) -> Iterator[tuple[int, int]]:
-    """(first page, count) of every run of pages whose bit is ``value``."""
+    """(first page, count) of every run of pages whose bit is ``value`` (bit ``i & 7`` of byte
+    ``i >> 3``, as QEMU's mapped-ram bitmap has them).
+
+    A 512 MiB guest has 131,072 pages: whole bytes of one value (the common case: RAM a guest
+    never touched, or all of it) are taken at once, bits only in mixed bytes."""
+    same, other = (0xFF, 0x00) if value else (0x00, 0xFF)
     start = None
-    for i in range(pages):
-        if bool(bitmap[i >> 3] >> (i & 7) & 1) == value:
+    full_bytes = pages >> 3
+    i = 0
+    while i < full_bytes:
+        byte = bitmap[i]
+        if byte == same:
             if start is None:
-                start = i
+                start = i << 3
+        elif byte == other:
+            if start is not None:
+                yield start, (i << 3) - start
+                start = None
+        else:
+            for bit in range(8):
+                page = (i << 3) | bit
+                if bool(byte >> bit & 1) == value:
+                    if start is None:
+                        start = page
+                elif start is not None:
+                    yield start, page - start
+                    start = None
+        i += 1
+    for page in range(full_bytes << 3, pages):  # the last, partial byte
+        if bool(bitmap[page >> 3] >> (page & 7) & 1) == value:
+            if start is None:
+                start = page
         elif start is not None:
-            yield start, i - start
+            yield start, page - start
             start = None
     if start is not None:
         yield start, pages - start
