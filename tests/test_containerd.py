@@ -92,7 +92,13 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def _blob_gets(registry: Any, since: int) -> list[str]:
     """Digests of the blobs the registry served after byte ``since`` of its log."""
     text = registry.log_path.read_bytes()[since:].decode(errors="replace")
-    return re.findall(r'GET /v2/[^ "]*/blobs/(sha256:[0-9a-f]{64})', text)
+    out = []
+    for line in text.splitlines():  # distribution's logfmt: one "response completed" line per request
+        if "http.request.method=GET" in line and 'msg="response completed"' in line:
+            m = re.search(r'http\.request\.uri="/v2/[^"]*/blobs/(sha256:[0-9a-f]{64})"', line)
+            if m:
+                out.append(m.group(1))
+    return out
 
 
 class Node:
@@ -193,6 +199,7 @@ def test_a_stored_image_pulls_without_layer_blobs_and_runs_lazily(
     mark = registry.log_path.stat().st_size
     node.pull(image)
     served = _blob_gets(registry, mark)
+    assert fixture_image["config"] in served  # the log is read right: the config blob was served
     assert not set(served) & set(fixture_image["layers"]), f"layer blobs came from the registry: {served}"
 
     # the container reads the image's files right: the fixture's own test suite passes in it
@@ -273,7 +280,9 @@ def test_an_image_the_store_lacks_unpacks_then_is_published_for_the_next_host(
     second = nodes("second").start()
     mark = registry.log_path.stat().st_size
     second.pull(image)
-    assert not set(_blob_gets(registry, mark)) & set(fixture_image["layers"])
+    served = _blob_gets(registry, mark)
+    assert fixture_image["config"] in served
+    assert not set(served) & set(fixture_image["layers"]), served
     # the published layers hold the same tree containerd unpacked: whiteouts, owners, setuid,
     # hard links, a symlink, the test suite
     check = ("stat -c '%u %a %h' /workspace/calc/calc.py /workspace/calc/calc_hardlink.py; "
@@ -441,3 +450,52 @@ def test_a_cri_layer_digest_counts_only_when_its_diff_id_gives_the_chain(
     for key in ("ns/5/view", target, f"ns/3/extract-2 {wrong}", f"ns/2/{other}"):
         stub.Remove(pb.RemoveSnapshotRequest(key=key))
     assert not kmount.mounts_under(sn.data_dir / "layers")
+
+
+def test_from_registry_converts_the_image_cri_names_instead_of_unpacking(
+        registry: Any, fixture_image: dict[str, Any]) -> None:
+    """``--from-registry``: the first layer containerd's CRI plugin prepares (its labels name the
+    image and the layer blob) makes the snapshotter stream the image from the registry into the
+    store; every layer is then answered from the store.  A label naming an image that is not
+    there, or is no image reference at all, leaves containerd's own path."""
+    from snapshots.containerd.grpcapi import pb, rpc
+
+    image = f"{registry.host}/fixture/python:latest"
+    with short_dir("lbr-") as base:
+        sn = Snapshotter(base, f"file://{base}/store", base / "data", extra=("--from-registry",))
+        sn.start()
+        channel = grpc.insecure_channel(f"unix://{sn.socket}")
+        stub = rpc.SnapshotsStub(channel)
+        try:
+            for ref in (f"{registry.host}/fixture/absent:latest", "../../etc/passwd"):
+                labels = {"containerd.io/snapshot.ref": fixture_image["chains"][0],
+                          "containerd.io/snapshot/cri.image-ref": ref,
+                          "containerd.io/snapshot/cri.layer-digest": fixture_image["layers"][0]}
+                key = f"ns/{len(ref)}/extract-1 {fixture_image['chains'][0]}"
+                assert stub.Prepare(pb.PrepareSnapshotRequest(key=key, labels=labels)).mounts[0].type == "bind"
+                stub.Remove(pb.RemoveSnapshotRequest(key=key))
+            mark = registry.log_path.stat().st_size
+            parent = ""
+            for i, (chain, layer) in enumerate(zip(fixture_image["chains"], fixture_image["layers"], strict=True)):
+                labels = {"containerd.io/snapshot.ref": chain, "containerd.io/snapshot/cri.image-ref": image,
+                          "containerd.io/snapshot/cri.layer-digest": layer}
+                assert _code(lambda: stub.Prepare(pb.PrepareSnapshotRequest(
+                    key=f"ns/{10 + i}/extract-{i} {chain}", parent=parent, labels=labels))) \
+                    == grpc.StatusCode.ALREADY_EXISTS  # noqa: B023 - called at once
+                parent = chain
+            # each layer blob came from the registry once, into the converter
+            served = _blob_gets(registry, mark)
+            assert sorted(x for x in served if x in fixture_image["layers"]) == sorted(fixture_image["layers"])
+            view = stub.View(pb.ViewSnapshotRequest(key="v", parent=parent)).mounts
+            assert view[0].type == "overlay"
+            lowers = dict(o.split("=", 1) for o in view[0].options if "=" in o)["lowerdir"].split(":")
+            assert Path(lowers[0], "etc/motd").read_text().startswith("layerbox fixture")
+        except BaseException:
+            print(sn.log_tail())
+            raise
+        finally:
+            channel.close()
+            sn.stop()
+            if (base / "data" / "state").exists():
+                HostMounts(base / "data").umount_all(stop_daemon=True)
+            assert not kmount.mounts_under(base)

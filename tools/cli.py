@@ -349,7 +349,8 @@ def _snapshotter(args: argparse.Namespace) -> int:
     host = _host(args)
     data_dir = args.data_dir or default_data_dir()
     root = args.root or str(pathlib.Path(data_dir) / "containerd")
-    snapshotter = Snapshotter(root, host, store_url=args.store, data_dir=data_dir, publish=not args.no_publish)
+    snapshotter = Snapshotter(root, host, store_url=args.store, data_dir=data_dir, publish=not args.no_publish,
+                              from_registry=args.from_registry)
     serve(snapshotter, args.socket, ready=lambda: print(f"serving {args.socket}", flush=True))
     return 0
 
@@ -611,6 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="snapshot metadata and directories (default DATA_DIR/containerd)")
     snr.add_argument("--no-publish", action="store_true",
                      help="do not publish layers containerd unpacks into the store")
+    snr.add_argument("--from-registry", action="store_true",
+                     help="convert a layer the store lacks straight from the registry stream (CRI pulls, "
+                          "which name the image) instead of letting containerd download and unpack it")
     snr.set_defaults(func=_snapshotter)
 
     pf = sub.add_parser("prefetch", parents=[common, host], help="fetch a whole image into the host cache")

@@ -42,11 +42,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from converters.layer import convert_directory
+from converters.ocispec import ImageRefError, parse_reference
 from converters.publish import (
     LocalLayer,
     chain_ref,
     layer_ref,
     oci_ids,
+    publish,
     publish_oci_index,
     upload_layers,
 )
@@ -71,6 +73,7 @@ T = TypeVar("T")
 
 TARGET_LABEL = "containerd.io/snapshot.ref"
 CRI_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
+CRI_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
 LAYER_LABEL = "containerd.io/snapshot/layerbox.layer"  # set on remote snapshots: the EROFS layer
 # containerd's unpack keys are "extract-<unique> <chain id>" (snapshots.UnpackKeyFormat), under
 # the metadata store's "<namespace>/<n>/" prefix
@@ -97,7 +100,7 @@ def chain_over(parent_chain: str | None, diff_id: str) -> str:
 class Snapshotter:
     def __init__(self, root: str | os.PathLike[str], mounts: HostMounts, *,
                  store_url: str | None = None, data_dir: str | os.PathLike[str] | None = None,
-                 publish: bool = True) -> None:
+                 publish: bool = True, from_registry: bool = False) -> None:
         self.root = Path(root).resolve()
         if not _ROOT_SAFE.match(str(self.root)):
             raise InvalidArgument(f"root {self.root}: use a path of letters, digits and . _ / + @ -"
@@ -106,6 +109,11 @@ class Snapshotter:
         self.store_url = store_url
         self.data_dir = data_dir
         self.publish_enabled = publish
+        # convert a layer the store lacks straight from the registry stream (CRI pulls only:
+        # containerd's CRI plugin names the image in cri.image-ref), instead of letting containerd
+        # download and unpack it
+        self.from_registry = from_registry
+        self._converted: set[str] = set()  # image refs converted by this process (once each)
         (self.root / "snapshots").mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.root, 0o700)
         self.meta = Metadata(self.root / "metadata.db")
@@ -232,6 +240,8 @@ class Snapshotter:
         if existing is not None:
             return  # the name is taken by something else: containerd's own path
         found = self._find_remote(target, parent_snap, labels)
+        if found is None and self.from_registry and self._convert_image(labels):
+            found = self._find_remote(target, parent_snap, labels)
         if found is None:
             return
         top = found.layers[-1]
@@ -254,6 +264,35 @@ class Snapshotter:
         self.meta.set_usage(snap.id, top.bytes, top.files)
         log.info("layer %s from the store as %s (%s)", top.digest, target, found.digest)
         raise AlreadyExists(f"target snapshot {target!r}: layer {top.digest} from the store")
+
+    def _convert_image(self, labels: Mapping[str, str]) -> bool:
+        """Publish the image CRI names (``cri.image-ref``) from its registry into the store: every
+        layer streams from the registry into the converter, none is unpacked on disk, and the
+        store's OCI index then has its chains.  False when there is no such label, or it failed
+        (the caller goes containerd's own way: slower, never wrong)."""
+        ref = labels.get(CRI_IMAGE_REF, "")
+        try:
+            parse_reference(ref)  # the one grammar of image references (converters/ocispec.py)
+        except ImageRefError as exc:
+            log.warning("label %s: %s; containerd unpacks the layer", CRI_IMAGE_REF, exc)
+            return False
+        if ref in self._converted:
+            return False
+        self._converted.add(ref)  # one attempt per image per process, whatever its outcome
+        name = f"oci/pulled/{sha256(ref.encode()).hexdigest()[:32]}"
+        try:
+            self._call(self._publish_image(f"docker://{ref}", name))
+        except (OSError, LayerboxError) as exc:
+            log.warning("converting %s from its registry failed: %s; containerd unpacks it", ref, exc)
+            return False
+        log.info("converted %s from its registry into the store as %s", ref, name)
+        return True
+
+    async def _publish_image(self, source: str, name: str) -> None:
+        store = await self._open_store()
+        work = self.root / "publish"
+        work.mkdir(mode=0o700, exist_ok=True)
+        await publish(store, source, name, work_dir=work)
 
     def _hold(self, snap: Snapshot) -> list[str]:
         assert snap.layer is not None
