@@ -15,6 +15,7 @@ runc, Debian's docker-registry on 127.0.0.1, and the kernel's EROFS and overlayf
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -294,23 +295,32 @@ def test_an_image_the_store_lacks_unpacks_then_is_published_for_the_next_host(
 # -- the API itself ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def api(tmp_path: Path) -> Iterator[Any]:
-    """A snapshotter process on an empty store, and a gRPC stub to it."""
+@contextlib.contextmanager
+def _snapshotter_api(*extra: str) -> Iterator[Any]:
+    """A snapshotter process on an empty store, and a gRPC stub to it; nothing left after."""
     from snapshots.containerd.grpcapi import rpc
 
     with short_dir("lbs-") as base:
-        sn = Snapshotter(base, f"file://{base}/store", base / "data")
+        sn = Snapshotter(base, f"file://{base}/store", base / "data", extra=extra)
         sn.start()
         channel = grpc.insecure_channel(f"unix://{sn.socket}")
         try:
             yield sn, rpc.SnapshotsStub(channel)
+        except BaseException:
+            print(sn.log_tail())
+            raise
         finally:
             channel.close()
             sn.stop()
             if (base / "data" / "state").exists():
                 HostMounts(base / "data").umount_all(stop_daemon=True)
             assert not kmount.mounts_under(base)
+
+
+@pytest.fixture
+def api() -> Iterator[Any]:
+    with _snapshotter_api() as made:
+        yield made
 
 
 def _code(call: Any) -> grpc.StatusCode:
@@ -458,44 +468,30 @@ def test_from_registry_converts_the_image_cri_names_instead_of_unpacking(
     image and the layer blob) makes the snapshotter stream the image from the registry into the
     store; every layer is then answered from the store.  A label naming an image that is not
     there, or is no image reference at all, leaves containerd's own path."""
-    from snapshots.containerd.grpcapi import pb, rpc
+    from snapshots.containerd.grpcapi import pb
 
     image = f"{registry.host}/fixture/python:latest"
-    with short_dir("lbr-") as base:
-        sn = Snapshotter(base, f"file://{base}/store", base / "data", extra=("--from-registry",))
-        sn.start()
-        channel = grpc.insecure_channel(f"unix://{sn.socket}")
-        stub = rpc.SnapshotsStub(channel)
-        try:
-            for ref in (f"{registry.host}/fixture/absent:latest", "../../etc/passwd"):
-                labels = {"containerd.io/snapshot.ref": fixture_image["chains"][0],
-                          "containerd.io/snapshot/cri.image-ref": ref,
-                          "containerd.io/snapshot/cri.layer-digest": fixture_image["layers"][0]}
-                key = f"ns/{len(ref)}/extract-1 {fixture_image['chains'][0]}"
-                assert stub.Prepare(pb.PrepareSnapshotRequest(key=key, labels=labels)).mounts[0].type == "bind"
-                stub.Remove(pb.RemoveSnapshotRequest(key=key))
-            mark = registry.log_path.stat().st_size
-            parent = ""
-            for i, (chain, layer) in enumerate(zip(fixture_image["chains"], fixture_image["layers"], strict=True)):
-                labels = {"containerd.io/snapshot.ref": chain, "containerd.io/snapshot/cri.image-ref": image,
-                          "containerd.io/snapshot/cri.layer-digest": layer}
-                assert _code(lambda: stub.Prepare(pb.PrepareSnapshotRequest(
-                    key=f"ns/{10 + i}/extract-{i} {chain}", parent=parent, labels=labels))) \
-                    == grpc.StatusCode.ALREADY_EXISTS  # noqa: B023 - called at once
-                parent = chain
-            # each layer blob came from the registry once, into the converter
-            served = _blob_gets(registry, mark)
-            assert sorted(x for x in served if x in fixture_image["layers"]) == sorted(fixture_image["layers"])
-            view = stub.View(pb.ViewSnapshotRequest(key="v", parent=parent)).mounts
-            assert view[0].type == "overlay"
-            lowers = dict(o.split("=", 1) for o in view[0].options if "=" in o)["lowerdir"].split(":")
-            assert Path(lowers[0], "etc/motd").read_text().startswith("layerbox fixture")
-        except BaseException:
-            print(sn.log_tail())
-            raise
-        finally:
-            channel.close()
-            sn.stop()
-            if (base / "data" / "state").exists():
-                HostMounts(base / "data").umount_all(stop_daemon=True)
-            assert not kmount.mounts_under(base)
+    with _snapshotter_api("--from-registry") as (_, stub):
+        for ref in (f"{registry.host}/fixture/absent:latest", "../../etc/passwd"):
+            labels = {"containerd.io/snapshot.ref": fixture_image["chains"][0],
+                      "containerd.io/snapshot/cri.image-ref": ref,
+                      "containerd.io/snapshot/cri.layer-digest": fixture_image["layers"][0]}
+            key = f"ns/{len(ref)}/extract-1 {fixture_image['chains'][0]}"
+            assert stub.Prepare(pb.PrepareSnapshotRequest(key=key, labels=labels)).mounts[0].type == "bind"
+            stub.Remove(pb.RemoveSnapshotRequest(key=key))
+        mark = registry.log_path.stat().st_size
+        parent = ""
+        for i, (chain, layer) in enumerate(zip(fixture_image["chains"], fixture_image["layers"], strict=True)):
+            labels = {"containerd.io/snapshot.ref": chain, "containerd.io/snapshot/cri.image-ref": image,
+                      "containerd.io/snapshot/cri.layer-digest": layer}
+            assert _code(lambda: stub.Prepare(pb.PrepareSnapshotRequest(
+                key=f"ns/{10 + i}/extract-{i} {chain}", parent=parent, labels=labels))) \
+                == grpc.StatusCode.ALREADY_EXISTS  # noqa: B023 - called at once
+            parent = chain
+        # each layer blob came from the registry once, into the converter
+        served = _blob_gets(registry, mark)
+        assert sorted(x for x in served if x in fixture_image["layers"]) == sorted(fixture_image["layers"])
+        view = stub.View(pb.ViewSnapshotRequest(key="v", parent=parent)).mounts
+        assert view[0].type == "overlay"
+        lowers = dict(o.split("=", 1) for o in view[0].options if "=" in o)["lowerdir"].split(":")
+        assert Path(lowers[0], "etc/motd").read_text().startswith("layerbox fixture")
