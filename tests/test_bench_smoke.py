@@ -195,7 +195,12 @@ def test_bench_store_quick_json(tmp_path: Path, fixture: str) -> None:
     for prefix in ("packs", "index", "meta", "docs", "refs"):
         assert store["by_prefix"][prefix]["bytes"] > 0, prefix
     # one ref per image, workspace and environment
-    assert store["by_prefix"]["refs"]["objects"] == len(inputs["images"]) + 2 * len(inputs["workspaces"])
+    # an OCI image's layers are also indexed (docs/FORMAT.md "OCI indexes"): one chain ref and one
+    # layer ref per distinct layer (the fixture's tags share their base)
+    oci_layers = {layer for img in inputs["images"] if img["src"].startswith(("oci", "docker"))
+                  for layer in img["layers"]}
+    assert store["by_prefix"]["refs"]["objects"] == (len(inputs["images"]) + 2 * len(inputs["workspaces"])
+                                                     + 2 * len(oci_layers))
     edits_refs = file["store_after_edits"]["by_prefix"]["refs"]["objects"] - store["by_prefix"]["refs"]["objects"]
     assert edits_refs == 2 * len(inputs["edits"])
 
