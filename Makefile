@@ -29,11 +29,11 @@ BENCH_DEB_PACKAGES := podman
 
 DEMO_ARGS ?=
 
-.PHONY: help deps backports containerd2 vm-assets bench-deps venv lint typecheck test demo clean
+.PHONY: help deps backports containerd2 vm-assets bench-deps bench-peers venv lint typecheck test demo clean
 
 help:
 	@echo "make deps      install missing Debian packages, load erofs/overlay/fuse (root)"
-	@echo "make bench-deps  deps + the benchmarks' peer tools ($(BENCH_DEB_PACKAGES)) (root)"
+	@echo "make bench-deps  deps + the benchmarks' peer tools ($(BENCH_DEB_PACKAGES), erofs-utils 1.8) (root)"
 	@echo "make venv      create $(VENV) and pip install -e '.[test]' (again when pyproject.toml changes)"
 	@echo "make lint      ruff check ."
 	@echo "make test      deps + venv, then ruff, mypy, pytest"
@@ -100,9 +100,16 @@ containerd2:
 vm-assets: venv
 	@$(BIN)/layerbox vm assets --quiet
 
-# The same check-then-install as deps, for BENCH_DEB_PACKAGES only.
+# The same check-then-install as deps, for BENCH_DEB_PACKAGES only; then the peers that are
+# not Debian 12 packages.
 bench-deps: deps
 	@$(MAKE) --no-print-directory deps DEB_PACKAGES="$(BENCH_DEB_PACKAGES)"
+	@$(MAKE) --no-print-directory bench-peers
+
+# erofs-utils 1.8 from Debian 13, unpacked beside (never over) the system's 1.5, for
+# bench/convert.py; a no-op once fetched (--force in the script fetches again).
+bench-peers:
+	@bash bench/peers/erofs-utils.sh >/dev/null
 
 venv: deps $(STAMP)
 

@@ -41,7 +41,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 import blake3
 import zstandard
@@ -75,6 +75,10 @@ FIXTURE_TAGS = ("minbase", "python")
 TOOL_TIMEOUT = 3600.0
 GOAL_NATIVE_RATIO = 1.0  # native_seconds / layerbox_seconds must be at least this
 GOAL_FLOOR_RATIO = 3.0  # layerbox_seconds / floor_seconds must be at most this
+GOAL_EROFS18_RATIO = 1.0  # layerbox_seconds / erofs-utils 1.8 seconds must be at most this
+PEER_SCRIPT = "bench/peers/erofs-utils.sh"
+CHECKOUT = Path(__file__).resolve().parents[1]  # `python -m tools.cli` from here runs this checkout
+DEFAULT_EROFS18 = Path(os.environ.get("LAYERBOX_PEERS_DIR", "/var/cache/layerbox/peers")) / "erofs-utils-1.8"
 
 
 
@@ -220,32 +224,62 @@ def default_inputs() -> list[str]:
 # -- external tools ------------------------------------------------------------
 
 
-def run_tool(argv: Sequence[str | os.PathLike[str]], timeout: float = TOOL_TIMEOUT) -> str:
+def run_tool(
+    argv: Sequence[str | os.PathLike[str]], timeout: float = TOOL_TIMEOUT,
+    stdin_from: Sequence[str | os.PathLike[str]] | None = None, cwd: Path | None = None,
+) -> str:
     """Run a command; return its stdout.  The whole process group dies with us.
 
     The child gets its own session so that ``tar``'s decompressor child is
     killed too when the benchmark is interrupted or the command times out.
+    ``stdin_from``: a producer whose stdout is the command's stdin (``zstd -dc
+    LAYER | mkfs.erofs ...``); the two share a new process group (not a new
+    session: a group can only be joined within its session); both must succeed.
     """
     args = [os.fspath(a) for a in argv]
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        stdin: int | IO[bytes] | None = subprocess.DEVNULL
+        if stdin_from is not None:
+            producer = subprocess.Popen(
+                [os.fspath(a) for a in stdin_from], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, process_group=0,  # a group of its own the command then joins
+            )
+            procs.append(producer)
+            stdin = producer.stdout
         proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True,
+            args, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
+            process_group=procs[0].pid if procs else None, start_new_session=not procs,
         )
+        procs.append(proc)
+        if procs[0] is not proc and procs[0].stdout is not None:
+            procs[0].stdout.close()  # the command holds the pipe now; EPIPE reaches the producer
     except OSError as exc:
-        raise BenchError(f"cannot run {args[0]}: {exc.strerror}") from None
+        for started in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(started.pid, signal.SIGKILL)
+            started.wait()
+        raise BenchError(f"cannot run {exc.filename or args[0]}: {exc.strerror}") from None
     try:
         out, err = proc.communicate(timeout=timeout)
+        if procs[0] is not proc:
+            _, perr = procs[0].communicate(timeout=timeout)
+            err += perr
     except BaseException as exc:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            os.killpg(procs[0].pid, signal.SIGKILL)
+        for started in procs:
+            started.wait()
         if isinstance(exc, subprocess.TimeoutExpired):
             raise BenchError(f"{shlex.join(args)} ran longer than {timeout:.0f} s; killed") from None
         raise
-    if proc.returncode != 0:
-        tail = err.decode("utf-8", "replace")[-4000:].strip()
-        raise BenchError(f"{shlex.join(args)} failed with exit status {proc.returncode}: {tail}")
+    for done in procs:
+        if done.returncode != 0:
+            tail = err.decode("utf-8", "replace")[-4000:].strip()
+            shown = shlex.join(args)
+            if stdin_from is not None:
+                shown = shlex.join([os.fspath(a) for a in stdin_from]) + " | " + shown
+            raise BenchError(f"{shown} failed with exit status {done.returncode}: {tail}")
     return out.decode("utf-8", "replace")
 
 
@@ -298,6 +332,75 @@ class NativeTools:
             "mkfs": shlex.join(self.mkfs_argv(Path("DIR"), Path("META"), Path("BLOB"))),
             "mkfs_version": self.mkfs_version,
             "mkfs_defaults": "-x2 (xattrs kept), no compression, build-time uuid",
+        }
+
+
+class Erofs18:
+    """erofs-utils 1.8's ``mkfs.erofs --tar=f``: the tar stream converted in C, nothing extracted.
+
+    Debian 12 has erofs-utils 1.5 (no ``--tar``); bench/peers/erofs-utils.sh
+    unpacks Debian 13's 1.8 with its own loader and libraries under
+    ``home``.  Two runs per layer: *chunked* (``--chunksize`` and
+    ``--blobdev``, like for like with layerbox: chunk-based files, sha256 per
+    chunk for dedup, data in a blob) and *inline* (the command the issue's
+    0.78 s was measured with: file data in the image itself, no chunking, no
+    hashing, no dedup).
+    """
+
+    def __init__(self, home: Path, chunk_size: int) -> None:
+        fix = (f"fetch it with 'bash {PEER_SCRIPT}' (as root; 'make bench-peers' runs it), point "
+               "--erofs18 at a copy it made, or pass --no-erofs18 to leave this peer out")
+        command = home / "command"
+        try:
+            self.version = (home / "complete").read_text().strip()
+            self.prefix = [line for line in command.read_text().splitlines() if line]
+            self.packages = (home / "packages").read_text().split()
+        except OSError:
+            raise BenchError(f"erofs-utils 1.8 is not in {home}: {fix}") from None
+        missing = [p for p in (self.prefix[0], self.prefix[-1]) if not Path(p).is_file()]
+        if missing:
+            raise BenchError(f"erofs-utils 1.8 in {home} is incomplete ({', '.join(missing)} missing): {fix}")
+        self.home = home
+        self.chunk_size = chunk_size
+        shown = subprocess.run([*self.prefix, "--help"], capture_output=True, text=True, check=False)
+        help_text = shown.stdout + shown.stderr
+        for flag in ("--tar=", "--ungzip", "--aufs", "--chunksize", "--blobdev", "--preserve-mtime", "--quiet"):
+            if flag not in help_text:
+                raise BenchError(f"{self.prefix[-1]} has no {flag}: not erofs-utils 1.8? {fix}")
+
+    def argv(self, layer: Path, compression: str, meta: Path, blob: Path | None) -> tuple[list[str], list[str] | None]:
+        """(mkfs argv, producer argv or None).  gzip: ``--ungzip``; zstd (1.8 has no
+        zstd filter): ``zstd -dc LAYER |`` into its stdin; a plain tar: the file."""
+        argv = [*self.prefix, "--quiet", "--tar=f", "--aufs", "--preserve-mtime"]
+        if compression == "gzip":
+            argv.append("--ungzip")
+        if blob is not None:
+            argv += [f"--chunksize={self.chunk_size}", f"--blobdev={blob}"]
+        argv.append(str(meta))
+        if compression == "zstd":
+            if shutil.which("zstd") is None:
+                raise BenchError("zstd is not installed (apt-get install zstd): erofs-utils 1.8 reads "
+                                 "zstd layers through 'zstd -dc LAYER |'")
+            return argv, ["zstd", "-dc", str(layer)]
+        return [*argv, str(layer)], None
+
+    def describe(self) -> dict[str, Any]:
+        chunked, _ = self.argv(Path("LAYER"), "gzip", Path("META"), Path("BLOB"))
+        inline, _ = self.argv(Path("LAYER"), "gzip", Path("META"), None)
+        short = {self.prefix[-1]: "mkfs.erofs-1.8"}
+        loader = shlex.join(self.prefix[:-1])
+
+        def show(argv: list[str]) -> str:
+            return shlex.join([short.get(a, a) for a in argv[len(self.prefix) - 1 :]])
+
+        return {
+            "home": str(self.home),
+            "version": self.version,
+            "packages": self.packages,
+            "run_as": f"{loader} {self.prefix[-1]}",
+            "chunked": show(chunked),
+            "inline": show(inline),
+            "zstd_layers": "zstd -dc LAYER | mkfs.erofs-1.8 ... META (no --ungzip, no LAYER argument)",
         }
 
 
@@ -398,6 +501,45 @@ def time_layerbox(layer: LayerInput, work: Path, chunk_size: int) -> LayerboxRun
 
 
 @dataclass
+class PeerRun:
+    seconds: float
+    cpu: CPU
+    meta_bytes: int
+    blob_bytes: int  # 0 for the inline run: its data are in the image
+
+
+def cli_argv(layer: Path, meta: Path, blob: Path, chunk_size: int) -> list[str]:
+    """``layerbox convert`` of one layer file, as a user runs it (this checkout's code)."""
+    return [sys.executable, "-m", "tools.cli", "convert", str(layer), "--meta", str(meta),
+            "--blob", str(blob), "--chunk-size", str(chunk_size)]
+
+
+def time_cli(layer: LayerInput, work: Path, chunk_size: int) -> PeerRun:
+    """The same conversion through the command line: interpreter start-up and imports included."""
+    out = work / "cli"
+    out.mkdir()
+    meta, blob = out / "layer.erofs", out / "layer.blob"
+    return time_process(out, cli_argv(layer.path, meta, blob, chunk_size), meta, blob, cwd=CHECKOUT)
+
+
+def time_process(
+    out: Path, argv: list[str], meta: Path, blob: Path | None, *,
+    stdin_from: list[str] | None = None, cwd: Path | None = None,
+) -> PeerRun:
+    """Time one command writing META (and BLOB) in ``out``, which is removed after (two files,
+    too few freed inodes to slow the next run: see discard)."""
+    os.sync()
+    cpu = _cpu(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    run_tool(argv, stdin_from=stdin_from, cwd=cwd)
+    seconds = time.perf_counter() - start
+    run = PeerRun(seconds=seconds, cpu=_cpu_since(cpu, resource.RUSAGE_CHILDREN),
+                  meta_bytes=meta.stat().st_size, blob_bytes=blob.stat().st_size if blob else 0)
+    remove_tree(out)
+    return run
+
+
+@dataclass
 class NativeRun:
     tar_seconds: float
     mkfs_seconds: float
@@ -431,6 +573,16 @@ def time_native(layer: LayerInput, work: Path, tools: NativeTools) -> NativeRun:
     )
     discard(out, work)
     return run
+
+
+def time_erofs18(layer: LayerInput, work: Path, peer: Erofs18, *, chunked: bool) -> PeerRun:
+    out = work / "erofs18"
+    out.mkdir()
+    meta, blob = out / "meta.erofs", out / "data.blob"
+    if chunked:
+        blob.touch()  # 1.8 opens --blobdev without O_CREAT
+    argv, producer = peer.argv(layer.path, layer.compression, meta, blob if chunked else None)
+    return time_process(out, argv, meta, blob if chunked else None, stdin_from=producer)
 
 
 def decompressed(f: BinaryIO, compression: str) -> Iterator[bytes]:
@@ -521,29 +673,56 @@ def ratio(a: float, b: float) -> float | None:
 
 
 def bench_layer(
-    layer: LayerInput, work: Path, tools: NativeTools, chunk_size: int, repeat: int,
+    layer: LayerInput, work: Path, tools: NativeTools, peer: Erofs18 | None, chunk_size: int, repeat: int,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     ours: list[LayerboxRun] = []
     native: list[NativeRun] = []
     floor: list[FloorRun] = []
+    e18: list[PeerRun] = []
+    e18_inline: list[PeerRun] = []
+    cli: list[PeerRun] = []
     for i in range(repeat):
         log(f"  run {i + 1}/{repeat}: layerbox")
         ours.append(time_layerbox(layer, work, chunk_size))
+        log(f"  run {i + 1}/{repeat}: layerbox convert (command line)")
+        cli.append(time_cli(layer, work, chunk_size))
         log(f"  run {i + 1}/{repeat}: tar -x + mkfs.erofs")
         native.append(time_native(layer, work, tools))
+        if peer is not None:
+            log(f"  run {i + 1}/{repeat}: erofs-utils 1.8 --tar, chunked")
+            e18.append(time_erofs18(layer, work, peer, chunked=True))
+            log(f"  run {i + 1}/{repeat}: erofs-utils 1.8 --tar, inline")
+            e18_inline.append(time_erofs18(layer, work, peer, chunked=False))
         log(f"  run {i + 1}/{repeat}: floor")
         floor.append(time_floor(layer))
     if len({r.digest for r in ours}) != 1:
         log(f"  warning: layerbox produced different images across runs: {sorted({r.digest for r in ours})}")
     last, tar_bytes = ours[-1], floor[-1].tar_bytes
-    seconds = {
-        "layerbox": median([r.seconds for r in ours]),
-        "native": median([r.seconds for r in native]),
-        "tar": median([r.tar_seconds for r in native]),
-        "mkfs": median([r.mkfs_seconds for r in native]),
-        "floor": median([r.seconds for r in floor]),
+    runs = {
+        "layerbox": [r.seconds for r in ours],
+        "cli": [r.seconds for r in cli],
+        "native": [r.seconds for r in native],
+        "tar": [r.tar_seconds for r in native],
+        "mkfs": [r.mkfs_seconds for r in native],
+        "floor": [r.seconds for r in floor],
     }
+    cpus = {
+        "layerbox": [r.cpu for r in ours],
+        "cli": [r.cpu for r in cli],
+        "tar": [r.tar_cpu for r in native],
+        "mkfs": [r.mkfs_cpu for r in native],
+        "floor": [r.cpu for r in floor],
+    }
+    meta_bytes = {"layerbox": last.meta_bytes, "mkfs_erofs": native[-1].meta_bytes}
+    blob_bytes = {"layerbox": last.blob_bytes, "mkfs_erofs": native[-1].blob_bytes}
+    if peer is not None:
+        for key, peer_runs in (("erofs18", e18), ("erofs18_inline", e18_inline)):
+            runs[key] = [r.seconds for r in peer_runs]
+            cpus[key] = [r.cpu for r in peer_runs]
+            meta_bytes[key] = peer_runs[-1].meta_bytes
+        blob_bytes["erofs18"] = e18[-1].blob_bytes
+    seconds = {key: median(values) for key, values in runs.items()}
     return {
         "label": layer.label,
         "digest": layer.digest,
@@ -558,8 +737,8 @@ def bench_layer(
         "unique_bytes": last.unique_bytes,
         "dedup_ratio": ratio(last.unique_bytes, last.file_bytes),
         "layerbox_digest": last.digest,
-        "meta_bytes": {"layerbox": last.meta_bytes, "mkfs_erofs": native[-1].meta_bytes},
-        "blob_bytes": {"layerbox": last.blob_bytes, "mkfs_erofs": native[-1].blob_bytes},
+        "meta_bytes": meta_bytes,
+        "blob_bytes": blob_bytes,
         "floor_zstd_bytes": floor[-1].compressed_out_bytes,
         "seconds": seconds,
         "floor_parts_seconds": {
@@ -568,30 +747,34 @@ def bench_layer(
             "zstd": median([r.compress_seconds for r in floor]),
         },
         "mb_per_s": {k: rate(tar_bytes, v) for k, v in seconds.items()},
+        **ratios(seconds),
+        "cpu_seconds": {
+            name: {"user": median([c[0] for c in values]), "system": median([c[1] for c in values])}
+            for name, values in cpus.items()
+        },
+        "runs": runs,
+    }
+
+
+def ratios(seconds: dict[str, float]) -> dict[str, float | None]:
+    """``ratio`` = native / layerbox (>= 1 good); the others layerbox / peer (<= 1 good)."""
+    out = {
         "ratio": ratio(seconds["native"], seconds["layerbox"]),
         "floor_ratio": ratio(seconds["layerbox"], seconds["floor"]),
-        "cpu_seconds": {
-            name: {"user": median([c[0] for c in cpus]), "system": median([c[1] for c in cpus])}
-            for name, cpus in (
-                ("layerbox", [r.cpu for r in ours]),
-                ("tar", [r.tar_cpu for r in native]),
-                ("mkfs", [r.mkfs_cpu for r in native]),
-                ("floor", [r.cpu for r in floor]),
-            )
-        },
-        "runs": {
-            "layerbox": [r.seconds for r in ours],
-            "native": [r.seconds for r in native],
-            "tar": [r.tar_seconds for r in native],
-            "mkfs": [r.mkfs_seconds for r in native],
-            "floor": [r.seconds for r in floor],
-        },
     }
+    if "erofs18" in seconds:
+        out["erofs18_ratio"] = ratio(seconds["layerbox"], seconds["erofs18"])
+        out["erofs18_inline_ratio"] = ratio(seconds["layerbox"], seconds["erofs18_inline"])
+        out["cli_erofs18_inline_ratio"] = ratio(seconds["cli"], seconds["erofs18_inline"])
+    return out
 
 
 def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
     def total(key: str) -> int:
         return sum(r[key] for r in rows)
+
+    def summed(field: str) -> dict[str, int]:
+        return {k: sum(r[field][k] for r in rows) for k in rows[0][field]}
 
     tar_bytes = total("tar_bytes")
     seconds = {k: sum(r["seconds"][k] for r in rows) for k in rows[0]["seconds"]}
@@ -605,23 +788,28 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "unique_chunks": total("unique_chunks"),
         "unique_bytes": total("unique_bytes"),
         "dedup_ratio": ratio(total("unique_bytes"), total("file_bytes")),
-        "meta_bytes": {k: sum(r["meta_bytes"][k] for r in rows) for k in ("layerbox", "mkfs_erofs")},
-        "blob_bytes": {k: sum(r["blob_bytes"][k] for r in rows) for k in ("layerbox", "mkfs_erofs")},
+        "meta_bytes": summed("meta_bytes"),
+        "blob_bytes": summed("blob_bytes"),
         "seconds": seconds,
         "mb_per_s": {k: rate(tar_bytes, v) for k, v in seconds.items()},
-        "ratio": ratio(seconds["native"], seconds["layerbox"]),
-        "floor_ratio": ratio(seconds["layerbox"], seconds["floor"]),
+        **ratios(seconds),
     }
 
 
 def goals(total: dict[str, Any]) -> dict[str, Any]:
     r, f = total["ratio"], total["floor_ratio"]
-    return {
+    out = {
         "native_over_layerbox": {"want": f">= {GOAL_NATIVE_RATIO}", "value": r,
                                  "met": r is not None and r >= GOAL_NATIVE_RATIO},
         "layerbox_over_floor": {"want": f"<= {GOAL_FLOOR_RATIO}", "value": f,
                                 "met": f is not None and f <= GOAL_FLOOR_RATIO},
     }
+    for key in ("erofs18", "erofs18_inline", "cli_erofs18_inline"):
+        value = total.get(f"{key}_ratio")
+        if f"{key}_ratio" in total:
+            out[key.replace("cli_", "cli_over_") if key.startswith("cli_") else f"layerbox_over_{key}"] = {"want": f"<= {GOAL_EROFS18_RATIO}", "value": value,
+                                          "met": value is not None and value <= GOAL_EROFS18_RATIO}
+    return out
 
 
 # -- output --------------------------------------------------------------------
@@ -637,15 +825,22 @@ def _kb(n: int) -> str:
 
 def render(doc: dict[str, Any]) -> str:
     s, env, native = doc["settings"], doc["environment"], doc["native"]
+    peer = doc.get("erofs18")
     out = [
         f"layerbox convert benchmark: chunk size {s['chunk_size']} B, median of {s['repeat']} run(s); "
         "MB = 10^6 bytes; MB/s = uncompressed tar MB per second",
         f"inputs:  {'  '.join(s['inputs'])}",
         f"workdir: {env['workdir']} ({env['workdir_fs']} on {env['workdir_device']}); "
-        f"{env['cpus']} CPUs; Python {env['python']}; blake3 {env['blake3']}; zstandard {env['zstandard']}",
+        f"{env['cpus']} CPUs; Python {env['python']}; blake3 {env['blake3']}; zstandard {env['zstandard']}; "
+        f"load average {env['load_start']} at start, {env['load_end']} at end",
         f"native:  {native['tar']}   [{native['tar_version']}]",
         f"         {native['mkfs']}   [mkfs.erofs {native['mkfs_version']}; defaults otherwise: "
         f"{native['mkfs_defaults']}]",
+        *([f"1.8:     chunked: {peer['chunked']}",
+           f"         inline:  {peer['inline']}   (data in META: no chunks, no hashing, no dedup)",
+           f"         [erofs-utils {peer['version']} from Debian 13, {peer['home']}, run as {peer['run_as']}; "
+           "zstd layers: zstd -dc LAYER | ...]"]
+          if peer else [f"1.8:     left out (--no-erofs18); fetch it with 'bash {PEER_SCRIPT}'"]),
         *([f"note:    {env['workdir_device']} is ext4 without a journal: file creation (tar -x) is slower "
            "for 1-6 min after any mass deletion on it; see bench/README.md"]
           if env.get("ext4_without_journal") else []),
@@ -656,17 +851,20 @@ def render(doc: dict[str, Any]) -> str:
     rows, total = doc["layers"], doc["totals"]
 
     def size_row(name: str, r: dict[str, Any]) -> list[str]:
-        return [
+        cells = [
             name, r.get("compression", ""), _mb(r["compressed_bytes"]), _mb(r["tar_bytes"]),
             _mb(r["file_bytes"]), str(r["files"]), str(r["chunks"]), str(r["unique_chunks"]),
             _f(r["dedup_ratio"], 3), _kb(r["meta_bytes"]["layerbox"]), _kb(r["meta_bytes"]["mkfs_erofs"]),
-            _mb(r["blob_bytes"]["layerbox"]), _mb(r["blob_bytes"]["mkfs_erofs"]),
         ]
+        cells += [_kb(r["meta_bytes"]["erofs18"])] if peer else []
+        cells += [_mb(r["blob_bytes"]["layerbox"]), _mb(r["blob_bytes"]["mkfs_erofs"])]
+        return cells + ([_mb(r["blob_bytes"]["erofs18"]), _mb(r["meta_bytes"]["erofs18_inline"])] if peer else [])
 
     out.append("Layers")
     out.append(_table(
         ["layer", "comp", "comp MB", "tar MB", "file MB", "files", "chunks", "unique",
-         "dedup", "meta KB ours", "meta KB mkfs", "blob MB ours", "blob MB mkfs"],
+         "dedup", "meta KB ours", "meta KB mkfs", *(["meta KB 1.8"] if peer else []),
+         "blob MB ours", "blob MB mkfs", *(["blob MB 1.8", "image MB 1.8 inline"] if peer else [])],
         [size_row(f"{i} {r['label']}", r) for i, r in enumerate(rows, 1)] + [size_row("total", total)],
         left=2,
     ))
@@ -675,25 +873,33 @@ def render(doc: dict[str, Any]) -> str:
         out.append(f"  {i} {r['label']}: {r['digest']}  used by: {', '.join(r['used_by'])}")
     out.append("")
 
+    methods = ("layerbox", "cli", "native", "tar", "mkfs", *(("erofs18", "erofs18_inline") if peer else ()), "floor")
+
     def time_row(name: str, r: dict[str, Any]) -> list[str]:
         cells = [name]
-        for key in ("layerbox", "native", "tar", "mkfs", "floor"):
+        for key in methods:
             cells += [_f(r["seconds"][key], 3), _f(r["mb_per_s"][key], 1)]
-        return cells + [_f(r["ratio"]), _f(r["floor_ratio"])]
+        cells += [_f(r["ratio"])]
+        cells += [_f(r["erofs18_ratio"]), _f(r["erofs18_inline_ratio"]), _f(r["cli_erofs18_inline_ratio"])] if peer else []
+        return cells + [_f(r["floor_ratio"])]
 
     out.append("Times (median seconds, MB/s)")
     out.append(_table(
-        ["layer", "layerbox s", "MB/s", "native s", "MB/s", "tar -x s", "MB/s", "mkfs s", "MB/s",
-         "floor s", "MB/s", "native/layerbox", "layerbox/floor"],
+        ["layer", "layerbox s", "MB/s", "CLI s", "MB/s", "native s", "MB/s", "tar -x s", "MB/s", "mkfs s", "MB/s",
+         *(["1.8 s", "MB/s", "1.8 inline s", "MB/s"] if peer else []),
+         "floor s", "MB/s", "native/layerbox",
+         *(["layerbox/1.8", "layerbox/1.8 inline", "CLI/1.8 inline"] if peer else []),
+         "layerbox/floor"],
         [time_row(f"{i} {r['label']}", r) for i, r in enumerate(rows, 1)] + [time_row("total", total)],
     ))
     out.append("")
+    cpu_methods = ("layerbox", "cli", "tar", "mkfs", *(("erofs18", "erofs18_inline") if peer else ()), "floor")
     out.append("CPU (median user/system s; tar includes its gzip/zstd child)")
     out.append(_table(
-        ["layer", "layerbox", "tar -x", "mkfs", "floor"],
+        ["layer", "layerbox", "CLI", "tar -x", "mkfs", *(["1.8", "1.8 inline"] if peer else []), "floor"],
         [[f"{i} {r['label']}"] + [
-            f"{_f(r['cpu_seconds'][k]['user'], 3)}/{_f(r['cpu_seconds'][k]['system'], 3)}"
-            for k in ("layerbox", "tar", "mkfs", "floor")
+            f"{_f(r['cpu_seconds'][k]['user'], 2)}/{_f(r['cpu_seconds'][k]['system'], 2)}"
+            for k in cpu_methods
         ] for i, r in enumerate(rows, 1)],
     ))
     out.append("")
@@ -701,15 +907,19 @@ def render(doc: dict[str, Any]) -> str:
         f"{i} read+inflate {_f(p['read_inflate'], 3)} blake3 {_f(p['blake3'], 3)} zstd {_f(p['zstd'], 3)}"
         for i, p in enumerate((r["floor_parts_seconds"] for r in rows), 1)
     ))
-    g = doc["goals"]
-    out.append(
-        "goals (totals): "
-        f"native/layerbox {g['native_over_layerbox']['want']}: {_f(g['native_over_layerbox']['value'])} "
-        f"{'MET' if g['native_over_layerbox']['met'] else 'MISSED'}; "
-        f"layerbox/floor {g['layerbox_over_floor']['want']}: {_f(g['layerbox_over_floor']['value'])} "
-        f"{'MET' if g['layerbox_over_floor']['met'] else 'MISSED'}"
-    )
+    names = {"native_over_layerbox": "native/layerbox", "layerbox_over_floor": "layerbox/floor",
+             "layerbox_over_erofs18": "layerbox/1.8", "layerbox_over_erofs18_inline": "layerbox/1.8 inline",
+             "cli_over_erofs18_inline": "CLI/1.8 inline"}
+    out.append("goals (totals): " + "; ".join(
+        f"{names[key]} {g['want']}: {_f(g['value'])} {'MET' if g['met'] else 'MISSED'}"
+        for key, g in doc["goals"].items()
+    ))
     return "\n".join(out)
+
+
+def _loadavg() -> str:
+    """The 1/5/15-minute load averages: the host is shared, so every figure carries them."""
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 # -- command line ----------------------------------------------------------------
@@ -743,6 +953,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, metavar="N", help="runs per method and layer (default 3)")
     p.add_argument("--tmpdir", type=Path, default=Path("/var/tmp"), metavar="DIR",
                    help="where temporary files go; must be a disk, not tmpfs (default /var/tmp)")
+    p.add_argument("--erofs18", type=Path, default=DEFAULT_EROFS18, metavar="DIR",
+                   help=f"erofs-utils 1.8 as {PEER_SCRIPT} leaves it (default {DEFAULT_EROFS18}); "
+                   "a missing one is an error")
+    p.add_argument("--no-erofs18", action="store_true",
+                   help="leave the erofs-utils 1.8 --tar peer out (it is measured by default)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     return p
 
@@ -759,6 +974,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         specs = [*args.image, *args.inputs] or default_inputs()
         tools = NativeTools(args.chunk_size)
+        peer = None if args.no_erofs18 else Erofs18(args.erofs18, args.chunk_size)
+        load_start = _loadavg()
         fstype, device = filesystem_of(args.tmpdir)
         if fstype in ("tmpfs", "ramfs"):
             log(f"warning: {args.tmpdir} is on {fstype}: disk writes are not measured; pass --tmpdir DIR on a disk")
@@ -773,7 +990,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i, layer in enumerate(layers, 1):
                 log(f"layer {i}/{len(layers)}: {layer.label} ({layer.compression}, "
                     f"{layer.compressed_bytes / MB:.1f} MB)")
-                rows.append(bench_layer(layer, work, tools, args.chunk_size, args.repeat, log))
+                rows.append(bench_layer(layer, work, tools, peer, args.chunk_size, args.repeat, log))
             total = totals(rows)
             doc = {
                 "schema": SCHEMA,
@@ -784,8 +1001,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "cpus": os.cpu_count(), "python": platform.python_version(),
                     "blake3": getattr(blake3, "__version__", "?"), "zstandard": zstandard.__version__,
                     "euid": os.geteuid(), "ext4_without_journal": nojournal,
+                    "load_start": load_start, "load_end": _loadavg(),
                 },
                 "native": tools.describe(),
+                **({"erofs18": peer.describe()} if peer is not None else {}),
                 "layers": rows,
                 "totals": total,
                 "goals": goals(total),

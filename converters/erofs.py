@@ -30,14 +30,15 @@ ZERO_BLOCK = bytes(F.BLOCK_SIZE)
 _ZERO_CACHE: dict[int, bytes] = {}
 
 
-def _is_zero(data: bytes | memoryview) -> bool:
+def _is_zero(data: bytes | bytearray | memoryview) -> bool:
     n = len(data)
     if n == 0 or data[0] or data[-1]:
         return False
     zero = _ZERO_CACHE.get(n)
     if zero is None:
         zero = _ZERO_CACHE.setdefault(n, bytes(n))
-    return data == zero
+    # a prefix of exactly n bytes: a memcmp, where memoryview == bytes compares item by item
+    return zero.startswith(data)
 
 
 @dataclass
@@ -61,7 +62,7 @@ class BlobWriter:
         self._seen: dict[bytes, int] = {}
         self.stats = BlobStats()
 
-    def add_chunk(self, data: bytes | memoryview) -> int:
+    def add_chunk(self, data: bytes | bytearray | memoryview) -> int:
         """Store one chunk; return its start block, or NULL_ADDR for a hole."""
         self.stats.file_bytes += len(data)
         if _is_zero(data):
@@ -90,6 +91,10 @@ class BlobWriter:
         A chunk wholly inside a hole is NULL_ADDR at once.  A chunk a hole
         shares with data is completed with zeros and stored like any other,
         so the output is the same as for the file with its holes read.
+
+        Whole chunks inside a piece, and a file's last chunk, are stored
+        straight from the piece; only a chunk that spans pieces is copied
+        (once, into ``pending``).
         """
         cs = self.chunk_size
         out: list[int] = []
@@ -104,25 +109,34 @@ class BlobWriter:
                     pending += bytes(fill)
                     n -= fill
                     if len(pending) == cs:
-                        out.append(self.add_chunk(bytes(pending)))
-                        pending.clear()
+                        out.append(self.add_chunk(pending))
+                        pending = bytearray()
                 whole = n // cs
                 out.extend(itertools.repeat(F.NULL_ADDR, whole))
                 self.stats.holes += whole
                 self.stats.file_bytes += whole * cs
                 pending += bytes(n - whole * cs)
                 continue
-            total += len(piece)
-            self.stats.data_bytes += len(piece)
-            if not pending and len(piece) == cs:
-                out.append(self.add_chunk(piece))
-                continue
-            pending += piece
-            while len(pending) >= cs:
-                out.append(self.add_chunk(bytes(pending[:cs])))
-                del pending[:cs]
+            n = len(piece)
+            total += n
+            self.stats.data_bytes += n
+            view = memoryview(piece)
+            start = 0
+            if pending:
+                start = min(n, cs - len(pending))
+                pending += view[:start]
+                if len(pending) < cs:
+                    continue
+                out.append(self.add_chunk(pending))
+                pending = bytearray()
+            while n - start >= cs or (start < n and total == size):
+                end = min(start + cs, n)
+                out.append(self.add_chunk(view[start:end]))
+                start = end
+            if start < n:
+                pending += view[start:]
         if pending:
-            out.append(self.add_chunk(bytes(pending)))
+            out.append(self.add_chunk(pending))
         if total != size:
             raise ConvertError(f"internal: {total} bytes of data for a file of {size}")
         return out

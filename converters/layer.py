@@ -13,6 +13,7 @@ import contextlib
 import os
 import stat
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -64,13 +65,39 @@ class _Output:
     def __init__(self, final: str | os.PathLike[str]) -> None:
         self.final = Path(final)
         self.tmp = self.final.with_name(f".{self.final.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+        self._sync: threading.Thread | None = None
+        self._sync_error: OSError | None = None
         try:
             self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             raise ConvertError(f"cannot create {self.final}: {exc.strerror}") from None
 
+    def start_sync(self) -> None:
+        """Begin the fsync on a thread, for a file that is complete: its writeback (the
+        blob's ~0.1 s per 200 MB) then overlaps the metadata image's build, which holds
+        the GIL while fsync does not.  ``commit`` waits for it."""
+        self._sync = threading.Thread(target=self._fsync, name="layerbox-fsync", daemon=True)
+        self._sync.start()
+
+    def _fsync(self) -> None:
+        try:
+            os.fsync(self.fd)
+        except OSError as exc:  # raised by commit, in the converting thread
+            self._sync_error = exc
+
+    def _wait_sync(self) -> bool:
+        """True when a started fsync succeeded; raises its error."""
+        if self._sync is None:
+            return False
+        self._sync.join()
+        self._sync = None
+        if self._sync_error is not None:
+            raise self._sync_error
+        return True
+
     def commit(self) -> None:
-        os.fsync(self.fd)
+        if not self._wait_sync():
+            os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
         os.rename(self.tmp, self.final)
@@ -81,6 +108,8 @@ class _Output:
             os.close(dfd)
 
     def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wait_sync()  # never close the fd under a running fsync
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -122,6 +151,7 @@ def convert_entries(
             tree.add(entry, node)
         if finish is not None:
             finish()
+        blob_out.start_sync()
         bid = blob_id(blob)
         image, inodes = build_image(tree, blob, blob_tag=bid.encode())
         meta_out = _Output(meta_path)

@@ -147,21 +147,39 @@ class _Decompressor:
         return None if self._output_hash is None else "sha256:" + self._output_hash.hexdigest()
 
     # -- consumer -----------------------------------------------------------
+    def next_block(self) -> bytes:
+        """The next piece of the decompressed stream, as the thread made it; b"" at its end.
+
+        Every byte of the uncompressed stream passes through here exactly
+        once and in order (``read`` takes its bytes from here too), so this
+        is the one place to observe the whole uncompressed tar, e.g. to
+        digest it.  Blocks are whatever one decompress call returned (about
+        1-10 MB), handed over without a copy.
+        """
+        if self._buf:  # what a read() left of its last block
+            block = self._buf.tobytes()
+            self._buf = memoryview(b"")
+            return block
+        if self._done:
+            return b""
+        item = self._queue.get()
+        if item is None:
+            self._done = True
+            return b""
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
     def read(self, n: int = -1) -> bytes:
         out: list[bytes] = []
         want = n if n >= 0 else 1 << 62
         while want > 0:
             if not self._buf:
-                if self._done:
+                block = self.next_block()
+                if not block:
                     break
-                item = self._queue.get()
-                if item is None:
-                    self._done = True
-                    break
-                if isinstance(item, BaseException):
-                    self._done = True
-                    raise item
-                self._buf = memoryview(item)
+                self._buf = memoryview(block)
             take = self._buf[:want]
             out.append(bytes(take))
             self._buf = self._buf[len(take) :]
@@ -170,7 +188,7 @@ class _Decompressor:
 
     def drain(self) -> None:
         """Consume the rest of the stream so the raw input is read to its end."""
-        while self.read(READ_SIZE):
+        while self.next_block():
             pass
 
     def close(self) -> None:
@@ -256,7 +274,8 @@ class Hole:
     length: int
 
 
-DataFn = Callable[[], Iterator[bytes | Hole]]
+# regular-file data: bytes, or read-only views of immutable blocks (valid as long as they are held)
+DataFn = Callable[[], Iterator[bytes | memoryview | Hole]]
 
 
 def kind_mode(kind: str, perm: int) -> int:
@@ -304,60 +323,71 @@ _SPARSE_ENTRY = struct.Struct("12s12s")
 
 
 class _Input:
-    """A forward-only byte source with exact offsets over the decompressed stream."""
+    """A forward-only byte source with exact offsets over the decompressed stream.
+
+    It walks the decompressor's blocks in place: file data leave as
+    memoryviews into them (no copy), headers as small ``bytes``.
+    """
 
     def __init__(self, stream: _Decompressor) -> None:
         self._stream = stream
-        self._buf = b""
+        self._buf = b""  # the current decompressed block
+        self._view = memoryview(self._buf)
         self._pos = 0
         self.offset = 0  # absolute offset of _buf[0]
 
     def tell(self) -> int:
         return self.offset + self._pos
 
-    def _fill(self, need: int) -> None:
-        have = len(self._buf) - self._pos
-        if have >= need:
-            return
-        parts = [self._buf[self._pos :]]
-        while have < need:
-            block = self._stream.read(max(READ_SIZE, need - have))
-            if not block:
-                break
-            parts.append(block)
-            have += len(block)
-        self.offset += self._pos
-        self._buf = b"".join(parts)
-        self._pos = 0
+    def _next(self) -> bool:
+        """Move on to the next block (the current one is used up); False at the end."""
+        block = self._stream.next_block()
+        if not block:
+            return False
+        self.offset += len(self._buf)
+        self._buf, self._view, self._pos = block, memoryview(block), 0
+        return True
 
     def take(self, n: int) -> bytes:
         """Exactly n bytes, or fewer only at the end of the stream."""
-        self._fill(n)
-        out = self._buf[self._pos : self._pos + n]
-        self._pos += len(out)
-        return out
+        end = self._pos + n
+        if end <= len(self._buf):
+            out = self._buf[self._pos : end]
+            self._pos = end
+            return out
+        parts = [self._buf[self._pos :]]
+        have = len(parts[0])
+        self._pos = len(self._buf)
+        while have < n and self._next():
+            part = self._buf[: n - have]
+            parts.append(part)
+            have += len(part)
+            self._pos = len(part)
+        return b"".join(parts)
 
-    def pieces(self, n: int) -> Iterator[bytes]:
-        """n bytes as a sequence of blocks of up to READ_SIZE; stops short at EOF."""
+    def pieces(self, n: int) -> Iterator[memoryview]:
+        """n bytes as views into the stream's blocks; stops short at EOF.
+
+        A view stays valid (the block is immutable) but keeps its block alive.
+        """
         while n > 0:
-            if self._pos >= len(self._buf):
-                self._fill(1)
-                if self._pos >= len(self._buf):
-                    return
-            avail = len(self._buf) - self._pos
-            take = min(avail, n, READ_SIZE)
-            if self._pos == 0 and take == len(self._buf):
-                out = self._buf
-            else:
-                out = self._buf[self._pos : self._pos + take]
+            if self._pos >= len(self._buf) and not self._next():
+                return
+            start = self._pos
+            take = min(len(self._buf) - start, n)
             self._pos += take
             n -= take
-            yield out
+            yield self._view[start : start + take]
 
     def skip(self, n: int) -> int:
         skipped = 0
-        for piece in self.pieces(n):
-            skipped += len(piece)
+        while n > 0:
+            if self._pos >= len(self._buf) and not self._next():
+                break
+            take = min(len(self._buf) - self._pos, n)
+            self._pos += take
+            n -= take
+            skipped += take
         return skipped
 
 
@@ -613,7 +643,7 @@ class TarReader:
             extended = ext[504]
         return pairs, real_size
 
-    def data(self) -> Iterator[bytes | Hole]:
+    def data(self) -> Iterator[memoryview | Hole]:
         """Yield the current regular file's bytes, the holes of a sparse file as ``Hole``."""
         entry = self._current
         assert entry is not None
@@ -649,7 +679,7 @@ class TarReader:
             self._pending -= len(block)
             text += block
 
-    def _raw_data(self, entry: Entry, n: int) -> Iterator[bytes]:
+    def _raw_data(self, entry: Entry, n: int) -> Iterator[memoryview]:
         if n > self._pending:
             raise BadEntry(entry.name, entry.offset, "sparse map names more data than the entry holds")
         got = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ from tests.support.proc import run
 from tests.support.tarbuild import TarBuilder
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "convert.py"
+# erofs-utils 1.8 as bench/peers/erofs-utils.sh leaves it; measured when it is there
+EROFS18 = Path(os.environ.get("LAYERBOX_PEERS_DIR", "/var/cache/layerbox/peers")) / "erofs-utils-1.8"
 CHUNK = 64 << 10
 DIRS = 10
 SMALL_FILES = 250
@@ -74,10 +77,11 @@ def test_bench_convert_json_on_small_layer(tmp_path: Path) -> None:
     made = _make_layer(layer)
     work = tmp_path / "work"
     work.mkdir()
+    with_peer = (EROFS18 / "complete").is_file()
 
     result = run(
         [sys.executable, BENCH, "--repeat", "1", "--json", "--chunk-size", "64K",
-         "--tmpdir", work, "--image", layer],
+         "--tmpdir", work, "--image", layer, *([] if with_peer else ["--no-erofs18"])],
         timeout=600,
     )
     doc = json.loads(result.stdout)
@@ -102,17 +106,19 @@ def test_bench_convert_json_on_small_layer(tmp_path: Path) -> None:
     assert row["dedup_ratio"] == pytest.approx(made["unique_bytes"] / made["file_bytes"])
     assert row["tar_bytes"] > row["file_bytes"]
     assert row["layerbox_digest"].startswith("blake3:")
-    for sizes in (row["meta_bytes"], row["blob_bytes"]):
-        _positive(sizes, "layerbox", "mkfs_erofs")
+    peers = ("erofs18", "erofs18_inline") if with_peer else ()
+    _positive(row["meta_bytes"], "layerbox", "mkfs_erofs", *peers)
+    _positive(row["blob_bytes"], "layerbox", "mkfs_erofs", *peers[:1])
     assert row["blob_bytes"]["layerbox"] >= row["unique_bytes"]
     _positive(row["floor_parts_seconds"], "read_inflate", "blake3", "zstd")
-    for method in ("layerbox", "tar", "mkfs", "floor"):
+    for method in ("layerbox", "cli", "tar", "mkfs", *peers, "floor"):
         cpu = row["cpu_seconds"][method]
         assert cpu["user"] >= 0, (method, cpu)
         assert cpu["system"] >= 0, (method, cpu)
         assert cpu["user"] + cpu["system"] > 0, (method, cpu)
 
-    methods = ("layerbox", "native", "tar", "mkfs", "floor")
+    methods = ("layerbox", "cli", "native", "tar", "mkfs", *peers, "floor")
+    assert sorted(row["seconds"]) == sorted(methods)
     _positive(row["seconds"], *methods)
     _positive(row["mb_per_s"], *methods)
     for method in methods:
@@ -122,6 +128,19 @@ def test_bench_convert_json_on_small_layer(tmp_path: Path) -> None:
     assert row["seconds"]["native"] >= row["seconds"]["mkfs"]
     assert row["ratio"] == pytest.approx(row["seconds"]["native"] / row["seconds"]["layerbox"])
     assert row["floor_ratio"] == pytest.approx(row["seconds"]["layerbox"] / row["seconds"]["floor"])
+    if with_peer:
+        assert "--tar=f" in doc["erofs18"]["chunked"]
+        assert "--chunksize=65536" in doc["erofs18"]["chunked"]
+        assert doc["erofs18"]["version"].startswith("1.8")
+        # the inline image holds every file's data; 1.8 dedups chunks as layerbox does
+        assert row["meta_bytes"]["erofs18_inline"] > row["file_bytes"]
+        assert row["blob_bytes"]["erofs18"] == pytest.approx(row["blob_bytes"]["layerbox"], rel=0.05)
+        assert row["erofs18_ratio"] == pytest.approx(row["seconds"]["layerbox"] / row["seconds"]["erofs18"])
+        assert row["cli_erofs18_inline_ratio"] == pytest.approx(
+            row["seconds"]["cli"] / row["seconds"]["erofs18_inline"])
+    else:
+        assert "erofs18" not in doc
+        assert "erofs18_ratio" not in row
 
     total = doc["totals"]
     assert total["layers"] == 1
@@ -135,10 +154,24 @@ def test_bench_convert_json_on_small_layer(tmp_path: Path) -> None:
     assert leftovers == [], f"the benchmark left files behind: {leftovers}"
 
 
+def test_bench_convert_names_the_script_for_a_missing_peer(tmp_path: Path) -> None:
+    require("cmd:mkfs.erofs")
+    layer = tmp_path / "layer.tar"
+    layer.write_bytes(bytes(1024))
+    work = tmp_path / "work"
+    work.mkdir()
+    result = run([sys.executable, BENCH, "--repeat", "1", "--tmpdir", work,
+                  "--erofs18", tmp_path / "no-peer-here", layer], timeout=120, check=False)
+    assert result.returncode == 1
+    assert b"bench/peers/erofs-utils.sh" in result.stderr
+    assert b"--no-erofs18" in result.stderr
+    assert list(work.iterdir()) == []
+
+
 def test_bench_convert_rejects_unknown_input(tmp_path: Path) -> None:
     require("cmd:mkfs.erofs")
     missing = tmp_path / "no-such-layer.tar.gz"
-    result = run([sys.executable, BENCH, "--repeat", "1", "--tmpdir", tmp_path, missing],
+    result = run([sys.executable, BENCH, "--repeat", "1", "--no-erofs18", "--tmpdir", tmp_path, missing],
                  timeout=120, check=False)
     assert result.returncode == 1
     assert b"neither an image reference" in result.stderr

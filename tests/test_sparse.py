@@ -112,12 +112,12 @@ def content_digest(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def collect(pieces: Iterable[bytes | Hole]) -> list[bytes | Hole]:
+def collect(pieces: Iterable[bytes | memoryview | Hole]) -> list[bytes | memoryview | Hole]:
     """The pieces, failing as soon as they carry more data than any test file here holds."""
-    out: list[bytes | Hole] = []
+    out: list[bytes | memoryview | Hole] = []
     data = 0
     for piece in pieces:
-        if isinstance(piece, bytes):
+        if not isinstance(piece, Hole):  # the tar reader's data are views, the directory's bytes
             data += len(piece)
             if data > READ_CAP:
                 pytest.fail(f"more than {READ_CAP} bytes of data: holes are being read")
@@ -373,7 +373,7 @@ def test_gnu_sparse_members_pass_holes_on(mounts: Any, tmp_path: Path, tar_forma
                 pieces = collect(reader.data())
                 size, writes = files[entry.name]
                 assert sum(p.length if isinstance(p, Hole) else len(p) for p in pieces) == size
-                assert sum(len(p) for p in pieces if isinstance(p, bytes)) <= len(writes) * 64 * 1024
+                assert sum(len(p) for p in pieces if not isinstance(p, Hole)) <= len(writes) * 64 * 1024
         finally:
             reader.close()
     with tar.open("rb") as raw:
