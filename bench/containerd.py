@@ -95,6 +95,7 @@ BIG_EPOCH = 1_700_000_000  # every mtime in the big layer
 RUN_TIMEOUT = 600.0
 PUBLISH_TIMEOUT = 1800.0
 PROBES = {"minbase": "/etc/passwd", "python": "/usr/lib/python3.11/os.py"}
+PROBE_MIN = 1_000_000  # the big image's probe: its first file at least this large
 
 
 def _terminate(signum: int, _frame: Any) -> None:
@@ -169,9 +170,10 @@ def _big_contents(total: int) -> Iterator[tuple[str, bytes]]:
         number += 1
 
 
-def _write_big_layer(path: Path, total: int) -> tuple[str, int, str, str]:
-    """Write the big layer's gzip tar to ``path``: (blob digest, blob size, diff id, a file in it)."""
-    first = ""
+def _write_big_layer(path: Path, total: int) -> tuple[str, int, str, str, int]:
+    """Write the big layer's gzip tar to ``path``: (blob digest, blob size, diff id, the probe
+    file's path and size: the first file of at least PROBE_MIN bytes, or the first file)."""
+    first, first_size = "", 0
     with open(path, "wb") as out:
         blob = _Hashing(out)
         with gzip.GzipFile(fileobj=blob, mode="wb", compresslevel=6, mtime=0) as gz:
@@ -179,7 +181,8 @@ def _write_big_layer(path: Path, total: int) -> tuple[str, int, str, str]:
             with tarfile.open(fileobj=tar_stream, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                 dirs: set[str] = set()
                 for name, data in _big_contents(total):
-                    first = first or name
+                    if not first or (first_size < PROBE_MIN <= len(data)):
+                        first, first_size = name, len(data)
                     for parent in (BIG_DIR, name.rsplit("/", 1)[0]):
                         if parent not in dirs:
                             dirs.add(parent)
@@ -189,12 +192,13 @@ def _write_big_layer(path: Path, total: int) -> tuple[str, int, str, str]:
                     info = tarfile.TarInfo(name)
                     info.size, info.mode, info.mtime = len(data), 0o644, BIG_EPOCH
                     tar.addfile(info, io.BytesIO(data))
-    return blob.digest, blob.size, tar_stream.digest, "/" + first
+    return blob.digest, blob.size, tar_stream.digest, "/" + first, first_size
 
 
-def _build_big(layout: Path, total: int) -> str:
+def _build_big(layout: Path, total: int) -> tuple[str, int]:
     """An OCI layout at ``layout`` with tag ``big``: the fixture's minbase and one generated
-    layer of ``total`` bytes of files on top.  Returns the probe file's path in the image."""
+    layer of ``total`` bytes of files on top.  Returns the probe file's path in the image and
+    its size."""
     subprocess.run(["skopeo", "copy", "--quiet", f"oci-archive:{FIXTURE_ARCHIVE}:minbase",
                     f"oci:{layout}:minbase"], check=True, timeout=600, capture_output=True)
     blobs = layout / "blobs" / "sha256"
@@ -204,7 +208,7 @@ def _build_big(layout: Path, total: int) -> str:
     config = json.loads((blobs / manifest["config"]["digest"].split(":")[1]).read_bytes())
 
     tmp = layout / "big-layer.tmp"
-    digest, size, diff_id, probe = _write_big_layer(tmp, total)
+    digest, size, diff_id, probe, probe_size = _write_big_layer(tmp, total)
     tmp.rename(blobs / digest.split(":")[1])
 
     def put(doc: dict[str, Any], media_type: str) -> dict[str, Any]:
@@ -222,7 +226,7 @@ def _build_big(layout: Path, total: int) -> str:
     desc["annotations"] = {REF_NAME: "big"}
     index["manifests"].append(desc)
     (layout / "index.json").write_text(json.dumps(index))
-    return probe
+    return probe, probe_size
 
 
 def _image(name: str, source: str, host: str, probe: str) -> Image:
@@ -369,7 +373,7 @@ def trial(base: Path, registry: RegistryServer, image: Image, peer: str, store: 
         result["transferred_bytes"] = (result["registry_layer_bytes"] + result["registry_other_bytes"]
                                        + result["store_bytes_fetched"])
         if peer == "layerbox-unpack":
-            result.update(_wait_published(host, image, start))
+            result.update(_wait_published(host, image, start, before))
         return result
     except BaseException:
         log(f"{peer} {image.name} failed; snapshotter log:\n{host.sn.log_tail()}")
@@ -381,7 +385,7 @@ def trial(base: Path, registry: RegistryServer, image: Image, peer: str, store: 
             problems += [f"{peer} {image.name}: {x}" for x in found]
 
 
-def _wait_published(host: Host, image: Image, start: float) -> dict[str, Any]:
+def _wait_published(host: Host, image: Image, start: float, before: int) -> dict[str, Any]:
     """Until the snapshotter has published the image's top layer: seconds from the pull's start."""
     deadline = time.monotonic() + PUBLISH_TIMEOUT
     while time.monotonic() < deadline:
@@ -392,8 +396,8 @@ def _wait_published(host: Host, image: Image, start: float) -> dict[str, Any]:
             continue
         seconds = time.monotonic() - start
         _sync()
-        return {"publish_seconds": seconds,
-                "store_bytes_uploaded": _du([host.base / "store"])}
+        return {"publish_seconds": seconds, "store_bytes_uploaded": _du([host.base / "store"]),
+                "disk_bytes_after_publish": _du(host.disk) - before}
     raise BenchError(f"{image.name} not published {PUBLISH_TIMEOUT:.0f} s after its pull:\n"
                      f"{host.sn.log_tail()}")
 
@@ -449,22 +453,25 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         workdir = base
         store = f"file://{base}/store"
         images: list[Image] = []
+        probe_sizes: dict[str, int | None] = {}
         for name in names:
             start = time.monotonic()
             if name == "big":
                 log(f"building the big image ({args.big_mb} MB of files over minbase)")
-                probe = _build_big(base / "big-layout", args.big_mb * MB)
+                probe, probe_bytes = _build_big(base / "big-layout", args.big_mb * MB)
                 source = f"oci:{base / 'big-layout'}:big"
             else:
-                probe, source = PROBES[name], f"oci-archive:{FIXTURE_ARCHIVE}:{name}"
+                probe, probe_bytes, source = PROBES[name], None, f"oci-archive:{FIXTURE_ARCHIVE}:{name}"
             image = _image(name, source, registry.host, probe)
             log(f"{name}: pushing to the registry and publishing into the store")
             push(source, image.ref)
             publish_sync(store, base / "publisher", source, f"bench/{name}")
             images.append(image)
+            probe_sizes[name] = probe_bytes
             log(f"{name}: ready in {time.monotonic() - start:.1f} s")
         doc["images"] = [{"name": i.name, "ref": i.ref, "source": i.source, "layers": len(i.layers),
-                          "layer_bytes": i.layer_bytes, "probe": i.probe, "command": i.command}
+                          "layer_bytes": i.layer_bytes, "probe": i.probe, "probe_bytes": probe_sizes[i.name],
+                          "command": i.command}
                          for i in images]
         shutil.rmtree(base / "publisher", ignore_errors=True)
 
@@ -511,12 +518,14 @@ def render(doc: dict[str, Any]) -> str:
                      _f(r["registry_layer_bytes"] / MB, 1), _f(r["registry_other_bytes"] / MB, 3),
                      _f(r["store_bytes_fetched"] / MB, 1), _f(r["disk_bytes"] / MB, 1),
                      _f(ratio["total_seconds"]), _f(ratio["transferred_bytes"], 3), _f(ratio["disk_bytes"], 3),
-                     _f(r.get("publish_seconds"), 1)])
+                     _f(r.get("publish_seconds"), 1),
+                     _f(r["disk_bytes_after_publish"] / MB, 1) if "disk_bytes_after_publish" in r else "-"])
     out.append(_table(["image", "peer", "pull s", "run s", "total s", "reg layers MB", "reg other MB",
-                       "store MB", "disk MB", "total/ovl", "xfer/ovl", "disk/ovl", "published s"], rows, left=2))
+                       "store MB", "disk MB", "total/ovl", "xfer/ovl", "disk/ovl", "published s",
+                       "disk MB then"], rows, left=2))
     out.append("run s: ctr run start to the container's first output; total = pull + run; "
                "xfer = registry + store bytes; /ovl: ratio to overlayfs in the same run (< 1: layerbox less); "
-               "published s: pull start to the image in the store (layerbox-unpack)")
+               "published s: pull start to the image in the store (layerbox-unpack), disk MB then: its disk at that point")
     return "\n".join(out)
 
 
@@ -527,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a fixture tag to measure (repeatable; default: both)")
     parser.add_argument("--big-mb", type=int, default=500,
                         help="MB of files in the big image's top layer (default 500; 0: no big image)")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of every peer and image (median; default 1)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of every peer and image (median; default 3)")
     parser.add_argument("--json", action="store_true", help=f"one JSON document ({SCHEMA}) instead of the table")
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.big_mb < 0:

@@ -568,6 +568,7 @@ def test_bench_containerd_minbase_json() -> None:
     [image] = doc["images"]
     assert image["layers"] == 1
     assert image["layer_bytes"] > 10_000_000
+    assert (image["probe"], image["probe_bytes"]) == ("/etc/passwd", None)
     by_peer = {r["peer"]: r for r in doc["results"]}
     assert list(by_peer) == CONTAINERD_PEERS
     for peer, r in by_peer.items():
@@ -594,8 +595,10 @@ def test_bench_containerd_minbase_json() -> None:
     assert ovl["ratios_to_overlayfs"] == {k: 1.0 for k in ovl["ratios_to_overlayfs"]}
     assert lazy["ratios_to_overlayfs"]["disk_bytes"] == pytest.approx(lazy["disk_bytes"] / ovl["disk_bytes"])
     # the unpacking peer publishes the image in the background, after its pull
-    _positive(unpack, "publish_seconds", "store_bytes_uploaded")
+    _positive(unpack, "publish_seconds", "store_bytes_uploaded", "disk_bytes_after_publish")
     assert unpack["publish_seconds"] > unpack["pull_seconds"]
+    assert "publish_seconds" not in ovl
+    assert "publish_seconds" not in lazy
 
     cleanup = doc["cleanup"]
     assert cleanup["problems"] == []
