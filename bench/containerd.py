@@ -319,10 +319,15 @@ class Host:
 
     def close(self) -> list[str]:
         """Stop everything and unmount what is left; then remove the host's directory."""
-        problems = self.cd.teardown()
-        self.sn.stop()
-        if (self.data_dir / "state").exists():
-            HostMounts(self.data_dir).umount_all(stop_daemon=True)
+        problems: list[str] = []
+        try:
+            problems += self.cd.teardown()
+        finally:  # each step even when the one before failed: no process may outlive the run
+            try:
+                self.sn.stop()
+            finally:
+                if (self.data_dir / "state").exists():
+                    HostMounts(self.data_dir).umount_all(stop_daemon=True)
         left = kmount.mounts_under(self.base)
         problems += [f"left mounted: {mp}" for mp in left]
         for mp in left:
