@@ -578,3 +578,72 @@ def test_bench_sandbox_small_json(tmp_path: Path) -> None:
     assert doc["cleanup"] == {"mounts_left": [], "workdir_removed": True, "problems": []}
     assert kmount.mounts_under(work) == []
     assert list(work.iterdir()) == []
+
+
+CONTAINERD_BENCH = Path(__file__).resolve().parents[1] / "bench" / "containerd.py"
+CONTAINERD_PEERS = ["overlayfs", "layerbox", "layerbox-unpack"]
+
+
+@pytest.mark.slow
+@pytest.mark.root("erofs", "overlay", "fuse")
+def test_bench_containerd_minbase_json() -> None:
+    """The fixture's minbase on each peer, once: the lazy peer pulls no layer blob and writes
+    less to disk than overlayfs, which pulls each blob once; nothing is left behind."""
+    from lazyfetch import kmount
+    from tests.support.containerd import require_containerd2
+    from tests.support.registry import fixture_archive, require_tools
+
+    require_containerd2()
+    require_tools()
+    fixture_archive()
+    require("cmd:runc")
+    doc = json.loads(run([sys.executable, CONTAINERD_BENCH, "--image", "minbase", "--big-mb", "0",
+                          "--repeat", "1", "--json"], timeout=300).stdout)
+
+    assert doc["schema"] == "layerbox.bench.containerd.v1"
+    assert doc["settings"]["images"] == ["minbase"]
+    assert doc["environment"]["containerd"].startswith("containerd ")
+    [image] = doc["images"]
+    assert image["layers"] == 1
+    assert image["layer_bytes"] > 10_000_000
+    assert (image["probe"], image["probe_bytes"]) == ("/etc/passwd", None)
+    by_peer = {r["peer"]: r for r in doc["results"]}
+    assert list(by_peer) == CONTAINERD_PEERS
+    for peer, r in by_peer.items():
+        assert r["image"] == "minbase"
+        _positive(r, "pull_seconds", "run_seconds", "run_exit_seconds", "registry_other_bytes")
+        assert r["total_seconds"] == pytest.approx(r["pull_seconds"] + r["run_seconds"])
+        assert r["run_seconds"] <= r["run_exit_seconds"]
+        assert r["transferred_bytes"] == (r["registry_layer_bytes"] + r["registry_other_bytes"]
+                                          + r["store_bytes_fetched"])
+        assert len(r["runs"]) == 1, peer
+        # the manifests and the config only: kilobytes
+        assert r["registry_other_bytes"] < 100_000, peer
+
+    ovl, lazy, unpack = (by_peer[p] for p in CONTAINERD_PEERS)
+    # containerd's own path fetches each layer blob once, whole, and nothing from the store
+    for r in (ovl, unpack):
+        assert (r["registry_layer_blobs"], r["registry_layer_bytes"]) == (1, image["layer_bytes"])
+        assert r["store_bytes_fetched"] == 0
+        assert r["disk_bytes"] > image["layer_bytes"]  # the blob in the content store and its tree
+    # the image in the store: no layer blob from the registry, only the chunks the run read
+    assert (lazy["registry_layer_blobs"], lazy["registry_layer_bytes"]) == (0, 0)
+    assert 0 < lazy["store_bytes_fetched"] < image["layer_bytes"] / 2
+    assert 0 < lazy["disk_bytes"] < ovl["disk_bytes"] / 2
+    assert ovl["ratios_to_overlayfs"] == {k: 1.0 for k in ovl["ratios_to_overlayfs"]}
+    assert lazy["ratios_to_overlayfs"]["disk_bytes"] == pytest.approx(lazy["disk_bytes"] / ovl["disk_bytes"])
+    # the unpacking peer publishes the image in the background, after its pull
+    _positive(unpack, "publish_seconds", "store_bytes_uploaded", "disk_bytes_after_publish")
+    assert unpack["publish_seconds"] > unpack["pull_seconds"]
+    assert "publish_seconds" not in ovl
+    assert "publish_seconds" not in lazy
+
+    cleanup = doc["cleanup"]
+    assert cleanup["problems"] == []
+    assert cleanup["mounts_left"] == []
+    assert cleanup["workdir_removed"]
+    assert not Path(cleanup["workdir"]).exists()
+    assert kmount.mounts_under(Path(cleanup["workdir"])) == []
+    # containerd, its shims, the snapshotter, the lazyfetch daemon, the registry: all name the workdir
+    left = run(["pgrep", "-a", "-f", f"{cleanup['workdir']}/"], timeout=10, check=False).stdout
+    assert left == b"", f"processes left running: {left.decode()}"

@@ -92,14 +92,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 def _blob_gets(registry: Any, since: int) -> list[str]:
     """Digests of the blobs the registry served after byte ``since`` of its log."""
-    text = registry.log_path.read_bytes()[since:].decode(errors="replace")
-    out = []
-    for line in text.splitlines():  # distribution's logfmt: one "response completed" line per request
-        if "http.request.method=GET" in line and 'msg="response completed"' in line:
-            m = re.search(r'http\.request\.uri="/v2/[^"]*/blobs/(sha256:[0-9a-f]{64})"', line)
-            if m:
-                out.append(m.group(1))
-    return out
+    return [r.digest for r in registry.blob_gets(since)]
 
 
 class Node:

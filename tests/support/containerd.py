@@ -132,7 +132,8 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
 
     def _config_2x(self, snapshotter_socket: Path) -> str:
         # 2.x pulls through its transfer service, which unpacks (and so fetches layers lazily:
-        # only those a snapshotter does not already have) for the snapshotters listed here only
+        # only those a snapshotter does not already have) for the snapshotters listed here only;
+        # listing any replaces its default (overlayfs), which bench/containerd.py pulls with too
         return f"""version = 3
 root = "{self.root}"
 state = "{self.state}"
@@ -156,6 +157,10 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", 
 [[plugins."io.containerd.transfer.v1.local".unpack_config]]
   platform = "linux/amd64"
   snapshotter = "layerbox"
+
+[[plugins."io.containerd.transfer.v1.local".unpack_config]]
+  platform = "linux/amd64"
+  snapshotter = "overlayfs"
 """
 
     def start(self) -> None:
@@ -173,13 +178,17 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", 
 
     def ctr(self, *args: str, check: bool = True, timeout: float = 300, input: bytes | None = None
             ) -> subprocess.CompletedProcess[str]:
-        argv = [self._bin("ctr"), "--address", str(self.socket), "--namespace", NAMESPACE, *args]
+        argv = self.ctr_argv(*args)
         res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
                              input=input.decode() if input is not None else None, env=self.env)
         if check and res.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}\n"
                                  f"containerd log:\n{self.log_tail()}")
         return res
+
+    def ctr_argv(self, *args: str) -> list[str]:
+        """``ctr`` on this containerd's socket and namespace (run it with ``env=self.env``)."""
+        return [self._bin("ctr"), "--address", str(self.socket), "--namespace", NAMESPACE, *args]
 
     def _bin(self, name: str) -> str:
         return str(self.bin_dir / name) if self.bin_dir else name

@@ -29,6 +29,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -269,6 +270,25 @@ class TokenServer:
 # -- docker-registry ------------------------------------------------------------------
 
 
+_LOGFMT = re.compile(r'([\w.]+)=("(?:[^"\\]|\\.)*"|\S*)')
+_BLOB_URI = re.compile(r"^/v2/.+/blobs/(sha256:[0-9a-f]{64})$")
+
+
+@dataclass(frozen=True)
+class Response:
+    """One request the registry answered, from its log: ``written`` is the body's bytes."""
+
+    method: str
+    uri: str
+    status: int
+    written: int
+
+    @property
+    def digest(self) -> str | None:
+        m = _BLOB_URI.match(self.uri)
+        return m.group(1) if m else None
+
+
 class RegistryServer:
     """``docker-registry serve`` on 127.0.0.1:<free port>, storage under ``root``."""
 
@@ -369,6 +389,27 @@ class RegistryServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+    def responses(self, since: int = 0) -> list[Response]:
+        """The requests the registry answered after byte ``since`` of its log, in order.
+
+        distribution logs one logfmt ``response completed`` line per request, quoting a value
+        only when it needs quotes (a URI with ``:`` in it does)."""
+        out = []
+        text = self.log_path.read_bytes()[since:].decode(errors="replace")
+        for line in text.splitlines():
+            if 'msg="response completed"' not in line:
+                continue
+            fields = dict(_LOGFMT.findall(line))
+            out.append(Response(fields.get("http.request.method", "").strip('"'),
+                                fields.get("http.request.uri", "").strip('"'),
+                                int(fields.get("http.response.status", "0")),
+                                int(fields.get("http.response.written", "0"))))
+        return out
+
+    def blob_gets(self, since: int = 0) -> list[Response]:
+        """The successful blob GETs after byte ``since`` of the log (``digest`` set on each)."""
+        return [r for r in self.responses(since) if r.method == "GET" and r.digest and r.status < 300]
 
     def blob_file(self, digest: str) -> Path:
         """Where filesystem storage keeps a blob's bytes (to corrupt them)."""
