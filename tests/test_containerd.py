@@ -228,6 +228,14 @@ def test_a_stored_image_pulls_without_layer_blobs_and_runs_lazily(
         assert re.search(rf"^{chain}\s.*Committed", listing, re.M), listing
     usage = node.ctr("snapshots", "--snapshotter", "layerbox", "usage", fixture_image["chains"][0]).stdout
     assert re.search(r"\d+(\.\d+)? ?[KMG]i?B", usage), usage
+    # an active snapshot made and removed with ctr, as on overlayfs; a committed layer with
+    # children is refused
+    node.ctr("snapshots", "--snapshotter", "layerbox", "prepare", "scratch", fixture_image["chains"][-1])
+    assert re.search(r"^scratch\s.*Active", node.ctr("snapshots", "--snapshotter", "layerbox", "ls").stdout, re.M)
+    node.ctr("snapshots", "--snapshotter", "layerbox", "rm", "scratch")
+    assert "scratch" not in node.ctr("snapshots", "--snapshotter", "layerbox", "ls").stdout
+    refused = node.ctr("snapshots", "--snapshotter", "layerbox", "rm", fixture_image["chains"][0], check=False)
+    assert refused.returncode != 0
     info = json.loads(node.ctr("snapshots", "--snapshotter", "layerbox", "info", fixture_image["chains"][0]).stdout)
     assert info["Labels"]["containerd.io/snapshot/layerbox.layer"].startswith("blake3:"), info
 
