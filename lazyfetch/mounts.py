@@ -470,14 +470,7 @@ class HostMounts:
             if rec is None:
                 raise MountError(f"{target} is not a layerbox mount on this host ({self.data_dir})")
             kmount.umount(target, lazy=lazy, missing_ok=True)
-            for hexd in rec["layers"]:
-                info = state["layers"].get(hexd)
-                if info is None:
-                    continue
-                info["users"] = [u for u in info["users"] if u != target]
-                if not info["users"]:
-                    kmount.umount(info["mountpoint"], lazy=lazy, missing_ok=True)
-                    del state["layers"][hexd]
+            self._drop_users(state, target, rec["layers"], lazy=lazy)
             if discard and rec.get("owned_upper") and rec.get("upper"):
                 shutil.rmtree(Path(rec["upper"]).parent, ignore_errors=True)
 
