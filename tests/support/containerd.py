@@ -20,7 +20,7 @@ from pathlib import Path
 
 from lazyfetch import kmount
 
-from .env import in_ci
+from .env import require, unavailable
 
 NAMESPACE = "layerbox-test"
 READY_TIMEOUT = 30.0
@@ -29,24 +29,13 @@ CONTAINERD2 = Path("/opt/layerbox/containerd-2/usr/bin")
 
 
 def require_containerd2() -> None:
-    import pytest
-
     if not (CONTAINERD2 / "containerd").exists():
-        reason = f"no containerd 2.x at {CONTAINERD2} (`make deps` unpacks Debian's)"
-        if in_ci():
-            pytest.fail(f"CI=true but {reason}", pytrace=False)
-        pytest.skip(reason)
+        unavailable(f"no containerd 2.x at {CONTAINERD2} (`make deps` unpacks Debian's)")
 
 
 def require_containerd() -> None:
-    import pytest
-
-    missing = [t for t in ("containerd", "ctr", "runc", "containerd-shim-runc-v2") if shutil.which(t) is None]
-    if missing:
-        reason = f"missing {' '.join(missing)} (Debian packages containerd, runc: `make deps`)"
-        if in_ci():
-            pytest.fail(f"CI=true but {reason}", pytrace=False)
-        pytest.skip(reason)
+    for program in ("containerd", "ctr", "runc", "containerd-shim-runc-v2"):
+        require(f"cmd:{program}")  # Debian packages containerd, runc: `make deps`
 
 
 class Snapshotter:
