@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as a script: import the checkout
 
 from converters.publish import publish_sync  # noqa: E402
 from lazyfetch import kmount  # noqa: E402
-from sandbox.manager import Sandbox, SandboxManager  # noqa: E402
+from sandbox.host.manager import Sandbox, SandboxManager  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "debian-bookworm.oci.tar"
 REF = "profile/python"

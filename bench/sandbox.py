@@ -12,7 +12,7 @@ nofile 1024):
   (layers mounted by the call, and with another sandbox holding them);
   ``podman run --rm IMAGE /bin/true``; ``podman create`` + ``start`` +
   ``exec``; crun on the unpacked rootfs with a config from
-  ``sandbox.spec.build_spec`` (the same isolation as ours): ``create`` +
+  ``sandbox.backends.container.spec.build_spec`` (the same isolation as ours): ``create`` +
   ``start`` + ``exec``, and ``crun run``.  Teardown is timed apart, so each
   method has a *first exec* and a *cycle* (first exec + teardown) figure.
 * **sustained creations**: ``--concurrency`` workers (creates concurrent too) doing create + first
@@ -25,7 +25,7 @@ nofile 1024):
 * **pause / resume** latency, with and without page-cache reclaim, and the
   peers' ``pause``/``resume`` (``podman pause``/``unpause``, ``crun
   pause``/``resume``).
-* **FnCall** latency through ``sandbox.fncall.WarmPool`` (when that module
+* **FnCall** latency through ``sandbox.pools.fncall.WarmPool`` (when that module
   exists): a command and a python function.
 * **policed network**: create to first exec and exec with a default-deny egress
   policy against none, and one egress counter read in-process (libnftables)
@@ -75,10 +75,16 @@ from converters.publish import publish  # noqa: E402
 from layerstore.errors import LayerboxError  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 from lazyfetch import kmount  # noqa: E402
-from sandbox.cgroups import CgroupLayout  # noqa: E402
-from sandbox.manager import Cancel, Sandbox, SandboxManager  # noqa: E402
-from sandbox.runtime import OciRuntime  # noqa: E402
-from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec  # noqa: E402
+from sandbox.backends.container.runtime import OciRuntime  # noqa: E402
+from sandbox.backends.container.spec import (  # noqa: E402
+    DEFAULT_PATH,
+    IDLE_INIT,
+    Limits,
+    build_process,
+    build_spec,
+)
+from sandbox.host.manager import Cancel, Sandbox, SandboxManager  # noqa: E402
+from sandbox.isolation.cgroups import CgroupLayout  # noqa: E402
 
 SCHEMA = "layerbox.bench.sandbox.v1"
 MiB = 1 << 20
@@ -870,13 +876,13 @@ async def network_section(manager: SandboxManager, n: int) -> dict[str, Any]:
 
 async def fncall_section(manager: SandboxManager, n: int) -> dict[str, Any]:
     try:
-        fncall = importlib.import_module("sandbox.fncall")
+        fncall = importlib.import_module("sandbox.pools.fncall")
     except ModuleNotFoundError as exc:
-        if exc.name != "sandbox.fncall":
-            return {"available": False, "error": f"sandbox.fncall failed to import: {exc}"}
-        return {"available": False, "error": "sandbox.fncall not available"}
+        if exc.name != "sandbox.pools.fncall":
+            return {"available": False, "error": f"sandbox.pools.fncall failed to import: {exc}"}
+        return {"available": False, "error": "sandbox.pools.fncall not available"}
     except Exception as exc:  # the module exists but is broken: say how
-        return {"available": False, "error": f"sandbox.fncall failed to import: {type(exc).__name__}: {exc}"}
+        return {"available": False, "error": f"sandbox.pools.fncall failed to import: {type(exc).__name__}: {exc}"}
     out: dict[str, Any] = {"available": True}
     pool: Any = None
     try:
@@ -1073,8 +1079,8 @@ async def sdk_section(manager: SandboxManager, n: int) -> dict[str, Any]:
     WebSocket and echoed back); and a fork of SDK_FORKS until every fork runs."""
     from aiohttp import web
 
+    from sandbox.edge.app import AuthConfig, SandboxService
     from sandbox.sdk import AsyncSandbox
-    from sandbox.service import AuthConfig, SandboxService
 
     token = "bench-sdk-token-" + uuid.uuid4().hex
     auth = AuthConfig.from_dict({"projects": {"bench": {"tokens": [token], "max_sandboxes": SDK_FORKS + 4}}})

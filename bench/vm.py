@@ -53,8 +53,8 @@ from common import BenchError, emit, log  # noqa: E402
 
 from converters.publish import publish  # noqa: E402
 from layerstore.store import Store  # noqa: E402
-from sandbox.manager import Sandbox, SandboxManager  # noqa: E402
-from sandbox.model import SandboxOptions  # noqa: E402
+from sandbox.core.model import SandboxOptions  # noqa: E402
+from sandbox.host.manager import Sandbox, SandboxManager  # noqa: E402
 
 FIXTURE = ROOT.parent / "shared" / "fixtures" / "debian-bookworm.oci.tar"
 REF = "img/python"

@@ -36,9 +36,9 @@ STORE_LAYOUT = 1  # the key layout this code reads and writes (docs/FORMAT.md "T
 CONFIG_KEY = "config"
 # Documents without layers, kept alive by the refs or checkpoints that name them.
 SCHEMA_RECEIPTS = "layerbox.receipts.v1"
-SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's sandbox options (sandbox.model)
+SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's sandbox options (sandbox.core.model)
 SCHEMA_RUN = "layerbox.run.v1"
-SCHEMA_VM_TEMPLATE = "layerbox.vm-template.v2"  # a saved VM: one layer, its memory and device state (sandbox.vm)
+SCHEMA_VM_TEMPLATE = "layerbox.vm-template.v2"  # a saved VM: one layer, its memory and device state (sandbox.backends.vm.qemu)
 SCHEMA_TRACE = "layerbox.trace.v1"  # not a document: mutable, kept while its document is reachable
 REF_HISTORY = 50
 PART_ORDER = ("base", "workspace", "toolkit")  # lowest first: the mission's base + workspace + toolkit

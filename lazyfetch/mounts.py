@@ -317,7 +317,7 @@ class HostMounts:
                 base.mkdir(mode=0o700)
                 up, work = base / "upper", base / "work"
                 record["owned_upper"] = True
-            else:  # the caller's directory: who may reach it is the caller's choice (sandbox/disk.py)
+            else:  # the caller's directory: who may reach it is the caller's choice (sandbox/isolation/disk.py)
                 up = Path(upper).resolve()
                 work = up.parent / f".{up.name}.work"
             up.mkdir(parents=True, exist_ok=True)

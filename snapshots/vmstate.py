@@ -1,6 +1,6 @@
 """VM memory snapshots in the store: a saved VM's RAM file and device state as one layer.
 
-A template (sandbox/vm.py) is a guest booted once and saved: its RAM stays in a
+A template (sandbox/backends/vm/qemu.py) is a guest booted once and saved: its RAM stays in a
 ``share=on`` memory file and QEMU writes only device state (``x-ignore-shared``).  Published
 here, the two files become one EROFS layer like any other, so the memory file's all-zero
 chunks are holes, its chunks dedup against every other chunk in the store, and a host

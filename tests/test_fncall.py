@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from lazyfetch import kmount
-from sandbox.errors import SandboxError
-from sandbox.fncall import (
+from sandbox.core.errors import SandboxError
+from sandbox.host.manager import SandboxManager
+from sandbox.pools.fncall import (
     POOL_ID_LABEL,
     POOL_LABEL,
     CallArgumentError,
@@ -22,7 +23,6 @@ from sandbox.fncall import (
     WarmPool,
     measure,
 )
-from sandbox.manager import SandboxManager
 from tests.support.sandboxes import PROCESS_ARGS, REF
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]

@@ -27,7 +27,7 @@ from support.proc import run as run_cmd
 from support.sandboxes import REF, kill_daemon, run
 from support.tarbuild import TarBuilder
 
-from sandbox.manager import Sandbox, SandboxManager
+from sandbox.host.manager import Sandbox, SandboxManager
 from tests.support.hosts import Host, publish_sync
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]

@@ -1,6 +1,6 @@
 """Admission on each edge and placement across three edges: real services, real crun, one killed mid-test.
 
-Three ``python -m sandbox.service`` processes on 127.0.0.1 share one file store
+Three ``python -m sandbox.edge`` processes on 127.0.0.1 share one file store
 holding the fixture image.  ``a`` and ``b`` admit up to four sandboxes each;
 ``c`` is configured with ``--max-sandboxes 0`` so that it refuses every create.
 """
@@ -18,8 +18,16 @@ from typing import Any
 import pytest
 
 from lazyfetch import kmount
-from sandbox.admission import Admission, AdmissionConfig, CapacityExceeded, Demand, GiB, MiB, score
-from sandbox.placement import Edge, Placement, PlacementError
+from sandbox.fleet.placement import Edge, Placement, PlacementError
+from sandbox.host.admission import (
+    Admission,
+    AdmissionConfig,
+    CapacityExceeded,
+    Demand,
+    GiB,
+    MiB,
+    score,
+)
 from sandbox.sdk import AsyncSandbox
 from tests.support.edges import EdgeProcess
 from tests.support.edges import http as edge_http

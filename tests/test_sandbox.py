@@ -16,11 +16,11 @@ import pytest
 from support.sandboxes import PROCESS_ARGS, REF, assert_clean, run
 
 from lazyfetch import kmount
-from sandbox import landlock
-from sandbox.errors import InvalidField, PathEscape
-from sandbox.files import RootFiles
-from sandbox.manager import Sandbox, SandboxManager
-from sandbox.spec import CAPABILITIES
+from sandbox.backends.container.files import RootFiles
+from sandbox.backends.container.spec import CAPABILITIES
+from sandbox.core.errors import InvalidField, PathEscape
+from sandbox.host.manager import Sandbox, SandboxManager
+from sandbox.isolation import landlock
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -354,7 +354,7 @@ def test_reconcile_after_manager_crash(manager: SandboxManager, store_url: str) 
 
 def test_a_sandbox_destroyed_under_a_request_is_not_found_not_a_fault(manager: SandboxManager) -> None:
     # the reaper destroys a sandbox between a request's state read and its crun command
-    from sandbox.errors import SandboxNotFound
+    from sandbox.core.errors import SandboxNotFound
 
     box = run(manager.create(REF))
     assert box.state.status == "running"

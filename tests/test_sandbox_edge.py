@@ -27,7 +27,7 @@ from support.sandboxes import (
 )
 
 from lazyfetch import kmount
-from sandbox.manager import SandboxManager
+from sandbox.host.manager import SandboxManager
 from sandbox.sdk import (
     AsyncJob,
     AsyncSandbox,
@@ -260,7 +260,7 @@ def _free_port() -> int:
 
 
 def _start_service(data_dir: Path, store_url: str, tokens: Path, port: int) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "sandbox.service", "--data-dir", str(data_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "sandbox.edge", "--data-dir", str(data_dir),
                              "--store", store_url, "--port", str(port), "--tokens", str(tokens)],
                             cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)

@@ -34,10 +34,10 @@ import pytest
 from support.env import require
 from support.proc import run
 
-from sandbox import landlock
-from sandbox.errors import NotARegularFile, PathEscape
-from sandbox.files import RootFiles
-from sandbox.manager import Sandbox, SandboxManager
+from sandbox.backends.container.files import RootFiles
+from sandbox.core.errors import NotARegularFile, PathEscape
+from sandbox.host.manager import Sandbox, SandboxManager
+from sandbox.isolation import landlock
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 

@@ -49,9 +49,9 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import status_code_conformance
 
 from lazyfetch import kmount
-from sandbox.errors import SandboxNotFound
-from sandbox.manager import SandboxManager
-from sandbox.model import MAX_REF_NAME
+from sandbox.core.errors import SandboxNotFound
+from sandbox.core.model import MAX_REF_NAME
+from sandbox.host.manager import SandboxManager
 from tests.support.sandboxes import REF, ServerThread, serving
 
 pytestmark = [pytest.mark.usefixtures("need_root"),
@@ -67,7 +67,7 @@ INTERNAL_CODES = ("internal", "sandbox_error", "receipts_broken")
 # the 503s the document promises: the edge is full (a create asking for more disk than it has free),
 # every warm pool is busy, the edge is stopping; always retryable
 REFUSALS = ("capacity", "busy", "stopping")
-# a 502 the document promises: nothing listens on the fuzzed port inside the sandbox (sandbox/ports.py)
+# a 502 the document promises: nothing listens on the fuzzed port inside the sandbox (sandbox/edge/ports.py)
 CLOSED_PORT = "port_closed"
 
 

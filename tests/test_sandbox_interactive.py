@@ -20,9 +20,9 @@ import aiohttp
 import blake3
 import pytest
 
-from sandbox.interactive import Limits
-from sandbox.manager import SandboxManager
-from sandbox.service import AuthConfig, SandboxService
+from sandbox.edge.app import AuthConfig, SandboxService
+from sandbox.edge.commands import Limits
+from sandbox.host.manager import SandboxManager
 from tests.support.edges import EdgeProcess
 from tests.support.sandboxes import PROCESS_ARGS, REF, ServerThread, no_sandboxes_left, serving
 

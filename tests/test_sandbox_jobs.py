@@ -18,10 +18,10 @@ from support.sandboxes import PROCESS_ARGS, REF, assert_clean, kill_daemon, run
 from layerstore import gc
 from layerstore.store import Store
 from lazyfetch import kmount
-from sandbox.errors import CommandInProgress, JobNotAdmitting, ReceiptsBroken, SandboxError
-from sandbox.manager import Cancel, ExecResult, SandboxManager
-from sandbox.receipts import receipt_line, verify_receipt_chain
-from sandbox.runs import preempt, resume_run
+from sandbox.core.errors import CommandInProgress, JobNotAdmitting, ReceiptsBroken, SandboxError
+from sandbox.core.receipts import receipt_line, verify_receipt_chain
+from sandbox.host.manager import Cancel, ExecResult, SandboxManager
+from sandbox.host.runs import preempt, resume_run
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 

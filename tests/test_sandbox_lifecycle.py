@@ -20,8 +20,8 @@ from support.sandboxes import REF, ServerThread, no_sandboxes_left, serving
 from layerstore import gc
 from layerstore.backend import ObjectNotFound
 from layerstore.store import Store
-from sandbox.manager import SandboxManager
-from sandbox.model import Maxima, MiB
+from sandbox.core.model import Maxima, MiB
+from sandbox.host.manager import SandboxManager
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 

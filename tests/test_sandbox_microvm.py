@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 from support.sandboxes import REF, run, store_url  # noqa: F401  (the module's store)
 
-from sandbox import microvm
-from sandbox.agent import HEAD, T_READY, AgentConnection, AgentError
-from sandbox.errors import UnsupportedOption
-from sandbox.execs import proc_stat
-from sandbox.manager import Sandbox, SandboxManager
-from sandbox.model import SandboxOptions
+from sandbox.backends.vm import backend as microvm
+from sandbox.backends.vm.agent import HEAD, T_READY, AgentConnection, AgentError
+from sandbox.core.errors import UnsupportedOption
+from sandbox.core.model import SandboxOptions
+from sandbox.host.execs import proc_stat
+from sandbox.host.manager import Sandbox, SandboxManager
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "cmd:qemu-system-x86_64")]
 
@@ -506,7 +506,7 @@ def test_agent_frame_over_the_limit_ends_the_connection(tmp_path: Path) -> None:
 
 
 def test_agent_entry_frame_with_a_lying_name_length(tmp_path: Path) -> None:
-    from sandbox.agent import ENTRY_FIXED, T_ENTRY
+    from sandbox.backends.vm.agent import ENTRY_FIXED, T_ENTRY
     bad = ENTRY_FIXED.pack(0o100644, 0, 0, 0, 1, 0, 0, 1, 1 << 30) + b"x"
     path, t = _fake_guest(tmp_path, HEAD.pack(len(bad) + 5, T_ENTRY, 1) + bad)
     conn = AgentConnection(path, timeout=5)
@@ -612,7 +612,7 @@ def test_fork_and_a_checkpoint_of_a_paused_vm(vms: Any, vm_manager: SandboxManag
 
 def test_preempting_a_job_of_a_container_and_a_microvm(vm_manager: SandboxManager,
                                                         vm_host2: SandboxManager) -> None:
-    from sandbox.runs import preempt, resume_run
+    from sandbox.host.runs import preempt, resume_run
 
     vm_box = run(vm_manager.create(REF, VM.replace(job="both")))
     ct_box = run(vm_manager.create(REF, SandboxOptions(job="both")))
@@ -700,7 +700,7 @@ def test_a_crash_between_a_disk_switch_and_its_state_write_keeps_the_writes(vms:
 
 
 def test_metrics_report_guest_and_host_memory(vms: Any, vm_manager: SandboxManager) -> None:
-    from sandbox.lifecycle import usage
+    from sandbox.edge.lifecycle import usage
 
     box = vms()
     before = usage(vm_manager, box, box.state)

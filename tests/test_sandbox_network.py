@@ -28,10 +28,10 @@ from typing import Any, TypeVar
 import pytest
 from support.env import require
 
-from sandbox.errors import SandboxNotFound
-from sandbox.model import EgressRule, InvalidEgressRule
-from sandbox.network import NetworkConflict, NetworkManager, diff_counters
-from sandbox.spec import CAPABILITIES
+from sandbox.backends.container.spec import CAPABILITIES
+from sandbox.core.errors import SandboxNotFound
+from sandbox.core.model import EgressRule, InvalidEgressRule
+from sandbox.isolation.network import NetworkConflict, NetworkManager, diff_counters
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("cmd:ip", "cmd:nft", "cmd:nsenter")]
 
@@ -365,9 +365,9 @@ def test_crun_container_joins_the_policed_netns(boxes: Any, net: NetworkManager,
                                                  tmp_path: Path) -> None:
     """End to end: crun joins the namespace via spec.build_spec(netns_path=...), with the spec's caps."""
     require("cmd:crun")
-    from sandbox.cgroups import preflight_cgroups
-    from sandbox.runtime import OciRuntime
-    from sandbox.spec import Limits, build_process, build_spec
+    from sandbox.backends.container.runtime import OciRuntime
+    from sandbox.backends.container.spec import Limits, build_process, build_spec
+    from sandbox.isolation.cgroups import preflight_cgroups
 
     layout = preflight_cgroups()
     info = boxes("crun", [allow(server, str(PORT_A))])
@@ -455,7 +455,7 @@ def test_microvm_egress_goes_through_the_same_policy(server: Server, manager: An
     way; a microVM without a network has a NIC on a link that leads nowhere."""
     from support.sandboxes import REF, run
 
-    from sandbox.model import SandboxOptions
+    from sandbox.core.model import SandboxOptions
 
     probe = (f"import socket\nfor port in ({PORT_A}, {PORT_B}):\n    try:\n"
              f"        s = socket.create_connection(('{server.addr}', port), timeout=3); s.sendall(b'hi')\n"

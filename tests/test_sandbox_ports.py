@@ -26,9 +26,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sandbox import ports
-from sandbox.manager import SandboxManager
-from sandbox.network import _on_thread
+from sandbox.edge import ports
+from sandbox.host.manager import SandboxManager
+from sandbox.isolation.network import _on_thread
 from tests.support.sandboxes import REF, ServerThread, serving
 
 pytestmark = [pytest.mark.usefixtures("need_root"),

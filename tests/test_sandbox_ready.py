@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 from support.sandboxes import manager, store_url  # noqa: F401  (module fixtures)
 
-from sandbox.fncall import WarmPool
-from sandbox.manager import SandboxManager
-from sandbox.model import POOL_LABEL, MiB
+from sandbox.core.model import POOL_LABEL, MiB
+from sandbox.host.manager import SandboxManager
+from sandbox.pools.fncall import WarmPool
 from sandbox.sdk import AsyncSandbox, SandboxNotFound
 from tests.support.hosts import publish_sync
 from tests.support.sandboxes import FIXTURE, REF, ServerThread, no_sandboxes_left, serving

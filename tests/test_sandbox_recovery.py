@@ -1,6 +1,6 @@
 """What a crashed or stopped edge leaves behind: real service processes, real crun, real mounts.
 
-``python -m sandbox.service`` runs as a child process on its own data dir against a store
+``python -m sandbox.edge`` runs as a child process on its own data dir against a store
 with the fixture image, and is then ended the two ways an operator ends it:
 
 * ``kill -9`` while a job's sandbox streams two long commands and a FnCall warm pool is
@@ -36,11 +36,11 @@ import pytest
 
 from lazyfetch import kmount
 from lazyfetch.mounts import HostMounts
-from sandbox.model import POOL_LABEL, SandboxState
+from sandbox.backends.container.spec import IDLE_INIT
+from sandbox.core.model import POOL_LABEL, SandboxState
+from sandbox.edge.app import SHUTDOWN_GRACE
 from sandbox.sdk import AsyncSandbox
 from sandbox.sdk import call as sdk_call
-from sandbox.service import SHUTDOWN_GRACE
-from sandbox.spec import IDLE_INIT
 from tests.support.edges import EdgeProcess, cgroup_dirs, cgroup_hierarchies, leftovers
 from tests.support.sandboxes import REF
 

@@ -1,4 +1,4 @@
-"""The seccomp allowlist (sandbox.spec.seccomp_profile) inside real sandboxes: real crun, real kernel.
+"""The seccomp allowlist (sandbox.backends.container.spec.seccomp_profile) inside real sandboxes: real crun, real kernel.
 
 Each row of ATTACKS is a syscall a hostile agent could issue from inside a sandbox
 (through ctypes, so no libc wrapper stands in between) and the answer the profile
@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from support.sandboxes import REF, run
 
-from sandbox import seccomp
-from sandbox import spec as spec_module
-from sandbox.manager import Sandbox, SandboxManager
-from sandbox.spec import ALLOWED_SYSCALLS, DENIED_SYSCALLS, seccomp_profile
+from sandbox.backends.container import spec as spec_module
+from sandbox.backends.container.spec import ALLOWED_SYSCALLS, DENIED_SYSCALLS, seccomp_profile
+from sandbox.host.manager import Sandbox, SandboxManager
+from sandbox.isolation import seccomp
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 

@@ -26,8 +26,8 @@ from support.tarbuild import TarBuilder
 
 from layerstore.store import Store
 from lazyfetch import kmount
-from sandbox.manager import SandboxManager
-from sandbox.model import Maxima
+from sandbox.core.model import Maxima
+from sandbox.host.manager import SandboxManager
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from lazyfetch import kmount
-from sandbox.manager import SandboxManager
+from sandbox.host.manager import SandboxManager
 from sandbox.sdk import (
     AsyncSandbox,
     AuthError,

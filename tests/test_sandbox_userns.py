@@ -32,12 +32,18 @@ from support.env import require
 from support.sandboxes import REF, assert_clean, kill_daemon, run
 
 from lazyfetch import kmount
-from sandbox import idmap
-from sandbox.errors import UnsupportedOption
-from sandbox.files import RootFiles
-from sandbox.manager import Sandbox, SandboxManager
-from sandbox.runs import preempt, resume_run
-from sandbox.spec import DEFAULT_PATH, IDLE_INIT, Limits, build_process, build_spec
+from sandbox.backends.container.files import RootFiles
+from sandbox.backends.container.spec import (
+    DEFAULT_PATH,
+    IDLE_INIT,
+    Limits,
+    build_process,
+    build_spec,
+)
+from sandbox.core.errors import UnsupportedOption
+from sandbox.host.manager import Sandbox, SandboxManager
+from sandbox.host.runs import preempt, resume_run
+from sandbox.isolation import idmap
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -294,7 +300,7 @@ def _timed(manager: SandboxManager, ns_fd: int | None) -> dict[str, float]:
                    "silently bind-mounts the host's /sys (host interfaces visible); needs the netns created "
                    "inside the sandbox's userns, as NetworkManager.create(userns_fd=...) does for the manager")
 def test_joined_network_namespace(manager: SandboxManager) -> None:
-    """sandbox.network hands crun a netns made by host root: sysfs cannot be mounted from our userns."""
+    """sandbox.isolation.network hands crun a netns made by host root: sysfs cannot be mounted from our userns."""
     name = "lbu-" + uuid.uuid4().hex[:8]
     subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
     try:

@@ -15,10 +15,10 @@ import pytest
 from support.sandboxes import REF, run, store_url  # noqa: F401  (the module's store)
 
 from layerstore.store import Store
-from sandbox import vmassets
-from sandbox.errors import InvalidField, UnsupportedOption
-from sandbox.manager import SandboxManager
-from sandbox.model import SandboxOptions
+from sandbox.backends.vm import assets as vmassets
+from sandbox.core.errors import InvalidField, UnsupportedOption
+from sandbox.core.model import SandboxOptions
+from sandbox.host.manager import SandboxManager
 from tests.support.hosts import publish_sync
 from tests.support.vmkernel import kernel_tree
 

@@ -21,14 +21,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, get_type_hints
 
+import aiohttp
 import pytest
 
 import sandbox.sdk as sdk
-from sandbox import errors, sdk_blocking, sdk_errors, sdk_types
-from sandbox.errors import InvalidField
-from sandbox.fncall import FnCalls
-from sandbox.manager import SandboxManager
-from sandbox.model import POOL_LABEL, Maxima, SandboxOptions
+from sandbox.core import errors
+from sandbox.core.errors import InvalidField
+from sandbox.core.model import POOL_LABEL, Maxima, SandboxOptions
+from sandbox.edge.app import AuthConfig, SandboxService
+from sandbox.host.manager import SandboxManager
+from sandbox.pools.fncall import FnCalls
 from sandbox.sdk import (
     AsyncClient,
     AsyncJob,
@@ -50,7 +52,9 @@ from sandbox.sdk import (
     SandboxNotFound,
     ServiceUnavailable,
 )
-from sandbox.service import AuthConfig, SandboxService
+from sandbox.sdk import blocking as sdk_blocking
+from sandbox.sdk import errors as sdk_errors
+from sandbox.sdk import types as sdk_types
 from tests import sdk_sample
 from tests.support.sandboxes import REF, ServerThread, no_sandboxes_left, serving
 
@@ -318,7 +322,7 @@ def test_a_service_that_is_not_there_is_service_unavailable(manager: SandboxMana
         assert isinstance(refused.value, ConnectionError)
         assert refused.value.retryable
         assert refused.value.url == nowhere
-        assert isinstance(refused.value.__cause__, sdk.aiohttp.ClientConnectionError)
+        assert isinstance(refused.value.__cause__, aiohttp.ClientConnectionError)
         with pytest.raises(ServiceUnavailable):
             await sdk.capabilities(url=nowhere, token=ALPHA)
         with pytest.raises(ServiceUnavailable):
@@ -529,8 +533,8 @@ def test_every_public_class_and_method_has_a_docstring() -> None:
 
 # -- the sample agent program ----------------------------------------------------------------------------
 def test_the_sample_agent_program_passes_mypy_strict() -> None:
-    files = ["tests/sdk_sample.py", "sandbox/sdk.py", "sandbox/sdk_errors.py", "sandbox/sdk_types.py",
-             "sandbox/sdk_blocking.py"]
+    files = ["tests/sdk_sample.py", "sandbox/sdk/__init__.py", "sandbox/sdk/client.py", "sandbox/sdk/errors.py",
+             "sandbox/sdk/types.py", "sandbox/sdk/blocking.py"]
     done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", *files],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

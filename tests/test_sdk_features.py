@@ -19,10 +19,10 @@ import aiohttp
 import pytest
 
 import sandbox.sdk as sdk
-from sandbox.errors import InvalidField
-from sandbox.interactive import Limits
-from sandbox.manager import SandboxManager
-from sandbox.model import Maxima, MiB
+from sandbox.core.errors import InvalidField
+from sandbox.core.model import Maxima, MiB
+from sandbox.edge.commands import Limits
+from sandbox.host.manager import SandboxManager
 from sandbox.sdk import (
     AsyncClient,
     AsyncCommandHandle,

@@ -25,7 +25,7 @@ from converters.layer import convert_directory, convert_stream
 from converters.tarstream import KIND_REG, Hole, TarReader
 from layerstore.erofs import format as F
 from layerstore.erofs.reader import ErofsImage
-from sandbox.manager import SandboxManager
+from sandbox.host.manager import SandboxManager
 from tests.support.erofs_tools import fsck_erofs
 from tests.support.proc import run
 from tests.support.sandboxes import assert_clean

@@ -1,4 +1,4 @@
-"""The mapped-ram bitmap's runs (sandbox/vm.py ``_bit_runs``), against a page-by-page reading of
+"""The mapped-ram bitmap's runs (sandbox/backends/vm/qemu.py ``_bit_runs``), against a page-by-page reading of
 the same bits written here from the definition: bit ``i & 7`` of byte ``i >> 3`` is page ``i``."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sandbox.vm import _bit_runs
+from sandbox.backends.vm.qemu import _bit_runs
 
 
 def _runs_by_page(bits: list[bool], value: bool) -> list[tuple[int, int]]:

@@ -741,7 +741,7 @@ def cmd_vm_templates(args: argparse.Namespace) -> int:
 
 
 def cmd_vm_assets(args: argparse.Namespace) -> int:
-    from sandbox import vmassets
+    from sandbox.backends.vm import assets as vmassets
 
     root = pathlib.Path(args.root) if args.root else vmassets.DEFAULT_ROOT
     t = time.perf_counter()
@@ -781,13 +781,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- sandbox commands ------------------------------------------------------------------------
 def _sandbox_manager(args: argparse.Namespace) -> Any:
     from layerstore.store import default_data_dir
-    from sandbox.manager import SandboxManager
+    from sandbox.host.manager import SandboxManager
 
     return SandboxManager(args.data_dir or default_data_dir(), args.store)
 
 
 def _sandbox_cmd(args: argparse.Namespace) -> int:
-    from sandbox.model import UNCAPPED, SandboxOptions
+    from sandbox.core.model import UNCAPPED, SandboxOptions
 
     mgr = _sandbox_manager(args)
     action = args.sandbox_command
@@ -851,13 +851,13 @@ def _sandbox_cmd(args: argparse.Namespace) -> int:
         ids = mgr.pause_job(args.job) if action == "pause-job" else mgr.resume_job(args.job)
         _emit(args, ids, lambda: print("\n".join(ids)))
     elif action == "preempt":
-        from sandbox.runs import preempt
+        from sandbox.host.runs import preempt
 
         run = asyncio.run(preempt(mgr, args.job, timeout=args.grace))
         _emit(args, run.to_json(), lambda: print(f"{run.ref} -> {run.digest} ({len(run.sandboxes)} sandboxes, "
                                                  f"{run.seconds:.2f}s)"))
     elif action == "resume-run":
-        from sandbox.runs import resume_run
+        from sandbox.host.runs import resume_run
 
         run = asyncio.run(resume_run(mgr, args.manifest))
         _emit(args, run.to_json(), lambda: print("\n".join(f"{old} -> {new}" for old, new in run.sandboxes.items())))

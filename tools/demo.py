@@ -791,7 +791,7 @@ def lazy_run(mounts: HostMounts, root: Path, report: Report, say: Say) -> None:
 def two_fresh_hosts(root: Path, store_url: str, names: tuple[str, str], what: str) -> Iterator[tuple[Any, Any]]:
     """Two sandbox managers on fresh data dirs (what a killed demo left there taken down first),
     closed however the block ends, with nothing left mounted under them."""
-    from sandbox.manager import SandboxManager
+    from sandbox.host.manager import SandboxManager
 
     hosts = [root / name for name in names]
     for path in hosts:
@@ -872,7 +872,7 @@ def restore_reads_back(host: Any, ref: str, path: str, what: str) -> tuple[Any, 
 def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
     """The same image as QEMU microVMs: the first on a host boots its template, the next
     restores it; a write, a checkpoint of the VM's disk, and a restore on a second fresh host."""
-    from sandbox.model import SandboxOptions
+    from sandbox.core.model import SandboxOptions
 
     with two_fresh_hosts(root, store_url, ("microvm-host", "microvm-host-restore"), "microvm") as (first, second):
         caps = first.vms.capabilities()
@@ -953,8 +953,8 @@ async def sdk_run(manager: Any, say: Say) -> dict[str, float]:
 
     from aiohttp import web
 
+    from sandbox.edge.app import AuthConfig, SandboxService
     from sandbox.sdk import AsyncSandbox
-    from sandbox.service import AuthConfig, SandboxService
 
     token = secrets.token_hex(16)
     service = SandboxService(manager, AuthConfig.from_dict({"projects": {"demo": {"tokens": [token],

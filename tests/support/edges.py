@@ -1,4 +1,4 @@
-"""Edge services as real processes: ``python -m sandbox.service`` started, waited for, killed or stopped.
+"""Edge services as real processes: ``python -m sandbox.edge`` started, waited for, killed or stopped.
 
 An :class:`EdgeProcess` owns one data dir and one port.  Readiness is the service
 answering its own API; :meth:`EdgeProcess.kill` is the crash an operator sees
@@ -26,8 +26,8 @@ from typing import Any
 from lazyfetch import kmount
 from lazyfetch.errors import KernelMountError
 from lazyfetch.mounts import HostMounts
-from sandbox.errors import SandboxError
-from sandbox.manager import SandboxManager
+from sandbox.core.errors import SandboxError
+from sandbox.host.manager import SandboxManager
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 60.0
@@ -107,7 +107,7 @@ class EdgeProcess:
         self.log = root / f"{name}.log"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "sandbox.service", "--data-dir", str(self.data_dir),
+        self.argv = [sys.executable, "-m", "sandbox.edge", "--data-dir", str(self.data_dir),
                      "--store", store_url, "--port", str(self.port), "--tokens", str(tokens),
                      "--edge-id", name, *extra]
         self.proc: subprocess.Popen[bytes] | None = None

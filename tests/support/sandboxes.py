@@ -17,9 +17,9 @@ import pytest
 from aiohttp import web
 
 from lazyfetch import kmount
-from sandbox.manager import Sandbox, SandboxManager
-from sandbox.model import POOL_LABEL
-from sandbox.service import AuthConfig, SandboxService
+from sandbox.core.model import POOL_LABEL
+from sandbox.edge.app import AuthConfig, SandboxService
+from sandbox.host.manager import Sandbox, SandboxManager
 from tests.support.hosts import publish_sync
 
 from .env import FIXTURE_IMAGE, require

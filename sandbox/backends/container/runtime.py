@@ -1,0 +1,256 @@
+"""``OciRuntime``: the one wrapper around crun, and the host preflight it needs.
+
+Every process this package starts goes through :func:`spawn` (argv lists, a
+new session so a timeout can kill the whole process group, stderr captured).
+One-shot runtime commands use :meth:`OciRuntime._run`, which adds the timeout
+and turns a non-zero exit into :class:`RuntimeFailed` carrying crun's stderr;
+``exec`` streams and so gets the ``Popen`` itself.
+
+The runtime's state lives under ``--root`` (the manager's data dir), so two
+managers (two tests, two "hosts") never see each other's containers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from sandbox.core.errors import HostUnsupported, RuntimeFailed, RuntimeTimeout
+
+log = logging.getLogger("layerbox.sandbox")
+
+DEFAULT_TIMEOUT = 30.0
+
+
+def _sched_idle() -> None:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def spawn(argv: Sequence[str], *, stdin: int | IO[Any] | None = subprocess.DEVNULL,
+          stdout: int | IO[Any] | None = subprocess.PIPE,
+          stderr: int | IO[Any] | None = subprocess.PIPE, sched_idle: bool = False) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (never through a shell) in its own session / process group.
+
+    ``sched_idle`` puts the child under SCHED_IDLE before it execs; the policy
+    is inherited across fork and exec, so everything crun starts for it
+    (the container process and its children) runs only when a CPU is idle.
+    """
+    try:
+        return subprocess.Popen(list(argv), stdin=stdin, stdout=stdout, stderr=stderr,
+                                start_new_session=True, close_fds=True,
+                                preexec_fn=_sched_idle if sched_idle else None)
+    except FileNotFoundError as exc:
+        raise HostUnsupported(f"{argv[0]}: not installed (apt-get install crun util-linux)") from exc
+
+
+def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """``proc.wait(timeout)`` woken by the exit itself: Popen.wait with a timeout polls with
+    sleeps of up to 50 ms, which added several ms to every crun command (measured)."""
+    try:
+        fd = os.pidfd_open(proc.pid)
+    except OSError:  # already reaped, or no pidfd (Linux < 5.3)
+        return proc.wait(timeout=timeout)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(timeout * 1000):
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+    finally:
+        os.close(fd)
+    return proc.wait()
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process group ``spawn`` gave ``proc`` and reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+class OciRuntime:
+    """crun with a private ``--root``; every method is one crun command."""
+
+    def __init__(self, root: str | os.PathLike[str], *, binary: str = "crun",
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.root = Path(root)
+        self.binary = shutil.which(binary) or binary
+        self.timeout = timeout
+
+    def argv(self, *args: str) -> list[str]:
+        return [self.binary, "--root", str(self.root), *args]
+
+    def _run(self, *args: str, timeout: float | None = None, check: bool = True,
+             sched_idle: bool = False) -> subprocess.CompletedProcess[bytes]:
+        # Temp files, not pipes: `crun create` hands its stdio to the container's init,
+        # which would hold a pipe open (and a communicate() waiting) for its whole life.
+        self.root.mkdir(parents=True, exist_ok=True)
+        argv = self.argv(*args)
+        limit = timeout or self.timeout
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            proc = spawn(argv, stdout=out, stderr=err, sched_idle=sched_idle)
+            try:
+                wait_exit(proc, limit)
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                err.seek(0)
+                raise RuntimeTimeout(f"{' '.join(argv)}: no answer in {limit}s (process group killed): "
+                                     f"{err.read(4096).decode(errors='replace').strip()}", argv=argv) from None
+            finally:
+                if proc.poll() is None:
+                    kill_group(proc)
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+        if check and proc.returncode != 0:
+            text = stderr.decode(errors="replace").strip()
+            raise RuntimeFailed(f"{' '.join(argv)} exited {proc.returncode}: {text}", argv=argv,
+                                returncode=proc.returncode, stderr=text)
+        return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def create(self, cid: str, bundle: str | os.PathLike[str], *, pid_file: str | os.PathLike[str],
+               sched_idle: bool = False) -> None:
+        self._run("create", "--bundle", str(bundle), "--pid-file", str(pid_file), cid, sched_idle=sched_idle)
+
+    def start(self, cid: str) -> None:
+        self._run("start", cid)
+
+    def update(self, cid: str, resources: Mapping[str, Any], scratch: str | os.PathLike[str]) -> None:
+        """Set a running container's cgroup limits to ``resources`` (an OCI ``linux.resources``),
+        passed through the file ``scratch`` (in a directory of the caller's own; removed after)."""
+        path = Path(scratch)
+        path.write_text(json.dumps(resources))
+        try:
+            self._run("update", "--resources", str(path), cid)
+        finally:
+            path.unlink(missing_ok=True)
+
+    def state(self, cid: str) -> dict[str, Any] | None:
+        """crun's JSON state, or None when crun does not know ``cid``."""
+        proc = self._run("state", cid, check=False)
+        if proc.returncode != 0:
+            return None
+        return dict(json.loads(proc.stdout))
+
+    def list(self) -> list[dict[str, Any]]:
+        """Every container under ``--root``, as ``crun list`` reports them.
+
+        ``crun list`` fails as a whole when one container's state file vanishes between
+        its directory scan and its read (a delete running beside it: seen under
+        sustained create/delete) or cannot be read at all.  Then each container is
+        asked alone; one that is gone is left out, one that cannot be read is logged.
+        """
+        proc = self._run("list", "--format", "json", check=False)
+        if proc.returncode == 0:
+            text = proc.stdout.decode().strip()
+            return list(json.loads(text)) if text else []
+        out = []
+        for entry in sorted(self.root.iterdir()) if self.root.exists() else []:
+            if not entry.is_dir():
+                continue
+            st = self.state(entry.name)
+            if st is not None:
+                out.append({key: st.get(key) for key in ("id", "pid", "status", "bundle", "created", "owner")})
+            else:
+                with contextlib.suppress(OSError):  # (gone meanwhile: nothing to say)
+                    if any(entry.iterdir()):
+                        log.warning("crun --root %s: container %s has an unreadable state; left out of the "
+                                    "list", self.root, entry.name)
+        return out
+
+    def kill(self, cid: str, sig: str = "KILL", *, all_processes: bool = True) -> None:
+        self._run("kill", *(["--all"] if all_processes else []), cid, sig)
+
+    def pause(self, cid: str) -> None:
+        self._run("pause", cid)
+
+    def resume(self, cid: str) -> None:
+        self._run("resume", cid)
+
+    def delete(self, cid: str, *, force: bool = True) -> None:
+        self._run("delete", *(["--force"] if force else []), cid)
+
+    def exec(self, cid: str, process_json: str | os.PathLike[str], *, pid_file: str | os.PathLike[str],
+             stdin: int | IO[Any] | None, sched_idle: bool = False,
+             console_socket: str | None = None) -> subprocess.Popen[bytes]:
+        """Start ``crun exec`` with a full OCI process document; the caller streams and reaps it.
+
+        ``console_socket``: the process document asks for a terminal, and crun sends the
+        master of the pty it made inside the container to this socket (:class:`ConsoleSocket`).
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        console = ["--console-socket", console_socket] if console_socket is not None else []
+        return spawn(self.argv("exec", *console, "--process", str(process_json), "--pid-file", str(pid_file), cid),
+                     stdin=stdin, sched_idle=sched_idle)
+
+
+CONSOLE_TIMEOUT = 10.0  # crun sends the master before it starts the process: this is only a stuck crun
+
+
+class ConsoleSocket:
+    """Where ``crun exec --console-socket`` sends the master of the pty it made in the container.
+
+    crun opens the pty on the container's own devpts (so the sandbox never gets a host
+    pty), connects to this unix socket and sends the master as SCM_RIGHTS.  The socket
+    lives in a fresh 0700 directory of root's (a unix socket path has 108 bytes: a data
+    dir's bundle may be too deep); :meth:`close` removes both, and a context exit too.
+    """
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="lb-console-")
+        self.path = os.path.join(self._dir, "sock")
+        self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            self._sock.bind(self.path)
+            self._sock.listen(1)
+        except BaseException:
+            self.close()
+            raise
+
+    def receive(self, proc: subprocess.Popen[bytes], timeout: float = CONSOLE_TIMEOUT) -> int:
+        """The master crun sent (the caller closes it); :class:`RuntimeFailed` with crun's stderr
+        when crun exits without sending one, :class:`RuntimeTimeout` when it sends none in time."""
+        assert self._sock is not None
+        deadline = time.monotonic() + timeout
+        while not select.select([self._sock], [], [], 0.05)[0]:
+            if proc.poll() is not None:
+                err = proc.stderr.read(4096).decode(errors="replace").strip() if proc.stderr else ""
+                raise RuntimeFailed(f"crun exec exited {proc.returncode} before sending its terminal: {err}",
+                                    returncode=proc.returncode, stderr=err)
+            if time.monotonic() > deadline:
+                raise RuntimeTimeout(f"crun sent no terminal to {self.path} within {timeout} s")
+        conn, _ = self._sock.accept()
+        with conn:
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            _, fds, _, _ = socket.recv_fds(conn, 4096, 4)
+        if not fds:
+            raise RuntimeFailed(f"crun connected to {self.path} but sent no terminal")
+        for extra in fds[1:]:
+            os.close(extra)
+        return fds[0]
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> ConsoleSocket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

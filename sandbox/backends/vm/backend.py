@@ -1,0 +1,740 @@
+"""The VM backends: what the manager calls for a sandbox with ``isolation="microvm"`` (QEMU's
+microvm machine) or ``isolation="vm"`` (a full q35 VM, optionally booting the image's own kernel).
+
+The manager keeps owning state.json, receipts, leases and admission; this module starts,
+reaches, pauses and stops the VMM (sandbox/backends/vm/qemu.py) and serves a VM's files through its
+agent.  Host state per VM sandbox, under ``boxes/<id>/vm/`` (docs/FORMAT.md Part 5):
+``disk.qcow2`` (its writes, over the template's disk), the VMM's sockets, ``vmm.log`` and
+``console.log``; a VM paused with reclaim is a checkpoint with memory in the store and
+nothing here but its record (``saved.bin``: a pause of a layerbox before that, resumed once).
+Nothing in that directory is written by the guest except through QEMU's own devices.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from layerstore.objects import LayerEntry, Resolved
+from lazyfetch import kmount
+from lazyfetch.errors import LazyfetchError
+from lazyfetch.mounts import HostMounts
+from sandbox.backends.vm import assets as vmassets
+from sandbox.backends.vm import qemu as vm
+from sandbox.backends.vm.agent import AgentConnection, AgentError, GuestFileError, entry_json
+from sandbox.core.errors import HostUnsupported, SandboxStateError, UnsupportedOption
+from sandbox.core.model import SandboxOptions, SandboxState
+from sandbox.isolation.cgroups import CgroupLayout
+from sandbox.isolation.idmap import RangePool
+from sandbox.isolation.network import VM_GUEST_ADDRESS, VM_TAP_ADDRESS, NetworkManager
+
+log = logging.getLogger("layerbox.sandbox")
+
+MAX_DISK_CHAIN = 8  # deltas a checkpoint's disk may stand on; the next one is a whole disk again
+VM_RECORD = "layerbox.vm.v1"
+MAX_PATH = 4096
+
+
+def _guest_path(path: str) -> str:
+    """A path the guest resolves inside the sandbox's root (its agent is chrooted there)."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path or len(path.encode()) > MAX_PATH:
+        raise GuestFileError(errno.EINVAL, f"{path!r}: give an absolute path of at most {MAX_PATH} bytes")
+    return path
+
+
+def _os_error(exc: GuestFileError, path: str) -> OSError:
+    """The guest's errno as the OSError subclass the host file API raises for it."""
+    return OSError(exc.errno, f"{path}: {exc}", path)
+
+
+def _mem_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class GuestFiles:
+    """RootFiles' interface over a VM's agent: the same calls, answers and errors."""
+
+    def __init__(self, conn: Callable[[], AgentConnection]) -> None:
+        self._conn = conn
+
+    @contextlib.contextmanager
+    def _mapped(self, path: str) -> Iterator[None]:
+        try:
+            yield
+        except GuestFileError as exc:
+            raise _os_error(exc, path) from None
+
+    def iter_read(self, path: str, chunk: int = 0) -> Iterator[bytes]:
+        with self._mapped(path):
+            yield from self._conn().iter_read(_guest_path(path))
+
+    def read(self, path: str) -> bytes:
+        return b"".join(self.iter_read(path))
+
+    def download(self, path: str, dst: BinaryIO, chunk: int = 0) -> int:
+        total = 0
+        for data in self.iter_read(path):
+            dst.write(data)
+            total += len(data)
+        return total
+
+    def upload(self, path: str, src: BinaryIO, mode: int = 0o644, chunk: int = 256 << 10) -> int:
+        def chunks() -> Iterator[bytes]:
+            while data := src.read(chunk):
+                yield data
+
+        with self._mapped(path):
+            return self._conn().write(_guest_path(path), chunks(), mode & 0o7777)
+
+    def write(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        return self.upload(path, io.BytesIO(data), mode)
+
+    def mkdir(self, path: str, mode: int = 0o755) -> None:
+        with self._mapped(path):
+            self._conn().mkdir(_guest_path(path), mode & 0o7777)
+
+    def stat(self, path: str) -> os.stat_result:
+        with self._mapped(path):
+            return self._conn().stat(_guest_path(path)).to_stat_result()
+
+    def list(self, path: str = "/") -> list[dict[str, Any]]:
+        with self._mapped(path):
+            return sorted((entry_json(e) for e in self._conn().list(_guest_path(path))), key=lambda e: e["name"])
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        if path.rstrip("/") in ("", "/."):
+            raise OSError(errno.EINVAL, f"{path!r} does not name an entry inside the sandbox", path)
+        with self._mapped(path):
+            self._conn().remove(_guest_path(path), recursive=recursive)
+
+
+def _overlay_number(path: Path) -> int | None:
+    m = re.fullmatch(r"disk-(\d+)\.qcow2", path.name)
+    return int(m[1]) if m else None
+
+
+def _overlay_numbers(vm_dir: Path) -> list[int]:
+    """The numbers of the checkpoint overlays (``disk-<n>.qcow2``) in ``vm_dir``."""
+    return [n for f in vm_dir.glob("disk-*.qcow2") if (n := _overlay_number(f)) is not None]
+
+
+class Vms:
+    """Every VM of one manager, microvm or q35: their VMMs, agent connections and this host's templates."""
+
+    def __init__(self, data_dir: Path, host: HostMounts, layout: Callable[[], CgroupLayout],
+                 net: Callable[[], NetworkManager], uids: Callable[[], RangePool],
+                 assets_root: Path | None = None) -> None:
+        self.templates_dir = data_dir / "vm" / "templates"
+        self.host = host
+        self._layout = layout
+        self._net = net
+        self._uids = uids
+        self.assets_root = assets_root or vmassets.DEFAULT_ROOT
+        self._hv: vm.Hypervisor | None = None
+        self._assets: vmassets.Assets | None = None
+        self._unavailable: str | None = None
+        self._conns: dict[str, AgentConnection] = {}
+        self._lock = threading.Lock()
+
+    # -- the host ---------------------------------------------------------------------------------
+    def prepare(self) -> tuple[vm.Hypervisor, vmassets.Assets]:
+        """The hypervisor and guest assets, found once; HostUnsupported says what is missing."""
+        with self._lock:
+            if self._hv is None or self._assets is None:
+                try:
+                    assets = vmassets.find(self.assets_root)
+                    self._hv, self._assets = vm.hypervisor(assets), assets
+                except (HostUnsupported, vmassets.AssetsError) as exc:
+                    raise HostUnsupported(f"isolation=microvm is not available on this host: {exc}") from None
+            return self._hv, self._assets
+
+    def capabilities(self, isolation: str = "microvm") -> dict[str, Any]:
+        """What ``isolation`` (microvm or vm) provides here, for /v1/capabilities."""
+        try:
+            hv, assets = self.prepare()
+        except HostUnsupported as exc:
+            return {"available": False, "reason": str(exc).replace("isolation=microvm", f"isolation={isolation}")}
+        provides = ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates", "templates_in_store",
+                    "memory_checkpoint", "checkpoint", "restore", "fork", "network"]
+        lacks = ["ports", "interactive"]
+        if isolation == "vm":
+            provides.append("image_kernel")
+            lacks += ["bootloader", "pmem_dax"]
+        return {"available": True, **hv.to_json(), "machine": vm.MACHINES[isolation], "guest_assets": assets.key,
+                "kernel": assets.manifest.get("kernel_version"), "provides": provides, "lacks": lacks}
+
+    def assets_for(self, resolved: Resolved, options: SandboxOptions) -> vmassets.Assets:
+        """The guest assets a sandbox boots: layerbox's, or with ``kernel="image"`` a set around
+        the image's own kernel and modules (built once per image from a read-only lazy mount
+        of it, then kept beside the base set)."""
+        _, base = self.prepare()
+        if options.kernel != "image":
+            return base
+        digests = [x.digest for x in resolved.layers]
+        found = vmassets.load_image_kernel(base, digests)
+        if found is not None:
+            return found
+        key = vmassets.image_kernel_key(base, digests)
+        self.templates_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with vm.template_lock(self.templates_dir, f"kernel-{key}"):
+            target = self.templates_dir / f".kernel-{key}"
+            target.mkdir(mode=0o700, exist_ok=True)
+            if kmount.is_mountpoint(target):
+                self.host.umount(target, discard=True)
+            self.host.mount(Resolved(resolved.digest, "image", resolved.layers, {}, {}), target, trace=False,
+                            fill=False)
+            try:
+                return vmassets.build_image_kernel(base, digests, target)
+            except vmassets.AssetsError as exc:
+                raise UnsupportedOption(f"kernel: {exc}") from None
+            finally:
+                self.host.umount(target, discard=True)
+                with contextlib.suppress(OSError):
+                    target.rmdir()
+
+    def assets_by_key(self, key: str) -> vmassets.Assets:
+        """The set a VM's record names, on this host (a resume, a restart)."""
+        try:
+            return vmassets.load_key(self.assets_root, key)
+        except vmassets.AssetsError as exc:
+            raise SandboxStateError(f"guest assets {key}: {exc}") from None
+
+    # -- the VMM's jail ---------------------------------------------------------------------------
+    def jail_of(self, owner: str) -> tuple[int, int]:
+        """The host uid and gid the VMM of ``owner`` (a sandbox id, or a template boot's name)
+        runs as: the first of a uid range of its own in the manager's pool, the same again for
+        the same owner (a resume), released with the sandbox (the manager's destroy and reconcile)."""
+        base, _ = self._uids().allocate(owner)
+        return base, base
+
+    @contextlib.contextmanager
+    def _template_jail(self, name: str) -> Iterator[tuple[int, int]]:
+        try:
+            yield self.jail_of(name)
+        finally:
+            self._uids().release(name)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def check_options(self, options: SandboxOptions) -> None:
+        """What a microVM cannot be given, refused before anything is made (a 400 naming the field)."""
+        cpus = os.cpu_count() or 1
+        if vm.shape_of(options.cpu, options.memory, options.disk).vcpus > cpus:
+            raise UnsupportedOption(f"cpu: {options.cpu:g} CPUs is more vCPUs than this host's {cpus}")
+        total = _mem_total()
+        if total and options.memory > total:
+            raise UnsupportedOption(f"memory: {options.memory} bytes of guest RAM is more than this host's "
+                                    f"{total}")
+
+    # -- templates --------------------------------------------------------------------------------
+    def shape_for(self, resolved: Resolved, options: SandboxOptions) -> vm.Shape:
+        if resolved.disk is not None:
+            bound = resolved.doc.get("bound", {}).get("vm") or {}
+            return vm.Shape(**bound["shape"])  # the disk's size is the checkpoint's
+        return vm.shape_of(options.cpu, options.memory, options.disk, vm.MACHINES[options.isolation])
+
+    def template_key(self, resolved: Resolved, shape: vm.Shape, assets: vmassets.Assets) -> str:
+        hv, _ = self.prepare()
+        return vm.template_key(hv, assets, [x.digest for x in resolved.layers], shape)
+
+    def host_template(self, key: str) -> vm.Template | None:
+        """This host's template ``key``: booted here (``<key>/``) or mounted from the store
+        (``<key>.store/``), else None."""
+        return (vm.load_template(self.templates_dir / key, key)
+                or vm.load_template(self.templates_dir / f"{key}.store", key))
+
+    def boot_template(self, resolved: Resolved, shape: vm.Shape, assets: vmassets.Assets
+                      ) -> tuple[vm.Template, bool]:
+        """Boot and save the template of ``resolved``, ``shape`` and guest ``assets`` here (unless
+        another call just did); whether this call made it."""
+        hv, _ = self.prepare()
+        layers = [(f["meta"], f["blob"]) for f in self.host.layer_files(resolved)]
+        return vm.ensure_template(self.templates_dir, hv, assets, layers, [x.digest for x in resolved.layers],
+                                  shape, self._scratch_netns, self._template_jail)
+
+    def mount_template(self, key: str, found: Resolved) -> vm.Template:
+        """The store's template ``key`` (``found``, its document) mounted lazily here: its VMs
+        map its memory file, so what they touch is all that is fetched."""
+        target = self.templates_dir / f"{key}.store"
+        self.templates_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with vm.template_lock(self.templates_dir, key):
+            template = self.host_template(key)
+            if template is not None:
+                return template
+            if kmount.is_mountpoint(target):  # a mount whose template.json does not check out
+                self.host.umount(target, discard=True)
+            target.mkdir(mode=0o700, exist_ok=True)
+            self.host.mount(found, target, trace=False)  # fill: a restored guest touches most of what is not zero
+            template = vm.load_template(target, key)
+            if template is None or not template.memory.is_file() or not template.state.is_file():
+                self.host.umount(target, discard=True)
+                raise SandboxStateError(f"template document {found.digest}: its layer has no template {key} "
+                                        "(template.json, memory, state.bin)")
+            return template
+
+    def vm_identity(self, assets_key: str) -> dict[str, Any]:
+        """What a saved VM's state needs of the host it loads on (a checkpoint's ``bound.vm``)."""
+        hv, _ = self.prepare()
+        return {"assets": assets_key, "qemu": ".".join(map(str, hv.version)), "accel": hv.accel,
+                "tsc_khz": hv.tsc_khz, "cpu": vm.cpu_flags() if hv.accel == "kvm" else ""}
+
+    def memory_mismatch(self, resolved: Resolved, assets: vmassets.Assets) -> str | None:
+        """Why the memory image of checkpoint ``resolved`` cannot load here with ``assets``
+        (None: it can); only its disk is restored then."""
+        bound = resolved.doc.get("bound", {}).get("vm") or {}
+        have = self.vm_identity(assets.key)
+        for field in ("assets", "qemu", "accel", "tsc_khz", "cpu"):
+            if bound.get(field, "") != have[field]:
+                return f"its {field} is {bound.get(field)!r}, this host's {have[field]!r}"
+        return None
+
+    def launch(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
+               cgroups_path: str, template: vm.Template | None, assets: vmassets.Assets,
+               prior: Mapping[str, Any] | None = None
+               ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, float]]:
+        """Start the VM of a new sandbox: a restore of ``template`` with the sandbox's own disk:
+        this host's empty ext4, or for a checkpoint its disk image, mounted lazily here (only
+        the blocks the guest reads are fetched).  ``template`` None: the checkpoint's own
+        memory image (its ``vmstate.bin``), so its processes go on where they were.  The VMM
+        runs in the sandbox's network namespace: with ``network`` rules the policed one a
+        container gets, its tap routed (sandbox.isolation.network), else one with nothing but the tap.
+        ``prior``: the record of this sandbox's VM paused to the store, which this launch
+        resumes: its network namespace and guest address stay as they are.
+        Returns the VM record and network for state.json and the timings for the receipt."""
+        hv, _ = self.prepare()
+        chain = resolved.disk_chain
+        shape = self.shape_for(resolved, options)
+        files = self.host.layer_files(resolved)
+        layers = [(f["meta"], f["blob"]) for f in files]
+        t1 = time.perf_counter()
+        vm_dir = box_dir / "vm"
+        vm_dir.mkdir(mode=0o711, exist_ok=True)  # the VMM's chroot: it may traverse it, not list or change it
+        jail = self.jail_of(sid)
+        if chain:
+            nodes = self._mount_disk_chain(resolved, chain, vm_dir)
+        else:
+            nodes = [(str(vm.pristine_disk(self.templates_dir, shape.disk)), "raw")]
+        vm.sandbox_disk(nodes[-1][0], nodes[-1][1], vm_dir / "disk.qcow2", shape.disk, jail)
+        nodes.append((str(vm_dir / "disk.qcow2"), "qcow2"))
+        procs = self._cgroup(cgroups_path, options, shape)
+        if prior is None:
+            network, guest_net = self._network(sid, options)
+        else:
+            kept = prior.get("guest_net")
+            network, guest_net = None, (kept[0], int(kept[1]), kept[2]) if kept else None
+        memory: tuple[Path, int] | None = None
+        if template is None:
+            state_file = vm_dir / f"disk-layer-{len(chain) - 1}" / "vmstate.bin"
+            if not chain or not state_file.is_file():
+                raise SandboxStateError(f"checkpoint {resolved.digest}: its disk layer has no vmstate.bin, "
+                                        "though it is bound with memory")
+            if (resolved.doc.get("bound", {}).get("vm") or {}).get("ram_image") == "exact":
+                # its RAM mapped from the image (fetched as the guest touches it), the rest loaded
+                try:
+                    block = vm.device_state_of(state_file, vm_dir / "devices.bin")
+                    memory, state_file = (state_file, block.pages_offset), vm_dir / "devices.bin"
+                except vm.VmError as exc:
+                    log.warning("checkpoint %s: %s; loading its RAM image whole", resolved.digest, exc)
+        else:
+            state_file = template.state
+        vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, state_file, nodes, procs,
+                                           netns=self._net().netns_path(sid), jail=jail, guest_net=guest_net,
+                                           mapped_ram=template is None, memory=memory)
+        (vm_dir / "devices.bin").unlink(missing_ok=True)
+        with self._lock:
+            self._conns[sid] = conn
+        record: dict[str, Any] = {"schema": VM_RECORD, "machine": shape.machine, "assets": assets.key,
+                  "memory_lazy": memory is not None,
+                  "kernel": assets.manifest.get("kernel_version"), "kernel_from": assets.manifest.get("kernel_from",
+                                                                                                      "layerbox"),
+                  "template": template.key if template is not None else None,
+                  "accel": hv.accel, "qemu": ".".join(map(str, hv.version)), "shape": shape.to_json(),
+                  "layers": [list(x) for x in layers], "vmm_pid": vmm.pid, "vmm_start": vmm.start, "saved": False,
+                  "disk_layer": chain[-1].digest if chain else None,
+                  # the disk as QEMU has it, base first, the last one written; and the store's layers
+                  # equal to all but that last one (None while they are this host's own files)
+                  "disk_nodes": [list(x) for x in nodes],
+                  "disk_chain": [x.to_json() for x in chain] if chain else None}
+        record["guest_net"] = list(guest_net) if guest_net is not None else None
+        return record, network, {"restore_seconds": round(time.perf_counter() - t1, 6)}
+
+    def _network(self, sid: str, options: SandboxOptions) -> tuple[dict[str, Any] | None,
+                                                                   tuple[str, int, str] | None]:
+        net = self._net()
+        if options.network is None:
+            net.create_isolated(sid)
+            return None, None
+        info = net.create(sid, list(options.network), vm=True)
+        return {**info.to_dict(), "policy": net.policy(sid)}, (VM_GUEST_ADDRESS, 30, VM_TAP_ADDRESS)
+
+    @contextlib.contextmanager
+    def _scratch_netns(self, name: str) -> Iterator[Path]:
+        net = self._net()
+        path = net.create_isolated(name)
+        try:
+            yield path
+        finally:
+            net.destroy(name)
+
+    def _mount_disk_chain(self, resolved: Resolved, chain: Sequence[LayerEntry], vm_dir: Path
+                          ) -> list[tuple[str, str]]:
+        """The checkpoint's disk layers mounted read-only under the VM's directory
+        (``disk-layer-<i>``, base first): the base's one file is ``disk.img`` (raw), every
+        other's ``delta.qcow2``.  Their (file, format) nodes, base first."""
+        nodes = []
+        for i, layer in enumerate(chain):
+            target = vm_dir / f"disk-layer-{i}"
+            target.mkdir(exist_ok=True)
+            self.host.mount(Resolved(layer.digest, "image", (layer,), {}, {}), target, trace=False, fill=False)
+            name, fmt = ("disk.img", "raw") if i == 0 else ("delta.qcow2", "qcow2")
+            if not (target / name).is_file():
+                raise SandboxStateError(f"checkpoint {resolved.digest}: its disk layer {layer.digest} has no {name}")
+            nodes.append((str(target / name), fmt))
+        return nodes
+
+    def capture(self, sid: str, box_dir: Path, st: SandboxState, out: Path, *, memory: bool = False,
+                on_snapshot: Callable[[dict[str, Any]], None], keep_stopped: bool = False) -> tuple[float, str]:
+        """Capture the VM's disk into ``out``: ``delta.qcow2``, the clusters written since the
+        disk the VM's record says the store has (``disk_chain``), or with no such chain (a new
+        sandbox's disk is this host's own) or a chain of :data:`MAX_DISK_CHAIN`, the whole
+        disk as a sparse raw ``disk.img``.  With ``memory``, also its RAM and device state of
+        the same instant in ``out/vmstate.bin`` (QEMU's mapped-ram image).
+
+        The guest's page cache is synced, its vCPUs stopped, and its disk switched to a new
+        overlay (``blockdev-add``, ``blockdev-snapshot``): what was written before is frozen, so it is
+        read after the guest runs on.  ``on_snapshot(record)`` is called with the VM record
+        of the new chain at once (its ``disk_chain`` None until the checkpoint lands).
+        ``keep_stopped`` (a pause to the store): the guest is not run on after a capture that
+        succeeded, and its overlays are not merged (:meth:`release` removes them).
+        Returns the seconds the guest was stopped and which file was made."""
+        rec = dict(self._record(st))
+        nodes = [(str(p), f) for p, f in rec.get("disk_nodes") or []]
+        if not nodes:
+            raise SandboxStateError(f"sandbox {sid}: its VM record predates disk chains; checkpoint it "
+                                    "after a restart of its VM, or restore a checkpoint of it")
+        chain = rec.get("disk_chain")
+        if st.status != "running":
+            raise SandboxStateError(f"sandbox {sid} is {st.status}: its disk is captured while it runs")
+        vm_dir = box_dir / "vm"
+        recorded = max((_overlay_number(Path(p)) or 0 for p, _ in nodes), default=0)
+        unrecorded = sorted(n for n in _overlay_numbers(vm_dir) if n > recorded)
+        for n in unrecorded:
+            # an overlay a checkpoint switched the guest to before the state said so (a crash in
+            # between): the guest writes there, so it is the top; what was written since the
+            # store's chain now spans two files, so this capture is a whole disk
+            nodes.append((str(vm_dir / f"disk-{n}.qcow2"), "qcow2"))
+            chain = None
+        # a name no file of this VM has had: a merge shortens the chain, never the numbering
+        top = vm_dir / f"disk-{max([len(nodes), *_overlay_numbers(vm_dir)]) + 1}.qcow2"
+        vm.sandbox_disk(nodes[-1][0], nodes[-1][1], top, int(rec["shape"]["disk"]), self.jail_of(sid))
+        self.conn(sid, box_dir, st).sync()
+        vmm = self.vmm_of(box_dir, st)
+        qmp = vmm.qmp()
+        frozen = list(nodes)
+        # node names are unique in a VMM's life (a merge below removes one); a restarted VMM
+        # names them d0..dn again (vm.disk_args); the active one is asked of the VMM when the
+        # state may not know it
+        active, overlay = rec.get("disk_top_node") or f"d{len(nodes) - 1}", f"o{uuid.uuid4().hex[:12]}"
+        if unrecorded:
+            names = {n.get("file"): n["node-name"] for n in qmp.execute("query-named-block-nodes")
+                     if n.get("drv") == "qcow2"}
+            active = names.get(vm.qemu_path(nodes[-1][0], vm_dir), active)
+
+        def switch() -> None:  # the guest is stopped: its disk goes to the new overlay
+            # the new overlay with the options disk_args gives a restarted VMM its top, then the switch
+            qmp.execute("blockdev-add", **{"driver": "qcow2", "node-name": overlay, "discard": "unmap",
+                                           "backing": None,
+                                           "file": {"driver": "file", "filename": vm.qemu_path(top, top.parent)}})
+            qmp.execute("blockdev-snapshot", node=active, overlay=overlay)
+            rec.update(disk_nodes=[*(list(x) for x in frozen), [str(top), "qcow2"]], disk_chain=None,
+                       disk_top_node=overlay)
+            on_snapshot(rec)
+
+        t = time.perf_counter()
+        captured = False
+        try:
+            if memory:  # RAM copied live; the disk switched in the last pass's stop
+                stopped = vmm.save(out / "vmstate.bin", mapped_ram=True, qmp=qmp, switchover=switch, durable=False)
+                vm.exact_ram_image(out / "vmstate.bin")  # so a restore can map it (bound.vm.ram_image)
+            else:
+                qmp.execute("stop")  # also drains and flushes every block device
+                switch()
+            captured = True
+        finally:
+            try:
+                if not (keep_stopped and captured):
+                    qmp.execute("cont")
+            finally:
+                qmp.close()
+        if not memory:
+            stopped = time.perf_counter() - t
+        try:
+            if chain and len(chain) < MAX_DISK_CHAIN:
+                # the frozen overlay is exactly what was written since the chain's top
+                subprocess.run(["cp", "--sparse=always", frozen[-1][0], str(out / "delta.qcow2")], check=True,
+                               capture_output=True, text=True)
+                made = "delta.qcow2"
+            else:
+                # -U: the VMM holds the images' locks (it reads them, it writes only the new overlay)
+                subprocess.run(["qemu-img", "convert", "-U", "--image-opts", vm.chain_image_opts(frozen),
+                                "-O", "raw", "-S", "4k", str(out / "disk.img")], check=True, capture_output=True,
+                               text=True)
+                made = "disk.img"
+        except subprocess.CalledProcessError as exc:
+            raise SandboxStateError(f"sandbox {sid}: reading its disk failed: {exc.stderr.strip()}") from None
+        if not keep_stopped:
+            self._merge_frozen(sid, box_dir, st, rec, on_snapshot)
+        return stopped, made
+
+    def _merge_frozen(self, sid: str, box_dir: Path, st: SandboxState, rec: dict[str, Any],
+                      on_snapshot: Callable[[dict[str, Any]], None]) -> None:
+        """Keep the VM's own overlays at two however often it checkpoints: the one a checkpoint
+        just froze is committed into the local overlay under it (``block-commit``, while the
+        guest runs) and leaves the chain.  Only this VM's files in its directory are merged
+        into; a checkpoint's mounted layers and this host's pristine ext4 never are.  A crash
+        meanwhile leaves the frozen overlay in the state and on disk, and the chain reads the
+        same through it (every cluster it has is also in the one under it, or not yet)."""
+        nodes = [(str(p), f) for p, f in rec["disk_nodes"]]
+        vm_dir = box_dir / "vm"
+
+        def local(path: str) -> bool:
+            return Path(path).parent == vm_dir and Path(path).name.startswith("disk") and path.endswith(".qcow2")
+
+        if len(nodes) < 3 or not (local(nodes[-2][0]) and local(nodes[-3][0])):
+            return
+        qmp = self.vmm_of(box_dir, st).qmp()
+        try:
+            names = {n.get("file"): n["node-name"] for n in qmp.execute("query-named-block-nodes")
+                     if n.get("drv") == "qcow2"}
+            top, base = names.get(vm.qemu_path(nodes[-2][0], vm_dir)), names.get(vm.qemu_path(nodes[-3][0], vm_dir))
+            if top is None or base is None:
+                log.warning("sandbox %s: its frozen overlay is not in its VMM's graph; left unmerged", sid)
+                return
+            job = f"merge-{uuid.uuid4().hex[:8]}"
+            qmp.execute("block-commit", **{"job-id": job, "device": rec["disk_top_node"], "top-node": top,
+                                           "base-node": base, "auto-dismiss": False})
+            deadline = time.monotonic() + 600
+            while True:
+                info = next((j for j in qmp.execute("query-jobs") if j["id"] == job), None)
+                if info is None or info["status"] == "concluded":
+                    break
+                if time.monotonic() > deadline:
+                    qmp.execute("job-cancel", id=job)
+                    raise SandboxStateError(f"sandbox {sid}: merging its frozen overlay took over 600 s")
+                time.sleep(0.01)
+            if info is not None:
+                qmp.execute("job-dismiss", id=job)
+                if info.get("error"):
+                    log.warning("sandbox %s: merging its frozen overlay failed: %s", sid, info["error"])
+                    return
+        finally:
+            qmp.close()
+        merged = nodes[-2][0]
+        rec["disk_nodes"] = [list(x) for x in (*nodes[:-2], nodes[-1])]
+        on_snapshot(rec)  # the state stops naming it before it is deleted
+        Path(merged).unlink(missing_ok=True)
+
+    def _cgroup(self, cgroups_path: str, options: SandboxOptions, shape: vm.Shape) -> list[Path]:
+        """The VMM's cgroup with the sandbox's limits: the guest's RAM plus the VMM's own, its
+        CPU quota and class, and pids (the VMM's threads; the guest's processes are the guest's)."""
+        layout = self._layout()
+        limits = {
+            "memory": shape.memory + vm.VMM_OVERHEAD,
+            "pids": max(64, options.pids),
+            "cpu_quota": max(1000, int(options.cpu * 100_000)),
+            "cpu_shares": 2 if options.cpu_class == "best-effort" else max(2, int(1024 * options.cpu)),
+        }
+        return layout.make(cgroups_path, limits)
+
+    def _record(self, st: SandboxState) -> Mapping[str, Any]:
+        if st.vm is None:
+            raise SandboxStateError(f"sandbox {st.id} has no VM record")
+        return st.vm
+
+    def vmm_of(self, box_dir: Path, st: SandboxState) -> vm.Vmm:
+        rec = self._record(st)
+        return vm.Vmm(box_dir / "vm", int(rec["vmm_pid"]), int(rec["vmm_start"]))
+
+    def alive(self, box_dir: Path, st: SandboxState) -> bool:
+        return st.vm is not None and (st.vm.get("saved") or self.vmm_of(box_dir, st).alive())
+
+    def conn(self, sid: str, box_dir: Path, st: SandboxState) -> AgentConnection:
+        """The agent of a running VM, reconnected when this manager did not make the connection."""
+        with self._lock:
+            conn = self._conns.get(sid)
+            if conn is not None and not conn.closed:
+                return conn
+        if st.status != "running":
+            raise SandboxStateError(f"sandbox {sid} is {st.status}: its VM's agent is reachable only while it runs")
+        vmm = self.vmm_of(box_dir, st)
+        if not vmm.alive():
+            raise SandboxStateError(f"sandbox {sid}: its VMM ({vmm.pid}) is gone; destroy it")
+        try:
+            conn = vm.connect_agent(vmm, timeout=10.0)
+        except vm.VmError as exc:
+            raise SandboxStateError(f"sandbox {sid}: its guest agent does not answer: {exc}") from None
+        with self._lock:
+            self._conns[sid] = conn
+        return conn
+
+    def _drop_conn(self, sid: str) -> None:
+        with self._lock:
+            conn = self._conns.pop(sid, None)
+        if conn is not None:
+            conn.close()
+
+    def pause(self, sid: str, box_dir: Path, st: SandboxState) -> None:
+        """Stop the guest's vCPUs (a pause without reclaim: the VMM and its RAM stay)."""
+        qmp = self.vmm_of(box_dir, st).qmp()
+        try:
+            qmp.execute("stop")
+        finally:
+            qmp.close()
+
+    def ensure_running(self, box_dir: Path, st: SandboxState) -> bool:
+        """Run on a guest the state says runs but whose vCPUs are stopped (a manager that died
+        in a pause to the store, between the capture and its state write); whether it had to."""
+        try:
+            qmp = self.vmm_of(box_dir, st).qmp(timeout=5.0)
+        except (vm.VmError, OSError, AgentError):
+            return False
+        try:
+            if qmp.execute("query-status")["status"] in ("paused", "postmigrate"):
+                qmp.execute("cont")
+                return True
+            return False
+        except (vm.VmError, OSError):
+            return False
+        finally:
+            qmp.close()
+
+    def release(self, sid: str, box_dir: Path, st: SandboxState) -> dict[str, Any]:
+        """After a pause's checkpoint landed in the store: stop the VMM (its guest stopped since
+        the capture) and remove the VM's disk files and mounts here; the VM record left."""
+        rec = dict(self._record(st))
+        self._drop_conn(sid)
+        if rec.get("vmm_pid"):
+            self.vmm_of(box_dir, st).quit()
+        vm_dir = box_dir / "vm"
+        self._unmount_disk_layers(vm_dir)
+        for f in vm_dir.glob("disk*.qcow2"):
+            f.unlink()
+        rec.update(vmm_pid=0, vmm_start=0, disk_nodes=None, disk_top_node=None)
+        return rec
+
+    def resume(self, sid: str, box_dir: Path, st: SandboxState, cgroups_path: str) -> tuple[dict[str, Any], float]:
+        """Run a paused VM on: its vCPUs, or (a record of an older layerbox) its ``saved.bin``.
+        A VM paused to the store is resumed by the manager (:meth:`launch` with ``prior``)."""
+        rec = dict(self._record(st))
+        t = time.perf_counter()
+        if not rec.get("saved"):
+            qmp = self.vmm_of(box_dir, st).qmp()
+            try:
+                qmp.execute("cont")
+            finally:
+                qmp.close()
+            return rec, time.perf_counter() - t
+        hv, _ = self.prepare()
+        assets = self.assets_by_key(rec["assets"])  # SandboxStateError: this host has no longer that set
+        template = self.host_template(rec["template"]) if rec["template"] is not None else None
+        if template is None and rec["template"] is not None:
+            raise SandboxStateError(f"sandbox {sid} was saved over template {rec['template']}, which this host "
+                                    "no longer has: it cannot resume; destroy it")
+        shape = vm.Shape(**rec["shape"])
+        layers = [(m, b) for m, b in rec["layers"]]
+        saved = box_dir / "vm" / "saved.bin"
+        procs = self._cgroup(cgroups_path, st.options, shape)
+        guest = rec.get("guest_net")
+        # a record of an older layerbox: its qcow2 names its backing file itself
+        nodes = [(str(p), f) for p, f in rec.get("disk_nodes") or [[box_dir / "vm" / "disk.qcow2", "qcow2"]]]
+        recorded = max((_overlay_number(Path(p)) or 0 for p, _ in nodes), default=0)
+        for n in sorted(x for x in _overlay_numbers(box_dir / "vm") if x > recorded):
+            # an overlay a checkpoint switched to before the state said so (a crash in between): the
+            # guest has written there since, so it goes on top (unused, it is an empty overlay)
+            nodes.append((str(box_dir / "vm" / f"disk-{n}.qcow2"), "qcow2"))
+        rec["disk_nodes"] = [list(x) for x in nodes]
+        rec["disk_top_node"] = f"d{len(nodes) - 1}"  # a new VMM's names (vm.disk_args)
+        jail = self.jail_of(sid)
+        vm_dir = box_dir / "vm"
+        vm_dir.chmod(0o711)  # (a VM saved by a layerbox before the jail: its directory was 0700, its disks root's)
+        for p, _ in nodes:
+            if Path(p).parent == vm_dir:
+                os.chown(p, *jail, follow_symlinks=False)
+        vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, nodes, procs,
+                                           netns=self._net().netns_path(sid), jail=jail,
+                                           guest_net=(guest[0], int(guest[1]), guest[2]) if guest else None)
+        with self._lock:
+            self._conns[sid] = conn
+        saved.unlink()
+        rec.update(saved=False, vmm_pid=vmm.pid, vmm_start=vmm.start)
+        return rec, time.perf_counter() - t
+
+    def destroy(self, sid: str, box_dir: Path, st: SandboxState | None, cgroup_dirs: Sequence[Path] = ()) -> None:
+        """Stop the VMM and remove the VM's files.  The VMM is found by its record and, should the
+        record be missing (a crash between its start and the state write), by the sandbox's cgroup,
+        where nothing but the VMM runs."""
+        self._drop_conn(sid)
+        if st is not None and st.vm is not None and st.vm.get("vmm_pid"):
+            self.vmm_of(box_dir, st).kill()
+        for d in cgroup_dirs:
+            with contextlib.suppress(OSError, ValueError):
+                for pid in {int(x) for x in (d / "cgroup.procs").read_text().split()}:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(pid, 0)
+        vm_dir = box_dir / "vm"
+        self._unmount_disk_layers(vm_dir)  # after the VMM: it read its backing files from there
+        shutil.rmtree(vm_dir, ignore_errors=True)
+
+    def _unmount_disk_layers(self, vm_dir: Path) -> None:
+        for target in sorted(vm_dir.glob("disk-layer*")) if vm_dir.is_dir() else ():  # (disk-layer: older)
+            with contextlib.suppress(LazyfetchError, OSError):
+                self.host.umount(target, discard=True)
+            if kmount.is_mountpoint(target):
+                kmount.umount(target, lazy=True, missing_ok=True)
+            with contextlib.suppress(OSError):
+                target.rmdir()
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close()
+
+    def prune_templates(self, keep: Sequence[str] = ()) -> list[str]:
+        """Remove this host's templates but ``keep``, booted or mounted; a template is derived
+        data, mounted from the store or booted again on demand."""
+        removed = []
+        if self.templates_dir.is_dir():
+            for d in self.templates_dir.iterdir():
+                key = d.name.removesuffix(".store")
+                if not d.is_dir() or key in keep or key.startswith("."):
+                    continue
+                with vm.template_lock(self.templates_dir, key):
+                    if kmount.is_mountpoint(d):
+                        self.host.umount(d, discard=True)
+                    shutil.rmtree(d, ignore_errors=True)
+                removed.append(d.name)
+        return removed
+
+
+__all__ = ["AgentError", "GuestFiles", "Vms"]

@@ -1,0 +1,126 @@
+"""Host paths of the sandbox manager, opened only beneath the directory that owns them.
+
+Every host path the manager touches for a sandbox is derived from its checked
+id (:func:`sandbox.core.model.check_sandbox_id`) and opened with
+``openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)``
+relative to a directory of the data dir: even a name our code got wrong, or a
+symlink someone planted, cannot make a state, receipt or bundle file resolve
+outside it.  Directories are made mode 0700 (0711 where a user-namespaced
+sandbox's uid must traverse them, see the manager).
+
+Layout under ``<data-dir>/sandbox/`` (docs/FORMAT.md, "Sandbox host state")::
+
+    runtime/               crun --root
+    boxes/<id>/state.json  the sandbox's SandboxState
+    boxes/<id>/bundle/     config.json and each running exec's process document and pid file
+    receipts/<id>.jsonl    its receipt log
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from pathlib import Path
+
+from sandbox.core.errors import HostUnsupported
+from sandbox.core.model import check_sandbox_id
+
+SYS_OPENAT2 = 437  # the same number on x86_64 and in the generic table (arm64)
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+RESOLVE_IN_ROOT = 0x10
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dir_fd: int, path: str, flags: int, mode: int, resolve: int) -> int:
+    """``openat2(2)``; raises ``OSError`` with the kernel's errno (EAGAIN is retried: a rename
+    somewhere made the kernel unsure a ``..`` stayed inside, the documented answer is to retry)."""
+    # openat2 refuses a mode without O_CREAT/O_TMPFILE (EINVAL), unlike open(2)
+    how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & (os.O_CREAT | os.O_TMPFILE) else 0, resolve)
+    encoded = os.fsencode(path)
+    for _ in range(64):
+        fd = _libc.syscall(SYS_OPENAT2, dir_fd, encoded, ctypes.byref(how), ctypes.sizeof(how))
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        if err != errno.EAGAIN:
+            break
+    if err == errno.ENOSYS:
+        raise HostUnsupported("openat2(2) is unavailable (Linux >= 5.6 needed): layerbox opens sandbox "
+                              "paths only with its RESOLVE_* guarantees")
+    raise OSError(err, os.strerror(err), path)
+
+
+STRICT = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+
+
+def open_beneath(base: str | os.PathLike[str], rel: str, flags: int, mode: int = 0o600) -> int:
+    """Open ``rel`` (no symlinks anywhere, no ``..`` above) beneath the directory ``base``."""
+    dir_fd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return openat2(dir_fd, rel, flags, mode, STRICT)
+    finally:
+        os.close(dir_fd)
+
+
+def read_beneath(base: str | os.PathLike[str], rel: str) -> bytes:
+    fd = open_beneath(base, rel, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def replace_beneath(base: str | os.PathLike[str], rel: str, data: bytes) -> None:
+    """Write ``rel`` whole: a temp file beside it, then ``rename`` over it (readers see old or new).
+
+    No fsync: these files describe processes and mounts that a host crash ends anyway;
+    reconcile rebuilds from what the kernel still has.
+    """
+    parent, _, name = rel.rpartition("/")
+    dir_fd = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        pdir = openat2(dir_fd, parent or ".", os.O_PATH | os.O_DIRECTORY, 0, STRICT)
+        try:
+            tmp = f".{name}.{os.getpid()}.tmp"
+            fd = openat2(pdir, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600, STRICT)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=pdir, dst_dir_fd=pdir)
+        finally:
+            os.close(pdir)
+    finally:
+        os.close(dir_fd)
+
+
+class SandboxPaths:
+    """Where one manager keeps what it knows; every per-sandbox path goes through a checked id."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.root = data_dir / "sandbox"
+        self.boxes = self.root / "boxes"
+        self.receipts = self.root / "receipts"
+        self.runtime = self.root / "runtime"
+
+    def box(self, sid: str) -> Path:
+        return self.boxes / check_sandbox_id(sid)
+
+    def ensure(self) -> None:
+        """Make the manager's directories 0700 (and tighten looser ones left by older versions)."""
+        for d in (self.root, self.boxes, self.receipts):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            mode = d.stat().st_mode & 0o777
+            if mode & 0o066:  # never readable or writable by others; o+x may stay (userns, see manager)
+                d.chmod(mode & 0o711)

@@ -1,0 +1,259 @@
+"""cgroups of sandboxes: the host's layout (v1, hybrid or v2) and what the manager reads and writes there.
+
+crun makes each sandbox's cgroup (``/<parent>/<id>``, one parent per data dir)
+from the OCI config; this module only finds the directories, reads usage for
+receipts and a sandbox's metrics (CPU seconds, memory now and peak, pids, OOM kills), reclaims a paused
+sandbox's memory, tells whether a pid really lives in a sandbox's cgroup (the
+identity check of its init: a state file's pid is never trusted alone), and
+removes the directories once their tasks are gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sandbox.core.errors import HostUnsupported
+
+log = logging.getLogger("layerbox.sandbox")
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+V1_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "hugetlb",
+                  "net_cls", "net_prio", "perf_event", "rdma", "misc")
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    """How this host mounts cgroups: ``v2`` (unified) or ``v1`` (legacy or hybrid)."""
+
+    version: int
+    v1: dict[str, Path] = field(default_factory=dict)  # controller -> hierarchy mount
+    # hierarchies without a controller we use that crun still puts every container in (on a hybrid
+    # host: name=systemd and the cgroup2 at unified/); only ever cleaned up, never read or written
+    others: tuple[Path, ...] = ()
+
+    def dirs(self, cgroups_path: str) -> list[Path]:
+        """Every directory a container with ``cgroups_path`` has (or had) on this host."""
+        rel = cgroups_path.lstrip("/")
+        if self.version == 2:
+            return [CGROUP_ROOT / rel]
+        return sorted({root / rel for root in (*self.v1.values(), *self.others)})
+
+    def controller_dir(self, controller: str, cgroups_path: str) -> Path | None:
+        rel = cgroups_path.lstrip("/")
+        if self.version == 2:
+            return CGROUP_ROOT / rel
+        root = self.v1.get(controller)
+        return root / rel if root else None
+
+    def _read(self, cgroups_path: str, controller: str, v1: str, v2: str) -> str | None:
+        d = self.controller_dir(controller, cgroups_path)
+        try:
+            return (d / (v2 if self.version == 2 else v1)).read_text() if d else None
+        except OSError:
+            return None
+
+    # -- what receipts record -----------------------------------------------------------------------
+    def oom_kills(self, cgroups_path: str) -> int:
+        text = self._read(cgroups_path, "memory", "memory.oom_control", "memory.events") or ""
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def cpu_seconds(self, cgroups_path: str) -> float | None:
+        """CPU seconds the cgroup has used so far."""
+        text = self._read(cgroups_path, "cpuacct", "cpuacct.usage", "cpu.stat")
+        if text is None:
+            return None
+        if self.version == 1:
+            return int(text) / 1e9
+        fields = dict(line.split() for line in text.splitlines() if line.strip())
+        return int(fields.get("usage_usec", 0)) / 1e6
+
+    def memory_peak(self, cgroups_path: str) -> int | None:
+        text = self._read(cgroups_path, "memory", "memory.max_usage_in_bytes", "memory.peak")
+        return int(text) if text and text.strip().isdigit() else None
+
+    def memory_current(self, cgroups_path: str) -> int | None:
+        """Bytes the cgroup is charged now (page cache included, as the limit counts it)."""
+        text = self._read(cgroups_path, "memory", "memory.usage_in_bytes", "memory.current")
+        return int(text) if text and text.strip().isdigit() else None
+
+    def pids_current(self, cgroups_path: str) -> int | None:
+        text = self._read(cgroups_path, "pids", "pids.current", "pids.current")
+        return int(text) if text and text.strip().isdigit() else None
+
+    # -- pause with reclaim ---------------------------------------------------------------------------
+    def reclaim(self, cgroups_path: str) -> dict[str, int] | None:
+        """Push the cgroup's page cache out of memory: ``{"before", "after"}`` bytes charged."""
+        d = self.controller_dir("memory", cgroups_path)
+        if d is None:
+            return None
+        usage_file = d / ("memory.current" if self.version == 2 else "memory.usage_in_bytes")
+        before = int(usage_file.read_text())
+        try:
+            if self.version == 2:
+                (d / "memory.reclaim").write_text(str(before))
+            else:
+                (d / "memory.force_empty").write_text("0")
+        except OSError as exc:  # EAGAIN/EBUSY: reclaimed what it could
+            log.info("reclaim of %s stopped early: %s", d, exc)
+        return {"before": before, "after": int(usage_file.read_text())}
+
+    # -- identity and removal -------------------------------------------------------------------------
+    def holds(self, pid: int, cgroups_path: str) -> bool:
+        """Whether ``pid`` is a task of the cgroup ``cgroups_path`` (or of one below it).
+
+        A pid from a state file names the sandbox's init only if the kernel puts it in
+        the sandbox's own cgroup: a reused pid, or a number from anywhere else, does not.
+        """
+        want = "/" + cgroups_path.strip("/")
+        try:
+            text = Path(f"/proc/{pid}/cgroup").read_text()
+        except OSError:
+            return False
+        for line in text.splitlines():
+            _, controllers, path = line.split(":", 2)
+            # v2 ("0::/path"); on v1 one memory or pids line is enough (crun sets them all)
+            if self.version == 2 and controllers != "":
+                continue
+            if self.version == 1 and not {"memory", "pids"} & set(controllers.split(",")):
+                continue
+            if path == want or path.startswith(want + "/"):
+                return True
+        return False
+
+    def make(self, cgroups_path: str, limits: dict[str, int]) -> list[Path]:
+        """Make ``cgroups_path`` with ``limits`` (memory, pids, cpu_quota per 100 ms, cpu_shares) for a
+        process the manager starts itself (a VMM; crun makes a container's).  Returns the
+        ``cgroup.procs`` files the process writes its pid to before it execs."""
+        wants: dict[str, dict[str, dict[str, int | str]]] = {"memory": {"v1": {"memory.limit_in_bytes": limits["memory"]}, "v2": {"memory.max": limits["memory"],
+                                                                                     "memory.swap.max": 0}},
+                 "pids": {"v1": {"pids.max": limits["pids"]}, "v2": {"pids.max": limits["pids"]}},
+                 "cpu": {"v1": {"cpu.cfs_period_us": 100_000, "cpu.cfs_quota_us": limits["cpu_quota"],
+                                "cpu.shares": limits["cpu_shares"]},
+                         "v2": {"cpu.max": f"{limits['cpu_quota']} 100000",
+                                "cpu.weight": max(1, min(10_000, limits["cpu_shares"] * 100 // 1024))}}}
+        rel = cgroups_path.strip("/")
+        if self.version == 2:
+            parts = rel.split("/")
+            for depth in range(len(parts)):  # every level passes the controllers down
+                d = CGROUP_ROOT.joinpath(*parts[:depth])
+                (d / parts[depth]).mkdir(exist_ok=True)
+                with open(d / "cgroup.subtree_control", "w") as f:
+                    f.write("+memory +pids +cpu")
+            d = CGROUP_ROOT / rel
+            for files in wants.values():
+                for name, value in files["v2"].items():
+                    (d / name).write_text(str(value))
+            return [d / "cgroup.procs"]
+        procs = []
+        for d in sorted(set(self.dirs(cgroups_path))):
+            d.mkdir(parents=True, exist_ok=True)
+            procs.append(d / "cgroup.procs")
+        cpuset = self.v1.get("cpuset")
+        if cpuset is not None:  # a v1 cpuset takes no task until its cpus and mems are set
+            d = cpuset
+            for part in rel.split("/"):
+                parent, d = d, d / part
+                for name in ("cpuset.cpus", "cpuset.mems"):
+                    if not (d / name).read_text().strip():
+                        (d / name).write_text((parent / name).read_text())
+        for controller, files in wants.items():
+            cd = self.controller_dir(controller, cgroups_path)
+            if cd is None:
+                continue
+            for name, value in files["v1"].items():
+                (cd / name).write_text(str(value))
+        return procs
+
+    def remove(self, cgroups_path: str, *, wait: float = 5.0) -> bool:
+        """rmdir every directory of ``cgroups_path``; True when none is left.
+
+        A killed init lingers a few ms (longer: a zombie of a slow PID 1, a loaded host),
+        so a busy directory is retried for up to ``wait`` seconds, then left (and logged)
+        for the next reconcile.
+        """
+        clean = True
+        for d in self.dirs(cgroups_path):
+            deadline, pause = time.monotonic() + wait, 0.002
+            while True:
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.05)
+            if d.exists():
+                log.warning("cgroup %s still busy; left for the next reconcile", d)
+                clean = False
+        return clean
+
+
+def _cgroup_mounts() -> list[tuple[str, str, set[str]]]:
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fstype, _source, options = (right.split() + ["", "", ""])[:3]
+            if fstype in ("cgroup", "cgroup2"):
+                mountpoint = left.split()[4].replace("\\040", " ")
+                out.append((fstype, mountpoint, set(options.split(","))))
+    return out
+
+
+def _mount_cgroup_v1(controller: str, target: Path) -> None:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    target.mkdir(parents=True, exist_ok=True)
+    if libc.mount(b"cgroup", os.fsencode(target), b"cgroup", 0, controller.encode()) != 0:
+        err = ctypes.get_errno()
+        raise HostUnsupported(f"moving {controller} to a cgroup v1 hierarchy at {target} failed: "
+                              f"{os.strerror(err)}; crun refuses hybrid cgroups while cgroup2 holds controllers")
+
+
+def preflight_cgroups() -> CgroupLayout:
+    """Detect the cgroup layout; on a hybrid host move ``hugetlb`` off cgroup2 so crun accepts it.
+
+    crun refuses a hybrid layout whose cgroup2 tree still holds controllers
+    ("drop all controllers from cgroupv2").  The only one seen there is
+    hugetlb, which is moved to its own v1 hierarchy; anything else is an error
+    naming the controllers.
+    """
+    mounts = _cgroup_mounts()
+    if any(fs == "cgroup2" and Path(mp) == CGROUP_ROOT for fs, mp, _ in mounts):
+        return CgroupLayout(2)
+    v1 = {c: Path(mp) for fs, mp, opts in mounts if fs == "cgroup" for c in opts if c in V1_CONTROLLERS}
+    if not v1:
+        raise HostUnsupported("no cgroup v1 controllers and no cgroup2 at /sys/fs/cgroup: mount cgroups first")
+    others = tuple(sorted({Path(mp) for fs, mp, opts in mounts
+                           if fs == "cgroup2" or not opts & set(V1_CONTROLLERS)} - set(v1.values())))
+    for fs, mp, _ in mounts:
+        if fs != "cgroup2":
+            continue
+        try:
+            held = set(Path(mp, "cgroup.controllers").read_text().split())
+        except OSError:
+            continue
+        if not held:
+            continue
+        if held - {"hugetlb"}:
+            raise HostUnsupported(f"hybrid cgroups: the cgroup2 tree at {mp} holds {sorted(held)}; crun needs "
+                                  "them on v1 hierarchies (or boot with a pure cgroup v2 layout)")
+        target = CGROUP_ROOT / "hugetlb"
+        log.warning("hybrid cgroups: moving hugetlb from cgroup2 (%s) to cgroup v1 at %s for crun", mp, target)
+        _mount_cgroup_v1("hugetlb", target)
+        v1["hugetlb"] = target
+    return CgroupLayout(1, v1, others)
+
+
