@@ -304,7 +304,7 @@ def cleanup(work: Path, manager: SandboxManager | None, peers: Peers | None) -> 
             with contextlib.suppress(Exception):
                 manager.host.umount_all(stop_daemon=True)
         with contextlib.suppress(Exception):
-            left = [c["id"] for c in manager.runtime.list()] if manager.runtime.root.exists() else []
+            left = [c["id"] for c in manager.backend("container").runtime.list()] if manager.backend("container").runtime.root.exists() else []
             if left:
                 problems.append(f"sandboxes left in crun: {left}")
         with contextlib.suppress(Exception):
@@ -1285,12 +1285,12 @@ async def fork_section(manager: SandboxManager, n: int, rounds: int) -> dict[str
                 if seen != {b"200\n"}:
                     raise BenchError(f"fork: the forks read {seen}, not the source's files")
             finally:
-                await asyncio.to_thread(manager._destroy_all, forks)
+                await asyncio.to_thread(manager.destroy_all, forks)
             t0 = time.perf_counter()
             made = await asyncio.gather(*(manager.create(REF) for _ in range(n)), return_exceptions=True)
             create_s.append(time.perf_counter() - t0)
             boxes = [b for b in made if isinstance(b, Sandbox)]
-            await asyncio.to_thread(manager._destroy_all, boxes)
+            await asyncio.to_thread(manager.destroy_all, boxes)
             failed = [b for b in made if isinstance(b, BaseException)]
             if failed:
                 raise BenchError(f"fork: {len(failed)} of {n} creates failed: {failed[0]!r}")

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "o
 
 
 def assert_no_boxes(mgr: SandboxManager) -> None:
-    assert mgr.runtime.list() == []
+    assert mgr.backend("container").runtime.list() == []
     assert mgr.list() == []
     assert kmount.mounts_under(mgr.boxes) == []
 
@@ -296,7 +296,7 @@ def test_fncalls_keeps_at_most_max_pools(mgr: SandboxManager) -> None:
     """Callers naming ever new images must not grow the host's sandbox count: idle pools are closed
     (least recently used first), and with every pool busy a new image is refused, retryably."""
     async def body() -> None:
-        async with await mgr._store() as store:
+        async with await mgr.open_store() as store:
             digest = (await store.resolve(REF)).digest  # the same image under a second name
         calls = FnCalls(mgr, size=1, max_pools=1)
         try:

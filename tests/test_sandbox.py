@@ -272,7 +272,7 @@ def test_runtime_list_survives_a_container_whose_state_cannot_be_read(boxes: Any
     # not reproducible at will) or one without a pid, as here.  reconcile() lists the
     # containers, so it must not fail with it.
     box = boxes()
-    runtime = box.manager.runtime
+    runtime = box.manager.backend("container").runtime
     ghost = runtime.root / "lb-unreadable"
     ghost.mkdir()
     (ghost / "status").write_text("{}")
@@ -325,9 +325,9 @@ def test_reconcile_after_manager_crash(manager: SandboxManager, store_url: str) 
     dead = run(manager.create(REF))
     try:
         dead_pid = dead.pid
-        manager.runtime.kill(dead.id)  # its init dies while "the manager is down"
+        manager.backend("container").runtime.kill(dead.id)  # its init dies while "the manager is down"
         deadline = time.monotonic() + 5
-        while (manager.runtime.state(dead.id) or {}).get("status") != "stopped" and time.monotonic() < deadline:
+        while (manager.backend("container").runtime.state(dead.id) or {}).get("status") != "stopped" and time.monotonic() < deadline:
             time.sleep(0.05)
         half = manager.boxes / "lb-0000000000aa"  # a crash mid-create: a state this version cannot read
         half.mkdir(parents=True)
@@ -344,12 +344,12 @@ def test_reconcile_after_manager_crash(manager: SandboxManager, store_url: str) 
         assert not half.exists()
         assert not stray.exists()
         assert fresh.get(survivor.id).exec("echo adopted").stdout == b"adopted\n"
-        assert [c["id"] for c in fresh.runtime.list()] == [survivor.id]
+        assert [c["id"] for c in fresh.backend("container").runtime.list()] == [survivor.id]
         assert not Path(f"/proc/{dead_pid}/cmdline").exists() or not Path(f"/proc/{dead_pid}/cmdline").read_bytes()
     finally:
         manager.destroy(survivor.id)
         manager.destroy(dead.id)
-    assert manager.runtime.list() == []
+    assert manager.backend("container").runtime.list() == []
 
 
 def test_a_sandbox_destroyed_under_a_request_is_not_found_not_a_fault(manager: SandboxManager) -> None:
@@ -359,5 +359,6 @@ def test_a_sandbox_destroyed_under_a_request_is_not_found_not_a_fault(manager: S
     box = run(manager.create(REF))
     assert box.state.status == "running"
     manager.destroy(box.id)
+    containers = manager.backend("container")
     with pytest.raises(SandboxNotFound, match="destroyed meanwhile"):
-        box._runtime(manager.runtime.pause)
+        containers._runtime(box, containers.runtime.pause)

@@ -234,7 +234,10 @@ def test_fncall_through_the_service(url: str) -> None:
         caps = await capabilities(url=url, token=ALPHA)
         assert caps.isolation == ("container", "microvm", "vm")  # this host has QEMU and the guest assets
         assert caps.backends["microvm"]["accel"] in ("tcg", "kvm")
-        assert caps.checkpoint == {"filesystem": True, "processes": False}
+        # processes are checkpointed where a backend provides memory checkpoints (a microVM's RAM)
+        assert "memory_checkpoint" in caps.backends["microvm"]["provides"]
+        assert "memory_checkpoint" in caps.backends["container"]["lacks"]
+        assert caps.checkpoint == {"filesystem": True, "processes": True}
         with pytest.raises(UnsupportedIsolation):
             await AsyncSandbox.create(REF, url=url, token=ALPHA, isolation="gvisor")
         r1 = await call(REF, "echo hi > /tmp/mark; cat /tmp/mark", url=url, token=ALPHA)
@@ -293,13 +296,13 @@ def test_service_crash_with_sandboxes_running_is_reconciled(store_url: str, tmp_
         proc.send_signal(signal.SIGKILL)  # the manager dies; crun containers, mounts, daemon stay
         proc.wait()
         mgr = SandboxManager(data_dir, store_url)
-        mgr.runtime.kill(doomed_id)  # and one sandbox dies while nobody watches
+        mgr.backend("container").runtime.kill(doomed_id)  # and one sandbox dies while nobody watches
         proc = _start_service(data_dir, store_url, tokens, port)
         again = Sandbox.connect(survivor_id, url=url, token=ALPHA)
         assert again.commands.run("cat /root/state").stdout == "kept"
         with pytest.raises(SandboxNotFound):
             Sandbox.connect(doomed_id, url=url, token=ALPHA)
-        assert [c["id"] for c in mgr.runtime.list()] == [survivor_id]
+        assert [c["id"] for c in mgr.backend("container").runtime.list()] == [survivor_id]
         again.kill()
     finally:
         proc.send_signal(signal.SIGTERM)

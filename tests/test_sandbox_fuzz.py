@@ -334,7 +334,7 @@ def test_after_fuzzing_the_bystander_is_untouched_and_nothing_leaks(world: World
     assert call(url, "DELETE", f"/v1/sandboxes/{sid}").status_code == 204
     assert [st.id for st in manager.list() if st.project == "fuzz"] == []
     known = {st.id for st in manager.list()}
-    assert [c["id"] for c in manager.runtime.list() if c["id"] not in known] == []  # no orphaned container
+    assert [c["id"] for c in manager.backend("container").runtime.list() if c["id"] not in known] == []  # no orphaned container
 
 
 # -- what fuzzing found, as plain requests ------------------------------------------------------------------

@@ -47,7 +47,7 @@ def server(manager: SandboxManager) -> Iterator[ServerThread]:
 def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:
     with no_sandboxes_left(manager):
         yield server.url
-    assert manager.runtime.list() == []
+    assert manager.backend("container").runtime.list() == []
 
 
 def scenario(fn: Callable[[Api], Awaitable[None]], base: str) -> None:

@@ -23,7 +23,7 @@ from sandbox.backends.vm import backend as microvm
 from sandbox.backends.vm.agent import HEAD, T_READY, AgentConnection, AgentError
 from sandbox.core.errors import UnsupportedOption
 from sandbox.core.model import SandboxOptions
-from sandbox.host.execs import proc_stat
+from sandbox.core.procs import proc_stat
 from sandbox.host.manager import Sandbox, SandboxManager
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "cmd:qemu-system-x86_64")]
@@ -653,9 +653,9 @@ def test_a_crash_in_a_pause_to_the_store_leaves_a_vm_that_runs_or_resumes(vms: A
     st = box.state
     # a manager that died after the pause's capture stopped the guest, before the state said
     # paused: the state says running, the VMM lives with its vCPUs stopped
-    ckpt = run(box._checkpoint_vm(st, box.receipts(), None, name=None, labels=None, trajectory_offset=None,
-                                  policy_version=None, memory=True, keep_stopped=True))
-    qmp = vm_manager.vms.vmm_of(box.dir, box.state).qmp()
+    vms = vm_manager.backend("microvm")
+    ckpt = run(vms._checkpoint(box, st, box.checkpoint_request(memory=True), keep_stopped=True)).checkpoint
+    qmp = vm_manager.backend("microvm").vmm_of(box.dir, box.state).qmp()
     try:
         assert qmp.execute("query-status")["status"] in ("paused", "postmigrate")
     finally:
@@ -665,9 +665,8 @@ def test_a_crash_in_a_pause_to_the_store_leaves_a_vm_that_runs_or_resumes(vms: A
     assert box.exec("cat /root/kept").stdout == b"across the crash"  # it runs on
     # one that died after the state said paused, before its VMM was stopped: resumed from the store
     box.write("/root/kept", b"second")
-    ckpt = run(box._checkpoint_vm(box.state, box.receipts(), None, name=None, labels=None, trajectory_offset=None,
-                                  policy_version=None, memory=True, keep_stopped=True))
-    box._update(status="paused", vm={**box.state.vm, "saved": "store", "paused_checkpoint": ckpt.digest})
+    ckpt = run(vms._checkpoint(box, box.state, box.checkpoint_request(memory=True), keep_stopped=True)).checkpoint
+    box.update(status="paused", vm={**box.state.vm, "saved": "store", "paused_checkpoint": ckpt.digest})
     vmm = box.state.vm["vmm_pid"]
     report = vm_manager.reconcile()
     assert box.id in report["adopted"]
@@ -688,7 +687,7 @@ def test_a_crash_between_a_disk_switch_and_its_state_write_keeps_the_writes(vms:
     assert Path(top).name.startswith("disk-"), st.vm["disk_nodes"]  # the checkpoint's new overlay
     # the state as a manager killed between QEMU's switch and the state write leaves it: the
     # overlay the guest writes since then is not in it
-    box._update(vm={**st.vm, "disk_nodes": st.vm["disk_nodes"][:-1]})
+    box.update(vm={**st.vm, "disk_nodes": st.vm["disk_nodes"][:-1]})
     # a pause (a checkpoint, then the VMM stopped) must take the unrecorded overlay: the guest's
     # writes since the switch are only there
     box.pause(reclaim=True)
@@ -700,10 +699,8 @@ def test_a_crash_between_a_disk_switch_and_its_state_write_keeps_the_writes(vms:
 
 
 def test_metrics_report_guest_and_host_memory(vms: Any, vm_manager: SandboxManager) -> None:
-    from sandbox.edge.lifecycle import usage
-
     box = vms()
-    before = usage(vm_manager, box, box.state)
+    before = box.usage()
     guest = before["memory"]["guest"]
     assert 0 < guest["used"] < guest["total"] <= box.state.vm["shape"]["memory"]
     assert before["memory"]["current"] > 0  # the VMM's cgroup: what the host pays
@@ -714,10 +711,10 @@ def test_metrics_report_guest_and_host_memory(vms: Any, vm_manager: SandboxManag
     box.exec(["python3", "-c", "b = b'x' * (150 << 20); import time; time.sleep(0.1)"], timeout=120)
     # the guest's touched pages are the host's (charged to the VMM), its view says what it uses now
     assert (vm_manager.layout.memory_peak(cg) or 0) >= base + (100 << 20)
-    after = usage(vm_manager, box, box.state)
+    after = box.usage()
     assert after["memory"]["guest"]["used"] < guest["used"] + (40 << 20)
     box.pause(reclaim=True)
-    paused = usage(vm_manager, box, box.state)
+    paused = box.usage()
     assert paused["memory"]["guest"] is None
     assert (paused["memory"]["current"] or 0) < base  # a saved VM's RAM is off the host
     box.resume()
@@ -747,7 +744,7 @@ def test_vm_templates_lists_and_prunes_only_what_no_sandbox_uses(vm_manager: San
     assert cli([*argv, "--prune"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert key in [p.removesuffix(".store") for p in doc["pruned"]]
-    assert vm_manager.vms.host_template(key) is None
+    assert vm_manager.backend("microvm").host_template(key) is None
     assert cli(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert key not in [t["key"] for t in doc["host"]]

@@ -199,7 +199,7 @@ def test_kill_9_then_restart_reaps_the_pool_and_stops_what_ran_unobserved(
 
     # what the crash left is real: the daemon serves on, the pool's and the commands' processes run
     assert HostMounts(edge.data_dir).client.health() == daemon
-    assert {c["id"] for c in edge.manager().runtime.list()} == {sid, *pool_ids}
+    assert {c["id"] for c in edge.manager().backend("container").runtime.list()} == {sid, *pool_ids}
     assert all(alive(pid) for pid in running + pool_inits)
 
     edge.start()
@@ -208,7 +208,7 @@ def test_kill_9_then_restart_reaps_the_pool_and_stops_what_ran_unobserved(
     # the pool died with its service: no pool sandbox, container, box or cgroup survives
     assert [st.id for st in mgr.list()] == [sid], "only the job's sandbox is adopted"
     assert pool_states(edge) == []
-    assert [c["id"] for c in mgr.runtime.list()] == [sid], "no crun container beyond the adopted sandbox"
+    assert [c["id"] for c in mgr.backend("container").runtime.list()] == [sid], "no crun container beyond the adopted sandbox"
     assert sorted(os.listdir(mgr.boxes)) == [sid]
     assert not any(alive(pid) for pid in pool_inits)
     assert edge.sandboxes() == [sid]

@@ -223,7 +223,7 @@ def test_a_checkpoint_name_moved_again_restores_its_latest(url: str) -> None:
 
 def test_a_checkpoint_name_cannot_move_a_shared_or_foreign_ref(url: str, manager: SandboxManager) -> None:
     async def image_digest() -> str:
-        async with await manager._store() as store:
+        async with await manager.open_store() as store:
             return str((await store.resolve(REF, refresh=True)).digest)
 
     async def scenario() -> None:
@@ -245,7 +245,7 @@ def test_a_checkpoint_name_cannot_move_a_shared_or_foreign_ref(url: str, manager
                                         body={"name": name})
             refused(status, answer)
         assert await image_digest() == before  # every later sandbox of img/python still runs the image
-        async with await manager._store() as store:
+        async with await manager.open_store() as store:
             assert (await store.resolve("projects/beta/shared-name", refresh=True)).digest == theirs["digest"]
         fresh = await create(url, BETA)
         probe = await run(url, BETA, fresh["id"], "cat /root/owned 2>&1 || echo absent")

@@ -50,7 +50,7 @@ def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:
     """The service URL; every sandbox a test leaves behind is destroyed, then nothing may remain."""
     with no_sandboxes_left(manager):
         yield server.url
-    assert manager.runtime.list() == []
+    assert manager.backend("container").runtime.list() == []
     assert kmount.mounts_under(manager.boxes) == []
 
 

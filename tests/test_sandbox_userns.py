@@ -77,7 +77,7 @@ class UserBox:
         process_file, pid_file = self.dir / f"exec-{tag}.json", self.dir / f"exec-{tag}.pid"
         process_file.write_text(json.dumps(build_process(["/bin/sh", "-c", cmd], env={"PATH": DEFAULT_PATH},
                                                          cwd="/", uid=uid, gid=gid)))
-        proc = self.manager.runtime.exec(self.id, process_file, pid_file=pid_file, stdin=subprocess.DEVNULL)
+        proc = self.manager.backend("container").runtime.exec(self.id, process_file, pid_file=pid_file, stdin=subprocess.DEVNULL)
         try:
             out, err = proc.communicate(timeout=60)
         finally:
@@ -94,19 +94,19 @@ class UserBox:
 
 def _teardown(manager: SandboxManager, sid: str, rootfs: Path, cgroups_path: str) -> None:
     """What SandboxManager.destroy does for a real sandbox; nothing extra is needed for the idmap."""
-    if manager.runtime.state(sid) is not None:
-        manager.runtime.delete(sid, force=True)
+    if manager.backend("container").runtime.state(sid) is not None:
+        manager.backend("container").runtime.delete(sid, force=True)
     if kmount.is_mountpoint(rootfs):
         manager.host.umount(rootfs, discard=True)  # the idmapped overlay sits where the plain one was
-    manager._remove_cgroups(cgroups_path)
-    manager._remove_cgroups(f"/{manager.cgroup_parent}")
+    manager.layout.remove(cgroups_path)
+    manager.layout.remove(f"/{manager.cgroup_parent}")
 
 
 @contextlib.contextmanager
 def _userbox(manager: SandboxManager, *, netns: str | None = None, ns_fd: int | None = None) -> Iterator[UserBox]:
     require("cmd:crun")
     async def resolve() -> Any:
-        async with await manager._store() as store:
+        async with await manager.open_store() as store:
             return await store.resolve(REF)
 
     resolved = asyncio.run(resolve())
@@ -132,11 +132,11 @@ def _userbox(manager: SandboxManager, *, netns: str | None = None, ns_fd: int | 
         spec = build_spec(str(rootfs), process, hostname=sid, cgroups_path=cgroups_path, limits=Limits(),
                           cgroup_version=manager.layout.version, netns_path=netns, userns=(HOST_BASE, SIZE))
         (bundle / "config.json").write_text(json.dumps(spec))
-        manager.runtime.create(sid, bundle, pid_file=box_dir / "init.pid")
-        manager.runtime.start(sid)
+        manager.backend("container").runtime.create(sid, bundle, pid_file=box_dir / "init.pid")
+        manager.backend("container").runtime.start(sid)
         # as the manager does: `crun start` can return before the init has exec'd, and a
         # `crun exec` into a user namespace in that gap fails with setns EPERM
-        manager._await_init_exec(sid, int((box_dir / "init.pid").read_text()))
+        manager.backend("container")._await_init_exec(sid, int((box_dir / "init.pid").read_text()))
         t3 = time.perf_counter()
         timings.update(mount=t1 - t0, remap=t2 - t1, crun=t3 - t2)
         assert result.upper is not None
@@ -148,7 +148,7 @@ def _userbox(manager: SandboxManager, *, netns: str | None = None, ns_fd: int | 
         assert kmount.mounts_under(box_dir) == []
         assert kmount.mounts_under(top) == []
         shutil.rmtree(top, ignore_errors=True)
-        assert all(c["id"] != sid for c in manager.runtime.list())
+        assert all(c["id"] != sid for c in manager.backend("container").runtime.list())
 
 
 @pytest.fixture
@@ -528,7 +528,7 @@ def test_destroy_leaves_nothing(manager: SandboxManager) -> None:
     base, size = box.state.userns
     _ok(box, "echo x > /root/x; sleep 60 >/dev/null 2>&1 &")
     assert os.lstat(_upper(box) / "root/x").st_uid == 0
-    ns_inode = os.fstat(manager._userns_fds[base]).st_ino
+    ns_inode = os.fstat(manager.backend("container")._userns_fds[base]).st_ino
     assert _holders_of(ns_inode) == []  # the namespace kept for the mounts has no process
     assert len(_processes_in(base, size)) >= 2
     box.destroy()
@@ -536,7 +536,7 @@ def test_destroy_leaves_nothing(manager: SandboxManager) -> None:
     assert box.id not in manager.uid_ranges.owners()
     assert kmount.mounts_under(box.dir) == []
     assert not box.dir.exists()
-    assert all(c["id"] != box.id for c in manager.runtime.list())
+    assert all(c["id"] != box.id for c in manager.backend("container").runtime.list())
     assert not [m for m in kmount.read_mountinfo() if str(box.rootfs) in m.mountpoint]
     # the freed range is handed out again (lowest free first), with its cached namespace
     again = run(manager.create(REF, userns=True))
@@ -604,10 +604,7 @@ def test_manager_creation_cost(manager: SandboxManager) -> None:
         return elapsed
 
     def fresh() -> float:
-        with manager._lock:  # drop the cached namespaces: the next create makes its own
-            for fd in manager._userns_fds.values():
-                os.close(fd)
-            manager._userns_fds.clear()
+        manager.backend("container").forget_userns()  # the next create makes its own namespace
         return timed(userns=True)
 
     timed()

@@ -146,7 +146,7 @@ def test_full_vm_through_the_edge_checkpoints_with_memory_and_goes_on_on_a_secon
 
 def test_an_image_that_brings_its_own_kernel_boots_it(hosts: Any, own_kernel: str) -> None:
     host1, host2 = hosts
-    _, layerbox_assets = host1.vms.prepare()
+    _, layerbox_assets = host1.backend("microvm").prepare()
     assert own_kernel != layerbox_assets.manifest["kernel_version"], "pick an image kernel other than layerbox's"
     box = run(host1.create(KERNEL_REF, VM.replace(kernel="image")))
     try:

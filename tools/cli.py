@@ -709,20 +709,21 @@ def cmd_vm_templates(args: argparse.Namespace) -> int:
         if st.vm is not None and st.vm.get("template"):
             used.setdefault(str(st.vm["template"]), []).append(st.id)
     local = []
-    root = mgr.vms.templates_dir
+    vms = mgr.backend("microvm")
+    root = vms.templates_dir
     for d in sorted(root.iterdir()) if root.is_dir() else ():
         key = d.name.removesuffix(".store")
-        template = mgr.vms.host_template(key) if d.is_dir() and not key.startswith(".") else None
+        template = vms.host_template(key) if d.is_dir() and not key.startswith(".") else None
         if template is None or template.dir != d:
             continue
         mem = template.memory.stat()
         local.append({"key": key, "source": "store" if d.name.endswith(".store") else "boot", "dir": str(d),
                       "memory_bytes": mem.st_size, "memory_allocated": mem.st_blocks * 512,
                       "shape": template.doc.get("shape"), "sandboxes": used.get(key, [])})
-    pruned = mgr.vms.prune_templates(keep=list(used)) if args.prune else []
+    pruned = vms.prune_templates(keep=list(used)) if args.prune else []
 
     async def store_refs() -> list[dict[str, Any]]:
-        async with await mgr._store() as store:
+        async with await mgr.open_store() as store:
             return [{"ref": r.name, "digest": r.digest}
                     for r in await store.list_refs(TEMPLATE_PREFIX)]
 

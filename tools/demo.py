@@ -875,7 +875,7 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
     from sandbox.core.model import SandboxOptions
 
     with two_fresh_hosts(root, store_url, ("microvm-host", "microvm-host-restore"), "microvm") as (first, second):
-        caps = first.vms.capabilities()
+        caps = first.backend("microvm").capabilities("microvm").to_json()
         if not caps["available"]:
             say(f"microvm   skipped: {caps['reason']}")
             report.microvm = {"skipped": caps["reason"]}

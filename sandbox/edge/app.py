@@ -72,6 +72,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from layerstore.errors import LayerboxError
 from layerstore.objects import BadName, Resolved, parse_ref, ref_key
+from sandbox.backends.base import Capabilities
 from sandbox.core.errors import (
     ImageNotFound,
     InvalidField,
@@ -88,7 +89,6 @@ from sandbox.core.model import (
     ISOLATIONS,
     MAX_REF_NAME,
     PROJECT_LABEL,
-    VM_ISOLATIONS,
     ExecRequest,
     Maxima,
     SandboxFilter,
@@ -533,7 +533,7 @@ class SandboxService:
         code = {"checkpoint": "checkpoint_not_found", "manifest": "run_not_found"}.get(field, "image_not_found")
         not_found = ApiError(404, code, f"{field} {ref!r}: no such {' or '.join(kinds)} visible to "
                                                f"project {project.name!r}")
-        async with await self.manager._store() as store:
+        async with await self.manager.open_store() as store:
             try:
                 # an image through the host's ref cache (30 s, as the manager always did); a
                 # checkpoint or run manifest a project just moved must not be answered stale
@@ -616,12 +616,12 @@ class SandboxService:
         body = await self._json(request)
         image = check_str("image", body.get("image"), max_len=512, what="an image or checkpoint ref")
         SandboxOptions.from_json(body, extra=("image",))  # every field checked before any lookup
-        if body.get("isolation") in VM_ISOLATIONS:
-            isolation = body["isolation"]
-            vms = await self._vms(isolation)
-            if not vms["available"]:
+        isolation = body.get("isolation") or "container"
+        if isolation in ISOLATIONS:
+            caps = await self._backend(isolation)
+            if not caps.available:
                 raise ApiError(400, "unsupported_isolation", f"isolation {isolation!r} is not available on this edge: "
-                               f"{vms['reason']}", field="isolation")
+                               f"{caps.reason}", field="isolation")
         resolved = await self._resolve(project, image, field="image", kinds=("image", "composition", "checkpoint"))
         options = self._options(project, body, extra=("image",), base=await self._carried(resolved))
         return await self._launch(project, [options], lambda: self._create(resolved, options, image))
@@ -1002,7 +1002,7 @@ class SandboxService:
                 await resp.write(chunk)
         finally:
             reader.close()
-        await asyncio.to_thread(box._receipt, "download", path=path, bytes=total)
+        await asyncio.to_thread(box.receipt, "download", path=path, bytes=total)
         await resp.write_eof()
         return resp
 
@@ -1042,15 +1042,18 @@ class SandboxService:
 
     async def capabilities(self, request: web.Request) -> web.Response:
         self._project(request)
-        vms = {isolation: await self._vms(isolation) for isolation in VM_ISOLATIONS}
+        backends = {isolation: await self._backend(isolation) for isolation in ISOLATIONS}
         return web.json_response({**CAPABILITIES,
-                                  "isolation": ["container", *(k for k, v in vms.items() if v["available"])],
-                                  "backends": {"container": {"available": True, "runtime": "crun"}, **vms}})
+                                  "isolation": [k for k, v in backends.items() if v.available],
+                                  "checkpoint": {"filesystem": True, "processes": any(
+                                      v.has("memory_checkpoint") for v in backends.values())},
+                                  "backends": {k: v.to_json() for k, v in backends.items()}})
 
-    async def _vms(self, isolation: str) -> dict[str, Any]:
+    async def _backend(self, isolation: str) -> Capabilities:
         if isolation not in self.isolations:
-            return {"available": False, "reason": f"this edge is configured without isolation={isolation} (--isolation)"}
-        return await asyncio.to_thread(self.manager.vms.capabilities, isolation)
+            return Capabilities(isolation, False, reason=f"this edge is configured without isolation={isolation} "
+                                                         "(--isolation)")
+        return await asyncio.to_thread(self.manager.backend(isolation).capabilities, isolation)
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi.DOCUMENT)
@@ -1096,7 +1099,7 @@ CAPABILITIES: dict[str, Any] = {
     "cpu_classes": ["latency", "best-effort"],
     "limits": ["cpu", "memory", "pids", "disk"],
     "network": {"default": "deny", "egress_rules": ["cidr", "host", "ports", "protocol"], "runtime_changes": True},
-    "checkpoint": {"filesystem": True, "processes": False},
+    "checkpoint": {"filesystem": True, "processes": False},  # processes: where a backend checkpoints memory
     "preemption": True,
     "fncall": True,
     "streaming": "ndjson",

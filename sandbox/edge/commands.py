@@ -73,7 +73,7 @@ from sandbox.core.model import ExecRequest, Maxima, check_int, check_number, che
 from sandbox.edge import openapi
 from sandbox.edge.app import SHUTDOWN_GRACE, ApiError, SandboxService, _as_api_error
 from sandbox.host.execs import Cancel, ExecResult
-from sandbox.host.manager import Sandbox
+from sandbox.host.sandbox import Sandbox
 
 log = logging.getLogger("layerbox.sandbox.interactive")
 

@@ -28,29 +28,24 @@ project: listed by ``GET /v1/checkpoints``, restorable again, deletable.
 from __future__ import annotations
 
 import asyncio
-import os
-import time
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from layerstore.errors import LayerboxError
 from layerstore.objects import BadName, parse_ref
-from sandbox.core.errors import InvalidField, SandboxError
+from sandbox.core.errors import InvalidField
 from sandbox.core.model import (
     MAX_REF_NAME,
     PROJECT_LABEL,
     RESERVED_LABEL_PREFIX,
     SandboxOptions,
-    SandboxState,
     check_object,
     check_str,
     project_namespace,
 )
 from sandbox.edge.app import ApiError, Project, SandboxService, _view
-from sandbox.host.manager import Sandbox, SandboxManager
-from sandbox.isolation import disk as sbdisk
+from sandbox.host.sandbox import Sandbox
 
 MAX_WALK = 200_000  # entries of an upper directory counted for its disk use; past it the figure is partial
 
@@ -103,7 +98,7 @@ class Lifecycle:
     async def metrics(self, request: web.Request) -> web.Response:
         svc = self.service
         box, state = await svc._box(request, svc._project(request))
-        return web.json_response(await asyncio.to_thread(usage, svc.manager, box, state))
+        return web.json_response(await asyncio.to_thread(box.usage))
 
     async def checkpoints(self, request: web.Request) -> web.Response:
         project = self.service._project(request)
@@ -111,7 +106,7 @@ class Lifecycle:
             key = next(iter(request.query))
             raise InvalidField(key[:64], "unknown query parameter (this listing takes none)")
         prefix = project_namespace(project.name)
-        async with await self.service.manager._store() as store:
+        async with await self.service.manager.open_store() as store:
             refs = [r for r in await store.list_refs(prefix) if r.kind == "checkpoint"]
             docs = await asyncio.gather(*(store.get_doc(r.digest) for r in refs), return_exceptions=True)
         out = [describe(ref.name, ref.digest, doc) for ref, doc in zip(refs, docs, strict=True)
@@ -131,7 +126,7 @@ class Lifecycle:
         not_found = ApiError(404, "checkpoint_not_found", f"no checkpoint {name!r} in project {project.name!r}")
         if not name.startswith(project_namespace(project.name)):
             raise not_found
-        async with await self.service.manager._store() as store:
+        async with await self.service.manager.open_store() as store:
             try:
                 ref = await store.read_ref(name)
                 doc = await store.get_doc(ref.digest)
@@ -167,98 +162,3 @@ def _object(doc: dict[str, Any], key: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-# -- metrics ------------------------------------------------------------------------------------------
-def usage(manager: SandboxManager, box: Sandbox, st: SandboxState) -> dict[str, Any]:
-    """What the sandbox uses now: its cgroup's CPU seconds, memory (now and peak), pids; the bytes
-    its writes take (its own disk, or its upper directory on the data dir); and the resources its
-    commands' receipts recorded (sandbox.core.receipts)."""
-    layout, cg = manager.layout, st.cgroups_path
-    commands = [r for r in manager.receipts(box.id) if r.get("action") == "exec" and not r.get("inherited")]
-    spent = [float(c) for r in commands if isinstance(r.get("resources"), dict)
-             and isinstance(c := r["resources"].get("cpu_seconds"), (int, float))]
-    last = commands[-1] if commands else None
-    memory: dict[str, Any] = {"current": layout.memory_current(cg), "peak": layout.memory_peak(cg),
-                              "limit": st.options.memory}
-    if st.options.is_vm:
-        memory["guest"] = guest_memory(box, st)  # the VMM's cgroup above is the host's side
-    return {
-        "sandbox": box.id, "status": st.status, "time": time.time(),
-        "cpu_seconds": layout.cpu_seconds(cg),
-        "memory": memory,
-        "pids": {"current": layout.pids_current(cg), "limit": st.options.pids},
-        "disk": disk_usage(manager, box, st),
-        "commands": {"count": len(commands), "cpu_seconds": round(sum(spent), 6),
-                     "last": None if last is None else {
-                         "command": last.get("command"), "exit_code": last.get("exit_code"),
-                         "time": last.get("time"), "duration": last.get("duration"),
-                         "resources": last.get("resources")}},
-    }
-
-
-def guest_memory(box: Sandbox, st: SandboxState) -> dict[str, int] | None:
-    """A running microVM's own view (its /proc/meminfo: total, available, and used = the difference;
-    with free-page reporting, what it frees goes back to the host); None when it does not run."""
-    if st.status != "running":
-        return None
-    try:
-        text = box.files.read("/proc/meminfo").decode(errors="replace")
-    except (OSError, SandboxError):
-        return None
-    kb = {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in text.splitlines())
-          if v.strip() and v.split()[0].isdigit()}
-    if "MemTotal" not in kb or "MemAvailable" not in kb:
-        return None
-    return {"total": kb["MemTotal"], "available": kb["MemAvailable"], "used": kb["MemTotal"] - kb["MemAvailable"]}
-
-
-def disk_usage(manager: SandboxManager, box: Sandbox, st: SandboxState) -> dict[str, Any]:
-    """``used`` bytes of the sandbox's writes: its ext4's used blocks with a disk limit, else the
-    blocks its upper directory's entries hold (``partial`` past MAX_WALK entries); a microVM's,
-    what its qcow2 holds on the host."""
-    if st.options.is_vm and st.vm is not None:
-        try:
-            held = sum(f.stat().st_blocks * 512 for f in (box.dir / "vm").glob("disk*.qcow2"))
-        except OSError:
-            held = None
-        return {"where": "vm-disk", "used": held, "free": None, "limit": int(st.vm["shape"]["disk"]),
-                "partial": False}
-    if st.options.disk is not None:
-        got = sbdisk.usage(box.dir / "disk")
-        if got is not None:
-            return {"where": "disk", "used": got["size"] - got["free"], "free": got["free"],
-                    "limit": st.options.disk, "partial": False}
-    record = manager.host.status()["mounts"].get(str(box.rootfs)) or {}
-    upper = record.get("upper")
-    if not upper:
-        return {"where": "upper", "used": None, "free": None, "limit": None, "partial": False}
-    used, partial = tree_bytes(Path(upper))
-    return {"where": "upper", "used": used, "free": None, "limit": None, "partial": partial}
-
-
-def tree_bytes(root: Path, limit: int = MAX_WALK) -> tuple[int, bool]:
-    """Bytes allocated to the entries below ``root`` (hard links once, symlinks never followed),
-    and whether the walk stopped at ``limit`` entries."""
-    total, seen, entries = 0, set(), 0
-    stack = [os.fsencode(root)]
-    while stack:
-        try:
-            it = os.scandir(stack.pop())
-        except OSError:  # removed meanwhile, or not a directory any more: the sandbox writes it
-            continue
-        with it:
-            for entry in it:
-                entries += 1
-                if entries > limit:
-                    return total, True
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if st.st_nlink > 1 and not entry.is_dir(follow_symlinks=False):
-                    if st.st_ino in seen:
-                        continue
-                    seen.add(st.st_ino)
-                total += st.st_blocks * 512
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-    return total, False

@@ -46,12 +46,9 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import os
 import re
-import socket
 import time
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
@@ -63,8 +60,7 @@ from yarl import URL
 from sandbox.core.errors import InvalidField, SandboxNotFound
 from sandbox.core.model import SandboxState, check_int, check_number, check_object, check_sandbox_id
 from sandbox.edge.app import ApiError, Project
-from sandbox.host.manager import Sandbox
-from sandbox.isolation.network import _on_thread
+from sandbox.host.sandbox import Sandbox
 
 if TYPE_CHECKING:
     from aiohttp.client_proto import ResponseHandler
@@ -160,25 +156,6 @@ def _is_websocket(request: web.Request) -> bool:
 
 
 # -- the namespaced socket ----------------------------------------------------------------------------------
-def _socket_in(box: Sandbox, state: SandboxState) -> socket.socket:
-    """A TCP socket made inside the network namespace of ``box``'s init (blocking: off the loop)."""
-    if state.pid is None:
-        box.init_pid(state)  # raises: no init
-    try:
-        fd = os.open(f"/proc/{state.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        box.init_pid(state)  # raises: the init is gone
-        raise
-    try:
-        box.init_pid(state)  # opened first, checked after: a reused pid shows another start time or cgroup
-        sock = _on_thread(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC),
-                          netns=Path(f"/proc/self/fd/{fd}"))
-    finally:
-        os.close(fd)
-    sock.setblocking(False)
-    return sock
-
-
 class _NetnsConnector(aiohttp.BaseConnector):
     """One connection to ``127.0.0.1:<port>`` inside one sandbox: aiohttp speaks HTTP over it."""
 
@@ -188,7 +165,7 @@ class _NetnsConnector(aiohttp.BaseConnector):
 
     async def _create_connection(self, req: ClientRequest, traces: list[Trace],
                                  timeout: aiohttp.ClientTimeout) -> ResponseHandler:  # noqa: ASYNC109 (aiohttp's)
-        sock = await asyncio.to_thread(_socket_in, self.box, self.state)
+        sock = await asyncio.to_thread(self.box.tcp_socket)
         where = f"port {self.port} of sandbox {self.box.id}"
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
@@ -229,7 +206,7 @@ class PortProxy:
         expires = int(time.time() + ttl)
         path = (f"/v1/sandboxes/{box.id}/ports/{port}/signed/{expires}/"
                 f"{sign(self.service.url_secret, box.id, port, expires)}/")
-        await asyncio.to_thread(box._receipt, "port_url", port=port, expires=expires)
+        await asyncio.to_thread(box.receipt, "port_url", port=port, expires=expires)
         return web.json_response({"sandbox": box.id, "port": port, "expires": expires, "path": path,
                                   "url": str(request.url.origin()) + path})
 
@@ -289,7 +266,7 @@ class PortProxy:
 
         def touch() -> None:
             with contextlib.suppress(SandboxNotFound):  # destroyed meanwhile: the relay fails on its own
-                box._update(last_active=time.time())
+                box.update(last_active=time.time())
 
         await asyncio.to_thread(touch)
 

@@ -1,35 +1,39 @@
-"""Running one command in a sandbox: stream its output, enforce its cap and timeout, kill its tree.
+"""Running one command in a sandbox: admission, idempotency, streaming, caps, timeouts, receipts.
 
-``crun exec`` runs the command; :func:`pump` moves its stdin and output while
-it runs (output past the cap is still read, so the command never blocks on a
-full pipe, and hashed, but dropped: a :class:`Cut` says where and how much, and
-with ``keep="tail"`` the last bytes follow it once the command ends);
-:func:`kill_tree` ends a command that
-timed out or was cancelled together with every descendant and every orphan it
-left to the sandbox's init, with the sandbox frozen so nothing forks away.
+:class:`ExecRunner` is the manager's side of every command, whatever backend runs it: it
+admits the command (the sandbox runs, its job admits, its idempotency key is not in use),
+answers a keyed command that already ran from its receipt, asks the backend to ``spawn``
+it, pumps its output (:class:`Pump`: output past the cap is still read, so the command
+never blocks on a full pipe, and hashed, but dropped; a :class:`Cut` says where and how
+much, and with ``keep="tail"`` the last bytes follow it once the command ends), kills its
+tree on a timeout or a cancel, and writes its ``exec`` receipt with what the sandbox's
+cgroup and network saw meanwhile.
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import errno
 import os
 import selectors
 import signal
-import subprocess
 import threading
 import time
+import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import blake3
 
-from sandbox.backends.container.runtime import OciRuntime
-from sandbox.core.errors import RuntimeFailed
+from sandbox.backends.base import Attach, Process
+from sandbox.core.errors import CommandInProgress, JobNotAdmitting, SandboxStateError
+from sandbox.core.model import ExecRequest, SandboxState
+from sandbox.isolation.network import diff_counters
+
+if TYPE_CHECKING:
+    from sandbox.host.sandbox import Sandbox
 
 READ_CHUNK = 64 << 10
 # Output kept in the receipt of a command with an idempotency key, so a retry gets it back.
@@ -75,37 +79,6 @@ class Cancel(threading.Event):
         self.set()
 
 
-class Attach(Protocol):
-    """How a command outlives its request: a stdin its owner keeps open, or a terminal.
-
-    ``sandbox.edge.commands`` implements it for background commands and terminal
-    sessions; :meth:`Sandbox.exec <sandbox.host.manager.Sandbox.exec>` calls it from the
-    exec's thread, in this order: :meth:`started` (for the ``exec_started`` receipt),
-    :meth:`spawned`, :meth:`on_terminal` (with a terminal only), :meth:`finished` (for
-    the ``exec`` receipt).
-    """
-
-    @property
-    def terminal(self) -> tuple[int, int] | None:
-        """``(cols, rows)``: run on a pty crun makes inside the sandbox; None: on pipes."""
-
-    @property
-    def stdin_fd(self) -> int | None:
-        """Without a terminal: the descriptor crun's stdin reads (a pipe's read end); None: /dev/null."""
-
-    def started(self) -> Mapping[str, Any]:
-        """Fields added to the ``exec_started`` receipt written before the command runs."""
-
-    def spawned(self) -> None:
-        """crun exec runs (or failed to start): its stdin is its own now."""
-
-    def on_terminal(self, master: int) -> None:
-        """The pty's master, a descriptor of the callee's own to close (the exec reads another one)."""
-
-    def finished(self) -> Mapping[str, Any]:
-        """Fields added to the command's ``exec`` receipt (what its input was)."""
-
-
 def replay(rec: Mapping[str, Any]) -> ExecResult:
     """The result an earlier run under the same idempotency key recorded.
 
@@ -130,79 +103,6 @@ def was_interrupted(rec: Mapping[str, Any]) -> bool:
     """Whether a keyed command's record is of a run cut short (preemption, restart, shutdown,
     disconnect, or a start with no end), not of one that completed (whatever its exit)."""
     return rec["action"] == "exec_started" or rec.get("interrupted") is not None
-
-
-# -- /proc -------------------------------------------------------------------------------------------
-def proc_stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, starttime ticks) of ``pid``, or None when it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()
-    return int(fields[1]), int(fields[19])
-
-
-def process_table() -> dict[int, tuple[int, int]]:
-    table = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            st = proc_stat(int(name))
-            if st is not None:
-                table[int(name)] = st
-    return table
-
-
-def descendants(roots: set[int], table: Mapping[int, tuple[int, int]]) -> set[int]:
-    found = set(r for r in roots if r in table)
-    grew = True
-    while grew:
-        more = {pid for pid, (ppid, _) in table.items() if ppid in found and pid not in found}
-        found |= more
-        grew = bool(more)
-    return found
-
-
-# -- killing -----------------------------------------------------------------------------------------
-def kill_tree(runtime: OciRuntime, sid: str, init: int, root: int, since: int) -> None:
-    """SIGKILL ``root``'s process tree and the orphans started since ``since`` (clock ticks) that
-    were reparented to ``init``, with the sandbox frozen (killed tasks only die once thawed).
-
-    The container may be deleted under it (a destroy cancels its commands and then deletes
-    the container): a thaw that finds no container has nothing left to thaw.
-    """
-    frozen = False
-    try:
-        with contextlib.suppress(RuntimeFailed):
-            runtime.pause(sid)
-            frozen = True
-        for _ in range(5):
-            table = process_table()
-            orphans = {pid for pid, (ppid, start) in table.items() if ppid == init and start >= since}
-            victims = descendants({root} | orphans, table) - {init}
-            if not victims:
-                break
-            for pid in victims:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            if frozen:
-                _thaw(runtime, sid)
-                frozen = False
-            time.sleep(0.05)
-            with contextlib.suppress(RuntimeFailed):
-                runtime.pause(sid)
-                frozen = True
-    finally:
-        if frozen:
-            _thaw(runtime, sid)
-
-
-def _thaw(runtime: OciRuntime, sid: str) -> None:
-    try:
-        runtime.resume(sid)
-    except RuntimeFailed:
-        if (runtime.state(sid) or {}).get("status") == "paused":  # still there, still frozen: a fault
-            raise
 
 
 # -- streaming ---------------------------------------------------------------------------------------
@@ -243,137 +143,344 @@ class Tail:
         return b"".join(self.chunks)
 
 
-def pump(proc: subprocess.Popen[bytes], stdin: bytes | None, *, cap: int, keep: int, timeout: float | None,
-         on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
-         cancel: Cancel, kill: Callable[[], bool], tail: bool = False,
-         on_cut: Callable[[Cut], None] | None = None,
-         tty: int | None = None) -> Pumped:
-    """Feed ``stdin``, read both streams until the command and its pipes are done.
+class _Stream:
+    """One output stream of a command: what its callback got, what the result keeps, and what
+    was cut.  ``cap`` bytes go to the callback as they come; ``keep`` bytes are kept for the
+    result (the first ones, or with ``tail`` the last); with ``tail`` the stream's last ``cap``
+    bytes past the first ``cap`` are held in a bounded ring and handed over after the cut."""
 
-    Callbacks get the first ``cap`` bytes per stream as they come; ``keep`` bytes per
-    stream are kept for the result (the first ones, or the last with ``tail``; a caller
-    that streams keeps only what a receipt needs).  When a stream had more than its
-    callback got, ``on_cut`` hears where and how much once the command has ended; with
-    ``tail`` the stream's last ``cap`` bytes (after the first ``cap``) are held in a
-    bounded ring meanwhile and handed to the callback after that cut, so the stream
-    ends with the command's last output.  Nothing is ever dropped silently.
-    On ``timeout`` or ``cancel``, ``kill()`` is called until it reports the
-    command's tree killed: the command's pid is known only once crun has written
-    it, so until then (a cancel right after the start, a loaded host) it keeps
-    trying, and after 5 s without one crun exec itself is killed.
+    def __init__(self, name: str, *, cap: int, keep: int, tail: bool,
+                 callback: Callable[[bytes], None] | None) -> None:
+        self.name, self.cap, self.keep, self.tail, self.callback = name, cap, keep, tail, callback
+        self.head = bytearray()  # the result's bytes without tail
+        self.last = Tail(keep if tail else 0)  # the result's bytes with tail
+        self.ring = Tail(cap if tail and callback else 0)
+        self.hash = blake3.blake3()
+        self.size = 0
+        self.sent = 0
 
-    ``tty``: a pty master (the caller closes it) whose output counts as stdout; it
-    ends with EIO once no process holds the terminal.  The descriptor may be
-    non-blocking (its owner also writes the terminal's input to it).
-    """
-    assert proc.stdout is not None
-    assert proc.stderr is not None
-    bufs = [bytearray(), bytearray()]
-    last = [Tail(keep if tail else 0), Tail(keep if tail else 0)]  # the result's bytes with tail
-    rings = [Tail(cap if tail and on_stdout else 0), Tail(cap if tail and on_stderr else 0)]
-    hashes = [blake3.blake3(), blake3.blake3()]
-    sizes = [0, 0]
-    sent = [0, 0]
-    callbacks = [on_stdout, on_stderr]
-    truncated = False
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ, 0)
-    sel.register(proc.stderr, selectors.EVENT_READ, 1)
-    if tty is not None:
-        sel.register(tty, selectors.EVENT_READ, 0)
-    pending = memoryview(stdin or b"")
-    if proc.stdin is not None:
-        os.set_blocking(proc.stdin.fileno(), False)
-        if pending:
-            sel.register(proc.stdin, selectors.EVENT_WRITE, 2)
+    def take(self, data: bytes) -> None:
+        self.size += len(data)
+        self.hash.update(data)
+        if self.tail:
+            self.last.add(data)
         else:
-            proc.stdin.close()
-    deadline = time.monotonic() + timeout if timeout is not None else None
-    exited_at: float | None = None
-    kill_since: float | None = None  # when a cancel or the timeout asked for the kill
-    timed_out = killed = False
-    try:
-        while sel.get_map():
-            now = time.monotonic()
-            if not killed and kill_since is None:
-                if cancel.is_set():
-                    kill_since = now
-                elif deadline is not None and now >= deadline:
-                    timed_out, kill_since = True, now
-            if not killed and kill_since is not None:
-                if kill() or proc.poll() is not None or now - kill_since > 5.0:
-                    if proc.poll() is None and now - kill_since > 5.0:
-                        proc.kill()
-                    killed = True
-                    deadline = now + 5.0  # then give up on crun exec itself
-            elif killed and deadline is not None and now >= deadline:
-                break
-            if exited_at is None and proc.poll() is not None:
-                exited_at = now
-            if exited_at is not None and now - exited_at > 1.0:
-                break  # background processes still hold the pipes: stop reading them
-            wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - now))
-            if kill_since is not None and not killed:
-                wait = 0.01
-            for key, _ in sel.select(wait):
-                idx = key.data
-                if idx == 2:
-                    assert proc.stdin is not None
-                    try:
-                        n = os.write(proc.stdin.fileno(), pending[:READ_CHUNK])
-                    except BrokenPipeError:
-                        n = len(pending)
-                    pending = pending[n:]
-                    if not pending:
-                        sel.unregister(proc.stdin)
-                        proc.stdin.close()
-                    continue
-                try:
-                    data = os.read(key.fd, READ_CHUNK)
-                except BlockingIOError:  # a non-blocking pty master with nothing after all
-                    continue
-                except OSError as exc:
-                    if key.fd != tty or exc.errno != errno.EIO:
-                        raise
-                    data = b""  # the terminal's last holder closed it
-                if not data:
-                    sel.unregister(key.fileobj)
-                    continue
-                sizes[idx] += len(data)
-                hashes[idx].update(data)
-                if sizes[idx] > cap:
-                    truncated = True
-                if tail:
-                    last[idx].add(data)
-                else:
-                    room = keep - len(bufs[idx])
-                    if room > 0:
-                        bufs[idx] += data[:room]
-                cb = callbacks[idx]
-                streamable = max(0, cap - sent[idx])
-                if cb is not None and streamable > 0:
-                    sent[idx] += min(streamable, len(data))
-                    cb(data[:streamable])
-                if len(data) > streamable:
-                    rings[idx].add(data[streamable:])
-    finally:
-        sel.close()
-        for f in (proc.stdout, proc.stderr, proc.stdin):
-            if f is not None and not f.closed:
-                f.close()
-    cuts = []
-    for idx, name in enumerate(STREAMS):
-        rest = sizes[idx] - min(sizes[idx], cap)  # what came after the first cap bytes
-        held = min(rest, cap) if tail else 0
+            room = self.keep - len(self.head)
+            if room > 0:
+                self.head += data[:room]
+        streamable = max(0, self.cap - self.sent)
+        if self.callback is not None and streamable > 0:
+            self.sent += min(streamable, len(data))
+            self.callback(data[:streamable])
+        if len(data) > streamable:
+            self.ring.add(data[streamable:])
+
+    @property
+    def truncated(self) -> bool:
+        return self.size > self.cap
+
+    def finish(self, on_cut: Callable[[Cut], None] | None, cancelled: bool) -> Cut | None:
+        """Where the delivered stream skipped output (told to ``on_cut``), then the held tail."""
+        rest = self.size - min(self.size, self.cap)  # what came after the first cap bytes
+        held = min(rest, self.cap) if self.tail else 0
+        cut = None
         if rest > held:
-            cuts.append(Cut(name, min(sizes[idx], cap), rest - held))
-            if on_cut is not None and not cancel.is_set():
-                on_cut(cuts[-1])
-        cb = callbacks[idx]
-        if cb is not None and rings[idx].size:
-            for chunk in rings[idx].chunks:
-                cb(chunk)
-    if tail:
-        bufs = [bytearray(bytes(last[0])), bytearray(bytes(last[1]))]
-    return Pumped(bytes(bufs[0]), bytes(bufs[1]), truncated, (hashes[0].hexdigest(), hashes[1].hexdigest()),
-                  (sizes[0], sizes[1]), timed_out, tuple(cuts))
+            cut = Cut(self.name, min(self.size, self.cap), rest - held)
+            if on_cut is not None and not cancelled:
+                on_cut(cut)
+        if self.callback is not None and self.ring.size:
+            for chunk in self.ring.chunks:
+                self.callback(chunk)
+        return cut
+
+    def result(self) -> bytes:
+        return bytes(self.last) if self.tail else bytes(self.head)
+
+
+class Pump:
+    """Feed one command's stdin and read both its streams until it and its pipes are done.
+
+    On ``timeout`` or ``cancel`` the process's tree is killed (``kill_tree``, asked again until it
+    reports the tree killed: the command's pid is known only once its runner has written it, so
+    until then (a cancel right after the start, a loaded host) it keeps trying, and after 5 s
+    without one the runner itself is killed).  A terminal's master (``proc.tty``) counts as
+    stdout; it ends with EIO once no process holds the terminal.  Nothing is dropped silently.
+    """
+
+    KILL_GRACE = 5.0  # seconds kill_tree may keep failing before the runner itself is killed
+    LINGER = 1.0  # seconds the pipes are read after the command exited (background processes hold them)
+
+    def __init__(self, proc: Process, stdin: bytes | None, *, cap: int, keep: int, timeout: float | None,
+                 on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
+                 cancel: Cancel, tail: bool = False, on_cut: Callable[[Cut], None] | None = None) -> None:
+        self.proc, self.cancel, self.on_cut = proc, cancel, on_cut
+        self.streams = (_Stream("stdout", cap=cap, keep=keep, tail=tail, callback=on_stdout),
+                        _Stream("stderr", cap=cap, keep=keep, tail=tail, callback=on_stderr))
+        self.pending = memoryview(stdin or b"")
+        self.deadline = time.monotonic() + timeout if timeout is not None else None
+        self.exited_at: float | None = None
+        self.kill_since: float | None = None  # when a cancel or the timeout asked for the kill
+        self.timed_out = self.killed = False
+        self.sel = selectors.DefaultSelector()
+
+    def run(self) -> Pumped:
+        self._register()
+        try:
+            while self.sel.get_map() and self._tick(time.monotonic()):
+                for key, _ in self.sel.select(self._wait(time.monotonic())):
+                    if key.data == 2:
+                        self._feed()
+                    else:
+                        self._read(key)
+        finally:
+            self.sel.close()
+            for f in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
+                if f is not None and not f.closed:
+                    f.close()
+        cuts = [cut for s in self.streams if (cut := s.finish(self.on_cut, self.cancel.is_set())) is not None]
+        out, err = self.streams
+        return Pumped(out.result(), err.result(), out.truncated or err.truncated,
+                      (out.hash.hexdigest(), err.hash.hexdigest()), (out.size, err.size), self.timed_out, tuple(cuts))
+
+    def _register(self) -> None:
+        proc = self.proc
+        self.sel.register(proc.stdout, selectors.EVENT_READ, 0)
+        self.sel.register(proc.stderr, selectors.EVENT_READ, 1)
+        if proc.tty is not None:
+            self.sel.register(proc.tty, selectors.EVENT_READ, 0)
+        if proc.stdin is not None:
+            os.set_blocking(proc.stdin.fileno(), False)
+            if self.pending:
+                self.sel.register(proc.stdin, selectors.EVENT_WRITE, 2)
+            else:
+                proc.stdin.close()
+
+    def _tick(self, now: float) -> bool:
+        """Ask for the kill when it is due, give up on the runner when it does not go; False: stop reading."""
+        if not self.killed and self.kill_since is None:
+            if self.cancel.is_set():
+                self.kill_since = now
+            elif self.deadline is not None and now >= self.deadline:
+                self.timed_out, self.kill_since = True, now
+        if not self.killed and self.kill_since is not None:
+            late = now - self.kill_since > self.KILL_GRACE
+            if self.proc.kill_tree() or self.proc.poll() is not None or late:
+                if self.proc.poll() is None and late:
+                    self.proc.kill()
+                self.killed = True
+                self.deadline = now + self.KILL_GRACE  # then give up on the runner itself
+        elif self.killed and self.deadline is not None and now >= self.deadline:
+            return False
+        if self.exited_at is None and self.proc.poll() is not None:
+            self.exited_at = now
+        return self.exited_at is None or now - self.exited_at <= self.LINGER
+
+    def _wait(self, now: float) -> float:
+        if self.kill_since is not None and not self.killed:
+            return 0.01
+        return 0.2 if self.deadline is None else max(0.0, min(0.2, self.deadline - now))
+
+    def _feed(self) -> None:
+        stdin = self.proc.stdin
+        assert stdin is not None
+        try:
+            n = os.write(stdin.fileno(), self.pending[:READ_CHUNK])
+        except BrokenPipeError:
+            n = len(self.pending)
+        self.pending = self.pending[n:]
+        if not self.pending:
+            self.sel.unregister(stdin)
+            stdin.close()
+
+    def _read(self, key: selectors.SelectorKey) -> None:
+        try:
+            data = os.read(key.fd, READ_CHUNK)
+        except BlockingIOError:  # a non-blocking pty master with nothing after all
+            return
+        except OSError as exc:
+            if key.fd != self.proc.tty or exc.errno != errno.EIO:
+                raise
+            data = b""  # the terminal's last holder closed it
+        if not data:
+            self.sel.unregister(key.fileobj)
+            return
+        self.streams[key.data].take(data)
+
+
+# what an exec_started receipt says that the receipt of a command a crash interrupted repeats
+CARRIED = ("idempotency_key", "background", "command_id", "tty")
+EXEC_PREFIX = "exec-"
+
+
+class ExecRunner:
+    """The commands running in one manager's sandboxes: their admission against preemption, their
+    idempotency keys, and a cancel for each (a destroy, a preemption, a stop end them)."""
+
+    def __init__(self, lock: threading.RLock) -> None:
+        self._lock = lock  # the manager's state lock: admission and registration are one step
+        self._running: dict[str, dict[str, Cancel]] = {}  # sandbox -> tag -> its cancel
+        self._keys: set[tuple[str, str]] = set()  # (sandbox, idempotency key) of commands running
+        self._seq = 0
+
+    def inflight(self, sid: str) -> int:
+        with self._lock:
+            return len(self._running.get(sid, {}))
+
+    def cancel(self, sid: str, reason: str) -> None:
+        """Stop every running command of ``sid``; each caller learns ``reason`` (``interrupted``)."""
+        with self._lock:
+            for cancel in self._running.get(sid, {}).values():
+                cancel.cancel(reason)
+
+    def run(self, box: Sandbox, req: ExecRequest, *, on_stdout: Callable[[bytes], None] | None = None,
+            on_stderr: Callable[[bytes], None] | None = None, cancel: Cancel | None = None,
+            keep_output: bool = True, on_cut: Callable[[Cut], None] | None = None,
+            attach: Attach | None = None) -> ExecResult:
+        """:meth:`Sandbox.exec <sandbox.host.sandbox.Sandbox.exec>`: admit, replay or run, record."""
+        cancel = cancel or Cancel()
+        tag = self._tag()
+        st, earlier = self._admit(box, req, tag, cancel)
+        if earlier is not None:
+            _replay_to(earlier, on_stdout, on_stderr, on_cut)
+            return earlier
+        try:
+            if req.idempotency_key is not None or attach is not None:
+                # a crash during the command leaves this behind: a retry then learns it was interrupted,
+                # and reconcile finds the key of the exec files named ``tag`` (not by the command's text:
+                # the same command may run with and without a key), or that it ran in the background
+                box.receipt("exec_started", command=req.argv,
+                            **({"idempotency_key": req.idempotency_key} if req.idempotency_key else {}),
+                            tag=tag, **(attach.started() if attach is not None else {}))
+            return self._execute(box, st, req, tag, on_stdout, on_stderr, cancel, keep_output, on_cut, attach)
+        finally:
+            with self._lock:
+                running = self._running.get(box.id, {})
+                running.pop(tag, None)
+                if not running:
+                    self._running.pop(box.id, None)
+                if req.idempotency_key is not None:
+                    self._keys.discard((box.id, req.idempotency_key))
+
+    def _tag(self) -> str:
+        with self._lock:
+            self._seq += 1
+            return f"{EXEC_PREFIX}{os.getpid()}-{self._seq}-{uuid.uuid4().hex[:6]}"
+
+    def _admit(self, box: Sandbox, req: ExecRequest, tag: str, cancel: Cancel
+               ) -> tuple[SandboxState, ExecResult | None]:
+        """Under one lock: preemption either sees this command or refuses it."""
+        key = req.idempotency_key
+        with self._lock:
+            st = box.state
+            if st.status != "running":
+                raise SandboxStateError(f"sandbox {box.id} is {st.status}, not running")
+            if not st.admitting:
+                raise JobNotAdmitting(f"sandbox {box.id}: job {st.job!r} is being preempted; "
+                                      "retry after it is resumed")
+            if key is not None:
+                if (box.id, key) in self._keys:
+                    raise CommandInProgress(f"sandbox {box.id}: a command with idempotency key "
+                                            f"{key!r} is still running")
+                rec = box.manager.receipt_logs.keyed(box.id, key)
+                if rec is not None and not (req.rerun_if_interrupted and was_interrupted(rec)):
+                    return st, replay(rec)
+                self._keys.add((box.id, key))
+            self._running.setdefault(box.id, {})[tag] = cancel
+        return st, None
+
+    def _execute(self, box: Sandbox, st: SandboxState, req: ExecRequest, tag: str,
+                 on_stdout: Callable[[bytes], None] | None, on_stderr: Callable[[bytes], None] | None,
+                 cancel: Cancel, keep_output: bool, on_cut: Callable[[Cut], None] | None,
+                 attach: Attach | None) -> ExecResult:
+        workdir = req.cwd or st.cwd
+        span = _Span.begin(box, st)
+        started = time.perf_counter()
+        proc = box.backend.spawn(box, st, req.argv, env={**st.env, **req.env}, cwd=workdir, uid=st.uid,
+                                 gid=st.gid, tag=tag, input_pipe=req.stdin is not None and attach is None,
+                                 attach=attach)
+        keep = req.output_cap if keep_output else (KEYED_OUTPUT_CAP if req.idempotency_key else 0)
+        try:
+            out = Pump(proc, req.stdin if attach is None else None, cap=req.output_cap,
+                       keep=min(keep, req.output_cap), timeout=req.timeout, on_stdout=on_stdout,
+                       on_stderr=on_stderr, cancel=cancel, tail=req.keep == "tail", on_cut=on_cut).run()
+        finally:
+            rc = proc.finish()
+        more = {**proc.receipt(), **(attach.finished() if attach is not None else {})}
+        return _record(box, st, req, workdir, out, rc, time.perf_counter() - started, cancel,
+                       proc.oom_killed(), span, more)
+
+
+@dataclass(frozen=True)
+class _Span:
+    """What the sandbox's cgroup and network said when a command started."""
+
+    cpu: float | None
+    egress: Mapping[str, Any] | None
+
+    @classmethod
+    def begin(cls, box: Sandbox, st: SandboxState) -> _Span:
+        mgr = box.manager
+        egress = mgr.resources.networks.manager.counters(box.id) if st.network is not None else None
+        return cls(mgr.layout.cpu_seconds(st.cgroups_path), egress)
+
+
+def _record(box: Sandbox, st: SandboxState, req: ExecRequest, workdir: str, out: Pumped, rc: int | None,
+            duration: float, cancel: Cancel, oom: bool, span: _Span, more: Mapping[str, Any]) -> ExecResult:
+    """The result of a finished command and its ``exec`` receipt, for every backend: the sandbox's
+    cgroup over the command's span (background processes included; a VM's is its VMM's), the
+    network verdicts, and what a keyed command's replay needs."""
+    mgr, cg = box.manager, st.cgroups_path
+    interrupted = cancel.reason if cancel.is_set() else None
+    killed = out.timed_out or interrupted is not None
+    sig = int(signal.SIGKILL) if killed else (rc - 128 if rc is not None and 128 < rc <= 128 + 64 else None)
+    result = ExecResult(rc, sig, out.stdout, out.stderr, out.truncated, round(duration, 6), out.timed_out,
+                        oom, interrupted, cuts=out.cuts)
+    cpu_after = mgr.layout.cpu_seconds(cg)
+    extra: dict[str, Any] = {
+        "resources": {"cpu_seconds": round(cpu_after - span.cpu, 6)
+                      if span.cpu is not None and cpu_after is not None else None,
+                      "memory_peak": mgr.layout.memory_peak(cg), "pids": mgr.layout.pids_current(cg)}}
+    if span.egress is not None:  # what the network policy allowed and denied during the command
+        extra["egress"] = diff_counters(span.egress, mgr.resources.networks.manager.counters(box.id))
+    extra.update(more)
+    if req.keep != "head":
+        extra["keep"] = req.keep
+    if req.idempotency_key is not None:
+        kept = slice(-KEYED_OUTPUT_CAP, None) if req.keep == "tail" else slice(KEYED_OUTPUT_CAP)
+        extra.update(idempotency_key=req.idempotency_key,
+                     stdout=base64.b64encode(out.stdout[kept]).decode(),
+                     stderr=base64.b64encode(out.stderr[kept]).decode())
+    box.receipt("exec", command=list(req.argv), cwd=workdir, exit_code=rc, signal=sig, timed_out=out.timed_out,
+                oom_killed=oom, interrupted=interrupted, stdout_bytes=out.sizes[0], stderr_bytes=out.sizes[1],
+                stdout_blake3=out.digests[0], stderr_blake3=out.digests[1], truncated=out.truncated,
+                duration=result.duration, cpu_class=st.options.cpu_class,
+                policy_version=st.policy_version, **extra)
+    return result
+
+
+def _replay_to(earlier: ExecResult, on_stdout: Callable[[bytes], None] | None,
+               on_stderr: Callable[[bytes], None] | None, on_cut: Callable[[Cut], None] | None) -> None:
+    """A streaming caller sees a replayed answer the way it saw the run, its cut where the receipt's bytes end."""
+    for name, data, cb in (("stdout", earlier.stdout, on_stdout), ("stderr", earlier.stderr, on_stderr)):
+        cut = next((c for c in earlier.cuts if c.stream == name), None)
+        if cut is not None and cut.offset == 0 and on_cut is not None:
+            on_cut(cut)
+        if data and cb is not None:
+            cb(data)
+        if cut is not None and cut.offset > 0 and on_cut is not None:
+            on_cut(cut)
+
+
+def interrupted_receipt(started: Mapping[str, Any] | None, command: Any) -> dict[str, Any]:
+    """The ``exec`` receipt of a command a dead manager left running (reconcile killed it)."""
+    started = started or {}
+    return {"command": command, "exit_code": None, "signal": int(signal.SIGKILL), "interrupted": "restart",
+            "timed_out": False, "oom_killed": False,
+            **{k: started[k] for k in CARRIED if started.get(k) is not None}}
+
+
+def as_request(cmd: Sequence[str] | str | ExecRequest, **fields: Any) -> ExecRequest:
+    """An :class:`ExecRequest`, or the fields to make one (validated the same way)."""
+    if isinstance(cmd, ExecRequest):
+        return cmd
+    return ExecRequest(cmd=cmd if isinstance(cmd, str) else tuple(cmd), **fields)

@@ -61,8 +61,8 @@ async def preempt(manager: SandboxManager, job: str, *, timeout: float = 30.0,  
     boxes = [Sandbox(manager, st.id) for st in manager.list(job=job) if st.live]
     manager.leases.set_state(job, "draining")
     for box in boxes:
-        box._update(admitting=False)
-        box._receipt("preempt_requested", job=job, timeout=timeout)
+        box.update(admitting=False)
+        box.receipt("preempt_requested", job=job, timeout=timeout)
     await _drain(manager, [b.id for b in boxes], timeout)
 
     entries: dict[str, Any] = {}
@@ -70,7 +70,8 @@ async def preempt(manager: SandboxManager, job: str, *, timeout: float = 30.0,  
         st = box.state
         # a microVM's memory too: its processes go on wherever the job resumes (a host of the
         # same QEMU and guest assets; elsewhere only its disk comes back)
-        ckpt = await box.checkpoint(labels={"layerbox.job": job}, memory=st.options.is_vm)
+        memory = box.backend.capabilities(st.options.isolation).has("memory_checkpoint")
+        ckpt = await box.checkpoint(labels={"layerbox.job": job}, memory=memory)
         receipts = manager.receipts(box.id)
         resolved_layers = await _layers_of(manager, ckpt.digest)
         entries[box.id] = {
@@ -83,7 +84,7 @@ async def preempt(manager: SandboxManager, job: str, *, timeout: float = 30.0,  
     manifest = {"schema": SCHEMA_RUN, "job": job, "host": socket.gethostname(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "sandboxes": entries}
     ref = name or run_ref(job)
-    async with await manager._store() as store, store.writer_lock("preempt"):
+    async with await manager.open_store() as store, store.writer_lock("preempt"):
         digest = await store.put_doc(manifest)
         await store.set_ref(ref, digest, "run")
     # the manifest is durable: now the host can let go
@@ -99,10 +100,8 @@ async def _drain(manager: SandboxManager, sids: list[str], grace: float) -> None
     # execs run in threads (and their state is the manager's): poll rather than wire events through
     while any(manager.inflight(s) for s in sids) and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.02)
-    with manager._lock:
-        for sid in sids:
-            for cancel in manager._inflight.get(sid, {}).values():
-                cancel.cancel("preempt")
+    for sid in sids:
+        manager.execs.cancel(sid, "preempt")
     # a cancelled exec is killed under the freezer and records its receipt within seconds
     kill_deadline = time.monotonic() + 30.0
     while any(manager.inflight(s) for s in sids):
@@ -113,7 +112,7 @@ async def _drain(manager: SandboxManager, sids: list[str], grace: float) -> None
 
 
 async def _layers_of(manager: SandboxManager, digest: str) -> list[str]:
-    async with await manager._store() as store:
+    async with await manager.open_store() as store:
         resolved = await store.resolve(digest)
     return [layer.digest for layer in resolved.layers]
 
@@ -122,7 +121,7 @@ async def resume_run(manager: SandboxManager, ref: str, *, job: str | None = Non
                      lease_ttl: float | None = None) -> Run:
     """Restore every sandbox of the run manifest ``ref`` on this host; admit commands once all are up."""
     started = time.perf_counter()
-    async with await manager._store() as store:
+    async with await manager.open_store() as store:
         resolved = await store.resolve(ref, refresh=True)
     if resolved.kind != "run":
         raise SandboxError(f"{ref} is a {resolved.kind}, not a run manifest")
@@ -155,8 +154,8 @@ async def resume_run(manager: SandboxManager, ref: str, *, job: str | None = Non
     manager.leases.set_state(job, "active")
     manager.leases.renew(job, lease_ttl)
     for box in restored:
-        box._update(admitting=True)
-        box._receipt("resumed", run=ref, run_digest=resolved.digest, job=job)
+        box.update(admitting=True)
+        box.receipt("resumed", run=ref, run_digest=resolved.digest, job=job)
     return Run(ref, resolved.digest, manifest, mapping, round(time.perf_counter() - started, 6))
 
 

@@ -53,6 +53,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -141,6 +142,14 @@ def _on_thread(fn: Callable[[], T], *, netns: Path | None = None, new: Path | No
     if "error" in box:
         raise box["error"]
     return cast(T, box["value"])
+
+
+def socket_in(netns: Path) -> socket.socket:
+    """A non-blocking TCP socket made inside the network namespace ``netns`` (a socket keeps the
+    namespace it was made in: its connect and everything after run anywhere)."""
+    sock = _on_thread(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC), netns=netns)
+    sock.setblocking(False)
+    return sock
 
 
 def _netns_in_userns(path: Path, userns_fd: int) -> None:

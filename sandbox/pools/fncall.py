@@ -505,7 +505,7 @@ class FnCalls:
         """Raise :class:`ImageNotFound` unless ``image`` resolves: a pool of a missing image would
         fail every creation, answer each call with a retryable error and hold a pool slot."""
         try:
-            async with await self.manager._store() as store:
+            async with await self.manager.open_store() as store:
                 await store.resolve(image)
         except (RefNotFound, ObjectNotFound) as exc:
             raise ImageNotFound(f"FnCall image {image!r} does not resolve: {exc}") from exc

@@ -84,8 +84,9 @@ def cgroup_dirs(parent: str) -> list[Path]:
 def leftovers(mgr: SandboxManager) -> list[str]:
     """What the data dir of ``mgr`` still holds on this host; [] when nothing."""
     problems = []
-    if mgr.runtime.root.exists() and mgr.runtime.list():
-        problems.append(f"crun containers: {[c['id'] for c in mgr.runtime.list()]}")
+    runtime = mgr.backend("container").runtime
+    if runtime.root.exists() and runtime.list():
+        problems.append(f"crun containers: {[c['id'] for c in runtime.list()]}")
     if kmount.mounts_under(mgr.data_dir):
         problems.append(f"mounts: {kmount.mounts_under(mgr.data_dir)}")
     if cgroups := cgroup_dirs(mgr.cgroup_parent):
@@ -201,10 +202,10 @@ def _force_clean(mgr: SandboxManager) -> None:
             os.kill(int(health["pid"]), signal.SIGKILL)
         except ProcessLookupError:
             pass
-    if mgr.runtime.root.exists():
-        for c in mgr.runtime.list():
+    if mgr.backend("container").runtime.root.exists():
+        for c in mgr.backend("container").runtime.list():
             try:
-                mgr.runtime.delete(c["id"], force=True)
+                mgr.backend("container").runtime.delete(c["id"], force=True)
             except SandboxError:  # leftovers() reported it already; the next steps still run
                 pass
     for mp in kmount.mounts_under(mgr.data_dir):  # deepest first

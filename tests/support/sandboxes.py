@@ -36,7 +36,7 @@ def run(coro: Any) -> Any:
 
 
 def assert_clean(mgr: SandboxManager) -> None:
-    assert mgr.runtime.list() == []
+    assert mgr.backend("container").runtime.list() == []
     assert kmount.mounts_under(mgr.data_dir) == []
     assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
 
@@ -75,7 +75,7 @@ def boxes(manager: SandboxManager) -> Iterator[Any]:
     yield make
     for box in made:
         box.destroy()
-    assert manager.runtime.list() == []
+    assert manager.backend("container").runtime.list() == []
     assert [m for m in kmount.mounts_under(manager.boxes)] == []
 
 

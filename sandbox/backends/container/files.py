@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
 
+from sandbox.backends.base import entry_kind
 from sandbox.core.errors import HostUnsupported, NotARegularFile, PathEscape
 from sandbox.core.paths import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV, openat2
 from sandbox.isolation import idmap as _idmap
@@ -255,7 +256,7 @@ class RootFiles:
         try:
             for name in sorted(os.listdir(fd)):
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                out.append({"name": name, "type": _kind(st.st_mode), "size": st.st_size,
+                out.append({"name": name, "type": entry_kind(st.st_mode), "size": st.st_size,
                             "mode": stat.S_IMODE(st.st_mode), "mtime": st.st_mtime})
         finally:
             os.close(fd)
@@ -298,13 +299,6 @@ def _reopen(pfd: int, flags: int) -> int:
     # the inode is known to be regular, so O_NONBLOCK and O_NOCTTY change nothing for it; they
     # keep a FIFO from blocking, and a tty from becoming our terminal, should a check ever be missed
     return os.open(f"/proc/self/fd/{pfd}", flags | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "dir"), (stat.S_ISREG, "file"), (stat.S_ISLNK, "symlink")):
-        if test(mode):
-            return name
-    return "other"
 
 
 def _rmtree_at(dfd: int, name: str, resolve: int) -> None:

@@ -1,8 +1,7 @@
 """``OciRuntime``: the one wrapper around crun, and the host preflight it needs.
 
-Every process this package starts goes through :func:`spawn` (argv lists, a
-new session so a timeout can kill the whole process group, stderr captured).
-One-shot runtime commands use :meth:`OciRuntime._run`, which adds the timeout
+Every process crun runs for us starts through :func:`sandbox.core.procs.spawn` (argv lists,
+a new session so a timeout can kill the whole process group, stderr captured).  One-shot runtime commands use :meth:`OciRuntime._run`, which adds the timeout
 and turns a non-zero exit into :class:`RuntimeFailed` carrying crun's stderr;
 ``exec`` streams and so gets the ``Popen`` itself.
 
@@ -23,62 +22,16 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from sandbox.core.errors import HostUnsupported, RuntimeFailed, RuntimeTimeout
+from sandbox.core.errors import RuntimeFailed, RuntimeTimeout
+from sandbox.core.procs import descendants, kill_group, process_table, spawn, wait_exit
 
 log = logging.getLogger("layerbox.sandbox")
 
 DEFAULT_TIMEOUT = 30.0
-
-
-def _sched_idle() -> None:
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-
-
-def spawn(argv: Sequence[str], *, stdin: int | IO[Any] | None = subprocess.DEVNULL,
-          stdout: int | IO[Any] | None = subprocess.PIPE,
-          stderr: int | IO[Any] | None = subprocess.PIPE, sched_idle: bool = False) -> subprocess.Popen[bytes]:
-    """Start ``argv`` (never through a shell) in its own session / process group.
-
-    ``sched_idle`` puts the child under SCHED_IDLE before it execs; the policy
-    is inherited across fork and exec, so everything crun starts for it
-    (the container process and its children) runs only when a CPU is idle.
-    """
-    try:
-        return subprocess.Popen(list(argv), stdin=stdin, stdout=stdout, stderr=stderr,
-                                start_new_session=True, close_fds=True,
-                                preexec_fn=_sched_idle if sched_idle else None)
-    except FileNotFoundError as exc:
-        raise HostUnsupported(f"{argv[0]}: not installed (apt-get install crun util-linux)") from exc
-
-
-def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
-    """``proc.wait(timeout)`` woken by the exit itself: Popen.wait with a timeout polls with
-    sleeps of up to 50 ms, which added several ms to every crun command (measured)."""
-    try:
-        fd = os.pidfd_open(proc.pid)
-    except OSError:  # already reaped, or no pidfd (Linux < 5.3)
-        return proc.wait(timeout=timeout)
-    try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(timeout * 1000):
-            raise subprocess.TimeoutExpired(proc.args, timeout)
-    finally:
-        os.close(fd)
-    return proc.wait()
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the process group ``spawn`` gave ``proc`` and reap ``proc``."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
 
 
 class OciRuntime:
@@ -196,6 +149,47 @@ class OciRuntime:
         console = ["--console-socket", console_socket] if console_socket is not None else []
         return spawn(self.argv("exec", *console, "--process", str(process_json), "--pid-file", str(pid_file), cid),
                      stdin=stdin, sched_idle=sched_idle)
+
+
+def kill_tree(runtime: OciRuntime, sid: str, init: int, root: int, since: int) -> None:
+    """SIGKILL ``root``'s process tree and the orphans started since ``since`` (clock ticks) that
+    were reparented to ``init``, with the sandbox frozen (killed tasks only die once thawed).
+
+    The container may be deleted under it (a destroy cancels its commands and then deletes
+    the container): a thaw that finds no container has nothing left to thaw.
+    """
+    frozen = False
+    try:
+        with contextlib.suppress(RuntimeFailed):
+            runtime.pause(sid)
+            frozen = True
+        for _ in range(5):
+            table = process_table()
+            orphans = {pid for pid, (ppid, start) in table.items() if ppid == init and start >= since}
+            victims = descendants({root} | orphans, table) - {init}
+            if not victims:
+                break
+            for pid in victims:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            if frozen:
+                _thaw(runtime, sid)
+                frozen = False
+            time.sleep(0.05)
+            with contextlib.suppress(RuntimeFailed):
+                runtime.pause(sid)
+                frozen = True
+    finally:
+        if frozen:
+            _thaw(runtime, sid)
+
+
+def _thaw(runtime: OciRuntime, sid: str) -> None:
+    try:
+        runtime.resume(sid)
+    except RuntimeFailed:
+        if (runtime.state(sid) or {}).get("status") == "paused":  # still there, still frozen: a fault
+            raise
 
 
 CONSOLE_TIMEOUT = 10.0  # crun sends the master before it starts the process: this is only a stuck crun

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from sandbox.backends.container.files import _kind
+from sandbox.backends.base import entry_kind
 from sandbox.core.errors import SandboxError
 
 T_PING, T_PONG, T_EXEC, T_STARTED, T_STDIN, T_SIGNAL = 1, 2, 3, 4, 5, 6
@@ -413,5 +413,5 @@ def _connect(path: Path, timeout: float) -> socket.socket:
 
 def entry_json(st: GuestStat) -> dict[str, Any]:
     """A guest directory entry in the shape ``RootFiles.list`` gives for a container."""
-    return {"name": st.name, "type": _kind(st.mode), "size": st.size, "mode": statmod.S_IMODE(st.mode),
+    return {"name": st.name, "type": entry_kind(st.mode), "size": st.size, "mode": statmod.S_IMODE(st.mode),
             "mtime": st.mtime_ns / 1e9}

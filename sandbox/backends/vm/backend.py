@@ -11,52 +11,55 @@ Nothing in that directory is written by the guest except through QEMU's own devi
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import errno
-import io
 import logging
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any
 
+from layerstore.errors import LayerstoreError
 from layerstore.objects import LayerEntry, Resolved
 from lazyfetch import kmount
 from lazyfetch.errors import LazyfetchError
-from lazyfetch.mounts import HostMounts
+from sandbox.backends.base import (
+    Attach,
+    Box,
+    Capabilities,
+    Checkpointed,
+    CheckpointRequest,
+    Files,
+    HostContext,
+    LeftOver,
+    Process,
+    process_defaults,
+)
 from sandbox.backends.vm import assets as vmassets
 from sandbox.backends.vm import qemu as vm
-from sandbox.backends.vm.agent import AgentConnection, AgentError, GuestFileError, entry_json
-from sandbox.core.errors import HostUnsupported, SandboxStateError, UnsupportedOption
+from sandbox.backends.vm.agent import AgentConnection, AgentError, GuestProcess
+from sandbox.backends.vm.files import GuestFiles
+from sandbox.core.errors import HostUnsupported, SandboxError, SandboxStateError, UnsupportedOption
 from sandbox.core.model import SandboxOptions, SandboxState
-from sandbox.isolation.cgroups import CgroupLayout
-from sandbox.isolation.idmap import RangePool
-from sandbox.isolation.network import VM_GUEST_ADDRESS, VM_TAP_ADDRESS, NetworkManager
+from sandbox.core.sync import run_blocking
+from sandbox.isolation.network import VM_GUEST_ADDRESS, VM_TAP_ADDRESS
+from snapshots import vmstate
+from snapshots.checkpoint import Snapshots
+from snapshots.errors import SnapshotError
 
 log = logging.getLogger("layerbox.sandbox")
 
 MAX_DISK_CHAIN = 8  # deltas a checkpoint's disk may stand on; the next one is a whole disk again
 VM_RECORD = "layerbox.vm.v1"
 MAX_PATH = 4096
-
-
-def _guest_path(path: str) -> str:
-    """A path the guest resolves inside the sandbox's root (its agent is chrooted there)."""
-    if not isinstance(path, str) or not path.startswith("/") or "\0" in path or len(path.encode()) > MAX_PATH:
-        raise GuestFileError(errno.EINVAL, f"{path!r}: give an absolute path of at most {MAX_PATH} bytes")
-    return path
-
-
-def _os_error(exc: GuestFileError, path: str) -> OSError:
-    """The guest's errno as the OSError subclass the host file API raises for it."""
-    return OSError(exc.errno, f"{path}: {exc}", path)
 
 
 def _mem_total() -> int | None:
@@ -70,63 +73,6 @@ def _mem_total() -> int | None:
     return None
 
 
-class GuestFiles:
-    """RootFiles' interface over a VM's agent: the same calls, answers and errors."""
-
-    def __init__(self, conn: Callable[[], AgentConnection]) -> None:
-        self._conn = conn
-
-    @contextlib.contextmanager
-    def _mapped(self, path: str) -> Iterator[None]:
-        try:
-            yield
-        except GuestFileError as exc:
-            raise _os_error(exc, path) from None
-
-    def iter_read(self, path: str, chunk: int = 0) -> Iterator[bytes]:
-        with self._mapped(path):
-            yield from self._conn().iter_read(_guest_path(path))
-
-    def read(self, path: str) -> bytes:
-        return b"".join(self.iter_read(path))
-
-    def download(self, path: str, dst: BinaryIO, chunk: int = 0) -> int:
-        total = 0
-        for data in self.iter_read(path):
-            dst.write(data)
-            total += len(data)
-        return total
-
-    def upload(self, path: str, src: BinaryIO, mode: int = 0o644, chunk: int = 256 << 10) -> int:
-        def chunks() -> Iterator[bytes]:
-            while data := src.read(chunk):
-                yield data
-
-        with self._mapped(path):
-            return self._conn().write(_guest_path(path), chunks(), mode & 0o7777)
-
-    def write(self, path: str, data: bytes, mode: int = 0o644) -> int:
-        return self.upload(path, io.BytesIO(data), mode)
-
-    def mkdir(self, path: str, mode: int = 0o755) -> None:
-        with self._mapped(path):
-            self._conn().mkdir(_guest_path(path), mode & 0o7777)
-
-    def stat(self, path: str) -> os.stat_result:
-        with self._mapped(path):
-            return self._conn().stat(_guest_path(path)).to_stat_result()
-
-    def list(self, path: str = "/") -> list[dict[str, Any]]:
-        with self._mapped(path):
-            return sorted((entry_json(e) for e in self._conn().list(_guest_path(path))), key=lambda e: e["name"])
-
-    def remove(self, path: str, *, recursive: bool = False) -> None:
-        if path.rstrip("/") in ("", "/."):
-            raise OSError(errno.EINVAL, f"{path!r} does not name an entry inside the sandbox", path)
-        with self._mapped(path):
-            self._conn().remove(_guest_path(path), recursive=recursive)
-
-
 def _overlay_number(path: Path) -> int | None:
     m = re.fullmatch(r"disk-(\d+)\.qcow2", path.name)
     return int(m[1]) if m else None
@@ -137,21 +83,18 @@ def _overlay_numbers(vm_dir: Path) -> list[int]:
     return [n for f in vm_dir.glob("disk-*.qcow2") if (n := _overlay_number(f)) is not None]
 
 
-class Vms:
+class VmBackend:
     """Every VM of one manager, microvm or q35: their VMMs, agent connections and this host's templates."""
 
-    def __init__(self, data_dir: Path, host: HostMounts, layout: Callable[[], CgroupLayout],
-                 net: Callable[[], NetworkManager], uids: Callable[[], RangePool],
-                 assets_root: Path | None = None) -> None:
-        self.templates_dir = data_dir / "vm" / "templates"
-        self.host = host
-        self._layout = layout
-        self._net = net
-        self._uids = uids
+    isolations: tuple[str, ...] = ("microvm", "vm")
+
+    def __init__(self, ctx: HostContext, assets_root: Path | None = None) -> None:
+        self.ctx = ctx
+        self.templates_dir = ctx.data_dir / "vm" / "templates"
+        self.host = ctx.mounts
         self.assets_root = assets_root or vmassets.DEFAULT_ROOT
         self._hv: vm.Hypervisor | None = None
         self._assets: vmassets.Assets | None = None
-        self._unavailable: str | None = None
         self._conns: dict[str, AgentConnection] = {}
         self._lock = threading.Lock()
 
@@ -167,20 +110,22 @@ class Vms:
                     raise HostUnsupported(f"isolation=microvm is not available on this host: {exc}") from None
             return self._hv, self._assets
 
-    def capabilities(self, isolation: str = "microvm") -> dict[str, Any]:
-        """What ``isolation`` (microvm or vm) provides here, for /v1/capabilities."""
+    def capabilities(self, isolation: str = "microvm") -> Capabilities:
+        """What ``isolation`` (microvm or vm) provides here."""
         try:
             hv, assets = self.prepare()
         except HostUnsupported as exc:
-            return {"available": False, "reason": str(exc).replace("isolation=microvm", f"isolation={isolation}")}
+            return Capabilities(isolation, False,
+                                reason=str(exc).replace("isolation=microvm", f"isolation={isolation}"))
         provides = ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates", "templates_in_store",
                     "memory_checkpoint", "checkpoint", "restore", "fork", "network"]
         lacks = ["ports", "interactive"]
         if isolation == "vm":
             provides.append("image_kernel")
             lacks += ["bootloader", "pmem_dax"]
-        return {"available": True, **hv.to_json(), "machine": vm.MACHINES[isolation], "guest_assets": assets.key,
-                "kernel": assets.manifest.get("kernel_version"), "provides": provides, "lacks": lacks}
+        return Capabilities(isolation, True, tuple(provides), tuple(lacks), details={
+            **hv.to_json(), "machine": vm.MACHINES[isolation], "guest_assets": assets.key,
+            "kernel": assets.manifest.get("kernel_version")})
 
     def assets_for(self, resolved: Resolved, options: SandboxOptions) -> vmassets.Assets:
         """The guest assets a sandbox boots: layerbox's, or with ``kernel="image"`` a set around
@@ -223,7 +168,7 @@ class Vms:
         """The host uid and gid the VMM of ``owner`` (a sandbox id, or a template boot's name)
         runs as: the first of a uid range of its own in the manager's pool, the same again for
         the same owner (a resume), released with the sandbox (the manager's destroy and reconcile)."""
-        base, _ = self._uids().allocate(owner)
+        base, _ = self.ctx.resources.uids.acquire(owner)
         return base, base
 
     @contextlib.contextmanager
@@ -231,7 +176,7 @@ class Vms:
         try:
             yield self.jail_of(name)
         finally:
-            self._uids().release(name)
+            self.ctx.resources.uids.release(name)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def check_options(self, options: SandboxOptions) -> None:
@@ -306,11 +251,11 @@ class Vms:
                 return f"its {field} is {bound.get(field)!r}, this host's {have[field]!r}"
         return None
 
-    def launch(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
+    def _start_vm(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
                cgroups_path: str, template: vm.Template | None, assets: vmassets.Assets,
                prior: Mapping[str, Any] | None = None
                ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, float]]:
-        """Start the VM of a new sandbox: a restore of ``template`` with the sandbox's own disk:
+        """Start the VM of a sandbox: a restore of ``template`` with the sandbox's own disk:
         this host's empty ext4, or for a checkpoint its disk image, mounted lazily here (only
         the blocks the guest reads are fetched).  ``template`` None: the checkpoint's own
         memory image (its ``vmstate.bin``), so its processes go on where they were.  The VMM
@@ -356,7 +301,7 @@ class Vms:
         else:
             state_file = template.state
         vmm, conn = vm.start_from_template(vm_dir, hv, assets, template, layers, shape, state_file, nodes, procs,
-                                           netns=self._net().netns_path(sid), jail=jail, guest_net=guest_net,
+                                           netns=self.ctx.resources.networks.manager.netns_path(sid), jail=jail, guest_net=guest_net,
                                            mapped_ram=template is None, memory=memory)
         (vm_dir / "devices.bin").unlink(missing_ok=True)
         with self._lock:
@@ -378,21 +323,21 @@ class Vms:
 
     def _network(self, sid: str, options: SandboxOptions) -> tuple[dict[str, Any] | None,
                                                                    tuple[str, int, str] | None]:
-        net = self._net()
+        networks = self.ctx.resources.networks
         if options.network is None:
-            net.create_isolated(sid)
+            networks.acquire_isolated(sid)
             return None, None
-        info = net.create(sid, list(options.network), vm=True)
-        return {**info.to_dict(), "policy": net.policy(sid)}, (VM_GUEST_ADDRESS, 30, VM_TAP_ADDRESS)
+        info = networks.acquire(sid, list(options.network), vm=True)
+        return {**info.to_dict(), "policy": networks.manager.policy(sid)}, (VM_GUEST_ADDRESS, 30, VM_TAP_ADDRESS)
 
     @contextlib.contextmanager
     def _scratch_netns(self, name: str) -> Iterator[Path]:
-        net = self._net()
-        path = net.create_isolated(name)
+        networks = self.ctx.resources.networks
+        path = networks.acquire_isolated(name)
         try:
             yield path
         finally:
-            net.destroy(name)
+            networks.release(name)
 
     def _mount_disk_chain(self, resolved: Resolved, chain: Sequence[LayerEntry], vm_dir: Path
                           ) -> list[tuple[str, str]]:
@@ -555,7 +500,7 @@ class Vms:
     def _cgroup(self, cgroups_path: str, options: SandboxOptions, shape: vm.Shape) -> list[Path]:
         """The VMM's cgroup with the sandbox's limits: the guest's RAM plus the VMM's own, its
         CPU quota and class, and pids (the VMM's threads; the guest's processes are the guest's)."""
-        layout = self._layout()
+        layout = self.ctx.cgroups
         limits = {
             "memory": shape.memory + vm.VMM_OVERHEAD,
             "pids": max(64, options.pids),
@@ -601,7 +546,7 @@ class Vms:
         if conn is not None:
             conn.close()
 
-    def pause(self, sid: str, box_dir: Path, st: SandboxState) -> None:
+    def _stop_vcpus(self, sid: str, box_dir: Path, st: SandboxState) -> None:
         """Stop the guest's vCPUs (a pause without reclaim: the VMM and its RAM stay)."""
         qmp = self.vmm_of(box_dir, st).qmp()
         try:
@@ -640,9 +585,9 @@ class Vms:
         rec.update(vmm_pid=0, vmm_start=0, disk_nodes=None, disk_top_node=None)
         return rec
 
-    def resume(self, sid: str, box_dir: Path, st: SandboxState, cgroups_path: str) -> tuple[dict[str, Any], float]:
+    def _run_on(self, sid: str, box_dir: Path, st: SandboxState, cgroups_path: str) -> tuple[dict[str, Any], float]:
         """Run a paused VM on: its vCPUs, or (a record of an older layerbox) its ``saved.bin``.
-        A VM paused to the store is resumed by the manager (:meth:`launch` with ``prior``)."""
+        A VM paused to the store is resumed by :meth:`_resume_from_store`."""
         rec = dict(self._record(st))
         t = time.perf_counter()
         if not rec.get("saved"):
@@ -679,7 +624,7 @@ class Vms:
             if Path(p).parent == vm_dir:
                 os.chown(p, *jail, follow_symlinks=False)
         vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, nodes, procs,
-                                           netns=self._net().netns_path(sid), jail=jail,
+                                           netns=self.ctx.resources.networks.manager.netns_path(sid), jail=jail,
                                            guest_net=(guest[0], int(guest[1]), guest[2]) if guest else None)
         with self._lock:
             self._conns[sid] = conn
@@ -687,7 +632,7 @@ class Vms:
         rec.update(saved=False, vmm_pid=vmm.pid, vmm_start=vmm.start)
         return rec, time.perf_counter() - t
 
-    def destroy(self, sid: str, box_dir: Path, st: SandboxState | None, cgroup_dirs: Sequence[Path] = ()) -> None:
+    def _destroy(self, sid: str, box_dir: Path, st: SandboxState | None, cgroup_dirs: Sequence[Path] = ()) -> None:
         """Stop the VMM and remove the VM's files.  The VMM is found by its record and, should the
         record be missing (a crash between its start and the state write), by the sandbox's cgroup,
         where nothing but the VMM runs."""
@@ -714,11 +659,6 @@ class Vms:
             with contextlib.suppress(OSError):
                 target.rmdir()
 
-    def close(self) -> None:
-        with self._lock:
-            conns, self._conns = list(self._conns.values()), {}
-        for conn in conns:
-            conn.close()
 
     def prune_templates(self, keep: Sequence[str] = ()) -> list[str]:
         """Remove this host's templates but ``keep``, booted or mounted; a template is derived
@@ -737,4 +677,305 @@ class Vms:
         return removed
 
 
-__all__ = ["AgentError", "GuestFiles", "Vms"]
+
+    # -- the Backend protocol -------------------------------------------------------------------------
+    async def check(self, options: SandboxOptions, resolved: Resolved, ref: str) -> None:
+        self.check_options(options)
+        await asyncio.to_thread(self.prepare)  # a host without QEMU or guest assets: refused here
+        if resolved.kind == "checkpoint" and resolved.disk is None:
+            raise UnsupportedOption(f"{ref} is a container's checkpoint (files of an overlay): it restores "
+                                    f"into a container, not a {options.isolation}")
+        machine = ((resolved.doc.get("bound", {}).get("vm") or {}).get("machine")
+                   if resolved.disk is not None else None)
+        if machine is not None and machine != vm.MACHINES[options.isolation]:
+            wanted = next(k for k, v in vm.MACHINES.items() if v == machine)
+            raise UnsupportedOption(f"isolation: {ref} is a checkpoint of a {machine} VM: restore it with "
+                                    f"isolation={wanted}")
+
+    async def launch(self, box: Box, resolved: Resolved, ref: str) -> dict[str, Any]:
+        st = box.state
+        options = st.options
+        t = time.perf_counter()
+        template: vm.Template | None = None
+        memory_why = None
+        assets = await asyncio.to_thread(self.assets_for, resolved, options)
+        bound_memory = bool(resolved.doc.get("bound", {}).get("memory"))
+        if bound_memory:
+            memory_why = self.memory_mismatch(resolved, assets)
+            if memory_why is not None:
+                log.warning("checkpoint %s: its memory does not load here (%s): only its disk is restored",
+                            resolved.digest, memory_why)
+        if bound_memory and memory_why is None:
+            source = "checkpoint"  # its own memory image: no template
+        else:
+            template, source = await self._template(resolved, options, assets)
+        template_seconds = time.perf_counter() - t
+        record, network, timings = await asyncio.to_thread(self._start_vm, box.id, box.dir, resolved, options,
+                                                           st.cgroups_path, template, assets)
+        st = box.update(vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"], status="starting",
+                        network=network)
+        defaults = await asyncio.to_thread(process_defaults, self.files(box, st), resolved, options)
+        box.update(env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid, status="running")
+        return {"isolation": options.isolation,
+                "vm": {k: record[k] for k in ("machine", "assets", "kernel", "kernel_from", "template", "accel",
+                                              "qemu", "shape")},
+                "template_seconds": round(template_seconds, 6), "template_made": source == "boot",
+                "template_source": source, "start_seconds": timings["restore_seconds"],
+                **({"memory_restored": memory_why is None, "memory_lazy": bool(record.get("memory_lazy"))}
+                   if bound_memory else {}),
+                **({"memory_not_restored": memory_why} if memory_why else {})}
+
+    async def _template(self, resolved: Resolved, options: SandboxOptions, assets: vmassets.Assets
+                        ) -> tuple[vm.Template, str]:
+        """The template a new VM restores, and where it came from: ``host`` (this host has it),
+        ``store`` (another host booted it: mounted lazily from the store) or ``boot`` (booted
+        here now, then published so that no other host boots it)."""
+        shape = self.shape_for(resolved, options)
+        key = await asyncio.to_thread(self.template_key, resolved, shape, assets)
+        local = self.host_template(key)
+        if local is not None:
+            return local, "host"
+        async with await self.ctx.open_store() as store:
+            try:
+                found = await vmstate.find_template(store, key)
+                if found is not None:
+                    return await asyncio.to_thread(self.mount_template, key, found), "store"
+            except (LayerstoreError, LazyfetchError, SnapshotError) as exc:  # a cache: boot it instead
+                log.warning("template %s from %s: %s; booting it here", key, store.url, exc)
+            template, made = await asyncio.to_thread(self.boot_template, resolved, shape, assets)
+            if not made:
+                return template, "host"
+            try:
+                pub = await vmstate.publish_template(store, template.dir, ("memory", "state.bin", "template.json"),
+                                                     template.doc, self.ctx.data_dir)
+                log.info("template %s published as %s: %d bytes stored, %d uploaded in %.2f s", key, pub.digest,
+                         pub.bytes_stored, pub.bytes_uploaded, pub.seconds)
+            except (LayerstoreError, SnapshotError, OSError) as exc:
+                log.warning("template %s: publishing it to %s failed (%s); other hosts boot their own", key,
+                            store.url, exc)
+            return template, "boot"
+
+    def files(self, box: Box, st: SandboxState) -> Files:
+        return GuestFiles(lambda: self.conn(box.id, box.dir, box.state))
+
+    def spawn(self, box: Box, st: SandboxState, argv: Sequence[str], *, env: Mapping[str, str], cwd: str,
+              uid: int, gid: int, tag: str, input_pipe: bool, attach: Attach | None = None) -> Process:
+        """A command in the guest through its agent; its output arrives in OS pipes, so the
+        manager's pump streams, caps and times it out as a container's."""
+        if attach is not None:
+            raise UnsupportedOption(f"sandbox {box.id} is a {st.options.isolation}: interactive commands "
+                                    "(stdin left open, a terminal) are not available for VMs yet")
+        conn = self.conn(box.id, box.dir, st)
+        try:
+            proc = conn.exec(list(argv), env=dict(env), cwd=cwd, uid=uid, gid=gid)
+        except AgentError as exc:
+            raise SandboxStateError(f"sandbox {box.id}: its guest agent: {exc}") from None
+        return GuestCommand(proc, st.options.isolation)
+
+    def tcp_socket(self, box: Box, st: SandboxState) -> socket.socket:
+        raise UnsupportedOption(f"ports: sandbox {box.id} is a {st.options.isolation}: its ports are the "
+                                "guest's, which the edge does not reach yet")
+
+    def update_limits(self, box: Box, st: SandboxState, options: SandboxOptions) -> None:
+        raise UnsupportedOption(f"sandbox {box.id} is a {st.options.isolation}: its limits are its VM's shape")
+
+    # -- pause and resume ------------------------------------------------------------------------------
+    def pause(self, box: Box, st: SandboxState, *, reclaim: bool) -> dict[str, Any]:
+        """Without reclaim the guest's vCPUs stop (its VMM and RAM stay); with it, the VM goes to the
+        store (:meth:`_pause_to_store`) and its VMM stops."""
+        if reclaim:
+            return run_blocking(self._pause_to_store(box))
+        self._stop_vcpus(box.id, box.dir, st)
+        box.update(status="paused")
+        return {"reclaim": None, "isolation": st.options.isolation}
+
+    async def _pause_to_store(self, box: Box) -> dict[str, Any]:
+        """A checkpoint with memory of the VM (disk, RAM, device state of one instant) into the store,
+        its guest left stopped after the capture; then its VMM stopped and its disk files and
+        mounts here removed.  Its state keeps the checkpoint (``vm.paused_checkpoint``): a resume
+        here, or a restore of it on any host, goes on from there."""
+        st = box.state
+        started = time.perf_counter()
+        done = await self._checkpoint(box, st, box.checkpoint_request(memory=True), keep_stopped=True)
+        box.receipt("checkpoint", **done.receipt_fields())
+        ckpt = done.checkpoint
+        # the state says paused first: a crash from here on leaves a sandbox to resume from the store
+        box.update_from(lambda fresh: {"status": "paused", "vm": {**(fresh.vm or {}), "saved": "store",
+                                                                  "paused_checkpoint": ckpt.digest}})
+        record = await asyncio.to_thread(self.release, box.id, box.dir, box.state)
+        box.update(vm=record, pid=None, init_start=None)
+        reclaim = {"checkpoint": ckpt.name, "digest": ckpt.digest, "stopped_seconds": ckpt.freeze_seconds,
+                   "bytes_uploaded": ckpt.bytes_uploaded, "save_seconds": round(time.perf_counter() - started, 6),
+                   "page_cache": self.ctx.cgroups.reclaim(st.cgroups_path)}
+        return {"reclaim": reclaim, "isolation": st.options.isolation}
+
+    def resume(self, box: Box, st: SandboxState) -> dict[str, Any]:
+        if (st.vm or {}).get("saved") == "store":
+            return run_blocking(self._resume_from_store(box))
+        record, seconds = self._run_on(box.id, box.dir, st, st.cgroups_path)
+        box.update(status="running", vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"])
+        return {"isolation": st.options.isolation, "resume_seconds": round(seconds, 6)}
+
+    async def _resume_from_store(self, box: Box) -> dict[str, Any]:
+        """Resume a VM paused to the store: its checkpoint restored in place (the same sandbox,
+        network and limits), the guest going on where the pause stopped it."""
+        st = box.state
+        assert st.vm is not None
+        started = time.perf_counter()
+        async with await self.ctx.open_store() as store:
+            resolved = await store.resolve(st.vm["paused_checkpoint"], refresh=True)
+        await asyncio.to_thread(self.release, box.id, box.dir, st)  # what a crash in the pause left
+        assets = await asyncio.to_thread(self.assets_by_key, st.vm["assets"])
+        why = self.memory_mismatch(resolved, assets)
+        if why is not None:
+            raise SandboxStateError(f"sandbox {box.id}: its paused memory does not load on this host ({why}); "
+                                    f"restore {resolved.digest} on a host where it does")
+        record, _, _ = await asyncio.to_thread(self._start_vm, box.id, box.dir, resolved, st.options,
+                                               st.cgroups_path, None, assets, st.vm)
+        record.update(parent=resolved.digest, checkpoints=st.vm.get("checkpoints", 0))
+        box.update(status="running", vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"])
+        return {"isolation": st.options.isolation, "checkpoint": resolved.digest,
+                "resume_seconds": round(time.perf_counter() - started, 6)}
+
+    # -- checkpoint ------------------------------------------------------------------------------------
+    def paused_capture(self, st: SandboxState) -> bool | None:
+        # the guest's own page cache may hold writes its disk does not have yet: it runs for the
+        # capture (a sync, then stopped again for the copy) and is paused again after, to the
+        # store again when it was there
+        return bool((st.vm or {}).get("saved"))
+
+    async def checkpoint(self, box: Box, st: SandboxState, request: CheckpointRequest) -> Checkpointed:
+        return await self._checkpoint(box, st, request)
+
+    async def _checkpoint(self, box: Box, st: SandboxState, request: CheckpointRequest, *,
+                          keep_stopped: bool = False) -> Checkpointed:
+        """The VM's whole disk, stopped and flushed, as the checkpoint's disk layer (chunks dedup
+        against its parent's), and with ``memory`` its RAM image beside it; the chain is kept in
+        its VM record."""
+        assert st.vm is not None
+        record = dict(st.vm)
+        seq = int(record.get("checkpoints", 0)) + 1
+        parent = record.get("parent") or st.image_digest
+
+        def on_snapshot(rec: dict[str, Any]) -> None:  # the VM's disk chain changed: state says so at once
+            box.update_from(lambda fresh: {"vm": {**(fresh.vm or {}), "disk_nodes": rec["disk_nodes"],
+                                                  "disk_chain": None, "disk_top_node": rec["disk_top_node"]}})
+
+        async with await self.ctx.open_store() as store:
+            ckpt = await Snapshots(store, self.host).checkpoint_disk(
+                parent, lambda out: self.capture(box.id, box.dir, box.state, out, memory=request.memory,
+                                                 on_snapshot=on_snapshot, keep_stopped=keep_stopped),
+                ref_name=request.name or f"{request.prefix}checkpoints/{box.id}:{seq}", memory=request.memory,
+                isolation=st.options.isolation, base=record.get("disk_chain") or (),
+                chunk_size=vmstate.VM_CHUNK_SIZE,
+                vm={**{k: record[k] for k in ("machine", "shape")}, **self.vm_identity(record["assets"]),
+                    # its vmstate.bin's page region is the RAM itself (vm.exact_ram_image): mappable
+                    **({"ram_image": "exact"} if request.memory else {})},
+                labels=dict(request.labels), trajectory_offset=request.trajectory_offset,
+                receipt_id=request.receipt_id, policy_version=request.policy_version,
+                attach_docs=dict(request.attach_docs))
+            chain = (await store.resolve(ckpt.digest)).disk_chain
+        box.update_from(lambda fresh: {"vm": {**(fresh.vm or {}), "parent": ckpt.digest, "checkpoints": seq,
+                                              "disk_chain": [x.to_json() for x in chain]}})
+        return Checkpointed(ckpt, {"isolation": st.options.isolation, "disk_layer": ckpt.layer,
+                                   "memory": request.memory})
+
+    # -- usage, destroy, recovery ----------------------------------------------------------------------
+    def usage(self, box: Box, st: SandboxState) -> dict[str, Any]:
+        """What its qcow2 files hold on the host, and the guest's own view of its memory."""
+        try:
+            held: int | None = sum(f.stat().st_blocks * 512 for f in (box.dir / "vm").glob("disk*.qcow2"))
+        except OSError:
+            held = None
+        limit = int(st.vm["shape"]["disk"]) if st.vm is not None else None
+        return {"disk": {"where": "vm-disk", "used": held, "free": None, "limit": limit, "partial": False},
+                "guest_memory": self._guest_memory(box, st)}
+
+    def _guest_memory(self, box: Box, st: SandboxState) -> dict[str, int] | None:
+        """A running VM's own view (its /proc/meminfo: total, available, and used = the difference;
+        with free-page reporting, what it frees goes back to the host); None when it does not run."""
+        if st.status != "running":
+            return None
+        try:
+            text = self.files(box, st).read("/proc/meminfo").decode(errors="replace")
+        except (OSError, SandboxError):
+            return None
+        kb = {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in text.splitlines())
+              if v.strip() and v.split()[0].isdigit()}
+        if "MemTotal" not in kb or "MemAvailable" not in kb:
+            return None
+        return {"total": kb["MemTotal"], "available": kb["MemAvailable"],
+                "used": kb["MemTotal"] - kb["MemAvailable"]}
+
+    def destroy(self, sid: str, st: SandboxState | None) -> None:
+        box_dir = self.ctx.paths.box(sid)
+        if not (box_dir / "vm").exists():
+            return  # never got as far as a VM (or is not one)
+        self._destroy(sid, box_dir, st, self.ctx.cgroups.dirs(self.ctx.resources.cgroups.path(sid)))
+
+    def survivors(self) -> Mapping[str, Any]:
+        return {}  # a VM is found by its record (its VMM's pid and start time), not by a runtime's list
+
+    def adopt(self, box: Box, st: SandboxState, survivors: Mapping[str, Any]) -> list[LeftOver] | None:
+        if not (st.live and self.alive(box.dir, st)):
+            return None  # the VMM died (killed, OOM, the host rebooted): nothing to adopt
+        if (st.status == "running" and st.vm is not None and not st.vm.get("saved")
+                and self.ensure_running(box.dir, st)):
+            # a manager that died in a pause to the store after the capture stopped the guest and
+            # before its state said paused: the guest runs on as if not paused
+            log.warning("sandbox %s: its guest was stopped by a pause that did not finish; running it on", box.id)
+        return []  # its VMM runs on (or it is paused): reconnected on use
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._conns = list(self._conns.values()), {}
+        for conn in conns:
+            conn.close()
+
+
+class GuestCommand:
+    """A command in the guest (:class:`~sandbox.backends.base.Process`) over its agent's channel."""
+
+    def __init__(self, proc: GuestProcess, isolation: str) -> None:
+        self._proc = proc
+        self._isolation = isolation
+
+    @property
+    def stdout(self) -> IO[bytes]:
+        return self._proc.stdout
+
+    @property
+    def stderr(self) -> IO[bytes]:
+        return self._proc.stderr
+
+    @property
+    def stdin(self) -> IO[bytes] | None:
+        return self._proc.stdin
+
+    @property
+    def tty(self) -> int | None:
+        return None
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def kill_tree(self) -> bool:
+        self._proc.kill()  # the agent kills the command's whole process group
+        return True
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def finish(self) -> int | None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        try:
+            return self._proc.wait(5.0)
+        except TimeoutError:
+            return None
+
+    def oom_killed(self) -> bool:
+        return False  # the guest's own OOM killer is the guest's business: the VMM's cgroup is its RAM
+
+    def receipt(self) -> dict[str, Any]:
+        return {"isolation": self._isolation}

@@ -41,7 +41,7 @@ from layerstore.objects import SCHEMA_VM_TEMPLATE
 from sandbox.backends.vm import assets as vmassets
 from sandbox.backends.vm.agent import AgentConnection, AgentError
 from sandbox.core.errors import HostUnsupported, SandboxError
-from sandbox.host.execs import proc_stat
+from sandbox.core.procs import proc_stat
 
 log = logging.getLogger("layerbox.sandbox")
 

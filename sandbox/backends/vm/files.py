@@ -1,0 +1,86 @@
+"""A VM's files, through its guest agent: the container's file API (RootFiles), the same calls,
+answers and errors (the guest's errno as the OSError subclass the host's kernel would raise)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
+
+from sandbox.backends.vm.agent import AgentConnection, GuestFileError, entry_json
+
+MAX_PATH = 4096
+
+
+def _guest_path(path: str) -> str:
+    """A path the guest resolves inside the sandbox's root (its agent is chrooted there)."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path or len(path.encode()) > MAX_PATH:
+        raise GuestFileError(errno.EINVAL, f"{path!r}: give an absolute path of at most {MAX_PATH} bytes")
+    return path
+
+
+def _os_error(exc: GuestFileError, path: str) -> OSError:
+    """The guest's errno as the OSError subclass the host file API raises for it."""
+    return OSError(exc.errno, f"{path}: {exc}", path)
+
+
+class GuestFiles:
+    """RootFiles' interface over a VM's agent: the same calls, answers and errors."""
+
+    def __init__(self, conn: Callable[[], AgentConnection]) -> None:
+        self._conn = conn
+
+    @contextlib.contextmanager
+    def _mapped(self, path: str) -> Iterator[None]:
+        try:
+            yield
+        except GuestFileError as exc:
+            raise _os_error(exc, path) from None
+
+    def iter_read(self, path: str, chunk: int = 0) -> Iterator[bytes]:
+        with self._mapped(path):
+            yield from self._conn().iter_read(_guest_path(path))
+
+    def read(self, path: str) -> bytes:
+        return b"".join(self.iter_read(path))
+
+    def download(self, path: str, dst: BinaryIO, chunk: int = 0) -> int:
+        total = 0
+        for data in self.iter_read(path):
+            dst.write(data)
+            total += len(data)
+        return total
+
+    def upload(self, path: str, src: BinaryIO, mode: int = 0o644, chunk: int = 256 << 10) -> int:
+        def chunks() -> Iterator[bytes]:
+            while data := src.read(chunk):
+                yield data
+
+        with self._mapped(path):
+            return self._conn().write(_guest_path(path), chunks(), mode & 0o7777)
+
+    def write(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        return self.upload(path, io.BytesIO(data), mode)
+
+    def mkdir(self, path: str, mode: int = 0o755) -> None:
+        with self._mapped(path):
+            self._conn().mkdir(_guest_path(path), mode & 0o7777)
+
+    def stat(self, path: str) -> os.stat_result:
+        with self._mapped(path):
+            return self._conn().stat(_guest_path(path)).to_stat_result()
+
+    def list(self, path: str = "/") -> list[dict[str, Any]]:
+        with self._mapped(path):
+            return sorted((entry_json(e) for e in self._conn().list(_guest_path(path))), key=lambda e: e["name"])
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        if path.rstrip("/") in ("", "/."):
+            raise OSError(errno.EINVAL, f"{path!r} does not name an entry inside the sandbox", path)
+        with self._mapped(path):
+            self._conn().remove(_guest_path(path), recursive=recursive)
+
+

@@ -1,0 +1,250 @@
+"""Host resources as steps: what a sandbox holds on its host, acquired at create, released at
+destroy, and found by owner after a crash.
+
+Each step wraps one kind of resource a sandbox of any isolation may hold, keyed by the
+sandbox's id:
+
+========== ==================================================== =========================
+step        what                                                 its state
+========== ==================================================== =========================
+mount       the layer mounts under ``boxes/<id>/`` (a rootfs,    lazyfetch's mount table
+            a VM's disk layers)
+disk        its own ext4 with a disk limit (``boxes/<id>/disk``) the kernel's mount table
+netns       its network namespace, veth or tap, egress policy   ``net/`` (sandbox.isolation.network)
+cgroup      its cgroup in every hierarchy (``/<parent>/<id>``)  the cgroup file systems
+userns      its host uid range (a user namespace, a VMM's jail) ``sandbox/userns.json``
+========== ==================================================== =========================
+
+Acquiring is each step's own call (the arguments differ: rules, a size, a mapping), made
+by whoever starts the sandbox.  Releasing and listing owners are uniform, so the manager's
+destroy releases every step in :data:`ORDER` (after the backend stopped the sandbox's
+processes: nothing may hold a resource while it goes), and reconcile releases what an owner
+no longer alive holds, step by step, instead of hand-written sequences.  Every ``release``
+is idempotent: an interrupted destroy is finished by the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from lazyfetch import kmount
+from lazyfetch.errors import KernelMountError
+from lazyfetch.mounts import HostMounts, MountError
+from sandbox.core.errors import SandboxError
+from sandbox.core.model import EgressRule, check_sandbox_id
+from sandbox.core.paths import SandboxPaths
+from sandbox.isolation import disk as sbdisk
+from sandbox.isolation.cgroups import CgroupLayout, preflight_cgroups
+from sandbox.isolation.idmap import RangePool
+from sandbox.isolation.network import NetnsInfo, NetworkManager
+
+log = logging.getLogger("layerbox.sandbox")
+
+
+class HostResource(Protocol):
+    """One kind of host resource sandboxes hold, keyed by sandbox id."""
+
+    name: str
+
+    def release(self, sid: str) -> None:
+        """Free what ``sid`` holds of this resource; nothing happens when it holds none."""
+
+    def owners(self) -> set[str]:
+        """The sandbox ids holding some of this resource now."""
+
+
+def _owner(paths: SandboxPaths, path: str) -> str | None:
+    """The sandbox whose directory holds ``path`` (``boxes/<id>/...``), if its name is an id."""
+    try:
+        rel = Path(path).relative_to(paths.boxes)
+    except ValueError:
+        return None
+    try:
+        return check_sandbox_id(rel.parts[0]) if rel.parts else None
+    except SandboxError:
+        return None
+
+
+class Mounts:
+    """Layer mounts of lazyfetch under a sandbox's directory."""
+
+    name = "mount"
+
+    def __init__(self, host: HostMounts, paths: SandboxPaths) -> None:
+        self.host = host
+        self.paths = paths
+
+    def release(self, sid: str) -> None:
+        box = self.paths.box(sid)
+        rootfs = box / "rootfs"
+        mounted_here = kmount.is_mountpoint(rootfs)
+        try:
+            self.host.umount(rootfs, discard=True)  # also forgets a stale record
+        except MountError:  # no record: a rootfs mounted here without one is only detached
+            if mounted_here:
+                kmount.umount(rootfs, lazy=True, missing_ok=True)
+        except KernelMountError as exc:
+            # EBUSY: something still reads the rootfs or a layer only it used.  Detached now and
+            # freed when that reader lets go; raising would leave the cgroups, network, state (and,
+            # from close(), every other sandbox and the daemon) behind
+            log.warning("sandbox %s: %s; detaching it lazily", sid, exc)
+            self.host.umount(rootfs, discard=True, lazy=True)
+        for mp in self._under(box):  # what else is mounted there (a crash's leftovers)
+            self.host.umount(mp, discard=True)
+
+    def _under(self, box: Path) -> list[str]:
+        prefix = str(box) + "/"
+        return [mp for mp in self.host.status()["mounts"] if mp.startswith(prefix)]
+
+    def owners(self) -> set[str]:
+        return {sid for mp in self.host.status()["mounts"] if (sid := _owner(self.paths, mp)) is not None}
+
+
+class Disks:
+    """A sandbox's own ext4 (``disk=N``): ``boxes/<id>/disk.img`` loop-mounted at ``boxes/<id>/disk``."""
+
+    name = "disk"
+
+    def __init__(self, paths: SandboxPaths) -> None:
+        self.paths = paths
+
+    def acquire(self, sid: str, size: int) -> Path:
+        """Make and mount the file system; the directory the overlay's upper goes in."""
+        box = self.paths.box(sid)
+        return sbdisk.make_disk(box / "disk.img", box / "disk", size) / "upper"
+
+    def release(self, sid: str) -> None:
+        box = self.paths.box(sid)
+        sbdisk.remove_disk(box / "disk.img", box / "disk")
+
+    def owners(self) -> set[str]:
+        prefix = str(self.paths.boxes) + "/"
+        return {sid for mp in kmount.mountpoints()
+                if mp.startswith(prefix) and mp.endswith("/disk") and (sid := _owner(self.paths, mp)) is not None}
+
+
+class Networks:
+    """Network namespaces with their veth (a container) or tap (a VM) and egress policy.
+
+    Made on first use: the manager's network reads the host's routes when it starts."""
+
+    name = "netns"
+
+    def __init__(self, state_dir: Path, subnet: str) -> None:
+        self.state_dir = state_dir
+        self.subnet = subnet
+        self._net: NetworkManager | None = None
+
+    @property
+    def manager(self) -> NetworkManager:
+        if self._net is None:
+            self._net = NetworkManager(self.state_dir, subnet=self.subnet)
+        return self._net
+
+    def acquire(self, sid: str, rules: list[EgressRule], *, userns_fd: int | None = None,
+                vm: bool = False) -> NetnsInfo:
+        """A policed namespace: default deny with these allow rules."""
+        return self.manager.create(sid, rules, userns_fd=userns_fd, vm=vm)
+
+    def acquire_isolated(self, sid: str) -> Path:
+        """A namespace with nothing but loopback (and a VM's tap)."""
+        return self.manager.create_isolated(sid)
+
+    def release(self, sid: str) -> None:
+        if self.state_dir.exists():
+            self.manager.destroy(sid)  # after the processes: nothing holds the namespace any more
+
+    def owners(self) -> set[str]:
+        return set(self.manager.list()) if self.state_dir.exists() else set()
+
+
+class Cgroups:
+    """A sandbox's cgroup (``/<parent>/<id>`` in every hierarchy), under one parent per data dir.
+
+    A container's is made by crun, a VMM's by the VM backend; both go the same way."""
+
+    name = "cgroup"
+
+    def __init__(self, parent: str, layout: Callable[[], CgroupLayout] | None = None) -> None:
+        self.parent = parent
+        self._make_layout = layout or preflight_cgroups
+        self._layout: CgroupLayout | None = None
+
+    @property
+    def layout(self) -> CgroupLayout:
+        if self._layout is None:
+            self._layout = self._make_layout()
+        return self._layout
+
+    def path(self, sid: str) -> str:
+        return f"/{self.parent}/{check_sandbox_id(sid)}"
+
+    def release(self, sid: str) -> None:
+        self.layout.remove(self.path(sid))
+
+    def release_parent(self) -> None:
+        """Remove the parent once no sandbox is left under it."""
+        self.layout.remove(f"/{self.parent}")
+
+    def owners(self) -> set[str]:
+        found: set[str] = set()
+        for d in self.layout.dirs(f"/{self.parent}"):
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for name in names:
+                try:
+                    found.add(check_sandbox_id(name))
+                except SandboxError:
+                    continue
+        return found
+
+
+class Uids:
+    """Host uid ranges from the manager's pool (sandbox.isolation.idmap.RangePool)."""
+
+    name = "userns"
+
+    def __init__(self, pool: RangePool) -> None:
+        self.pool = pool
+
+    def acquire(self, sid: str) -> tuple[int, int]:
+        return self.pool.allocate(sid)
+
+    def release(self, sid: str) -> None:
+        self.pool.release(sid)  # after the processes: no process of the range is left
+
+    def owners(self) -> set[str]:
+        """Sandbox ids, and the names of template boots a crash interrupted (their VMM's jail)."""
+        return set(self.pool.owners())
+
+
+class HostResources:
+    """Every step of one manager, in the order a destroy releases them."""
+
+    def __init__(self, *, mounts: Mounts, disks: Disks, networks: Networks, cgroups: Cgroups, uids: Uids) -> None:
+        self.mounts, self.disks, self.networks, self.cgroups, self.uids = mounts, disks, networks, cgroups, uids
+
+    @property
+    def order(self) -> tuple[HostResource, ...]:
+        # mounts before the disk the upper lives on; the network and cgroup once no process is left
+        # (the backend stopped them); the uid range last: no file or process of it remains
+        return (self.mounts, self.disks, self.networks, self.cgroups, self.uids)
+
+    def release(self, sid: str) -> None:
+        for step in self.order:
+            step.release(sid)
+
+    def sweep(self, keep: set[str]) -> list[str]:
+        """Release what sandboxes not in ``keep`` hold (owners a crash left); ``<step>:<id>`` each."""
+        released = []
+        for step in self.order:
+            for sid in sorted(step.owners() - keep):
+                step.release(sid)
+                released.append(f"{step.name}:{sid}")
+        return released
