@@ -26,7 +26,7 @@ class BadEntry(ConvertError):
         msg = f"{where}: {problem}"
         if remedy:
             msg += f" ({remedy})"
-        super().__init__(msg)
+        super().__init__(msg, fix=remedy or None)
 
 
 class BadArchive(ConvertError):

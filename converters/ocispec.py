@@ -127,6 +127,14 @@ class RegistryUnavailable(RegistryError, ConnectionError):
     retryable = True
 
 
+class ClientNotOpen(OciError, RuntimeError):
+    """A registry client used before it was opened or after it was closed.
+
+    Also a ``RuntimeError``, which is what aiohttp and asyncio raise for a closed
+    session or loop; the message names the client and the ``with`` form to use.
+    """
+
+
 class BlobMismatch(OciError, DigestMismatch):
     """A blob's bytes are not the ones its descriptor names.
 

@@ -80,6 +80,7 @@ from converters.ocispec import (
     BlobNotFound,
     BlobSizeMismatch,
     BlobTruncated,
+    ClientNotOpen,
     Descriptor,
     ManifestNotFound,
     ManifestTooLarge,
@@ -370,7 +371,8 @@ class RegistryClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            raise RuntimeError("RegistryClient is not open; use `async with RegistryClient() as client`")
+            fix = "use it inside `async with RegistryClient() as client:`"
+            raise ClientNotOpen(f"RegistryClient is not open (or already closed): {fix}", fix=fix)
         return self._session
 
     def base_url(self, host: str) -> str:
@@ -756,6 +758,7 @@ class BlobDownload:
 
 BLOB_QUEUE_DEPTH = 16  # chunks of up to STREAM_CHUNK bytes buffered ahead of the reader
 CLOSE_TIMEOUT = 30.0
+_SYNC_FIX = "use it inside `with SyncRegistryClient() as r:`"
 
 
 class SyncRegistryClient:
@@ -826,13 +829,14 @@ class SyncRegistryClient:
     @property
     def client(self) -> RegistryClient:
         if self._client is None:
-            raise RuntimeError("SyncRegistryClient is not open; use `with SyncRegistryClient() as r`")
+            raise ClientNotOpen(f"SyncRegistryClient is not open (or already closed): {_SYNC_FIX}", fix=_SYNC_FIX)
         return self._client
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
-            raise RuntimeError("SyncRegistryClient is not open")
+            raise ClientNotOpen(f"SyncRegistryClient is not open (or already closed), so it has no event "
+                                f"loop: {_SYNC_FIX}", fix=_SYNC_FIX)
         return self._loop
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -26,6 +26,8 @@ LOCK_TTL = 15 * 60.0
 
 
 class StoreLocked(LayerstoreError):
+    """Another writer or a gc holds a conflicting lock on the store; the message names the locks."""
+
     retryable = True
 
 

@@ -210,6 +210,8 @@ def parse_trace(doc: Any, image: str | bytes, what: str) -> dict[str, Any]:
 class StoreVersionError(FormatError):
     """The store's layout is newer than this code understands."""
 
+    fix = "upgrade layerbox on this host before using the store"
+
 
 def new_store_config(store_id: str, created: str) -> dict[str, Any]:
     return {"schema": SCHEMA_STORE, "layout": STORE_LAYOUT, "id": store_id, "created": created}

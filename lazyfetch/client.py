@@ -28,7 +28,9 @@ PRIVATE_DIRS: Final = ("state", "layers", "uppers", "meta", "blobcache", "cache"
 
 
 class DaemonUnavailable(LazyfetchError):
-    pass
+    """The host's lazyfetch daemon does not answer on its socket, or did not start."""
+
+    fix = "start it with `layerbox daemon start` or run `layerbox mount` again"
 
 
 def socket_path(data_dir: str | os.PathLike[str], name: str = "lazyfetch") -> Path:
@@ -179,10 +181,12 @@ class DaemonClient:
                         proc = None
                         continue
                     tail = (self.data_dir / "lazyfetch.out").read_text(errors="replace")[-2000:]
-                    raise DaemonUnavailable(f"lazyfetch daemon exited with {proc.returncode}:\n{tail}")
+                    raise DaemonUnavailable(f"lazyfetch daemon exited with {proc.returncode}:\n{tail}",
+                                            fix=f"see {self.data_dir / 'lazyfetch.out'} for why it exited")
                 time.sleep(0.02)
             raise DaemonUnavailable(
-                f"lazyfetch daemon for {self.data_dir} did not become ready in {START_TIMEOUT:.0f} s")
+                f"lazyfetch daemon for {self.data_dir} did not become ready in {START_TIMEOUT:.0f} s",
+                fix=f"see {self.data_dir / 'lazyfetch.out'} for what it is doing")
         except BaseException:
             # interrupted or failed while it starts: a daemon nobody can reach must not live on
             if proc is not None and proc.poll() is None:

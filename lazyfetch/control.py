@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from lazyfetch.errors import LazyfetchError
+
 log = logging.getLogger("layerbox.lazyfetch")
 
 MAX_HEAD = 64 * 1024  # request line and headers
@@ -26,11 +28,20 @@ MAX_BODY = 64 * 1024 * 1024  # a /layers request of many large layers is a few M
 HEAD_TIMEOUT = 30.0  # a client that connects and sends nothing is dropped
 
 
-class HTTPError(Exception):
-    """Answer the request with ``status`` and ``text`` (what went wrong, and what to do)."""
+# what a client may send again unchanged: a timeout, throttling, a daemon not ready
+RETRYABLE_STATUSES = frozenset({408, 429, 503})
 
-    def __init__(self, status: int, text: str) -> None:
-        super().__init__(text)
+
+class HTTPError(LazyfetchError):
+    """Answer the request with ``status`` and ``text`` (what went wrong, and what to do).
+
+    A :class:`LazyfetchError`: :meth:`lazyfetch.daemon.Daemon.register`, a public method,
+    raises it too, so a caller other than this server sees the package's root.
+    ``retryable`` follows the status unless the raise says.
+    """
+
+    def __init__(self, status: int, text: str, *, retryable: bool | None = None) -> None:
+        super().__init__(text, retryable=status in RETRYABLE_STATUSES if retryable is None else retryable)
         self.status = status
         self.text = text
 

@@ -49,6 +49,7 @@ class KernelMountError(LazyfetchError, OSError):
         self.fstype = fstype
         self.options = options
         self.hint = hint
+        self.fix = hint or None
         self.kernel_log = kernel_log
 
     def __str__(self) -> str:
@@ -78,6 +79,7 @@ class FanotifyError(LazyfetchError, OSError):
         OSError.__init__(self, err, os.strerror(err), path)
         self.operation = operation
         self.hint = hint
+        self.fix = hint or None
 
     def __str__(self) -> str:
         msg = f"{self.operation}: [Errno {self.errno}] {self.strerror}"
@@ -95,3 +97,5 @@ class FuseServerError(LazyfetchError):
     server does not (the message names both) or the device fails in a way that
     no request explains; the caller should unmount and mount afresh.
     """
+
+    fix = "unmount the layer and mount it afresh"

@@ -44,15 +44,17 @@ _NO_LIMIT = contextlib.nullcontext()
 
 
 class FetchError(LazyfetchError):
-    pass
+    """Chunks of a layer could not be fetched from the store; the read that needed them fails (EIO)."""
 
 
 class FetchTimeout(FetchError):
-    pass
+    """The store did not deliver in time; the fetch goes on, so a later read may find the chunk."""
+
+    retryable = True
 
 
 class CorruptChunk(FetchError):
-    pass
+    """A chunk from the store does not match its digest: it is never served (nor cached)."""
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The ``layerbox`` command line: parse arguments, call one library function, print.
 
-Library errors (``LayerboxError``) become one line on stderr and the error's
-exit code; nothing below ``tools/`` prints or exits.
+Library errors (``LayerboxError``) become their message on stderr, then their
+``fix`` when the message does not already say it, and the error's exit code;
+nothing below ``tools/`` prints or exits.
 """
 
 from __future__ import annotations
@@ -770,6 +771,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except LayerboxError as exc:
         print(f"layerbox: {exc}", file=sys.stderr)
+        if exc.fix and exc.fix not in str(exc):  # many messages already end with their fix
+            print(f"layerbox: fix: {exc.fix}", file=sys.stderr)
         return exc.exit_code
     except FileNotFoundError as exc:
         print(f"layerbox: {exc}", file=sys.stderr)

@@ -106,6 +106,8 @@ _Entries = list[tuple[str, ObjectInfo | None]]
 class StoreFull(BackendError):
     """The filesystem holding the store has no space (or quota) left; nothing was written."""
 
+    fix = "free space, raise the quota or move the store"
+
     def __init__(self, message: str, errno_: int) -> None:
         super().__init__(message)
         self.errno = errno_

@@ -307,8 +307,8 @@ class S3Backend(Backend):
     def _no_bucket(self) -> NoSuchBucket:
         endpoint = self.endpoint
         option = "" if "amazonaws.com" in endpoint or " " in endpoint else f" --endpoint-url {endpoint}"
-        return NoSuchBucket(f"{self.url}: bucket {self.bucket!r} does not exist at {endpoint}: "
-                            f"create it (aws s3 mb s3://{self.bucket}{option}) or fix the store URL")
+        fix = f"create it (aws s3 mb s3://{self.bucket}{option}) or fix the store URL"
+        return NoSuchBucket(f"{self.url}: bucket {self.bucket!r} does not exist at {endpoint}: {fix}", fix=fix)
 
     def _key(self, key: str) -> str:
         return self._root + key

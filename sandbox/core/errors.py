@@ -67,12 +67,14 @@ class JobNotAdmitting(SandboxStateError):
     """The sandbox's job is being preempted or was preempted: retry after ``resume``."""
 
     retryable = True
+    fix = "retry once the job is resumed"
 
 
 class CommandInProgress(SandboxStateError):
     """A command with this idempotency key is still running; retry to get its result."""
 
     retryable = True
+    fix = "retry with the same idempotency key to get its result"
 
 
 class ReceiptsBroken(SandboxError):

@@ -61,9 +61,8 @@ class PlacementError(SandboxError):
 
     def __init__(self, message: str, answers: Sequence[tuple[str, str]], *, retryable: bool) -> None:
         lines = "".join(f"\n  {url}: {answer}" for url, answer in answers) or "\n  (no edge was tried)"
-        super().__init__(message + lines)
+        super().__init__(message + lines, retryable=retryable)
         self.answers = list(answers)
-        self.retryable = retryable
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ class CapacityExceeded(SandboxError):
     retryable = True
 
     def __init__(self, message: str, *, resources: tuple[str, ...], retry_after: float) -> None:
-        super().__init__(message)
+        super().__init__(message, fix=f"retry in {retry_after:g} s or on another edge")
         self.resources = resources  # every short resource, the first is the one named first
         self.retry_after = retry_after
 

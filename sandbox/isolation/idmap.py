@@ -37,6 +37,7 @@ from typing import Final
 
 from lazyfetch import kmount
 from lazyfetch.mounts import HostMounts
+from sandbox.core.errors import SandboxError
 
 CLONE_NEWUSER: Final = 0x10000000
 _PR_GET_SECUREBITS: Final = 27
@@ -57,8 +58,12 @@ _MOUNT_ATTR: Final = struct.Struct("=QQQQ")
 _SYSCALLS: Final = {"open_tree": 428, "move_mount": 429, "mount_setattr": 442}
 
 
-class IdmapError(OSError):
-    """A kernel refusal while setting up a user namespace or an idmapped mount (errno kept)."""
+class IdmapError(SandboxError, OSError):
+    """A kernel refusal while setting up a user namespace or an idmapped mount (errno kept).
+
+    Still an ``OSError``: :func:`fs_identity` raises it inside files-API operations,
+    whose callers catch ``OSError``, and callers test ``errno`` (EINVAL for an overlay).
+    """
 
 
 def _syscall(name: str, *args: int | bytes) -> int:
@@ -321,10 +326,15 @@ def unmount(target: str | os.PathLike[str]) -> None:
 RANGE_SIZE: Final = 65536  # uids 0..65535 inside: what Debian-style images use (nobody is 65534)
 
 
-class RangesExhausted(IdmapError):
-    """Every uid range of this manager's pool is taken (one per user-namespaced sandbox)."""
+class RangesExhausted(SandboxError):
+    """Every uid range of this manager's pool is taken (one per user-namespaced sandbox).
+
+    Capacity, not a kernel refusal: retryable (a destroy frees a range), and not an
+    ``OSError``, which callers read as a problem with the request's files.
+    """
 
     retryable = True
+    fix = "destroy a sandbox, or reconcile if sandboxes died with their manager, then retry"
 
 
 class RangePool:
@@ -373,9 +383,8 @@ class RangePool:
                 used = set(table.values())
                 free = next((k for k in range(self.slots) if k not in used), None)
                 if free is None:
-                    raise RangesExhausted(errno.EAGAIN, f"all {self.slots} uid ranges of {self.path} are in use "
-                                          "(one per user-namespaced sandbox): destroy one, or reconcile if "
-                                          "sandboxes died with their manager")
+                    raise RangesExhausted(f"all {self.slots} uid ranges of {self.path} are in use (one per "
+                                          f"user-namespaced sandbox): {RangesExhausted.fix}")
                 table[sid] = free
             return self.base(table[sid]), RANGE_SIZE
 

@@ -26,6 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from sandbox.core.errors import SandboxError
+
 T = TypeVar("T")
 
 # include/uapi/asm-generic/unistd.h: the same numbers on x86_64 and arm64
@@ -46,8 +48,12 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
-class LandlockError(OSError):
-    """The kernel refused to build or apply the ruleset."""
+class LandlockError(SandboxError, OSError):
+    """The kernel refused to build or apply the ruleset (``errno`` is the kernel's).
+
+    Still an ``OSError``: it surfaces from :func:`run_confined`, i.e. from files-API
+    operations, whose callers catch ``OSError``; :func:`abi` tests its ``errno``.
+    """
 
 
 def _syscall(number: int, *args: Any) -> int:

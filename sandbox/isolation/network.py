@@ -101,8 +101,10 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 def _check(ret: int, what: str) -> None:
     if ret != 0:
+        # a host fault while building the sandbox's network: a bare OSError would read (to the
+        # edge, say) as a fault in the request's files
         err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+        raise NetworkError(f"{what}: [Errno {err}] {os.strerror(err)}")
 
 
 def _on_thread(fn: Callable[[], T], *, netns: Path | None = None, new: Path | None = None) -> T:
@@ -212,7 +214,7 @@ def _umount_all(path: Path) -> None:
             err = ctypes.get_errno()
             if err in (errno.EINVAL, errno.ENOENT):
                 return  # not (or no longer) a mount point
-            raise OSError(err, f"umount {path}: {os.strerror(err)}")
+            raise NetworkError(f"umount of the network namespace {path}: [Errno {err}] {os.strerror(err)}")
 
 
 def _json_docs(text: str) -> Iterator[Any]:
@@ -259,10 +261,7 @@ class NetworkManager:
                  masquerade: bool = False) -> None:
         if shutil.which("ip") is None:
             raise HostUnsupported("ip: not installed (apt-get install iproute2)")
-        try:
-            nftables.available()
-        except nftables.NftUnavailable as exc:
-            raise HostUnsupported(str(exc)) from None
+        nftables.available()  # NftUnavailable is a HostUnsupported, with the package to install
         self.state_dir = Path(state_dir)
         self.netns_dir = self.state_dir / "netns"
         self.netns_dir.mkdir(parents=True, exist_ok=True)
@@ -311,7 +310,7 @@ class NetworkManager:
             index = next((i for i in range(self.subnet.num_addresses // self.BLOCK) if i not in used), None)
             if index is None:
                 raise NetworkConflict(f"sandbox {sid}: subnet {self.subnet} is full ({len(used)} sandboxes); "
-                                      "destroy some or use a larger subnet")
+                                      "destroy some or use a larger subnet", retryable=True)
             state[sid] = {"index": index, "host_if": host_if, "policy": policy}
         info = self._info(sid, index)
         try:

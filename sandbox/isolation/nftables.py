@@ -15,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
+from sandbox.core.errors import HostUnsupported, SandboxError
+
 # from <nftables/libnftables.h>
 _OUTPUT_JSON = 1 << 4
 _LIBRARY = "libnftables.so.1"
@@ -23,12 +25,14 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 
 
-class NftError(Exception):
+class NftError(SandboxError):
     """libnftables refused a script; the message is nft's own (with the offending line)."""
 
 
-class NftUnavailable(NftError):
+class NftUnavailable(NftError, HostUnsupported):
     """libnftables cannot be loaded on this host."""
+
+    fix = "apt-get install libnftables1 (part of nftables)"
 
 
 def _load() -> ctypes.CDLL:

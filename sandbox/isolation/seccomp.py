@@ -27,6 +27,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from sandbox.core.errors import SandboxError
+
 log = logging.getLogger("layerbox.sandbox")
 
 ANNOTATION = "run.oci.seccomp_bpf_data"
@@ -39,8 +41,12 @@ _OPS = {"SCMP_CMP_NE": 1, "SCMP_CMP_LT": 2, "SCMP_CMP_LE": 3, "SCMP_CMP_EQ": 4, 
 _NR_SCMP_ERROR = -1
 
 
-class SeccompCompileError(OSError):
-    """libseccomp refused the profile; the message names the call and the rule."""
+class SeccompCompileError(SandboxError):
+    """libseccomp refused the profile, or is missing; the message names the call and the rule.
+
+    Not an ``OSError``: no caller catches it as one; :func:`annotation` catches it by
+    name and lets crun compile the profile instead.
+    """
 
 
 class _ArgCmp(ctypes.Structure):
@@ -78,7 +84,8 @@ def _action(name: str, errno_ret: int | None, default_errno: int = errno.EPERM) 
         return _ACT_TRAP
     if name == "SCMP_ACT_LOG":
         return _ACT_LOG
-    raise SeccompCompileError(errno.EINVAL, f"seccomp action {name!r} is not one layerbox compiles")
+    raise SeccompCompileError(f"seccomp action {name!r} is not one layerbox compiles (it compiles "
+                              "ALLOW, ERRNO, KILL, KILL_THREAD, TRAP and LOG)")
 
 
 def compile_bpf(profile: Mapping[str, Any]) -> bytes:
@@ -86,21 +93,21 @@ def compile_bpf(profile: Mapping[str, Any]) -> bytes:
     :class:`SeccompCompileError` (or returns nothing usable: see :func:`annotation`)."""
     lib = _lib()
     if lib is None:
-        raise SeccompCompileError(errno.ENOENT, "libseccomp is not installed")
+        raise SeccompCompileError("libseccomp is not installed", fix="apt-get install libseccomp2")
     default = _action(profile["defaultAction"], profile.get("defaultErrnoRet"))
     ctx = lib.seccomp_init(default)
     if not ctx:
-        raise SeccompCompileError(errno.EINVAL, "seccomp_init refused the default action")
+        raise SeccompCompileError(f"seccomp_init refused the default action {profile['defaultAction']!r}")
 
     def check(ret: int, what: str) -> None:
         if ret < 0 and ret != -errno.EEXIST:
-            raise SeccompCompileError(-ret, f"{what}: {os.strerror(-ret)}")
+            raise SeccompCompileError(f"{what}: [Errno {-ret}] {os.strerror(-ret)}")
 
     try:
         for arch in profile.get("architectures") or []:
             token = lib.seccomp_arch_resolve_name(arch.removeprefix("SCMP_ARCH_").lower().encode())
             if token == 0:
-                raise SeccompCompileError(errno.EINVAL, f"unknown seccomp architecture {arch}")
+                raise SeccompCompileError(f"unknown seccomp architecture {arch!r}: libseccomp has no such name")
             check(lib.seccomp_arch_add(ctx, token), f"seccomp_arch_add({arch})")
         for rule in profile.get("syscalls") or []:
             action = _action(rule["action"], rule.get("errnoRet"))

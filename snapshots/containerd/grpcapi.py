@@ -17,9 +17,17 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
+from snapshots.errors import SnapshotError
+
 HERE = Path(__file__).resolve().parent
 PROTO = HERE / "snapshots.proto"
 OUT = HERE / "_generated"
+
+
+class StubsUnavailable(SnapshotError):
+    """protoc could not generate the gRPC modules of ``snapshots.proto`` (the next import tries again)."""
+
+    fix = "reinstall grpcio-tools matching the installed grpcio and protobuf (make venv)"
 
 
 def _generate(out: Path) -> None:
@@ -36,7 +44,8 @@ def _generate(out: Path) -> None:
         code = protoc.main(["protoc", f"-I{HERE}", f"-I{include}", f"--python_out={out}",
                             f"--grpc_python_out={out}", str(PROTO)])
         if code != 0:
-            raise RuntimeError(f"protoc failed ({code}) on {PROTO}")
+            raise StubsUnavailable(f"protoc failed ({code}) on {PROTO} writing into {out} (its messages are "
+                                   f"on stderr): {StubsUnavailable.fix}")
         tmp = stamp.with_suffix(".tmp")
         tmp.write_bytes(source)
         os.replace(tmp, stamp)

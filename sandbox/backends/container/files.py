@@ -138,7 +138,8 @@ class RootFiles:
     def _open(self, path: str, flags: int, mode: int = 0) -> int:
         root_fd = getattr(self._local, "root_fd", None)
         if root_fd is None:
-            raise RuntimeError("RootFiles._open outside an operation (use _confined)")
+            # a bug in this class, not a condition a caller can act on
+            raise AssertionError("RootFiles._open outside an operation (use _confined)")
         return openat2_in_root(root_fd, path, flags, mode, self._resolve)
 
     def _parent(self, path: str) -> tuple[int, str]:
