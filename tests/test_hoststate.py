@@ -1,8 +1,10 @@
-"""Host-state tables (layerstore/hoststate.py).
+"""Host-state tables (layerstore/hoststate.py) and the four tables kept in them.
 
 The helper: the version is checked on every read, nothing is written unless the body
 changed and the block ended normally, writers in several processes lose no update, and a
-temp file left by a crash is never read.
+temp file left by a crash is never read.  The tables: each still reads the bytes an earlier
+layerbox left on a host (written here by hand, as that code wrote them) and rewrites them in
+the envelope on its next change.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ import pytest
 
 from layerstore.errors import LayerboxError
 from layerstore.hoststate import HostStateError, HostTable
+from lazyfetch.mounts import HostMounts
+from sandbox.core.leases import Leases
+from sandbox.isolation.idmap import RANGE_SIZE, RangePool
+from sandbox.isolation.network import NetworkManager
+
+SID1, SID2 = "lb-000000000001", "lb-000000000002"
 
 
 def counter_table(path: Path) -> HostTable:
@@ -210,3 +218,177 @@ def test_writers_in_several_processes_lose_no_update(tmp_path: Path) -> None:
     body = counter_table(path).read()
     assert body["count"] == processes * times
     assert body["last"] in {w.pid for w in workers}
+
+
+# -- the four tables: what an earlier layerbox left on a host --------------------------------------
+
+# lazyfetch/mounts.py wrote json.dumps(state, separators=(",", ":")); the oldest files had no
+# "entries" or "holds" (and each mount carried its own entries)
+HEX = "ab" * 32
+LEGACY_MOUNTS = (
+    b'{"layers":{"' + HEX.encode() + b'":{"mountpoint":"/nonexistent/layers/' + HEX.encode()
+    + b'","generation":"g1","path":null,"users":["/nonexistent/mnt"],"meta":"/nonexistent/m.erofs",'
+    b'"blob_io":"buffered"}},"mounts":{"/nonexistent/mnt":{"writable":false,"upper":null,"work":null,'
+    b'"owned_upper":false,"digest":"sha256:' + HEX.encode() + b'","layers":["' + HEX.encode()
+    + b'"],"kind":"image","entries":[{"digest":"sha256:' + HEX.encode() + b'"}]}}}'
+)
+
+
+def test_mounts_reads_the_unversioned_table_and_rewrites_it_on_a_change(tmp_path: Path) -> None:
+    host = HostMounts(tmp_path / "data")
+    state = tmp_path / "data" / "state"
+    state.mkdir(parents=True)
+    path = state / "mounts.json"
+    path.write_bytes(LEGACY_MOUNTS)
+    before = unchanged_stamp(path)
+    assert host.holds() == {}  # a read under the lock: upgraded in memory only
+    assert host.has_stale_layers("g2")
+    assert not host.has_stale_layers("g1")
+    assert stamp(path) == before
+    # status() reconciles with the kernel: neither mount is there, so both are forgotten
+    assert host.status()["mounts"] == {}
+    assert envelope(path) == {"format": "layerbox.mounts", "version": 1, "layers": {}, "mounts": {},
+                              "entries": {}, "holds": {}}
+    assert not host.has_stale_layers("g2")
+    assert sorted(p.name for p in state.iterdir()) == ["lock", "mounts.json"]
+
+
+def test_mounts_with_holds_rewritten_keeps_them(tmp_path: Path) -> None:
+    host = HostMounts(tmp_path / "data")
+    path = tmp_path / "data" / "state" / "mounts.json"
+    path.parent.mkdir(parents=True)
+    hold = {"digest": f"sha256:{HEX}", "layers": []}
+    path.write_text(json.dumps({"layers": {}, "mounts": {}, "entries": {},
+                                "holds": {"containerd:/c:1": hold, "containerd:/c:2": hold}},
+                               separators=(",", ":")))
+    assert set(host.holds()) == {"containerd:/c:1", "containerd:/c:2"}
+    assert host.release("containerd:/c:1")
+    doc = envelope(path)
+    assert (doc["format"], doc["version"], doc["holds"]) == ("layerbox.mounts", 1, {"containerd:/c:2": hold})
+    assert path.read_bytes().startswith(b'{"format":"layerbox.mounts","version":1,"layers":{}')  # compact
+
+
+def test_has_stale_layers(tmp_path: Path) -> None:
+    host = HostMounts(tmp_path / "data")
+    assert not host.has_stale_layers("g1")  # no table yet: nothing mounted
+    path = tmp_path / "data" / "state" / "mounts.json"
+    path.parent.mkdir(parents=True)
+    layer = {"mountpoint": "/x", "path": None, "users": [], "meta": "/m", "blob_io": "buffered"}
+    layers = {"a" * 64: {**layer, "generation": "g1"}, "b" * 64: {**layer, "generation": "g1"}}
+    doc = {"format": "layerbox.mounts", "version": 1, "layers": layers, "mounts": {}, "entries": {}, "holds": {}}
+    path.write_text(json.dumps(doc))
+    assert not host.has_stale_layers("g1")
+    assert host.has_stale_layers("g2")
+    layers["b" * 64]["generation"] = "g2"
+    path.write_text(json.dumps(doc))
+    assert host.has_stale_layers("g1")
+    assert host.has_stale_layers("g2")
+    path.write_text(json.dumps({**doc, "version": 2}))
+    with pytest.raises(HostStateError, match="mounts.json: found layerbox.mounts version 2"):
+        host.has_stale_layers("g1")
+
+
+# sandbox/core/leases.py wrote json.dumps(table, indent=1, sort_keys=True): job -> lease
+LEGACY_LEASES = b"""{
+ "job-a": {
+  "expires": 2000000000.0,
+  "job": "job-a",
+  "manifest": null,
+  "state": "active",
+  "ttl": 300.0
+ },
+ "job-b": {
+  "expires": 1000.0,
+  "job": "job-b",
+  "manifest": "runs/job-b:1",
+  "state": "preempted",
+  "ttl": 60.0
+ }
+}"""
+
+
+def test_leases_read_the_unversioned_table_and_rewrite_it_on_a_change(tmp_path: Path) -> None:
+    path = tmp_path / "sandbox" / "leases.json"
+    path.parent.mkdir()
+    path.write_bytes(LEGACY_LEASES)
+    before = unchanged_stamp(path)
+    leases = Leases(path)
+    a, b = leases.get("job-a"), leases.get("job-b")
+    assert a is not None
+    assert b is not None
+    assert (a.ttl, a.state, a.expires) == (300.0, "active", 2000000000.0)
+    assert (b.state, b.manifest) == ("preempted", "runs/job-b:1")
+    assert sorted(x.job for x in leases.all()) == ["job-a", "job-b"]
+    leases.drop("job-c")  # no such job: nothing changes
+    assert stamp(path) == before
+    leases.renew("job-c", 10, now=100.0)
+    doc = envelope(path)
+    assert (doc["format"], doc["version"], sorted(doc["leases"])) == ("layerbox.leases", 1, ["job-a", "job-b", "job-c"])
+    assert doc["leases"]["job-b"] == json.loads(LEGACY_LEASES)["job-b"]
+    assert doc["leases"]["job-c"]["expires"] == 110.0
+    assert Leases(path).get("job-b") == b
+
+
+def test_leases_refuse_a_newer_table(tmp_path: Path) -> None:
+    path = tmp_path / "leases.json"
+    path.write_text('{"format":"layerbox.leases","version":2,"leases":{}}')
+    with pytest.raises(HostStateError, match="reaper then treats every job as unleased"):
+        Leases(path).all()
+
+
+# RangePool wrote json.dumps({"version": 1, "first", "size", "sandboxes"}, indent=1, sort_keys=True)
+FIRST = 1_000_000
+LEGACY_USERNS = f"""{{
+ "first": {FIRST},
+ "sandboxes": {{
+  "{SID1}": 1
+ }},
+ "size": 65536,
+ "version": 1
+}}""".encode()
+
+
+def test_userns_reads_the_unversioned_table_and_rewrites_it_on_a_change(tmp_path: Path) -> None:
+    path = tmp_path / "sandbox" / "userns.json"
+    path.parent.mkdir()
+    path.write_bytes(LEGACY_USERNS)
+    before = unchanged_stamp(path)
+    pool = RangePool(path, FIRST, 4)
+    assert pool.owners() == {SID1: FIRST + RANGE_SIZE}
+    assert pool.allocate(SID1) == (FIRST + RANGE_SIZE, RANGE_SIZE)  # it has one: the same again
+    assert stamp(path) == before
+    assert pool.allocate(SID2) == (FIRST, RANGE_SIZE)  # the lowest free slot
+    assert envelope(path) == {"format": "layerbox.userns", "version": 1, "first": FIRST, "size": RANGE_SIZE,
+                              "sandboxes": {SID1: 1, SID2: 0}}
+    pool.release(SID1)
+    assert RangePool(path, FIRST, 4).owners() == {SID2: FIRST}
+
+
+def test_userns_refuses_an_unversioned_table_of_another_version(tmp_path: Path) -> None:
+    path = tmp_path / "userns.json"
+    path.write_bytes(LEGACY_USERNS.replace(b'"version": 1', b'"version": 2'))
+    with pytest.raises(HostStateError, match="legacy document it cannot upgrade"):
+        RangePool(path, FIRST, 4).owners()
+
+
+@pytest.mark.root("cmd:ip", "cmd:nft")
+def test_net_reads_the_unversioned_table_and_rewrites_it_on_a_change(tmp_path: Path) -> None:
+    subnet = f"10.252.{os.getpid() % 200 + 20}.0/24"
+    policy = {"sandbox": SID1, "version": "0" * 32, "rules": [], "set_at": 1.5}
+    # NetworkManager wrote json.dumps({"version": 1, "subnet", "sandboxes"}, sort_keys=True)
+    legacy = json.dumps({"version": 1, "subnet": subnet, "sandboxes": {
+        SID1: {"index": 0, "host_if": "lbffff000000001", "policy": policy},
+        SID2: {"index": 1, "host_if": "lbffff000000002", "policy": {**policy, "sandbox": SID2}}}},
+        sort_keys=True).encode()
+    path = tmp_path / "net.json"
+    path.write_bytes(legacy)
+    before = unchanged_stamp(path)
+    net = NetworkManager(tmp_path, subnet=subnet)
+    assert net.list() == [SID1, SID2]
+    assert stamp(path) == before
+    net.destroy(SID1)  # neither has a veth or a namespace: only the allocation goes
+    assert envelope(path) == {"format": "layerbox.net", "version": 1, "subnet": subnet, "sandboxes": {
+        SID2: {"index": 1, "host_if": "lbffff000000002", "policy": {**policy, "sandbox": SID2}}}}
+    assert net.list() == [SID2]
+    net.destroy(SID2)
+    assert net.list() == []
