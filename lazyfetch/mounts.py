@@ -1,10 +1,11 @@
 """Host mounts: one kernel EROFS mount per layer, shared and reference-counted,
 and one overlayfs per user mount point.
 
-State lives in ``<data-dir>/state/mounts.json`` (compact JSON: ``layers``,
-``mounts``, and each layer's entry once in ``entries``) and is only touched under an
-exclusive ``flock`` on ``<data-dir>/state/lock``, so concurrent ``layerbox
-mount`` calls on one host serialise.  The state is a cache of what the kernel
+State lives in ``<data-dir>/state/mounts.json``, a host-state table
+(:class:`layerstore.hoststate.HostTable`, format ``layerbox.mounts``: ``layers``,
+``mounts``, ``holds``, and each layer's entry once in ``entries``) that is only
+changed under an exclusive ``flock`` on ``<data-dir>/state/lock``, so concurrent
+``layerbox mount`` calls on one host serialise.  The state is a cache of what the kernel
 knows: every operation first reconciles it with /proc/self/mountinfo and the
 daemon's *generation*: the kernel state (fanotify group or FUSE connection)
 its layer mounts read through, which a holder process keeps while daemons
@@ -33,8 +34,6 @@ the data dir").
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import logging
 import os
 import shutil
@@ -46,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from layerstore.hoststate import HostTable
 from layerstore.objects import Resolved, hex_digest
 from lazyfetch import kmount
 from lazyfetch.client import DaemonClient, private_dirs
@@ -97,6 +97,24 @@ def _start_time(pid: int) -> int:
     return int(text[text.rindex(")") + 2:].split()[19])
 
 
+# layer hex digest -> its mount; mount point -> its stack; layer hex digest -> its layer entry,
+# once per layer; owner -> the layers it holds mounted without a stack (hold)
+_STATE_FIELDS: Final = ("layers", "mounts", "entries", "holds")
+
+
+def _empty_state() -> dict[str, Any]:
+    return {field: {} for field in _STATE_FIELDS}
+
+
+def _unversioned_state(doc: dict[str, Any], version: int | None) -> dict[str, Any]:
+    """mounts.json before the envelope: the same fields, ``entries`` and ``holds`` absent in the
+    oldest (whose mounts each carried their own ``entries``: see _remount_stale)."""
+    state = _empty_state() | doc
+    if not all(isinstance(state[field], dict) for field in _STATE_FIELDS):
+        raise ValueError(f"not a mount table of fields {', '.join(_STATE_FIELDS)}")
+    return state
+
+
 class HostMounts:
     # The flags of every mount made here.  nosuid and nodev on all of them: a setuid-root file an
     # image ships or an agent writes, or a device node with the host disk's numbers, must mean
@@ -116,6 +134,10 @@ class HostMounts:
         self.client = DaemonClient(self.data_dir)
         self.state_dir = self.data_dir / "state"
         self.layer_root = self.data_dir / "layers"
+        self.table = HostTable(self.state_dir / "mounts.json", "layerbox.mounts", 1, upgrade=_unversioned_state,
+                               empty=_empty_state, lock=self.state_dir / "lock", aside=(
+                                   "layerbox then forgets this host's mounts: unmount them by hand, and "
+                                   "`layerbox umount --all` the layers they leave"))
         # Called as (mountpoint, "detached") before a user mount on stale layers is taken down
         # and (mountpoint, "restacked") once it is back on the new daemon: whoever runs
         # processes on the mount (a container holds its own copy of the overlay, still on the
@@ -127,23 +149,16 @@ class HostMounts:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Any]]:
         private_dirs(self.data_dir)  # every operation: a looser mode set meanwhile is tightened again
-        with open(self.state_dir / "lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            path = self.state_dir / "mounts.json"
-            raw = path.read_bytes() if path.exists() else b"{}"
-            state = json.loads(raw)
-            state.setdefault("layers", {})
-            state.setdefault("mounts", {})
-            state.setdefault("entries", {})  # layer hex digest -> its layer entry, once per layer
-            state.setdefault("holds", {})  # owner -> the layers it holds mounted without a stack (hold)
+        # Compact, and written only when changed (the table does both): a host with 1,000
+        # sandboxes rewrote ~3 MB of indented JSON on each mount.
+        with self.table.locked() as state:
             yield state
-            # Compact, and only when changed: a host with 1,000 sandboxes rewrote ~3 MB of
-            # indented JSON (with every layer entry repeated per mount) on each mount.
-            out = json.dumps(state, separators=(",", ":")).encode()
-            if out != raw:
-                tmp = path.with_suffix(".tmp")
-                tmp.write_bytes(out)
-                os.replace(tmp, path)
+
+    def has_stale_layers(self, generation: str) -> bool:
+        """Whether a layer is mounted under another daemon generation than ``generation`` (its
+        reads fail until :meth:`remount`).  Reads the table as it is, without the lock; an
+        unreadable one raises :class:`layerstore.hoststate.HostStateError`."""
+        return any(info.get("generation") != generation for info in self.table.read()["layers"].values())
 
     def _reconcile(self, state: dict[str, Any], generation: str | None) -> set[str]:
         """Drop what the kernel no longer has; return layers mounted under another generation."""

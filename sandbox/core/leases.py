@@ -6,16 +6,14 @@ state, which preemption flips: ``active`` admits commands, ``draining``
 refuses new ones while in-flight commands finish, ``preempted`` means the
 job's sandboxes were checkpointed into a run manifest and freed.
 
-The table is one small JSON file per host (``sandbox/leases.json``),
-rewritten whole under an flock so a CLI and the service on the same data
-dir never lose each other's updates.
+The table is one small JSON file per host (``sandbox/leases.json``, a
+host-state table of format ``layerbox.leases``), rewritten whole under an flock
+so a CLI and the service on the same data dir never lose each other's updates.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from layerstore.hoststate import HostTable
 from sandbox.core.errors import SandboxError
 
 DEFAULT_LEASE_TTL = 300.0
@@ -45,28 +44,17 @@ class Lease:
 class Leases:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self.table = HostTable(self.path, "layerbox.leases", 1, upgrade=_unversioned_leases,
+                               empty=lambda: {"leases": {}},
+                               aside="and restart: the reaper then treats every job as unleased")
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Any]]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            table = self._read()
-            before = json.dumps(table, sort_keys=True)
-            yield table
-            if json.dumps(table, sort_keys=True) != before:
-                tmp = self.path.with_name(self.path.name + ".tmp")
-                tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-                os.replace(tmp, self.path)
+        with self.table.locked() as body:
+            yield body["leases"]
 
     def _read(self) -> dict[str, Any]:
-        try:
-            return dict(json.loads(self.path.read_text()))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            raise SandboxError(f"lease table {self.path} is unreadable ({exc}); move it aside and "
-                               "restart: the reaper then treats every job as unleased") from None
+        return dict(self.table.read()["leases"])
 
     def get(self, job: str) -> Lease | None:
         doc = self._read().get(job)
@@ -102,3 +90,10 @@ class Leases:
     def drop(self, job: str) -> None:
         with self._locked() as table:
             table.pop(job, None)
+
+
+def _unversioned_leases(doc: dict[str, Any], version: int | None) -> dict[str, Any]:
+    """leases.json before the envelope: job -> lease, the whole object."""
+    if not all(isinstance(lease, dict) for lease in doc.values()):
+        raise ValueError("not a map of job to lease")
+    return {"leases": doc}

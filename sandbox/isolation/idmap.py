@@ -24,8 +24,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
-import json
 import os
 import platform
 import signal
@@ -33,8 +31,9 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
+from layerstore.hoststate import HostTable
 from lazyfetch import kmount
 from lazyfetch.mounts import HostMounts
 from sandbox.core.errors import SandboxError
@@ -343,10 +342,10 @@ class RangePool:
     ``first, first + RANGE_SIZE, ...``: slot ``k`` is host uids
     ``first + k*RANGE_SIZE ..``, so two sandboxes of one pool never share a
     host uid (root of one is not the owner of the other's processes or files).
-    The table (``path``, sid -> slot) is rewritten whole under an flock, so a
-    CLI and the service on one data dir allocate consistently.  The lowest free
-    slot is taken, which keeps the set of ranges (and the user namespace fds a
-    manager caches per range) small.
+    The table (``path``, host-state format ``layerbox.userns``: sid -> slot) is
+    rewritten whole under an flock, so a CLI and the service on one data dir
+    allocate consistently.  The lowest free slot is taken, which keeps the set
+    of ranges (and the user namespace fds a manager caches per range) small.
     """
 
     def __init__(self, path: str | os.PathLike[str], first: int, slots: int) -> None:
@@ -355,23 +354,16 @@ class RangePool:
         self.path = Path(path)
         self.first = first
         self.slots = slots
+        self.table = HostTable(self.path, "layerbox.userns", 1, upgrade=_unversioned_ranges,
+                               empty=lambda: {"first": first, "size": RANGE_SIZE, "sandboxes": {}}, aside=(
+                                   "only with no user-namespaced sandbox left: their ranges would be "
+                                   "handed out again"))
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, int]]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                table: dict[str, int] = dict(json.loads(self.path.read_text()).get("sandboxes", {}))
-            except FileNotFoundError:
-                table = {}
-            before = dict(table)
-            yield table
-            if table != before:
-                tmp = self.path.with_name(self.path.name + ".tmp")
-                tmp.write_text(json.dumps({"version": 1, "first": self.first, "size": RANGE_SIZE,
-                                           "sandboxes": table}, indent=1, sort_keys=True))
-                os.replace(tmp, self.path)
+        with self.table.locked() as body:
+            yield body["sandboxes"]
+            body.update(first=self.first, size=RANGE_SIZE)  # the pool the slots count in
 
     def base(self, slot: int) -> int:
         return self.first + slot * RANGE_SIZE
@@ -401,3 +393,10 @@ class RangePool:
             return {}
         with self._locked() as table:
             return {sid: self.base(slot) for sid, slot in table.items()}
+
+
+def _unversioned_ranges(doc: dict[str, Any], version: int | None) -> dict[str, Any]:
+    """userns.json before the envelope: ``{"version": 1, "first", "size", "sandboxes"}``."""
+    if doc.pop("version", None) != 1 or not isinstance(doc["sandboxes"], dict):
+        raise ValueError("not a version 1 uid range table")
+    return doc

@@ -3,7 +3,8 @@
 Layout under ``state_dir`` (one :class:`NetworkManager` per host data dir)::
 
     state_dir/netns/<sid>   nsfs bind mount of the sandbox's network namespace (crun joins it)
-    state_dir/net.json      allocations and policies: {sid: {index, host_if, policy}}
+    state_dir/net.json      allocations and policies: {sid: {index, host_if, policy}} in a
+                            host-state table of format layerbox.net
     state_dir/net.lock      flock serialising every read-modify-write of net.json
 
 Each sandbox gets a veth pair: ``eth0`` inside, ``lb<tag><hash>`` on the host
@@ -46,7 +47,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import fcntl
 import ipaddress
 import json
 import logging
@@ -64,6 +64,7 @@ from typing import Any, TypeVar, cast
 
 import blake3
 
+from layerstore.hoststate import HostTable
 from sandbox.backends.container.runtime import kill_group, spawn
 from sandbox.core.errors import HostUnsupported, SandboxError, SandboxNotFound
 from sandbox.core.model import EgressRule, IPNetwork, parse_rules
@@ -229,6 +230,13 @@ def _json_docs(text: str) -> Iterator[Any]:
         yield doc
 
 
+def _unversioned_net(doc: dict[str, Any], version: int | None) -> dict[str, Any]:
+    """net.json before the envelope: ``{"sandboxes", "subnet", "version": 1}``."""
+    if doc.pop("version", None) != 1 or not isinstance(doc["sandboxes"], dict):
+        raise ValueError("not a version 1 network table")
+    return doc
+
+
 @dataclass(frozen=True)
 class NetnsInfo:
     """What crun and the manager need about a sandbox's network."""
@@ -265,8 +273,6 @@ class NetworkManager:
         self.state_dir = Path(state_dir)
         self.netns_dir = self.state_dir / "netns"
         self.netns_dir.mkdir(parents=True, exist_ok=True)
-        self._state_file = self.state_dir / "net.json"
-        self._lock_file = self.state_dir / "net.lock"
         try:
             net = ipaddress.ip_network(subnet, strict=True)
         except ValueError as exc:
@@ -274,6 +280,11 @@ class NetworkManager:
         if not isinstance(net, ipaddress.IPv4Network) or net.prefixlen > 30:
             raise NetworkConflict(f"sandbox subnet {subnet!r}: needs an IPv4 network of /30 or larger")
         self.subnet = net
+        self._allocations = HostTable(self.state_dir / "net.json", "layerbox.net", 1, upgrade=_unversioned_net,
+                                      empty=lambda: {"subnet": str(net), "sandboxes": {}},
+                                      lock=self.state_dir / "net.lock", aside=(
+                                          "only with its sandboxes destroyed: their addresses would be "
+                                          "handed out again"))
         self.tag = blake3.blake3(os.fsencode(self.state_dir.resolve())).hexdigest()[:4]
         self.if_prefix = f"lb{self.tag}"
         self.masquerade = masquerade
@@ -504,25 +515,10 @@ add rule ip {TABLE}_vm post oifname "eth0" ip saddr {VM_GUEST_NET} masquerade
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Any]]:
-        """net.json under an exclusive flock; written back (temp + rename) when the block succeeds.
-
-        No fsync: everything the file describes (mounts, links) is gone after a host
-        crash anyway, and a process crash cannot lose a completed rename.
-        """
-        with open(self._lock_file, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                state: dict[str, Any] = json.loads(self._state_file.read_text()).get("sandboxes", {})
-            except FileNotFoundError:
-                state = {}
-            before = json.dumps(state, sort_keys=True)
-            yield state
-            text = json.dumps(state, sort_keys=True)
-            if text != before:
-                tmp = self._state_file.with_suffix(".tmp")
-                tmp.write_text(json.dumps({"version": 1, "subnet": str(self.subnet), "sandboxes": state},
-                                          sort_keys=True))
-                tmp.replace(self._state_file)
+        """net.json under an exclusive flock; written back when the block succeeds and changed it."""
+        with self._allocations.locked() as body:
+            yield body["sandboxes"]
+            body["subnet"] = str(self.subnet)  # the subnet the indexes count in
 
     def _inspect_host(self) -> builtins.list[str]:
         """The host's own addresses, and a check that no foreign route overlaps the subnet."""

@@ -1,0 +1,178 @@
+"""Host-state tables: the small JSON files a host keeps about its own mounts, leases and allocations.
+
+Each table is one JSON object whose first two fields say what it is,
+``{"format": "layerbox.leases", "version": 1, ...}``, followed by the table's own
+fields.  It is changed only under an exclusive ``flock`` on a lock file beside it,
+so the CLI, the service and the daemon on one host never lose each other's
+updates, and replaced whole (temp file, fsync, rename, fsync of the directory), so
+a reader never sees half of one.  docs/FORMAT.md, "Host-state tables", is the
+format; :class:`HostTable` is its one reader and writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+from collections.abc import Callable, Collection, Iterator
+from pathlib import Path
+from typing import Any
+
+from layerstore.errors import LayerstoreError
+
+Body = dict[str, Any]
+# (body, version) -> the current version's body; version None: a legacy document, written
+# before tables had the envelope, passed whole
+Upgrade = Callable[[Body, int | None], Body]
+
+ENVELOPE = ("format", "version")
+
+
+class HostStateError(LayerstoreError):
+    """A host-state table this layerbox cannot read: not a JSON object, another format, or
+    another version; the message names the file, what it holds and what to do."""
+
+
+class HostTable:
+    """The table at ``path``, named ``format``, written as ``version``.
+
+    ``reads``: the older versions it also reads, each turned into the current one by
+    ``upgrade``, which also gets a legacy document (one with no ``format`` field) with the
+    version ``None``; without ``upgrade`` only the current version is read.  ``empty``
+    makes the body of a table that has no file yet.  ``lock`` is the file flocked by
+    :meth:`locked` (default: ``<path>.lock``).  ``aside`` says what moving the file
+    aside costs, for the fix an error names.
+
+    Safe across processes and threads (each :meth:`locked` takes the ``flock`` on a file
+    description of its own), but not reentrant: a :meth:`locked` inside another on the same
+    table waits for ever.  Every error reading the table is a :class:`HostStateError`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], format: str, version: int, *,
+                 reads: Collection[int] = (), upgrade: Upgrade | None = None,
+                 empty: Callable[[], Body] = dict, lock: str | os.PathLike[str] | None = None,
+                 aside: str = "") -> None:
+        if upgrade is None and set(reads) - {version}:
+            raise ValueError(f"{format}: reading versions {sorted(reads)} takes an upgrade to version {version}")
+        self.path = Path(path)
+        self.format = format
+        self.version = version
+        self.reads = frozenset({version, *reads})
+        self.upgrade = upgrade
+        self.empty = empty
+        self.lock = Path(lock) if lock is not None else self.path.with_name(self.path.name + ".lock")
+        self.aside = aside
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Body]:
+        """The body under the exclusive lock, for the block to change; written back only when
+        the block ends normally and the body encodes to other bytes than the file's."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = self._raw()
+            body, current = self._decode(raw)
+            # a file already in this version is compared as it lies, which spares a large table
+            # (mounts.json) one encoding per operation
+            before = raw if current else self._encode(body)
+            yield body
+            out = self._encode(body)
+            if out != before:
+                self._replace(out)
+        finally:
+            os.close(fd)  # releases the flock
+
+    def read(self) -> Body:
+        """The body as it is now, without the lock and without writing anything: a rename
+        replaces the file, so this sees one whole version of it, older or newer."""
+        return self._decode(self._raw())[0]
+
+    # -- reading ------------------------------------------------------------------------------
+    def _raw(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._refused(f"a file it cannot read ({exc.strerror})") from None
+
+    def _decode(self, raw: bytes | None) -> tuple[Body, bool]:
+        """The current version's body, and whether ``raw`` is already in that version."""
+        if raw is None:
+            return self.empty(), False
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:  # UnicodeDecodeError is one too
+            raise self._refused(f"no JSON ({exc})") from None
+        if not isinstance(doc, dict):
+            raise self._refused(f"a JSON {type(doc).__name__}, not an object")
+        found = doc.get("format")
+        version: int | None = None
+        if isinstance(found, str):  # a legacy table may hold a key "format", but never a string there
+            if found != self.format:
+                raise self._refused(f"a {found!r} table", fix="point layerbox at its own file, or move the file aside")
+            version = doc.get("version")
+            if type(version) is not int or version not in self.reads:
+                raise self._refused(f"{self.format} version {version!r}", fix=(
+                    "a newer layerbox wrote it: run that one, or move the file aside"))
+            doc = {k: v for k, v in doc.items() if k not in ENVELOPE}
+            if version == self.version:
+                return doc, True
+        if self.upgrade is None:
+            raise self._refused("a document without a format field")
+        try:
+            return self.upgrade(doc, version), False
+        except (KeyError, TypeError, ValueError) as exc:
+            what = "a legacy document" if version is None else f"{self.format} version {version}"
+            raise self._refused(f"{what} it cannot upgrade ({type(exc).__name__}: {exc})") from None
+
+    def _refused(self, found: str, fix: str = "move the file aside") -> HostStateError:
+        versions = ", ".join(str(v) for v in sorted(self.reads))
+        legacy = " and the layout before it" if self.upgrade is not None else ""
+        cost = f" ({self.aside})" if self.aside else ""
+        return HostStateError(f"host-state table {self.path}: found {found}; this layerbox reads "
+                              f"{self.format} version {versions}{legacy}: {fix}{cost}")
+
+    # -- writing ------------------------------------------------------------------------------
+    def _encode(self, body: Body) -> bytes:
+        clash = [k for k in ENVELOPE if k in body]
+        if clash:
+            raise ValueError(f"{self.path}: a {self.format} body cannot have the envelope's fields {clash}")
+        # compact: mounts.json is rewritten on every mount and holds one record per sandbox
+        return json.dumps({"format": self.format, "version": self.version, **body}, separators=(",", ":")).encode()
+
+    def _replace(self, data: bytes) -> None:
+        # One temp name: only the lock holder writes, and a temp file a crash left behind is
+        # simply truncated by the next writer.
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            # without it a power loss can leave the renamed name on empty or partial data
+            # (XFS, ext4 with noauto_da_alloc): a table nothing reads until moved aside by hand
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        os.close(fd)
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise  # some network and FUSE filesystems cannot fsync a directory: nothing to do
+    finally:
+        os.close(fd)

@@ -1,0 +1,394 @@
+"""Host-state tables (layerstore/hoststate.py) and the four tables kept in them.
+
+The helper: the version is checked on every read, nothing is written unless the body
+changed and the block ended normally, writers in several processes lose no update, and a
+temp file left by a crash is never read.  The tables: each still reads the bytes an earlier
+layerbox left on a host (written here by hand, as that code wrote them) and rewrites them in
+the envelope on its next change.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import multiprocessing
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from layerstore.errors import LayerboxError
+from layerstore.hoststate import HostStateError, HostTable
+from lazyfetch.mounts import HostMounts
+from sandbox.core.leases import Leases
+from sandbox.isolation.idmap import RANGE_SIZE, RangePool
+from sandbox.isolation.network import NetworkManager
+
+SID1, SID2 = "lb-000000000001", "lb-000000000002"
+
+
+def counter_table(path: Path) -> HostTable:
+    return HostTable(path, "layerbox.test", 1, empty=lambda: {"count": 0})
+
+
+def written_table(path: Path, count: int) -> HostTable:
+    """A counter table whose file holds ``count``."""
+    table = counter_table(path)
+    with table.locked() as body:
+        body["count"] = count
+    return table
+
+
+def envelope(path: Path) -> dict[str, Any]:
+    """The table's document, checked to open with the format and the version, in that order."""
+    doc = json.loads(path.read_bytes())
+    assert list(doc)[:2] == ["format", "version"]
+    return dict(doc)
+
+
+def unchanged_stamp(path: Path) -> tuple[int, int, bytes]:
+    """Inode, mtime and bytes, the mtime first set far in the past so that a rewrite shows."""
+    os.utime(path, ns=(10**18, 10**18))
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns, path.read_bytes()
+
+
+def stamp(path: Path) -> tuple[int, int, bytes]:
+    st = path.stat()
+    return st.st_ino, st.st_mtime_ns, path.read_bytes()
+
+
+# -- the helper ------------------------------------------------------------------------------------
+
+def test_a_missing_table_reads_empty_and_is_written_once_changed(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "t.json"
+    table = counter_table(path)
+    assert table.read() == {"count": 0}
+    with table.locked() as body:
+        assert body == {"count": 0}
+    assert not path.exists()  # nothing changed: nothing written
+    with table.locked() as body:
+        body["count"] = 1
+    assert path.read_bytes() == b'{"format":"layerbox.test","version":1,"count":1}'
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(p.name for p in path.parent.iterdir()) == ["t.json", "t.json.lock"]
+
+
+def test_an_unchanged_table_is_not_rewritten(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    table = written_table(path, 7)
+    before = unchanged_stamp(path)
+    for _ in range(3):
+        with table.locked() as body:
+            body["count"] = 7  # set to what it was
+        assert table.read() == {"count": 7}
+    assert stamp(path) == before
+    with table.locked() as body:
+        body["count"] = 8
+    assert stamp(path)[0] != before[0]  # a changed body is a new file renamed over the table
+
+
+@pytest.mark.parametrize(("doc", "found"), [
+    ({"format": "layerbox.test", "version": 2, "count": 1}, "found layerbox.test version 2"),
+    ({"format": "layerbox.test", "version": "1", "count": 1}, "found layerbox.test version '1'"),
+    ({"format": "layerbox.test", "count": 1}, "found layerbox.test version None"),
+    ({"format": "layerbox.leases", "version": 1, "leases": {}}, "found a 'layerbox.leases' table"),
+    ({"count": 1}, "found a document without a format field"),
+    ([1, 2], "found a JSON list, not an object"),
+])
+def test_a_table_of_another_version_or_format_is_refused(tmp_path: Path, doc: Any, found: str) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    before = stamp(path)
+    table = counter_table(path)
+    for attempt in (table.read, lambda: table.locked().__enter__()):
+        with pytest.raises(HostStateError) as exc:
+            attempt()
+        message = str(exc.value)
+        assert str(path) in message
+        assert found in message
+        assert "this layerbox reads layerbox.test version 1:" in message
+        assert "move the file aside" in message
+    assert stamp(path) == before
+    assert isinstance(exc.value, LayerboxError)
+
+
+def test_an_unreadable_table_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_bytes(b'{"format": "layerbox.test", "vers')  # what a torn write without fsync can leave
+    with pytest.raises(HostStateError, match=r"t\.json: found no JSON \(.*move the file aside"):
+        counter_table(path).read()
+    path.write_bytes(b"\xff\xfe")
+    with pytest.raises(HostStateError, match="found no JSON"):
+        counter_table(path).read()
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(HostStateError, match="found a file it cannot read"):
+        counter_table(path).read()
+
+
+def test_older_versions_are_upgraded_and_rewritten_on_the_next_change(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    seen: list[int | None] = []
+
+    def upgrade(doc: dict[str, Any], version: int | None) -> dict[str, Any]:
+        seen.append(version)
+        return {"total": doc["count"]}
+
+    path.write_bytes(b'{"format":"layerbox.test","version":1,"count":5}')
+    table = HostTable(path, "layerbox.test", 2, reads=(1,), upgrade=upgrade)
+    assert table.read() == {"total": 5}
+    with table.locked() as body:
+        assert body == {"total": 5}
+    assert json.loads(path.read_bytes())["version"] == 1  # read, not changed: not rewritten
+    with table.locked() as body:
+        body["total"] += 1
+    assert envelope(path) == {"format": "layerbox.test", "version": 2, "total": 6}
+    assert seen == [1, 1, 1]
+    path.write_bytes(b'{"count":5}')  # legacy: no envelope at all
+    assert table.read() == {"total": 5}
+    assert seen[-1] is None
+    path.write_bytes(b'{"cuont":5}')
+    with pytest.raises(HostStateError, match="found a legacy document it cannot upgrade .*KeyError"):
+        table.read()
+    with pytest.raises(ValueError, match="takes an upgrade"):
+        HostTable(path, "layerbox.test", 2, reads=(1,))
+
+
+def test_an_exception_in_the_block_writes_nothing_and_releases_the_lock(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    table = written_table(path, 1)
+    before = stamp(path)
+
+    def change_then_fail() -> None:
+        with table.locked() as body:
+            body["count"] = 2
+            body["half"] = True
+            raise RuntimeError("half way")
+
+    with pytest.raises(RuntimeError, match="half way"):
+        change_then_fail()
+    assert stamp(path) == before
+    assert not path.with_name("t.json.tmp").exists()
+    with open(table.lock, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if still held
+
+
+def test_a_body_cannot_overwrite_the_envelope(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    table = counter_table(path)
+    with pytest.raises(ValueError, match="envelope"), table.locked() as body:
+        body["version"] = 9
+    assert not path.exists()
+
+
+def test_a_stale_temp_file_is_ignored_and_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    table = written_table(path, 1)
+    tmp = path.with_name("t.json.tmp")
+    tmp.write_bytes(b'{"format":"layerbox.test","version":1,"count":999}' + b" " * 100_000)  # a crash's
+    assert table.read() == {"count": 1}
+    with table.locked() as body:
+        assert body["count"] == 1
+        body["count"] = 2
+    assert not tmp.exists()
+    assert path.read_bytes() == b'{"format":"layerbox.test","version":1,"count":2}'
+
+
+def _increment(path: str, times: int) -> None:
+    table = counter_table(Path(path))
+    for _ in range(times):
+        with table.locked() as body:
+            body["count"] += 1
+            body["last"] = os.getpid()
+
+
+def test_writers_in_several_processes_lose_no_update(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    processes, times = 4, 150
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no lock or fd inherited
+    workers = [context.Process(target=_increment, args=(str(path), times)) for _ in range(processes)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(120)
+    assert [w.exitcode for w in workers] == [0] * processes
+    body = counter_table(path).read()
+    assert body["count"] == processes * times
+    assert body["last"] in {w.pid for w in workers}
+
+
+# -- the four tables: what an earlier layerbox left on a host --------------------------------------
+
+# lazyfetch/mounts.py wrote json.dumps(state, separators=(",", ":")); the oldest files had no
+# "entries" or "holds" (and each mount carried its own entries)
+HEX = "ab" * 32
+LEGACY_MOUNTS = (
+    b'{"layers":{"' + HEX.encode() + b'":{"mountpoint":"/nonexistent/layers/' + HEX.encode()
+    + b'","generation":"g1","path":null,"users":["/nonexistent/mnt"],"meta":"/nonexistent/m.erofs",'
+    b'"blob_io":"buffered"}},"mounts":{"/nonexistent/mnt":{"writable":false,"upper":null,"work":null,'
+    b'"owned_upper":false,"digest":"sha256:' + HEX.encode() + b'","layers":["' + HEX.encode()
+    + b'"],"kind":"image","entries":[{"digest":"sha256:' + HEX.encode() + b'"}]}}}'
+)
+
+
+def test_mounts_reads_the_unversioned_table_and_rewrites_it_on_a_change(tmp_path: Path) -> None:
+    host = HostMounts(tmp_path / "data")
+    state = tmp_path / "data" / "state"
+    state.mkdir(parents=True)
+    path = state / "mounts.json"
+    path.write_bytes(LEGACY_MOUNTS)
+    before = unchanged_stamp(path)
+    assert host.holds() == {}  # a read under the lock: upgraded in memory only
+    assert host.has_stale_layers("g2")
+    assert not host.has_stale_layers("g1")
+    assert stamp(path) == before
+    # status() reconciles with the kernel: neither mount is there, so both are forgotten
+    assert host.status()["mounts"] == {}
+    assert envelope(path) == {"format": "layerbox.mounts", "version": 1, "layers": {}, "mounts": {},
+                              "entries": {}, "holds": {}}
+    assert not host.has_stale_layers("g2")
+    assert sorted(p.name for p in state.iterdir()) == ["lock", "mounts.json"]
+
+
+def test_mounts_with_holds_rewritten_keeps_them(tmp_path: Path) -> None:
+    host = HostMounts(tmp_path / "data")
+    path = tmp_path / "data" / "state" / "mounts.json"
+    path.parent.mkdir(parents=True)
+    hold = {"digest": f"sha256:{HEX}", "layers": []}
+    path.write_text(json.dumps({"layers": {}, "mounts": {}, "entries": {},
+                                "holds": {"containerd:/c:1": hold, "containerd:/c:2": hold}},
+                               separators=(",", ":")))
+    assert set(host.holds()) == {"containerd:/c:1", "containerd:/c:2"}
+    assert host.release("containerd:/c:1")
+    doc = envelope(path)
+    assert (doc["format"], doc["version"], doc["holds"]) == ("layerbox.mounts", 1, {"containerd:/c:2": hold})
+    assert path.read_bytes().startswith(b'{"format":"layerbox.mounts","version":1,"layers":{}')  # compact
+
+
+def test_has_stale_layers(tmp_path: Path) -> None:
+    host = HostMounts(tmp_path / "data")
+    assert not host.has_stale_layers("g1")  # no table yet: nothing mounted
+    path = tmp_path / "data" / "state" / "mounts.json"
+    path.parent.mkdir(parents=True)
+    layer = {"mountpoint": "/x", "path": None, "users": [], "meta": "/m", "blob_io": "buffered"}
+    layers = {"a" * 64: {**layer, "generation": "g1"}, "b" * 64: {**layer, "generation": "g1"}}
+    doc = {"format": "layerbox.mounts", "version": 1, "layers": layers, "mounts": {}, "entries": {}, "holds": {}}
+    path.write_text(json.dumps(doc))
+    assert not host.has_stale_layers("g1")
+    assert host.has_stale_layers("g2")
+    layers["b" * 64]["generation"] = "g2"
+    path.write_text(json.dumps(doc))
+    assert host.has_stale_layers("g1")
+    assert host.has_stale_layers("g2")
+    path.write_text(json.dumps({**doc, "version": 2}))
+    with pytest.raises(HostStateError, match="mounts.json: found layerbox.mounts version 2"):
+        host.has_stale_layers("g1")
+
+
+# sandbox/core/leases.py wrote json.dumps(table, indent=1, sort_keys=True): job -> lease
+LEGACY_LEASES = b"""{
+ "job-a": {
+  "expires": 2000000000.0,
+  "job": "job-a",
+  "manifest": null,
+  "state": "active",
+  "ttl": 300.0
+ },
+ "job-b": {
+  "expires": 1000.0,
+  "job": "job-b",
+  "manifest": "runs/job-b:1",
+  "state": "preempted",
+  "ttl": 60.0
+ }
+}"""
+
+
+def test_leases_read_the_unversioned_table_and_rewrite_it_on_a_change(tmp_path: Path) -> None:
+    path = tmp_path / "sandbox" / "leases.json"
+    path.parent.mkdir()
+    path.write_bytes(LEGACY_LEASES)
+    before = unchanged_stamp(path)
+    leases = Leases(path)
+    a, b = leases.get("job-a"), leases.get("job-b")
+    assert a is not None
+    assert b is not None
+    assert (a.ttl, a.state, a.expires) == (300.0, "active", 2000000000.0)
+    assert (b.state, b.manifest) == ("preempted", "runs/job-b:1")
+    assert sorted(x.job for x in leases.all()) == ["job-a", "job-b"]
+    leases.drop("job-c")  # no such job: nothing changes
+    assert stamp(path) == before
+    leases.renew("job-c", 10, now=100.0)
+    doc = envelope(path)
+    assert (doc["format"], doc["version"], sorted(doc["leases"])) == ("layerbox.leases", 1, ["job-a", "job-b", "job-c"])
+    assert doc["leases"]["job-b"] == json.loads(LEGACY_LEASES)["job-b"]
+    assert doc["leases"]["job-c"]["expires"] == 110.0
+    assert Leases(path).get("job-b") == b
+
+
+def test_leases_refuse_a_newer_table(tmp_path: Path) -> None:
+    path = tmp_path / "leases.json"
+    path.write_text('{"format":"layerbox.leases","version":2,"leases":{}}')
+    with pytest.raises(HostStateError, match="reaper then treats every job as unleased"):
+        Leases(path).all()
+
+
+# RangePool wrote json.dumps({"version": 1, "first", "size", "sandboxes"}, indent=1, sort_keys=True)
+FIRST = 1_000_000
+LEGACY_USERNS = f"""{{
+ "first": {FIRST},
+ "sandboxes": {{
+  "{SID1}": 1
+ }},
+ "size": 65536,
+ "version": 1
+}}""".encode()
+
+
+def test_userns_reads_the_unversioned_table_and_rewrites_it_on_a_change(tmp_path: Path) -> None:
+    path = tmp_path / "sandbox" / "userns.json"
+    path.parent.mkdir()
+    path.write_bytes(LEGACY_USERNS)
+    before = unchanged_stamp(path)
+    pool = RangePool(path, FIRST, 4)
+    assert pool.owners() == {SID1: FIRST + RANGE_SIZE}
+    assert pool.allocate(SID1) == (FIRST + RANGE_SIZE, RANGE_SIZE)  # it has one: the same again
+    assert stamp(path) == before
+    assert pool.allocate(SID2) == (FIRST, RANGE_SIZE)  # the lowest free slot
+    assert envelope(path) == {"format": "layerbox.userns", "version": 1, "first": FIRST, "size": RANGE_SIZE,
+                              "sandboxes": {SID1: 1, SID2: 0}}
+    pool.release(SID1)
+    assert RangePool(path, FIRST, 4).owners() == {SID2: FIRST}
+
+
+def test_userns_refuses_an_unversioned_table_of_another_version(tmp_path: Path) -> None:
+    path = tmp_path / "userns.json"
+    path.write_bytes(LEGACY_USERNS.replace(b'"version": 1', b'"version": 2'))
+    with pytest.raises(HostStateError, match="legacy document it cannot upgrade"):
+        RangePool(path, FIRST, 4).owners()
+
+
+@pytest.mark.root("cmd:ip", "cmd:nft")
+def test_net_reads_the_unversioned_table_and_rewrites_it_on_a_change(tmp_path: Path) -> None:
+    subnet = f"10.252.{os.getpid() % 200 + 20}.0/24"
+    policy = {"sandbox": SID1, "version": "0" * 32, "rules": [], "set_at": 1.5}
+    # NetworkManager wrote json.dumps({"version": 1, "subnet", "sandboxes"}, sort_keys=True)
+    legacy = json.dumps({"version": 1, "subnet": subnet, "sandboxes": {
+        SID1: {"index": 0, "host_if": "lbffff000000001", "policy": policy},
+        SID2: {"index": 1, "host_if": "lbffff000000002", "policy": {**policy, "sandbox": SID2}}}},
+        sort_keys=True).encode()
+    path = tmp_path / "net.json"
+    path.write_bytes(legacy)
+    before = unchanged_stamp(path)
+    net = NetworkManager(tmp_path, subnet=subnet)
+    assert net.list() == [SID1, SID2]
+    assert stamp(path) == before
+    net.destroy(SID1)  # neither has a veth or a namespace: only the allocation goes
+    assert envelope(path) == {"format": "layerbox.net", "version": 1, "subnet": subnet, "sandboxes": {
+        SID2: {"index": 1, "host_if": "lbffff000000002", "policy": {**policy, "sandbox": SID2}}}}
+    assert net.list() == [SID2]
+    net.destroy(SID2)
+    assert net.list() == []
