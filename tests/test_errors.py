@@ -76,8 +76,8 @@ NOT_RETRYABLE = (LayerboxError, PreconditionFailed, CredentialsError, ImageNotFo
 
 # `raise RuntimeError(...)` / `raise Exception(...)` that stay, by (file, name), and why.
 GENERIC_RAISES: dict[tuple[str, str], str] = {
-    ("sandbox/host/manager.py", "RuntimeError"):
-        "_sync: a blocking manager call made from inside an event loop is a caller's bug, raised as the "
+    ("sandbox/core/sync.py", "RuntimeError"):
+        "run_blocking: a blocking library call made from inside an event loop is a caller's bug, raised as the "
         "RuntimeError asyncio.run itself raises for it",
 }
 
@@ -209,7 +209,7 @@ def test_cli_prints_the_fix_after_the_message(monkeypatch: pytest.MonkeyPatch,
             raise error
 
         parser = ArgumentParser()
-        parser.set_defaults(func=run)
+        parser.set_defaults(verb=cli.Verb("fail", "fails on purpose", run, ()))
         return parser
 
     monkeypatch.setattr(cli, "build_parser", lambda: failing(StoreLocked("file:///s: locked by gc", fix="wait")))

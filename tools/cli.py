@@ -3,16 +3,21 @@
 Library errors (``LayerboxError``) become their message on stderr, then their
 ``fix`` when the message does not already say it, and the error's exit code;
 nothing below ``tools/`` prints or exits.
+
+Every command is one row of :data:`VERBS` (a :class:`Verb`): its name, help, arguments and the
+``cmd_*`` function that turns the parsed arguments into one library call and its output.
+Adding a command is one function and one row; :func:`build_parser` only walks the table.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
+import inspect
 import json
 import pathlib
+import shutil
 import stat
 import sys
 import time
@@ -20,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from layerstore.errors import LayerboxError
+from sandbox.core.sync import run_blocking
 
 IMAGE_SCHEMES = ("oci:", "oci-archive:", "docker-archive:", "docker://")
 
@@ -37,6 +43,50 @@ def _env_pair(text: str) -> tuple[str, str]:
     if not eq or not name:
         raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE")
     return name, value
+
+
+def _labels(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"layerbox: --label wants KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
+def _emit(args: argparse.Namespace, doc: Any, human: Callable[[], None]) -> None:
+    if args.json:
+        print(json.dumps(doc, indent=None if isinstance(doc, list) else 1, default=str))
+    else:
+        human()
+
+
+def _emit_pairs(args: argparse.Namespace, doc: dict[str, str]) -> int:
+    _emit(args, doc, lambda: print(" ".join(f"{k}={v}" for k, v in doc.items())))
+    return 0
+
+
+def _emit_json_line(args: argparse.Namespace, doc: Any) -> int:
+    _emit(args, doc, lambda: print(json.dumps(doc)))
+    return 0
+
+
+def _emit_lines(args: argparse.Namespace, rows: list[str]) -> int:
+    _emit(args, rows, lambda: print("\n".join(rows)))
+    return 0
+
+
+def _progress_bar(args: argparse.Namespace) -> Any:
+    if args.json or not sys.stderr.isatty():
+        return contextlib.nullcontext(None)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), transient=True, console=None)
+
+
+# -- local files: convert, inspect, demo -------------------------------------------------------
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -57,42 +107,40 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt_mode(mode: int) -> str:
-    return stat.filemode(mode)
+def _inspect_row(img: Any, path: bytes, node: Any) -> dict[str, object]:
+    row: dict[str, object] = {
+        "path": path.decode("utf-8", "surrogateescape"),
+        "mode": stat.filemode(node.mode),
+        "uid": node.uid,
+        "gid": node.gid,
+        "size": node.size,
+        "mtime": f"{node.mtime}.{node.mtime_nsec:09d}",
+        "nlink": node.nlink,
+        "nid": node.nid,
+    }
+    if stat.S_ISLNK(node.mode):
+        row["target"] = img.readlink(node.nid).decode("utf-8", "surrogateescape")
+    if stat.S_ISCHR(node.mode) or stat.S_ISBLK(node.mode):
+        row["rdev"] = f"{node.rdev[0]}:{node.rdev[1]}"
+        if node.is_whiteout:
+            row["whiteout"] = True
+    if node.xattrs:
+        row["xattrs"] = {k.decode("utf-8", "surrogateescape"): v.hex() if not v.isascii() else v.decode()
+                         for k, v in node.xattrs.items()}
+    if stat.S_ISREG(node.mode):
+        row["chunks"] = [
+            {"offset": c.file_offset, "length": c.length,
+             "digest": "hole" if c.hole else (c.digest.hex() if c.digest else f"block:{c.block}")}
+            for c in img.chunks(node.nid)
+        ]
+    return row
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     from layerstore.erofs.reader import ErofsImage
 
     img = ErofsImage.open(args.image)
-    rows = []
-    for path, node in img.walk(args.path or "/"):
-        row: dict[str, object] = {
-            "path": path.decode("utf-8", "surrogateescape"),
-            "mode": _fmt_mode(node.mode),
-            "uid": node.uid,
-            "gid": node.gid,
-            "size": node.size,
-            "mtime": f"{node.mtime}.{node.mtime_nsec:09d}",
-            "nlink": node.nlink,
-            "nid": node.nid,
-        }
-        if stat.S_ISLNK(node.mode):
-            row["target"] = img.readlink(node.nid).decode("utf-8", "surrogateescape")
-        if stat.S_ISCHR(node.mode) or stat.S_ISBLK(node.mode):
-            row["rdev"] = f"{node.rdev[0]}:{node.rdev[1]}"
-            if node.is_whiteout:
-                row["whiteout"] = True
-        if node.xattrs:
-            row["xattrs"] = {k.decode("utf-8", "surrogateescape"): v.hex() if not v.isascii() else v.decode()
-                             for k, v in node.xattrs.items()}
-        if stat.S_ISREG(node.mode):
-            row["chunks"] = [
-                {"offset": c.file_offset, "length": c.length,
-                 "digest": "hole" if c.hole else (c.digest.hex() if c.digest else f"block:{c.block}")}
-                for c in img.chunks(node.nid)
-            ]
-        rows.append(row)
+    rows = [_inspect_row(img, path, node) for path, node in img.walk(args.path or "/")]
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -129,23 +177,7 @@ def _open_store(args: argparse.Namespace) -> Any:
     return Store.open(args.store, args.data_dir, **opts)
 
 
-def _emit(args: argparse.Namespace, doc: Any, human: Callable[[], None]) -> None:
-    if args.json:
-        print(json.dumps(doc, indent=None if isinstance(doc, list) else 1, default=str))
-    else:
-        human()
-
-
-def _progress_bar(args: argparse.Namespace) -> Any:
-    if args.json or not sys.stderr.isatty():
-        return contextlib.nullcontext(None)
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    return Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                    TransferSpeedColumn(), transient=True, console=None)
-
-
-async def _publish(args: argparse.Namespace) -> int:
+async def cmd_publish(args: argparse.Namespace) -> int:
     from converters.publish import publish
 
     async with await _open_store(args) as store:
@@ -172,7 +204,7 @@ async def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _compose(args: argparse.Namespace) -> int:
+async def cmd_compose(args: argparse.Namespace) -> int:
     parts = {k: v for k, v in (("base", args.base), ("workspace", args.workspace), ("toolkit", args.toolkit)) if v}
     async with await _open_store(args) as store:
         ref = await store.compose(args.name, parts)
@@ -182,7 +214,7 @@ async def _compose(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _ls(args: argparse.Namespace) -> int:
+async def cmd_ls(args: argparse.Namespace) -> int:
     async with await _open_store(args) as store:
         refs = await store.list_refs(args.prefix or "")
     rows = [{"name": r.name, "digest": r.digest, "kind": r.kind} for r in refs]
@@ -195,7 +227,7 @@ async def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _show(args: argparse.Namespace) -> int:
+async def cmd_show(args: argparse.Namespace) -> int:
     async with await _open_store(args) as store:
         resolved = await store.resolve(args.ref, refresh=True)
     doc = {"digest": resolved.digest, "kind": resolved.kind,
@@ -214,7 +246,7 @@ async def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _verify(args: argparse.Namespace) -> int:
+async def cmd_verify(args: argparse.Namespace) -> int:
     from layerstore.verify import verify
 
     async with await _open_store(args) as store:
@@ -230,7 +262,7 @@ async def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 3
 
 
-async def _store_check(args: argparse.Namespace) -> int:
+async def cmd_store_check(args: argparse.Namespace) -> int:
     """What the store's server does with conditional writes, probed on scratch objects."""
     async with await _open_store(args) as store:
         found = await store.check_conditional_writes()
@@ -261,7 +293,7 @@ async def _store_check(args: argparse.Namespace) -> int:
     return 3 if unsupported else 0
 
 
-async def _gc(args: argparse.Namespace) -> int:
+async def cmd_gc(args: argparse.Namespace) -> int:
     from layerstore.gc import collect
 
     async with await _open_store(args) as store:
@@ -293,33 +325,42 @@ async def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _tag(args: argparse.Namespace) -> int:
+async def cmd_tag(args: argparse.Namespace) -> int:
     async with await _open_store(args) as store:
         ref = await store.tag(args.ref, args.name)
     _emit(args, {"name": ref.name, "digest": ref.digest}, lambda: print(f"{ref.name} -> {ref.digest}"))
     return 0
 
 
-async def _cache(args: argparse.Namespace) -> int:
-    import shutil
-
+async def _drop_cache(args: argparse.Namespace) -> str:
     async with await _open_store(args) as store:
         path = store.cache_path
     shutil.rmtree(path, ignore_errors=True)
-    rebuilt = {"dropped": str(path)}
-    if args.action == "rebuild":
-        async with await _open_store(args) as store:
-            packs = await store.sync_index()
-            refs = await store.list_refs()
-            layers = 0
-            for ref in refs:
-                resolved = await store.resolve(ref.name, refresh=True)
-                for layer in resolved.layers:
-                    await store.get_meta(layer.digest)
-                    layers += 1
-        rebuilt.update(packs=str(packs), refs=str(len(refs)), layers=str(layers))
-    _emit(args, rebuilt, lambda: print(" ".join(f"{k}={v}" for k, v in rebuilt.items())))
-    return 0
+    return str(path)
+
+
+async def cmd_cache_drop(args: argparse.Namespace) -> int:
+    return _emit_pairs(args, {"dropped": await _drop_cache(args)})
+
+
+async def cmd_cache_rebuild(args: argparse.Namespace) -> int:
+    doc = {"dropped": await _drop_cache(args)}
+    async with await _open_store(args) as store:
+        packs = await store.sync_index()
+        refs = await store.list_refs()
+        layers = 0
+        for ref in refs:
+            resolved = await store.resolve(ref.name, refresh=True)
+            for layer in resolved.layers:
+                await store.get_meta(layer.digest)
+                layers += 1
+    doc.update(packs=str(packs), refs=str(len(refs)), layers=str(layers))
+    return _emit_pairs(args, doc)
+
+
+async def _resolve(args: argparse.Namespace, ref: str) -> Any:
+    async with await _open_store(args) as store:
+        return await store.resolve(ref)
 
 
 # -- host commands (lazyfetch) -----------------------------------------------------------
@@ -339,7 +380,13 @@ def _host(args: argparse.Namespace) -> Any:
                       daemon_options=opts)
 
 
-def _snapshotter(args: argparse.Namespace) -> int:
+def _ensure_daemon(args: argparse.Namespace, host: Any) -> dict[str, Any]:
+    health: dict[str, Any] = host.client.ensure_running(args.store, s3_endpoint=args.s3_endpoint,
+                                                        **host.daemon_options)
+    return health
+
+
+def cmd_snapshotter(args: argparse.Namespace) -> int:
     import logging
 
     from layerstore.store import default_data_dir
@@ -356,13 +403,8 @@ def _snapshotter(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _resolve(args: argparse.Namespace, ref: str) -> Any:
-    async with await _open_store(args) as store:
-        return await store.resolve(ref)
-
-
-def _mount(args: argparse.Namespace) -> int:
-    resolved = asyncio.run(_resolve(args, args.ref))
+def cmd_mount(args: argparse.Namespace) -> int:
+    resolved = run_blocking(_resolve(args, args.ref))
     result = _host(args).mount(resolved, args.mountpoint, writable=args.writable or bool(args.upper),
                                upper=args.upper)
     _emit(args, result.to_json(), lambda: print(
@@ -371,7 +413,7 @@ def _mount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _umount(args: argparse.Namespace) -> int:
+def cmd_umount(args: argparse.Namespace) -> int:
     host = _host(args)
     if args.all:
         n = host.umount_all(stop_daemon=True)
@@ -384,37 +426,44 @@ def _umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def _daemon_cmd(args: argparse.Namespace) -> int:
-    host = _host(args)
-    if args.action == "start":
-        h = host.client.ensure_running(args.store, s3_endpoint=args.s3_endpoint, **host.daemon_options)
-        _emit(args, h, lambda: print(f"lazyfetch daemon {h['pid']} serving {h['blobs']} through "
-                                     f"{h['data_path']}" + (f" ({h['data_path_reason']})"
-                                                            if h.get("data_path_reason") else "")))
-    elif args.action == "stop":
-        stopped = host.stop_daemon()
-        _emit(args, {"stopped": stopped}, lambda: print("stopped" if stopped else "not running"))
-    elif args.action == "run":
-        from lazyfetch.daemon import main as daemon_main
-
-        argv = ["--data-dir", str(host.data_dir)]
-        if args.store:
-            argv += ["--store", args.store]
-        if args.s3_endpoint:
-            argv += ["--s3-endpoint", args.s3_endpoint]
-        for name, value in host.daemon_options.items():
-            argv += ["--" + name.replace("_", "-"), str(value)]
-        return daemon_main(argv)
-    else:
-        st = host.status()
-        _emit(args, st, lambda: print(json.dumps(st, indent=1)))
+def cmd_daemon_start(args: argparse.Namespace) -> int:
+    h = _ensure_daemon(args, _host(args))
+    _emit(args, h, lambda: print(f"lazyfetch daemon {h['pid']} serving {h['blobs']} through "
+                                 f"{h['data_path']}" + (f" ({h['data_path_reason']})"
+                                                        if h.get("data_path_reason") else "")))
     return 0
 
 
-def _prefetch(args: argparse.Namespace) -> int:
-    resolved = asyncio.run(_resolve(args, args.ref))
+def cmd_daemon_stop(args: argparse.Namespace) -> int:
+    stopped = _host(args).stop_daemon()
+    _emit(args, {"stopped": stopped}, lambda: print("stopped" if stopped else "not running"))
+    return 0
+
+
+def cmd_daemon_status(args: argparse.Namespace) -> int:
+    st = _host(args).status()
+    _emit(args, st, lambda: print(json.dumps(st, indent=1)))
+    return 0
+
+
+def cmd_daemon_run(args: argparse.Namespace) -> int:
+    from lazyfetch.daemon import main as daemon_main
+
     host = _host(args)
-    host.client.ensure_running(args.store, s3_endpoint=args.s3_endpoint, **host.daemon_options)
+    argv = ["--data-dir", str(host.data_dir)]
+    if args.store:
+        argv += ["--store", args.store]
+    if args.s3_endpoint:
+        argv += ["--s3-endpoint", args.s3_endpoint]
+    for name, value in host.daemon_options.items():
+        argv += ["--" + name.replace("_", "-"), str(value)]
+    return daemon_main(argv)
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    resolved = run_blocking(_resolve(args, args.ref))
+    host = _host(args)
+    _ensure_daemon(args, host)
     reply = host.client.request("POST", "/prefetch", {"image": resolved.digest,
                                                        "layers": [x.to_json() for x in resolved.layers]})
     _emit(args, reply, lambda: print(f"{reply['fetched']} of {reply['chunks']} chunks fetched "
@@ -422,7 +471,7 @@ def _prefetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stats(args: argparse.Namespace) -> int:
+def cmd_stats(args: argparse.Namespace) -> int:
     host = _host(args)
     if args.prometheus:
         print(host.client.request("GET", "/metrics"), end="")
@@ -446,17 +495,7 @@ def _stats(args: argparse.Namespace) -> int:
 # -- snapshots ------------------------------------------------------------------------------
 
 
-def _labels(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"layerbox: --label wants KEY=VALUE, got {item!r}")
-        out[key] = value
-    return out
-
-
-async def _checkpoint(args: argparse.Namespace) -> int:
+async def cmd_checkpoint(args: argparse.Namespace) -> int:
     from snapshots.checkpoint import Snapshots
 
     async with await _open_store(args) as store:
@@ -470,7 +509,7 @@ async def _checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _restore(args: argparse.Namespace) -> int:
+async def cmd_restore(args: argparse.Namespace) -> int:
     from snapshots.checkpoint import Snapshots
 
     async with await _open_store(args) as store:
@@ -482,7 +521,7 @@ async def _restore(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _checkpoints(args: argparse.Namespace) -> int:
+async def cmd_checkpoints(args: argparse.Namespace) -> int:
     from snapshots.checkpoint import Snapshots
 
     async with await _open_store(args) as store:
@@ -496,7 +535,7 @@ async def _checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _squash(args: argparse.Namespace) -> int:
+async def cmd_squash(args: argparse.Namespace) -> int:
     from snapshots.squash import squash
 
     async with await _open_store(args) as store:
@@ -506,240 +545,138 @@ async def _squash(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_async(fn: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        return int(asyncio.run(fn(args)))
-
-    return run
+# -- sandbox commands ------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _sandbox_manager(args: argparse.Namespace) -> Any:
     from layerstore.store import default_data_dir
+    from sandbox.host.manager import SandboxManager
 
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--store", default=None,
-                        help="store URL: file:///path or s3://bucket/prefix (default $LAYERBOX_STORE, "
-                             "else the embedded file store)")
-    common.add_argument("--data-dir", default=None,
-                        help=f"host state: caches and mounts (default $LAYERBOX_DATA_DIR, else {default_data_dir()})")
-    common.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default $AWS_ENDPOINT_URL)")
-    common.add_argument("--json", action="store_true", help="machine-readable output")
-
-    p = argparse.ArgumentParser(prog="layerbox", description="EROFS layers and snapshots for agent sandboxes")
-    sub = p.add_subparsers(dest="command", required=True)
-
-    pub = sub.add_parser("publish", parents=[common], help="convert a source and publish it to the store")
-    pub.add_argument("src", help="directory, tar/tar.gz/tar.zst, '-', oci:DIR[:TAG], oci-archive:FILE[:TAG], "
-                                 "docker-archive:FILE, docker://HOST/REPO:TAG")
-    pub.add_argument("--name", required=True, help="ref to create or move: REPO[:TAG]")
-    pub.add_argument("--chunk-size", type=_size, default=1 << 20)
-    pub.add_argument("--platform", default=None, help="os/arch[/variant] for multi-platform images")
-    pub.set_defaults(func=_run_async(_publish))
-
-    comp = sub.add_parser("compose", parents=[common], help="name a base + workspace + toolkit combination")
-    comp.add_argument("name")
-    comp.add_argument("--base", required=True)
-    comp.add_argument("--workspace")
-    comp.add_argument("--toolkit")
-    comp.set_defaults(func=_run_async(_compose))
-
-    ls = sub.add_parser("ls", parents=[common], help="list refs")
-    ls.add_argument("prefix", nargs="?")
-    ls.set_defaults(func=_run_async(_ls))
-
-    show = sub.add_parser("show", parents=[common], help="show what a ref or digest resolves to")
-    show.add_argument("ref")
-    show.set_defaults(func=_run_async(_show))
-
-    ver = sub.add_parser("verify", parents=[common], help="re-read objects and check every digest")
-    ver.add_argument("ref", nargs="?")
-    ver.set_defaults(func=_run_async(_verify))
-
-    st = sub.add_parser("store", help="the store itself")
-    sts = st.add_subparsers(dest="store_command", required=True)
-    chk = sts.add_parser("check", parents=[common], help="probe what the store's server does with conditional "
-                         "writes (S3: If-None-Match, If-Match spellings, multipart); exit 3 when refs are not safe")
-    chk.set_defaults(func=_run_async(_store_check))
-
-    gc = sub.add_parser("gc", parents=[common], help="delete objects no ref reaches")
-    gc.add_argument("--dry-run", action="store_true")
-    gc.add_argument("--grace", type=float, default=3600.0,
-                    help="seconds an unreferenced object is kept (uploads in progress); also the age "
-                         "of temporary files of interrupted writes that gc removes")
-    gc.add_argument("--stale-locks-after", type=float, default=24 * 3600.0,
-                    help="delete lock objects not refreshed for this many seconds (at least 900)")
-    gc.set_defaults(func=_run_async(_gc))
-
-    host = argparse.ArgumentParser(add_help=False)
-    host.add_argument("--cache-size", type=_size, default=None, help="blob cache cap (daemon start)")
-    host.add_argument("--data-path", choices=["auto", "fanotify", "fuse"], default=None,
-                      help="how the kernel reads layer blobs (daemon start; default auto: fanotify "
-                           "pre-content events where they work, else FUSE)")
-    host.add_argument("--fill-below", type=_size, default=None,
-                      help="fill images up to this size in the background after a mount (0: never)")
-    host.add_argument("--fill-bandwidth", type=_size, default=None,
-                      help="bytes per second the background fill may fetch")
-    host.add_argument("--holder-grace", type=float, default=None,
-                      help="seconds reads wait for a successor of a dead daemon before EIO")
-    host.add_argument("--blob-io", choices=["buffered", "direct"], default=None,
-                      help="EROFS reads blobs through the page cache (buffered, default) or with direct I/O "
-                           "(direct: each byte cached once, as the file; slower re-reads)")
-    host.add_argument("--fetch-timeout", type=float, default=None, help="seconds a read waits for the store")
-    host.add_argument("--trace-seconds", type=float, default=None, help="access-trace window after a mount")
-
-    mnt = sub.add_parser("mount", parents=[common, host], help="mount an image or composition lazily")
-    mnt.add_argument("ref")
-    mnt.add_argument("mountpoint")
-    mnt.add_argument("--writable", action="store_true")
-    mnt.add_argument("--upper", default=None, help="upper directory for writes (implies --writable)")
-    mnt.set_defaults(func=_mount)
-
-    um = sub.add_parser("umount", parents=[common, host], help="release a mount (and unused layers)")
-    um.add_argument("mountpoint", nargs="?")
-    um.add_argument("--all", action="store_true", help="every mount of this host, then stop the daemon")
-    um.add_argument("--discard", action="store_true", help="also delete an upper directory layerbox created")
-    um.add_argument("--lazy", action="store_true", help="detach even if busy")
-    um.set_defaults(func=_umount)
-
-    dmn = sub.add_parser("daemon", parents=[common, host], help="the host's lazyfetch daemon")
-    dmn.add_argument("action", choices=["start", "stop", "status", "run"])
-    dmn.set_defaults(func=_daemon_cmd)
-
-    snr = sub.add_parser("snapshotter", parents=[common, host],
-                         help="serve containerd's snapshots API (a proxy plugin) on layerbox layers")
-    snr.add_argument("--socket", default="/run/layerbox/snapshotter.sock",
-                     help="unix socket containerd's [proxy_plugins.layerbox] address names")
-    snr.add_argument("--root", default=None,
-                     help="snapshot metadata and directories (default DATA_DIR/containerd)")
-    snr.add_argument("--no-publish", action="store_true",
-                     help="do not publish layers containerd unpacks into the store")
-    snr.add_argument("--from-registry", action="store_true",
-                     help="convert a layer the store lacks straight from the registry stream (CRI pulls, "
-                          "which name the image) instead of letting containerd download and unpack it")
-    snr.set_defaults(func=_snapshotter)
-
-    pf = sub.add_parser("prefetch", parents=[common, host], help="fetch a whole image into the host cache")
-    pf.add_argument("ref")
-    pf.set_defaults(func=_prefetch)
-
-    stt = sub.add_parser("stats", parents=[common, host], help="daemon counters")
-    stt.add_argument("--prometheus", action="store_true")
-    stt.set_defaults(func=_stats)
-
-    ck = sub.add_parser("checkpoint", parents=[common, host], help="checkpoint a writable mount")
-    ck.add_argument("mountpoint")
-    ck.add_argument("--name", default=None, help="ref for the checkpoint (default checkpoints/<id>:<n>)")
-    ck.add_argument("--label", action="append", default=[], help="KEY=VALUE (repeatable)")
-    ck.add_argument("--trajectory-offset", type=int, default=None)
-    ck.add_argument("--receipt-id", default=None)
-    ck.add_argument("--policy-version", default=None)
-    ck.add_argument("--caller", default=None)
-    ck.set_defaults(func=_run_async(_checkpoint))
-
-    rs = sub.add_parser("restore", parents=[common, host], help="mount a checkpoint writable, on any host")
-    rs.add_argument("ref")
-    rs.add_argument("mountpoint")
-    rs.add_argument("--upper", default=None)
-    rs.add_argument("--policy-version", default=None, help="refuse unless the checkpoint was made under it")
-    rs.set_defaults(func=_run_async(_restore))
-
-    cks = sub.add_parser("checkpoints", parents=[common, host], help="list checkpoints")
-    cks.add_argument("prefix", nargs="?")
-    cks.set_defaults(func=_run_async(_checkpoints))
-
-    sq = sub.add_parser("squash", parents=[common], help="merge a checkpoint chain into one layer")
-    sq.add_argument("ref")
-    sq.add_argument("--name", default=None, help="ref for the squashed checkpoint (default: move REF)")
-    sq.set_defaults(func=_run_async(_squash))
-
-    cache = sub.add_parser("cache", parents=[common], help="drop or rebuild this host's metadata cache")
-    cache.add_argument("action", choices=["drop", "rebuild"])
-    cache.set_defaults(func=_run_async(_cache))
-
-    tag = sub.add_parser("tag", parents=[common], help="point NAME at what REF resolves to")
-    tag.add_argument("ref")
-    tag.add_argument("name")
-    tag.set_defaults(func=_run_async(_tag))
-
-    c = sub.add_parser("convert", help="convert a tarball, directory or OCI image into EROFS layers")
-    c.add_argument("src", help="tar/tar.gz/tar.zst file, '-', a directory, or oci:DIR[:TAG] | "
-                               "oci-archive:FILE[:TAG] | docker-archive:FILE")
-    c.add_argument("--meta", help="output metadata image (tar or directory source)")
-    c.add_argument("--blob", help="output blob (tar or directory source)")
-    c.add_argument("--out", help="output directory (image source)")
-    c.add_argument("--chunk-size", type=_size, default=1 << 20, help="chunk size in bytes (power of two)")
-    c.add_argument("--compact", action="store_true", help="print image results on one line")
-    c.set_defaults(func=cmd_convert)
-
-    i = sub.add_parser("inspect", help="list a layer's tree from its metadata image")
-    i.add_argument("image")
-    i.add_argument("path", nargs="?")
-    i.add_argument("--json", action="store_true")
-    i.set_defaults(func=cmd_inspect)
-
-    d = sub.add_parser("demo", help="the main job on the embedded store", add_help=False)
-    d.add_argument("rest", nargs=argparse.REMAINDER)
-    d.set_defaults(func=cmd_demo)
-    _add_sandbox_parser(sub)
-    vmp = sub.add_parser("vm", help="the microVM guest: its assets (kernel, initramfs, agent) on this host")
-    vms = vmp.add_subparsers(dest="vm_command", required=True)
-    va = vms.add_parser("assets", help="build (or find) the guest assets from Debian packages; prints their key")
-    va.add_argument("--root", default=None, help="where they are kept (default $LAYERBOX_VM_ASSETS or "
-                                                 "/var/cache/layerbox/vm)")
-    va.add_argument("--offline", action="store_true", help="only find a set built before; no apt-get download")
-    va.add_argument("--quiet", action="store_true", help="print nothing when the assets are already there")
-    va.add_argument("--json", action="store_true")
-    va.set_defaults(func=cmd_vm_assets)
-    vt = vms.add_parser("templates", help="this host's templates (booted here or mapped from the store), which "
-                                          "sandboxes use them, and the store's; --prune removes unused ones here")
-    vt.add_argument("--data-dir", default=None, help="host state, sandboxes under DATA_DIR/sandbox")
-    vt.add_argument("--store", default=None, help="store URL (default $LAYERBOX_STORE)")
-    vt.add_argument("--prune", action="store_true",
-                    help="remove this host's templates no sandbox uses (the store's stay: other hosts map them)")
-    vt.add_argument("--json", action="store_true")
-    vt.set_defaults(func=cmd_vm_templates)
-    return p
+    return SandboxManager(args.data_dir or default_data_dir(), args.store)
 
 
-def cmd_vm_templates(args: argparse.Namespace) -> int:
-    from snapshots.vmstate import TEMPLATE_PREFIX
+def _sandbox_options(args: argparse.Namespace) -> Any:
+    """The ``SandboxOptions`` that ``sandbox create``'s flags ask for (validated by the model)."""
+    from sandbox.core import model
 
-    mgr = _sandbox_manager(args)
-    used: dict[str, list[str]] = {}
-    for st in mgr.list():
-        if st.vm is not None and st.vm.get("template"):
-            used.setdefault(str(st.vm["template"]), []).append(st.id)
-    local = []
-    vms = mgr.backend("microvm")
-    root = vms.templates_dir
-    for d in sorted(root.iterdir()) if root.is_dir() else ():
-        key = d.name.removesuffix(".store")
-        template = vms.host_template(key) if d.is_dir() and not key.startswith(".") else None
-        if template is None or template.dir != d:
-            continue
-        mem = template.memory.stat()
-        local.append({"key": key, "source": "store" if d.name.endswith(".store") else "boot", "dir": str(d),
-                      "memory_bytes": mem.st_size, "memory_allocated": mem.st_blocks * 512,
-                      "shape": template.doc.get("shape"), "sandboxes": used.get(key, [])})
-    pruned = vms.prune_templates(keep=list(used)) if args.prune else []
+    given = {name: getattr(args, name) for name in _create_flags(model)}
+    return model.SandboxOptions(**{**given, "env": dict(args.env)})
 
-    async def store_refs() -> list[dict[str, Any]]:
-        async with await mgr.open_store() as store:
-            return [{"ref": r.name, "digest": r.digest}
-                    for r in await store.list_refs(TEMPLATE_PREFIX)]
 
-    stored = asyncio.run(store_refs())
-    if args.json:
-        print(json.dumps({"host": local, "store": stored, "pruned": pruned}, indent=1))
-        return 0
-    for t in local:
-        print(f"{t['key']}  {t['source']:<5}  {t['memory_allocated'] / 1e6:7.1f} MB of RAM image  "
-              f"{len(t['sandboxes'])} sandbox(es)  {t['dir']}")
-    for r in stored:
-        print(f"store  {r['ref']}  {r['digest']}")
-    for name in pruned:
-        print(f"pruned {name}")
+async def cmd_sandbox_create(args: argparse.Namespace) -> int:
+    box = await _sandbox_manager(args).create(args.ref, _sandbox_options(args))
+    _emit(args, box.state.to_json(), lambda: print(box.id))
     return 0
+
+
+def cmd_sandbox_exec(args: argparse.Namespace) -> int:
+    from sandbox.core.model import UNCAPPED
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise SystemExit("layerbox sandbox exec: give a command after --")
+    # a terminal gets everything the command prints; --json keeps the first output_cap bytes
+    res = _sandbox_manager(args).get(args.id).exec(
+        cmd, timeout=args.timeout, idempotency_key=args.idempotency_key,
+        output_cap=args.output_cap if args.json else UNCAPPED, keep_output=args.json,
+        on_stdout=None if args.json else sys.stdout.buffer.write,
+        on_stderr=None if args.json else sys.stderr.buffer.write)
+    if args.json:
+        doc = {k: v.decode(errors="replace") if isinstance(v, bytes) else v for k, v in res.__dict__.items()}
+        print(json.dumps(doc))
+    return int(res.exit_code or 0) if not res.timed_out else 124
+
+
+def cmd_sandbox_ls(args: argparse.Namespace) -> int:
+    states = _sandbox_manager(args).list()
+    _emit(args, [st.to_json() for st in states],
+          lambda: print("\n".join(f"{st.id:<16} {st.status:<9} {st.ref}" for st in states)))
+    return 0
+
+
+def cmd_sandbox_pause(args: argparse.Namespace) -> int:
+    _emit(args, _sandbox_manager(args).get(args.id).pause(), lambda: None)
+    return 0
+
+
+def cmd_sandbox_resume(args: argparse.Namespace) -> int:
+    _sandbox_manager(args).get(args.id).resume()
+    return 0
+
+
+async def cmd_sandbox_checkpoint(args: argparse.Namespace) -> int:
+    ckpt = await _sandbox_manager(args).get(args.id).checkpoint(name=args.name)
+    _emit(args, ckpt.to_json(), lambda: print(f"{ckpt.name} -> {ckpt.digest}"))
+    return 0
+
+
+async def cmd_sandbox_restore(args: argparse.Namespace) -> int:
+    box = await _sandbox_manager(args).restore(args.ref)
+    _emit(args, box.state.to_json(), lambda: print(box.id))
+    return 0
+
+
+def cmd_sandbox_rm(args: argparse.Namespace) -> int:
+    mgr = _sandbox_manager(args)
+    for sid in args.ids:
+        mgr.destroy(sid)
+    return 0
+
+
+def cmd_sandbox_reconcile(args: argparse.Namespace) -> int:
+    return _emit_json_line(args, _sandbox_manager(args).reconcile())
+
+
+def cmd_sandbox_reap(args: argparse.Namespace) -> int:
+    return _emit_json_line(args, _sandbox_manager(args).reap())
+
+
+def cmd_sandbox_receipts(args: argparse.Namespace) -> int:
+    mgr = _sandbox_manager(args)
+    if args.verify:  # the whole log's chain; a broken one is an error naming the record
+        checked = mgr.verify_receipts(args.id)
+        _emit(args, checked, lambda: print(f"{checked['records']} records, chain intact, head {checked['head']}"))
+    else:
+        rows = mgr.receipts(args.id)
+        _emit(args, rows, lambda: print("\n".join(json.dumps(r, sort_keys=True) for r in rows)))
+    return 0
+
+
+def cmd_sandbox_renew(args: argparse.Namespace) -> int:
+    lease = _sandbox_manager(args).renew(args.job, args.ttl)
+    until = time.strftime('%H:%M:%S', time.localtime(lease['expires']))
+    _emit(args, lease, lambda: print(f"{args.job} until {until}"))
+    return 0
+
+
+def cmd_sandbox_pause_job(args: argparse.Namespace) -> int:
+    return _emit_lines(args, _sandbox_manager(args).pause_job(args.job))
+
+
+def cmd_sandbox_resume_job(args: argparse.Namespace) -> int:
+    return _emit_lines(args, _sandbox_manager(args).resume_job(args.job))
+
+
+async def cmd_sandbox_preempt(args: argparse.Namespace) -> int:
+    from sandbox.host.runs import preempt
+
+    # without --grace, preempt's own default: the library owns that number
+    grace = {} if args.grace is None else {"timeout": args.grace}
+    run = await preempt(_sandbox_manager(args), args.job, **grace)
+    _emit(args, run.to_json(), lambda: print(f"{run.ref} -> {run.digest} ({len(run.sandboxes)} sandboxes, "
+                                             f"{run.seconds:.2f}s)"))
+    return 0
+
+
+async def cmd_sandbox_resume_run(args: argparse.Namespace) -> int:
+    from sandbox.host.runs import resume_run
+
+    run = await resume_run(_sandbox_manager(args), args.manifest)
+    _emit(args, run.to_json(), lambda: print("\n".join(f"{old} -> {new}" for old, new in run.sandboxes.items())))
+    return 0
+
+
+# -- microVM guest --------------------------------------------------------------------------
 
 
 def cmd_vm_assets(args: argparse.Namespace) -> int:
@@ -759,16 +696,378 @@ def cmd_vm_assets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _host_templates(mgr: Any, used: dict[str, list[str]]) -> list[dict[str, Any]]:
+    """This host's VM templates, booted here or mapped from the store, with the sandboxes on each."""
+    local = []
+    vms = mgr.backend("microvm")
+    root = vms.templates_dir
+    for d in sorted(root.iterdir()) if root.is_dir() else ():
+        key = d.name.removesuffix(".store")
+        template = vms.host_template(key) if d.is_dir() and not key.startswith(".") else None
+        if template is None or template.dir != d:
+            continue
+        mem = template.memory.stat()
+        local.append({"key": key, "source": "store" if d.name.endswith(".store") else "boot", "dir": str(d),
+                      "memory_bytes": mem.st_size, "memory_allocated": mem.st_blocks * 512,
+                      "shape": template.doc.get("shape"), "sandboxes": used.get(key, [])})
+    return local
+
+
+async def _stored_templates(mgr: Any) -> list[dict[str, Any]]:
+    from snapshots.vmstate import TEMPLATE_PREFIX
+
+    async with await mgr.open_store() as store:
+        return [{"ref": r.name, "digest": r.digest} for r in await store.list_refs(TEMPLATE_PREFIX)]
+
+
+def cmd_vm_templates(args: argparse.Namespace) -> int:
+    mgr = _sandbox_manager(args)
+    used: dict[str, list[str]] = {}
+    for st in mgr.list():
+        if st.vm is not None and st.vm.get("template"):
+            used.setdefault(str(st.vm["template"]), []).append(st.id)
+    local = _host_templates(mgr, used)
+    pruned = mgr.backend("microvm").prune_templates(keep=list(used)) if args.prune else []
+    stored = run_blocking(_stored_templates(mgr))
+    if args.json:
+        print(json.dumps({"host": local, "store": stored, "pruned": pruned}, indent=1))
+        return 0
+    for t in local:
+        print(f"{t['key']}  {t['source']:<5}  {t['memory_allocated'] / 1e6:7.1f} MB of RAM image  "
+              f"{len(t['sandboxes'])} sandbox(es)  {t['dir']}")
+    for r in stored:
+        print(f"store  {r['ref']}  {r['digest']}")
+    for name in pruned:
+        print(f"pruned {name}")
+    return 0
+
+
+# -- arguments shared by several verbs ----------------------------------------------------------
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
+
+
+def arg(*flags: str, **options: Any) -> AddArguments:
+    """One ``add_argument`` call, written in a row of :data:`VERBS` and made when the parser is."""
+
+    def add(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(*flags, **options)
+
+    return add
+
+
+def _json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _store_flags(p: argparse.ArgumentParser) -> None:
+    from layerstore.store import default_data_dir
+
+    p.add_argument("--store", default=None, help="store URL: file:///path or s3://bucket/prefix (default "
+                                                 "$LAYERBOX_STORE, else the embedded file store)")
+    p.add_argument("--data-dir", default=None,
+                   help=f"host state: caches and mounts (default $LAYERBOX_DATA_DIR, else {default_data_dir()})")
+    p.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default $AWS_ENDPOINT_URL)")
+    _json_flag(p)
+
+
+def _host_flags(p: argparse.ArgumentParser) -> None:
+    """The lazyfetch daemon's options (``None``: the daemon's own default, or a running daemon's)."""
+    p.add_argument("--cache-size", type=_size, default=None, help="blob cache cap (daemon start)")
+    p.add_argument("--data-path", choices=["auto", "fanotify", "fuse"], default=None,
+                   help="how the kernel reads layer blobs (daemon start; default auto: fanotify "
+                        "pre-content events where they work, else FUSE)")
+    p.add_argument("--fill-below", type=_size, default=None,
+                   help="fill images up to this size in the background after a mount (0: never)")
+    p.add_argument("--fill-bandwidth", type=_size, default=None,
+                   help="bytes per second the background fill may fetch")
+    p.add_argument("--holder-grace", type=float, default=None,
+                   help="seconds reads wait for a successor of a dead daemon before EIO")
+    p.add_argument("--blob-io", choices=["buffered", "direct"], default=None,
+                   help="EROFS reads blobs through the page cache (buffered, default) or with direct I/O "
+                        "(direct: each byte cached once, as the file; slower re-reads)")
+    p.add_argument("--fetch-timeout", type=float, default=None, help="seconds a read waits for the store")
+    p.add_argument("--trace-seconds", type=float, default=None, help="access-trace window after a mount")
+
+
+def _sandbox_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", default=None, help="store URL (default $LAYERBOX_STORE)")
+    p.add_argument("--data-dir", default=None, help="host state, sandboxes under DATA_DIR/sandbox")
+    _json_flag(p)
+
+
+def _model_defaults(cls: type) -> dict[str, Any]:
+    """A dataclass's field defaults (factories called): the model is the one place they are written."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def _create_flags(model: Any) -> dict[str, dict[str, Any]]:
+    """``sandbox create``'s flags: each a ``SandboxOptions`` field of the same name (``--cpu-class``
+    is ``cpu_class``).  The rest of the model (labels, network, policy) comes through the service."""
+    return {
+        "memory": {"type": _size, "help": "bytes, K/M/G suffixes allowed (default %(default)s)"},
+        "cpu": {"type": float, "help": "CPUs' worth of quota (default %(default)s)"},
+        "pids": {"type": int, "help": "most processes at once (default %(default)s)"},
+        "disk": {"type": _size, "help": "size of the sandbox's own writable disk"},
+        "cpu_class": {"choices": model.CPU_CLASSES, "help": "default %(default)s"},
+        "job": {"help": "the job (lease) the sandbox belongs to"},
+        "lease_ttl": {"type": float, "help": "seconds the job's lease lasts without renewal"},
+        "ttl": {"type": float, "help": "destroy after this many seconds"},
+        "idle_timeout": {"type": float, "help": "pause after this many idle seconds"},
+        "userns": {"action": "store_true",
+                   "help": "run in a user namespace: root inside is an unprivileged host uid (its own range)"},
+        "env": {"type": _env_pair, "action": "append", "metavar": "NAME=VALUE",
+                "help": "an environment variable of every command (repeatable)"},
+        "workdir": {"help": "the working directory of every command"},
+        "user": {"help": "user[:group] every command runs as (name or id)"},
+        "isolation": {"choices": model.ISOLATIONS,
+                      "help": "a crun container, a QEMU microvm, or a full q35 VM (each VM with its own guest "
+                              "kernel; default %(default)s)"},
+        "kernel": {"choices": model.KERNELS,
+                   "help": "the kernel a VM boots: layerbox's, or the image's own /vmlinuz (--isolation vm; "
+                           "default %(default)s)"},
+    }
+
+
+def _create_arguments(p: argparse.ArgumentParser) -> None:
+    from sandbox.core import model
+
+    default = _model_defaults(model.SandboxOptions)
+    default["env"] = list(default["env"].items())  # --env appends NAME=VALUE pairs
+    p.add_argument("ref")
+    for name, options in _create_flags(model).items():
+        p.add_argument("--" + name.replace("_", "-"), default=default[name], **options)
+
+
+def _exec_arguments(p: argparse.ArgumentParser) -> None:
+    from sandbox.core import model
+
+    default = _model_defaults(model.ExecRequest)
+    p.add_argument("id")
+    p.add_argument("--timeout", type=float, default=default["timeout"])
+    p.add_argument("--idempotency-key", default=default["idempotency_key"],
+                   help="never run a command with this key twice")
+    p.add_argument("--output-cap", type=_size, default=default["output_cap"],
+                   help="bytes per stream kept with --json (default %(default)s)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+
+
+# -- the verb table -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Verb:
+    """One command of ``layerbox``, or a group of them (``verbs``).
+
+    ``run`` takes the parsed arguments and returns the exit code, or is a coroutine function
+    whose result is (run on :func:`sandbox.core.sync.run_blocking`).  ``arguments`` are added in order: shared
+    groups first, then the verb's own.
+    """
+
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], Any] | None = None
+    arguments: tuple[AddArguments, ...] = ()
+    verbs: tuple[Verb, ...] = ()
+    # a group whose sub-verbs are the choices of one positional instead of sub-parsers, so that its
+    # options go before or after the verb (`layerbox daemon --store URL start`), as scripts write them
+    pick: bool = False
+    add_help: bool = True
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.run)
+
+
+STORE = (_store_flags,)
+HOST = (_store_flags, _host_flags)
+SANDBOX = (_sandbox_flags,)
+
+SANDBOX_VERBS = (
+    Verb("create", "start a sandbox on REF; prints its id", cmd_sandbox_create, (*SANDBOX, _create_arguments)),
+    Verb("exec", "run a command: exec [--data-dir D --store URL --timeout S] ID -- CMD...", cmd_sandbox_exec,
+         (*SANDBOX, _exec_arguments)),
+    Verb("ls", "list sandboxes", cmd_sandbox_ls, SANDBOX),
+    Verb("pause", "pause a sandbox", cmd_sandbox_pause, (*SANDBOX, arg("id"))),
+    Verb("resume", "resume a sandbox", cmd_sandbox_resume, (*SANDBOX, arg("id"))),
+    Verb("checkpoint", "checkpoint a sandbox's rootfs", cmd_sandbox_checkpoint,
+         (*SANDBOX, arg("id"), arg("--name", default=None))),
+    Verb("restore", "start a sandbox on a checkpoint", cmd_sandbox_restore, (*SANDBOX, arg("ref"))),
+    Verb("rm", "destroy sandboxes", cmd_sandbox_rm, (*SANDBOX, arg("ids", nargs="+"))),
+    Verb("reconcile", "adopt or clean up after a crashed manager", cmd_sandbox_reconcile, SANDBOX),
+    Verb("reap", "destroy expired sandboxes (TTL, lease), pause idle ones", cmd_sandbox_reap, SANDBOX),
+    Verb("receipts", "a sandbox's receipts, one JSON per line", cmd_sandbox_receipts, (
+        *SANDBOX, arg("id"),
+        arg("--verify", action="store_true", help="check the log's hash chain instead of printing it"))),
+    Verb("renew", "renew a job's lease", cmd_sandbox_renew, (*SANDBOX, arg("job"), arg("--ttl", type=float, default=None))),
+    Verb("pause-job", "pause every sandbox of a job", cmd_sandbox_pause_job, (*SANDBOX, arg("job"))),
+    Verb("resume-job", "resume every sandbox of a job", cmd_sandbox_resume_job, (*SANDBOX, arg("job"))),
+    Verb("preempt", "checkpoint a job into a run manifest, free the host", cmd_sandbox_preempt, (
+        *SANDBOX, arg("job"),
+        arg("--grace", type=float, default=None, help="seconds in-flight commands may still run (default: "
+                                                      "sandbox.host.runs.preempt's)"))),
+    Verb("resume-run", "restore a preempted job from its run manifest", cmd_sandbox_resume_run,
+         (*SANDBOX, arg("manifest"))),
+)
+
+VM_VERBS = (
+    Verb("assets", "build (or find) the guest assets from Debian packages; prints their key", cmd_vm_assets, (
+        arg("--root", default=None, help="where they are kept (default $LAYERBOX_VM_ASSETS or /var/cache/layerbox/vm)"),
+        arg("--offline", action="store_true", help="only find a set built before; no apt-get download"),
+        arg("--quiet", action="store_true", help="print nothing when the assets are already there"),
+        _json_flag)),
+    Verb("templates", "this host's templates (booted here or mapped from the store), which sandboxes use them, "
+                      "and the store's; --prune removes unused ones here", cmd_vm_templates, (
+        *SANDBOX,
+        arg("--prune", action="store_true",
+            help="remove this host's templates no sandbox uses (the store's stay: other hosts map them)"))),
+)
+
+DAEMON_VERBS = (
+    Verb("start", "start the daemon unless one runs, print its health", cmd_daemon_start),
+    Verb("stop", "stop it (its holder keeps mounted layers' reads waiting)", cmd_daemon_stop),
+    Verb("status", "its health and this host's mounts, layers and holds", cmd_daemon_status),
+    Verb("run", "run it in the foreground", cmd_daemon_run),
+)
+
+CACHE_VERBS = (
+    Verb("drop", "remove this host's metadata cache for the store", cmd_cache_drop),
+    Verb("rebuild", "remove it and fill it again from the store's refs", cmd_cache_rebuild),
+)
+
+VERBS: tuple[Verb, ...] = (
+    Verb("publish", "convert a source and publish it to the store", cmd_publish, (
+        *STORE,
+        arg("src", help="directory, tar/tar.gz/tar.zst, '-', oci:DIR[:TAG], oci-archive:FILE[:TAG], "
+                        "docker-archive:FILE, docker://HOST/REPO:TAG"),
+        arg("--name", required=True, help="ref to create or move: REPO[:TAG]"),
+        arg("--chunk-size", type=_size, default=1 << 20),
+        arg("--platform", default=None, help="os/arch[/variant] for multi-platform images"))),
+    Verb("compose", "name a base + workspace + toolkit combination", cmd_compose, (
+        *STORE, arg("name"), arg("--base", required=True), arg("--workspace"), arg("--toolkit"))),
+    Verb("ls", "list refs", cmd_ls, (*STORE, arg("prefix", nargs="?"))),
+    Verb("show", "show what a ref or digest resolves to", cmd_show, (*STORE, arg("ref"))),
+    Verb("verify", "re-read objects and check every digest", cmd_verify, (*STORE, arg("ref", nargs="?"))),
+    Verb("store", "the store itself", verbs=(
+        Verb("check", "probe what the store's server does with conditional writes (S3: If-None-Match, "
+                      "If-Match spellings, multipart); exit 3 when refs are not safe", cmd_store_check, STORE),)),
+    Verb("gc", "delete objects no ref reaches", cmd_gc, (
+        *STORE, arg("--dry-run", action="store_true"),
+        arg("--grace", type=float, default=3600.0,
+            help="seconds an unreferenced object is kept (uploads in progress); also the age "
+                 "of temporary files of interrupted writes that gc removes"),
+        arg("--stale-locks-after", type=float, default=24 * 3600.0,
+            help="delete lock objects not refreshed for this many seconds (at least 900)"))),
+    Verb("mount", "mount an image or composition lazily", cmd_mount, (
+        *HOST, arg("ref"), arg("mountpoint"), arg("--writable", action="store_true"),
+        arg("--upper", default=None, help="upper directory for writes (implies --writable)"))),
+    Verb("umount", "release a mount (and unused layers)", cmd_umount, (
+        *HOST, arg("mountpoint", nargs="?"),
+        arg("--all", action="store_true", help="every mount of this host, then stop the daemon"),
+        arg("--discard", action="store_true", help="also delete an upper directory layerbox created"),
+        arg("--lazy", action="store_true", help="detach even if busy"))),
+    Verb("daemon", "the host's lazyfetch daemon", arguments=HOST, verbs=DAEMON_VERBS, pick=True),
+    Verb("snapshotter", "serve containerd's snapshots API (a proxy plugin) on layerbox layers", cmd_snapshotter, (
+        *HOST,
+        arg("--socket", default="/run/layerbox/snapshotter.sock",
+            help="unix socket containerd's [proxy_plugins.layerbox] address names"),
+        arg("--root", default=None, help="snapshot metadata and directories (default DATA_DIR/containerd)"),
+        arg("--no-publish", action="store_true", help="do not publish layers containerd unpacks into the store"),
+        arg("--from-registry", action="store_true",
+            help="convert a layer the store lacks straight from the registry stream (CRI pulls, "
+                 "which name the image) instead of letting containerd download and unpack it"))),
+    Verb("prefetch", "fetch a whole image into the host cache", cmd_prefetch, (*HOST, arg("ref"))),
+    Verb("stats", "daemon counters", cmd_stats, (*HOST, arg("--prometheus", action="store_true"))),
+    Verb("checkpoint", "checkpoint a writable mount", cmd_checkpoint, (
+        *HOST, arg("mountpoint"),
+        arg("--name", default=None, help="ref for the checkpoint (default checkpoints/<id>:<n>)"),
+        arg("--label", action="append", default=[], help="KEY=VALUE (repeatable)"),
+        arg("--trajectory-offset", type=int, default=None), arg("--receipt-id", default=None),
+        arg("--policy-version", default=None), arg("--caller", default=None))),
+    Verb("restore", "mount a checkpoint writable, on any host", cmd_restore, (
+        *HOST, arg("ref"), arg("mountpoint"), arg("--upper", default=None),
+        arg("--policy-version", default=None, help="refuse unless the checkpoint was made under it"))),
+    Verb("checkpoints", "list checkpoints", cmd_checkpoints, (*HOST, arg("prefix", nargs="?"))),
+    Verb("squash", "merge a checkpoint chain into one layer", cmd_squash, (
+        *STORE, arg("ref"), arg("--name", default=None, help="ref for the squashed checkpoint (default: move REF)"))),
+    Verb("cache", "drop or rebuild this host's metadata cache", arguments=STORE, verbs=CACHE_VERBS, pick=True),
+    Verb("tag", "point NAME at what REF resolves to", cmd_tag, (*STORE, arg("ref"), arg("name"))),
+    Verb("convert", "convert a tarball, directory or OCI image into EROFS layers", cmd_convert, (
+        arg("src", help="tar/tar.gz/tar.zst file, '-', a directory, or oci:DIR[:TAG] | "
+                        "oci-archive:FILE[:TAG] | docker-archive:FILE"),
+        arg("--meta", help="output metadata image (tar or directory source)"),
+        arg("--blob", help="output blob (tar or directory source)"),
+        arg("--out", help="output directory (image source)"),
+        arg("--chunk-size", type=_size, default=1 << 20, help="chunk size in bytes (power of two)"),
+        arg("--compact", action="store_true", help="print image results on one line"))),
+    Verb("inspect", "list a layer's tree from its metadata image", cmd_inspect, (
+        arg("image"), arg("path", nargs="?"), arg("--json", action="store_true"))),
+    # main() hands `demo ...` to the demo before parsing; the row lists it and keeps `layerbox -h` honest
+    Verb("demo", "the main job on the embedded store", cmd_demo, (arg("rest", nargs=argparse.REMAINDER),),
+         add_help=False),
+    Verb("sandbox", "run sandboxes (crun) on images and checkpoints", verbs=SANDBOX_VERBS),
+    Verb("vm", "the microVM guest: its assets (kernel, initramfs, agent) on this host", verbs=VM_VERBS),
+)
+
+
+# -- the parser, built from the table ---------------------------------------------------------
+
+
+class _PickVerb(argparse.Action):
+    """The positional of a ``pick`` group: keeps the name given and makes its sub-verb the one to run."""
+
+    def __init__(self, *args: Any, verbs: tuple[Verb, ...], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.verbs = {v.name: v for v in verbs}
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.verb = self.verbs[values]
+
+
+def _add_verbs(parser: argparse.ArgumentParser, dest: str, verbs: Sequence[Verb]) -> None:
+    sub = parser.add_subparsers(dest=dest, required=True)
+    for verb in verbs:
+        p = sub.add_parser(verb.name, help=verb.help, add_help=verb.add_help)
+        for add in verb.arguments:
+            add(p)
+        if verb.pick:
+            p.add_argument("action", choices=[v.name for v in verb.verbs], action=_PickVerb, verbs=verb.verbs,
+                           help="; ".join(f"{v.name}: {v.help}" for v in verb.verbs))
+        elif verb.verbs:
+            _add_verbs(p, f"{verb.name}_command", verb.verbs)
+        else:
+            p.set_defaults(verb=verb)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="layerbox", description="EROFS layers and snapshots for agent sandboxes")
+    _add_verbs(p, "command", VERBS)
+    return p
+
+
+def run_verb(verb: Verb, args: argparse.Namespace) -> int:
+    """Run one verb on its parsed arguments; a coroutine verb through the one async bridge."""
+    assert verb.run is not None, f"{verb.name} is a group: argparse requires one of its verbs"
+    result = verb.run(args)
+    return int(run_blocking(result) if verb.is_async else result)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["demo"]:
         # the demo owns its options (argparse REMAINDER would swallow none of them)
-        from tools.demo import main as demo_main
-
-        return demo_main(argv[1:])
+        return cmd_demo(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        return run_verb(args.verb, args)
     except LayerboxError as exc:
         print(f"layerbox: {exc}", file=sys.stderr)
         if exc.fix and exc.fix not in str(exc):  # many messages already end with their fix
@@ -780,154 +1079,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
 
-
-
-# -- sandbox commands ------------------------------------------------------------------------
-def _sandbox_manager(args: argparse.Namespace) -> Any:
-    from layerstore.store import default_data_dir
-    from sandbox.host.manager import SandboxManager
-
-    return SandboxManager(args.data_dir or default_data_dir(), args.store)
-
-
-def _sandbox_cmd(args: argparse.Namespace) -> int:
-    from sandbox.core.model import UNCAPPED, SandboxOptions
-
-    mgr = _sandbox_manager(args)
-    action = args.sandbox_command
-    if action == "create":
-        options = SandboxOptions(cpu=args.cpu, memory=args.memory, pids=args.pids, disk=args.disk,
-                                 cpu_class=args.cpu_class, job=args.job, lease_ttl=args.lease_ttl, ttl=args.ttl,
-                                 idle_timeout=args.idle_timeout, userns=args.userns, env=dict(args.env),
-                                 workdir=args.workdir, user=args.user, isolation=args.isolation,
-                                 kernel=args.kernel)
-        box = asyncio.run(mgr.create(args.ref, options))
-        _emit(args, box.state.to_json(), lambda: print(box.id))
-    elif action == "exec":
-        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-        if not cmd:
-            raise SystemExit("layerbox sandbox exec: give a command after --")
-        # a terminal gets everything the command prints; --json keeps the first output_cap bytes
-        res = mgr.get(args.id).exec(cmd, timeout=args.timeout, idempotency_key=args.idempotency_key,
-                                     output_cap=args.output_cap if args.json else UNCAPPED,
-                                     keep_output=args.json,
-                                     on_stdout=None if args.json else sys.stdout.buffer.write,
-                                     on_stderr=None if args.json else sys.stderr.buffer.write)
-        if args.json:
-            doc = {k: v.decode(errors="replace") if isinstance(v, bytes) else v for k, v in res.__dict__.items()}
-            print(json.dumps(doc))
-        return int(res.exit_code or 0) if not res.timed_out else 124
-    elif action == "ls":
-        states = mgr.list()
-        _emit(args, [st.to_json() for st in states],
-              lambda: print("\n".join(f"{st.id:<16} {st.status:<9} {st.ref}" for st in states)))
-    elif action == "pause":
-        _emit(args, mgr.get(args.id).pause(), lambda: None)
-    elif action == "resume":
-        mgr.get(args.id).resume()
-    elif action == "checkpoint":
-        ckpt = asyncio.run(mgr.get(args.id).checkpoint(name=args.name))
-        _emit(args, ckpt.to_json(), lambda: print(f"{ckpt.name} -> {ckpt.digest}"))
-    elif action == "restore":
-        box = asyncio.run(mgr.restore(args.ref))
-        _emit(args, box.state.to_json(), lambda: print(box.id))
-    elif action == "rm":
-        for sid in args.ids:
-            mgr.destroy(sid)
-    elif action == "reconcile":
-        report = mgr.reconcile()
-        _emit(args, report, lambda: print(json.dumps(report)))
-    elif action == "reap":
-        report = mgr.reap()
-        _emit(args, report, lambda: print(json.dumps(report)))
-    elif action == "receipts":
-        if args.verify:  # the whole log's chain; a broken one is an error naming the record
-            checked = mgr.verify_receipts(args.id)
-            _emit(args, checked, lambda: print(f"{checked['records']} records, chain intact, head {checked['head']}"))
-        else:
-            rows = mgr.receipts(args.id)
-            _emit(args, rows, lambda: print("\n".join(json.dumps(r, sort_keys=True) for r in rows)))
-    elif action == "renew":
-        lease = mgr.renew(args.job, args.ttl)
-        until = time.strftime('%H:%M:%S', time.localtime(lease['expires']))
-        _emit(args, lease, lambda: print(f"{args.job} until {until}"))
-    elif action in ("pause-job", "resume-job"):
-        ids = mgr.pause_job(args.job) if action == "pause-job" else mgr.resume_job(args.job)
-        _emit(args, ids, lambda: print("\n".join(ids)))
-    elif action == "preempt":
-        from sandbox.host.runs import preempt
-
-        run = asyncio.run(preempt(mgr, args.job, timeout=args.grace))
-        _emit(args, run.to_json(), lambda: print(f"{run.ref} -> {run.digest} ({len(run.sandboxes)} sandboxes, "
-                                                 f"{run.seconds:.2f}s)"))
-    elif action == "resume-run":
-        from sandbox.host.runs import resume_run
-
-        run = asyncio.run(resume_run(mgr, args.manifest))
-        _emit(args, run.to_json(), lambda: print("\n".join(f"{old} -> {new}" for old, new in run.sandboxes.items())))
-    return 0
-
-
-def _add_sandbox_parser(sub: Any) -> None:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--store", default=None, help="store URL (default $LAYERBOX_STORE)")
-    common.add_argument("--data-dir", default=None, help="host state, sandboxes under DATA_DIR/sandbox")
-    common.add_argument("--json", action="store_true", help="machine-readable output")
-    sb = sub.add_parser("sandbox", help="run sandboxes (crun) on images and checkpoints")
-    sbs = sb.add_subparsers(dest="sandbox_command", required=True)
-    c = sbs.add_parser("create", parents=[common], help="start a sandbox on REF; prints its id")
-    c.add_argument("ref")
-    c.add_argument("--memory", type=_size, default=512 << 20)
-    c.add_argument("--cpu", type=float, default=1.0)
-    c.add_argument("--pids", type=int, default=256)
-    c.add_argument("--disk", type=_size, default=None, help="size of the sandbox's own writable disk")
-    c.add_argument("--cpu-class", choices=("latency", "best-effort"), default="latency")
-    c.add_argument("--job", default=None, help="the job (lease) the sandbox belongs to")
-    c.add_argument("--lease-ttl", type=float, default=None, help="seconds the job's lease lasts without renewal")
-    c.add_argument("--ttl", type=float, default=None, help="destroy after this many seconds")
-    c.add_argument("--idle-timeout", type=float, default=None, help="pause after this many idle seconds")
-    c.add_argument("--userns", action="store_true",
-                   help="run in a user namespace: root inside is an unprivileged host uid (its own range)")
-    c.add_argument("--env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
-                   help="an environment variable of every command (repeatable)")
-    c.add_argument("--workdir", default=None, help="the working directory of every command")
-    c.add_argument("--user", default=None, help="user[:group] every command runs as (name or id)")
-    c.add_argument("--isolation", choices=("container", "microvm", "vm"), default="container",
-                   help="a crun container, a QEMU microvm, or a full q35 VM (each VM with its own guest kernel)")
-    c.add_argument("--kernel", choices=("layerbox", "image"), default="layerbox",
-                   help="the kernel a VM boots: layerbox's, or the image's own /vmlinuz (--isolation vm)")
-    e = sbs.add_parser("exec", parents=[common], help="run a command: exec [--data-dir D --store URL --timeout S] ID -- CMD...")
-    e.add_argument("id")
-    e.add_argument("--timeout", type=float, default=None)
-    e.add_argument("--idempotency-key", default=None, help="never run a command with this key twice")
-    e.add_argument("--output-cap", type=_size, default=1 << 20, help="bytes per stream kept with --json")
-    e.add_argument("cmd", nargs=argparse.REMAINDER)
-    sbs.add_parser("ls", parents=[common], help="list sandboxes")
-    for name in ("pause", "resume"):
-        sbs.add_parser(name, parents=[common], help=f"{name} a sandbox").add_argument("id")
-    ck = sbs.add_parser("checkpoint", parents=[common], help="checkpoint a sandbox's rootfs")
-    ck.add_argument("id")
-    ck.add_argument("--name", default=None)
-    rs = sbs.add_parser("restore", parents=[common], help="start a sandbox on a checkpoint")
-    rs.add_argument("ref")
-    rm = sbs.add_parser("rm", parents=[common], help="destroy sandboxes")
-    rm.add_argument("ids", nargs="+")
-    sbs.add_parser("reconcile", parents=[common], help="adopt or clean up after a crashed manager")
-    sbs.add_parser("reap", parents=[common], help="destroy expired sandboxes (TTL, lease), pause idle ones")
-    sp = sbs.add_parser("receipts", parents=[common], help="a sandbox's receipts, one JSON per line")
-    sp.add_argument("id")
-    sp.add_argument("--verify", action="store_true", help="check the log's hash chain instead of printing it")
-    rn = sbs.add_parser("renew", parents=[common], help="renew a job's lease")
-    rn.add_argument("job")
-    rn.add_argument("--ttl", type=float, default=None)
-    for name in ("pause-job", "resume-job"):
-        sbs.add_parser(name, parents=[common], help=f"{name.split('-')[0]} every sandbox of a job").add_argument("job")
-    pe = sbs.add_parser("preempt", parents=[common], help="checkpoint a job into a run manifest, free the host")
-    pe.add_argument("job")
-    pe.add_argument("--grace", type=float, default=30.0, help="seconds in-flight commands may still run")
-    rr = sbs.add_parser("resume-run", parents=[common], help="restore a preempted job from its run manifest")
-    rr.add_argument("manifest")
-    sb.set_defaults(func=_sandbox_cmd)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,7 +12,6 @@ lazy part also how little of the image it had to fetch.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import fcntl
 import functools
@@ -40,6 +39,7 @@ from layerstore.objects import Resolved, hex_digest
 from layerstore.store import Store, default_data_dir
 from lazyfetch import kmount
 from lazyfetch.mounts import HostMounts
+from sandbox.core.sync import run_blocking
 
 SUITE = "bookworm"
 SAMPLE_NAME = f"debian-{SUITE}-minbase"
@@ -461,7 +461,7 @@ def publish_sample(
                 store, sample.path, IMAGE_NAME, chunk_size=CHUNK_SIZE, work_dir=root
             )
 
-    result = asyncio.run(go())
+    result = run_blocking(go())
     report.step_seconds["publish"] = result.seconds
     report.publish = result.to_json()
     rate = (
@@ -521,7 +521,7 @@ def resolve_image(store_url: str, host: Path, report: Report, say: Say) -> Resol
             return await store.resolve(IMAGE_NAME, refresh=True)
 
     started = time.perf_counter()
-    resolved = asyncio.run(go())
+    resolved = run_blocking(go())
     seconds = report.step_seconds["resolve"] = time.perf_counter() - started
     layers = resolved.layers
     report.image = {
@@ -705,7 +705,7 @@ def checkpoint_and_restore(
             return await Snapshots(store, mounts).checkpoint(mountpoint, labels={"demo": "1"})
 
     started = time.perf_counter()
-    ckpt = asyncio.run(take())
+    ckpt = run_blocking(take())
     say(f"checkpoint {ckpt.seconds:7.3f} s  {ckpt.name} -> {ckpt.digest[:23]}...: {ckpt.entries} entries, "
         f"{ckpt.bytes_changed} bytes changed, {ckpt.bytes_uploaded / 1024:.1f} KiB uploaded, "
         f"frozen {ckpt.freeze_seconds * 1000:.1f} ms")
@@ -717,7 +717,7 @@ def checkpoint_and_restore(
 
     try:
         restore_started = time.perf_counter()
-        restored = asyncio.run(bring_back())
+        restored = run_blocking(bring_back())
         ran = run(in_sandbox(target, "/bin/cat", WRITE_PATH), timeout=COMMAND_TIMEOUT)
         restore_seconds = time.perf_counter() - restore_started
         if ran.stdout != WRITE_TEXT:
@@ -817,7 +817,7 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
     out: dict[str, Any] = {}
     with two_fresh_hosts(root, store_url, ("sandbox-host", "sandbox-host-restore"), "sandbox") as (first, second):
         started = time.perf_counter()
-        box = asyncio.run(first.create(IMAGE_NAME, memory=256 << 20, pids=128))
+        box = run_blocking(first.create(IMAGE_NAME, memory=256 << 20, pids=128))
         res = box.exec(list(GUEST_COMMAND))
         out["cold_create_to_first_exec"] = time.perf_counter() - started
         if res.exit_code != 0:
@@ -826,7 +826,7 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         say(f"sandbox   {out['cold_create_to_first_exec']:8.3f} s  crun sandbox {box.id} created on a fresh host "
             f"and ran {shlex.join(GUEST_COMMAND)} (cold: daemon start and layer mounts included)")
         started = time.perf_counter()
-        warm = asyncio.run(first.create(IMAGE_NAME, memory=256 << 20, pids=128))
+        warm = run_blocking(first.create(IMAGE_NAME, memory=256 << 20, pids=128))
         warm.exec(["true"])
         out["warm_create_to_first_exec"] = time.perf_counter() - started
         say(f"sandbox   {out['warm_create_to_first_exec']:8.3f} s  a second sandbox {warm.id} to its first command "
@@ -840,7 +840,7 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         box.resume()
         out["resume"] = time.perf_counter() - resumed
         say(f"pause     {out['pause']:8.3f} s  frozen and page cache reclaimed; resume {out['resume']:.3f} s")
-        ckpt = asyncio.run(box.checkpoint(labels={"demo": "sandbox"}))
+        ckpt = run_blocking(box.checkpoint(labels={"demo": "sandbox"}))
         out["checkpoint"] = ckpt.to_json()
         say(f"checkpoint {ckpt.seconds:7.3f} s  of the running sandbox (frozen {ckpt.freeze_seconds * 1000:.1f} ms, "
             f"{ckpt.bytes_uploaded / 1024:.1f} KiB uploaded) -> {ckpt.name}")
@@ -850,7 +850,7 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         say(f"restore   {out['restore_to_first_exec']:8.3f} s  sandbox {restored.id} on a second fresh host reads "
             f"{WRITE_PATH} back; that host fetched {fetched / MB:.1f} MB from the store")
         out["receipts"] = len(box.receipts())
-        out["sdk"] = asyncio.run(sdk_run(first, say))
+        out["sdk"] = run_blocking(sdk_run(first, say))
     report.sandbox = out
     for step, key in (("sandbox_cold", "cold_create_to_first_exec"), ("sandbox_warm", "warm_create_to_first_exec"),
                       ("sandbox_restore", "restore_to_first_exec")):
@@ -861,7 +861,7 @@ def restore_reads_back(host: Any, ref: str, path: str, what: str) -> tuple[Any, 
     """Restore checkpoint ``ref`` on ``host`` and read ``path`` in the new sandbox: it and the
     seconds to that read; a DemoError unless it reads WRITE_TEXT."""
     started = time.perf_counter()
-    box = asyncio.run(host.restore(ref))
+    box = run_blocking(host.restore(ref))
     back = box.exec(["/bin/cat", path])
     seconds = time.perf_counter() - started
     if back.stdout.decode() != WRITE_TEXT:
@@ -883,7 +883,7 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         options = SandboxOptions(isolation="microvm", memory=256 << 20, disk=256 << 20)
         out: dict[str, Any] = {"accel": caps["accel"], "qemu": caps["qemu"], "guest_assets": caps["guest_assets"]}
         started = time.perf_counter()
-        box = asyncio.run(first.create(IMAGE_NAME, options))
+        box = run_blocking(first.create(IMAGE_NAME, options))
         res = box.exec(list(GUEST_COMMAND))
         out["cold_create_to_first_exec"] = time.perf_counter() - started
         if res.exit_code != 0:
@@ -897,14 +897,14 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
             f"{caps['qemu']}) {how} and ran {shlex.join(GUEST_COMMAND)} in guest kernel "
             f"{box.exec(['uname', '-r']).stdout.decode().strip()}")
         started = time.perf_counter()
-        warm = asyncio.run(first.create(IMAGE_NAME, options))
+        warm = run_blocking(first.create(IMAGE_NAME, options))
         warm.exec(["true"])
         out["warm_create_to_first_exec"] = time.perf_counter() - started
         say(f"microvm   {out['warm_create_to_first_exec']:8.3f} s  a second microVM {warm.id} restored from the "
             "template to its first command")
         warm.destroy()
         box.exec(["/bin/sh", "-c", f"printf %s {shlex.quote(WRITE_TEXT)} > {shlex.quote(WRITE_PATH)}"])
-        ckpt = asyncio.run(box.checkpoint(labels={"demo": "microvm"}))
+        ckpt = run_blocking(box.checkpoint(labels={"demo": "microvm"}))
         out["checkpoint"] = ckpt.to_json()
         say(f"checkpoint {ckpt.seconds:7.3f} s  of the microVM's disk (stopped {ckpt.freeze_seconds * 1000:.1f} ms, "
             f"{ckpt.bytes_uploaded / 1024:.1f} KiB uploaded) -> {ckpt.name}")
@@ -917,7 +917,7 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
         restored.destroy()
         # memory too: what only the guest's RAM holds (a tmpfs) comes back on the other host
         box.exec(["/bin/sh", "-c", f"printf %s {shlex.quote(WRITE_TEXT)} > /dev/shm/demo"])
-        mem = asyncio.run(box.checkpoint(labels={"demo": "microvm"}, memory=True))
+        mem = run_blocking(box.checkpoint(labels={"demo": "microvm"}, memory=True))
         out["memory_checkpoint"] = mem.to_json()
         say(f"checkpoint {mem.seconds:7.3f} s  of the microVM's disk and memory (stopped "
             f"{mem.freeze_seconds * 1000:.0f} ms, {mem.bytes_changed / MB:.1f} MB captured, "
@@ -930,7 +930,7 @@ def microvm_run(root: Path, store_url: str, report: Report, say: Say) -> None:
             "fetched)")
         # the same image in a full VM (q35: PCI devices, SeaBIOS), its own template
         started = time.perf_counter()
-        full = asyncio.run(first.create(IMAGE_NAME, options.replace(isolation="vm")))
+        full = run_blocking(first.create(IMAGE_NAME, options.replace(isolation="vm")))
         pci = full.exec(["/bin/sh", "-c", "ls /sys/bus/pci/devices | wc -l"]).stdout.decode().strip()
         out["full_vm_create_to_first_exec"] = time.perf_counter() - started
         made = full.receipts()[0].get("template_source")

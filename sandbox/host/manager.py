@@ -430,19 +430,9 @@ class SandboxManager:
         if not any(st.live for st in self.list()):
             return 0
         health = self.host.client.health()
-        if health is not None and not self._stale_layers(health["generation"]):
+        if health is not None and not self.host.has_stale_layers(health["generation"]):
             return 0
         return self.host.remount()
-
-    def _stale_layers(self, generation: str) -> bool:
-        import json
-
-        state_file = self.host.state_dir / "mounts.json"
-        try:
-            layers = json.loads(state_file.read_text()).get("layers", {})
-        except (OSError, ValueError):
-            return False
-        return any(info.get("generation") != generation for info in layers.values())
 
     # -- jobs ---------------------------------------------------------------------------------------------
     def renew(self, job: str, ttl: float | None = None) -> dict[str, Any]:

@@ -65,9 +65,9 @@ from typing import Any, TypeVar, cast
 import blake3
 
 from layerstore.hoststate import HostTable
-from sandbox.backends.container.runtime import kill_group, spawn
 from sandbox.core.errors import HostUnsupported, SandboxError, SandboxNotFound
 from sandbox.core.model import EgressRule, IPNetwork, parse_rules
+from sandbox.core.procs import kill_group, spawn
 from sandbox.isolation import nftables
 
 log = logging.getLogger("layerbox.sandbox.network")
