@@ -1065,7 +1065,7 @@ async def pty_round_trips(sb: Any, rounds: int) -> list[float]:
 async def full(service: Any) -> None:
     """Until every ready pool of ``service`` holds its size (a replacement starts a while after an adopt)."""
     async with asyncio.timeout(120):
-        for pool in service._ready_pools.values():
+        for pool in service.context.ready_pools.values():
             await pool.full()
             await pool.settle()
 

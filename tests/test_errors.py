@@ -39,7 +39,7 @@ from sandbox.core.errors import (
     RuntimeTimeout,
     SandboxError,
 )
-from sandbox.edge.commands import InputStalled
+from sandbox.edge.routes.commands import InputStalled
 from sandbox.host.admission import CapacityExceeded
 from sandbox.isolation.idmap import RANGE_SIZE, IdmapError, RangePool, RangesExhausted
 from sandbox.isolation.landlock import LandlockError
@@ -59,10 +59,6 @@ NOT_LAYERBOX: dict[str, str] = {
                                   "mount_overlay falls back to mount(2); raised and caught inside kmount.py",
     "lazyfetch.fuseserver._Refused": "private control flow: the errno a FUSE request is answered with; "
                                      "raised and caught inside the server loop of fuseserver.py",
-    "sandbox.edge.app.ApiError": "the edge's HTTP answer in flight: raised inside request handlers and "
-                                 "written as the JSON error response in one place; no library caller "
-                                 "sees it (the SDK's own ApiError, which callers do see, is a SandboxError)",
-    "sandbox.edge.app._CapacityError": "an edge ApiError (503 capacity), for the same reason",
 }
 
 # Classes callers may retry unchanged: the ones the issue names, and the store's and the edge's.
@@ -192,7 +188,7 @@ def test_a_full_uid_pool_is_a_retryable_sandbox_error_naming_the_pool(tmp_path: 
     assert full.value.fix
     assert str(pool.path) in str(full.value)
     assert not isinstance(full.value, OSError)
-    from sandbox.edge.app import _as_api_error
+    from sandbox.edge.errors import as_api_error as _as_api_error
 
     answer = _as_api_error(full.value)
     assert (answer.retryable, answer.status >= 500) == (True, True), (answer.status, answer.code)
@@ -250,3 +246,109 @@ def test_no_generic_raises_in_the_packages() -> None:
 def test_the_source_check_sees_what_it_looks_for() -> None:
     probe = ast.parse("raise RuntimeError('x')\nraise Exception\nraise ValueError('fine')\nraise\n")
     assert _generic_raises(probe) == [(1, "RuntimeError"), (2, "Exception")]
+
+
+# -- the edge's answer for each error class ---------------------------------------------------------
+LAYERBOX_CLASSES = sorted((name, cls) for name, cls in CLASSES.items() if issubclass(cls, LayerboxError))
+
+
+@pytest.mark.parametrize(("name", "cls"), LAYERBOX_CLASSES, ids=[n for n, _ in LAYERBOX_CLASSES])
+def test_each_error_class_keeps_its_status_and_retryable_flag_at_the_edge(name: str, cls: type) -> None:
+    """Every LayerboxError answers by its own class, never by a builtin base it also has: a
+    retryable one answers a status a client retries (429, 503, 502, 504), a 4xx only for what
+    the caller got wrong or may not see, and the flag travels in the body."""
+    from sandbox.core.errors import ERROR_CODES
+    from sandbox.edge.errors import code_of
+
+    retryable = bool(cls.retryable)
+    code = code_of(cls, retryable=retryable)
+    status = ERROR_CODES[code]
+    assert 400 <= status < 600, (name, code)
+    if retryable:
+        assert status in (409, 429, 502, 503, 504), (name, code, status)  # 409: retry once it changed
+    if code in ("os_error", "file_not_found", "file_conflict", "permission_denied"):
+        # the builtin rows are the kernel's answers to the files API; a LayerboxError reaches one only
+        # through a row of its own (path_escape, not_a_regular_file...), never through its builtin base
+        pytest.fail(f"{name} answers {code} by its builtin base")
+
+
+EXPECTED_ANSWERS = [
+    # (class, status, code, retryable): the ones callers act on, the issue's full uid pool among them
+    (RangesExhausted, 503, "busy", True),
+    (RuntimeTimeout, 503, "runtime_timeout", True),
+    (JobNotAdmitting, 409, "conflict", True),
+    (CommandInProgress, 409, "conflict", True),
+    (CapacityExceeded, 503, "capacity", True),
+    (TransientError, 503, "busy", True),
+    (FetchTimeout, 503, "busy", True),
+]
+
+
+@pytest.mark.parametrize(("cls", "status", "code", "retryable"), EXPECTED_ANSWERS,
+                         ids=[c.__name__ for c, *_ in EXPECTED_ANSWERS])
+def test_retryable_errors_answer_retryable(cls: type, status: int, code: str, retryable: bool) -> None:
+    from sandbox.core.errors import ERROR_CODES
+    from sandbox.edge.errors import code_of
+
+    assert (ERROR_CODES[code_of(cls, retryable=cls.retryable)], code_of(cls, retryable=cls.retryable),
+            cls.retryable) == (status, code, retryable)
+
+
+def test_error_answers_built_from_instances() -> None:
+    """The whole answer (status, code, retryable, field, Retry-After) of errors as they are raised."""
+    from layerstore.objects import BadName
+    from lazyfetch.errors import KernelMountError
+    from sandbox.core.errors import (
+        HostUnsupported,
+        ImageNotFound,
+        InvalidField,
+        NotARegularFile,
+        PathEscape,
+        ReceiptsBroken,
+        SandboxNotFound,
+        SandboxStateError,
+        UnsupportedOption,
+    )
+    from sandbox.edge.errors import as_api_error
+    from snapshots.errors import CheckpointMismatch
+
+    def answer(exc: BaseException) -> tuple[int, str, bool]:
+        err = as_api_error(exc)
+        return err.status, err.code, err.retryable
+
+    full = as_api_error(RangesExhausted("all 1 uid ranges of /d/userns.json are in use"))
+    assert (full.status, full.code, full.retryable, full.headers()["Retry-After"]) == (503, "busy", True, "1")
+    bad = as_api_error(InvalidField("memory", "is not an integer"))
+    assert (bad.status, bad.code, bad.field) == (400, "invalid_field", "memory")
+    assert answer(BadName("x::y is not a ref")) == (400, "invalid_field", False)
+    assert answer(SandboxNotFound("no sandbox lb-000000000000")) == (404, "sandbox_not_found", False)
+    assert answer(ImageNotFound("img/x")) == (404, "image_not_found", False)
+    assert answer(PathEscape(18, "/a: refused", "/a")) == (403, "path_escape", False)
+    assert answer(NotARegularFile(22, "/dev/x", "FIFO")) == (409, "not_a_regular_file", False)
+    assert answer(SandboxStateError("paused")) == (409, "conflict", False)
+    assert answer(CheckpointMismatch("policy")) == (409, "conflict", False)
+    assert answer(UnsupportedOption("memory: ...")) == (400, "unsupported_option", False)
+    assert answer(ReceiptsBroken("cut")) == (500, "receipts_broken", False)
+    assert answer(HostUnsupported("no QEMU")) == (501, "host_unsupported", False)
+    # a kernel mount failure is this host's, not the caller's: not the OSError row's 400
+    assert answer(KernelMountError(16, operation="mount", source=None, mountpoint="/m", fstype="erofs"))[:2] == (
+        500, "lazyfetch_error")
+    # the kernel's own errors of the files API keep their rows
+    assert answer(FileNotFoundError(2, "No such file or directory", "/x")) == (404, "file_not_found", False)
+    assert answer(IsADirectoryError(21, "Is a directory", "/x")) == (409, "file_conflict", False)
+    assert answer(OSError(22, "Invalid argument")) == (400, "os_error", False)
+    assert answer(ValueError("a bug")) == (500, "internal", False)
+
+
+def test_every_code_the_edge_answers_has_its_status() -> None:
+    """An ApiError raised by its code alone takes its status from ERROR_CODES: a code missing there
+    would answer 500 (and a client would not know it); the probe shows the scan sees them."""
+    import re
+
+    from sandbox.core.errors import ERROR_CODES
+
+    used = set()
+    for path in (ROOT / "sandbox").rglob("*.py"):
+        used |= set(re.findall(r'ApiError\(None, "([a-z_]+)"', path.read_text()))
+    assert {"bad_signature", "quota_exceeded", "port_closed"} <= used
+    assert sorted(used - set(ERROR_CODES)) == []

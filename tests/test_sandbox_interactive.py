@@ -21,7 +21,7 @@ import blake3
 import pytest
 
 from sandbox.edge.app import AuthConfig, SandboxService
-from sandbox.edge.commands import Limits
+from sandbox.edge.routes.commands import CommandLimits as Limits
 from sandbox.host.manager import SandboxManager
 from tests.support.edges import EdgeProcess
 from tests.support.sandboxes import PROCESS_ARGS, REF, ServerThread, no_sandboxes_left, serving

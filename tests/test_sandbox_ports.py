@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sandbox.edge import ports
+from sandbox.edge.routes import ports
 from sandbox.host.manager import SandboxManager
 from sandbox.isolation.network import _on_thread
 from tests.support.sandboxes import REF, ServerThread, serving

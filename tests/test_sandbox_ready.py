@@ -52,7 +52,7 @@ def url(server: ServerThread, manager: SandboxManager) -> Iterator[str]:  # noqa
 
 def full(server: ServerThread) -> None:
     """Until the service's ready pool holds its size again (a replacement starts a while after an adopt)."""
-    (pool,) = server.service._ready_pools.values()
+    (pool,) = server.service.context.ready_pools.values()
     asyncio.run_coroutine_threadsafe(pool.full(), server.loop).result(120)
     assert pool.stats()["ready"] == SIZE
 

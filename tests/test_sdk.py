@@ -135,7 +135,7 @@ def test_missing_refs_are_typed_and_create_nothing(url: str, server: ServerThrea
 
     with nothing_created(manager):
         run(scenario())
-    calls = server.service._calls  # FnCall made no pool for the missing image
+    calls = server.service.context.fncalls  # FnCall made no pool for the missing image
     assert calls is None or all("nope" not in ref for ref in calls.stats())
     assert [st.labels[POOL_LABEL] for st in manager.list() if POOL_LABEL in st.labels
             and "nope" in st.labels[POOL_LABEL]] == []

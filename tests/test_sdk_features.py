@@ -21,7 +21,7 @@ import pytest
 import sandbox.sdk as sdk
 from sandbox.core.errors import InvalidField
 from sandbox.core.model import Maxima, MiB
-from sandbox.edge.commands import Limits
+from sandbox.edge.routes.commands import CommandLimits as Limits
 from sandbox.host.manager import SandboxManager
 from sandbox.sdk import (
     AsyncClient,

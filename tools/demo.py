@@ -968,7 +968,7 @@ async def sdk_run(manager: Any, say: Say) -> dict[str, float]:
         await site.start()
         host, port = runner.addresses[0][:2]
         url = f"http://{host}:{port}"
-        for pool in service._ready_pools.values():
+        for pool in service.context.ready_pools.values():
             await pool.full()
         started = time.perf_counter()
         async with await AsyncSandbox.create(IMAGE_NAME, url=url, token=token, memory=256 << 20) as sb:

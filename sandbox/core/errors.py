@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from layerstore.errors import LayerboxError
 
 
@@ -106,3 +108,63 @@ class ImageNotFound(SandboxError, LookupError):
     Not retryable: the ref does not resolve.  The service answers another project's
     checkpoint or run the same way (404), so refs leak nothing; the message names the ref.
     """
+
+
+# -- errors on the wire ---------------------------------------------------------------------------------
+# Every error code the API answers, and its HTTP status: the edge picks the status of a code it
+# raises here, and a client reads the status of a code that arrives without one (an exec stream's
+# error event, a terminal's rejected input: the stream had begun with 200).
+ERROR_CODES: dict[str, int] = {
+    "bad_request": 400, "invalid_field": 400, "unsupported_option": 400, "unsupported_isolation": 400,
+    "os_error": 400,
+    "unauthenticated": 401,
+    "forbidden": 403, "path_escape": 403, "permission_denied": 403, "bad_signature": 403, "expired": 403,
+    "not_found": 404, "sandbox_not_found": 404, "image_not_found": 404, "checkpoint_not_found": 404,
+    "run_not_found": 404, "file_not_found": 404, "command_not_found": 404,
+    "conflict": 409, "not_a_regular_file": 409, "file_conflict": 409,
+    "quota_exceeded": 429, "command_limit": 429, "too_many_readers": 429, "too_many_connections": 429,
+    "internal": 500, "sandbox_error": 500, "store_error": 500, "lazyfetch_error": 500, "snapshot_error": 500,
+    "convert_error": 500, "receipts_broken": 500,
+    "host_unsupported": 501,
+    "port_closed": 502, "bad_gateway": 502,
+    "busy": 503, "capacity": 503, "runtime_timeout": 503, "stopping": 503, "unavailable": 503,
+    "port_timeout": 504,
+}
+
+
+class ApiError(SandboxError):
+    """An error as the API answers it: ``{"error": {"code", "message", "retryable"[, "field"][, "resources"]}}``
+    with an HTTP ``status`` and, where the caller should wait, ``Retry-After``.
+
+    The edge raises it (or maps a library error to it, sandbox.edge.errors); the SDK raises its
+    subclasses for the answers it gets (sandbox.sdk.errors).  ``status`` defaults to the code's
+    (:data:`ERROR_CODES`); ``retry_after`` is seconds; ``field`` names the request field a 400 is
+    about, ``resources`` what a quota or capacity rejection was short of.
+    """
+
+    def __init__(self, status: int | None, code: str, message: str, *, retryable: bool = False,
+                 retry_after: float | None = None, field: str | None = None,
+                 resources: tuple[str, ...] = ()) -> None:
+        status = status if status is not None else ERROR_CODES.get(code, 500)
+        # not super().__init__: the builtin bases of some client-side leaves take other arguments
+        SandboxError.__init__(self, f"{message} (HTTP {status}, {code})")
+        self.status, self.code, self.message, self.retryable = status, code, message, retryable
+        self.retry_after = retry_after
+        self.field = field
+        self.resources = tuple(resources)
+
+    def body(self) -> dict[str, Any]:
+        err: dict[str, Any] = {"code": self.code, "message": self.message, "retryable": self.retryable}
+        if self.field is not None:
+            err["field"] = self.field
+        if self.resources:
+            err["resources"] = list(self.resources)
+        return {"error": err}
+
+    def headers(self) -> dict[str, str]:
+        out = {}
+        if self.retry_after is not None:
+            out["Retry-After"] = str(max(1, round(self.retry_after)))
+        if self.status == 401:
+            out["WWW-Authenticate"] = "Bearer"
+        return out

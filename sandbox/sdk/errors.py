@@ -6,6 +6,7 @@ that answer becomes an exception.  The class follows the code (the status where 
 code is unknown)::
 
     ApiError                     the service answered an error: status, code, retryable, retry_after
+                                 (sandbox.core.errors.ApiError, the class the edge answers with)
     ├── AuthError                401/403: a missing, unknown or disabled token (PermissionError)
     ├── NotFound                 404 (LookupError)
     │   ├── SandboxNotFound      sandbox_not_found (also sandbox.core.errors.SandboxNotFound)
@@ -36,7 +37,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sandbox.core import errors
-from sandbox.core.errors import SandboxError
+from sandbox.core.errors import ERROR_CODES, ApiError, SandboxError
 
 if TYPE_CHECKING:
     from sandbox.sdk.types import CommandResult
@@ -69,26 +70,6 @@ __all__ = [
 
 class UnsupportedIsolation(SandboxError, ValueError):
     """The requested isolation level is not one this service provides (it never downgrades silently)."""
-
-
-class ApiError(SandboxError):
-    """The service answered with an error.
-
-    ``status`` is the HTTP status, ``code`` the service's error code, ``message`` its text;
-    ``retryable`` says whether the same request may succeed later, ``retry_after`` how
-    many seconds the service asked to wait (its ``Retry-After``), ``field`` the request
-    field a 400 is about, ``resources`` what a capacity rejection was short of.
-    """
-
-    def __init__(self, status: int, code: str, message: str, *, retryable: bool = False,
-                 retry_after: float | None = None, field: str | None = None,
-                 resources: tuple[str, ...] = ()) -> None:
-        # not super().__init__: the builtin or manager-side bases of some leaves take other arguments
-        SandboxError.__init__(self, f"{message} (HTTP {status}, {code})")
-        self.status, self.code, self.message, self.retryable = status, code, message, retryable
-        self.retry_after = retry_after
-        self.field = field
-        self.resources = resources
 
 
 class AuthError(ApiError, PermissionError):
@@ -235,17 +216,11 @@ _BY_STATUS: dict[int, type[ApiError]] = {400: InvalidRequest, 401: AuthError, 40
                                          409: Conflict, 413: InvalidRequest, 429: QuotaExceeded}
 
 
-# an exec stream's error event, or a terminal's rejected input, carries no HTTP status (the stream had
-# begun with 200): what the service would have answered for the code
-_STATUS_OF_CODE = {"sandbox_not_found": 404, "file_not_found": 404, "command_not_found": 404,
-                   "invalid_field": 400, "bad_request": 400, "path_escape": 403, "conflict": 409,
-                   "command_limit": 429, "too_many_readers": 429, "busy": 503, "runtime_timeout": 503,
-                   "stopping": 503}
-
-
 def status_of(code: str) -> int:
-    """The HTTP status the service answers ``code`` with (500 for one this SDK does not know)."""
-    return _STATUS_OF_CODE.get(code, 500)
+    """The HTTP status the service answers ``code`` with (500 for one this SDK does not know):
+    an exec stream's error event, or a terminal's rejected input, carries no HTTP status (the
+    stream had begun with 200)."""
+    return ERROR_CODES.get(code, 500)
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -12,9 +12,20 @@ import base64
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypedDict, TypeVar, cast
+from typing import Any, Generic, Literal, TypedDict, TypeVar
 
 from sandbox.core.model import EgressRule, Keep
+from sandbox.core.views import (
+    Limits,
+    NetworkPolicy,
+    SandboxInfo,
+    SandboxNetwork,
+    ViewError,
+    as_tuple,
+    converted,
+    from_json,
+    nested,
+)
 from sandbox.sdk.errors import ApiError
 
 T = TypeVar("T")
@@ -123,35 +134,16 @@ class RunFields(CommandFields, total=False):
 
 
 # -- parsing ---------------------------------------------------------------------------------------
-def _conv(fn: Callable[[Any], Any]) -> dict[str, Any]:
-    return {"json": fn}
-
-
-def _tuple(value: Any) -> tuple[Any, ...]:
-    return tuple(value)
-
-
-def _of(cls: type[Any]) -> Callable[[Any], Any]:
-    return lambda value: parse(cls, value)
+_conv, _tuple, _of = converted, as_tuple, nested
 
 
 def parse(cls: type[T], doc: Any) -> T:
-    """``cls`` (one of the result dataclasses) from the service's JSON object ``doc``.
-
-    A field's ``metadata["json"]`` converts its value (nested objects, lists to tuples);
-    ``null`` stays ``None``.  Keys ``cls`` does not have are ignored.
-    """
-    if not isinstance(doc, Mapping):
-        raise ApiError(502, "bad_response", f"{cls.__name__}: expected a JSON object, got {str(doc)[:200]}")
-    given: dict[str, Any] = {}
-    for f in dataclasses.fields(cast(Any, cls)):  # (one of the dataclasses below)
-        if f.name in doc:
-            value, convert = doc[f.name], f.metadata.get("json")
-            given[f.name] = convert(value) if convert is not None and value is not None else value
+    """``cls`` (one of the result dataclasses) from the service's JSON object ``doc``
+    (:func:`sandbox.core.views.from_json`); an answer that is not one is ``bad_response``."""
     try:
-        return cls(**given)
-    except TypeError as exc:  # a required field is missing
-        raise ApiError(502, "bad_response", f"{cls.__name__}: {exc}; got {sorted(doc)}") from None
+        return from_json(cls, doc)
+    except ViewError as exc:
+        raise ApiError(502, "bad_response", str(exc)) from None
 
 
 def parse_list(cls: type[T], doc: Any, key: str) -> list[T]:
@@ -164,66 +156,6 @@ def parse_list(cls: type[T], doc: Any, key: str) -> list[T]:
 
 
 # -- sandboxes ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Limits:
-    """A sandbox's resource limits: CPUs, memory bytes, pids, and whether it runs best-effort."""
-
-    cpu: float
-    memory: int
-    pids: int
-    best_effort: bool = False
-
-
-@dataclass(frozen=True)
-class NetworkPolicy:
-    """A sandbox's egress allow rules as enforced (``rules`` with their resolved ``addresses``);
-    ``version`` changes with every change, ``set_at`` is when (Unix time)."""
-
-    version: str
-    rules: tuple[Mapping[str, Any], ...] = field(default=(), metadata=_conv(_tuple))
-    set_at: float | None = None
-
-
-@dataclass(frozen=True)
-class SandboxNetwork:
-    """A sandbox's own network namespace: its address and prefix, the host side's, and the policy."""
-
-    address: str
-    host_address: str | None = None
-    prefixlen: int | None = None
-    policy: NetworkPolicy | None = field(default=None, metadata=_conv(_of(NetworkPolicy)))
-
-
-@dataclass(frozen=True)
-class SandboxInfo:
-    """One sandbox as the service describes it.
-
-    ``status`` is ``creating``, ``starting``, ``running`` or ``paused``; ``image`` the ref it was
-    created from and ``image_digest`` what that ref resolved to; ``labels`` the caller's labels;
-    ``job`` the job (lease) it belongs to; ``network`` None for loopback only; ``created``,
-    ``last_active`` and ``expires`` (its ttl's end) are Unix times.
-    """
-
-    id: str
-    status: str
-    image: str | None = None
-    image_digest: str | None = None
-    labels: Mapping[str, str] = field(default_factory=dict)
-    limits: Limits | None = field(default=None, metadata=_conv(_of(Limits)))
-    created: float | None = None
-    last_active: float | None = None
-    isolation: str = "container"
-    job: str | None = None
-    cpu_class: str = "latency"
-    disk: int | None = None
-    admitting: bool = True
-    network: SandboxNetwork | None = field(default=None, metadata=_conv(_of(SandboxNetwork)))
-    userns: bool = False
-    ttl: float | None = None
-    idle_timeout: float | None = None
-    expires: float | None = None
-
-
 @dataclass(frozen=True)
 class MemoryUsage:
     """A sandbox's memory in bytes: charged now (page cache included), the peak, and its limit

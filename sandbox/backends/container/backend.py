@@ -299,12 +299,15 @@ class ContainerBackend:
                 os.close(master)
             process_file.unlink(missing_ok=True)
             pid_file.unlink(missing_ok=True)
-            if isinstance(exc, RuntimeFailed) and (
-                    "is paused" in str(exc) or (self.runtime.state(box.id) or {}).get("status") == "paused"):
-                # a pause (a request, the reaper's idle pause) landed between our check and crun's,
-                # found by the API fuzzer; crun says so ("the container `...` is paused"), and its
-                # state may say running again by the time we ask: a 409 either way
-                raise SandboxStateError(f"sandbox {box.id} was paused meanwhile; resume it first") from None
+            if isinstance(exc, RuntimeFailed):
+                if not (self.ctx.paths.box(box.id) / "state.json").exists():
+                    # destroyed meanwhile (the reaper, another request): crun found no container
+                    raise SandboxNotFound(f"sandbox {box.id} was destroyed meanwhile") from None
+                if "is paused" in str(exc) or (self.runtime.state(box.id) or {}).get("status") == "paused":
+                    # a pause (a request, the reaper's idle pause) landed between our check and crun's,
+                    # found by the API fuzzer; crun says so ("the container `...` is paused"), and its
+                    # state may say running again by the time we ask: a 409 either way
+                    raise SandboxStateError(f"sandbox {box.id} was paused meanwhile; resume it first") from None
             raise
         finally:
             console.close()

@@ -1,7 +1,7 @@
 """Fork and lifecycle control on the edge service: fork a sandbox, give a running one another
 ttl, read its metrics, list and delete the project's checkpoints.
 
-Routes (registered by :meth:`SandboxService.app` through :func:`add_routes`)::
+Routes (:func:`setup`)::
 
     POST   /v1/sandboxes/{id}/fork     {"count": n, ...options}  n sandboxes continuing from this one
     POST   /v1/sandboxes/{id}/ttl      {"ttl": seconds}          destroyed that many seconds from now
@@ -10,7 +10,7 @@ Routes (registered by :meth:`SandboxService.app` through :func:`add_routes`)::
     DELETE /v1/checkpoints/{name}                                 drop one's ref (gc does the rest)
 
 Ownership is the service's (docs/SECURITY.md, "Tenancy"): a sandbox through
-``SandboxService._box`` (another project's id answers 404), a checkpoint by its
+``EdgeContext.sandbox`` (another project's id answers 404), a checkpoint by its
 document's ``layerbox.project`` label under the project's ref namespace
 ``projects/<project>/`` (another project's name answers 404 as a missing one does).
 Every field is validated in :mod:`sandbox.core.model` first (400 naming it).
@@ -34,7 +34,7 @@ from aiohttp import web
 
 from layerstore.errors import LayerboxError
 from layerstore.objects import BadName, parse_ref
-from sandbox.core.errors import InvalidField
+from sandbox.core.errors import ApiError, InvalidField
 from sandbox.core.model import (
     MAX_REF_NAME,
     PROJECT_LABEL,
@@ -44,14 +44,16 @@ from sandbox.core.model import (
     check_str,
     project_namespace,
 )
-from sandbox.edge.app import ApiError, Project, SandboxService, _view
-from sandbox.host.sandbox import Sandbox
+from sandbox.core.views import SandboxInfo
+from sandbox.edge.auth import Project
+from sandbox.edge.context import EdgeContext
 
 MAX_WALK = 200_000  # entries of an upper directory counted for its disk use; past it the figure is partial
 
 
-def add_routes(service: SandboxService, router: web.UrlDispatcher) -> None:
-    routes = Lifecycle(service)
+def setup(ctx: EdgeContext, app: web.Application) -> None:
+    routes = Lifecycle(ctx)
+    router = app.router
     router.add_post("/v1/sandboxes/{id}/fork", routes.fork)
     router.add_post("/v1/sandboxes/{id}/ttl", routes.set_ttl)
     router.add_get("/v1/sandboxes/{id}/metrics", routes.metrics)
@@ -62,51 +64,51 @@ def add_routes(service: SandboxService, router: web.UrlDispatcher) -> None:
 class Lifecycle:
     """The handlers, over one service (its auth, ownership checks, quota and admission)."""
 
-    def __init__(self, service: SandboxService) -> None:
-        self.service = service
+    def __init__(self, ctx: EdgeContext) -> None:
+        self.ctx = ctx
 
     async def fork(self, request: web.Request) -> web.Response:
-        svc = self.service
-        project = svc._project(request)
-        box, state = await svc._box(request, project)
+        svc = self.ctx
+        project = svc.project(request)
+        box, state = await svc.sandbox(request, project)
         extra = ("count",)
-        body = check_object("", await svc._json(request), (*SandboxOptions.CLIENT_FIELDS, *extra))
+        body = check_object("", await svc.body(request), (*SandboxOptions.CLIENT_FIELDS, *extra))
         count = svc.maxima.check_count(1 if body.get("count") is None else body["count"])
         SandboxOptions.from_json(body, extra=extra)  # every field checked before anything is taken
         if not state.live:
-            raise ApiError(409, "conflict", f"sandbox {box.id} is {state.status}: only a running or paused "
+            raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}: only a running or paused "
                                             "sandbox can be forked")
         base = SandboxOptions.from_state(state.options.carried()).replace(policy_version=state.policy_version)
-        options = svc._options(project, body, extra=extra, base=base)
+        options = svc.options(project, body, extra=extra, base=base)
 
         async def start() -> dict[str, Any]:
             ckpt, forks = await box.fork(count, options)
-            return {"source": box.id, "checkpoint": ckpt.to_json(), "sandboxes": await views(forks)}
+            return {"source": box.id, "checkpoint": ckpt.to_json(), "sandboxes": await svc.views(forks)}
 
-        return await svc._launch(project, [options] * count, start)
+        return await svc.launch(project, [options] * count, start)
 
     async def set_ttl(self, request: web.Request) -> web.Response:
-        svc = self.service
-        box, _ = await svc._box(request, svc._project(request))
-        body = check_object("", await svc._json(request), ("ttl",))
+        svc = self.ctx
+        box, _ = await svc.sandbox(request, svc.project(request))
+        body = check_object("", await svc.body(request), ("ttl",))
         if body.get("ttl") is None:
             raise InvalidField("ttl", "is required: the seconds from now after which the sandbox is destroyed")
         seconds = svc.maxima.check_ttl(body["ttl"])
         state = await asyncio.to_thread(box.set_ttl, seconds, max_lifetime=svc.maxima.ttl)
-        return web.json_response(_view(state))
+        return web.json_response(SandboxInfo.of(state).to_json())
 
     async def metrics(self, request: web.Request) -> web.Response:
-        svc = self.service
-        box, state = await svc._box(request, svc._project(request))
+        svc = self.ctx
+        box, state = await svc.sandbox(request, svc.project(request))
         return web.json_response(await asyncio.to_thread(box.usage))
 
     async def checkpoints(self, request: web.Request) -> web.Response:
-        project = self.service._project(request)
+        project = self.ctx.project(request)
         if request.query:
             key = next(iter(request.query))
             raise InvalidField(key[:64], "unknown query parameter (this listing takes none)")
         prefix = project_namespace(project.name)
-        async with await self.service.manager.open_store() as store:
+        async with await self.ctx.manager.open_store() as store:
             refs = [r for r in await store.list_refs(prefix) if r.kind == "checkpoint"]
             docs = await asyncio.gather(*(store.get_doc(r.digest) for r in refs), return_exceptions=True)
         out = [describe(ref.name, ref.digest, doc) for ref, doc in zip(refs, docs, strict=True)
@@ -116,17 +118,17 @@ class Lifecycle:
     async def delete_checkpoint(self, request: web.Request) -> web.Response:
         """Drop the ref; gc deletes what nothing else reaches (a sandbox running on it keeps its
         mounted layers; a run manifest naming it keeps it alive in the store)."""
-        project = self.service._project(request)
+        project = self.ctx.project(request)
         name = check_str("name", request.match_info["name"], max_len=MAX_REF_NAME + 256,
                          what="a checkpoint's ref name (as GET /v1/checkpoints lists it)")
         try:
             parse_ref(name)
         except BadName as exc:
             raise InvalidField("name", str(exc)) from None
-        not_found = ApiError(404, "checkpoint_not_found", f"no checkpoint {name!r} in project {project.name!r}")
+        not_found = ApiError(None, "checkpoint_not_found", f"no checkpoint {name!r} in project {project.name!r}")
         if not name.startswith(project_namespace(project.name)):
             raise not_found
-        async with await self.service.manager.open_store() as store:
+        async with await self.ctx.manager.open_store() as store:
             try:
                 ref = await store.read_ref(name)
                 doc = await store.get_doc(ref.digest)
@@ -136,10 +138,6 @@ class Lifecycle:
                 raise not_found
             await store.delete_ref(name)
         return web.Response(status=204)
-
-
-async def views(boxes: list[Sandbox]) -> list[dict[str, Any]]:
-    return await asyncio.to_thread(lambda: [_view(b.state) for b in boxes])
 
 
 def owned(project: Project, doc: dict[str, Any]) -> bool:

@@ -57,9 +57,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from sandbox.core.errors import InvalidField, SandboxNotFound
+from sandbox.core.errors import ApiError, InvalidField, SandboxNotFound
 from sandbox.core.model import SandboxState, check_int, check_number, check_object, check_sandbox_id
-from sandbox.edge.app import ApiError, Project
+from sandbox.edge.auth import Project
+from sandbox.edge.context import EdgeContext
 from sandbox.host.sandbox import Sandbox
 
 if TYPE_CHECKING:
@@ -67,7 +68,6 @@ if TYPE_CHECKING:
     from aiohttp.client_reqrep import ClientRequest
     from aiohttp.tracing import Trace
 
-    from sandbox.edge.app import SandboxService
 
 PREFIX = "/v1/sandboxes/{id}/ports/{port}"
 # every method but CONNECT and TRACE; HEAD is registered, not described (aiohttp pairs it with GET)
@@ -102,13 +102,13 @@ def sign(secret: bytes, sid: str, port: int, expires: int) -> str:
 def verify(secret: bytes, sid: str, port: int, expires: int, signature: str, *, now: float) -> None:
     """Raise 403 unless ``signature`` is this service's for (sid, port, expires) and still valid."""
     if not hmac.compare_digest(sign(secret, sid, port, expires), signature):
-        raise ApiError(403, "bad_signature", "the URL's signature does not match its sandbox, port and expiry "
+        raise ApiError(None, "bad_signature", "the URL's signature does not match its sandbox, port and expiry "
                                              "(mint another with POST .../ports/{port}/url)")
     if expires <= now:
-        raise ApiError(403, "expired", f"the URL expired {now - expires:.0f} s ago "
+        raise ApiError(None, "expired", f"the URL expired {now - expires:.0f} s ago "
                                        "(mint another with POST .../ports/{port}/url)")
     if expires > now + MAX_URL_TTL + 60:  # minted under a longer maximum than this edge allows
-        raise ApiError(403, "expired", f"the URL is valid for more than this edge's maximum of {MAX_URL_TTL:g} s")
+        raise ApiError(None, "expired", f"the URL is valid for more than this edge's maximum of {MAX_URL_TTL:g} s")
 
 
 # -- fields -----------------------------------------------------------------------------------------------
@@ -173,12 +173,12 @@ class _NetnsConnector(aiohttp.BaseConnector):
             _, proto = await self._loop.create_connection(self._factory, sock=sock)
         except ConnectionRefusedError:
             sock.close()
-            raise ApiError(502, "port_closed", f"nothing listens on {where} (127.0.0.1:{self.port} inside the "
+            raise ApiError(None, "port_closed", f"nothing listens on {where} (127.0.0.1:{self.port} inside the "
                                                "sandbox; a server bound to another address is not reached)",
                            retryable=True) from None
         except TimeoutError:
             sock.close()
-            raise ApiError(504, "port_timeout", f"{where} did not accept within {CONNECT_TIMEOUT:g} s "
+            raise ApiError(None, "port_timeout", f"{where} did not accept within {CONNECT_TIMEOUT:g} s "
                                                 "(its accept backlog is full)", retryable=True) from None
         except BaseException:
             sock.close()
@@ -190,8 +190,9 @@ class _NetnsConnector(aiohttp.BaseConnector):
 class PortProxy:
     """The port routes of one app: auth, the per-sandbox connection limit, HTTP and WebSocket relay."""
 
-    def __init__(self, service: SandboxService) -> None:
-        self.service = service
+    def __init__(self, ctx: EdgeContext, url_secret: bytes) -> None:
+        self.ctx = ctx
+        self.url_secret = url_secret
         self.max_connections = MAX_CONNECTIONS
         self._open: dict[str, int] = {}  # proxied connections per sandbox (all on the loop's thread)
         self._active: dict[str, float] = {}  # sandbox -> when its activity was last recorded (monotonic)
@@ -199,19 +200,19 @@ class PortProxy:
     # -- routes -------------------------------------------------------------------------------------------
     async def mint(self, request: web.Request) -> web.Response:
         # ownership before the other fields, as on every route naming a sandbox: another project's is a 404
-        box, _ = await self.service._box(request, self.service._project(request))
+        box, _ = await self.ctx.sandbox(request, self.ctx.project(request))
         port = _port(request)
-        body = check_object("", await self.service._json(request), ("ttl",))
+        body = check_object("", await self.ctx.body(request), ("ttl",))
         ttl = check_number("ttl", body.get("ttl", DEFAULT_URL_TTL), 0.0, MAX_URL_TTL, lo_open=True)
         expires = int(time.time() + ttl)
         path = (f"/v1/sandboxes/{box.id}/ports/{port}/signed/{expires}/"
-                f"{sign(self.service.url_secret, box.id, port, expires)}/")
+                f"{sign(self.url_secret, box.id, port, expires)}/")
         await asyncio.to_thread(box.receipt, "port_url", port=port, expires=expires)
         return web.json_response({"sandbox": box.id, "port": port, "expires": expires, "path": path,
                                   "url": str(request.url.origin()) + path})
 
     async def bearer(self, request: web.Request) -> web.StreamResponse:
-        box, state = await self.service._box(request, self.service._project(request))
+        box, state = await self.ctx.sandbox(request, self.ctx.project(request))
         port = _port(request)
         target = _target(request, 6)
         return await self._forward(request, box, state, port, target, keep_authorization=False)
@@ -222,22 +223,22 @@ class PortProxy:
         expires = int(_match(request, "expires", EXPIRES, "a Unix time in seconds"))
         signature = _match(request, "signature", SIGNATURE, "a signature (64 hex digits)")
         target = _target(request, 8)
-        verify(self.service.url_secret, sid, port, expires, signature, now=time.time())
+        verify(self.url_secret, sid, port, expires, signature, now=time.time())
         box, state = await self._signed_box(sid)
         return await self._forward(request, box, state, port, target, keep_authorization=True)
 
     async def _signed_box(self, sid: str) -> tuple[Sandbox, SandboxState]:
         """The sandbox a valid signature names, if it still exists and its project may still use it."""
         # SandboxNotFound answers as it does everywhere in the API (404)
-        box = await asyncio.to_thread(self.service.manager.get, sid)
+        box = await asyncio.to_thread(self.ctx.manager.get, sid)
         state = await asyncio.to_thread(lambda: box.state)
-        projects: dict[str, Project] = {p.name: p for p in self.service.auth.tokens.values()}
+        projects: dict[str, Project] = {p.name: p for p in self.ctx.auth.tokens.values()}
         project = projects.get(state.project or "")
         if project is None:  # its project was removed from the tokens file
             raise SandboxNotFound(f"no sandbox {sid!r}")
         if project.disabled:
-            raise ApiError(403, "forbidden", f"project {project.name!r} is disabled")
-        await asyncio.to_thread(self.service._touch_lease, state)
+            raise ApiError(None, "forbidden", f"project {project.name!r} is disabled")
+        await asyncio.to_thread(self.ctx.touch_lease, state)
         return box, state
 
     # -- relay ----------------------------------------------------------------------------------------------
@@ -245,9 +246,9 @@ class PortProxy:
     def _slot(self, sid: str) -> Iterator[None]:
         n = self._open.get(sid, 0)
         if n >= self.max_connections:
-            raise ApiError(429, "too_many_connections", f"sandbox {sid} has {n} proxied connections open on this "
+            raise ApiError(None, "too_many_connections", f"sandbox {sid} has {n} proxied connections open on this "
                                                         f"edge, at most {self.max_connections}; retry when one "
-                                                        "ends", retryable=True, headers={"Retry-After": "1"})
+                                                        "ends", retryable=True, retry_after=1)
         self._open[sid] = n + 1
         try:
             yield
@@ -273,7 +274,7 @@ class PortProxy:
     async def _forward(self, request: web.Request, box: Sandbox, state: SandboxState, port: int, target: str,
                        *, keep_authorization: bool) -> web.StreamResponse:
         if state.status != "running":
-            raise ApiError(409, "conflict", f"sandbox {box.id} is {state.status}: its ports answer only while it "
+            raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}: its ports answer only while it "
                                             "runs" + (" (resume it)" if state.status == "paused" else ""))
         drop = _NOT_FORWARDED if keep_authorization else _NOT_FORWARDED | {"authorization"}
         websocket = _is_websocket(request)
@@ -310,14 +311,14 @@ class PortProxy:
             upstream = await session.request(request.method, url, headers=headers, allow_redirects=False,
                                              data=self._body(request, box) if request.body_exists else None)
         except aiohttp.ServerTimeoutError:
-            raise ApiError(504, "port_timeout", f"{where} sent no response within {IDLE_TIMEOUT:g} s",
+            raise ApiError(None, "port_timeout", f"{where} sent no response within {IDLE_TIMEOUT:g} s",
                            retryable=True) from None
         except aiohttp.ClientError as exc:
-            raise ApiError(502, "bad_gateway", f"{where} answered no valid HTTP response: {exc}",
+            raise ApiError(None, "bad_gateway", f"{where} answered no valid HTTP response: {exc}",
                            retryable=True) from None
         async with upstream:
             if upstream.status == 101:  # a switch the caller did not ask for (WebSockets go another way)
-                raise ApiError(502, "bad_gateway", f"{where} switched protocols on a plain HTTP request")
+                raise ApiError(None, "bad_gateway", f"{where} switched protocols on a plain HTTP request")
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                       headers=_forwarded(upstream.headers, frozenset()))
             await resp.prepare(request)
@@ -341,13 +342,13 @@ class PortProxy:
             upstream = await session.ws_connect(url, protocols=offered, headers=headers, autoping=True,
                                                 max_msg_size=MAX_WS_MESSAGE)
         except aiohttp.WSServerHandshakeError as exc:
-            raise ApiError(502, "bad_gateway", f"{where} refused the WebSocket handshake ({exc.status} "
+            raise ApiError(None, "bad_gateway", f"{where} refused the WebSocket handshake ({exc.status} "
                                                f"{exc.message})") from None
         except aiohttp.ServerTimeoutError:
-            raise ApiError(504, "port_timeout", f"{where} did not answer the WebSocket handshake within "
+            raise ApiError(None, "port_timeout", f"{where} did not answer the WebSocket handshake within "
                                                 f"{IDLE_TIMEOUT:g} s", retryable=True) from None
         except aiohttp.ClientError as exc:
-            raise ApiError(502, "bad_gateway", f"{where}: {exc}", retryable=True) from None
+            raise ApiError(None, "bad_gateway", f"{where}: {exc}", retryable=True) from None
         try:
             ws = web.WebSocketResponse(protocols=(upstream.protocol,) if upstream.protocol else (),
                                        max_msg_size=MAX_WS_MESSAGE, autoping=True)
@@ -400,9 +401,10 @@ def _close_code(code: int | None) -> int:
     return code
 
 
-def add_routes(service: SandboxService, router: web.UrlDispatcher) -> PortProxy:
-    """Register the port routes of ``service`` on ``router`` (see the module's docstring)."""
-    proxy = PortProxy(service)
+def setup(ctx: EdgeContext, app: web.Application, url_secret: bytes) -> PortProxy:
+    """Register the port routes on ``app`` (see the module's docstring); ``url_secret`` signs port URLs."""
+    proxy = PortProxy(ctx, url_secret)
+    router = app.router
     router.add_post(PREFIX + "/url", proxy.mint)
     for method in METHODS:
         router.add_route(method, PREFIX + "/proxy/{tail:.*}", proxy.bearer)

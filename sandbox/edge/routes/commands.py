@@ -16,7 +16,7 @@ sandbox's own devpts (``crun exec --console-socket`` hands us the master: the sa
 never gets a host pty).  Its output is the terminal's, its input the keys; it can be
 resized (``TIOCSWINSZ`` on the master).
 
-Everything is bounded (:class:`Limits`): running commands and terminals per sandbox,
+Everything is bounded (:class:`CommandLimits`): running commands and terminals per sandbox,
 finished commands kept per sandbox, output kept per command, readers attached to one
 command, one write to its input and how long that write may wait.
 
@@ -68,10 +68,11 @@ from typing import Any
 import blake3
 from aiohttp import WSMsgType, web
 
-from sandbox.core.errors import InvalidField, SandboxStateError
+from sandbox.core.errors import ApiError, InvalidField, SandboxStateError
 from sandbox.core.model import ExecRequest, Maxima, check_int, check_number, check_object, check_str
 from sandbox.edge import openapi
-from sandbox.edge.app import SHUTDOWN_GRACE, ApiError, SandboxService, _as_api_error
+from sandbox.edge.context import SHUTDOWN_GRACE, EdgeContext
+from sandbox.edge.errors import as_api_error
 from sandbox.host.execs import Cancel, ExecResult
 from sandbox.host.sandbox import Sandbox
 
@@ -86,7 +87,7 @@ MAX_WINSIZE = 1000  # columns or rows of a terminal
 # the service's description says the same (it cannot import this module: this one imports the service)
 assert openapi.COMMAND_PATTERN == f"^{COMMAND_ID.pattern}$"
 assert openapi.SCHEMAS["resize"]["content"]["application/json"]["schema"]["properties"]["cols"]["maximum"] == MAX_WINSIZE
-CHUNK_OVERHEAD = 64  # what one kept chunk costs beyond its bytes: counted against Limits.buffer
+CHUNK_OVERHEAD = 64  # what one kept chunk costs beyond its bytes: counted against CommandLimits.buffer
 MERGE = 16 * KiB  # consecutive output of one stream is kept in chunks of up to this much
 EVENT_BYTES = 64 * KiB  # data of one output event at most
 KILL_WAIT = 30.0  # seconds a kill (under the freezer) may take before the route answers anyway
@@ -94,7 +95,7 @@ LIVENESS = 1.0  # seconds between checks that an idle reader's client is still t
 
 
 @dataclass(frozen=True)
-class Limits:
+class CommandLimits:
     """What the edge holds for background commands (the service's ``command_limits``)."""
 
     commands: int = 16  # running per sandbox, terminals included
@@ -207,7 +208,7 @@ class Command:
     its exec is given).  Made by :meth:`Commands.start`; its exec runs on a thread of its own
     (it may run for days: never on the loop's default executor)."""
 
-    def __init__(self, box: Sandbox, req: ExecRequest, terminal: tuple[int, int] | None, limits: Limits,
+    def __init__(self, box: Sandbox, req: ExecRequest, terminal: tuple[int, int] | None, limits: CommandLimits,
                  loop: asyncio.AbstractEventLoop) -> None:
         self.id = "cmd-" + secrets.token_hex(6)
         self.box = box
@@ -333,7 +334,7 @@ class Command:
         if self.result is not None:
             return exit_event(self.result)
         assert self.error is not None
-        return {"type": "error", **_as_api_error(self.error).body()}
+        return {"type": "error", **as_api_error(self.error).body()}
 
     def view(self) -> dict[str, Any]:
         return {"id": self.id, "command": self.request.argv, "started": self.started_at,
@@ -418,11 +419,11 @@ class Command:
     # -- output -------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def reader(self) -> Iterator[asyncio.Event]:
-        """A reader's slot (at most ``Limits.readers`` at once): 429 when none is free."""
+        """A reader's slot (at most ``CommandLimits.readers`` at once): 429 when none is free."""
         if len(self._readers) >= self.limits.readers:
-            raise ApiError(429, "too_many_readers", f"command {self.id} has {len(self._readers)} readers "
+            raise ApiError(None, "too_many_readers", f"command {self.id} has {len(self._readers)} readers "
                            "attached, the most it takes; detach one or retry later", retryable=True,
-                           headers={"Retry-After": "1"})
+                           retry_after=1)
         wake = asyncio.Event()
         self._readers.add(wake)
         try:
@@ -492,10 +493,10 @@ def _merged(chunks: list[tuple[int, str, bytes]]) -> Iterator[tuple[int, str, by
 
 # -- the commands of every sandbox -------------------------------------------------------------------------
 class Commands:
-    """Background commands per sandbox, bounded by :class:`Limits`.  Ended by :meth:`end` (the
+    """Background commands per sandbox, bounded by :class:`CommandLimits`.  Ended by :meth:`end` (the
     sandbox's destroy, through ``SandboxManager.on_destroy``; the service's stop)."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: CommandLimits) -> None:
         self.limits = limits
         self._boxes: dict[str, dict[str, Command]] = {}
         self._lock = threading.Lock()  # destroy hooks run on the manager's threads
@@ -505,15 +506,15 @@ class Commands:
         loop = asyncio.get_running_loop()
         with self._lock:
             if self.stopping:
-                raise ApiError(503, "stopping", "this edge is stopping; retry on another one", retryable=True)
+                raise ApiError(None, "stopping", "this edge is stopping; retry on another one", retryable=True)
             mine = self._boxes.setdefault(box.id, {})
             running = [c for c in mine.values() if c.running]
             if len(running) >= self.limits.commands:
-                raise ApiError(429, "command_limit", f"sandbox {box.id} runs {len(running)} background commands, "
+                raise ApiError(None, "command_limit", f"sandbox {box.id} runs {len(running)} background commands, "
                                "the most this edge takes; kill one or wait for one to end", retryable=True)
             terminals = sum(c.terminal is not None for c in running)
             if req.terminal is not None and terminals >= self.limits.terminals:
-                raise ApiError(429, "command_limit", f"sandbox {box.id} has {terminals} terminals open, the most "
+                raise ApiError(None, "command_limit", f"sandbox {box.id} has {terminals} terminals open, the most "
                                "this edge takes; end one first", retryable=True)
             cmd = Command(box, req.exec, req.terminal, self.limits, loop)
             mine[cmd.id] = cmd
@@ -522,7 +523,7 @@ class Commands:
         return cmd
 
     def _trim(self, mine: dict[str, Command], room: int = 0) -> None:
-        """Forget the oldest finished commands past ``Limits.finished`` (with room for more)."""
+        """Forget the oldest finished commands past ``CommandLimits.finished`` (with room for more)."""
         finished = sorted((c for c in mine.values() if not c.running), key=lambda c: c.started_at)
         for cmd in finished[:max(0, len(finished) + room - self.limits.finished)]:
             del mine[cmd.id]
@@ -531,7 +532,7 @@ class Commands:
         with self._lock:
             cmd = self._boxes.get(sid, {}).get(cid)
             if cmd is None:
-                raise ApiError(404, "command_not_found", f"no background command {cid!r} in sandbox {sid!r}")
+                raise ApiError(None, "command_not_found", f"no background command {cid!r} in sandbox {sid!r}")
             return cmd
 
     def of(self, sid: str) -> list[Command]:
@@ -570,14 +571,14 @@ class Commands:
 class Routes:
     """The HTTP and WebSocket side of :class:`Commands` on one service."""
 
-    def __init__(self, service: SandboxService, limits: Limits) -> None:
-        self.service = service
+    def __init__(self, ctx: EdgeContext, limits: CommandLimits) -> None:
+        self.ctx = ctx
         self.commands = Commands(limits)
         self.limits = limits
 
     async def _command(self, request: web.Request) -> Command:
-        project = self.service._project(request)
-        box, _ = await self.service._box(request, project)
+        project = self.ctx.project(request)
+        box, _ = await self.ctx.sandbox(request, project)
         cid = check_command_id(request.match_info["command"])
         return self.commands.get(box.id, cid)
 
@@ -589,27 +590,26 @@ class Routes:
         return check_int("since", int(text), 0, 1 << 62)
 
     async def start(self, request: web.Request) -> web.Response:
-        svc = self.service
-        project = svc._project(request)
-        box, state = await svc._box(request, project)
-        req = StartRequest.from_json(await svc._json(request), svc.maxima)
+        svc = self.ctx
+        project = svc.project(request)
+        box, state = await svc.sandbox(request, project)
+        req = StartRequest.from_json(await svc.body(request), svc.maxima)
         if state.status != "running":
-            raise ApiError(409, "conflict", f"sandbox {box.id} is {state.status}, not running")
-        if svc._stopping:
-            raise ApiError(503, "stopping", "this edge is stopping; retry on another one", retryable=True)
+            raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}, not running")
+        svc.refuse_when_stopping()
         cmd = self.commands.start(box, req)
         try:
             await asyncio.shield(cmd.ready)
         except Exception:
             self.commands.forget(cmd)  # it never ran: its error is this answer
             raise
-        svc.m_execs.labels(project.name).inc()
+        svc.metrics.execs.labels(project.name).inc()
         if req.exec.stdin:
             await cmd.write(req.exec.stdin)
         return web.json_response(cmd.view(), status=201)
 
     async def list(self, request: web.Request) -> web.Response:
-        box, _ = await self.service._box(request, self.service._project(request))
+        box, _ = await self.ctx.sandbox(request, self.ctx.project(request))
         return web.json_response({"sandbox": box.id, "commands": [c.view() for c in self.commands.of(box.id)]})
 
     async def describe(self, request: web.Request) -> web.Response:
@@ -646,7 +646,7 @@ class Routes:
 
     async def stdin(self, request: web.Request) -> web.Response:
         cmd = await self._command(request)
-        body = check_object("", await self.service._json(request), ("data", "eof"))
+        body = check_object("", await self.ctx.body(request), ("data", "eof"))
         eof = body.get("eof", False)
         if not isinstance(eof, bool):
             raise InvalidField("eof", "must be true or false")
@@ -661,7 +661,7 @@ class Routes:
 
     async def resize(self, request: web.Request) -> web.Response:
         cmd = await self._command(request)
-        cols, rows = _winsize("", await self.service._json(request))
+        cols, rows = _winsize("", await self.ctx.body(request))
         await cmd.resize(cols, rows)
         return web.json_response(cmd.view())
 
@@ -678,7 +678,7 @@ class Routes:
         since = self._since(request)
         ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=2 * self.limits.stdin + 4 * KiB)
         if not ws.can_prepare(request).ok:
-            raise ApiError(400, "bad_request", "connect is a WebSocket: a GET with 'Upgrade: websocket'")
+            raise ApiError(None, "bad_request", "connect is a WebSocket: a GET with 'Upgrade: websocket'")
         with cmd.reader() as wake:
             await ws.prepare(request)
             pusher = asyncio.ensure_future(self._push(ws, cmd, wake, since))
@@ -728,11 +728,11 @@ class Routes:
             else:
                 raise InvalidField("type", f"{str(kind)[:20]!r} is not one of stdin, eof, resize, kill")
         except (InvalidField, SandboxStateError, ApiError, OSError) as exc:
-            await ws.send_json({"type": "rejected", **_as_api_error(exc).body()})
+            await ws.send_json({"type": "rejected", **as_api_error(exc).body()})
 
     # -- the service's life ------------------------------------------------------------------------------
     async def _on_startup(self, app: web.Application) -> None:
-        self.service.manager.on_destroy.append(self.commands.on_destroy)
+        self.ctx.manager.on_destroy.append(self.commands.on_destroy)
 
     async def _on_shutdown(self, app: web.Application) -> None:
         """Every command ends now (``interrupted: "shutdown"``, in its receipt too), before the server
@@ -746,7 +746,7 @@ class Routes:
 
     async def _on_cleanup(self, app: web.Application) -> None:
         with contextlib.suppress(ValueError):
-            self.service.manager.on_destroy.remove(self.commands.on_destroy)
+            self.ctx.manager.on_destroy.remove(self.commands.on_destroy)
 
 
 def _decode(field: str, value: object) -> bytes:
@@ -760,10 +760,10 @@ def _decode(field: str, value: object) -> bytes:
         raise InvalidField(field, "is not valid base64") from None
 
 
-def add_routes(service: SandboxService, app: web.Application) -> Routes:
+def setup(ctx: EdgeContext, app: web.Application, limits: CommandLimits | None = None) -> Routes:
     """The routes of background commands and terminals on ``app``, and their hooks: ended with their
     sandbox's destroy and before the service stops."""
-    routes = Routes(service, service.command_limits or Limits())
+    routes = Routes(ctx, limits or CommandLimits())
     r = app.router
     base = "/v1/sandboxes/{id}/commands"
     r.add_post(base, routes.start)

@@ -1,0 +1,72 @@
+"""Who calls the edge: projects and their bearer tokens (docs/SECURITY.md, "Tenancy").
+
+Tokens file (JSON)::
+
+    {"projects": {"alpha": {"tokens": ["..."], "max_sandboxes": 10, "disabled": false, "admin": false}}}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from sandbox.core.errors import ApiError, InvalidField
+from sandbox.core.model import check_object, check_project
+
+DEFAULT_QUOTA = 10
+
+
+@dataclass(frozen=True)
+class Project:
+    name: str
+    max_sandboxes: int = DEFAULT_QUOTA
+    disabled: bool = False
+    admin: bool = False  # may publish shared refs and read /metrics (an operator's project)
+
+
+@dataclass
+class AuthConfig:
+    """Bearer token -> project."""
+
+    tokens: dict[str, Project] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> AuthConfig:
+        """From the tokens file's object; a malformed one is :class:`InvalidField` naming where."""
+        out: dict[str, Project] = {}
+        for name, spec in (doc.get("projects") or {}).items():
+            check_project(name, "projects")
+            check_object(f"projects.{name}", spec, ("tokens", "max_sandboxes", "disabled", "admin"))
+            quota = spec.get("max_sandboxes", DEFAULT_QUOTA)
+            if not isinstance(quota, int) or isinstance(quota, bool) or quota < 0:
+                raise InvalidField(f"projects.{name}.max_sandboxes", "must be a non-negative integer")
+            project = Project(name, quota, bool(spec.get("disabled", False)), bool(spec.get("admin", False)))
+            for token in spec.get("tokens") or []:
+                if not isinstance(token, str) or len(token) < 16:
+                    raise InvalidField(f"projects.{name}.tokens", "tokens are strings of at least 16 characters")
+                if token in out:
+                    raise InvalidField(f"projects.{name}.tokens", f"a token is shared with project "
+                                                                 f"{out[token].name!r}")
+                out[token] = project
+        return cls(out)
+
+    @classmethod
+    def load(cls, path: str | Path) -> AuthConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def authenticate(self, request: web.Request) -> Project:
+        """The project of the request's ``Authorization: Bearer <token>`` (401 unknown, 403 disabled)."""
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise ApiError(None, "unauthenticated", "missing 'Authorization: Bearer <token>' header")
+        project = self.tokens.get(token.strip())
+        if project is None:
+            raise ApiError(None, "unauthenticated", "unknown token")
+        if project.disabled:
+            raise ApiError(None, "forbidden", f"project {project.name!r} is disabled")
+        return project
