@@ -70,6 +70,7 @@ from sandbox.core.paths import SandboxPaths
 from sandbox.core.receipts import ReceiptLogs, verify_receipt_chain
 from sandbox.core.states import States
 from sandbox.host.execs import Cancel, ExecResult, ExecRunner
+from sandbox.host.reconcile import reconcile
 from sandbox.host.sandbox import Sandbox
 from sandbox.isolation import idmap
 from sandbox.isolation.cgroups import CgroupLayout
@@ -511,8 +512,6 @@ class SandboxManager:
     def reconcile(self) -> dict[str, builtins.list[str]]:
         """After a crash: adopt sandboxes that still run, clean up everything else we own
         (:func:`sandbox.host.reconcile.reconcile`)."""
-        from sandbox.host.reconcile import reconcile
-
         return reconcile(self)
 
     def close(self, *, stop_daemon: bool = True) -> None:

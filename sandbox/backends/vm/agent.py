@@ -157,7 +157,7 @@ class AgentConnection:
 
     def __init__(self, path: Path, *, timeout: float = 30.0) -> None:
         self.path = path
-        self._sock = _connect(path, timeout)
+        self._sock = connect_unix(path, timeout)
         self._send_lock = threading.Lock()
         self._chans = itertools.count(1)
         self._procs: dict[int, GuestProcess] = {}
@@ -391,7 +391,7 @@ class AgentConnection:
                 self._check_end(payload)
 
 
-def _connect(path: Path, timeout: float) -> socket.socket:
+def connect_unix(path: Path, timeout: float) -> socket.socket:
     """Connect through an O_PATH fd of the directory: a unix socket's path is at most 107 bytes,
     a data dir's sandbox directory can be longer."""
     dfd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)

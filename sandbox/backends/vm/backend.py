@@ -47,7 +47,14 @@ from sandbox.backends.vm import assets as vmassets
 from sandbox.backends.vm import qemu as vm
 from sandbox.backends.vm.agent import AgentConnection, AgentError, GuestProcess
 from sandbox.backends.vm.files import GuestFiles
-from sandbox.core.errors import HostUnsupported, SandboxError, SandboxStateError, UnsupportedOption
+from sandbox.backends.vm.record import VmRecord
+from sandbox.core.errors import (
+    HostUnsupported,
+    SandboxError,
+    SandboxStateError,
+    StateUnreadable,
+    UnsupportedOption,
+)
 from sandbox.core.model import SandboxOptions, SandboxState
 from sandbox.core.sync import run_blocking
 from sandbox.isolation.network import VM_GUEST_ADDRESS, VM_TAP_ADDRESS
@@ -58,7 +65,6 @@ from snapshots.errors import SnapshotError
 log = logging.getLogger("layerbox.sandbox")
 
 MAX_DISK_CHAIN = 8  # deltas a checkpoint's disk may stand on; the next one is a whole disk again
-VM_RECORD = "layerbox.vm.v1"
 MAX_PATH = 4096
 
 
@@ -71,6 +77,49 @@ def _mem_total() -> int | None:
     except OSError:
         pass
     return None
+
+
+def _stop_and_switch(vmm: vm.Vmm, qmp: vm.Qmp, switch: Callable[[], None], out: Path, *, memory: bool,
+                     keep_stopped: bool) -> float:
+    """Stop the guest and switch its disk to the new overlay (with ``memory``, after RAM was copied
+    live into ``out/vmstate.bin``); run it on after unless ``keep_stopped``.  Seconds it was stopped."""
+    t = time.perf_counter()
+    captured = False
+    try:
+        if memory:  # RAM copied live; the disk switched in the last pass's stop
+            stopped = vmm.save(out / "vmstate.bin", mapped_ram=True, qmp=qmp, switchover=switch, durable=False)
+            vm.exact_ram_image(out / "vmstate.bin")  # so a restore can map it (bound.vm.ram_image)
+        else:
+            qmp.execute("stop")  # also drains and flushes every block device
+            switch()
+        captured = True
+    finally:
+        try:
+            if not (keep_stopped and captured):
+                qmp.execute("cont")
+        finally:
+            qmp.close()
+    return stopped if memory else time.perf_counter() - t
+
+
+def _copy_frozen(sid: str, frozen: Sequence[tuple[str, str]], out: Path, *, whole: bool) -> str:
+    """The frozen disk into ``out``: the overlay frozen last as ``delta.qcow2`` (exactly what was
+    written since the chain's top), or ``whole``, the chain read through as a sparse raw ``disk.img``."""
+    try:
+        if not whole:
+            subprocess.run(["cp", "--sparse=always", frozen[-1][0], str(out / "delta.qcow2")], check=True,
+                           capture_output=True, text=True)
+            return "delta.qcow2"
+        # -U: the VMM holds the images' locks (it reads them, it writes only the new overlay)
+        subprocess.run(["qemu-img", "convert", "-U", "--image-opts", vm.chain_image_opts(frozen),
+                        "-O", "raw", "-S", "4k", str(out / "disk.img")], check=True, capture_output=True, text=True)
+        return "disk.img"
+    except subprocess.CalledProcessError as exc:
+        raise SandboxStateError(f"sandbox {sid}: reading its disk failed: {exc.stderr.strip()}") from None
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)
 
 
 def _overlay_number(path: Path) -> int | None:
@@ -253,8 +302,8 @@ class VmBackend:
 
     def _start_vm(self, sid: str, box_dir: Path, resolved: Resolved, options: SandboxOptions,
                cgroups_path: str, template: vm.Template | None, assets: vmassets.Assets,
-               prior: Mapping[str, Any] | None = None
-               ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, float]]:
+               prior: VmRecord | None = None
+               ) -> tuple[VmRecord, dict[str, Any] | None, dict[str, float]]:
         """Start the VM of a sandbox: a restore of ``template`` with the sandbox's own disk:
         this host's empty ext4, or for a checkpoint its disk image, mounted lazily here (only
         the blocks the guest reads are fetched).  ``template`` None: the checkpoint's own
@@ -283,8 +332,7 @@ class VmBackend:
         if prior is None:
             network, guest_net = self._network(sid, options)
         else:
-            kept = prior.get("guest_net")
-            network, guest_net = None, (kept[0], int(kept[1]), kept[2]) if kept else None
+            network, guest_net = None, prior.guest_net
         memory: tuple[Path, int] | None = None
         if template is None:
             state_file = vm_dir / f"disk-layer-{len(chain) - 1}" / "vmstate.bin"
@@ -306,19 +354,14 @@ class VmBackend:
         (vm_dir / "devices.bin").unlink(missing_ok=True)
         with self._lock:
             self._conns[sid] = conn
-        record: dict[str, Any] = {"schema": VM_RECORD, "machine": shape.machine, "assets": assets.key,
-                  "memory_lazy": memory is not None,
-                  "kernel": assets.manifest.get("kernel_version"), "kernel_from": assets.manifest.get("kernel_from",
-                                                                                                      "layerbox"),
-                  "template": template.key if template is not None else None,
-                  "accel": hv.accel, "qemu": ".".join(map(str, hv.version)), "shape": shape.to_json(),
-                  "layers": [list(x) for x in layers], "vmm_pid": vmm.pid, "vmm_start": vmm.start, "saved": False,
-                  "disk_layer": chain[-1].digest if chain else None,
-                  # the disk as QEMU has it, base first, the last one written; and the store's layers
-                  # equal to all but that last one (None while they are this host's own files)
-                  "disk_nodes": [list(x) for x in nodes],
-                  "disk_chain": [x.to_json() for x in chain] if chain else None}
-        record["guest_net"] = list(guest_net) if guest_net is not None else None
+        record = VmRecord(
+            machine=shape.machine, assets=assets.key, kernel=_text(assets.manifest.get("kernel_version")),
+            kernel_from=str(assets.manifest.get("kernel_from", "layerbox")),
+            template=template.key if template is not None else None, accel=hv.accel,
+            qemu=".".join(map(str, hv.version)), shape=shape.to_json(), layers=tuple(layers), vmm_pid=vmm.pid,
+            vmm_start=vmm.start, memory_lazy=memory is not None, disk_layer=chain[-1].digest if chain else None,
+            disk_nodes=tuple(nodes), disk_chain=tuple(x.to_json() for x in chain) if chain else None,
+            guest_net=guest_net)
         return record, network, {"restore_seconds": round(time.perf_counter() - t1, 6)}
 
     def _network(self, sid: str, options: SandboxOptions) -> tuple[dict[str, Any] | None,
@@ -356,7 +399,7 @@ class VmBackend:
         return nodes
 
     def capture(self, sid: str, box_dir: Path, st: SandboxState, out: Path, *, memory: bool = False,
-                on_snapshot: Callable[[dict[str, Any]], None], keep_stopped: bool = False) -> tuple[float, str]:
+                on_snapshot: Callable[[VmRecord], None], keep_stopped: bool = False) -> tuple[float, str]:
         """Capture the VM's disk into ``out``: ``delta.qcow2``, the clusters written since the
         disk the VM's record says the store has (``disk_chain``), or with no such chain (a new
         sandbox's disk is this host's own) or a chain of :data:`MAX_DISK_CHAIN`, the whole
@@ -370,15 +413,55 @@ class VmBackend:
         ``keep_stopped`` (a pause to the store): the guest is not run on after a capture that
         succeeded, and its overlays are not merged (:meth:`release` removes them).
         Returns the seconds the guest was stopped and which file was made."""
-        rec = dict(self._record(st))
-        nodes = [(str(p), f) for p, f in rec.get("disk_nodes") or []]
-        if not nodes:
-            raise SandboxStateError(f"sandbox {sid}: its VM record predates disk chains; checkpoint it "
-                                    "after a restart of its VM, or restore a checkpoint of it")
-        chain = rec.get("disk_chain")
+        rec = VmRecord.of(st)
         if st.status != "running":
             raise SandboxStateError(f"sandbox {sid} is {st.status}: its disk is captured while it runs")
         vm_dir = box_dir / "vm"
+        nodes, chain, unrecorded = self._disk_nodes(sid, rec, vm_dir)
+        # a name no file of this VM has had: a merge shortens the chain, never the numbering
+        top = vm_dir / f"disk-{max([len(nodes), *_overlay_numbers(vm_dir)]) + 1}.qcow2"
+        vm.sandbox_disk(nodes[-1][0], nodes[-1][1], top, int(rec.shape["disk"]), self.jail_of(sid))
+        self.conn(sid, box_dir, st).sync()
+        vmm = self.vmm_of(box_dir, st)
+        qmp = vmm.qmp()
+        frozen = list(nodes)
+        # node names are unique in a VMM's life (a merge below removes one); a restarted VMM
+        # names them d0..dn again (vm.disk_args); the active one is asked of the VMM when the
+        # state may not know it
+        active, overlay = rec.disk_top_node or f"d{len(nodes) - 1}", f"o{uuid.uuid4().hex[:12]}"
+        if unrecorded:
+            names = {n.get("file"): n["node-name"] for n in qmp.execute("query-named-block-nodes")
+                     if n.get("drv") == "qcow2"}
+            active = names.get(vm.qemu_path(nodes[-1][0], vm_dir), active)
+
+        switched: list[VmRecord] = []  # the record once the disk switched
+
+        def switch() -> None:  # the guest is stopped: its disk goes to the new overlay
+            # the new overlay with the options disk_args gives a restarted VMM its top, then the switch
+            qmp.execute("blockdev-add", **{"driver": "qcow2", "node-name": overlay, "discard": "unmap",
+                                           "backing": None,
+                                           "file": {"driver": "file", "filename": vm.qemu_path(top, top.parent)}})
+            qmp.execute("blockdev-snapshot", node=active, overlay=overlay)
+            switched.append(rec.replace(disk_nodes=(*frozen, (str(top), "qcow2")), disk_chain=None,
+                                        disk_top_node=overlay))
+            on_snapshot(switched[-1])
+
+        stopped = _stop_and_switch(vmm, qmp, switch, out, memory=memory, keep_stopped=keep_stopped)
+        made = _copy_frozen(sid, frozen, out, whole=not (chain and len(chain) < MAX_DISK_CHAIN))
+        if not keep_stopped:
+            self._merge_frozen(sid, box_dir, st, switched[-1], on_snapshot)
+        return stopped, made
+
+    @staticmethod
+    def _disk_nodes(sid: str, rec: VmRecord, vm_dir: Path
+                    ) -> tuple[list[tuple[str, str]], Sequence[Mapping[str, Any]] | None, list[int]]:
+        """The VM's disk as QEMU has it (base first), the store's chain it stands on (None: this
+        capture is a whole disk), and the overlays a crash left out of the record."""
+        nodes = list(rec.disk_nodes or ())
+        if not nodes:
+            raise SandboxStateError(f"sandbox {sid}: its VM record predates disk chains; checkpoint it "
+                                    "after a restart of its VM, or restore a checkpoint of it")
+        chain = rec.disk_chain
         recorded = max((_overlay_number(Path(p)) or 0 for p, _ in nodes), default=0)
         unrecorded = sorted(n for n in _overlay_numbers(vm_dir) if n > recorded)
         for n in unrecorded:
@@ -387,77 +470,17 @@ class VmBackend:
             # store's chain now spans two files, so this capture is a whole disk
             nodes.append((str(vm_dir / f"disk-{n}.qcow2"), "qcow2"))
             chain = None
-        # a name no file of this VM has had: a merge shortens the chain, never the numbering
-        top = vm_dir / f"disk-{max([len(nodes), *_overlay_numbers(vm_dir)]) + 1}.qcow2"
-        vm.sandbox_disk(nodes[-1][0], nodes[-1][1], top, int(rec["shape"]["disk"]), self.jail_of(sid))
-        self.conn(sid, box_dir, st).sync()
-        vmm = self.vmm_of(box_dir, st)
-        qmp = vmm.qmp()
-        frozen = list(nodes)
-        # node names are unique in a VMM's life (a merge below removes one); a restarted VMM
-        # names them d0..dn again (vm.disk_args); the active one is asked of the VMM when the
-        # state may not know it
-        active, overlay = rec.get("disk_top_node") or f"d{len(nodes) - 1}", f"o{uuid.uuid4().hex[:12]}"
-        if unrecorded:
-            names = {n.get("file"): n["node-name"] for n in qmp.execute("query-named-block-nodes")
-                     if n.get("drv") == "qcow2"}
-            active = names.get(vm.qemu_path(nodes[-1][0], vm_dir), active)
+        return nodes, chain, unrecorded
 
-        def switch() -> None:  # the guest is stopped: its disk goes to the new overlay
-            # the new overlay with the options disk_args gives a restarted VMM its top, then the switch
-            qmp.execute("blockdev-add", **{"driver": "qcow2", "node-name": overlay, "discard": "unmap",
-                                           "backing": None,
-                                           "file": {"driver": "file", "filename": vm.qemu_path(top, top.parent)}})
-            qmp.execute("blockdev-snapshot", node=active, overlay=overlay)
-            rec.update(disk_nodes=[*(list(x) for x in frozen), [str(top), "qcow2"]], disk_chain=None,
-                       disk_top_node=overlay)
-            on_snapshot(rec)
-
-        t = time.perf_counter()
-        captured = False
-        try:
-            if memory:  # RAM copied live; the disk switched in the last pass's stop
-                stopped = vmm.save(out / "vmstate.bin", mapped_ram=True, qmp=qmp, switchover=switch, durable=False)
-                vm.exact_ram_image(out / "vmstate.bin")  # so a restore can map it (bound.vm.ram_image)
-            else:
-                qmp.execute("stop")  # also drains and flushes every block device
-                switch()
-            captured = True
-        finally:
-            try:
-                if not (keep_stopped and captured):
-                    qmp.execute("cont")
-            finally:
-                qmp.close()
-        if not memory:
-            stopped = time.perf_counter() - t
-        try:
-            if chain and len(chain) < MAX_DISK_CHAIN:
-                # the frozen overlay is exactly what was written since the chain's top
-                subprocess.run(["cp", "--sparse=always", frozen[-1][0], str(out / "delta.qcow2")], check=True,
-                               capture_output=True, text=True)
-                made = "delta.qcow2"
-            else:
-                # -U: the VMM holds the images' locks (it reads them, it writes only the new overlay)
-                subprocess.run(["qemu-img", "convert", "-U", "--image-opts", vm.chain_image_opts(frozen),
-                                "-O", "raw", "-S", "4k", str(out / "disk.img")], check=True, capture_output=True,
-                               text=True)
-                made = "disk.img"
-        except subprocess.CalledProcessError as exc:
-            raise SandboxStateError(f"sandbox {sid}: reading its disk failed: {exc.stderr.strip()}") from None
-        if not keep_stopped:
-            self._merge_frozen(sid, box_dir, st, rec, on_snapshot)
-        return stopped, made
-
-    def _merge_frozen(self, sid: str, box_dir: Path, st: SandboxState, rec: dict[str, Any],
-                      on_snapshot: Callable[[dict[str, Any]], None]) -> None:
+    def _merge_frozen(self, sid: str, box_dir: Path, st: SandboxState, rec: VmRecord,
+                      on_snapshot: Callable[[VmRecord], None]) -> None:
         """Keep the VM's own overlays at two however often it checkpoints: the one a checkpoint
         just froze is committed into the local overlay under it (``block-commit``, while the
         guest runs) and leaves the chain.  Only this VM's files in its directory are merged
         into; a checkpoint's mounted layers and this host's pristine ext4 never are.  A crash
         meanwhile leaves the frozen overlay in the state and on disk, and the chain reads the
         same through it (every cluster it has is also in the one under it, or not yet)."""
-        nodes = [(str(p), f) for p, f in rec["disk_nodes"]]
+        nodes = list(rec.disk_nodes or ())
         vm_dir = box_dir / "vm"
 
         def local(path: str) -> bool:
@@ -474,7 +497,7 @@ class VmBackend:
                 log.warning("sandbox %s: its frozen overlay is not in its VMM's graph; left unmerged", sid)
                 return
             job = f"merge-{uuid.uuid4().hex[:8]}"
-            qmp.execute("block-commit", **{"job-id": job, "device": rec["disk_top_node"], "top-node": top,
+            qmp.execute("block-commit", **{"job-id": job, "device": rec.disk_top_node, "top-node": top,
                                            "base-node": base, "auto-dismiss": False})
             deadline = time.monotonic() + 600
             while True:
@@ -493,8 +516,7 @@ class VmBackend:
         finally:
             qmp.close()
         merged = nodes[-2][0]
-        rec["disk_nodes"] = [list(x) for x in (*nodes[:-2], nodes[-1])]
-        on_snapshot(rec)  # the state stops naming it before it is deleted
+        on_snapshot(rec.replace(disk_nodes=(*nodes[:-2], nodes[-1])))  # the state stops naming it first
         Path(merged).unlink(missing_ok=True)
 
     def _cgroup(self, cgroups_path: str, options: SandboxOptions, shape: vm.Shape) -> list[Path]:
@@ -509,17 +531,12 @@ class VmBackend:
         }
         return layout.make(cgroups_path, limits)
 
-    def _record(self, st: SandboxState) -> Mapping[str, Any]:
-        if st.vm is None:
-            raise SandboxStateError(f"sandbox {st.id} has no VM record")
-        return st.vm
-
     def vmm_of(self, box_dir: Path, st: SandboxState) -> vm.Vmm:
-        rec = self._record(st)
-        return vm.Vmm(box_dir / "vm", int(rec["vmm_pid"]), int(rec["vmm_start"]))
+        rec = VmRecord.of(st)
+        return vm.Vmm(box_dir / "vm", rec.vmm_pid, rec.vmm_start)
 
     def alive(self, box_dir: Path, st: SandboxState) -> bool:
-        return st.vm is not None and (st.vm.get("saved") or self.vmm_of(box_dir, st).alive())
+        return st.vm is not None and (bool(VmRecord.of(st).saved) or self.vmm_of(box_dir, st).alive())
 
     def conn(self, sid: str, box_dir: Path, st: SandboxState) -> AgentConnection:
         """The agent of a running VM, reconnected when this manager did not make the connection."""
@@ -571,26 +588,25 @@ class VmBackend:
         finally:
             qmp.close()
 
-    def release(self, sid: str, box_dir: Path, st: SandboxState) -> dict[str, Any]:
+    def release(self, sid: str, box_dir: Path, st: SandboxState) -> VmRecord:
         """After a pause's checkpoint landed in the store: stop the VMM (its guest stopped since
         the capture) and remove the VM's disk files and mounts here; the VM record left."""
-        rec = dict(self._record(st))
+        rec = VmRecord.of(st)
         self._drop_conn(sid)
-        if rec.get("vmm_pid"):
+        if rec.vmm_pid:
             self.vmm_of(box_dir, st).quit()
         vm_dir = box_dir / "vm"
         self._unmount_disk_layers(vm_dir)
         for f in vm_dir.glob("disk*.qcow2"):
             f.unlink()
-        rec.update(vmm_pid=0, vmm_start=0, disk_nodes=None, disk_top_node=None)
-        return rec
+        return rec.replace(vmm_pid=0, vmm_start=0, disk_nodes=None, disk_top_node=None)
 
-    def _run_on(self, sid: str, box_dir: Path, st: SandboxState, cgroups_path: str) -> tuple[dict[str, Any], float]:
+    def _run_on(self, sid: str, box_dir: Path, st: SandboxState, cgroups_path: str) -> tuple[VmRecord, float]:
         """Run a paused VM on: its vCPUs, or (a record of an older layerbox) its ``saved.bin``.
         A VM paused to the store is resumed by :meth:`_resume_from_store`."""
-        rec = dict(self._record(st))
+        rec = VmRecord.of(st)
         t = time.perf_counter()
-        if not rec.get("saved"):
+        if not rec.saved:
             qmp = self.vmm_of(box_dir, st).qmp()
             try:
                 qmp.execute("cont")
@@ -598,25 +614,22 @@ class VmBackend:
                 qmp.close()
             return rec, time.perf_counter() - t
         hv, _ = self.prepare()
-        assets = self.assets_by_key(rec["assets"])  # SandboxStateError: this host has no longer that set
-        template = self.host_template(rec["template"]) if rec["template"] is not None else None
-        if template is None and rec["template"] is not None:
-            raise SandboxStateError(f"sandbox {sid} was saved over template {rec['template']}, which this host "
+        assets = self.assets_by_key(rec.assets)  # SandboxStateError: this host has no longer that set
+        template = self.host_template(rec.template) if rec.template is not None else None
+        if template is None and rec.template is not None:
+            raise SandboxStateError(f"sandbox {sid} was saved over template {rec.template}, which this host "
                                     "no longer has: it cannot resume; destroy it")
-        shape = vm.Shape(**rec["shape"])
-        layers = [(m, b) for m, b in rec["layers"]]
+        shape = vm.Shape(**rec.shape)
+        layers = list(rec.layers)
         saved = box_dir / "vm" / "saved.bin"
         procs = self._cgroup(cgroups_path, st.options, shape)
-        guest = rec.get("guest_net")
         # a record of an older layerbox: its qcow2 names its backing file itself
-        nodes = [(str(p), f) for p, f in rec.get("disk_nodes") or [[box_dir / "vm" / "disk.qcow2", "qcow2"]]]
+        nodes = list(rec.disk_nodes or [(str(box_dir / "vm" / "disk.qcow2"), "qcow2")])
         recorded = max((_overlay_number(Path(p)) or 0 for p, _ in nodes), default=0)
         for n in sorted(x for x in _overlay_numbers(box_dir / "vm") if x > recorded):
             # an overlay a checkpoint switched to before the state said so (a crash in between): the
             # guest has written there since, so it goes on top (unused, it is an empty overlay)
             nodes.append((str(box_dir / "vm" / f"disk-{n}.qcow2"), "qcow2"))
-        rec["disk_nodes"] = [list(x) for x in nodes]
-        rec["disk_top_node"] = f"d{len(nodes) - 1}"  # a new VMM's names (vm.disk_args)
         jail = self.jail_of(sid)
         vm_dir = box_dir / "vm"
         vm_dir.chmod(0o711)  # (a VM saved by a layerbox before the jail: its directory was 0700, its disks root's)
@@ -625,20 +638,24 @@ class VmBackend:
                 os.chown(p, *jail, follow_symlinks=False)
         vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, nodes, procs,
                                            netns=self.ctx.resources.networks.manager.netns_path(sid), jail=jail,
-                                           guest_net=(guest[0], int(guest[1]), guest[2]) if guest else None)
+                                           guest_net=rec.guest_net)
         with self._lock:
             self._conns[sid] = conn
         saved.unlink()
-        rec.update(saved=False, vmm_pid=vmm.pid, vmm_start=vmm.start)
-        return rec, time.perf_counter() - t
+        # disk_top_node: a new VMM's names (vm.disk_args)
+        return rec.replace(saved=False, vmm_pid=vmm.pid, vmm_start=vmm.start, disk_nodes=tuple(nodes),
+                           disk_top_node=f"d{len(nodes) - 1}"), time.perf_counter() - t
 
     def _destroy(self, sid: str, box_dir: Path, st: SandboxState | None, cgroup_dirs: Sequence[Path] = ()) -> None:
         """Stop the VMM and remove the VM's files.  The VMM is found by its record and, should the
         record be missing (a crash between its start and the state write), by the sandbox's cgroup,
         where nothing but the VMM runs."""
         self._drop_conn(sid)
-        if st is not None and st.vm is not None and st.vm.get("vmm_pid"):
-            self.vmm_of(box_dir, st).kill()
+        rec = None
+        with contextlib.suppress(SandboxStateError, StateUnreadable):  # then found by its cgroup alone
+            rec = VmRecord.of(st) if st is not None else None
+        if rec is not None and rec.vmm_pid:
+            vm.Vmm(box_dir / "vm", rec.vmm_pid, rec.vmm_start).kill()
         for d in cgroup_dirs:
             with contextlib.suppress(OSError, ValueError):
                 for pid in {int(x) for x in (d / "cgroup.procs").read_text().split()}:
@@ -712,16 +729,16 @@ class VmBackend:
         template_seconds = time.perf_counter() - t
         record, network, timings = await asyncio.to_thread(self._start_vm, box.id, box.dir, resolved, options,
                                                            st.cgroups_path, template, assets)
-        st = box.update(vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"], status="starting",
+        st = box.update(vm=record.to_json(), pid=record.vmm_pid, init_start=record.vmm_start, status="starting",
                         network=network)
         defaults = await asyncio.to_thread(process_defaults, self.files(box, st), resolved, options)
         box.update(env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid, status="running")
         return {"isolation": options.isolation,
-                "vm": {k: record[k] for k in ("machine", "assets", "kernel", "kernel_from", "template", "accel",
-                                              "qemu", "shape")},
+                "vm": {k: v for k, v in record.to_json().items()
+                       if k in ("machine", "assets", "kernel", "kernel_from", "template", "accel", "qemu", "shape")},
                 "template_seconds": round(template_seconds, 6), "template_made": source == "boot",
                 "template_source": source, "start_seconds": timings["restore_seconds"],
-                **({"memory_restored": memory_why is None, "memory_lazy": bool(record.get("memory_lazy"))}
+                **({"memory_restored": memory_why is None, "memory_lazy": record.memory_lazy}
                    if bound_memory else {}),
                 **({"memory_not_restored": memory_why} if memory_why else {})}
 
@@ -800,40 +817,41 @@ class VmBackend:
         box.receipt("checkpoint", **done.receipt_fields())
         ckpt = done.checkpoint
         # the state says paused first: a crash from here on leaves a sandbox to resume from the store
-        box.update_from(lambda fresh: {"status": "paused", "vm": {**(fresh.vm or {}), "saved": "store",
-                                                                  "paused_checkpoint": ckpt.digest}})
+        box.update_from(lambda fresh: {"status": "paused", "vm": VmRecord.of(fresh).replace(
+            saved="store", paused_checkpoint=ckpt.digest).to_json()})
         record = await asyncio.to_thread(self.release, box.id, box.dir, box.state)
-        box.update(vm=record, pid=None, init_start=None)
+        box.update(vm=record.to_json(), pid=None, init_start=None)
         reclaim = {"checkpoint": ckpt.name, "digest": ckpt.digest, "stopped_seconds": ckpt.freeze_seconds,
                    "bytes_uploaded": ckpt.bytes_uploaded, "save_seconds": round(time.perf_counter() - started, 6),
                    "page_cache": self.ctx.cgroups.reclaim(st.cgroups_path)}
         return {"reclaim": reclaim, "isolation": st.options.isolation}
 
     def resume(self, box: Box, st: SandboxState) -> dict[str, Any]:
-        if (st.vm or {}).get("saved") == "store":
+        if VmRecord.of(st).paused_to_store:
             return run_blocking(self._resume_from_store(box))
         record, seconds = self._run_on(box.id, box.dir, st, st.cgroups_path)
-        box.update(status="running", vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"])
+        box.update(status="running", vm=record.to_json(), pid=record.vmm_pid, init_start=record.vmm_start)
         return {"isolation": st.options.isolation, "resume_seconds": round(seconds, 6)}
 
     async def _resume_from_store(self, box: Box) -> dict[str, Any]:
         """Resume a VM paused to the store: its checkpoint restored in place (the same sandbox,
         network and limits), the guest going on where the pause stopped it."""
         st = box.state
-        assert st.vm is not None
+        prior = VmRecord.of(st)
+        assert prior.paused_checkpoint is not None
         started = time.perf_counter()
         async with await self.ctx.open_store() as store:
-            resolved = await store.resolve(st.vm["paused_checkpoint"], refresh=True)
+            resolved = await store.resolve(prior.paused_checkpoint, refresh=True)
         await asyncio.to_thread(self.release, box.id, box.dir, st)  # what a crash in the pause left
-        assets = await asyncio.to_thread(self.assets_by_key, st.vm["assets"])
+        assets = await asyncio.to_thread(self.assets_by_key, prior.assets)
         why = self.memory_mismatch(resolved, assets)
         if why is not None:
             raise SandboxStateError(f"sandbox {box.id}: its paused memory does not load on this host ({why}); "
                                     f"restore {resolved.digest} on a host where it does")
         record, _, _ = await asyncio.to_thread(self._start_vm, box.id, box.dir, resolved, st.options,
-                                               st.cgroups_path, None, assets, st.vm)
-        record.update(parent=resolved.digest, checkpoints=st.vm.get("checkpoints", 0))
-        box.update(status="running", vm=record, pid=record["vmm_pid"], init_start=record["vmm_start"])
+                                               st.cgroups_path, None, assets, prior)
+        record = record.replace(parent=resolved.digest, checkpoints=prior.checkpoints)
+        box.update(status="running", vm=record.to_json(), pid=record.vmm_pid, init_start=record.vmm_start)
         return {"isolation": st.options.isolation, "checkpoint": resolved.digest,
                 "resume_seconds": round(time.perf_counter() - started, 6)}
 
@@ -842,7 +860,7 @@ class VmBackend:
         # the guest's own page cache may hold writes its disk does not have yet: it runs for the
         # capture (a sync, then stopped again for the copy) and is paused again after, to the
         # store again when it was there
-        return bool((st.vm or {}).get("saved"))
+        return bool(VmRecord.of(st).saved)
 
     async def checkpoint(self, box: Box, st: SandboxState, request: CheckpointRequest) -> Checkpointed:
         return await self._checkpoint(box, st, request)
@@ -852,31 +870,30 @@ class VmBackend:
         """The VM's whole disk, stopped and flushed, as the checkpoint's disk layer (chunks dedup
         against its parent's), and with ``memory`` its RAM image beside it; the chain is kept in
         its VM record."""
-        assert st.vm is not None
-        record = dict(st.vm)
-        seq = int(record.get("checkpoints", 0)) + 1
-        parent = record.get("parent") or st.image_digest
+        record = VmRecord.of(st)
+        seq = record.checkpoints + 1
+        parent = record.parent or st.image_digest
 
-        def on_snapshot(rec: dict[str, Any]) -> None:  # the VM's disk chain changed: state says so at once
-            box.update_from(lambda fresh: {"vm": {**(fresh.vm or {}), "disk_nodes": rec["disk_nodes"],
-                                                  "disk_chain": None, "disk_top_node": rec["disk_top_node"]}})
+        def on_snapshot(rec: VmRecord) -> None:  # the VM's disk chain changed: state says so at once
+            box.update_from(lambda fresh: {"vm": VmRecord.of(fresh).replace(
+                disk_nodes=rec.disk_nodes, disk_chain=None, disk_top_node=rec.disk_top_node).to_json()})
 
         async with await self.ctx.open_store() as store:
             ckpt = await Snapshots(store, self.host).checkpoint_disk(
                 parent, lambda out: self.capture(box.id, box.dir, box.state, out, memory=request.memory,
                                                  on_snapshot=on_snapshot, keep_stopped=keep_stopped),
                 ref_name=request.name or f"{request.prefix}checkpoints/{box.id}:{seq}", memory=request.memory,
-                isolation=st.options.isolation, base=record.get("disk_chain") or (),
+                isolation=st.options.isolation, base=record.disk_chain or (),
                 chunk_size=vmstate.VM_CHUNK_SIZE,
-                vm={**{k: record[k] for k in ("machine", "shape")}, **self.vm_identity(record["assets"]),
+                vm={"machine": record.machine, "shape": dict(record.shape), **self.vm_identity(record.assets),
                     # its vmstate.bin's page region is the RAM itself (vm.exact_ram_image): mappable
                     **({"ram_image": "exact"} if request.memory else {})},
                 labels=dict(request.labels), trajectory_offset=request.trajectory_offset,
                 receipt_id=request.receipt_id, policy_version=request.policy_version,
                 attach_docs=dict(request.attach_docs))
             chain = (await store.resolve(ckpt.digest)).disk_chain
-        box.update_from(lambda fresh: {"vm": {**(fresh.vm or {}), "parent": ckpt.digest, "checkpoints": seq,
-                                              "disk_chain": [x.to_json() for x in chain]}})
+        box.update_from(lambda fresh: {"vm": VmRecord.of(fresh).replace(
+            parent=ckpt.digest, checkpoints=seq, disk_chain=tuple(x.to_json() for x in chain)).to_json()})
         return Checkpointed(ckpt, {"isolation": st.options.isolation, "disk_layer": ckpt.layer,
                                    "memory": request.memory})
 
@@ -887,7 +904,7 @@ class VmBackend:
             held: int | None = sum(f.stat().st_blocks * 512 for f in (box.dir / "vm").glob("disk*.qcow2"))
         except OSError:
             held = None
-        limit = int(st.vm["shape"]["disk"]) if st.vm is not None else None
+        limit = int(VmRecord.of(st).shape["disk"]) if st.vm is not None else None
         return {"disk": {"where": "vm-disk", "used": held, "free": None, "limit": limit, "partial": False},
                 "guest_memory": self._guest_memory(box, st)}
 
@@ -919,8 +936,7 @@ class VmBackend:
     def adopt(self, box: Box, st: SandboxState, survivors: Mapping[str, Any]) -> list[LeftOver] | None:
         if not (st.live and self.alive(box.dir, st)):
             return None  # the VMM died (killed, OOM, the host rebooted): nothing to adopt
-        if (st.status == "running" and st.vm is not None and not st.vm.get("saved")
-                and self.ensure_running(box.dir, st)):
+        if st.status == "running" and not VmRecord.of(st).saved and self.ensure_running(box.dir, st):
             # a manager that died in a pause to the store after the capture stopped the guest and
             # before its state said paused: the guest runs on as if not paused
             log.warning("sandbox %s: its guest was stopped by a pause that did not finish; running it on", box.id)

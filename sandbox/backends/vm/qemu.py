@@ -39,7 +39,7 @@ import blake3
 
 from layerstore.objects import SCHEMA_VM_TEMPLATE
 from sandbox.backends.vm import assets as vmassets
-from sandbox.backends.vm.agent import AgentConnection, AgentError
+from sandbox.backends.vm.agent import AgentConnection, AgentError, connect_unix
 from sandbox.core.errors import HostUnsupported, SandboxError
 from sandbox.core.procs import proc_stat
 
@@ -160,8 +160,7 @@ class Qmp:
     """A QMP connection (one command at a time; events are skipped)."""
 
     def __init__(self, path: Path, timeout: float = 30.0) -> None:
-        from sandbox.backends.vm.agent import _connect
-        self.sock = _connect(path, timeout)
+        self.sock = connect_unix(path, timeout)
         self.sock.settimeout(timeout)
         self.file = self.sock.makefile("rb")
         self._read()  # the greeting
