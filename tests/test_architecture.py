@@ -1,7 +1,10 @@
-"""The dependency direction of docs/DESIGN and the store's encapsulation, checked on the source.
+"""The dependency direction of docs/DESIGN and docs/ARCHITECTURE.md, and the store's encapsulation,
+checked on the source.
 
 tools -> sandbox -> snapshots -> lazyfetch -> layerstore, and converters -> layerstore:
-nothing imports upward.  Outside layerstore nobody reaches into a Store's backend or
+nothing imports upward.  Inside sandbox/, the rooms import one way (core <- isolation <-
+backends <- host <- {pools, edge, fleet}; sdk on core alone); no module imports another's
+private name; there is no import circle anywhere; no function in sandbox/ is 70 lines or more.  Outside layerstore nobody reaches into a Store's backend or
 its metadata cache (``store.backend``, ``store.cache``): the Store's own methods say
 what is asked (traces, chunk locations, pack ranges, the writer lock), so the key
 layout stays the one docs/FORMAT.md gives layerstore/objects.py.
@@ -297,4 +300,5 @@ def test_the_room_checks_see_what_they_look_for(tmp_path: Path) -> None:
     assert ("sandbox.host.manager", ["_options"], 2) in got
     assert not any(target == "sandbox.edge.app" for target, _, _ in got)  # under TYPE_CHECKING
     assert ("sandbox.edge", ["app"], 6) in got  # a function's import counts
-    assert room_of("sandbox.backends.vm.qemu") == "backends" and "backends" not in ROOM_ALLOWED["isolation"]
+    assert room_of("sandbox.backends.vm.qemu") == "backends"
+    assert "backends" not in ROOM_ALLOWED["isolation"]
