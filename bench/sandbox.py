@@ -79,7 +79,7 @@ from sandbox.backends.container.runtime import OciRuntime  # noqa: E402
 from sandbox.backends.container.spec import (  # noqa: E402
     DEFAULT_PATH,
     IDLE_INIT,
-    Limits,
+    OciLimits,
     build_process,
     build_spec,
 )
@@ -94,7 +94,7 @@ REF = "bench/python"
 PODMAN_IMAGE = "localhost/layerbox-bench:python"
 TRUE = ["/bin/true"]
 ENV = {"PATH": DEFAULT_PATH, "HOME": "/root"}
-LIMITS = Limits()  # what manager.create uses by default: 1 CPU, 512 MiB, 256 pids
+LIMITS = OciLimits()  # what manager.create uses by default: 1 CPU, 512 MiB, 256 pids
 PODMAN_GLOBAL = ["--cgroup-manager", "cgroupfs", "--events-backend", "file"]  # no systemd on these hosts
 PODMAN_LIMITS = ["--network", "none", "--cpus", f"{LIMITS.cpu:g}", "--memory", f"{LIMITS.memory // MiB}m",
                  "--pids-limit", str(LIMITS.pids), "--ulimit", "nofile=1024:1024",

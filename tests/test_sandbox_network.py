@@ -366,7 +366,7 @@ def test_crun_container_joins_the_policed_netns(boxes: Any, net: NetworkManager,
     """End to end: crun joins the namespace via spec.build_spec(netns_path=...), with the spec's caps."""
     require("cmd:crun")
     from sandbox.backends.container.runtime import OciRuntime
-    from sandbox.backends.container.spec import Limits, build_process, build_spec
+    from sandbox.backends.container.spec import OciLimits, build_process, build_spec
     from sandbox.isolation.cgroups import preflight_cgroups
 
     layout = preflight_cgroups()
@@ -384,7 +384,7 @@ def test_crun_container_joins_the_policed_netns(boxes: Any, net: NetworkManager,
     script = f"python3 -c \"{probe}\"; nft flush ruleset 2>&1 | grep -c 'Operation not permitted'"
     process = build_process(["/bin/sh", "-c", script], env={"PATH": "/usr/sbin:/usr/bin"}, cwd="/", uid=0, gid=0)
     cgroups_path = f"/lbnet-test-{os.getpid()}"
-    spec = build_spec(str(root), process, hostname="crun", cgroups_path=cgroups_path, limits=Limits(),
+    spec = build_spec(str(root), process, hostname="crun", cgroups_path=cgroups_path, limits=OciLimits(),
                       cgroup_version=layout.version, netns_path=info.path)
     assert {"type": "network", "path": info.path} in spec["linux"]["namespaces"]
     spec["root"]["readonly"] = True

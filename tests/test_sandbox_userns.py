@@ -36,7 +36,7 @@ from sandbox.backends.container.files import RootFiles
 from sandbox.backends.container.spec import (
     DEFAULT_PATH,
     IDLE_INIT,
-    Limits,
+    OciLimits,
     build_process,
     build_spec,
 )
@@ -129,7 +129,7 @@ def _userbox(manager: SandboxManager, *, netns: str | None = None, ns_fd: int | 
         idmap.remap_rootfs(rootfs, HOST_BASE, SIZE, ns_fd=ns_fd)  # the one new mount step
         t2 = time.perf_counter()
         process = build_process(IDLE_INIT, env={"PATH": DEFAULT_PATH, "HOME": "/root"}, cwd="/", uid=0, gid=0)
-        spec = build_spec(str(rootfs), process, hostname=sid, cgroups_path=cgroups_path, limits=Limits(),
+        spec = build_spec(str(rootfs), process, hostname=sid, cgroups_path=cgroups_path, limits=OciLimits(),
                           cgroup_version=manager.layout.version, netns_path=netns, userns=(HOST_BASE, SIZE))
         (bundle / "config.json").write_text(json.dumps(spec))
         manager.backend("container").runtime.create(sid, bundle, pid_file=box_dir / "init.pid")
@@ -218,7 +218,7 @@ def test_root_inside_is_an_unprivileged_host_uid(userbox: UserBox) -> None:
     mem = box.manager.layout.controller_dir("memory", box.cgroups_path)
     assert mem is not None
     limit = (mem / ("memory.max" if box.manager.layout.version == 2 else "memory.limit_in_bytes")).read_text()
-    assert int(limit) == Limits().memory
+    assert int(limit) == OciLimits().memory
 
 
 def test_writes_land_with_image_ownership_on_disk(userbox: UserBox) -> None:

@@ -360,6 +360,17 @@ def entry_kind(mode: int) -> str:
     return "other"
 
 
+SPECIAL_KINDS = {stat.S_IFIFO: "FIFO (named pipe)", stat.S_IFSOCK: "socket", stat.S_IFCHR: "character device",
+                 stat.S_IFBLK: "block device"}
+
+
+def special_kind(mode: int) -> str | None:
+    """What a file that is neither regular nor a directory nor a link is (the files API reads and
+    writes only regular files); None for those."""
+    fmt = stat.S_IFMT(mode)
+    return None if fmt in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK) else SPECIAL_KINDS.get(fmt, "special file")
+
+
 @dataclass(frozen=True)
 class ProcessDefaults:
     """What every command of a sandbox gets unless it says otherwise: the image's config under the options."""

@@ -66,12 +66,15 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def proc_stat(pid: int) -> tuple[int, int] | None:
-    """(ppid, starttime ticks) of ``pid``, or None when it is gone."""
+    """(ppid, starttime ticks) of ``pid``, or None when it is gone.  A zombie is gone: it has
+    exited and only waits for its parent to reap it (a VMM that died under its manager)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return None
     return int(fields[1]), int(fields[19])
 
 

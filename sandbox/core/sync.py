@@ -1,13 +1,18 @@
-"""The one bridge from blocking code into a coroutine (a request's worker thread, the CLI, the reaper).
+"""The bridges from blocking code into coroutines, both here.
 
-Library code is async where it does store I/O and blocking where it drives processes; a
-blocking caller that needs a store coroutine runs it here, on a loop of its own.  Called
-from a thread that runs an event loop, it refuses: that caller awaits the coroutine instead.
+Library code is async where it does store I/O and blocking where it drives processes.  A
+blocking caller with no loop (a request's worker thread, the CLI, the reaper) that needs a
+store coroutine runs it on a loop of its own (:func:`run_blocking`; called from a thread that
+runs an event loop, it refuses: that caller awaits the coroutine instead).  A worker thread
+that serves a loop running in another thread (a command's output into a response, an upload's
+body into a file) hands it coroutines with :func:`wait_in_loop`.  (The blocking SDK keeps a
+loop of its own across calls: sandbox.sdk.blocking.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -22,3 +27,20 @@ def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(coro)
     coro.close()
     raise RuntimeError("a blocking sandbox call from inside an event loop: await its async form")
+
+
+def wait_in_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], *,
+                 stop: threading.Event | None = None, poll: float = 0.5) -> T | None:
+    """Run ``coro`` on ``loop`` (running in another thread) and wait here for its result.  With
+    ``stop``, give up once it is set (looked at every ``poll`` seconds): the coroutine is
+    cancelled and None returned."""
+    fut = asyncio.run_coroutine_threadsafe(coro, loop)
+    if stop is None:
+        return fut.result()
+    while not stop.is_set():
+        try:
+            return fut.result(timeout=poll)
+        except TimeoutError:
+            continue
+    fut.cancel()
+    return None

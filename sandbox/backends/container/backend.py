@@ -48,7 +48,7 @@ from sandbox.backends.base import (
 )
 from sandbox.backends.container.files import RootFiles
 from sandbox.backends.container.runtime import ConsoleSocket, OciRuntime, kill_tree
-from sandbox.backends.container.spec import IDLE_INIT, Limits, build_process, build_spec
+from sandbox.backends.container.spec import IDLE_INIT, OciLimits, build_process, build_spec
 from sandbox.core.errors import (
     RuntimeFailed,
     SandboxError,
@@ -70,8 +70,8 @@ EXEC_PREFIX = "exec-"
 MAX_WALK = 200_000  # entries of an upper directory counted for its disk use; past it the figure is partial
 
 
-def limits_of(options: SandboxOptions) -> Limits:
-    return Limits(cpu=options.cpu, memory=options.memory, pids=options.pids,
+def limits_of(options: SandboxOptions) -> OciLimits:
+    return OciLimits(cpu=options.cpu, memory=options.memory, pids=options.pids,
                   best_effort=options.cpu_class == "best-effort")
 
 

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
 
-from sandbox.backends.base import entry_kind
+from sandbox.backends.base import entry_kind, special_kind
 from sandbox.core.errors import HostUnsupported, NotARegularFile, PathEscape
 from sandbox.core.paths import RESOLVE_IN_ROOT, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_XDEV, openat2
 from sandbox.isolation import idmap as _idmap
@@ -49,9 +49,6 @@ from sandbox.isolation import landlock
 
 CHUNK = 1 << 20
 OVERFLOW_ID = 65534  # what the kernel shows for an id without a mapping (nobody)
-_SPECIAL_KINDS = {stat.S_IFIFO: "FIFO (named pipe)", stat.S_IFSOCK: "socket",
-                  stat.S_IFCHR: "character device", stat.S_IFBLK: "block device"}
-
 T = TypeVar("T")
 
 def openat2_in_root(root_fd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
@@ -287,7 +284,7 @@ def _require_regular(st: os.stat_result, path: str) -> None:
         return
     if stat.S_ISDIR(st.st_mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-    raise NotARegularFile(errno.EINVAL, path, _SPECIAL_KINDS.get(stat.S_IFMT(st.st_mode), "special file"))
+    raise NotARegularFile(errno.EINVAL, path, special_kind(st.st_mode) or "special file")
 
 
 def _reopen(pfd: int, flags: int) -> int:

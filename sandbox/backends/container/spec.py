@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sandbox.core.model import DEFAULT_CPU, DEFAULT_MEMORY, DEFAULT_PIDS
 from sandbox.isolation import seccomp
 
 # An idle init present in every Debian image (dash): it exits on TERM and,
@@ -161,10 +162,12 @@ DEVICES = (
 
 
 @dataclass(frozen=True)
-class Limits:
-    cpu: float = 1.0  # CPUs' worth of quota
-    memory: int = 512 << 20  # bytes, no swap
-    pids: int = 256
+class OciLimits:
+    """The OCI ``linux.resources`` of a sandbox (defaults: the model's)."""
+
+    cpu: float = DEFAULT_CPU  # CPUs' worth of quota
+    memory: int = DEFAULT_MEMORY  # bytes, no swap
+    pids: int = DEFAULT_PIDS
     best_effort: bool = False  # the lowest CPU weight: it yields to every latency-sensitive sandbox
 
     def resources(self) -> dict[str, Any]:
@@ -261,7 +264,7 @@ def build_process(args: Sequence[str], *, env: Mapping[str, str], cwd: str, uid:
 
 
 def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroups_path: str,
-               limits: Limits, cgroup_version: int, netns_path: str | None = None,
+               limits: OciLimits, cgroup_version: int, netns_path: str | None = None,
                userns: tuple[int, int] | None = None, userns_path: str | None = None) -> dict[str, Any]:
     """``netns_path``: join that network namespace (sandbox.isolation.network) instead of a new empty one.
 

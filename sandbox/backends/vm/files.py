@@ -10,7 +10,9 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
-from sandbox.backends.vm.agent import AgentConnection, GuestFileError, entry_json
+from sandbox.backends.base import special_kind
+from sandbox.backends.vm.agent import AgentConnection, AgentError, GuestFileError, entry_json
+from sandbox.core.errors import NotARegularFile
 
 MAX_PATH = 4096
 
@@ -38,7 +40,19 @@ class GuestFiles:
         try:
             yield
         except GuestFileError as exc:
+            if exc.errno != errno.ENOENT:
+                # the agent refuses what is not a regular file (EINVAL, ENXIO for a socket to a read,
+                # EISDIR to a write): a FIFO, socket or device answers as it does in a container
+                kind = self._special(path)
+                if kind is not None:
+                    raise NotARegularFile(errno.EINVAL, path, kind) from None
             raise _os_error(exc, path) from None
+
+    def _special(self, path: str) -> str | None:
+        try:
+            return special_kind(self._conn().stat(_guest_path(path)).mode)
+        except (GuestFileError, AgentError):
+            return None
 
     def iter_read(self, path: str, chunk: int = 0) -> Iterator[bytes]:
         with self._mapped(path):

@@ -409,9 +409,12 @@ class Vmm:
                 popen.wait(timeout)
             return
         deadline = time.monotonic() + timeout
-        while self.alive() and time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
+        while time.monotonic() < deadline:
+            try:
                 if os.waitpid(self.pid, os.WNOHANG)[0]:
+                    return  # this process's child, reaped
+            except ChildProcessError:  # another's child: its parent reaps it
+                if not self.alive():
                     return
             time.sleep(0.01)
 

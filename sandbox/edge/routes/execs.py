@@ -26,6 +26,7 @@ from aiohttp import web
 
 from sandbox.core.errors import ApiError
 from sandbox.core.model import ExecRequest
+from sandbox.core.sync import wait_in_loop
 from sandbox.edge.context import EdgeContext
 from sandbox.edge.errors import as_api_error
 from sandbox.host.execs import Cancel, Cut, ExecResult
@@ -92,16 +93,8 @@ def _forwarder(events: asyncio.Queue[Event], cancel: Cancel,
     queue is full (the pipe then stops the command), until the command is cancelled."""
     def forward(kind: str) -> Callable[[Any], None]:
         def push(data: Any) -> None:  # the manager hands over at most output_cap bytes per stream
-            if cancel.is_set():
-                return
-            fut = asyncio.run_coroutine_threadsafe(events.put((kind, data)), loop)
-            while not cancel.is_set():
-                try:
-                    fut.result(timeout=0.5)
-                    return
-                except TimeoutError:
-                    continue
-            fut.cancel()
+            if not cancel.is_set():
+                wait_in_loop(loop, events.put((kind, data)), stop=cancel)
         return push
     return forward
 

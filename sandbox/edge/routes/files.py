@@ -17,6 +17,7 @@ from typing import cast
 
 from aiohttp import web
 
+from sandbox.core.sync import wait_in_loop
 from sandbox.edge.context import EdgeContext, flag
 from sandbox.edge.errors import invalid
 
@@ -84,7 +85,7 @@ class Files:
         class Source(io.RawIOBase):  # the request body, read by the upload thread as it arrives
             def read(self, size: int = -1) -> bytes:
                 n = size if size > 0 else 1 << 20
-                return asyncio.run_coroutine_threadsafe(content.read(n), loop).result()
+                return wait_in_loop(loop, content.read(n)) or b""
 
         written = await ctx.files(project, lambda: box.upload(path, Source(), mode))
         return web.json_response({"path": path, "bytes": written}, status=201)

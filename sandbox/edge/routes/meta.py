@@ -15,8 +15,8 @@ from sandbox.core.model import ISOLATIONS
 from sandbox.edge import openapi
 from sandbox.edge.context import EdgeContext
 
-# What the edge does whatever runs a sandbox; what depends on a backend comes from the backends.
-# A request for anything else is refused, never downgraded.
+# What the edge does whatever runs a sandbox; what depends on a backend comes from the backends
+# (capabilities()).  A request for anything else is refused, never downgraded.
 CAPABILITIES: dict[str, Any] = {
     "cpu_classes": ["latency", "best-effort"],
     "limits": ["cpu", "memory", "pids", "disk"],
@@ -24,9 +24,6 @@ CAPABILITIES: dict[str, Any] = {
     "preemption": True,
     "fncall": True,
     "streaming": "ndjson",
-    "commands": {"background": True, "pty": True, "websocket": True},
-    "ports": {"http": True, "websocket": True, "signed_urls": True},
-    "fork": True,
     "output": {"keep": ["head", "tail"], "cut_events": True},
 }
 
@@ -54,12 +51,18 @@ class Meta:
     async def capabilities(self, request: web.Request) -> web.Response:
         self.ctx.project(request)
         backends = {isolation: await self.ctx.capabilities(isolation) for isolation in ISOLATIONS}
+
+        def some(feature: str) -> bool:  # where at least one backend of this edge provides it
+            return any(v.has(feature) for v in backends.values())
+
         return web.json_response({
             **CAPABILITIES,
             "isolation": [k for k, v in backends.items() if v.available],
             # processes are checkpointed where a backend checkpoints memory (a VM's RAM)
-            "checkpoint": {"filesystem": True,
-                           "processes": any(v.has("memory_checkpoint") for v in backends.values())},
+            "checkpoint": {"filesystem": some("checkpoint"), "processes": some("memory_checkpoint")},
+            "commands": {"background": some("interactive"), "pty": some("interactive"), "websocket": True},
+            "ports": {"http": some("ports"), "websocket": some("ports"), "signed_urls": some("ports")},
+            "fork": some("fork"),
             "backends": {k: v.to_json() for k, v in backends.items()}})
 
     async def metrics(self, request: web.Request) -> web.Response:
