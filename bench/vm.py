@@ -119,7 +119,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     host3.host.daemon_options = {"fill_below": 0}
     made: list[Sandbox] = []  # destroyed by the hosts' close() at the end, whatever happens
     try:
-        accel = host1.backend("microvm").capabilities()
+        accel = host1.backend("microvm").capabilities("microvm").to_json()
         doc["vmm"] = {k: accel.get(k) for k in ("qemu", "accel", "accel_reason", "guest_assets", "kernel")}
         log("create: the first microVM (template boot)")
         box, cold = create_first_exec(host1, vm)

@@ -474,11 +474,6 @@ class SandboxOptions:
         if self.kernel == "image" and self.isolation != "vm":
             raise InvalidField("kernel", "kernel=image (the image's own /vmlinuz) needs isolation=vm")
 
-    @property
-    def is_vm(self) -> bool:
-        """Whether a QEMU VM (microvm or full VM) isolates the sandbox."""
-        return self.isolation in VM_ISOLATIONS
-
     @classmethod
     def from_json(cls, doc: object, *, field_prefix: str = "", extra: Sequence[str] = ()) -> SandboxOptions:
         """From a client's JSON object: unknown fields and reserved labels are refused.

@@ -56,6 +56,9 @@ class HostResource(Protocol):
     def owners(self) -> set[str]:
         """The sandbox ids holding some of this resource now."""
 
+    def reclaim(self, owner: str) -> None:
+        """Free all an owner no longer alive holds (reconcile's sweep); for most steps, release."""
+
 
 def _owner(paths: SandboxPaths, path: str) -> str | None:
     """The sandbox whose directory holds ``path`` (``boxes/<id>/...``), if its name is an id."""
@@ -93,15 +96,18 @@ class Mounts:
             # from close(), every other sandbox and the daemon) behind
             log.warning("sandbox %s: %s; detaching it lazily", sid, exc)
             self.host.umount(rootfs, discard=True, lazy=True)
-        for mp in self._under(box):  # what else is mounted there (a crash's leftovers)
-            self.host.umount(mp, discard=True)
-
-    def _under(self, box: Path) -> list[str]:
-        prefix = str(box) + "/"
-        return [mp for mp in self.host.status()["mounts"] if mp.startswith(prefix)]
+        # (a VM's disk layers are its backend's to unmount, after its VMM; what a crash left
+        # under a sandbox's directory, reconcile's sweep finds by owner)
 
     def owners(self) -> set[str]:
         return {sid for mp in self.host.status()["mounts"] if (sid := _owner(self.paths, mp)) is not None}
+
+    def reclaim(self, sid: str) -> None:
+        """Every mount under ``sid``'s directory (what a crash left there)."""
+        prefix = str(self.paths.box(sid)) + "/"
+        for mp in self.host.status()["mounts"]:
+            if mp.startswith(prefix):
+                self.host.umount(mp, discard=True)
 
 
 class Disks:
@@ -125,6 +131,8 @@ class Disks:
         prefix = str(self.paths.boxes) + "/"
         return {sid for mp in kmount.mountpoints()
                 if mp.startswith(prefix) and mp.endswith("/disk") and (sid := _owner(self.paths, mp)) is not None}
+
+    reclaim = release
 
 
 class Networks:
@@ -160,6 +168,8 @@ class Networks:
 
     def owners(self) -> set[str]:
         return set(self.manager.list()) if self.state_dir.exists() else set()
+
+    reclaim = release
 
 
 class Cgroups:
@@ -204,6 +214,8 @@ class Cgroups:
                     continue
         return found
 
+    reclaim = release
+
 
 class Uids:
     """Host uid ranges from the manager's pool (sandbox.isolation.idmap.RangePool)."""
@@ -222,6 +234,8 @@ class Uids:
     def owners(self) -> set[str]:
         """Sandbox ids, and the names of template boots a crash interrupted (their VMM's jail)."""
         return set(self.pool.owners())
+
+    reclaim = release
 
 
 class HostResources:
@@ -245,6 +259,6 @@ class HostResources:
         released = []
         for step in self.order:
             for sid in sorted(step.owners() - keep):
-                step.release(sid)
+                step.reclaim(sid)
                 released.append(f"{step.name}:{sid}")
         return released
