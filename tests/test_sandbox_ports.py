@@ -66,7 +66,10 @@ class Http(http.server.BaseHTTPRequestHandler):
     def hello(self, send=True):
         self.reply(b"hello from the sandbox\n", send=send, extra=[
             ("X-Up-Hop", "1"), ("Keep-Alive", "timeout=9"), ("Connection", "X-Up-Hop"),
-            ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")])
+            ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"),
+            # a hostile preview's try at the edge's whole origin: a service worker over every path,
+            # a cookie for every path of the edge and of its parent domain
+            ("Service-Worker-Allowed", "/"), ("Set-Cookie", "c=3; Path=/; Domain=example.com; HttpOnly")])
 
     def do_HEAD(self):
         self.hello(send=False)
@@ -294,13 +297,18 @@ def test_http_with_the_owners_token_drops_hop_by_hop_headers_and_the_token(url: 
         assert (status, json.loads(raw)["method"]) == (200, method)
 
 
-def test_multiple_set_cookie_headers_survive(url: str, sid: str) -> None:
-    async def scenario() -> list[str]:
+def test_set_cookie_headers_survive_kept_to_the_sandboxs_prefix(url: str, sid: str) -> None:
+    """Several cookies pass, each scoped to the sandbox's own prefix (no Domain, no Path above it),
+    and no Service-Worker-Allowed reaches the edge's origin."""
+    async def scenario() -> tuple[list[str], str | None]:
         async with aiohttp.ClientSession() as s, s.get(proxy(url, sid, HTTP_PORT, "hello"),
                                                         headers={"Authorization": f"Bearer {ALPHA}"}) as r:
-            return r.headers.getall("Set-Cookie")
+            return r.headers.getall("Set-Cookie"), r.headers.get("Service-Worker-Allowed")
 
-    assert run(scenario()) == ["a=1", "b=2"]
+    cookies, worker = run(scenario())
+    prefix = f"/v1/sandboxes/{sid}/ports/{HTTP_PORT}/proxy"
+    assert cookies == [f"a=1; Path={prefix}", f"b=2; Path={prefix}", f"c=3; HttpOnly; Path={prefix}"]
+    assert worker is None
 
 
 def test_bodies_stream_both_ways(url: str, sid: str) -> None:

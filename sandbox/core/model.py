@@ -61,6 +61,9 @@ RESERVED_LABEL_PREFIX = "layerbox."
 PROJECT_LABEL = "layerbox.project"
 POOL_LABEL = "layerbox.pool"  # a warm-pool sandbox (sandbox.pools.fncall): never adopted after a restart
 POOL_ID_LABEL = "layerbox.pool.id"
+# the project a FnCall pool's sandbox is made for: it counts against that project's quota, and is
+# not a sandbox the project can name (its PROJECT_LABEL is unset)
+POOL_PROJECT_LABEL = "layerbox.pool.project"
 SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's attachment: its sandbox's carried options
 
 CpuClass = Literal["latency", "best-effort"]

@@ -12,8 +12,9 @@ loop of its own across calls: sandbox.sdk.blocking.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -44,3 +45,32 @@ def wait_in_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], 
             continue
     fut.cancel()
     return None
+
+
+def own_thread(fn: Callable[[], T], *, name: str = "layerbox-work") -> asyncio.Future[T]:
+    """``fn()`` started on a thread of its own; the future of its result, on the running loop.
+
+    For work that lasts as long as a tenant wants (a command, an upload paced by its client),
+    which must never hold a thread of the executor the control plane's short calls share.
+    Cancelling an await of the future does not stop ``fn``: the caller stops it its own way (a
+    command's Cancel) and awaits the future again for the end."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+    done.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error nobody awaits is no warning
+
+    def settle(ok: bool, value: Any) -> None:
+        if not done.done():
+            (done.set_result if ok else done.set_exception)(value)
+
+    def run() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:  # handed to whoever awaits the future
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody awaits any more
+                loop.call_soon_threadsafe(settle, False, exc)
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, True, result)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import secrets
@@ -28,6 +29,7 @@ from layerstore.objects import ref_key
 from sandbox.core.errors import ApiError
 from sandbox.core.model import ISOLATIONS, Maxima
 from sandbox.edge.auth import AuthConfig, Project
+from sandbox.edge.caps import ProjectCaps
 from sandbox.edge.context import MAX_BODY, SHUTDOWN_GRACE, EdgeContext
 from sandbox.edge.errors import as_api_error
 from sandbox.edge.metrics import Metrics
@@ -50,6 +52,9 @@ from sandbox.pools.fncall import WarmPool
 log = logging.getLogger("layerbox.sandbox.service")
 
 DEFAULT_LEASE_TTL = 600.0
+# seconds a connection may take to send a request's headers (and stay idle between requests):
+# aiohttp closes a connection whose request never completes at its keep-alive deadline
+HEADER_TIMEOUT = 15.0
 REAP_INTERVAL = 5.0
 READY_WARM_UP = ("/bin/true",)  # run once in each ready sandbox (WarmPool's warm): not found is fine too
 
@@ -72,12 +77,13 @@ class SandboxService:
                  lease_ttl: float = DEFAULT_LEASE_TTL, reap_interval: float = REAP_INTERVAL,
                  fncall_pool: int = 2, maxima: Maxima | None = None, shutdown_manager: bool = False,
                  url_secret: bytes | None = None, command_limits: CommandLimits | None = None,
-                 ready: Mapping[str, int] | None = None, isolations: Sequence[str] = ISOLATIONS) -> None:
+                 ready: Mapping[str, int] | None = None, isolations: Sequence[str] = ISOLATIONS,
+                 caps: ProjectCaps | None = None) -> None:
         maxima = maxima or Maxima()
         self.manager = manager
         self.context = EdgeContext(
             manager, auth, admission or Admission(AdmissionConfig(), disk_path=manager.data_dir, boxes=manager.boxes),
-            maxima, lease_ttl=min(lease_ttl, maxima.lease_ttl), isolations=isolations, metrics=Metrics())
+            maxima, lease_ttl=min(lease_ttl, maxima.lease_ttl), isolations=isolations, metrics=Metrics(), caps=caps)
         self.ready = dict(ready or {})
         # signs port URLs (sandbox.edge.routes.ports); unless given, a random key per start (URLs die with it)
         self.url_secret = url_secret or secrets.token_bytes(32)
@@ -86,6 +92,8 @@ class SandboxService:
         self.shutdown_manager = shutdown_manager
         self.command_limits = command_limits  # background commands and terminals (sandbox.edge.routes.commands)
         self._reaper: asyncio.Task[None] | None = None
+        # the reaper's own thread: TTLs, leases and a dead daemon are handled whatever tenants run
+        self._reaper_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reaper")
         self._warm: asyncio.Task[object] | None = None
 
     def app(self) -> web.Application:
@@ -143,16 +151,19 @@ class SandboxService:
                 await ctx.fncalls.close()
         finally:  # a pool that failed to close must not leave every other sandbox and mount behind
             await ctx.close_files()
+            self._reaper_pool.shutdown(wait=False)
             if self.shutdown_manager:
                 await asyncio.to_thread(self.manager.close)
 
     async def _reap_forever(self) -> None:
         """Destroy sandboxes past their TTL or lease, pause idle ones; a failure waits for the next round."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.reap_interval)
             try:
-                await asyncio.to_thread(self.manager.heal)  # a dead lazyfetch daemon: restart its sandboxes
-                report = await asyncio.to_thread(self.manager.reap)
+                # a dead lazyfetch daemon: restart its sandboxes
+                await loop.run_in_executor(self._reaper_pool, self.manager.heal)
+                report = await loop.run_in_executor(self._reaper_pool, self.manager.reap)
                 if report["destroyed"] or report["paused"]:
                     log.info("reaper: %s", report)
                 for action, ids in report.items():
@@ -166,11 +177,15 @@ class SandboxService:
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
         try:
             resp = await handler(request)
-        except web.HTTPException as exc:  # aiohttp's own 404/405/413 for unknown routes and big bodies
+        except web.HTTPRequestEntityTooLarge:
+            resp = self._error_response(ApiError(413, "body_too_large", (
+                f"request body over {MAX_BODY} bytes; send files through /files and big input as exec stdin "
+                "or a command's stdin stream")))
+        except web.HTTPException as exc:  # aiohttp's own 404/405 for unknown routes
             resp = self._error_response(ApiError(exc.status, "http", exc.reason))
         except Exception as exc:
             err = as_api_error(exc)
-            if err.status >= 500 and err.code != "capacity":  # a rejection is a normal answer
+            if err.status == 500:  # the edge's own failure; 502-504 answer what a sandbox or the host is doing
                 log.exception("%s %s failed", request.method, request.path)
             resp = self._error_response(err)
         self.context.metrics.requests.labels(route, str(resp.status)).inc()
@@ -212,6 +227,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready", action="append", default=[], metavar="IMAGE=N",
                         help="keep N sandboxes of IMAGE (a ref) started ahead of need; a create of it with "
                         "default disk, network, userns and cpu_class adopts one (repeatable)")
+    caps = ProjectCaps()
+    for kind, what in (("commands", "commands running (exec streams, FnCalls, background commands, terminals)"),
+                       ("transfers", "file uploads and downloads"),
+                       ("connections", "proxied port connections and command sockets")):
+        parser.add_argument(f"--max-{kind}-per-project", type=int, default=getattr(caps, kind), metavar="N",
+                            help=f"{what} one project may have at once (default %(default)s)")
     parser.add_argument("--url-secret-file", type=Path, help="at least 32 bytes that sign port URLs, the same "
                         "on every edge that should honour them (default: random per start)")
     return parser
@@ -252,11 +273,14 @@ def main(argv: list[str] | None = None) -> int:
                           disk_path=manager.data_dir, boxes=manager.boxes)
     limits = Maxima(memory=args.max_memory, pids=args.max_pids, output_cap=args.max_output_cap, ttl=args.max_ttl,
                     idle_timeout=args.max_ttl, lease_ttl=args.max_lease_ttl)
+    caps = ProjectCaps(commands=args.max_commands_per_project, transfers=args.max_transfers_per_project,
+                       connections=args.max_connections_per_project)
     service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True, url_secret=url_secret,
-                             ready=ready, isolations=args.isolation or ISOLATIONS)
+                             ready=ready, isolations=args.isolation or ISOLATIONS, caps=caps)
     # SIGTERM: commands streaming are interrupted at once (_interrupt_streams); other requests in flight
     # (a file transfer to a slow client) get SHUTDOWN_GRACE s to finish, then as long again once cancelled
-    web.run_app(service.app(), host="127.0.0.1", port=args.port, shutdown_timeout=SHUTDOWN_GRACE)
+    web.run_app(service.app(), host="127.0.0.1", port=args.port, shutdown_timeout=SHUTDOWN_GRACE,
+                keepalive_timeout=HEADER_TIMEOUT)
     return 0
 
 

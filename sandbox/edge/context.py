@@ -23,7 +23,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -33,6 +33,7 @@ from layerstore.objects import BadName, Resolved, ref_key
 from sandbox.backends.base import Capabilities
 from sandbox.core.errors import ApiError, SandboxNotFound, SandboxStateError
 from sandbox.core.model import (
+    POOL_PROJECT_LABEL,
     PROJECT_LABEL,
     Maxima,
     SandboxOptions,
@@ -43,6 +44,7 @@ from sandbox.core.model import (
 )
 from sandbox.core.views import SandboxInfo
 from sandbox.edge.auth import AuthConfig, Project
+from sandbox.edge.caps import ProjectCaps, Usage
 from sandbox.edge.errors import invalid
 from sandbox.edge.metrics import Metrics
 from sandbox.host.admission import Admission, CapacityExceeded, Demand
@@ -53,8 +55,13 @@ from sandbox.pools.fncall import FnCalls, WarmPool
 log = logging.getLogger("layerbox.sandbox.service")
 T = TypeVar("T")
 
-MAX_BODY = 64 << 20  # JSON bodies; file uploads stream and have no limit but the sandbox's disk
+# JSON bodies: the largest request is a 1 MiB command or function with its arguments; big payloads
+# go through the upload and stdin routes, which stream.  Parsing is off the loop and bounded in
+# elements (a body of tiny nested objects costs far more to walk than to read).
+MAX_BODY = 4 << 20
 MAX_JSON_DEPTH = 32
+MAX_JSON_ELEMENTS = 100_000  # objects and arrays in one body
+CALLER_POLL = 1.0  # seconds between looks at a waiting caller's connection
 DEFAULT_JOB = "default"
 FILE_OPS_PER_PROJECT = 4  # blocking file work in flight per project
 FILE_THREADS = 32
@@ -67,7 +74,8 @@ class EdgeContext:
     """The service's state and the checks every route makes (see the module's docstring)."""
 
     def __init__(self, manager: SandboxManager, auth: AuthConfig, admission: Admission, maxima: Maxima, *,
-                 lease_ttl: float, isolations: Sequence[str], metrics: Metrics) -> None:
+                 lease_ttl: float, isolations: Sequence[str], metrics: Metrics,
+                 caps: ProjectCaps | None = None) -> None:
         self.manager = manager
         self.auth = auth
         self.admission = admission
@@ -75,6 +83,9 @@ class EdgeContext:
         self.lease_ttl = lease_ttl
         self.isolations = tuple(isolations)  # what this edge runs when its host can
         self.metrics = metrics
+        caps = caps or ProjectCaps()
+        # what each project holds at once, and the edge in all (sandbox.edge.caps)
+        self.usage = Usage(caps, caps.total(len({p.name for p in auth.tokens.values()})))
         self.stopping = False
         self.streams: set[Any] = set()  # the cancels of commands streaming now: a stop interrupts them
         self.ready_pools: dict[str, WarmPool] = {}  # ref key -> its ready sandboxes (--ready)
@@ -121,7 +132,19 @@ class EdgeContext:
             self.manager.leases.renew(state.job)
 
     def owned(self, project: Project) -> list[SandboxState]:
-        return [st for st in self.manager.list() if st.project == project.name]
+        return self.owned_by(project.name)
+
+    def owned_by(self, project: str) -> list[SandboxState]:
+        return [st for st in self.manager.list() if st.project == project]
+
+    def counted_for(self, project: str) -> list[SandboxState]:
+        """What ``project``'s quota counts: its sandboxes and those its FnCall pools hold."""
+        return [st for st in self.manager.list()
+                if st.project == project or st.labels.get(POOL_PROJECT_LABEL) == project]
+
+    def quota(self, project: str) -> int:
+        """The most sandboxes ``project`` may have here (0 for a name the tokens file lacks)."""
+        return next((p.max_sandboxes for p in self.auth.tokens.values() if p.name == project), 0)
 
     async def resolve(self, project: Project, ref: str, *, field: str, kinds: tuple[str, ...]) -> Resolved:
         """Resolve ``ref`` once and check that ``project`` may use what it names.
@@ -164,23 +187,18 @@ class EdgeContext:
     # -- what it sends -----------------------------------------------------------------------------------
     @staticmethod
     async def body(request: web.Request) -> dict[str, Any]:
-        """The request's JSON object ({} for none); 400 for anything else or nesting past MAX_JSON_DEPTH."""
+        """The request's JSON object ({} for none); 400 for anything else, more than MAX_JSON_ELEMENTS
+        objects and arrays, or nesting past MAX_JSON_DEPTH; 413 past MAX_BODY (aiohttp's)."""
         if not request.can_read_body:
             return {}
         raw = await request.read()
         if not raw.strip():
             return {}
-        try:
-            doc = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(None, "bad_request", f"body is not JSON: {exc}") from None
-        except RecursionError:
-            raise ApiError(None, "bad_request", f"body nests deeper than {MAX_JSON_DEPTH} levels") from None
-        if not isinstance(doc, dict):
-            raise ApiError(None, "bad_request", "body must be a JSON object")
-        if _json_depth(doc, MAX_JSON_DEPTH):
-            raise ApiError(None, "bad_request", f"body nests deeper than {MAX_JSON_DEPTH} levels")
-        return doc
+        # brackets inside strings count too: an over-count refuses a few odd bodies, never admits a big one
+        if raw.count(b"{") + raw.count(b"[") > MAX_JSON_ELEMENTS:
+            raise ApiError(None, "bad_request", f"body has more than {MAX_JSON_ELEMENTS} objects and arrays; "
+                                                "send data through the upload or stdin routes")
+        return await asyncio.to_thread(_parse_object, raw)
 
     @staticmethod
     def query_path(request: web.Request) -> str:
@@ -230,16 +248,26 @@ class EdgeContext:
                      start: Callable[[], Awaitable[T]]) -> web.Response:
         """Quota, then admission for every demand, then ``start``; both checks count creates in flight.
         The answer is 201 with the sandbox's view (``start`` made one) or ``start``'s document."""
-        await self._admit(project, demands)
-        made: set[str] = set()  # the ids start makes, as the manager picks them (IN_FLIGHT)
-        flying = self._flying.setdefault(project.name, [])
+        async with self.admitted(project.name, project.max_sandboxes, demands):
+            result = await start()
+        if isinstance(result, Sandbox):
+            return web.json_response((await self.views([result]))[0], status=201)
+        return web.json_response(result, status=201)
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, project: str, quota: int, demands: list[SandboxOptions]) -> AsyncIterator[None]:
+        """Within the block, ``demands`` count against ``project``'s quota (429 past it) and this
+        host's capacity (503); the sandboxes the block makes are told apart from those it counts."""
+        await self._admit(project, quota, demands)
+        made: set[str] = set()  # the ids the block makes, as the manager picks them (IN_FLIGHT)
+        flying = self._flying.setdefault(project, [])
         flying.append(made)
         token = IN_FLIGHT.set(made)
         try:
             with contextlib.ExitStack() as held:
                 for options in demands:
                     held.enter_context(self.admission.reserve(Demand.of(options)))
-                result = await start()
+                yield
         except CapacityExceeded as exc:
             self.metrics.rejected.labels(exc.resources[0]).inc()
             log.info("create refused: %s", exc)
@@ -248,24 +276,21 @@ class EdgeContext:
             IN_FLIGHT.reset(token)
             self._ended += 1
             flying.remove(made)
-            self._pending[project.name] -= len(demands)
-        if isinstance(result, Sandbox):
-            return web.json_response((await self.views([result]))[0], status=201)
-        return web.json_response(result, status=201)
+            self._pending[project] -= len(demands)
 
-    async def _admit(self, project: Project, demands: list[SandboxOptions]) -> None:
+    async def _admit(self, project: str, quota: int, demands: list[SandboxOptions]) -> None:
         """Count ``demands`` against the project's quota, or refuse with 429 (creates in flight count)."""
         async with self._quota_lock:
             live = await self._live(project)
-            if live + len(demands) > project.max_sandboxes:
+            if live + len(demands) > quota:
                 more = f"; this needs {len(demands)} more" if len(demands) > 1 else ""
                 raise ApiError(None, "quota_exceeded",
-                               f"project {project.name!r} has {live} of {project.max_sandboxes} sandboxes{more}; "
+                               f"project {project!r} has {live} of {quota} sandboxes{more}; "
                                "destroy one or retry later", retryable=True, retry_after=5,
                                resources=("sandboxes",))
-            self._pending[project.name] = self._pending.get(project.name, 0) + len(demands)
+            self._pending[project] = self._pending.get(project, 0) + len(demands)
 
-    async def _live(self, project: Project, attempts: int = 5) -> int:
+    async def _live(self, project: str, attempts: int = 5) -> int:
         """The project's sandboxes, a create in flight counted once (as pending; the sandboxes it has
         made so far, whose states may already say running, are left out of the states).  The states
         are read off the loop: if a create ended meanwhile the count may be off, so it is read
@@ -273,11 +298,11 @@ class EdgeContext:
         (too many, never too few)."""
         for _ in range(attempts):
             ended = self._ended
-            states = await asyncio.to_thread(self.owned, project)
+            states = await asyncio.to_thread(self.counted_for, project)
             if self._ended == ended:
-                flying = set().union(*self._flying.get(project.name, []))
-                return len([st for st in states if st.id not in flying]) + self._pending.get(project.name, 0)
-        return len(states) + self._pending.get(project.name, 0)
+                flying = set().union(*self._flying.get(project, []))
+                return len([st for st in states if st.id not in flying]) + self._pending.get(project, 0)
+        return len(states) + self._pending.get(project, 0)
 
     async def create(self, resolved: Resolved, options: SandboxOptions, name: str) -> Sandbox:
         """A ready sandbox adopted when the pool of the ref ``name`` (as the caller wrote it) holds
@@ -311,6 +336,20 @@ def _ref_key(name: str) -> str | None:
         return None
 
 
+def _parse_object(raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(None, "bad_request", f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(None, "bad_request", f"body nests deeper than {MAX_JSON_DEPTH} levels") from None
+    if not isinstance(doc, dict):
+        raise ApiError(None, "bad_request", "body must be a JSON object")
+    if _json_depth(doc, MAX_JSON_DEPTH):
+        raise ApiError(None, "bad_request", f"body nests deeper than {MAX_JSON_DEPTH} levels")
+    return doc
+
+
 def _json_depth(doc: Any, limit: int) -> bool:
     """Whether ``doc`` nests deeper than ``limit`` (iterative: the check itself cannot overflow)."""
     stack = [(doc, 1)]
@@ -322,6 +361,22 @@ def _json_depth(doc: Any, limit: int) -> bool:
             items = value.values() if isinstance(value, dict) else value
             stack.extend((v, depth + 1) for v in items if isinstance(v, (dict, list)))
     return False
+
+
+async def while_caller_waits(request: web.Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or ConnectionResetError once the caller's connection closes, ``work``
+    cancelled first (aiohttp does not cancel a handler whose client left: nobody would read the
+    answer, and the work would hold its slot for its whole timeout)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait([task], timeout=CALLER_POLL))[0]:
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the caller left")
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task])
 
 
 def flag(request: web.Request, name: str) -> bool:

@@ -27,13 +27,15 @@ Every pool sandbox is labelled ``layerbox.pool=<ref>`` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -41,7 +43,9 @@ from typing import Any
 from layerstore.backend import ObjectNotFound
 from layerstore.store import RefNotFound
 from sandbox.core.errors import ImageNotFound, SandboxError
-from sandbox.core.model import POOL_ID_LABEL, POOL_LABEL, SandboxOptions
+from sandbox.core.model import POOL_ID_LABEL, POOL_LABEL, POOL_PROJECT_LABEL, SandboxOptions
+from sandbox.core.sync import own_thread
+from sandbox.host.execs import Cancel
 from sandbox.host.manager import ExecResult, Sandbox, SandboxManager
 
 log = logging.getLogger("layerbox.sandbox.fncall")
@@ -125,6 +129,10 @@ class CallArgumentError(FnCallError, TypeError):
     """The call's arguments cannot be sent (not JSON-serializable, or cmd and function mixed)."""
 
 
+# counts a pool's new sandbox against a quota and a host's capacity while it is made
+Admit = Callable[[SandboxOptions], AbstractAsyncContextManager[None]]
+
+
 @dataclass(frozen=True)
 class CallResult:
     exit_code: int | None
@@ -203,7 +211,10 @@ class WarmPool:
     """
 
     def __init__(self, manager: SandboxManager, ref: str, options: SandboxOptions | None = None, *,
-                 size: int = 2, warm: Sequence[str] | None = None, **fields: Any) -> None:
+                 size: int = 2, warm: Sequence[str] | None = None, admit: Admit | None = None,
+                 **fields: Any) -> None:
+        """``admit``: the quota and capacity every sandbox the pool makes is counted against (the
+        edge's, for a project's pool); by default none."""
         if size < 1:
             raise ValueError(f"pool size must be at least 1, not {size}")
         self.manager = manager
@@ -222,6 +233,7 @@ class WarmPool:
         # costs crun ~2x what later ones do (29 vs 16 ms here), and this moves that off the caller
         self._warm = list(warm) if warm is not None else None
         self._target: str | None = None  # what to create instead of ``ref`` (see take)
+        self._admit = admit
         self._changed = asyncio.Event()  # a sandbox became ready, a creation failed, or the pool closed
         self._counts = {"created": 0, "destroyed": 0, "calls": 0, "misses": 0, "failures": 0, "taken": 0,
                         "stale": 0}
@@ -285,14 +297,19 @@ class WarmPool:
         waited = time.perf_counter() - started
         self._wait_total += waited
         self._busy += 1
-        run = asyncio.ensure_future(asyncio.to_thread(
-            box.exec, req.cmd, timeout=timeout, stdin=req.stdin, output_cap=output_cap))
+        cancel = Cancel()
+        # on a thread of its own for the command's whole life (never the control plane's executor)
+        run = own_thread(lambda: box.exec(req.cmd, timeout=timeout, stdin=req.stdin, output_cap=output_cap,
+                                          cancel=cancel), name="layerbox-fncall")
         # before the caller resumes (callbacks run in order): a finished call is not "busy"
         run.add_done_callback(self._not_busy)
-        # the exec thread cannot be interrupted: even a cancelled caller's sandbox is
-        # destroyed only after its exec ends
+        # the sandbox is destroyed only after its exec ends, however the call ends
         self._spawn(self._discard(box, run))
-        res = await asyncio.shield(run)
+        try:
+            res = await asyncio.shield(run)
+        except asyncio.CancelledError:
+            cancel.cancel("disconnect")  # its caller left: nobody would read the answer
+            raise
         stdout, value, error = res.stdout, None, None
         if req.marker is not None:
             stdout, value, error = _answer(res, req.marker, timeout)
@@ -409,7 +426,8 @@ class WarmPool:
 
     async def _create_one(self) -> None:
         try:
-            box = await self.manager.create(self._target or self.ref, self._options, name=self.ref)
+            async with self._admit(self._options) if self._admit is not None else contextlib.nullcontext():
+                box = await self.manager.create(self._target or self.ref, self._options, name=self.ref)
             if self._warm is not None:
                 try:
                     await asyncio.to_thread(box.exec, self._warm, timeout=30.0, keep_output=False)
@@ -454,17 +472,25 @@ class WarmPool:
 
 
 class FnCalls:
-    """Warm pools keyed by image ref, each created on first use with the same size and options."""
+    """Warm pools keyed by owner and image ref, each created on first use with the same size and options.
+
+    An owner (a project of the edge; ``""`` for the host's own callers) has at most ``max_pools``
+    pools, so one owner keeping its pools busy never takes another's slots.  With ``admit``, every
+    sandbox an owner's pool makes is counted against that owner's quota and the host's capacity
+    (``admit(owner)``); its sandboxes carry the owner in ``layerbox.pool.project``, so they count
+    as the owner's without being sandboxes the owner can name.
+    """
 
     def __init__(self, manager: SandboxManager, options: SandboxOptions | None = None, *, size: int = 2,
-                 max_pools: int = 8, **fields: Any) -> None:
+                 max_pools: int = 8, admit: Callable[[str], Admit] | None = None, **fields: Any) -> None:
         self.manager = manager
         self.size = size
         # every pool holds `size` sandboxes: callers naming ever new images must not grow the
         # host's sandbox count without bound
         self.max_pools = max_pools
+        self._admit = admit
         self._options = options if options is not None else SandboxOptions(**fields)
-        self._pools: dict[str, WarmPool] = {}  # least recently used first
+        self._pools: dict[tuple[str, str], WarmPool] = {}  # least recently used first
         self._closed = False
 
     async def __aenter__(self) -> FnCalls:
@@ -474,30 +500,37 @@ class FnCalls:
                         tb: TracebackType | None) -> None:
         await self.close()
 
-    def pool(self, image: str) -> WarmPool:
+    def pool(self, image: str, owner: str = "") -> WarmPool:
         if self._closed:
             raise PoolClosed("FnCalls is closed")
-        pool = self._pools.get(image)
+        pool = self._pools.get((owner, image))
         if pool is None:
-            pool = self._pools[image] = WarmPool(self.manager, image, self._options, size=self.size)
+            options = self._options
+            if owner:
+                options = options.replace(labels={**options.labels, POOL_PROJECT_LABEL: owner})
+            pool = self._pools[(owner, image)] = WarmPool(
+                self.manager, image, options, size=self.size,
+                admit=self._admit(owner) if self._admit is not None else None)
         return pool
 
     async def call(self, image: str, cmd: str | Sequence[str] | None = None, *, function: str | None = None,
                    entry: str | None = None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                    timeout: float = 30.0,  # noqa: ASYNC109  (bounds the exec inside the sandbox)
-                   stdin: bytes | None = None, output_cap: int = 1 << 20) -> CallResult:
-        """:meth:`WarmPool.call` on ``image``'s pool (the first call waits for its first sandbox).
+                   stdin: bytes | None = None, output_cap: int = 1 << 20, owner: str = "") -> CallResult:
+        """:meth:`WarmPool.call` on ``owner``'s pool of ``image`` (the first call waits for its first
+        sandbox).
 
         An ``image`` that does not resolve raises :class:`~sandbox.core.errors.ImageNotFound` at once,
         and no pool is made for it.
         """
-        pool = self._pools.pop(image, None)
+        key = (owner, image)
+        pool = self._pools.pop(key, None)
         if pool is not None:
-            self._pools[image] = pool  # most recently used last
+            self._pools[key] = pool  # most recently used last
         else:
             await self._check_image(image)
-            await self._make_room()
-            pool = self.pool(image)
+            await self._make_room(owner)
+            pool = self.pool(image, owner)
         return await pool.call(cmd, function=function, entry=entry, args=args, kwargs=kwargs,
                                timeout=timeout, stdin=stdin, output_cap=output_cap)
 
@@ -510,18 +543,18 @@ class FnCalls:
         except (RefNotFound, ObjectNotFound) as exc:
             raise ImageNotFound(f"FnCall image {image!r} does not resolve: {exc}") from exc
 
-    async def _make_room(self) -> None:
-        """Close the least recently used idle pools until a new one fits under ``max_pools``."""
-        while len(self._pools) >= self.max_pools:
-            idle = next((ref for ref, p in self._pools.items()
-                         if not p.stats()["busy"] and not p.stats()["waiting"]), None)
+    async def _make_room(self, owner: str) -> None:
+        """Close ``owner``'s least recently used idle pools until a new one fits under ``max_pools``."""
+        while len(mine := [key for key in self._pools if key[0] == owner]) >= self.max_pools:
+            idle = next((key for key in mine
+                         if not self._pools[key].stats()["busy"] and not self._pools[key].stats()["waiting"]), None)
             if idle is None:
-                raise PoolsBusy(f"all {self.max_pools} warm pools have calls running; retry shortly "
-                                "or raise max_pools")
+                raise PoolsBusy(f"all {self.max_pools} warm pools{f' of {owner}' if owner else ''} have calls "
+                                "running; retry shortly or raise max_pools")
             await self._pools.pop(idle).close()
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        return {ref: pool.stats() for ref, pool in self._pools.items()}
+        return {f"{owner}/{ref}" if owner else ref: pool.stats() for (owner, ref), pool in self._pools.items()}
 
     async def close(self) -> None:
         self._closed = True

@@ -146,9 +146,10 @@ class QuotaExceeded(ApiError):
 
 
 class LimitExceeded(ApiError):
-    """429 ``command_limit``, ``too_many_readers`` or ``too_many_connections``: a bound this edge sets
-    per sandbox (running background commands, terminals, clients attached to one command,
-    proxied connections) is reached; end one, or retry after ``retry_after`` seconds."""
+    """429 ``command_limit``, ``too_many_readers``, ``too_many_connections`` or ``project_limit``: a
+    bound this edge sets per sandbox (running background commands, terminals, clients attached to
+    one command, proxied connections) or per project (commands, transfers, connections, FnCalls
+    waiting: ``resources`` names it) is reached; end one, or retry after ``retry_after`` seconds."""
 
 
 class CapacityExceeded(ApiError):
@@ -210,7 +211,7 @@ _BY_CODE: dict[str, type[ApiError]] = {
     "path_escape": FileAccessDenied, "permission_denied": FileAccessDenied,
     "quota_exceeded": QuotaExceeded, "capacity": CapacityExceeded,
     "command_not_found": CommandNotFound, "command_limit": LimitExceeded, "too_many_readers": LimitExceeded,
-    "too_many_connections": LimitExceeded,
+    "too_many_connections": LimitExceeded, "project_limit": LimitExceeded,
 }
 _BY_STATUS: dict[int, type[ApiError]] = {400: InvalidRequest, 401: AuthError, 403: AuthError, 404: NotFound,
                                          409: Conflict, 413: InvalidRequest, 429: QuotaExceeded}

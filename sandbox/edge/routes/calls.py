@@ -8,11 +8,12 @@ import base64
 from aiohttp import web
 
 from sandbox.core.model import ExecRequest, check_number, check_object, check_str
-from sandbox.edge.context import EdgeContext
+from sandbox.edge.context import EdgeContext, while_caller_waits
 from sandbox.edge.errors import invalid
 from sandbox.pools.fncall import FnCalls
 
 MAX_FUNCTION_SOURCE = 1 << 20
+MAX_POOLS_PER_PROJECT = 4  # warm pools (images) one project keeps at once: its FnCalls never take another's
 
 
 def setup(ctx: EdgeContext, app: web.Application, *, pool_size: int = 2) -> None:
@@ -48,10 +49,14 @@ class Calls:
         # the pool runs exactly what was checked: its key is the resolved digest
         resolved = await ctx.resolve(project, image, field="image", kinds=("image", "composition", "checkpoint"))
         if ctx.fncalls is None:
-            ctx.fncalls = FnCalls(ctx.manager, size=self.pool_size)
+            # each project's pools: their sandboxes count against its quota and the host's capacity
+            ctx.fncalls = FnCalls(ctx.manager, size=self.pool_size, max_pools=MAX_POOLS_PER_PROJECT,
+                                  admit=lambda owner: lambda options: ctx.admitted(owner, ctx.quota(owner), [options]))
         ctx.metrics.execs.labels(project.name).inc()
-        result = await ctx.fncalls.call(resolved.digest, cmd, function=function, args=args,
-                                        kwargs=kwargs or None, timeout=timeout)
+        with ctx.usage.take(project.name, "commands"):  # a caller who leaves cancels its command
+            result = await while_caller_waits(request, ctx.fncalls.call(
+                resolved.digest, cmd, function=function, args=args, kwargs=kwargs or None, timeout=timeout,
+                owner=project.name))
         ctx.metrics.call_seconds.observe(result.duration)
         return web.json_response({
             "exit_code": result.exit_code, "stdout": base64.b64encode(result.stdout).decode(),

@@ -209,9 +209,10 @@ class Command:
     (it may run for days: never on the loop's default executor)."""
 
     def __init__(self, box: Sandbox, req: ExecRequest, terminal: tuple[int, int] | None, limits: CommandLimits,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, project: str = "") -> None:
         self.id = "cmd-" + secrets.token_hex(6)
         self.box = box
+        self.project = project  # whose caps it counts against
         self.request = dataclasses.replace(req, stdin=None)  # the initial stdin goes through write()
         self.terminal = terminal
         self.size = terminal
@@ -224,6 +225,7 @@ class Command:
         self.error: BaseException | None = None
         self.done = threading.Event()  # the exec returned (its receipt is written)
         self.exited = asyncio.Event()  # the same, seen on the loop
+        self.exited_callbacks: list[Callable[[], None]] = []  # called on the loop once it exited
         self.ready: asyncio.Future[None] = loop.create_future()  # running (its terminal received), or failed
         self._readers: set[asyncio.Event] = set()
         self._input_lock = asyncio.Lock()  # one write at a time; the descriptor closes only under it
@@ -314,6 +316,8 @@ class Command:
         if not self.ready.done():
             self.ready.set_exception(self.error or SandboxStateError(f"command {self.id} ended before it ran"))
         self.exited.set()
+        for callback in self.exited_callbacks:
+            callback()
         self._wake()
         self._closing = asyncio.ensure_future(self.close_input())  # after a write in progress
 
@@ -502,7 +506,7 @@ class Commands:
         self._lock = threading.Lock()  # destroy hooks run on the manager's threads
         self.stopping = False
 
-    def start(self, box: Sandbox, req: StartRequest) -> Command:
+    def start(self, box: Sandbox, req: StartRequest, project: str = "") -> Command:
         loop = asyncio.get_running_loop()
         with self._lock:
             if self.stopping:
@@ -516,7 +520,7 @@ class Commands:
             if req.terminal is not None and terminals >= self.limits.terminals:
                 raise ApiError(None, "command_limit", f"sandbox {box.id} has {terminals} terminals open, the most "
                                "this edge takes; end one first", retryable=True)
-            cmd = Command(box, req.exec, req.terminal, self.limits, loop)
+            cmd = Command(box, req.exec, req.terminal, self.limits, loop, project)
             mine[cmd.id] = cmd
             self._trim(mine, room=1)
         cmd.start()
@@ -597,7 +601,13 @@ class Routes:
         if state.status != "running":
             raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}, not running")
         svc.refuse_when_stopping()
-        cmd = self.commands.start(box, req)
+        held = svc.usage.take(project.name, "commands")  # until the command ends, whoever watches it
+        try:
+            cmd = self.commands.start(box, req, project.name)
+        except BaseException:
+            held.release()
+            raise
+        cmd.exited_callbacks.append(held.release)
         try:
             await asyncio.shield(cmd.ready)
         except Exception:
@@ -675,6 +685,10 @@ class Routes:
 
     async def connect(self, request: web.Request) -> web.WebSocketResponse:
         cmd = await self._command(request)  # the owner first, as on every route naming a sandbox
+        with self.ctx.usage.take(cmd.project, "connections"):
+            return await self._connect(request, cmd)
+
+    async def _connect(self, request: web.Request, cmd: Command) -> web.WebSocketResponse:
         since = self._since(request)
         ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=2 * self.limits.stdin + 4 * KiB)
         if not ws.can_prepare(request).ok:

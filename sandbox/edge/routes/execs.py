@@ -26,10 +26,11 @@ from aiohttp import web
 
 from sandbox.core.errors import ApiError
 from sandbox.core.model import ExecRequest
-from sandbox.core.sync import wait_in_loop
+from sandbox.core.sync import own_thread, wait_in_loop
 from sandbox.edge.context import EdgeContext
 from sandbox.edge.errors import as_api_error
 from sandbox.host.execs import Cancel, Cut, ExecResult
+from sandbox.host.sandbox import Sandbox
 
 STREAM_QUEUE = 64  # exec events buffered per request: a slow reader slows the command, never the host
 Event = tuple[str, Any]
@@ -51,6 +52,12 @@ class Execs:
         if state.status != "running":
             raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}, not running")
         ctx.refuse_when_stopping()
+        with ctx.usage.take(project.name, "commands"):
+            return await self._stream(request, box, req, project.name)
+
+    async def _stream(self, request: web.Request, box: Sandbox, req: ExecRequest,
+                      project: str) -> web.StreamResponse:
+        ctx = self.ctx
         events: asyncio.Queue[Event] = asyncio.Queue(STREAM_QUEUE)
         cancel = Cancel()
         forward = _forwarder(events, cancel, asyncio.get_running_loop())
@@ -59,13 +66,13 @@ class Execs:
         def on_cut(cut: Cut) -> None:
             cut_at({**cut.to_json(), "keep": req.keep})
 
-        # streamed, not kept: the service never buffers a command's output beyond the queue
+        # streamed, not kept: the service never buffers a command's output beyond the queue; on a
+        # thread of its own, for as long as the command runs (never the control plane's executor)
         ctx.streams.add(cancel)
-        run = asyncio.ensure_future(asyncio.to_thread(
-            box.exec, req, on_stdout=forward("stdout"), on_stderr=forward("stderr"), cancel=cancel,
-            keep_output=False, on_cut=on_cut))
+        run = own_thread(lambda: box.exec(req, on_stdout=forward("stdout"), on_stderr=forward("stderr"),
+                                          cancel=cancel, keep_output=False, on_cut=on_cut), name="layerbox-exec")
         run.add_done_callback(lambda _: ctx.streams.discard(cancel))
-        ctx.metrics.execs.labels(project.name).inc()
+        ctx.metrics.execs.labels(project).inc()
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)

@@ -17,9 +17,11 @@ from typing import cast
 
 from aiohttp import web
 
-from sandbox.core.sync import wait_in_loop
+from sandbox.core.sync import own_thread, wait_in_loop
+from sandbox.edge.auth import Project
 from sandbox.edge.context import EdgeContext, flag
 from sandbox.edge.errors import invalid
+from sandbox.host.sandbox import Sandbox
 
 
 def setup(ctx: EdgeContext, app: web.Application) -> None:
@@ -47,6 +49,11 @@ class Files:
             return web.json_response({"path": path, "type": kinds.get(stat.S_IFMT(st.st_mode), "other"),
                                       "size": st.st_size, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid,
                                       "gid": st.st_gid, "mtime": st.st_mtime})
+        with ctx.usage.take(project.name, "transfers"):  # for as long as the client reads
+            return await self._download(request, project, box, path)
+
+    async def _download(self, request: web.Request, project: Project, box: Sandbox, path: str) -> web.StreamResponse:
+        ctx = self.ctx
         # opened (and checked to be a regular file) before the response starts, so errors are statuses
         reader = cast("Generator[bytes, None, None]",  # (a generator: close() releases its descriptor)
                       await ctx.files(project, lambda: box.files.iter_read(path)))
@@ -87,7 +94,9 @@ class Files:
                 n = size if size > 0 else 1 << 20
                 return wait_in_loop(loop, content.read(n)) or b""
 
-        written = await ctx.files(project, lambda: box.upload(path, Source(), mode))
+        # paced by its client: on a thread of its own, counted against the project's transfers
+        with ctx.usage.take(project.name, "transfers"):
+            written = await own_thread(lambda: box.upload(path, Source(), mode), name="layerbox-upload")
         return web.json_response({"path": path, "bytes": written}, status=201)
 
     async def delete(self, request: web.Request) -> web.Response:

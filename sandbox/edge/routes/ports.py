@@ -77,7 +77,9 @@ CONNECT_TIMEOUT = 5.0  # loopback answers at once; only a full accept backlog wa
 IDLE_TIMEOUT = 300.0  # seconds without a byte or message either way
 DEFAULT_URL_TTL = 300.0
 MAX_URL_TTL = 3600.0
-MAX_WS_MESSAGE = 16 << 20
+# one WebSocket message either way: a relay may hold one on each side while its reader lags, so
+# connections x 3 x this bounds what a project's proxied sockets make the edge buffer
+MAX_WS_MESSAGE = 2 << 20  # (a 1 MiB message, what previews send at most in practice, passes)
 ACTIVITY_INTERVAL = 30.0  # how often a proxied connection renews lease and idle time, at most
 SIGNATURE = re.compile(r"[0-9a-f]{64}")
 EXPIRES = re.compile(r"[0-9]{1,12}")
@@ -147,6 +149,39 @@ def _forwarded(headers: Any, drop: frozenset[str]) -> CIMultiDict[str]:
         if lowered not in HOP_BY_HOP and lowered not in named and lowered not in drop:
             out.add(key, value)
     return out
+
+
+# what a sandbox's answer may not say to the edge's origin: a service worker scoped above its prefix
+_NOT_RETURNED = frozenset({"service-worker-allowed"})
+
+
+def _returned(headers: Any, prefix: str) -> CIMultiDict[str]:
+    """A sandbox's response headers as the caller gets them: hop-by-hop ones dropped, no
+    ``Service-Worker-Allowed``, and every cookie kept to the sandbox's own prefix (its ``Path``
+    under ``prefix``, no ``Domain``): a hostile preview never sets state for the edge's origin."""
+    out = _forwarded(headers, _NOT_RETURNED)
+    cookies = out.popall("Set-Cookie", [])
+    for cookie in cookies:
+        out.add("Set-Cookie", _scoped_cookie(cookie, prefix))
+    return out
+
+
+def _scoped_cookie(value: str, prefix: str) -> str:
+    base = prefix.rstrip("/") or "/"
+    name_value, *attributes = value.split(";")
+    kept = []
+    for attribute in attributes:
+        key, _, path = attribute.strip().partition("=")
+        if key.lower() == "domain":
+            continue
+        if key.lower() == "path":
+            if path == base or path.startswith(base + "/"):
+                kept.append(f"Path={path}")
+            continue
+        kept.append(attribute.strip())
+    if not any(a.lower().startswith("path=") for a in kept):
+        kept.append(f"Path={base}")
+    return "; ".join([name_value.strip(), *kept])
 
 
 def _is_websocket(request: web.Request) -> bool:
@@ -287,7 +322,7 @@ class PortProxy:
         url = URL(f"http://127.0.0.1:{port}{target}", encoded=True)
         timeout = aiohttp.ClientTimeout(total=None, connect=CONNECT_TIMEOUT, sock_connect=CONNECT_TIMEOUT,
                                         sock_read=IDLE_TIMEOUT)
-        with self._slot(box.id):
+        with self.ctx.usage.take(state.project or "", "connections"), self._slot(box.id):
             await self._activity(box)
             async with aiohttp.ClientSession(connector=_NetnsConnector(box, state, port), timeout=timeout,
                                              auto_decompress=False, skip_auto_headers=_NO_AUTO_HEADERS) as session:
@@ -320,7 +355,7 @@ class PortProxy:
             if upstream.status == 101:  # a switch the caller did not ask for (WebSockets go another way)
                 raise ApiError(None, "bad_gateway", f"{where} switched protocols on a plain HTTP request")
             resp = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                      headers=_forwarded(upstream.headers, frozenset()))
+                                      headers=_returned(upstream.headers, headers["X-Forwarded-Prefix"]))
             await resp.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
