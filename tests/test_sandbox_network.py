@@ -31,7 +31,12 @@ from support.netns import PORT_A, PORT_B, PORT_U, Server, echo_server, sh, veth_
 from sandbox.backends.container.spec import CAPABILITIES
 from sandbox.core.errors import SandboxNotFound
 from sandbox.core.model import EgressRule, InvalidEgressRule
-from sandbox.isolation.network import NetworkConflict, NetworkManager, diff_counters
+from sandbox.isolation.network import (
+    NetworkConflict,
+    NetworkManager,
+    ProtectedDestination,
+    diff_counters,
+)
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("cmd:ip", "cmd:nft", "cmd:nsenter")]
 
@@ -215,8 +220,11 @@ def test_host_and_other_sandboxes_are_protected(boxes: Any, net: NetworkManager,
         with pytest.raises(BlockingIOError):
             host_srv.accept()
 
-    # a rule naming a protected address does open it: the host answers itself (RST, nothing listens)
-    net.set_policy("prot", [{"cidr": info.host_address, "ports": "9"}])
+    # a rule naming a protected address is refused, and opens it only where the operator allows:
+    # then the host answers itself (RST, nothing listens)
+    with pytest.raises(ProtectedDestination, match=f"{info.host_address}/32 lies in the protected range"):
+        net.set_policy("prot", [{"cidr": info.host_address, "ports": "9"}])
+    net.set_policy("prot", [{"cidr": info.host_address, "ports": "9"}], allow_protected=True)
     assert tcp_echo(info.path, info.host_address, 9) == "ConnectionRefusedError"
 
 
@@ -266,13 +274,18 @@ def test_bad_rule_leaves_policy_unchanged_and_host_rules_resolve(
     with pytest.raises(SandboxNotFound, match="nosuch"):
         net.set_policy("nosuch", [])
 
-    policy = net.set_policy("names", [{"host": "localhost", "ports": [8080]}])
+    # a name is checked on what it resolves to: localhost is the host's loopback
+    with pytest.raises(ProtectedDestination, match="host 'localhost' resolves to (127.0.0.1|::1), in"):
+        net.set_policy("names", [{"host": "localhost", "ports": [8080]}])
+    assert net.policy("names")["version"] == version
+    policy = net.set_policy("names", [{"host": "localhost", "ports": [8080]}], allow_protected=True)
     rule = policy["rules"][0]
     assert rule["host"] == "localhost"
     assert "cidr" not in rule
     assert "127.0.0.1/32" in rule["addresses"]
     assert set(rule["addresses"]) <= {"127.0.0.1/32", "::1/128"}
-    listed = sh("nsenter", f"--net={net.netns_path('names')}", "nft", "list", "chain", "inet", "layerbox", "allow")
+    listed = sh("nsenter", f"--net={net.netns_path('names')}", "nft", "list", "chain", "inet", "layerbox",
+                "allow_protected")
     assert "ip daddr 127.0.0.1 tcp dport 8080" in listed
 
 

@@ -34,6 +34,7 @@ from sandbox.backends.base import Capabilities
 from sandbox.core.errors import ApiError, SandboxNotFound, SandboxStateError
 from sandbox.core.model import (
     PROJECT_LABEL,
+    PROTECTED_EGRESS_LABEL,
     Maxima,
     SandboxOptions,
     SandboxState,
@@ -197,7 +198,8 @@ class EdgeContext:
         options = given if base is None else base.overlay(
             given, [k for k in SandboxOptions.CLIENT_FIELDS if body.get(k) is not None])
         options = self.maxima.check(options)
-        return options.replace(labels={**options.labels, PROJECT_LABEL: project.name},
+        allowed = {PROTECTED_EGRESS_LABEL: "true"} if project.egress_protected else {}  # the operator's, per project
+        return options.replace(labels={**options.labels, PROJECT_LABEL: project.name, **allowed},
                                job=self.job(project, body.get("job")),
                                lease_ttl=given.lease_ttl or self.lease_ttl)
 
