@@ -816,7 +816,7 @@ async def pause_section(manager: SandboxManager, peers: Peers, n: int, use_podma
     return out
 
 
-NET_RULES = [{"cidr": "192.0.2.0/24", "ports": 443, "protocol": "tcp"}]  # TEST-NET-1: never contacted
+NET_RULES = [{"cidr": "203.0.113.0/24", "ports": 443, "protocol": "tcp"}]  # TEST-NET-3: never contacted
 
 
 async def network_section(manager: SandboxManager, n: int) -> dict[str, Any]:

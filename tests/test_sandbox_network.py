@@ -21,52 +21,31 @@ import socket
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from support.env import require
+from support.netns import PORT_A, PORT_B, PORT_U, Server, echo_server, sh, veth_name
 
 from sandbox.backends.container.spec import CAPABILITIES
 from sandbox.core.errors import SandboxNotFound
 from sandbox.core.model import EgressRule, InvalidEgressRule
-from sandbox.isolation.network import NetworkConflict, NetworkManager, diff_counters
+from sandbox.isolation.network import (
+    NetworkConflict,
+    NetworkManager,
+    ProtectedDestination,
+    diff_counters,
+)
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("cmd:ip", "cmd:nft", "cmd:nsenter")]
 
-PORT_A, PORT_B, PORT_U = 7001, 7002, 7003
 N = os.getpid() % 200 + 20  # keeps two concurrent runs of this file apart
 SERVER_SUBNET = f"10.250.{N}"
 SANDBOX_SUBNET = f"10.251.{N}.0/24"
 T = TypeVar("T")
 
-ECHO_SERVER = f"""
-import socket, sys, threading
-def serve(conn):
-    with conn:
-        while data := conn.recv(4096):
-            conn.sendall(data)
-def tcp(port):
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", port)); s.listen(64)
-    while True:
-        threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
-u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind(("0.0.0.0", {PORT_U}))
-for port in ({PORT_A}, {PORT_B}):
-    threading.Thread(target=tcp, args=(port,), daemon=True).start()
-print("ready", flush=True)
-while True:
-    data, peer = u.recvfrom(4096); u.sendto(data, peer)
-"""
-
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def sh(*argv: str, stdin: str | None = None) -> str:
-    proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 0, f"{argv}: {proc.stderr}"
-    return proc.stdout
 
 
 def in_netns(path: str, fn: Callable[[], T]) -> T:
@@ -116,42 +95,12 @@ def udp_echo(ns: str, addr: str, port: int) -> str:
             return type(exc).__name__ if not isinstance(exc, socket.timeout) else "timeout"
 
 
-@dataclass
-class Server:
-    addr: str
-    netns: str
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     require("root")
     require("cmd:unshare")
-    ns = tmp_path_factory.mktemp("srv") / "netns"
-    ns.touch()
-    host_if = f"lbts{os.getpid()}"[:15]
-    proc: subprocess.Popen[str] | None = None
-    try:
-        sh("unshare", f"--net={ns}", "true")  # a netns kept alive by a bind mount on ns
-        sh("ip", "-batch", "-", stdin=(
-            f"link add {host_if} type veth peer name eth0 netns {ns}\n"
-            f"addr add {SERVER_SUBNET}.1/30 dev {host_if}\nlink set {host_if} up\n"))
-        # replies to sandboxes enter the host here and are routed on
-        Path(f"/proc/sys/net/ipv4/conf/{host_if}/forwarding").write_text("1")
-        sh("nsenter", f"--net={ns}", "ip", "-batch", "-", stdin=(
-            f"link set lo up\naddr add {SERVER_SUBNET}.2/30 dev eth0\nlink set eth0 up\n"
-            f"route add default via {SERVER_SUBNET}.1\n"))
-        proc = subprocess.Popen(["nsenter", f"--net={ns}", "python3", "-c", ECHO_SERVER],
-                                stdout=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == "ready\n"
-        yield Server(f"{SERVER_SUBNET}.2", str(ns))
-    finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-        subprocess.run(["ip", "link", "del", host_if], capture_output=True)
-        subprocess.run(["umount", str(ns)], capture_output=True)
-    assert not Path("/sys/class/net", host_if).exists()
+    with echo_server(tmp_path_factory.mktemp("srv") / "netns", SERVER_SUBNET, veth_name("ts")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +220,11 @@ def test_host_and_other_sandboxes_are_protected(boxes: Any, net: NetworkManager,
         with pytest.raises(BlockingIOError):
             host_srv.accept()
 
-    # a rule naming a protected address does open it: the host answers itself (RST, nothing listens)
-    net.set_policy("prot", [{"cidr": info.host_address, "ports": "9"}])
+    # a rule naming a protected address is refused, and opens it only where the operator allows:
+    # then the host answers itself (RST, nothing listens)
+    with pytest.raises(ProtectedDestination, match=f"{info.host_address}/32 lies in the protected range"):
+        net.set_policy("prot", [{"cidr": info.host_address, "ports": "9"}])
+    net.set_policy("prot", [{"cidr": info.host_address, "ports": "9"}], allow_protected=True)
     assert tcp_echo(info.path, info.host_address, 9) == "ConnectionRefusedError"
 
 
@@ -322,13 +274,18 @@ def test_bad_rule_leaves_policy_unchanged_and_host_rules_resolve(
     with pytest.raises(SandboxNotFound, match="nosuch"):
         net.set_policy("nosuch", [])
 
-    policy = net.set_policy("names", [{"host": "localhost", "ports": [8080]}])
+    # a name is checked on what it resolves to: localhost is the host's loopback
+    with pytest.raises(ProtectedDestination, match="host 'localhost' resolves to (127.0.0.1|::1), in"):
+        net.set_policy("names", [{"host": "localhost", "ports": [8080]}])
+    assert net.policy("names")["version"] == version
+    policy = net.set_policy("names", [{"host": "localhost", "ports": [8080]}], allow_protected=True)
     rule = policy["rules"][0]
     assert rule["host"] == "localhost"
     assert "cidr" not in rule
     assert "127.0.0.1/32" in rule["addresses"]
     assert set(rule["addresses"]) <= {"127.0.0.1/32", "::1/128"}
-    listed = sh("nsenter", f"--net={net.netns_path('names')}", "nft", "list", "chain", "inet", "layerbox", "allow")
+    listed = sh("nsenter", f"--net={net.netns_path('names')}", "nft", "list", "chain", "inet", "layerbox",
+                "allow_protected")
     assert "ip daddr 127.0.0.1 tcp dport 8080" in listed
 
 

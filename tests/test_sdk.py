@@ -420,8 +420,8 @@ def test_results_are_typed(url: str) -> None:
         assert info.network is not None
         assert info.network.policy is not None
         assert info.network.policy.rules == ()
-        policy = sb.set_network([{"cidr": "10.0.0.0/8", "ports": 80}])
-        assert [dict(r)["cidr"] for r in policy.rules] == ["10.0.0.0/8"]
+        policy = sb.set_network([{"cidr": "203.0.113.0/24", "ports": 80}])
+        assert [dict(r)["cidr"] for r in policy.rules] == ["203.0.113.0/24"]
         assert sb.refresh().network is not None
         sb.files.write("/root/a.txt", "abc")
         st = sb.files.stat("/root/a.txt")

@@ -64,6 +64,10 @@ POOL_ID_LABEL = "layerbox.pool.id"
 # the project a FnCall pool's sandbox is made for: it counts against that project's quota, and is
 # not a sandbox the project can name (its PROJECT_LABEL is unset)
 POOL_PROJECT_LABEL = "layerbox.pool.project"
+# "true": the sandbox's egress rules may open protected ranges (the host, the sandbox subnet,
+# metadata: sandbox.isolation.network).  An operator's decision: the edge sets it for a project
+# its tokens file allows ("egress_protected"), a library caller in the options it passes.
+PROTECTED_EGRESS_LABEL = "layerbox.egress.protected"
 SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's attachment: its sandbox's carried options
 
 CpuClass = Literal["latency", "best-effort"]
@@ -531,6 +535,11 @@ class SandboxOptions:
     @property
     def project(self) -> str | None:
         return self.labels.get(PROJECT_LABEL)
+
+    @property
+    def protected_egress(self) -> bool:
+        """Whether the operator allowed this sandbox's rules to open protected ranges."""
+        return self.labels.get(PROTECTED_EGRESS_LABEL) == "true"
 
     def fits_ready_sandbox(self) -> bool:
         """Whether a sandbox started ahead with default options can become one with these

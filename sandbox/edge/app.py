@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import ipaddress
 import logging
 import secrets
 import socket
@@ -235,6 +236,8 @@ def _parser() -> argparse.ArgumentParser:
                             help=f"{what} one project may have at once (default %(default)s)")
     parser.add_argument("--url-secret-file", type=Path, help="at least 32 bytes that sign port URLs, the same "
                         "on every edge that should honour them (default: random per start)")
+    parser.add_argument("--protect", action="append", type=ipaddress.ip_network, default=[], metavar="CIDR",
+                        help="a range no egress rule may open, like the host's own addresses (repeatable)")
     return parser
 
 
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         auth = AuthConfig.load(args.tokens)
     except (OSError, ValueError) as exc:
         parser.error(f"--tokens {args.tokens}: {exc}")
-    manager = SandboxManager(args.data_dir, args.store)
+    manager = SandboxManager(args.data_dir, args.store, protected=[str(n) for n in args.protect])
     report = manager.reconcile()  # adopt what survived a previous run, clean up the rest
     log.info("reconciled: %s", report)
     admission = Admission(AdmissionConfig(edge_id=args.edge_id or f"{socket.gethostname()}:{args.port}",

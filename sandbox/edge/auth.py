@@ -2,7 +2,11 @@
 
 Tokens file (JSON)::
 
-    {"projects": {"alpha": {"tokens": ["..."], "max_sandboxes": 10, "disabled": false, "admin": false}}}
+    {"projects": {"alpha": {"tokens": ["..."], "max_sandboxes": 10, "disabled": false, "admin": false,
+                            "egress_protected": false}}}
+
+``egress_protected``: the project's egress rules may open protected ranges (the host, the
+sandbox subnet, cloud metadata: docs/SECURITY.md, "Protected destinations").
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ class Project:
     max_sandboxes: int = DEFAULT_QUOTA
     disabled: bool = False
     admin: bool = False  # may publish shared refs and read /metrics (an operator's project)
+    egress_protected: bool = False  # its sandboxes' egress rules may open protected ranges
+
+
+def _flag(field: str, value: object) -> bool:
+    # strictly a boolean: bool("false") is True, and these grant rights
+    if not isinstance(value, bool):
+        raise InvalidField(field, f"{value!r} is not true or false")
+    return value
 
 
 @dataclass
@@ -41,11 +53,14 @@ class AuthConfig:
         out: dict[str, Project] = {}
         for name, spec in (doc.get("projects") or {}).items():
             check_project(name, "projects")
-            check_object(f"projects.{name}", spec, ("tokens", "max_sandboxes", "disabled", "admin"))
+            check_object(f"projects.{name}", spec, ("tokens", "max_sandboxes", "disabled", "admin",
+                                                    "egress_protected"))
             quota = spec.get("max_sandboxes", DEFAULT_QUOTA)
             if not isinstance(quota, int) or isinstance(quota, bool) or quota < 0:
                 raise InvalidField(f"projects.{name}.max_sandboxes", "must be a non-negative integer")
-            project = Project(name, quota, bool(spec.get("disabled", False)), bool(spec.get("admin", False)))
+            flags = {key: _flag(f"projects.{name}.{key}", spec.get(key, False))
+                     for key in ("disabled", "admin", "egress_protected")}
+            project = Project(name, quota, **flags)
             for token in spec.get("tokens") or []:
                 if not isinstance(token, str) or len(token) < 16:
                     raise InvalidField(f"projects.{name}.tokens", "tokens are strings of at least 16 characters")

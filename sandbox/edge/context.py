@@ -35,6 +35,7 @@ from sandbox.core.errors import ApiError, SandboxNotFound, SandboxStateError
 from sandbox.core.model import (
     POOL_PROJECT_LABEL,
     PROJECT_LABEL,
+    PROTECTED_EGRESS_LABEL,
     Maxima,
     SandboxOptions,
     SandboxState,
@@ -215,7 +216,8 @@ class EdgeContext:
         options = given if base is None else base.overlay(
             given, [k for k in SandboxOptions.CLIENT_FIELDS if body.get(k) is not None])
         options = self.maxima.check(options)
-        return options.replace(labels={**options.labels, PROJECT_LABEL: project.name},
+        allowed = {PROTECTED_EGRESS_LABEL: "true"} if project.egress_protected else {}  # the operator's, per project
+        return options.replace(labels={**options.labels, PROJECT_LABEL: project.name, **allowed},
                                job=self.job(project, body.get("job")),
                                lease_ttl=given.lease_ttl or self.lease_ttl)
 

@@ -34,9 +34,12 @@ _PORT = r"(6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3})
 EGRESS_RULE = {
     "type": "object", "additionalProperties": False,
     "description": "exactly one of cidr (a network without host bits, or an address) or host (resolved when "
-                   "the policy is set); ports, a port or a low-high range, only with tcp (the default) or udp",
+                   "the policy is set); ports, a port or a low-high range, only with tcp (the default) or udp. "
+                   "A rule overlapping a protected range (the host, the sandbox subnet, loopback, link-local and "
+                   "metadata, broadcast, multicast, the operator's) is a 400 unless the operator allows the "
+                   "project; 0.0.0.0/0 and ::/0 reach every other address",
     "properties": {
-        "cidr": {"type": "string", "example": "10.0.0.0/8"},
+        "cidr": {"type": "string", "example": "203.0.113.0/24"},
         "host": {"type": "string", "example": "pypi.org"},
         "ports": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 65535},
                             {"type": "string", "pattern": f"^{_PORT}(-{_PORT})?$"}]},

@@ -116,10 +116,12 @@ class SandboxManager:
 
     def __init__(self, data_dir: str | os.PathLike[str], store_url: str | None = None, *,
                  runtime: str = "crun", subnet: str | None = None,
-                 userns_range: tuple[int, int] | None = None) -> None:
+                 userns_range: tuple[int, int] | None = None, protected: Sequence[str] = ()) -> None:
         """``userns_range``: ``(first host uid, number of 65536-uid ranges)`` for sandboxes created
         with ``userns=True`` and for VMMs' jails; by default a region from 2^30 chosen by the data dir.
-        ``runtime``: the OCI runtime the container backend runs (crun)."""
+        ``runtime``: the OCI runtime the container backend runs (crun).  ``protected``: CIDRs no
+        egress rule may open, on top of the host's, the subnet's and link-local ones (docs/SECURITY.md,
+        "Protected destinations"); a sandbox whose options carry ``PROTECTED_EGRESS_LABEL`` may."""
         self.data_dir = Path(data_dir).resolve()
         self.store_url = store_url
         self.paths = SandboxPaths(self.data_dir)
@@ -141,7 +143,7 @@ class SandboxManager:
         self.uid_ranges = idmap.RangePool(self.root / "userns.json", *userns_range)
         self.resources = HostResources(
             mounts=Mounts(self.host, self.paths), disks=Disks(self.paths),
-            networks=Networks(self.data_dir / "net", self.subnet), cgroups=Cgroups(self.cgroup_parent),
+            networks=Networks(self.data_dir / "net", self.subnet, protected), cgroups=Cgroups(self.cgroup_parent),
             uids=Uids(self.uid_ranges))
         self.execs = ExecRunner(self.states.lock)
         ctx = HostContext(self.data_dir, self.paths, self.host, self.resources, self.open_store,
@@ -375,6 +377,9 @@ class SandboxManager:
         await backend.check(options, resolved, ref)
         self._join_job(options, admitting)
         self.layout  # noqa: B018  (the host's cgroups checked before anything is made)
+        if options.network is not None:  # a refused rule leaves nothing behind, not even a receipt log
+            await asyncio.to_thread(self.resources.networks.check, options.network,
+                                    allow_protected=options.protected_egress)
         box = self._new_box(options)
         now = time.time()
         state = SandboxState(

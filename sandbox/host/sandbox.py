@@ -194,14 +194,18 @@ class Sandbox:
 
     # -- network ------------------------------------------------------------------------------------
     def set_network(self, rules: Sequence[EgressRule | Mapping[str, Any]]) -> dict[str, Any]:
-        """Replace the egress allow rules while the sandbox runs (it must have been created with a network)."""
+        """Replace the egress allow rules while the sandbox runs (it must have been created with a network).
+
+        A rule that would open a protected range raises ProtectedDestination (an InvalidField) and the
+        rules in force stay, unless the sandbox was created allowed them (``protected_egress``)."""
         st = self.state
         if st.network is None:
             raise SandboxStateError(f"sandbox {self.id} was created without a network (loopback only); "
                                     "create it with network=[...] to police egress")
         options = st.options.replace(network=tuple(EgressRule.parse(r) for r in rules))
         assert options.network is not None
-        policy = self.manager.net.set_policy(self.id, list(options.network))
+        policy = self.manager.net.set_policy(self.id, list(options.network),
+                                             allow_protected=st.options.protected_egress)
         self.update(network={**st.network, "policy": policy}, options=options)
         self.receipt("network", version=policy.get("version"), rules=policy.get("rules"))
         return policy

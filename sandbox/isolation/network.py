@@ -20,10 +20,14 @@ the namespace:
   admin-prohibited) so that programs fail at once instead of hanging in SYN
   retries for minutes.
 * input: only loopback and established/related; the rest is counted and dropped.
-* protected destinations (the sandbox subnet, i.e. the host side of every veth
-  and every other sandbox; the host's own addresses; link-local, where cloud
-  metadata services live) are not covered by broad rules such as ``0.0.0.0/0``:
-  only a rule whose CIDR lies inside a protected range opens it.
+* protected destinations (:data:`ALWAYS_PROTECTED`: loopback, link-local and cloud
+  metadata, broadcast and multicast; the sandbox subnet, i.e. the host side of every
+  veth and every other sandbox; the host's own addresses; the operator's own ranges)
+  are never reached through ``0.0.0.0/0`` or ``::/0``, and any other rule that
+  overlaps one is refused (:class:`ProtectedDestination`) unless the sandbox is
+  allowed them (``allow_protected``, an operator's decision): a rule is checked on
+  the addresses it resolves to, before anything changes (docs/SECURITY.md,
+  "Protected destinations").
 
 Because every packet is checked against the current rules, :meth:`set_policy`
 cuts live connections to destinations it removes; no conntrack flush is needed
@@ -65,8 +69,8 @@ from typing import Any, TypeVar, cast
 import blake3
 
 from layerstore.hoststate import HostTable
-from sandbox.core.errors import HostUnsupported, SandboxError, SandboxNotFound
-from sandbox.core.model import EgressRule, IPNetwork, parse_rules
+from sandbox.core.errors import HostUnsupported, InvalidField, SandboxError, SandboxNotFound
+from sandbox.core.model import EgressRule, InvalidEgressRule, IPNetwork, parse_rules
 from sandbox.core.procs import kill_group, spawn
 from sandbox.isolation import nftables
 
@@ -79,8 +83,17 @@ MNT_DETACH = 2
 TABLE = "layerbox"
 DENIED_SET_SIZE = 4096
 TOOL_TIMEOUT = 10.0
-# Reachable only through a rule that names them (or a subnet of them), never through 0.0.0.0/0.
-ALWAYS_PROTECTED = ("169.254.0.0/16", "fe80::/10")
+# Where a packet from a sandbox reaches the host itself, the cloud's metadata service or the
+# local link, on every host; each manager adds its sandbox subnet, the host's own addresses and
+# the operator's ranges (NetworkManager(protected=...)).  The value says what a refusal names.
+ALWAYS_PROTECTED: dict[str, str] = {
+    "127.0.0.0/8": "loopback", "::1/128": "loopback",
+    "169.254.0.0/16": "link-local, where cloud metadata answers (169.254.169.254)",
+    "fe80::/10": "link-local", "fd00:ec2::254/128": "the cloud metadata address (IPv6)",
+    # delivered to the host's own sockets on 0.0.0.0 (a UDP service) by the veth's host side
+    "255.255.255.255/32": "the limited broadcast, which the host receives itself",
+    "224.0.0.0/4": "multicast, which the host's own services receive", "ff00::/8": "multicast",
+}
 
 _SID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -93,6 +106,29 @@ class NetworkError(SandboxError):
 
 class NetworkConflict(NetworkError):
     """The sandbox subnet overlaps a route this manager does not own, or is exhausted."""
+
+
+class ProtectedDestination(InvalidEgressRule):
+    """An egress rule would open a protected range to a sandbox not allowed it; nothing was changed.
+
+    The message names the rule, the address it covers or resolves to, and the protected range
+    with what it is.  ``rule`` is the rule's index in the list it came in.
+    """
+
+    def __init__(self, index: int, rule: EgressRule, address: IPNetwork, protected: IPNetwork, why: str) -> None:
+        if rule.host is not None:
+            what = f"host {rule.host!r} resolves to {address.network_address}, in"
+        elif _within(address, protected):
+            what = f"{address} lies in"
+        else:
+            what = f"{address} contains"
+        super().__init__(f"rule {index} {json.dumps(rule.to_dict())}: {what} the protected range {protected} "
+                         f"({why}). Rules may not open protected ranges unless the operator allows it for the "
+                         "project; 0.0.0.0/0 and ::/0 reach every other address (docs/SECURITY.md, \"Protected "
+                         "destinations\")")
+        self.rule = index
+        self.address = address
+        self.protected = protected
 
 
 # -- namespaces and tools -----------------------------------------------------------------------
@@ -260,13 +296,15 @@ class NetworkManager:
     ``masquerade=True`` adds a host nftables table that NATs the subnet to the
     host's uplinks and turns on ``net.ipv4.ip_forward`` (a host-wide change,
     logged); without it the only host settings touched are per-interface
-    sysctls on this manager's own veths.
+    sysctls on this manager's own veths.  ``protected``: the operator's own
+    ranges (CIDRs), protected as the host's addresses are (:func:`protected_ranges`).
     """
 
     BLOCK = 4  # a /30 per sandbox: network, host side, sandbox, broadcast
 
     def __init__(self, state_dir: str | os.PathLike[str], *, subnet: str = "10.213.0.0/16",
-                 masquerade: bool = False) -> None:
+                 masquerade: bool = False, protected: Sequence[str | IPNetwork] = ()) -> None:
+        extra = protected_ranges(protected)
         if shutil.which("ip") is None:
             raise HostUnsupported("ip: not installed (apt-get install iproute2)")
         nftables.available()  # NftUnavailable is a HostUnsupported, with the package to install
@@ -289,6 +327,11 @@ class NetworkManager:
         self.if_prefix = f"lb{self.tag}"
         self.masquerade = masquerade
         self.host_addresses = self._inspect_host()
+        self.protected: tuple[tuple[IPNetwork, str], ...] = (
+            (net, "the sandbox subnet: every sandbox and the host side of its veth"),
+            *((ipaddress.ip_network(n), why) for n, why in ALWAYS_PROTECTED.items()),
+            *((ipaddress.ip_network(a), "an address of this host") for a in self.host_addresses),
+            *((n, "protected by the operator") for n in extra))
         if masquerade:
             self._ensure_host_nat()
 
@@ -300,8 +343,11 @@ class NetworkManager:
         return self.if_prefix + blake3.blake3(_valid_sid(sid).encode()).hexdigest()[:9]
 
     def create(self, sid: str, rules: Sequence[EgressRule | Mapping[str, Any]] = (), *,
-               userns_fd: int | None = None, vm: bool = False) -> NetnsInfo:
+               userns_fd: int | None = None, vm: bool = False, allow_protected: bool = False) -> NetnsInfo:
         """Make the sandbox's netns, veth, addresses and (default-deny) table; ``rules`` start allowed.
+
+        A rule that would open a protected range raises :class:`ProtectedDestination` before
+        anything is made, unless ``allow_protected`` (the operator's decision for this sandbox).
 
         With ``userns_fd`` the namespace is owned by that user namespace (the sandbox's), so
         the runtime can mount a sysfs of its own for it; host root still configures it.
@@ -312,7 +358,7 @@ class NetworkManager:
         parsed = parse_rules(rules)
         path = self.netns_path(sid)
         host_if = self.host_if(sid)
-        policy = self._effective(sid, parsed)  # resolve before touching the host
+        policy = self._effective(sid, parsed, allow_protected)  # resolve and check before touching the host
         with self._locked() as state:
             if sid in state or path.exists():
                 raise NetworkError(f"sandbox {sid}: a network already exists under {self.state_dir} "
@@ -407,17 +453,20 @@ add rule ip {TABLE}_vm post oifname "eth0" ip saddr {VM_GUEST_NET} masquerade
     def policy(self, sid: str) -> dict[str, Any]:
         return dict(self._entry(sid)["policy"])
 
-    def set_policy(self, sid: str, rules: Sequence[EgressRule | Mapping[str, Any]]) -> dict[str, Any]:
+    def set_policy(self, sid: str, rules: Sequence[EgressRule | Mapping[str, Any]], *,
+                   allow_protected: bool = False) -> dict[str, Any]:
         """Replace the allow set in one nft transaction; return the effective policy.
 
         New and established connections follow the new rules from the next
         packet on: a removed destination's live TCP connections are reset.
-        Host names are resolved now, on the host.
+        Host names are resolved now, on the host.  A rule that would open a
+        protected range raises :class:`ProtectedDestination` and the old policy
+        stays, unless ``allow_protected``.
         """
         parsed = parse_rules(rules)
         path = self.netns_path(sid)
         self._entry(sid)
-        policy = self._effective(sid, parsed)
+        policy = self._effective(sid, parsed, allow_protected)
         commands = self._allow_commands(policy, flush=True)
         _on_thread(lambda: _nft(commands, what=f"sandbox {sid}: set egress policy"), netns=self._live(sid, path))
         with self._locked() as state:
@@ -425,6 +474,11 @@ add rule ip {TABLE}_vm post oifname "eth0" ip saddr {VM_GUEST_NET} masquerade
                 raise SandboxNotFound(f"sandbox {sid}: its network was destroyed while setting the policy")
             state[sid]["policy"] = policy
         return policy
+
+    def check(self, rules: Sequence[EgressRule | Mapping[str, Any]], *, allow_protected: bool = False) -> None:
+        """What :meth:`create` refuses, refused without a sandbox: malformed rules, and rules that
+        would open a protected range (:class:`ProtectedDestination`) unless ``allow_protected``."""
+        self._effective("check", parse_rules(rules), allow_protected)
 
     def counters(self, sid: str) -> dict[str, Any]:
         """Egress verdict counters since create (``rules`` only since the last set_policy).
@@ -563,16 +617,21 @@ add rule ip {TABLE}_vm post oifname "eth0" ip saddr {VM_GUEST_NET} masquerade
         _write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")
 
     def _protected(self) -> builtins.list[IPNetwork]:
-        nets = [ipaddress.ip_network(n) for n in (str(self.subnet), *ALWAYS_PROTECTED, *self.host_addresses)]
+        nets = [n for n, _ in self.protected]
         v4 = [n for n in nets if isinstance(n, ipaddress.IPv4Network)]
         v6 = [n for n in nets if isinstance(n, ipaddress.IPv6Network)]
         return [*ipaddress.collapse_addresses(v4), *ipaddress.collapse_addresses(v6)]
 
-    def _effective(self, sid: str, rules: Sequence[EgressRule]) -> dict[str, Any]:
+    def _effective(self, sid: str, rules: Sequence[EgressRule], allow_protected: bool) -> dict[str, Any]:
         listed = []
-        for rule in rules:
+        for index, rule in enumerate(rules):
             entry = rule.to_dict()
-            entry["addresses"] = [str(n) for n in rule.resolve()]
+            addresses = rule.resolve()
+            for address in addresses if not allow_protected else ():
+                touched = _touching(address, self.protected)
+                if touched is not None:
+                    raise ProtectedDestination(index, rule, address, *touched)
+            entry["addresses"] = [str(n) for n in addresses]
             listed.append(entry)
         canonical = json.dumps(listed, sort_keys=True, separators=(",", ":"))
         return {"sandbox": sid, "version": blake3.blake3(canonical.encode()).hexdigest()[:32],
@@ -591,7 +650,6 @@ add rule ip {TABLE}_vm post oifname "eth0" ip saddr {VM_GUEST_NET} masquerade
         for index, rule in enumerate(policy["rules"]):
             for addr in rule["addresses"]:
                 net = ipaddress.ip_network(addr)
-                chain = "allow_protected" if any(_within(net, p) for p in protected) else "allow"
                 fam = "ip" if net.version == 4 else "ip6"
                 match = [f"{fam} daddr {net}"]
                 proto = rule["protocol"]
@@ -600,8 +658,9 @@ add rule ip {TABLE}_vm post oifname "eth0" ip saddr {VM_GUEST_NET} masquerade
                     match.append(f"{proto} dport {ports}" if ports else f"meta l4proto {proto}")
                 elif proto == "icmp":
                     match.append("meta l4proto icmp" if net.version == 4 else "meta l4proto ipv6-icmp")
-                lines.append(f"add rule inet {TABLE} {chain} {' '.join(match)} "
-                             f"counter counter name \"accepted\" accept comment \"rule:{index}\"")
+                lines += [f"add rule inet {TABLE} {chain} {' '.join(match)} "
+                          f"counter counter name \"accepted\" accept comment \"rule:{index}\""
+                          for chain in _chains(net, protected)]
         return "\n".join(lines) + "\n"
 
     def _table(self, policy: Mapping[str, Any]) -> str:
@@ -667,6 +726,43 @@ def _vm_tap(sid: str) -> None:
         f"tuntap add dev {VM_TAP} mode tap vnet_hdr\n"
         f"addr add {VM_TAP_ADDRESS}/30 dev {VM_TAP}\n"
         f"link set {VM_TAP} up\n"))
+
+
+def protected_ranges(ranges: Sequence[str | IPNetwork], field: str = "protected") -> tuple[IPNetwork, ...]:
+    """An operator's protected ranges as networks: CIDRs without host bits, else :class:`InvalidField`."""
+    if isinstance(ranges, str):
+        raise InvalidField(field, f"{ranges!r}: expected a list of CIDRs")
+    out = []
+    for item in ranges:
+        try:
+            out.append(ipaddress.ip_network(item, strict=True))
+        except (TypeError, ValueError) as exc:
+            raise InvalidField(field, f"{item!r} is not a CIDR ({exc}), e.g. '10.0.0.0/8' or 'fd00::/8'") from None
+    return tuple(out)
+
+
+def _touching(net: IPNetwork, protected: Sequence[tuple[IPNetwork, str]]) -> tuple[IPNetwork, str] | None:
+    """The first protected range (and what it is) that ``net`` would open, if any.
+
+    CIDRs are nested or apart, so overlapping is lying in one or containing one.  A whole
+    family (0.0.0.0/0, ::/0) opens none: the output chain never lets a protected
+    destination reach the ``allow`` chain (:meth:`NetworkManager._table`)."""
+    if net.prefixlen == 0:
+        return None
+    return next(((p, why) for p, why in protected if _within(net, p) or _within(p, net)), None)
+
+
+def _chains(net: IPNetwork, protected: Sequence[IPNetwork]) -> tuple[str, ...]:
+    """The allow chains a rule's range is written to.  The output chain sends a protected
+    destination to ``allow_protected`` (then to deny) and every other one to ``allow``, so a
+    range inside a protected one belongs in ``allow_protected`` alone, a range containing one
+    (a sandbox allowed protected ranges asked for all of it) in both, and a whole family
+    (0.0.0.0/0, ::/0: the public internet) in ``allow`` alone."""
+    if any(_within(net, p) for p in protected):
+        return ("allow_protected",)
+    if net.prefixlen and any(_within(p, net) for p in protected):
+        return ("allow", "allow_protected")
+    return ("allow",)
 
 
 def _within(net: IPNetwork, outer: IPNetwork) -> bool:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -35,12 +35,12 @@ from lazyfetch import kmount
 from lazyfetch.errors import KernelMountError
 from lazyfetch.mounts import HostMounts, MountError
 from sandbox.core.errors import SandboxError
-from sandbox.core.model import EgressRule, check_sandbox_id
+from sandbox.core.model import EgressRule, IPNetwork, check_sandbox_id
 from sandbox.core.paths import SandboxPaths
 from sandbox.isolation import disk as sbdisk
 from sandbox.isolation.cgroups import CgroupLayout, preflight_cgroups
 from sandbox.isolation.idmap import RangePool
-from sandbox.isolation.network import NetnsInfo, NetworkManager
+from sandbox.isolation.network import NetnsInfo, NetworkManager, protected_ranges
 
 log = logging.getLogger("layerbox.sandbox")
 
@@ -138,25 +138,33 @@ class Disks:
 class Networks:
     """Network namespaces with their veth (a container) or tap (a VM) and egress policy.
 
-    Made on first use: the manager's network reads the host's routes when it starts."""
+    Made on first use: the manager's network reads the host's routes when it starts.
+    ``protected``: the operator's ranges no rule may open (checked here, when the manager starts)."""
 
     name = "netns"
 
-    def __init__(self, state_dir: Path, subnet: str) -> None:
+    def __init__(self, state_dir: Path, subnet: str, protected: Sequence[str | IPNetwork] = ()) -> None:
         self.state_dir = state_dir
         self.subnet = subnet
+        self.protected = protected_ranges(protected)
         self._net: NetworkManager | None = None
 
     @property
     def manager(self) -> NetworkManager:
         if self._net is None:
-            self._net = NetworkManager(self.state_dir, subnet=self.subnet)
+            self._net = NetworkManager(self.state_dir, subnet=self.subnet, protected=self.protected)
         return self._net
 
-    def acquire(self, sid: str, rules: list[EgressRule], *, userns_fd: int | None = None,
-                vm: bool = False) -> NetnsInfo:
-        """A policed namespace: default deny with these allow rules."""
-        return self.manager.create(sid, rules, userns_fd=userns_fd, vm=vm)
+    def check(self, rules: Sequence[EgressRule], *, allow_protected: bool = False) -> None:
+        """Refuse, before a sandbox is made, the rules :meth:`acquire` would refuse."""
+        self.manager.check(rules, allow_protected=allow_protected)
+
+    def acquire(self, sid: str, rules: Sequence[EgressRule], *, userns_fd: int | None = None,
+                vm: bool = False, allow_protected: bool = False) -> NetnsInfo:
+        """A policed namespace: default deny with these allow rules; one that would open a
+        protected range is refused (ProtectedDestination) before anything is made, unless
+        ``allow_protected``."""
+        return self.manager.create(sid, rules, userns_fd=userns_fd, vm=vm, allow_protected=allow_protected)
 
     def acquire_isolated(self, sid: str) -> Path:
         """A namespace with nothing but loopback (and a VM's tap)."""

@@ -139,7 +139,8 @@ class ContainerBackend:
             # mount a sysfs for it and falls back to the host's /sys (host interface names)
             ns_fd = self._userns_fd(*mapping) if mapping is not None else None
             networks = self.ctx.resources.networks
-            info = await asyncio.to_thread(networks.acquire, box.id, list(options.network), userns_fd=ns_fd)
+            info = await asyncio.to_thread(networks.acquire, box.id, options.network, userns_fd=ns_fd,
+                                           allow_protected=options.protected_egress)
             netns, network = str(info.path), {**info.to_dict(), "policy": networks.manager.policy(box.id)}
         await asyncio.to_thread(self._start, box, resolved, netns, network)
         return {"mount_seconds": round(mounted - started, 6), "start_seconds": round(time.perf_counter() - mounted, 6),

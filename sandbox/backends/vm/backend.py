@@ -370,7 +370,7 @@ class VmBackend:
         if options.network is None:
             networks.acquire_isolated(sid)
             return None, None
-        info = networks.acquire(sid, list(options.network), vm=True)
+        info = networks.acquire(sid, options.network, vm=True, allow_protected=options.protected_egress)
         return {**info.to_dict(), "policy": networks.manager.policy(sid)}, (VM_GUEST_ADDRESS, 30, VM_TAP_ADDRESS)
 
     @contextlib.contextmanager
