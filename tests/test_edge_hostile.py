@@ -33,6 +33,7 @@ ALPHA, BETA = "alpha-token-0123456789", "beta-token-01234567890"
 TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 12},
                        "beta": {"tokens": [BETA], "max_sandboxes": 6}}}
 CAPS = ("--max-commands-per-project", "4", "--max-transfers-per-project", "2", "--max-connections-per-project", "4")
+HOLDS = ("commands", "transfers", "connections")
 FLOOD_PORT = 8090
 # a WebSocket server inside the sandbox that sends 1 MiB messages for ever to whoever connects
 FLOODER = r"""
@@ -68,6 +69,17 @@ def edge(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
     finally:
         e.stop()
         assert e.clean_up() == []
+
+
+@pytest.fixture(autouse=True)
+def nothing_held_after(edge: EdgeProcess) -> Iterator[None]:
+    """Each test ends with nothing of alpha's caps still held (work a test left is given back
+    within a bound), so a leak fails the test that made it, not a later one."""
+    yield
+    deadline = time.monotonic() + 30
+    while (holds := api(edge, "GET", "/v1/load")[1]["project"]["holds"]) != dict.fromkeys(HOLDS, 0):
+        assert time.monotonic() < deadline, f"alpha still holds {holds} after the test"
+        time.sleep(0.2)
 
 
 def api(edge: EdgeProcess, method: str, path: str, body: Any = None, *, token: str = ALPHA,
@@ -309,6 +321,11 @@ def test_two_uploads_fill_the_transfer_cap_a_third_is_429(edge: EdgeProcess) -> 
             conn.putheader("Content-Length", str(1 << 20))
             conn.endheaders(b"x" * 10)
             conns.append(conn)
+            assert conn.sock is not None
+            conn.sock.settimeout(1)
+            with pytest.raises(TimeoutError):  # no answer: the upload waits for the rest of its body
+                answer = conn.getresponse()
+                pytest.fail(f"a stalled upload was answered {answer.status}: {answer.read()!r}")
         deadline = time.monotonic() + 30
         while True:
             status, doc = api(edge, "GET", f"/v1/sandboxes/{sid}/files?path=/etc/hostname")

@@ -295,7 +295,8 @@ DOCUMENT: dict[str, Any] = {
                                         "checkpoint kinds); ask for nothing else", {"200": "capabilities"},
                                         path=None)},
         "/v1/load": {"get": _op("Load report: sandboxes live/in flight/max, free memory/pids/disk, load "
-                                "average, score, accepting", {"200": "the load report"}, path=None)},
+                                "average, score, accepting, and what the caller's project holds against its caps "
+                                "(commands, transfers, connections)", {"200": "the load report"}, path=None)},
         "/v1/sandboxes/{id}/fork": {"post": _op(
             "Fork: checkpoint the sandbox once and restore it count times on this edge (quota and capacity for "
             "all first; all or none); the forks continue from its files, env, workdir and labels",

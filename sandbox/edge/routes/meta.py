@@ -4,6 +4,7 @@ its Prometheus metrics (an admin project's token: they name every project)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from aiohttp import web
@@ -45,8 +46,11 @@ class Meta:
         return web.json_response(openapi.DOCUMENT)
 
     async def load(self, request: web.Request) -> web.Response:
-        self.ctx.project(request)  # any valid token may read it; it names no sandbox
-        return web.json_response(self.ctx.admission.report())
+        project = self.ctx.project(request)  # any valid token may read it; it names no sandbox
+        usage = self.ctx.usage
+        # what the caller's project holds against its caps here (no other project's)
+        mine = {"name": project.name, "holds": usage.of(project.name), "caps": dataclasses.asdict(usage.caps)}
+        return web.json_response({**self.ctx.admission.report(), "project": mine})
 
     async def capabilities(self, request: web.Request) -> web.Response:
         self.ctx.project(request)
