@@ -13,7 +13,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +120,24 @@ def workspace(base: Path, prefix: str, *, before_removal: Callable[[Path], None]
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
+
+
+# -- figures ------------------------------------------------------------------------------------------
+
+
+def pct(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))
+    return ordered[int(rank) - 1]
+
+
+def summary(values: Sequence[float]) -> dict[str, Any]:
+    return {"n": len(values), "p50": pct(values, 50), "p99": pct(values, 99),
+            "min": min(values) if values else None, "max": max(values) if values else None}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None

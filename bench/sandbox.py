@@ -69,7 +69,17 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import BenchError, _f, _table, emit, log  # shared by the benchmarks
+import fairness  # noqa: E402  (the fairness section, bench/fairness.py)
+from common import (  # shared by the benchmarks
+    BenchError,
+    _f,
+    _table,
+    emit,
+    log,
+    pct,
+    ratio,
+    summary,
+)
 
 from converters.publish import publish  # noqa: E402
 from layerstore.errors import LayerboxError  # noqa: E402
@@ -112,24 +122,6 @@ GOAL_OVERHEAD_MIB = 5.0
 
 
 # -- small helpers ------------------------------------------------------------------------------
-
-
-def pct(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))
-    return ordered[int(rank) - 1]
-
-
-def summary(values: Sequence[float]) -> dict[str, Any]:
-    return {"n": len(values), "p50": pct(values, 50), "p99": pct(values, 99),
-            "min": min(values) if values else None, "max": max(values) if values else None}
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def run_tool(argv: Sequence[str], timeout: float = TOOL_TIMEOUT, *, check: bool = True) -> str:
@@ -1345,6 +1337,9 @@ async def run_bench(args: argparse.Namespace, work: Path, fixture: Path, manager
     if "cpu-class" in sections:
         results["cpu_class"] = await cpu_class_section(manager, args.cpu_rounds, args.cpu_blocks,
                                                        args.cpu_neighbours, args.cpu_burners)
+    if "fairness" in sections:
+        results["fairness"] = await fairness.fairness_section(args.edge_repo, work, manager.store_url or "", REF,
+                                                              args.fair_rounds, args.fair_phase_seconds)
     return results
 
 
@@ -1574,6 +1569,8 @@ def render(doc: dict[str, Any]) -> str:
     cc = doc.get("cpu_class")
     if cc:
         out.extend(render_cpu_class(cc))
+    if doc.get("fairness"):
+        out.extend(fairness.render(doc["fairness"], _ms, _x))
     c = doc.get("cleanup", {})
     out.append(f"cleanup: mounts left {c.get('mounts_left')}, workdir removed {c.get('workdir_removed')}, "
                f"problems {c.get('problems')}")
@@ -1582,7 +1579,7 @@ def render(doc: dict[str, Any]) -> str:
 
 # -- main ---------------------------------------------------------------------------------------------
 
-SECTIONS = ("latency", "pause", "fncall", "sdk", "fork", "network", "sustain", "idle", "cpu-class")
+SECTIONS = ("latency", "pause", "fncall", "sdk", "fork", "network", "sustain", "idle", "cpu-class", "fairness")
 
 
 def _list(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -1630,6 +1627,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fork: rounds of fork and creates (default 5; 2 quick)")
     p.add_argument("--cpu-burners", type=int, default=os.cpu_count() or 1, metavar="P",
                    help="cpu-class: spinning processes per neighbour (default: the host's CPUs)")
+    p.add_argument("--fair-rounds", type=int, default=None, metavar="N",
+                   help="fairness: beta's rounds quiet and with alpha hostile (default 30; 10 quick)")
+    p.add_argument("--fair-phase-seconds", type=float, default=900.0, metavar="S",
+                   help="fairness: at most this long per phase (a frozen edge ends it; default 900)")
+    p.add_argument("--edge-repo", type=Path, default=Path(__file__).resolve().parents[1], metavar="DIR",
+                   help="fairness: run the edge from this checkout (another commit: its figures before a change; "
+                   "default this one)")
     p.add_argument("--sections", "--only", type=_list(SECTIONS), default=list(SECTIONS), metavar="LIST",
                    help=f"which sections to run (default {','.join(SECTIONS)})")
     p.add_argument("--no-podman", dest="podman", action="store_false", help="leave podman out (not installed)")
@@ -1671,8 +1675,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.cpu_rounds = args.cpu_rounds if args.cpu_rounds is not None else (12 if q else 60)
     args.cpu_blocks = args.cpu_blocks if args.cpu_blocks is not None else (1 if q else 3)
     args.fork_rounds = args.fork_rounds if args.fork_rounds is not None else (2 if q else 5)
+    args.fair_rounds = args.fair_rounds if args.fair_rounds is not None else (10 if q else 30)
     if min(args.latency, args.idle, args.pauses, args.calls, args.net_rounds, args.concurrency, args.cpu_rounds,
-           args.cpu_blocks, args.cpu_neighbours, args.cpu_burners, args.forks, args.fork_rounds) < 1 or args.sustain_seconds <= 0 \
+           args.cpu_blocks, args.cpu_neighbours, args.cpu_burners, args.forks, args.fork_rounds, args.fair_rounds) < 1 or args.sustain_seconds <= 0 \
             or args.settle < 0:
         print("bench/sandbox.py: counts must be at least 1, --sustain-seconds positive", file=sys.stderr)
         return 2

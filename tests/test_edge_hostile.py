@@ -35,26 +35,8 @@ TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 12},
 CAPS = ("--max-commands-per-project", "4", "--max-transfers-per-project", "2", "--max-connections-per-project", "4")
 HOLDS = ("commands", "transfers", "connections")
 FLOOD_PORT = 8090
-# a WebSocket server inside the sandbox that sends 1 MiB messages for ever to whoever connects
-FLOODER = r"""
-import asyncio, base64, hashlib, os, socket
-async def handle(reader, writer):
-    head = await reader.readuntil(b"\r\n\r\n")
-    key = [l.split(b":", 1)[1].strip() for l in head.split(b"\r\n") if l.lower().startswith(b"sec-websocket-key")][0]
-    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
-    writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
-    payload = os.urandom(1 << 20)
-    frame = bytes([0x82, 127]) + len(payload).to_bytes(8, "big") + payload
-    while True:
-        writer.write(frame)
-        await writer.drain()
-async def main():
-    server = await asyncio.start_server(handle, "127.0.0.1", PORT)
-    open("/tmp/flood.ready", "w").close()
-    await server.serve_forever()
-asyncio.run(main())
-""".replace("PORT", str(FLOOD_PORT))
+# a WebSocket server that floods whoever connects, run inside alpha's sandbox (python3 -c)
+FLOODER = (Path(__file__).resolve().parents[1] / "bench" / "ws_flooder.py").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +165,7 @@ def test_one_project_cannot_slow_starve_or_grow_the_edge_for_another(edge: EdgeP
     try:
         # a server in alpha's sandbox that floods every WebSocket (a background command: one of its 4)
         status, started_cmd = api(edge, "POST", f"/v1/sandboxes/{alpha[1]}/commands",
-                                  {"cmd": ["python3", "-c", FLOODER]}, token=ALPHA)
+                                  {"cmd": ["python3", "-c", FLOODER, str(FLOOD_PORT), "/tmp/flood.ready"]}, token=ALPHA)
         assert status in (200, 201), started_cmd
         deadline = time.monotonic() + 60
         while api(edge, "GET", f"/v1/sandboxes/{alpha[1]}/files?path=/tmp/flood.ready&stat=1")[0] != 200:
@@ -323,9 +305,11 @@ def test_two_uploads_fill_the_transfer_cap_a_third_is_429(edge: EdgeProcess) -> 
             conns.append(conn)
             assert conn.sock is not None
             conn.sock.settimeout(1)
-            with pytest.raises(TimeoutError):  # no answer: the upload waits for the rest of its body
+            try:  # no answer: the upload waits for the rest of its body
                 answer = conn.getresponse()
-                pytest.fail(f"a stalled upload was answered {answer.status}: {answer.read()!r}")
+            except TimeoutError:
+                continue
+            pytest.fail(f"a stalled upload was answered {answer.status}: {answer.read()!r}")
         deadline = time.monotonic() + 30
         while True:
             status, doc = api(edge, "GET", f"/v1/sandboxes/{sid}/files?path=/etc/hostname")
