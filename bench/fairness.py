@@ -328,6 +328,7 @@ async def fairness_section(repo: Path, work: Path, store_url: str, ref: str, rou
     tally, held, tasks = Tally(), [], []
     sampler: asyncio.Task[None] | None = None
     try:
+        await beta_rounds(edge, ref, 2, time.monotonic() + phase_seconds)  # unmeasured: the first start warms up
         out["quiet"] = await beta_rounds(edge, ref, rounds, time.monotonic() + phase_seconds)
         out["rss_quiet"] = rss(edge.proc.pid)
         peak = [out["rss_quiet"]]
