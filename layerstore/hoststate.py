@@ -107,8 +107,9 @@ class HostTable:
     ``reads``: the older versions it also reads, each turned into the current one by
     ``upgrade``, which also gets a legacy document (one with no ``format`` field) with the
     version ``None``; without ``upgrade`` only the current version is read.  ``empty``
-    makes the body of a table that has no file yet.  ``lock`` is the file flocked by
-    :meth:`locked` (default: ``<path>.lock``).  ``aside`` says what moving the file aside costs, for the
+    makes the body of a table that has no file yet; with ``drop_empty`` such a body is no
+    file: writing it removes the file.  ``lock`` is the file flocked by :meth:`locked`
+    (default: ``<path>.lock``).  ``aside`` says what moving the file aside costs, for the
     fix an error names.  The table, its lock and the directory they are in are kept private
     (:func:`open_private`, :func:`closed_dir`), and tightened when found looser.
 
@@ -120,7 +121,7 @@ class HostTable:
     def __init__(self, path: str | os.PathLike[str], format: str, version: int, *,
                  reads: Collection[int] = (), upgrade: Upgrade | None = None,
                  empty: Callable[[], Body] = dict, lock: str | os.PathLike[str] | None = None,
-                 aside: str = "") -> None:
+                 aside: str = "", drop_empty: bool = False) -> None:
         if upgrade is None and set(reads) - {version}:
             raise ValueError(f"{format}: reading versions {sorted(reads)} takes an upgrade to version {version}")
         self.path = Path(path)
@@ -131,6 +132,7 @@ class HostTable:
         self.empty = empty
         self.lock = Path(lock) if lock is not None else self.path.with_name(self.path.name + ".lock")
         self.aside = aside
+        self.drop_empty = drop_empty
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[Body]:
@@ -144,6 +146,11 @@ class HostTable:
             # (mounts.json) one encoding per operation
             before = raw if current else self._encode(body)
             yield body
+            if self.drop_empty and body == self.empty():
+                if raw is not None:
+                    self.path.unlink()
+                    _fsync_dir(self.path.parent)
+                return
             out = self._encode(body)
             if out != before:
                 self._replace(out)

@@ -93,11 +93,12 @@ def loosen(data: Path) -> None:
 def host_files(mgr: SandboxManager, box: Sandbox) -> tuple[list[Path], list[Path]]:
     """Every lock and state file of the data dir, and the directories that hold them."""
     data, root = mgr.data_dir, mgr.root
-    dirs = [data / "state", data / "blobcache", root / "receipts", root / "runtime", data / "net", data / "net/netns"]
+    dirs = [data / "state", data / "blobcache", root / "receipts", root / "runtime", data / "net", data / "net/netns",
+            root / "leases", root / "leases" / "_host"]
     files = [data / "lazyfetch.lock", data / "lazyfetch.start.lock", data / "state/lock", data / "state/mounts.json",
              data / "blobcache/lock", root / "userns.json", root / "userns.json.lock", data / "net/net.lock",
              data / "net/net.json", box.dir / "state.json", root / "receipts" / f"{box.id}.jsonl",
-             root / "leases.json", root / "leases.json.lock"]
+             root / "leases" / "_host" / f"{JOB}.json", root / "leases" / "_host" / "lock"]
     return files, dirs
 
 
@@ -127,6 +128,7 @@ def test_nobody_can_hold_a_lock_or_read_a_table(loose_manager: SandboxManager) -
         files, dirs = host_files(mgr, box)
         modes = {str(p): oct(stat.S_IMODE(p.stat().st_mode)) for p in files}
         assert {p: m for p, m in modes.items() if m != oct(0o600)} == {}
+        assert not (mgr.root / "leases.json.lock").exists()  # the old table's lock went with it
         loose = {str(d): oct(stat.S_IMODE(d.stat().st_mode)) for d in [*dirs, mgr.root, mgr.boxes, box.dir]
                  if d.stat().st_mode & 0o066}
         assert loose == {}

@@ -152,7 +152,8 @@ async def resume_run(manager: SandboxManager, ref: str, *, job: str | None = Non
             await asyncio.to_thread(manager.destroy, box.id)
         raise
     manager.leases.set_state(job, "active")
-    manager.leases.renew(job, lease_ttl)
+    if restored:  # (each joined the lease already; a run of no sandboxes leaves none to renew)
+        manager.leases.renew(job, lease_ttl)
     for box in restored:
         box.update(admitting=True)
         box.receipt("resumed", run=ref, run_digest=resolved.digest, job=job)
