@@ -11,7 +11,8 @@ What lives where (layout in :mod:`sandbox.core.paths`, formats in docs/FORMAT.md
     sandbox/boxes/<id>/state.json the SandboxState (sandbox.core.model), written before anything it names exists
     sandbox/boxes/<id>/...        what its backend keeps (a container's bundle and rootfs, a VM's vm/),
                                   and with a disk limit its own ext4 (disk.img, disk/)
-    sandbox/receipts/<id>.jsonl   the receipt log (sandbox.core.receipts; kept after destroy)
+    sandbox/receipts/<id>.jsonl   the receipt log's live segment, <id>.<n>.jsonl its sealed ones
+                                  (sandbox.core.receipts; kept RETENTION after destroy)
     sandbox/runtime/              crun --root (the container backend's)
     sandbox/userns.json           host uid ranges (sandbox.isolation.idmap RangePool)
     sandbox/leases/<project>/<job>.json  a job's lease: its admission state and its sandboxes here
@@ -226,16 +227,18 @@ class SandboxManager:
         return self.execs.inflight(sid)
 
     def receipts(self, sid: str) -> builtins.list[dict[str, Any]]:
+        """The sandbox's receipts in the segments its log keeps, oldest first."""
         return self.receipt_logs.read(sid)
 
     def verify_receipts(self, sid: str) -> dict[str, Any]:
-        """Check the sandbox's receipt log end to end: ``{"records": n, "head": hash of the last}``."""
+        """Check the sandbox's receipt log end to end (the segments kept): ``{"records": n since it
+        began, "head": hash of the last, "last": its id, ...}`` (ReceiptLogs.verify)."""
         return self.receipt_logs.verify(sid)
 
     def started_of(self, sid: str, tag: str) -> dict[str, Any] | None:
         """The ``exec_started`` receipt of the exec ``tag`` (a keyed or background one names its tag)."""
-        return next((r for r in reversed(self.receipt_logs.read(sid))
-                     if r.get("action") == "exec_started" and r.get("tag") == tag), None)
+        return next((r for r in reversed(self.receipt_logs.find(sid, "tag", tag))
+                     if r.get("action") == "exec_started"), None)
 
     # -- create / restore -----------------------------------------------------------------------------
     async def create(self, ref: str, options: SandboxOptions | None = None, *, admitting: bool = True,
@@ -496,13 +499,19 @@ class SandboxManager:
             except (SandboxError, MountError, OSError) as exc:  # one bad sandbox must not stop the reaper
                 log.warning("reaper: sandbox %s: %s", st.id, exc)
         # sandboxes destroyed above (or by anyone) leave their leases; a lapsed lease with none goes
-        self.leases.sweep(leases, now, alive=lambda sid: (self.boxes / sid).is_dir())
+        def alive(sid: str) -> bool:
+            return (self.boxes / sid).is_dir()
+
+        self.leases.sweep(leases, now, alive=alive)
+        expired = self.receipt_logs.expire(now, alive)  # logs of sandboxes gone for RETENTION
+        if expired:
+            log.info("reaper: removed the receipt logs of %d sandboxes destroyed long ago", len(expired))
         return report
 
     # -- destroy / reconcile ----------------------------------------------------------------------------
     def destroy(self, sid: str) -> None:
         """Stop the sandbox's processes and release everything it holds on this host; its state goes,
-        its receipts stay (with a ``destroy`` record).  Idempotent."""
+        its receipts stay (with a ``destroy`` record) for ``RETENTION``.  Idempotent."""
         box = Sandbox(self, sid)
         known = (box.dir / "state.json").exists()
         for hook in builtins.list(self.on_destroy):
