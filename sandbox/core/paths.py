@@ -13,7 +13,8 @@ Layout under ``<data-dir>/sandbox/`` (docs/FORMAT.md, "Sandbox host state")::
     runtime/               crun --root
     boxes/<id>/state.json  the sandbox's SandboxState
     boxes/<id>/bundle/     config.json and each running exec's process document and pid file
-    receipts/<id>.jsonl    its receipt log
+    receipts/<id>.jsonl    its receipt log's live segment (<id>.<n>.jsonl: sealed ones, sandbox.core.receipts)
+    leases/<project>/      one file per job's lease, and the project's lock (sandbox.core.leases)
 """
 
 from __future__ import annotations
