@@ -27,6 +27,7 @@ from pathlib import Path
 
 import lmdb
 
+from layerstore.hoststate import closed_dir
 from layerstore.packs import ChunkLocation
 
 MAP_SIZE = 8 << 30  # address space only; the file grows with use
@@ -64,7 +65,9 @@ class MetadataCache:
         # one environment per store, so one data dir can serve several stores
         tag = hashlib.sha256(store_url.encode()).hexdigest()[:16]
         self.path = Path(data_dir) / "cache" / tag
-        self.path.mkdir(parents=True, exist_ok=True)
+        # host state: which images this host used and where their chunks lie, for root alone
+        closed_dir(self.path.parent)
+        closed_dir(self.path)
         (self.path / "STORE").write_text(store_url + "\n")
         self.env = _acquire(self.path)
         self._closed = False

@@ -16,6 +16,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,15 +36,82 @@ class HostStateError(LayerstoreError):
     another version; the message names the file, what it holds and what to do."""
 
 
+# Host state is root's alone.  A lock file another local user can open is a lock that user can hold
+# (flock needs only an fd, read-only will do) and so stall every writer behind it; a table another
+# user can read tells them this host's jobs, sandboxes and addresses.  So lock and state files are
+# 0600, and their directories give others no read or write (a search bit another user needs to
+# reach a user-namespaced sandbox's rootfs may stay).  Files and directories an older layerbox
+# made looser are tightened when next opened.
+PRIVATE_FILE = 0o600
+OTHERS_RW = 0o066  # group and other read and write: never on a host-state directory
+
+
+def private_fd(fd: int) -> None:
+    """Take back any permission group or others have on the open file ``fd`` (an older layerbox made it 0644)."""
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    if mode & 0o077:
+        os.fchmod(fd, mode & 0o700)
+
+
+def open_private(path: str | os.PathLike[str]) -> int:
+    """A read-write fd on ``path``, a file for its owner alone (a lock file, a database): made 0600
+    if missing, tightened to it if looser, never through a symlink."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
+    try:
+        private_fd(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextlib.contextmanager
+def flocked(path: str | os.PathLike[str]) -> Iterator[int]:
+    """The exclusive ``flock`` of the lock file ``path`` (:func:`open_private`: nobody else can
+    open it, so nobody else can hold it), held for the block."""
+    fd = open_private(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield fd
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def closed_dir(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a directory others cannot list or change: each missing component made 0700, an
+    existing ``path`` stripped of group's and others' read and write (search bits stay: the way
+    down to a user-namespaced sandbox must stay traversable for its uids)."""
+    path = Path(path)
+    make_private_dirs(path)
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if mode & OTHERS_RW:
+        os.chmod(path, mode & ~OTHERS_RW)
+    return path
+
+
+def make_private_dirs(path: str | os.PathLike[str]) -> None:
+    """``mkdir -p`` with every directory it makes 0700, and nothing that exists changed."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        make_private_dirs(Path(path).parent)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+
+
 class HostTable:
     """The table at ``path``, named ``format``, written as ``version``.
 
     ``reads``: the older versions it also reads, each turned into the current one by
     ``upgrade``, which also gets a legacy document (one with no ``format`` field) with the
     version ``None``; without ``upgrade`` only the current version is read.  ``empty``
-    makes the body of a table that has no file yet.  ``lock`` is the file flocked by
-    :meth:`locked` (default: ``<path>.lock``).  ``aside`` says what moving the file
-    aside costs, for the fix an error names.
+    makes the body of a table that has no file yet; with ``drop_empty`` such a body is no
+    file: writing it removes the file.  ``lock`` is the file flocked by :meth:`locked`
+    (default: ``<path>.lock``).  ``aside`` says what moving the file aside costs, for the
+    fix an error names.  The table, its lock and the directory they are in are kept private
+    (:func:`open_private`, :func:`closed_dir`), and tightened when found looser.
 
     Safe across processes and threads (each :meth:`locked` takes the ``flock`` on a file
     description of its own), but not reentrant: a :meth:`locked` inside another on the same
@@ -53,7 +121,7 @@ class HostTable:
     def __init__(self, path: str | os.PathLike[str], format: str, version: int, *,
                  reads: Collection[int] = (), upgrade: Upgrade | None = None,
                  empty: Callable[[], Body] = dict, lock: str | os.PathLike[str] | None = None,
-                 aside: str = "") -> None:
+                 aside: str = "", drop_empty: bool = False) -> None:
         if upgrade is None and set(reads) - {version}:
             raise ValueError(f"{format}: reading versions {sorted(reads)} takes an upgrade to version {version}")
         self.path = Path(path)
@@ -64,26 +132,28 @@ class HostTable:
         self.empty = empty
         self.lock = Path(lock) if lock is not None else self.path.with_name(self.path.name + ".lock")
         self.aside = aside
+        self.drop_empty = drop_empty
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[Body]:
         """The body under the exclusive lock, for the block to change; written back only when
         the block ends normally and the body encodes to other bytes than the file's."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        closed_dir(self.path.parent)
+        with flocked(self.lock):
             raw = self._raw()
             body, current = self._decode(raw)
             # a file already in this version is compared as it lies, which spares a large table
             # (mounts.json) one encoding per operation
             before = raw if current else self._encode(body)
             yield body
+            if self.drop_empty and body == self.empty():
+                if raw is not None:
+                    self.path.unlink()
+                    _fsync_dir(self.path.parent)
+                return
             out = self._encode(body)
             if out != before:
                 self._replace(out)
-        finally:
-            os.close(fd)  # releases the flock
 
     def read(self) -> Body:
         """The body as it is now, without the lock and without writing anything: a rename
@@ -93,11 +163,20 @@ class HostTable:
     # -- reading ------------------------------------------------------------------------------
     def _raw(self) -> bytes | None:
         try:
-            return self.path.read_bytes()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise self._refused(f"a file it cannot read ({exc.strerror})") from None
+        try:
+            with contextlib.suppress(PermissionError):  # only its owner can tighten it
+                private_fd(fd)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read()
+        except OSError as exc:
+            raise self._refused(f"a file it cannot read ({exc.strerror})") from None
+        finally:
+            os.close(fd)
 
     def _decode(self, raw: bytes | None) -> tuple[Body, bool]:
         """The current version's body, and whether ``raw`` is already in that version."""
@@ -148,8 +227,9 @@ class HostTable:
         # One temp name: only the lock holder writes, and a temp file a crash left behind is
         # simply truncated by the next writer.
         tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
         try:
+            private_fd(fd)  # a temp file an older layerbox left behind keeps its mode through O_CREAT
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]

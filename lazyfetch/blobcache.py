@@ -50,6 +50,7 @@ import blake3
 
 from layerstore.erofs import format as F
 from layerstore.erofs.reader import BlobRecord
+from layerstore.hoststate import open_private
 from lazyfetch.client import private_dir
 from lazyfetch.errors import LazyfetchError
 
@@ -229,7 +230,7 @@ class BlobCache:
         self.evicted_bytes = 0
         self.reverified = 0
         self.refused_at_verify = 0
-        self._dirlock = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._dirlock = open_private(self.root / "lock")
         try:
             fcntl.flock(self._dirlock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

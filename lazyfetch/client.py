@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import http.client
 import json
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
+from layerstore.hoststate import flocked, make_private_dirs
 from lazyfetch.errors import LazyfetchError
 
 START_TIMEOUT = 30.0
@@ -139,9 +139,8 @@ class DaemonClient:
             return h
         # one starter at a time (threads of one process, or several processes): two daemons on
         # one data dir would fight over the holder's fds and the socket
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.data_dir / "lazyfetch.start.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        make_private_dirs(self.data_dir)
+        with flocked(self.data_dir / "lazyfetch.start.lock"):  # 0600: nobody else can hold it
             return self._start_locked(store_url, s3_endpoint=s3_endpoint, options=options)
 
     def _start_locked(self, store_url: str | None, *, s3_endpoint: str | None,
@@ -158,7 +157,7 @@ class DaemonClient:
             for name, value in options.items():
                 if value is not None:
                     argv += ["--" + name.replace("_", "-"), str(value)]
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            make_private_dirs(self.data_dir)
             # (0600: it names layers and paths of this host; the data dir itself may be o+x)
             log = os.fdopen(os.open(self.data_dir / "lazyfetch.out", os.O_WRONLY | os.O_CREAT | os.O_APPEND
                                     | os.O_CLOEXEC, 0o600), "ab")

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from layerstore.erofs.reader import ErofsImage
+from layerstore.hoststate import make_private_dirs, open_private
 from layerstore.objects import LayerEntry, digest_of, hex_digest
 from layerstore.store import Store
 from lazyfetch import fanotify, kmount
@@ -623,20 +624,21 @@ def _clear_stale_fuse(path: Path) -> None:
 
 
 def run(cfg: DaemonConfig) -> int:
-    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(cfg.data_dir)
     # held for the daemon's life: a second daemon on this data dir would fight over the holder's
     # fds and the socket, and every layer registered with the first would vanish
-    lock = open(cfg.data_dir / "lazyfetch.lock", "a")  # noqa: SIM115 (held until exit)
+    # (0600: a lock another local user could open, they could hold, and no daemon would start)
+    lock = open_private(cfg.data_dir / "lazyfetch.lock")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         log.error("another lazyfetch daemon serves %s; not starting a second one", cfg.data_dir)
-        lock.close()
+        os.close(lock)
         return EXIT_ALREADY_RUNNING
     try:
         return _serve(cfg)
     finally:
-        lock.close()
+        os.close(lock)
 
 
 def _serve(cfg: DaemonConfig) -> int:
@@ -789,7 +791,7 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
-    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(cfg.data_dir)
     log_file = cfg.data_dir / "lazyfetch.log"
     os.close(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
     os.chmod(log_file, 0o600)  # (older daemons made it 0644: it names layers and paths of this host)

@@ -371,7 +371,10 @@ class Holder:
         """Start a detached holder on ``socket_path`` (log: ``socket_path + ".log"``) and connect."""
         rfd, wfd = os.pipe()
         try:
-            with open(socket_path + ".log", "ab") as logf:
+            # 0600 (an older one was 0644): it names the layers this host serves
+            logfd = os.open(socket_path + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            os.fchmod(logfd, 0o600)
+            with os.fdopen(logfd, "ab") as logf:
                 subprocess.Popen(
                     [sys.executable, "-I", "-S", os.path.abspath(__file__), socket_path,
                      "--grace", str(grace), "--ready-fd", str(wfd)],

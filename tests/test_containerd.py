@@ -403,6 +403,39 @@ def test_keys_are_never_paths_and_requests_are_bounded(api: Any) -> None:
     assert oct(os.stat(sn.socket).st_mode & 0o777) == "0o600"
 
 
+def _mode(path: Path) -> int:
+    return os.stat(path).st_mode & 0o7777
+
+
+def test_the_snapshotter_changes_no_directory_it_did_not_make() -> None:
+    """`--socket /tmp/x.sock` once left /tmp 0700.  A directory that exists (a shared 1777 one for the
+    socket, a root someone made 0755) keeps its mode; what the snapshotter makes is its own, 0700,
+    and what it keeps is private in itself (0700 directories, a 0600 database, a 0600 socket)."""
+    with short_dir("lbs-") as base:
+        shared = base / "shared"
+        shared.mkdir()
+        shared.chmod(0o1777)
+        given = base / "given-root"
+        given.mkdir()
+        given.chmod(0o755)
+        made_sock, made_root = base / "new" / "run" / "sn.sock", base / "made-root"
+        try:
+            for sock, root in ((shared / "sn.sock", given), (made_sock, made_root)):
+                sn = Snapshotter(base, f"file://{base}/store", base / "data")
+                sn.socket, sn.root = sock, root
+                sn.start()
+                try:
+                    assert _mode(sn.socket) == 0o600
+                    assert (_mode(root / "snapshots"), _mode(root / "metadata.db")) == (0o700, 0o600)
+                finally:
+                    sn.stop()
+            assert (_mode(shared), _mode(given)) == (0o1777, 0o755)
+            assert [_mode(d) for d in (made_sock.parent.parent, made_sock.parent, made_root)] == [0o700] * 3
+        finally:
+            if (base / "data" / "state").exists():
+                HostMounts(base / "data").umount_all(stop_daemon=True)
+
+
 def test_a_restart_removes_what_a_crash_left(api: Any) -> None:
     from snapshots.containerd.grpcapi import pb
 

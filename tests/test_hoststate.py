@@ -1,4 +1,4 @@
-"""Host-state tables (layerstore/hoststate.py) and the four tables kept in them.
+"""Host-state tables (layerstore/hoststate.py) and the tables kept in them.
 
 The helper: the version is checked on every read, nothing is written unless the body
 changed and the block ended normally, writers in several processes lose no update, and a
@@ -307,33 +307,57 @@ LEGACY_LEASES = b"""{
 }"""
 
 
-def test_leases_read_the_unversioned_table_and_rewrite_it_on_a_change(tmp_path: Path) -> None:
-    path = tmp_path / "sandbox" / "leases.json"
-    path.parent.mkdir()
-    path.write_bytes(LEGACY_LEASES)
-    before = unchanged_stamp(path)
-    leases = Leases(path)
+ENVELOPED_LEASES = json.dumps({"format": "layerbox.leases", "version": 1,
+                               "leases": json.loads(LEGACY_LEASES)}).encode()
+
+
+@pytest.mark.parametrize("legacy", [LEGACY_LEASES, ENVELOPED_LEASES], ids=["unversioned", "version-1"])
+def test_leases_split_the_table_of_older_layerboxes_once(tmp_path: Path, legacy: bytes) -> None:
+    root = tmp_path / "sandbox"
+    root.mkdir()
+    table = json.loads(legacy)
+    table = table.get("leases", table)
+    table["job-c"] = {**table["job-a"], "job": "job-c"}  # a name renewed, never a job of this host
+    table["Not A Job"] = {**table["job-a"], "job": "Not A Job"}  # a name no sandbox could have had
+    (root / "leases.json").write_text(json.dumps(table, indent=1, sort_keys=True))
+    (root / "leases.json.lock").touch()
+    asked: list[int] = []
+
+    def members() -> dict[str, list[str]]:
+        asked.append(1)
+        return {"job-a": [SID1]}
+
+    leases = Leases(root / "leases", legacy=root / "leases.json")
+    assert leases.migrate(members) == 2
+    assert not (root / "leases.json").exists()
+    assert not (root / "leases.json.lock").exists()
     a, b = leases.get("job-a"), leases.get("job-b")
     assert a is not None
     assert b is not None
-    assert (a.ttl, a.state, a.expires) == (300.0, "active", 2000000000.0)
-    assert (b.state, b.manifest) == ("preempted", "runs/job-b:1")
-    assert sorted(x.job for x in leases.all()) == ["job-a", "job-b"]
-    leases.drop("job-c")  # no such job: nothing changes
-    assert stamp(path) == before
-    leases.renew("job-c", 10, now=100.0)
-    doc = envelope(path)
-    assert (doc["format"], doc["version"], sorted(doc["leases"])) == ("layerbox.leases", 1, ["job-a", "job-b", "job-c"])
-    assert doc["leases"]["job-b"] == json.loads(LEGACY_LEASES)["job-b"]
-    assert doc["leases"]["job-c"]["expires"] == 110.0
-    assert Leases(path).get("job-b") == b
+    assert (a.ttl, a.state, a.expires, a.sandboxes) == (300.0, "active", 2000000000.0, (SID1,))
+    assert (b.state, b.manifest, b.sandboxes) == ("preempted", "runs/job-b:1", ())
+    assert leases.get("job-c") is None
+    assert sorted(os.listdir(root / "leases" / "_host")) == ["job-a.json", "job-b.json", "lock"]
+    assert envelope(root / "leases" / "_host" / "job-b.json") == {
+        "format": "layerbox.lease", "version": 1, **json.loads(LEGACY_LEASES)["job-b"], "sandboxes": []}
+    assert leases.migrate(members) == 0
+    assert asked == [1]  # the states are read only when there is a table to split
+    # a split a crash cut short (the table still there) is done again; a lease already split is kept
+    (root / "leases.json").write_bytes(legacy.replace(b"300.0", b"5.0"))
+    assert leases.migrate(members) == 0
+    assert leases.get("job-a") == a
 
 
-def test_leases_refuse_a_newer_table(tmp_path: Path) -> None:
-    path = tmp_path / "leases.json"
-    path.write_text('{"format":"layerbox.leases","version":2,"leases":{}}')
-    with pytest.raises(HostStateError, match="reaper then treats every job as unleased"):
-        Leases(path).all()
+def test_leases_refuse_a_newer_lease(tmp_path: Path) -> None:
+    path = tmp_path / "leases" / "_host" / "job-a.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"format":"layerbox.lease","version":2,"job":"job-a"}')
+    with pytest.raises(HostStateError, match="reaper then treats the job as unleased"):
+        Leases(tmp_path / "leases").get("job-a")
+    legacy = tmp_path / "leases.json"
+    legacy.write_text('{"format":"layerbox.leases","version":2,"leases":{}}')
+    with pytest.raises(HostStateError, match="leases.json: found layerbox.leases version 2"):
+        Leases(tmp_path / "leases", legacy=legacy).migrate(dict)
 
 
 # RangePool wrote json.dumps({"version": 1, "first", "size", "sandboxes"}, indent=1, sort_keys=True)

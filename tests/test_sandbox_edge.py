@@ -33,6 +33,7 @@ from sandbox.sdk import (
     AsyncSandbox,
     CheckpointNotFound,
     FileNotFound,
+    NotFound,
     QuotaExceeded,
     RunNotFound,
     Sandbox,
@@ -202,6 +203,10 @@ def test_a_lapsed_lease_is_reaped_and_a_renewed_one_is_not(url: str, manager: Sa
         assert not any(st.id == crashed.sandbox_id for st in manager.list())
         assert (await kept.commands.run("echo here")).stdout == "here\n"
         await kept.kill()
+        # its last sandbox gone, the job is gone: a renew keeps nothing alive and makes no lease
+        with pytest.raises(NotFound, match="'alpha/steady' has no sandbox on this host") as gone:
+            await job.renew(60)
+        assert (gone.value.status, gone.value.code) == (404, "not_found")
         await job.close()
         await crashed.close()
 

@@ -18,7 +18,14 @@ from support.sandboxes import PROCESS_ARGS, REF, assert_clean, kill_daemon, run
 from layerstore import gc
 from layerstore.store import Store
 from lazyfetch import kmount
-from sandbox.core.errors import CommandInProgress, JobNotAdmitting, ReceiptsBroken, SandboxError
+from sandbox.core import receipts as receipts_module
+from sandbox.core.errors import (
+    CommandInProgress,
+    JobNotAdmitting,
+    JobNotFound,
+    ReceiptsBroken,
+    SandboxError,
+)
 from sandbox.core.receipts import receipt_line, verify_receipt_chain
 from sandbox.host.manager import Cancel, ExecResult, SandboxManager
 from sandbox.host.runs import preempt, resume_run
@@ -78,6 +85,39 @@ def test_lease_expiry_reaps_the_jobs_sandboxes(boxes: Any, manager: SandboxManag
     manager.renew("job-kept", 1)
     assert manager.reap(now=time.time() + 0.5)["destroyed"] == []  # renewed: still inside its lease
     assert kept.exec("echo alive").stdout == b"alive\n"
+
+
+def test_only_a_job_with_a_sandbox_here_has_a_lease(boxes: Any, manager: SandboxManager) -> None:
+    with pytest.raises(JobNotFound, match="'job-never' has no sandbox on this host"):
+        manager.renew("job-never")
+    assert manager.leases.get("job-never") is None
+    a, b = boxes(job="job-real", lease_ttl=60), boxes(job="job-real", lease_ttl=60)
+    lease = manager.leases.get("job-real")
+    assert lease is not None
+    assert sorted(lease.sandboxes) == sorted([a.id, b.id])
+    assert manager.renew("job-real", 30)["ttl"] == 30.0
+    a.destroy()
+    manager.renew("job-real")  # b is left
+    b.destroy()
+    with pytest.raises(JobNotFound):
+        manager.renew("job-real")
+    manager.reap(now=time.time() + 120)  # lapsed and empty: the reaper drops it
+    assert manager.leases.get("job-real") is None
+
+
+def test_an_older_leases_json_is_split_once_with_each_jobs_sandboxes(boxes: Any, manager: SandboxManager) -> None:
+    box = boxes(job="job-old", lease_ttl=60)
+    manager.leases.drop("job-old")  # as if only the old table knew it
+    lease = {"expires": time.time() + 60, "manifest": None, "state": "active", "ttl": 60.0}
+    legacy = manager.root / "leases.json"
+    legacy.write_text(json.dumps({"job-old": {**lease, "job": "job-old"}, "job-renewed-only": {
+        **lease, "job": "job-renewed-only"}}, indent=1, sort_keys=True))
+    migrated = SandboxManager(manager.data_dir, manager.store_url)  # a layerbox upgraded in place
+    found = migrated.leases.get("job-old")
+    assert found is not None
+    assert (found.sandboxes, found.ttl) == ((box.id,), 60.0)
+    assert migrated.leases.get("job-renewed-only") is None
+    assert not legacy.exists()
 
 
 def test_idle_sandbox_pauses_itself_and_ttl_destroys(boxes: Any, manager: SandboxManager) -> None:
@@ -359,6 +399,43 @@ def test_receipts_are_hash_chained_and_travel_with_checkpoints(boxes: Any, manag
         assert manager.verify_receipts(restored.id)["records"] == len(restored.receipts())
     finally:
         manager.destroy(restored.id)
+
+
+def test_a_long_log_is_bounded_and_keeps_keyed_commands_within_its_bound(
+        boxes: Any, manager: SandboxManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments of 8 records, 3 kept (the real bounds are 2,048 records or 1 MiB, 4 kept)."""
+    monkeypatch.setattr(receipts_module, "SEGMENT_RECORDS", 8)
+    monkeypatch.setattr(receipts_module, "KEEP_SEGMENTS", 3)
+    box = boxes()
+    box.exec("echo once", idempotency_key="early")
+    for n in range(6):
+        box.receipt("port_url", port=8000 + n)  # what a client minting preview URLs appends
+    box.exec("echo twice", idempotency_key="late")
+    assert box.exec("echo not run", idempotency_key="early").replayed  # in a sealed segment, still kept
+    checked = manager.verify_receipts(box.id)
+    assert checked["segments"] == 2
+    assert checked["records"] == len(box.receipts())
+    ckpt = run(box.checkpoint())
+    restored = run(manager.restore(ckpt.name))
+    try:
+        # the checkpoint carried the live segment, which opens with the head of what came before
+        inherited = [r for r in restored.receipts() if r.get("inherited")]
+        assert (inherited[0]["action"], inherited[0]["segment"]) == ("segment", 1)
+        again = restored.exec("echo not run", idempotency_key="late")
+        assert (again.replayed, again.stdout) == (True, b"twice\n")
+        manager.verify_receipts(restored.id)
+    finally:
+        manager.destroy(restored.id)
+    for n in range(30):
+        box.receipt("port_url", port=9000 + n)
+    assert len([n for n in os.listdir(manager.receipts_dir) if n.startswith(box.id)]) == 3
+    # past the bound: the key ran out of the log, and a retry runs the command again
+    assert not box.exec("echo once", idempotency_key="early").replayed
+    sid = box.id
+    box.destroy()
+    assert manager.receipts(sid)[-1]["action"] == "destroy"
+    manager.reap(now=time.time() + receipts_module.RETENTION + receipts_module.EXPIRE_INTERVAL + 60)
+    assert not [n for n in os.listdir(manager.receipts_dir) if n.startswith(sid)]
 
 
 def test_a_dead_lazyfetch_daemon_is_replaced_under_running_sandboxes(boxes: Any,

@@ -81,6 +81,7 @@ from layerstore.backend import (
     check_prefix,
     check_range,
 )
+from layerstore.hoststate import open_private
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +327,9 @@ class PosixBackend(Backend):
     def _locked(self, key: str, path: Path) -> Iterator[None]:
         lock_path = path.with_name(f".{path.name}.lock")
         with _LOCK_STRIPES[hash(str(lock_path)) % len(_LOCK_STRIPES)]:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # 0600: the store's readers may list this directory, and a lock file they could open
+            # is one they could hold, stalling every conditional write of the key
+            fd = open_private(lock_path)
             try:
                 deadline = time.monotonic() + self.lock_timeout
                 pause = 0.001

@@ -72,6 +72,19 @@ class JobNotAdmitting(SandboxStateError):
     fix = "retry once the job is resumed"
 
 
+class JobNotFound(SandboxError, LookupError):
+    """The job has no sandbox on this host and is not preempted: it has no lease to renew."""
+
+
+class TooManyJobs(SandboxError):
+    """A project holds as many job leases on this host as it may (``sandbox.core.leases.MAX_JOBS``);
+    a new job waits until one of them ends."""
+
+    retryable = True
+    fix = ("end a job first (destroy its sandboxes; its lease goes once it lapses) or retry later; "
+           "jobs of the same name share one lease")
+
+
 class CommandInProgress(SandboxStateError):
     """A command with this idempotency key is still running; retry to get its result."""
 
@@ -123,8 +136,8 @@ ERROR_CODES: dict[str, int] = {
     "run_not_found": 404, "file_not_found": 404, "command_not_found": 404,
     "conflict": 409, "not_a_regular_file": 409, "file_conflict": 409,
     "body_too_large": 413,
-    "quota_exceeded": 429, "command_limit": 429, "too_many_readers": 429, "too_many_connections": 429,
-    "project_limit": 429,
+    "quota_exceeded": 429, "command_limit": 429, "job_limit": 429, "too_many_readers": 429,
+    "too_many_connections": 429, "project_limit": 429,
     "internal": 500, "sandbox_error": 500, "store_error": 500, "lazyfetch_error": 500, "snapshot_error": 500,
     "convert_error": 500, "receipts_broken": 500,
     "host_unsupported": 501,

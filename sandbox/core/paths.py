@@ -13,7 +13,8 @@ Layout under ``<data-dir>/sandbox/`` (docs/FORMAT.md, "Sandbox host state")::
     runtime/               crun --root
     boxes/<id>/state.json  the sandbox's SandboxState
     boxes/<id>/bundle/     config.json and each running exec's process document and pid file
-    receipts/<id>.jsonl    its receipt log
+    receipts/<id>.jsonl    its receipt log's live segment (<id>.<n>.jsonl: sealed ones, sandbox.core.receipts)
+    leases/<project>/      one file per job's lease, and the project's lock (sandbox.core.leases)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import errno
 import os
 from pathlib import Path
 
+from layerstore.hoststate import closed_dir, private_fd
 from sandbox.core.errors import HostUnsupported
 from sandbox.core.model import check_sandbox_id
 
@@ -72,9 +74,13 @@ def open_beneath(base: str | os.PathLike[str], rel: str, flags: int, mode: int =
         os.close(dir_fd)
 
 
-def read_beneath(base: str | os.PathLike[str], rel: str) -> bytes:
+def read_beneath(base: str | os.PathLike[str], rel: str, *, private: bool = False) -> bytes:
+    """The bytes of ``rel``; ``private``: a file only root may read, tightened to 0600 if an older
+    layerbox left it looser (it sits in a directory other uids may have to traverse)."""
     fd = open_beneath(base, rel, os.O_RDONLY)
     with os.fdopen(fd, "rb") as f:
+        if private:
+            private_fd(fd)
         return f.read()
 
 
@@ -92,6 +98,7 @@ def replace_beneath(base: str | os.PathLike[str], rel: str, data: bytes) -> None
             tmp = f".{name}.{os.getpid()}.tmp"
             fd = openat2(pdir, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600, STRICT)
             try:
+                private_fd(fd)  # a temp file a crash left behind keeps its mode through O_CREAT
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view):]
@@ -118,9 +125,7 @@ class SandboxPaths:
         return self.boxes / check_sandbox_id(sid)
 
     def ensure(self) -> None:
-        """Make the manager's directories 0700 (and tighten looser ones left by older versions)."""
+        """Make the manager's directories 0700 (and tighten looser ones left by older versions):
+        never readable or writable by others; o+x may stay (userns, see the manager)."""
         for d in (self.root, self.boxes, self.receipts):
-            d.mkdir(mode=0o700, parents=True, exist_ok=True)
-            mode = d.stat().st_mode & 0o777
-            if mode & 0o066:  # never readable or writable by others; o+x may stay (userns, see manager)
-                d.chmod(mode & 0o711)
+            closed_dir(d)

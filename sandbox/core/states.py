@@ -35,7 +35,7 @@ class States:
         """
         sid = check_sandbox_id(sid)
         try:
-            raw = read_beneath(self.boxes, f"{sid}/state.json")
+            raw = read_beneath(self.boxes, f"{sid}/state.json", private=True)
         except FileNotFoundError:
             self._parsed.pop(sid, None)
             raise SandboxNotFound(f"sandbox {sid}: no such sandbox on this host ({self.boxes})") from None

@@ -21,6 +21,7 @@ from sandbox.core.errors import (
     HostUnsupported,
     ImageNotFound,
     InvalidField,
+    JobNotFound,
     NotARegularFile,
     PathEscape,
     ReceiptsBroken,
@@ -28,6 +29,7 @@ from sandbox.core.errors import (
     SandboxError,
     SandboxNotFound,
     SandboxStateError,
+    TooManyJobs,
     UnsupportedOption,
 )
 from sandbox.host.admission import CapacityExceeded
@@ -40,6 +42,8 @@ STATUS: Sequence[tuple[type[BaseException], str]] = (
     (InvalidField, "invalid_field"),
     (BadName, "invalid_field"),
     (SandboxNotFound, "sandbox_not_found"),
+    (JobNotFound, "not_found"),  # a renew of a job with no sandbox here
+    (TooManyJobs, "job_limit"),  # a project's job leases on this host (retryable)
     (ImageNotFound, "image_not_found"),  # e.g. FnCall on a ref that does not resolve
     (PathEscape, "path_escape"),
     (NotARegularFile, "not_a_regular_file"),

@@ -11,10 +11,12 @@ What lives where (layout in :mod:`sandbox.core.paths`, formats in docs/FORMAT.md
     sandbox/boxes/<id>/state.json the SandboxState (sandbox.core.model), written before anything it names exists
     sandbox/boxes/<id>/...        what its backend keeps (a container's bundle and rootfs, a VM's vm/),
                                   and with a disk limit its own ext4 (disk.img, disk/)
-    sandbox/receipts/<id>.jsonl   the receipt log (sandbox.core.receipts; kept after destroy)
+    sandbox/receipts/<id>.jsonl   the receipt log's live segment, <id>.<n>.jsonl its sealed ones
+                                  (sandbox.core.receipts; kept RETENTION after destroy)
     sandbox/runtime/              crun --root (the container backend's)
     sandbox/userns.json           host uid ranges (sandbox.isolation.idmap RangePool)
-    sandbox/leases.json           job leases and their admission state (sandbox.core.leases)
+    sandbox/leases/<project>/<job>.json  a job's lease: its admission state and its sandboxes here
+                                  (sandbox.core.leases; sandbox/leases.json before, split once)
     net/                          network namespaces and address allocations (sandbox.isolation.network)
 
 Every id is checked (:func:`sandbox.core.model.check_sandbox_id`) before it becomes a path,
@@ -36,8 +38,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,6 @@ from sandbox.backends import make_backends
 from sandbox.backends.base import Backend, HostContext, process_defaults
 from sandbox.core.errors import (
     InvalidField,
-    JobNotAdmitting,
     ReceiptsBroken,
     SandboxError,
     SandboxNotFound,
@@ -131,7 +131,7 @@ class SandboxManager:
         self.receipt_logs = ReceiptLogs(self.receipts_dir)
         self.states = States(self.boxes)
         self.host = HostMounts(self.data_dir, store_url)
-        self.leases = Leases(self.root / "leases.json")
+        self.leases = Leases(self.root / "leases", legacy=self.root / "leases.json")
         digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()
         # one cgroup parent per data dir: two managers on one machine never share cgroups
         self.cgroup_parent = "layerbox-" + digest[:10]
@@ -152,6 +152,15 @@ class SandboxManager:
         # called with a sandbox's id before destroy kills it (sandbox.edge.commands ends its background
         # commands there, so their receipts come before the destroy record)
         self.on_destroy: builtins.list[Callable[[str], None]] = []
+        self.leases.migrate(self._job_members)  # an older layerbox's leases.json, split once
+
+    def _job_members(self) -> dict[str, builtins.list[str]]:
+        """Each job's sandboxes on this host, from their states."""
+        members: dict[str, builtins.list[str]] = {}
+        for st in self.list():
+            if st.job is not None:
+                members.setdefault(st.job, []).append(st.id)
+        return members
 
     def backend(self, isolation: str) -> Backend:
         """The backend that runs ``isolation`` (sandbox.backends.TABLE)."""
@@ -220,16 +229,18 @@ class SandboxManager:
         return self.execs.inflight(sid)
 
     def receipts(self, sid: str) -> builtins.list[dict[str, Any]]:
+        """The sandbox's receipts in the segments its log keeps, oldest first."""
         return self.receipt_logs.read(sid)
 
     def verify_receipts(self, sid: str) -> dict[str, Any]:
-        """Check the sandbox's receipt log end to end: ``{"records": n, "head": hash of the last}``."""
+        """Check the sandbox's receipt log end to end (the segments kept): ``{"records": n since it
+        began, "head": hash of the last, "last": its id, ...}`` (ReceiptLogs.verify)."""
         return self.receipt_logs.verify(sid)
 
     def started_of(self, sid: str, tag: str) -> dict[str, Any] | None:
         """The ``exec_started`` receipt of the exec ``tag`` (a keyed or background one names its tag)."""
-        return next((r for r in reversed(self.receipt_logs.read(sid))
-                     if r.get("action") == "exec_started" and r.get("tag") == tag), None)
+        return next((r for r in reversed(self.receipt_logs.find(sid, "tag", tag))
+                     if r.get("action") == "exec_started"), None)
 
     # -- create / restore -----------------------------------------------------------------------------
     async def create(self, ref: str, options: SandboxOptions | None = None, *, admitting: bool = True,
@@ -329,12 +340,21 @@ class SandboxManager:
         except InvalidField as exc:
             raise InvalidField(f"checkpoint.{exc.field}", exc.detail) from None
 
-    def _join_job(self, options: SandboxOptions, admitting: bool) -> None:
-        if options.job is not None:
-            lease = self.leases.get(options.job)
-            if lease is not None and lease.state != "active" and admitting:
-                raise JobNotAdmitting(f"job {options.job!r} is {lease.state}; resume its run manifest first")
-            self.leases.renew(options.job, options.lease_ttl)
+    @contextlib.contextmanager
+    def _joined(self, options: SandboxOptions, admitting: bool, box: Sandbox) -> Iterator[None]:
+        """``box`` (its directory made: the reaper drops from a lease only sandboxes without one) joins
+        its job's lease; an exception in the block makes it leave again, and its directory go."""
+        try:
+            if options.job is not None:
+                self.leases.join(options.job, box.id, options.lease_ttl, admitting=admitting)
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if options.job is not None:
+                    self.leases.leave(options.job, box.id)
+                if not (box.dir / "state.json").exists():
+                    shutil.rmtree(box.dir, ignore_errors=True)
+            raise
 
     def adopt(self, sid: str, resolved: Resolved, options: SandboxOptions, *, name: str,
               admitting: bool = True, waited: float | None = None) -> Sandbox:
@@ -354,17 +374,17 @@ class SandboxManager:
             raise SandboxStateError(f"sandbox {sid}: these options need a sandbox of their own")
         if st.options.userns or st.network is not None or not st.options.fits_ready_sandbox():
             raise SandboxStateError(f"sandbox {sid} was not started with default options")
-        self._join_job(options, admitting)
-        box.backend.update_limits(box, st, options)
-        defaults = process_defaults(box.files, resolved, options)
-        now = time.time()
-        with self.states.lock:
-            st = box.state
-            if st.status != "running":  # the reaper or a heal got to it meanwhile
-                raise SandboxStateError(f"sandbox {sid} is {st.status}, not running")
-            st = st.replace(ref=name, options=options, admitting=admitting, created=now, last_active=now,
-                            env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid)
-            self.states.write(st)
+        with self._joined(options, admitting, box):
+            box.backend.update_limits(box, st, options)
+            defaults = process_defaults(box.files, resolved, options)
+            now = time.time()
+            with self.states.lock:
+                st = box.state
+                if st.status != "running":  # the reaper or a heal got to it meanwhile
+                    raise SandboxStateError(f"sandbox {sid} is {st.status}, not running")
+                st = st.replace(ref=name, options=options, admitting=admitting, created=now, last_active=now,
+                                env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid)
+                self.states.write(st)
         box.receipt("create", ref=name, cpu=options.cpu, memory=options.memory, pids=options.pids,
                     disk=None, cpu_class=options.cpu_class, job=options.job, policy_version=None,
                     layer_digests=list(st.layer_digests), ready=True,
@@ -375,19 +395,19 @@ class SandboxManager:
                       inherited: Sequence[Mapping[str, Any]] = (), name: str | None = None) -> Sandbox:
         backend = self.backend(options.isolation)
         await backend.check(options, resolved, ref)
-        self._join_job(options, admitting)
         self.layout  # noqa: B018  (the host's cgroups checked before anything is made)
         if options.network is not None:  # a refused rule leaves nothing behind, not even a receipt log
             await asyncio.to_thread(self.resources.networks.check, options.network,
                                     allow_protected=options.protected_egress)
         box = self._new_box(options)
-        now = time.time()
-        state = SandboxState(
-            id=box.id, status="creating", ref=name or ref, image_digest=resolved.digest, kind=resolved.kind,
-            options=options, layer_digests=tuple(layer.digest for layer in resolved.layers), created=now,
-            last_active=now, cgroups_path=self.resources.cgroups.path(box.id), admitting=admitting,
-            userns=self._user_range(box) if options.userns else None)
-        self.states.write(state)  # first: a crash from here on is reconciled
+        with self._joined(options, admitting, box):
+            now = time.time()
+            state = SandboxState(
+                id=box.id, status="creating", ref=name or ref, image_digest=resolved.digest, kind=resolved.kind,
+                options=options, layer_digests=tuple(layer.digest for layer in resolved.layers), created=now,
+                last_active=now, cgroups_path=self.resources.cgroups.path(box.id), admitting=admitting,
+                userns=self._user_range(box) if options.userns else None)
+            self.states.write(state)  # first: a crash from here on is reconciled
         for rec in inherited:  # the history of the checkpoint this sandbox continues
             self.receipt_logs.append(box.id, {**rec, "inherited": True})
         try:
@@ -442,7 +462,9 @@ class SandboxManager:
 
     # -- jobs ---------------------------------------------------------------------------------------------
     def renew(self, job: str, ttl: float | None = None) -> dict[str, Any]:
-        return asdict(self.leases.renew(job, ttl))
+        """Extend the lease of ``job``, which must have a sandbox here or be preempted
+        (:class:`~sandbox.core.errors.JobNotFound` otherwise: there is nothing to keep alive)."""
+        return self.leases.renew(job, ttl).view()
 
     def pause_job(self, job: str) -> builtins.list[str]:
         """Freeze every running sandbox of ``job`` (and reclaim their page cache)."""
@@ -465,7 +487,8 @@ class SandboxManager:
         """Destroy sandboxes past their TTL or lease; pause those idle past their idle timeout."""
         now = time.time() if now is None else now
         report: dict[str, builtins.list[str]] = {"destroyed": [], "paused": []}
-        expired_jobs = {lease.job for lease in self.leases.all() if lease.expired(now)}
+        leases = self.leases.all()  # each lease read once; the sweep below rewrites only what changes
+        expired_jobs = {lease.job for lease in leases if lease.expired(now)}
         for st in self.list():
             opts = st.options
             try:
@@ -480,15 +503,20 @@ class SandboxManager:
                     report["paused"].append(st.id)
             except (SandboxError, MountError, OSError) as exc:  # one bad sandbox must not stop the reaper
                 log.warning("reaper: sandbox %s: %s", st.id, exc)
-        for job in expired_jobs:
-            if not self.list(job=job):
-                self.leases.drop(job)
+        # sandboxes destroyed above (or by anyone) leave their leases; a lapsed lease with none goes
+        def alive(sid: str) -> bool:
+            return (self.boxes / sid).is_dir()
+
+        self.leases.sweep(leases, now, alive=alive)
+        expired = self.receipt_logs.expire(now, alive)  # logs of sandboxes gone for RETENTION
+        if expired:
+            log.info("reaper: removed the receipt logs of %d sandboxes destroyed long ago", len(expired))
         return report
 
     # -- destroy / reconcile ----------------------------------------------------------------------------
     def destroy(self, sid: str) -> None:
         """Stop the sandbox's processes and release everything it holds on this host; its state goes,
-        its receipts stay (with a ``destroy`` record).  Idempotent."""
+        its receipts stay (with a ``destroy`` record) for ``RETENTION``.  Idempotent."""
         box = Sandbox(self, sid)
         known = (box.dir / "state.json").exists()
         for hook in builtins.list(self.on_destroy):
@@ -511,6 +539,8 @@ class SandboxManager:
         self.receipt_logs.forget(sid)  # the log is complete: nothing more is appended to it here
         self.states.forget(sid)
         shutil.rmtree(box.dir, ignore_errors=True)
+        if st is not None and st.job is not None:  # after the directory: a lease never lists less than exists
+            self.leases.leave(st.job, sid)
         if not self.ids():
             self.resources.cgroups.release_parent()
 

@@ -72,13 +72,13 @@ async def preempt(manager: SandboxManager, job: str, *, timeout: float = 30.0,  
         # same QEMU and guest assets; elsewhere only its disk comes back)
         memory = box.backend.capabilities(st.options.isolation).has("memory_checkpoint")
         ckpt = await box.checkpoint(labels={"layerbox.job": job}, memory=memory)
-        receipts = manager.receipts(box.id)
+        receipts = manager.verify_receipts(box.id)
         resolved_layers = await _layers_of(manager, ckpt.digest)
         entries[box.id] = {
             "checkpoint": ckpt.name, "checkpoint_digest": ckpt.digest,
             "image": st.ref, "image_digest": st.image_digest,
             "layer_digests": resolved_layers, "policy_version": st.policy_version,
-            "trajectory_offset": len(receipts), "last_receipt": receipts[-1]["id"] if receipts else None,
+            "trajectory_offset": receipts["records"], "last_receipt": receipts["last"],
             "labels": dict(st.labels), "options": st.options.to_json(), "was": st.status,
         }
     manifest = {"schema": SCHEMA_RUN, "job": job, "host": socket.gethostname(),
@@ -152,7 +152,8 @@ async def resume_run(manager: SandboxManager, ref: str, *, job: str | None = Non
             await asyncio.to_thread(manager.destroy, box.id)
         raise
     manager.leases.set_state(job, "active")
-    manager.leases.renew(job, lease_ttl)
+    if restored:  # (each joined the lease already; a run of no sandboxes leaves none to renew)
+        manager.leases.renew(job, lease_ttl)
     for box in restored:
         box.update(admitting=True)
         box.receipt("resumed", run=ref, run_digest=resolved.digest, job=job)

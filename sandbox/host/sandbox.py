@@ -34,7 +34,7 @@ from sandbox.core.model import (
     check_sandbox_id,
     project_namespace,
 )
-from sandbox.core.receipts import verify_receipt_chain
+from sandbox.core.receipts import records_before, verify_receipt_chain
 from sandbox.host.execs import Cancel, Cut, ExecResult, as_request
 from snapshots.checkpoint import Checkpoint
 
@@ -96,17 +96,24 @@ class Sandbox:
     def receipts(self) -> builtins.list[dict[str, Any]]:
         return self.manager.receipts(self.id)
 
+    def receipt_history(self) -> tuple[builtins.list[dict[str, Any]], dict[str, Any]]:
+        """The receipts kept and their check (``head`` among it), from one read of the log."""
+        return self.manager.receipt_logs.history(self.id)
+
     def checkpoint_request(self, *, name: str | None = None, labels: Mapping[str, str] | None = None,
                            trajectory_offset: int | None = None, policy_version: str | None = None,
                            memory: bool = False) -> CheckpointRequest:
         st = self.state
-        last = self.manager.receipts(self.id)
-        head = verify_receipt_chain(last, what=f"sandbox {self.id}'s receipts")  # never carry a broken log on
-        # receipts travel with the checkpoint: a restored sandbox knows its history and idempotency keys
+        logs = self.manager.receipt_logs
+        logs.verify(self.id)  # never carry a broken log on
+        # the live segment travels with the checkpoint (its first record names the head and count of
+        # what came before): a restored sandbox knows its recent history and idempotency keys
+        last = logs.live(self.id)
+        head = verify_receipt_chain(last, what=f"sandbox {self.id}'s receipts")
         receipts = {"schema": SCHEMA_RECEIPTS, "sandbox": self.id, "receipts": last, "head": head}
         return CheckpointRequest(
             name=name, labels={**st.labels, **(labels or {})},
-            trajectory_offset=trajectory_offset if trajectory_offset is not None else len(last),
+            trajectory_offset=trajectory_offset if trajectory_offset is not None else records_before(last) + len(last),
             receipt_id=last[-1]["id"] if last else None,
             policy_version=policy_version if policy_version is not None else st.policy_version,
             attach_docs={"receipts": receipts, "options": {"schema": SCHEMA_OPTIONS, "options": st.options.carried()}},
@@ -301,10 +308,11 @@ class Sandbox:
     # -- usage ----------------------------------------------------------------------------------------
     def usage(self) -> dict[str, Any]:
         """What the sandbox uses now: its cgroup's CPU seconds, memory (now and peak), pids; the bytes
-        its writes take; and the resources its commands' receipts recorded (sandbox.core.receipts)."""
+        its writes take; and the resources its commands' receipts recorded (sandbox.core.receipts: the
+        commands of the segments its log keeps)."""
         st = self.state
         layout, cg = self.manager.layout, st.cgroups_path
-        commands = [r for r in self.receipts() if r.get("action") == "exec" and not r.get("inherited")]
+        commands = [r for r in self.manager.receipt_logs.find(self.id, "action", "exec") if not r.get("inherited")]
         spent = [float(c) for r in commands if isinstance(r.get("resources"), dict)
                  and isinstance(c := r["resources"].get("cpu_seconds"), (int, float))]
         last = commands[-1] if commands else None

@@ -68,7 +68,7 @@ from typing import Any, TypeVar, cast
 
 import blake3
 
-from layerstore.hoststate import HostTable
+from layerstore.hoststate import HostTable, closed_dir
 from sandbox.core.errors import HostUnsupported, InvalidField, SandboxError, SandboxNotFound
 from sandbox.core.model import EgressRule, InvalidEgressRule, IPNetwork, parse_rules
 from sandbox.core.procs import kill_group, spawn
@@ -310,7 +310,10 @@ class NetworkManager:
         nftables.available()  # NftUnavailable is a HostUnsupported, with the package to install
         self.state_dir = Path(state_dir)
         self.netns_dir = self.state_dir / "netns"
-        self.netns_dir.mkdir(parents=True, exist_ok=True)
+        # closed to others: net.json names every sandbox and its addresses, and net.lock held by
+        # another user would stall every create with a network (the namespaces are opened as root)
+        closed_dir(self.state_dir)
+        closed_dir(self.netns_dir)
         try:
             net = ipaddress.ip_network(subnet, strict=True)
         except ValueError as exc:

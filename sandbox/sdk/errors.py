@@ -20,7 +20,7 @@ code is unknown)::
     ├── FileAccessDenied         403 path_escape / permission_denied (PermissionError)
     ├── Conflict                 409: not now, in this state (paused, a keyed command running...)
     ├── QuotaExceeded            429: the project's sandbox quota (retry_after)
-    ├── LimitExceeded            429: a per-sandbox bound of the edge (commands, terminals, readers, connections)
+    ├── LimitExceeded            429: a bound of the edge (commands, terminals, readers, connections, jobs)
     └── CapacityExceeded         503 capacity: this edge is full (retry_after, resources)
     ServiceUnavailable           no answer: refused, reset, timed out, cut mid-stream (ConnectionError)
     SandboxClosed                this object was kill()ed or close()d (RuntimeError)
@@ -146,10 +146,11 @@ class QuotaExceeded(ApiError):
 
 
 class LimitExceeded(ApiError):
-    """429 ``command_limit``, ``too_many_readers``, ``too_many_connections`` or ``project_limit``: a
-    bound this edge sets per sandbox (running background commands, terminals, clients attached to
-    one command, proxied connections) or per project (commands, transfers, connections, FnCalls
-    waiting: ``resources`` names it) is reached; end one, or retry after ``retry_after`` seconds."""
+    """429 ``command_limit``, ``too_many_readers``, ``too_many_connections``, ``job_limit`` or
+    ``project_limit``: a bound this edge sets per sandbox (running background commands, terminals,
+    clients attached to one command, proxied connections) or per project (its jobs on the edge;
+    commands, transfers, connections: ``resources`` names it) is reached; end one, or retry after
+    ``retry_after`` seconds."""
 
 
 class CapacityExceeded(ApiError):
@@ -211,7 +212,7 @@ _BY_CODE: dict[str, type[ApiError]] = {
     "path_escape": FileAccessDenied, "permission_denied": FileAccessDenied,
     "quota_exceeded": QuotaExceeded, "capacity": CapacityExceeded,
     "command_not_found": CommandNotFound, "command_limit": LimitExceeded, "too_many_readers": LimitExceeded,
-    "too_many_connections": LimitExceeded, "project_limit": LimitExceeded,
+    "too_many_connections": LimitExceeded, "job_limit": LimitExceeded, "project_limit": LimitExceeded,
 }
 _BY_STATUS: dict[int, type[ApiError]] = {400: InvalidRequest, 401: AuthError, 403: AuthError, 404: NotFound,
                                          409: Conflict, 413: InvalidRequest, 429: QuotaExceeded}

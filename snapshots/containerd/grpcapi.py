@@ -9,7 +9,6 @@ temporary directory instead.
 
 from __future__ import annotations
 
-import fcntl
 import importlib
 import os
 import sys
@@ -17,6 +16,7 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
+from layerstore.hoststate import flocked
 from snapshots.errors import SnapshotError
 
 HERE = Path(__file__).resolve().parent
@@ -34,8 +34,7 @@ def _generate(out: Path) -> None:
     from grpc_tools import protoc  # build-time tool; imported only when generating
 
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with flocked(out / ".lock"):  # 0600: an importer's start is never another user's to stall
         stamp = out / ".source"
         source = PROTO.read_bytes()
         if stamp.exists() and stamp.read_bytes() == source and (out / "snapshots_pb2_grpc.py").exists():

@@ -15,6 +15,7 @@ and are never used as paths: a snapshot's directory is its integer id.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from layerstore.hoststate import open_private
 from snapshots.containerd.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 SCHEMA_VERSION = 1
@@ -86,6 +88,9 @@ class Metadata:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.RLock()
+        # made 0600 before SQLite opens it (its -wal and -shm files take the database's mode): it
+        # names every image and container of this host, and its directory may be open to others
+        os.close(open_private(path))
         self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")

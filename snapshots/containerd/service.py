@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import empty_pb2
 
+from layerstore.hoststate import make_private_dirs
 from snapshots.containerd.errors import InvalidArgument, SnapshotterError
 from snapshots.containerd.grpcapi import pb, rpc
 from snapshots.containerd.metadata import Snapshot
@@ -115,8 +116,9 @@ def serve(snapshotter: Snapshotter, socket_path: str | os.PathLike[str], *,
           ready: Callable[[], None] | None = None, stop: threading.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or ``stop``); the snapshotter's state is reconciled first."""
     sock = Path(socket_path)
-    sock.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(sock.parent, 0o700)
+    # a directory that is missing is made the snapshotter's own (0700); one that exists is left as
+    # it is (`--socket /tmp/x.sock` must not close /tmp): the socket alone is what needs guarding
+    make_private_dirs(sock.parent)
     if sock.is_socket() or sock.is_symlink():
         sock.unlink()  # left by a killed predecessor (containerd reconnects to the new one)
     elif sock.exists():

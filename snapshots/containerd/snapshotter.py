@@ -53,6 +53,7 @@ from converters.publish import (
     upload_layers,
 )
 from layerstore.errors import LayerboxError
+from layerstore.hoststate import make_private_dirs
 from layerstore.objects import LayerEntry, Resolved, hex_digest
 from layerstore.store import RefNotFound, Store, UploadStats
 from lazyfetch import kmount
@@ -114,8 +115,9 @@ class Snapshotter:
         # download and unpack it
         self.from_registry = from_registry
         self._converted: set[str] = set()  # image refs converted by this process (once each)
-        (self.root / "snapshots").mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.root, 0o700)
+        # made 0700 when missing; an existing root is not changed (a directory it did not make may
+        # be another's): what is in it is private on its own (0700 directories, a 0600 database)
+        make_private_dirs(self.root / "snapshots")
         self.meta = Metadata(self.root / "metadata.db")
         self._owner_prefix = f"containerd:{self.root}:"
         self._lock = threading.RLock()

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from layerstore.hoststate import closed_dir
 from sandbox.core.errors import RuntimeFailed, RuntimeTimeout
 from sandbox.core.procs import descendants, kill_group, process_table, spawn, wait_exit
 
@@ -50,7 +51,8 @@ class OciRuntime:
              sched_idle: bool = False) -> subprocess.CompletedProcess[bytes]:
         # Temp files, not pipes: `crun create` hands its stdio to the container's init,
         # which would hold a pipe open (and a communicate() waiting) for its whole life.
-        self.root.mkdir(parents=True, exist_ok=True)
+        # crun's state (each container's pid, bundle, locks) is for root alone, like the manager's
+        closed_dir(self.root)
         argv = self.argv(*args)
         limit = timeout or self.timeout
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
@@ -145,7 +147,7 @@ class OciRuntime:
         ``console_socket``: the process document asks for a terminal, and crun sends the
         master of the pty it made inside the container to this socket (:class:`ConsoleSocket`).
         """
-        self.root.mkdir(parents=True, exist_ok=True)
+        closed_dir(self.root)
         console = ["--console-socket", console_socket] if console_socket is not None else []
         return spawn(self.argv("exec", *console, "--process", str(process_json), "--pid-file", str(pid_file), cid),
                      stdin=stdin, sched_idle=sched_idle)

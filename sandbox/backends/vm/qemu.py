@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from typing import Any
 
 import blake3
 
+from layerstore.hoststate import flocked
 from layerstore.objects import SCHEMA_VM_TEMPLATE
 from sandbox.backends.vm import assets as vmassets
 from sandbox.backends.vm.agent import AgentConnection, AgentError, connect_unix
@@ -791,16 +791,9 @@ def make_ext4(path: Path, size: int) -> None:
             raise VmError(f"mkfs.ext4 {path}: {exc.stderr.strip()}") from None
 
 
-def template_lock(root: Path, key: str) -> contextlib.AbstractContextManager[None]:
+def template_lock(root: Path, key: str) -> contextlib.AbstractContextManager[int]:
     """Held while this host boots, mounts or removes the template ``key``."""
-    return _flock(root / f"{key}.lock")
-
-
-@contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
+    return flocked(root / f"{key}.lock")
 
 
 def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[tuple[str, str]],
@@ -856,7 +849,7 @@ def pristine_disk(root: Path, size: int) -> Path:
     if path.exists():
         return path
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with _flock(root / f"ext4-{size}.lock"):
+    with flocked(root / f"ext4-{size}.lock"):
         if not path.exists():
             tmp = path.with_suffix(".tmp")
             make_ext4(tmp, size)
