@@ -149,6 +149,8 @@ PARAMETERS: dict[str, dict[str, Any]] = {
 
 _ERRORS = {"400": "a field is malformed or out of range (error.field names it)",
            "401": "missing or unknown token", "403": "project disabled, or not allowed"}
+# what one project may hold at once (sandbox/edge/caps.py): error.resources names the cap
+_PROJECT_CAP = "a cap of the project reached (code 'project_limit', retryable; error.resources names it: {})"
 
 
 def _op(summary: str, responses: dict[str, str], *, body: str | None = None, query: tuple[str, ...] = (),
@@ -169,6 +171,8 @@ def _op(summary: str, responses: dict[str, str], *, body: str | None = None, que
                                                                                   "format": "binary"}}}}
     elif body is not None:
         op["requestBody"] = SCHEMAS[body]
+        op["responses"]["413"] = {"description": "the JSON body is over 4 MiB (code 'body_too_large')",
+                                  **_error_content("413")}
     return op
 
 
@@ -186,7 +190,7 @@ def _port_ops(summary: str, extra: tuple[str, ...] = (), *, signed: bool = False
         op = _op(summary, {"default": "the response of the sandbox's server, relayed",
                            "101": "a WebSocket (GET with Upgrade: websocket), relayed message by message",
                            "409": "the sandbox is not running", "429": "too many proxied connections open "
-                           "to this sandbox (retryable)", "502": "nothing listens on the port inside the "
+                           "to this sandbox (retryable), or " + _PROJECT_CAP.format("connections"), "502": "nothing listens on the port inside the "
                            "sandbox (code 'port_closed'), or no valid response", "504": "the port did not "
                            "accept or answer in time"}, body="bytes" if method in ("post", "put", "patch") else None)
         op["parameters"] += [{"name": p, "in": "path", "required": True, "schema": PARAMETERS[p]}
@@ -204,7 +208,8 @@ _PORT_URL = _op("A signed URL to the port (ttl: seconds, at most the edge's maxi
 _PORT_URL["parameters"].append({"name": "port", "in": "path", "required": True, "schema": PARAMETERS["port"]})
 
 _CREATED = {"201": "the sandbox", "404": "no such image or checkpoint visible to this project",
-            "409": "policy or digests differ", "429": "project quota reached (retryable, Retry-After; error.resources is [\"sandboxes\"])",
+            "409": "policy or digests differ", "429": "project quota reached (retryable, Retry-After; error.resources is [\"sandboxes\"]), or the "
+                   "project has the most jobs this edge keeps leases for (code 'job_limit')",
             "503": "edge out of capacity (code 'capacity', retryable, Retry-After; error.resources names what "
                    "is short)"}
 
@@ -237,6 +242,7 @@ DOCUMENT: dict[str, Any] = {
                         "or error. Closing the connection kills the command.",
                         {"200": "application/x-ndjson event stream",
                          "409": "sandbox not running, job preempted or key still running (retryable)",
+                         "429": _PROJECT_CAP.format("commands"),
                          "503": "this edge is stopping (code 'stopping', retryable)"},
                         body="exec"),
         },
@@ -244,9 +250,10 @@ DOCUMENT: dict[str, Any] = {
             "get": _op("Read a regular file (streamed), list a directory with list=1, or stat=1 for one entry's "
                        "type, size, mode, owner and mtime (a symlink itself)",
                        {"200": "bytes or JSON", "403": "the path leaves the sandbox", "404": "no such file",
-                        "409": "not a regular file or directory"}, query=("path", "list", "stat")),
+                        "409": "not a regular file or directory", "429": _PROJECT_CAP.format("transfers")},
+                       query=("path", "list", "stat")),
             "put": _op("Write a regular file (mode: octal permission bits)", {"201": "written", "409": "not a "
-                       "regular file"}, body="bytes", query=("path", "mode")),
+                       "regular file", "429": _PROJECT_CAP.format("transfers")}, body="bytes", query=("path", "mode")),
             "delete": _op("Remove a file or (recursive=1) a directory", {"204": "removed", "404": "no such file"},
                           query=("path", "recursive")),
         },
@@ -261,8 +268,8 @@ DOCUMENT: dict[str, Any] = {
         "/v1/sandboxes/restore": {"post": _op("Start a sandbox on a checkpoint of this project (checkpoint, "
                                               "policy_version, and create's options)", _CREATED, body="restore",
                                               path=None)},
-        "/v1/sandboxes/{id}/receipts": {"get": _op("The sandbox's receipts, oldest first (filters: action, "
-                                                   "since, idempotency_key)", {"200": "receipts"},
+        "/v1/sandboxes/{id}/receipts": {"get": _op("The sandbox's receipts still kept (its log's last segments), "
+                                                   "oldest first (filters: action, since, idempotency_key)", {"200": "receipts"},
                                                    query=("action", "since", "idempotency_key"))},
         "/v1/sandboxes/{id}/network": {"put": _op("Replace the egress allow rules while the sandbox runs",
                                                   {"200": "the effective policy", "409": "created without a "
@@ -274,8 +281,10 @@ DOCUMENT: dict[str, Any] = {
         "/v1/sandboxes/{id}/ports/{port}/signed/{expires}/{signature}/{tail}": _port_ops(
             "The same through a signed URL (POST .../url), without a token; an Authorization header is the "
             "application's and is forwarded", ("expires", "signature"), signed=True),
-        "/v1/jobs/{job}/renew": {"post": _op("Renew the job's lease (ttl)", {"200": "the lease"}, body="renew",
-                                             path="job")},
+        "/v1/jobs/{job}/renew": {"post": _op("Renew the job's lease (ttl)", {
+            "200": "the lease", "404": "no sandbox of this job on this edge",
+            "429": "the project has the most jobs this edge keeps leases for (code 'job_limit', retryable)"},
+            body="renew", path="job")},
         "/v1/jobs/{job}/pause": {"post": _op("Pause every sandbox of the job", {"200": "paused ids"}, path="job")},
         "/v1/jobs/{job}/resume": {"post": _op("Resume every paused sandbox of the job", {"200": "resumed ids"},
                                               path="job")},
@@ -290,7 +299,10 @@ DOCUMENT: dict[str, Any] = {
                                   "warm container of image, in a fresh writable layer",
                                   {"200": "exit code, output (base64), value, error, timings",
                                    "404": "no such image visible to this project",
-                                   "503": "every warm pool busy (retryable)"}, body="call", path=None)},
+                                   "429": "project quota reached, or " + _PROJECT_CAP.format("commands"),
+                                   "503": "every warm pool of the project busy (at most 4 images at once), or "
+                                          "the edge out of capacity (retryable)"},
+                                  body="call", path=None)},
         "/v1/capabilities": {"get": _op("What this backend provides (isolation kinds, limits, network, "
                                         "checkpoint kinds); ask for nothing else", {"200": "capabilities"},
                                         path=None)},
@@ -356,7 +368,7 @@ DOCUMENT["paths"].update({
                     {"201": "the command (id, status, pty, output offsets)", "409": "sandbox not running or job "
                      "preempted (retryable), or its initial stdin not read in time (retryable)",
                      "429": "the sandbox runs the most background commands or terminals this edge takes "
-                     "(retryable)", "503": "this edge is stopping (code 'stopping', retryable)"}, body="command"),
+                     "(retryable), or " + _PROJECT_CAP.format("commands"), "503": "this edge is stopping (code 'stopping', retryable)"}, body="command"),
         "get": _op("The sandbox's background commands: running, and the last finished ones",
                    {"200": "commands"}),
     },
@@ -373,7 +385,7 @@ DOCUMENT["paths"].update({
         "messages or {type: stdin, data}, and {type: eof}, {type: resize, cols, rows}, {type: kill}; the "
         "socket closes after the exit",
         {"101": "WebSocket", "400": "not a WebSocket upgrade", "429": "the most readers are attached "
-         "(retryable)"}, query=(_OFFSET,))},
+         "(retryable), or " + _PROJECT_CAP.format("connections")}, query=(_OFFSET,))},
     "/v1/sandboxes/{id}/commands/{command}/stdin": {"post": _command_op(
         "Write to its input (waits until it reads, a few seconds at most), eof: then close it",
         {"200": "the command", "409": "it exited, its input is closed, or it did not read in time "
