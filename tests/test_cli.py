@@ -136,6 +136,19 @@ def test_unknown_action_is_refused_by_argparse(argv: list[str], capsys: pytest.C
     assert "error:" in capsys.readouterr().err
 
 
+def test_edge_is_the_edge_services_own_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
+    """`layerbox edge` hands every argument to sandbox.edge.app.main, its options included."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["edge", "--help"])
+    assert exited.value.code == 0
+    assert "--max-commands-per-project" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["edge", "--data-dir", "/nonexistent", "--store", "file:///nonexistent", "--tokens", "/nonexistent",
+                  "--no-such-flag"])
+    assert exited.value.code == 2
+    assert "--no-such-flag" in capsys.readouterr().err
+
+
 def test_verbs_run_through_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Async verbs (publish, ls, cache) and a pick group with its options before the verb."""
     src = tmp_path / "src"

@@ -1,4 +1,4 @@
-"""A hostile tenant against the edge, started the documented way (``python -m sandbox.edge``).
+"""A hostile tenant against the edge, started the documented way (``layerbox edge``).
 
 Project alpha does what it can to slow, starve or grow the edge: it holds every command its
 cap allows and asks for more, leaves FnCalls it started, sends JSON bodies built to be slow to
@@ -44,7 +44,8 @@ def edge(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E
     root = tmp_path_factory.mktemp("hostile")
     tokens = root / "tokens.json"
     tokens.write_text(json.dumps(TOKENS))
-    e = EdgeProcess("hostile", root, store_url, tokens, *CAPS, token=ALPHA)
+    # `layerbox edge`, the CLI's spelling of `python -m sandbox.edge` (the other edge tests use that one)
+    e = EdgeProcess("hostile", root, store_url, tokens, *CAPS, token=ALPHA, entry=("-m", "tools.cli", "edge"))
     e.start()
     try:
         yield e

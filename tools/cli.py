@@ -165,6 +165,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+def cmd_edge(args: argparse.Namespace) -> int:
+    # the same module objects as `python -m sandbox.edge` (and the tests): one entry point, two spellings
+    from sandbox.edge.app import main as edge_main
+
+    return edge_main(args.rest)
+
+
 # -- store commands ------------------------------------------------------------------
 
 
@@ -1011,6 +1018,8 @@ VERBS: tuple[Verb, ...] = (
     # main() hands `demo ...` to the demo before parsing; the row lists it and keeps `layerbox -h` honest
     Verb("demo", "the main job on the embedded store", cmd_demo, (arg("rest", nargs=argparse.REMAINDER),),
          add_help=False),
+    Verb("edge", "the edge service: the sandbox API of this host (python -m sandbox.edge; --help)", cmd_edge,
+         (arg("rest", nargs=argparse.REMAINDER),), add_help=False),
     Verb("sandbox", "run sandboxes (crun) on images and checkpoints", verbs=SANDBOX_VERBS),
     Verb("vm", "the microVM guest: its assets (kernel, initramfs, agent) on this host", verbs=VM_VERBS),
 )
@@ -1062,9 +1071,9 @@ def run_verb(verb: Verb, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"]:
-        # the demo owns its options (argparse REMAINDER would swallow none of them)
-        return cmd_demo(argparse.Namespace(rest=argv[1:]))
+    if argv[:1] in (["demo"], ["edge"]):
+        # the demo and the edge own their options (argparse REMAINDER would swallow none of them)
+        return (cmd_demo if argv[0] == "demo" else cmd_edge)(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return run_verb(args.verb, args)

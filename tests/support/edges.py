@@ -102,13 +102,14 @@ def leftovers(mgr: SandboxManager) -> list[str]:
 class EdgeProcess:
     """One edge service as a child process with its own data dir and port."""
 
-    def __init__(self, name: str, root: Path, store_url: str, tokens: Path, *extra: str, token: str) -> None:
+    def __init__(self, name: str, root: Path, store_url: str, tokens: Path, *extra: str, token: str,
+                 entry: tuple[str, ...] = ("-m", "sandbox.edge")) -> None:
         self.name, self.store_url, self.token = name, store_url, token
         self.data_dir = root / name
         self.log = root / f"{name}.log"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "sandbox.edge", "--data-dir", str(self.data_dir),
+        self.argv = [sys.executable, *entry, "--data-dir", str(self.data_dir),
                      "--store", store_url, "--port", str(self.port), "--tokens", str(tokens),
                      "--edge-id", name, *extra]
         self.proc: subprocess.Popen[bytes] | None = None
