@@ -954,12 +954,14 @@ async def sdk_run(manager: Any, say: Say) -> dict[str, float]:
     from aiohttp import web
 
     from sandbox.edge.app import AuthConfig, SandboxService
-    from sandbox.sdk import AsyncSandbox
+    from sandbox.edge.caps import ProjectCaps
+    from sandbox.sdk import AsyncSandbox, LimitExceeded
 
     token = secrets.token_hex(16)
+    # two commands at once per project: the third is refused, never queued behind them
     service = SandboxService(manager, AuthConfig.from_dict({"projects": {"demo": {"tokens": [token],
                                                                                   "max_sandboxes": 4}}}),
-                             ready={IMAGE_NAME: 1})
+                             ready={IMAGE_NAME: 1}, caps=ProjectCaps(commands=2))
     runner = web.AppRunner(service.app())
     await runner.setup()
     out: dict[str, float] = {}
@@ -982,11 +984,25 @@ async def sdk_run(manager: Any, say: Say) -> dict[str, float]:
             started = time.perf_counter()
             server = await sb.commands.run("sleep 600", background=True)
             listed = [c.id for c in await sb.commands.list()]
-            await server.kill()
             if server.id not in listed:
+                await server.kill()
                 raise DemoError(f"sdk: background command {server.id} is not in the sandbox's list {listed}")
             out["background"] = time.perf_counter() - started
-            say(f"sdk       {out['background']:8.3f} s  a background command {server.id} started, listed, killed")
+            say(f"sdk       {out['background']:8.3f} s  a background command {server.id} started and listed")
+            second = await sb.commands.run("sleep 600", background=True)
+            started = time.perf_counter()
+            try:
+                await sb.commands.run("true")
+                refused = None
+            except LimitExceeded as exc:
+                refused = exc
+            out["cap_refusal"] = time.perf_counter() - started
+            await server.kill()
+            await second.kill()
+            if refused is None or refused.code != "project_limit" or not refused.retryable:
+                raise DemoError(f"sdk: a third command beside two was not refused by the project's cap: {refused!r}")
+            say(f"sdk       {out['cap_refusal']:8.3f} s  a third command at the project's cap of 2: {refused.status} "
+                f"{refused.code} ({', '.join(refused.resources)}), retryable; both killed")
             await sb.files.write(WRITE_PATH, WRITE_TEXT)
             started = time.perf_counter()
             forked = await sb.fork(2)
