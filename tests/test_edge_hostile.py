@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support.edges import EdgeProcess
+from tests.support.edges import EdgeProcess, running
 from tests.support.edges import http as request
 from tests.support.sandboxes import REF, store_url  # noqa: F401  (the module's store)
 
@@ -41,17 +41,10 @@ FLOODER = (Path(__file__).resolve().parents[1] / "bench" / "ws_flooder.py").read
 
 @pytest.fixture(scope="module")
 def edge(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:  # noqa: F811
-    root = tmp_path_factory.mktemp("hostile")
-    tokens = root / "tokens.json"
-    tokens.write_text(json.dumps(TOKENS))
     # `layerbox edge`, the CLI's spelling of `python -m sandbox.edge` (the other edge tests use that one)
-    e = EdgeProcess("hostile", root, store_url, tokens, *CAPS, token=ALPHA, entry=("-m", "tools.cli", "edge"))
-    e.start()
-    try:
+    with running("hostile", tmp_path_factory.mktemp("hostile"), store_url, TOKENS, *CAPS, token=ALPHA,
+                 entry=("-m", "tools.cli", "edge")) as e:
         yield e
-    finally:
-        e.stop()
-        assert e.clean_up() == []
 
 
 @pytest.fixture(autouse=True)

@@ -1,10 +1,11 @@
 """Fuzz the sandbox service's HTTP API with schemathesis, as root, against real sandboxes.
 
-The service runs on 127.0.0.1 in a thread over the module's real manager (crun, a
-real store with ``img/python``).  The schema is the running service's own
-``/openapi.json``; every operation gets schemathesis's examples, coverage
-(boundary and negative values of every field) and fuzzing phases, in both
-schema-conforming and negative modes, sent with the ``fuzz`` project's token.
+The service is the documented entry point, ``python -m sandbox.edge``, run as a child
+process (tests.support.edges.EdgeProcess) on 127.0.0.1 with containers only, a fast reaper
+(``--reap-interval``) and a real store with ``img/python``.  The schema is the running
+service's own ``/openapi.json``; every operation gets schemathesis's examples, coverage
+(boundary and negative values of every field) and fuzzing phases, in both schema-conforming
+and negative modes, sent with the ``fuzz`` project's token.
 
 Fuzzing reaches past the id check: most requests to ``{id}`` name a live sandbox
 of the fuzzed project (a plain one, or one with a policed network for the
@@ -13,17 +14,22 @@ FnCall bodies name the real image, restore bodies a real checkpoint and run
 resume bodies the run a fuzzed preempt wrote; the rest keep the generated value
 or name the bystander's sandbox.  Targets that fuzzing destroyed, paused or
 preempted are brought back before the next request, and what fuzzed creates
-made is destroyed after them (so the quota of 3 never stops a create early).
+made is destroyed after them (so the quota never stops a create early).  The test
+sees and changes the service's state only through its API, as a tenant would; the host's
+mount table and crun's list, which the API does not show, it reads from the data dir.
 
 Every response must come within ``DEADLINE``, never be a 5xx (nor an exec stream
 ending in an internal error), and have a documented status.  Afterwards the
 bystander project's sandbox still runs with its files unchanged, every sandbox
 the fuzzed project made is destroyed, nothing new is mounted under the data
-dir but the host's shared layer mounts, and a plain create, exec and destroy
-still work.
+dir but the host's shared layer mounts (and the fuzzed project's FnCall pool), a plain
+create, exec and destroy still work, and once the edge has stopped nothing of it is left
+on the host.
 
-Host names in egress rules never reach the host's resolver (a private-range
-address): ``getaddrinfo`` answers numeric hosts and ``localhost`` only.
+Host names in egress rules never reach the host's resolver (a private-range address): the
+edge starts with tests/support/nodns first on its ``PYTHONPATH``, whose ``sitecustomize``
+makes ``getaddrinfo`` answer numeric hosts and ``localhost`` only; before fuzzing, a host name
+in an egress rule must get its refusal (test_the_edge_resolves_no_host_name).
 
 The regression tests at the end replay, as plain requests, what fuzzing found.
 """
@@ -33,12 +39,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import socket
+import subprocess
+import sys
 import time
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,16 +57,18 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import status_code_conformance
 
 from lazyfetch import kmount
-from sandbox.core.errors import SandboxNotFound
-from sandbox.core.model import MAX_REF_NAME
+from sandbox.core.model import MAX_REF_NAME, POOL_PROJECT_LABEL
 from sandbox.host.manager import SandboxManager
-from tests.support.sandboxes import REF, ServerThread, serving
+from tests.support.edges import REPO, EdgeProcess, running
+from tests.support.sandboxes import REF
 
 pytestmark = [pytest.mark.usefixtures("need_root"),
               pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun", "cmd:nft", "cmd:ip")]
 
 FUZZ, BYSTANDER = "fuzz-token-0123456789abc", "bystander-token-0123456789"
-TOKENS = {"projects": {"fuzz": {"tokens": [FUZZ], "max_sandboxes": 3},
+# fuzz: its 2 targets, its FnCall pool's 2 ready sandboxes (they count against its quota, and it
+# cannot name them to free them) and 1 for the request under test
+TOKENS = {"projects": {"fuzz": {"tokens": [FUZZ], "max_sandboxes": 5},
                        "bystander": {"tokens": [BYSTANDER], "max_sandboxes": 1}}}
 DEADLINE = 30.0  # per request: exec, create and checkpoint take a second or two, a hang takes forever
 EXAMPLES = 10  # per operation in the fuzzing phase (examples and coverage add their own; fewer for the 20-minute budget)
@@ -108,30 +118,19 @@ def create(url: str, token: str = FUZZ, **body: Any) -> str:
     return str(resp.json()["id"])
 
 
-# -- no DNS ---------------------------------------------------------------------------------------------
-_real_getaddrinfo = socket.getaddrinfo
-
-
-def _local_getaddrinfo(host: Any, port: Any = None, family: int = 0, type: int = 0, proto: int = 0,
-                       flags: int = 0) -> Any:
-    """Numeric hosts and localhost only: fuzzed egress host names never leave this machine."""
-    if host in ("localhost", b"localhost"):
-        host = "127.0.0.1"
-    try:
-        return _real_getaddrinfo(host, port, family, type, proto, flags | socket.AI_NUMERICHOST)
-    except socket.gaierror:
-        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known (the fuzz test resolves "
-                                                 "numeric hosts and localhost only)") from None
+# -- the edge, without DNS -------------------------------------------------------------------------------
+NO_DNS = Path(__file__).resolve().parent / "support" / "nodns"  # its sitecustomize patches getaddrinfo
+NO_DNS_REFUSAL = "numeric hosts and localhost only"  # in the message of what it refuses
 
 
 @pytest.fixture(scope="module")
-def server(manager: SandboxManager) -> Iterator[ServerThread]:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(socket, "getaddrinfo", _local_getaddrinfo)
-        # containers only: a microVM create boots a template (seconds under TCG) past the fuzzer's
-        # timeouts; the microVM path is tested in test_sandbox_microvm.py
-        with serving(manager, TOKENS, reap_interval=0.3, isolations=("container",)) as srv:
-            yield srv
+def edge(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:
+    # containers only: a microVM create boots a template (seconds under TCG) past the fuzzer's
+    # timeouts (the microVM path is tested in test_sandbox_microvm.py); a reaper round every 0.3 s,
+    # so the TTLs, leases and idle timeouts fuzzing sets take effect while it still sends requests
+    with running("fuzz", tmp_path_factory.mktemp("fuzz"), store_url, TOKENS, "--isolation", "container",
+                 "--reap-interval", "0.3", token=FUZZ, pythonpath=[NO_DNS]) as e:
+        yield e
 
 
 # -- what fuzzing aims at, and what it must leave alone -------------------------------------------------
@@ -141,8 +140,7 @@ LONG_LEASE = 300.0  # a renew aimed at a target's job must outlive the test (see
 
 @dataclass
 class World:
-    url: str
-    manager: SandboxManager
+    edge: EdgeProcess
     bystander: str
     bystander_files: str
     mounts_before: set[str] = field(default_factory=set)
@@ -158,19 +156,22 @@ class World:
     seconds: Counter[str] = field(default_factory=Counter)  # by operation
     session: requests.Session = field(default_factory=requests.Session)
 
-    def status(self, sid: str | None) -> str | None:
-        if sid is None:
-            return None
-        try:
-            return self.manager.get(sid).state.status
-        except SandboxNotFound:  # destroyed or preempted by the last request
-            return None
+    @property
+    def url(self) -> str:
+        return self.edge.url
+
+    def listed(self, token: str = FUZZ) -> dict[str, str]:
+        """The sandboxes the API lists for ``token``'s project: id -> status."""
+        resp = call(self.url, "GET", "/v1/sandboxes", token)
+        assert resp.status_code == 200, resp.text
+        return {sb["id"]: sb["status"] for sb in resp.json()["sandboxes"]}
 
     def keep_targets(self) -> None:
         """One live, running sandbox per role (fuzzing destroys, pauses and preempts them)."""
+        live = self.listed()
         for role, options in ROLES.items():
             sid = self.targets.get(role)
-            status = self.status(sid)
+            status = live.get(sid) if sid is not None else None  # None: destroyed or preempted
             if status == "paused":
                 resp = call(self.url, "POST", f"/v1/sandboxes/{sid}/resume")
                 assert resp.status_code == 200, resp.text
@@ -186,11 +187,12 @@ class World:
                 assert resp.status_code == 201, resp.text
                 self.targets[role] = resp.json()["id"]
 
-    def sweep(self) -> None:
+    def sweep(self, token: str = FUZZ) -> None:
         """Destroy what fuzzed creates made, so that the quota never stops the next create early."""
-        for st in self.manager.list():
-            if st.project == "fuzz" and st.id not in self.targets.values():
-                self.manager.destroy(st.id)
+        for sid in self.listed(token):
+            if sid not in self.targets.values():
+                resp = call(self.url, "DELETE", f"/v1/sandboxes/{sid}", token)
+                assert resp.status_code in (204, 404), resp.text  # 404: the reaper was first
 
     def aim(self, case: Case) -> str:
         """Point most ``{id}``, ``{job}`` and ref fields at real things; return what it aimed at.
@@ -235,25 +237,35 @@ def bystander_digest(url: str, sid: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def world(server: ServerThread, manager: SandboxManager) -> Iterator[World]:
-    url = server.url
+def world(edge: EdgeProcess) -> Iterator[World]:
+    url = edge.url
     bystander = create(url, BYSTANDER)
     resp = call(url, "PUT", f"/v1/sandboxes/{bystander}/files?path=/root/marker&mode=600", BYSTANDER,
                 data=b"the bystander's own bytes\n")
     assert resp.status_code == 201, resp.text
-    w = World(url, manager, bystander, bystander_digest(url, bystander))
+    w = World(edge, bystander, bystander_digest(url, bystander))
     try:
         w.keep_targets()
         resp = call(url, "POST", f"/v1/sandboxes/{w.targets['plain']}/checkpoint", body={"name": "fuzz-base"})
         assert resp.status_code == 201, resp.text
         w.checkpoint = resp.json()["name"]
-        w.mounts_before = set(kmount.mounts_under(manager.data_dir))
+        refuses_host_names(w)  # before fuzzing sends any host name
+        w.mounts_before = set(kmount.mounts_under(edge.manager().data_dir))
         yield w
     finally:
         w.session.close()
-        for st in manager.list():
-            if st.project in ("fuzz", "bystander"):
-                manager.destroy(st.id)
+        w.targets.clear()
+        for token in (FUZZ, BYSTANDER):
+            w.sweep(token)
+
+
+def refuses_host_names(world: World) -> None:
+    """A host name in an egress rule gets the refusal of tests/support/nodns, not a lookup."""
+    world.keep_targets()
+    resp = call(world.url, "PUT", f"/v1/sandboxes/{world.targets['net']}/network",
+                body={"rules": [{"host": "example.com", "ports": 443}]})
+    assert invalid(resp) == "network"
+    assert NO_DNS_REFUSAL in resp.json()["error"]["message"], resp.text
 
 
 @pytest.fixture
@@ -307,34 +319,47 @@ def test_fuzz_every_operation(case: Case, world: World) -> None:
         world.sweep()
 
 
-def test_after_fuzzing_the_bystander_is_untouched_and_nothing_leaks(world: World, manager: SandboxManager) -> None:
+def test_after_fuzzing_the_bystander_is_untouched_and_nothing_leaks(world: World) -> None:
     url = world.url
     print(f"\nfuzzing sent {world.sent} requests; aimed at {dict(world.aimed)}")
     for label, secs in world.seconds.most_common():
         print(f"  {label:36} {secs:5.1f} s  {dict(sorted(world.statuses[label].items()))}")
-    assert manager.get(world.bystander).state.status == "running"
+    assert world.edge.alive(), world.edge.tail()
+    resp = call(url, "GET", f"/v1/sandboxes/{world.bystander}", BYSTANDER)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["status"] == "running"
     assert world.files_digest() == world.bystander_files
-
-    listed = call(url, "GET", "/v1/sandboxes").json()["sandboxes"]
-    assert world.bystander not in {sb["id"] for sb in listed}
+    assert world.bystander not in world.listed()
 
     world.targets.clear()
     world.sweep()
-    assert [st.id for st in manager.list() if st.project == "fuzz"] == []
-    after = set(kmount.mounts_under(manager.data_dir))
-    boxes = str(manager.boxes) + "/"
+    assert world.listed() == {}
+    # the mount table and crun's containers, which the API does not show, read from the data dir
+    # (this manager only looks); the FnCall pool's ready sandboxes are the fuzzed project's but
+    # not its to name: they go when the edge stops (the edge fixture's clean_up)
+    looker = world.edge.manager()
+    pools = pool_sandboxes(looker)
+    after = set(kmount.mounts_under(looker.data_dir))
+    pools |= pool_sandboxes(looker)  # one the pool made while the mounts were read
+    after = {m for m in after if not any(f"/{sid}/" in f"{m}/" for sid in pools)}
+    boxes = str(looker.boxes) + "/"
     # under boxes/ only the bystander's, as before; anything else new is a layer or the daemon's FUSE
     assert {m for m in after if m.startswith(boxes)} == {
         m for m in world.mounts_before if m.startswith(f"{boxes}{world.bystander}/")}
-    shared = (str(manager.host.layer_root) + "/", str(manager.data_dir / "blobs") + "/")
+    shared = (str(looker.host.layer_root) + "/", str(looker.data_dir / "blobs") + "/")
     assert [m for m in after - world.mounts_before if not m.startswith(shared)] == []
 
     sid = create(url)
     assert run(url, sid, "echo still here") == (0, "still here\n")
     assert call(url, "DELETE", f"/v1/sandboxes/{sid}").status_code == 204
-    assert [st.id for st in manager.list() if st.project == "fuzz"] == []
-    known = {st.id for st in manager.list()}
-    assert [c["id"] for c in manager.backend("container").runtime.list() if c["id"] not in known] == []  # no orphaned container
+    assert world.listed() == {}
+    known = {st.id for st in looker.list()}
+    runtime = looker.backend("container").runtime
+    assert [c["id"] for c in runtime.list() if c["id"] not in known] == []  # no orphaned container
+
+
+def pool_sandboxes(looker: SandboxManager) -> set[str]:
+    return {st.id for st in looker.list() if st.labels.get(POOL_PROJECT_LABEL) == "fuzz"}
 
 
 # -- what fuzzing found, as plain requests ------------------------------------------------------------------
@@ -389,8 +414,7 @@ def test_restore_under_another_policy_version_is_a_409(world: World) -> None:
                                                                    "policy_version": "v2"})
     assert resp.status_code == 409, resp.text
     assert resp.json()["error"]["code"] == "conflict"
-    assert [st.id for st in world.manager.list() if st.project == "fuzz"
-            and st.id not in world.targets.values()] == []
+    assert [sid for sid in world.listed() if sid not in world.targets.values()] == []
 
 
 def test_a_call_of_a_command_with_function_arguments_is_a_400(world: World) -> None:
@@ -431,3 +455,19 @@ def test_a_path_component_longer_than_name_max_is_a_400_naming_path(world: World
     resp = call(world.url, method, f"/v1/sandboxes/{world.targets['plain']}/files?path=/tmp/{'a' * 256}",
                 data=b"x" if method == "PUT" else None)
     assert invalid(resp) == "path"
+
+
+# -- how the edge is started ------------------------------------------------------------------------------
+def test_the_edge_resolves_no_host_name(world: World) -> None:
+    """The sitecustomize of tests/support/nodns applies in the edge (the world checked it before
+    fuzzing, too): no other sitecustomize came first on the edge's path."""
+    refuses_host_names(world)
+
+
+@pytest.mark.parametrize("interval", ["0", "-1", "nan", "soon"])
+def test_the_reap_interval_is_more_than_0_seconds(tmp_path: Path, interval: str) -> None:
+    bad = subprocess.run([sys.executable, "-m", "sandbox.edge", "--data-dir", str(tmp_path), "--store",
+                          "file:///unused", "--tokens", "unread", "--reap-interval", interval],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert "argument --reap-interval" in bad.stderr

@@ -223,6 +223,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-ttl", type=float, default=maxima.ttl, help="seconds (default %(default)s)")
     parser.add_argument("--max-lease-ttl", type=float, default=maxima.lease_ttl,
                         help="seconds (default %(default)s)")
+    parser.add_argument("--reap-interval", type=_seconds, default=REAP_INTERVAL, metavar="SECONDS",
+                        help="how often the reaper destroys sandboxes past their TTL or lease and pauses "
+                        "idle ones, more than 0 (default %(default)s)")
     parser.add_argument("--isolation", action="append", choices=ISOLATIONS, default=[],
                         help="what this edge runs (repeatable; default every kind its host can run)")
     parser.add_argument("--ready", action="append", default=[], metavar="IMAGE=N",
@@ -239,6 +242,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--protect", action="append", type=ipaddress.ip_network, default=[], metavar="CIDR",
                         help="a range no egress rule may open, like the host's own addresses (repeatable)")
     return parser
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds more than 0 (argparse's type: its error names the flag)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):  # nan too
+        raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
+    return value
 
 
 def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[bytes | None, dict[str, int]]:
@@ -279,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     caps = ProjectCaps(commands=args.max_commands_per_project, transfers=args.max_transfers_per_project,
                        connections=args.max_connections_per_project)
     service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True, url_secret=url_secret,
-                             ready=ready, isolations=args.isolation or ISOLATIONS, caps=caps)
+                             ready=ready, isolations=args.isolation or ISOLATIONS, caps=caps,
+                             reap_interval=args.reap_interval)
     # SIGTERM: commands streaming are interrupted at once (_interrupt_streams); other requests in flight
     # (a file transfer to a slow client) get SHUTDOWN_GRACE s to finish, then as long again once cancelled
     web.run_app(service.app(), host="127.0.0.1", port=args.port, shutdown_timeout=SHUTDOWN_GRACE,

@@ -6,11 +6,13 @@ answering its own API; :meth:`EdgeProcess.kill` is the crash an operator sees
 the orderly stop (SIGTERM through aiohttp's ``run_app``).  :func:`leftovers` lists what a
 data dir still holds on the host (containers, mounts, cgroups in every hierarchy, network
 namespaces, a daemon); :meth:`EdgeProcess.clean_up` removes it after the process is gone
-and reports what it had to remove or could not.
+and reports what it had to remove or could not.  :func:`running` is an edge for the length of
+a block (a module's fixture), stopped and checked clean however the block ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +103,17 @@ def leftovers(mgr: SandboxManager) -> list[str]:
 
 
 class EdgeProcess:
-    """One edge service as a child process with its own data dir and port."""
+    """One edge service as a child process with its own data dir and port.
+
+    ``pythonpath``: directories put before the repository on the child's ``PYTHONPATH`` (a
+    ``sitecustomize.py`` in one changes the child without a hook in the service's code).
+    ``entry``: how the service is started (``layerbox edge`` is ``-m tools.cli edge``).
+    """
 
     def __init__(self, name: str, root: Path, store_url: str, tokens: Path, *extra: str, token: str,
-                 entry: tuple[str, ...] = ("-m", "sandbox.edge")) -> None:
+                 pythonpath: Sequence[Path] = (), entry: tuple[str, ...] = ("-m", "sandbox.edge")) -> None:
         self.name, self.store_url, self.token = name, store_url, token
+        self.pythonpath = os.pathsep.join([*map(str, pythonpath), str(REPO)])
         self.data_dir = root / name
         self.log = root / f"{name}.log"
         self.port = free_port()
@@ -119,7 +128,7 @@ class EdgeProcess:
 
     def start(self) -> None:
         with open(self.log, "ab") as log:
-            env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, "PYTHONPATH": self.pythonpath, "PYTHONUNBUFFERED": "1"}
             self.proc = subprocess.Popen(self.argv, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, env=env, start_new_session=True)
         # readiness is the service answering its own API, not a fixed delay
@@ -193,6 +202,22 @@ class EdgeProcess:
         if problems:
             _force_clean(mgr)
         return problems
+
+
+@contextlib.contextmanager
+def running(name: str, root: Path, store_url: str, tokens: dict[str, Any], *extra: str, token: str,
+            pythonpath: Sequence[Path] = (), entry: tuple[str, ...] = ("-m", "sandbox.edge")) -> Iterator[EdgeProcess]:
+    """An :class:`EdgeProcess` on a tokens file of ``tokens``, started; when the block ends, stopped
+    and cleaned up, failing on anything it left behind."""
+    path = root / f"{name}-tokens.json"
+    path.write_text(json.dumps(tokens))
+    edge = EdgeProcess(name, root, store_url, path, *extra, token=token, pythonpath=pythonpath, entry=entry)
+    try:
+        edge.start()
+        yield edge
+    finally:
+        edge.stop()
+        assert edge.clean_up() == []
 
 
 def _force_clean(mgr: SandboxManager) -> None:
