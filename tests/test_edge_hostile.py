@@ -29,9 +29,10 @@ from tests.support.sandboxes import REF, store_url  # noqa: F401  (the module's 
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
-ALPHA, BETA = "alpha-token-0123456789", "beta-token-01234567890"
+ALPHA, BETA, GAMMA = "alpha-token-0123456789", "beta-token-01234567890", "gamma-token-0123456789"
 TOKENS = {"projects": {"alpha": {"tokens": [ALPHA], "max_sandboxes": 12},
-                       "beta": {"tokens": [BETA], "max_sandboxes": 6}}}
+                       "beta": {"tokens": [BETA], "max_sandboxes": 6},
+                       "gamma": {"tokens": [GAMMA], "max_sandboxes": 2}}}
 CAPS = ("--max-commands-per-project", "4", "--max-transfers-per-project", "2", "--max-connections-per-project", "4")
 HOLDS = ("commands", "transfers", "connections")
 FLOOD_PORT = 8090
@@ -231,6 +232,41 @@ def test_a_fncall_its_caller_left_is_killed_and_its_slot_freed(edge: EdgeProcess
     finally:
         held.close()
         api(edge, "DELETE", f"/v1/sandboxes/{sid}")
+
+
+def test_a_call_in_flight_counts_against_the_quota_a_ready_pool_sandbox_does_not(edge: EdgeProcess) -> None:
+    """gamma (quota 2) with one sandbox and one FnCall running is at its quota: a create is 429.
+    Once the call ends, its pool's ready sandboxes (the operator's until lent) leave room to create."""
+    sid = create(edge, GAMMA)
+    conn = http.client.HTTPConnection("127.0.0.1", edge.port, timeout=120)
+    conn.request("POST", "/v1/calls", json.dumps({"image": REF, "cmd": "sleep 3533", "timeout": 600}),
+                 {"Authorization": f"Bearer {GAMMA}", "Content-Type": "application/json"})
+    made: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while not sleepers("3533"):
+            assert time.monotonic() < deadline, edge.tail()
+            time.sleep(0.2)
+        status, doc = api(edge, "POST", "/v1/sandboxes", {"image": REF}, token=GAMMA)
+        assert (status, doc["error"]["code"], doc["error"]["resources"]) == (429, "quota_exceeded", ["sandboxes"])
+        conn.close()  # the call ends with its caller
+        deadline = time.monotonic() + 30
+        while sleepers("3533"):
+            assert time.monotonic() < deadline, "the abandoned call still runs"
+            time.sleep(0.2)
+        pool = [st.id for st in edge.manager().list() if st.labels.get("layerbox.pool.project") == "gamma"]
+        assert pool, "gamma's pool keeps no ready sandbox (the case this test is about)"
+        deadline = time.monotonic() + 30
+        while (answer := api(edge, "POST", "/v1/sandboxes", {"image": REF}, token=GAMMA))[0] != 201:
+            # the lent count drops when the cancelled call has unwound (a second at most)
+            assert answer[1]["error"]["code"] == "quota_exceeded", answer
+            assert time.monotonic() < deadline, answer
+            time.sleep(0.2)
+        made.append(answer[1]["id"])
+    finally:
+        conn.close()
+        for other in (sid, *made):
+            api(edge, "DELETE", f"/v1/sandboxes/{other}", token=GAMMA)
 
 
 def test_error_classes_answer_their_status_from_the_service_process(edge: EdgeProcess) -> None:

@@ -33,7 +33,6 @@ from layerstore.objects import BadName, Resolved, ref_key
 from sandbox.backends.base import Capabilities
 from sandbox.core.errors import ApiError, SandboxNotFound, SandboxStateError
 from sandbox.core.model import (
-    POOL_PROJECT_LABEL,
     PROJECT_LABEL,
     PROTECTED_EGRESS_LABEL,
     Maxima,
@@ -137,15 +136,6 @@ class EdgeContext:
 
     def owned_by(self, project: str) -> list[SandboxState]:
         return [st for st in self.manager.list() if st.project == project]
-
-    def counted_for(self, project: str) -> list[SandboxState]:
-        """What ``project``'s quota counts: its sandboxes and those its FnCall pools hold."""
-        return [st for st in self.manager.list()
-                if st.project == project or st.labels.get(POOL_PROJECT_LABEL) == project]
-
-    def quota(self, project: str) -> int:
-        """The most sandboxes ``project`` may have here (0 for a name the tokens file lacks)."""
-        return next((p.max_sandboxes for p in self.auth.tokens.values() if p.name == project), 0)
 
     async def resolve(self, project: Project, ref: str, *, field: str, kinds: tuple[str, ...]) -> Resolved:
         """Resolve ``ref`` once and check that ``project`` may use what it names.
@@ -260,7 +250,7 @@ class EdgeContext:
     async def admitted(self, project: str, quota: int, demands: list[SandboxOptions]) -> AsyncIterator[None]:
         """Within the block, ``demands`` count against ``project``'s quota (429 past it) and this
         host's capacity (503); the sandboxes the block makes are told apart from those it counts."""
-        await self._admit(project, quota, demands)
+        await self._admit(project, quota, len(demands))
         made: set[str] = set()  # the ids the block makes, as the manager picks them (IN_FLIGHT)
         flying = self._flying.setdefault(project, [])
         flying.append(made)
@@ -280,17 +270,41 @@ class EdgeContext:
             flying.remove(made)
             self._pending[project] -= len(demands)
 
-    async def _admit(self, project: str, quota: int, demands: list[SandboxOptions]) -> None:
-        """Count ``demands`` against the project's quota, or refuse with 429 (creates in flight count)."""
+    @contextlib.asynccontextmanager
+    async def lent(self, project: str, quota: int) -> AsyncIterator[None]:
+        """Within the block, one sandbox lent to ``project`` (an FnCall's, from its warm pool)
+        counts against its quota: a call in flight is a sandbox the project uses."""
+        await self._admit(project, quota, 1)
+        try:
+            yield
+        finally:
+            self._pending[project] -= 1
+
+    @contextlib.asynccontextmanager
+    async def capacity(self, demands: list[SandboxOptions]) -> AsyncIterator[None]:
+        """Within the block, ``demands`` hold room in this host's capacity (503 past it): the
+        operator's own sandboxes (warm pools), which no project's quota counts until lent."""
+        try:
+            with contextlib.ExitStack() as held:
+                for options in demands:
+                    held.enter_context(self.admission.reserve(Demand.of(options)))
+                yield
+        except CapacityExceeded as exc:
+            self.metrics.rejected.labels(exc.resources[0]).inc()
+            raise
+
+    async def _admit(self, project: str, quota: int, n: int) -> None:
+        """Count ``n`` more sandboxes against the project's quota, or refuse with 429 (creates in
+        flight and FnCalls running count)."""
         async with self._quota_lock:
             live = await self._live(project)
-            if live + len(demands) > quota:
-                more = f"; this needs {len(demands)} more" if len(demands) > 1 else ""
+            if live + n > quota:
+                more = f"; this needs {n} more" if n > 1 else ""
                 raise ApiError(None, "quota_exceeded",
                                f"project {project!r} has {live} of {quota} sandboxes{more}; "
                                "destroy one or retry later", retryable=True, retry_after=5,
                                resources=("sandboxes",))
-            self._pending[project] = self._pending.get(project, 0) + len(demands)
+            self._pending[project] = self._pending.get(project, 0) + n
 
     async def _live(self, project: str, attempts: int = 5) -> int:
         """The project's sandboxes, a create in flight counted once (as pending; the sandboxes it has
@@ -300,7 +314,7 @@ class EdgeContext:
         (too many, never too few)."""
         for _ in range(attempts):
             ended = self._ended
-            states = await asyncio.to_thread(self.counted_for, project)
+            states = await asyncio.to_thread(self.owned_by, project)
             if self._ended == ended:
                 flying = set().union(*self._flying.get(project, []))
                 return len([st for st in states if st.id not in flying]) + self._pending.get(project, 0)

@@ -213,8 +213,8 @@ class WarmPool:
     def __init__(self, manager: SandboxManager, ref: str, options: SandboxOptions | None = None, *,
                  size: int = 2, warm: Sequence[str] | None = None, admit: Admit | None = None,
                  **fields: Any) -> None:
-        """``admit``: the quota and capacity every sandbox the pool makes is counted against (the
-        edge's, for a project's pool); by default none."""
+        """``admit``: what every sandbox the pool makes is admitted against (the edge's capacity);
+        by default nothing."""
         if size < 1:
             raise ValueError(f"pool size must be at least 1, not {size}")
         self.manager = manager
@@ -476,9 +476,11 @@ class FnCalls:
 
     An owner (a project of the edge; ``""`` for the host's own callers) has at most ``max_pools``
     pools, so one owner keeping its pools busy never takes another's slots.  With ``admit``, every
-    sandbox an owner's pool makes is counted against that owner's quota and the host's capacity
-    (``admit(owner)``); its sandboxes carry the owner in ``layerbox.pool.project``, so they count
-    as the owner's without being sandboxes the owner can name.
+    sandbox an owner's pool makes is admitted against the host's capacity (``admit(owner)``).  Its
+    sandboxes carry the owner in ``layerbox.pool.project`` (whose pool made them) but are no
+    sandboxes the owner can name: ready ones are the operator's, and the edge counts a call in
+    flight, not a ready sandbox, against the owner's quota (so a pool's ready sandboxes never
+    take a project's room to create).
     """
 
     def __init__(self, manager: SandboxManager, options: SandboxOptions | None = None, *, size: int = 2,

@@ -49,14 +49,16 @@ class Calls:
         # the pool runs exactly what was checked: its key is the resolved digest
         resolved = await ctx.resolve(project, image, field="image", kinds=("image", "composition", "checkpoint"))
         if ctx.fncalls is None:
-            # each project's pools: their sandboxes count against its quota and the host's capacity
+            # each project's pools, the operator's sandboxes within the host's capacity until lent
             ctx.fncalls = FnCalls(ctx.manager, size=self.pool_size, max_pools=MAX_POOLS_PER_PROJECT,
-                                  admit=lambda owner: lambda options: ctx.admitted(owner, ctx.quota(owner), [options]))
+                                  admit=lambda owner: lambda options: ctx.capacity([options]))
         ctx.metrics.execs.labels(project.name).inc()
-        with ctx.usage.take(project.name, "commands"):  # a caller who leaves cancels its command
-            result = await while_caller_waits(request, ctx.fncalls.call(
-                resolved.digest, cmd, function=function, args=args, kwargs=kwargs or None, timeout=timeout,
-                owner=project.name))
+        # a call in flight is a command and a sandbox of the project; a caller who leaves cancels it
+        with ctx.usage.take(project.name, "commands"):
+            async with ctx.lent(project.name, project.max_sandboxes):
+                result = await while_caller_waits(request, ctx.fncalls.call(
+                    resolved.digest, cmd, function=function, args=args, kwargs=kwargs or None, timeout=timeout,
+                    owner=project.name))
         ctx.metrics.call_seconds.observe(result.duration)
         return web.json_response({
             "exit_code": result.exit_code, "stdout": base64.b64encode(result.stdout).decode(),
