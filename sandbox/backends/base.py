@@ -57,6 +57,8 @@ from snapshots.checkpoint import Checkpoint
 
 # The PATH a command gets when the image's config has none (the OCI runtime spec's usual one).
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# the image's /etc/passwd and /etc/group are read whole to find a user: the sandbox may have written them
+ID_FILE_LIMIT = 16 << 20
 
 # What a backend may provide; Capabilities.provides and .lacks list these names.
 FEATURES = (
@@ -214,9 +216,13 @@ class Files(Protocol):
     :class:`~sandbox.core.errors.NotARegularFile` for FIFOs, sockets and devices,
     :class:`~sandbox.core.errors.PathEscape` for a path that leaves the root."""
 
-    def iter_read(self, path: str, chunk: int = ...) -> Iterator[bytes]: ...
+    def iter_read(self, path: str, chunk: int = ...) -> Iterator[bytes]:
+        """The file's bytes, read as the caller takes them."""
 
-    def read(self, path: str) -> bytes: ...
+    def read(self, path: str, limit: int | None = None) -> bytes:
+        """The whole file; ``OSError(EFBIG)`` when it has more than ``limit`` bytes.  None: as much as
+        the backend holds in memory for a caller (a container's file is the host's to size; a VM's
+        guest says what its file holds, so its backend keeps a ceiling of its own)."""
 
     def download(self, path: str, dst: BinaryIO, chunk: int = ...) -> int: ...
 
@@ -406,7 +412,7 @@ def _uid_gid(files: Files, user: str) -> tuple[int, int]:
         if key.isdigit():
             return int(key)
         try:
-            text = files.read(path).decode(errors="replace")
+            text = files.read(path, ID_FILE_LIMIT).decode(errors="replace")
         except OSError:
             return None
         for line in text.splitlines():

@@ -176,8 +176,13 @@ class RootFiles:
         finally:
             os.close(fd)
 
-    def read(self, path: str) -> bytes:
-        return b"".join(self.iter_read(path))
+    def read(self, path: str, limit: int | None = None) -> bytes:
+        out = bytearray()
+        for data in self.iter_read(path):
+            out += data
+            if limit is not None and len(out) > limit:
+                raise OSError(errno.EFBIG, f"{path}: more than {limit} bytes; stream it instead", path)
+        return bytes(out)
 
     def download(self, path: str, dst: BinaryIO, chunk: int = CHUNK) -> int:
         total = 0

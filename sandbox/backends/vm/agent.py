@@ -2,41 +2,84 @@
 
 One connection per VM over its virtio-serial port's unix socket.  A reader thread routes
 frames to channels; a command's output goes into OS pipes, so :func:`sandbox.host.execs.pump`
-streams, caps and times out a VM's commands exactly as it does a container's.  Everything
-read here comes from the guest, which runs anything: lengths are bounded and checked before
-use, and a malformed frame ends the connection (the VM is then unreachable, never misread).
+streams, caps and times out a VM's commands exactly as it does a container's.
+
+Everything read here comes from the guest, which runs anything (its root can replace the
+agent), so what the host holds for a VM is bounded by what the host asked for, never by
+what the guest sends:
+
+* A connection begins with HELLO: the agent forgets what an earlier connection asked for,
+  and whatever reaches the host before its answer (found by the connection's random token
+  in the bytes, frames or not) is that connection's, dropped.
+* Each request has a channel that takes only the frames its kind of request is answered
+  with, each under a size bound, at most two of them but for a stream's.
+* A file read or a listing is a stream under credit: the guest may send :data:`WINDOW`
+  bytes, and more only as the caller takes them (MORE); a read of a small thing asks for
+  no more than it keeps.  A caller that stops taking leaves the guest waiting; one that
+  leaves cancels the stream.
+* At most :data:`MAX_STREAMS` streams and :data:`MAX_CALLS` other requests wait for answers
+  on one connection, so it holds at most ``MAX_STREAMS * WINDOW + MAX_CALLS * 2 * MAX_SMALL``
+  bytes (10 MiB) of the guest's, whatever the guest does (and one frame being read).
+* A guest that breaks any of this (a frame over the limit, on a channel nobody opened or
+  after its end, of a type its request cannot have, past its credit) has its connection
+  ended and is :attr:`AgentConnection.misbehaved`; the VM backend marks its sandbox.
+
+An agent built before HELLO answers it with an error: it is spoken to as before (no credit:
+the reader thread waits while a stream holds :data:`WINDOW` bytes, so the guest waits in
+its write; a frame more than that at most), frames on channels nobody has open are dropped,
+since an earlier connection's answers look the same, and a guest that breaks the rules is
+cut off but not marked.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import ipaddress
-import itertools
+import logging
 import os
-import queue
 import socket
 import stat as statmod
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from sandbox.backends.base import entry_kind
-from sandbox.core.errors import SandboxError
+from sandbox.core.errors import SandboxError, SandboxStateError
+
+log = logging.getLogger("layerbox.sandbox")
 
 T_PING, T_PONG, T_EXEC, T_STARTED, T_STDIN, T_SIGNAL = 1, 2, 3, 4, 5, 6
 T_READ, T_DATA, T_END, T_WRITE, T_LIST, T_STAT, T_REMOVE, T_MKDIR, T_SYNC, T_ENTRY, T_MOUNT, T_NET = range(7, 19)
-T_STDOUT, T_STDERR, T_EXIT, T_READY = 20, 21, 22, 100
+T_MORE, T_STDOUT, T_STDERR, T_EXIT, T_HELLO, T_READY = 19, 20, 21, 22, 23, 100
 HEAD = struct.Struct(">IBI")  # length of what follows the length field, type, channel
 MAX_FRAME = 1 << 20  # payload bytes, both directions (the agent's MAX_FRAME)
 DATA_CHUNK = 256 << 10
 ENTRY_FIXED = struct.Struct(">IIIIIIIII")  # mode uid gid size_hi size_lo mtime_hi mtime_lo nlink name_len
+HELLO_CHANNEL = 0xFFFF_FFFF  # no request's: the host numbers them from 1
+TOKEN = 16  # random bytes of a HELLO, which its answer starts with
+# What one connection holds of the guest's at most (the module's docstring).  A window of 1 MiB
+# is four of the agent's 256 KiB pieces in flight: a download runs at the port's speed.
+WINDOW = 1 << 20
+MAX_STREAMS = 8
+MAX_CALLS = 64
+# every answer frame but a stream's data and a command's output: END (errno + a message of at
+# most 4352 bytes), ENTRY (36 + 4 + a path of 4096 + a link of 4096), PONG, HELLO
+MAX_SMALL = 16 << 10
+MAX_ENTRIES = 100_000  # a listing longer than this is refused, not held
+SEND_TIMEOUT = 120  # seconds a send may wait for the guest to take a frame (its longest request: SYNC)
 
 
 class AgentError(SandboxError):
     """The guest agent is unreachable, or said something the protocol does not allow."""
+
+
+class AgentMisbehaved(AgentError, SandboxStateError):
+    """The guest broke the agent protocol: the host ended its connection and no longer talks to it."""
 
 
 class GuestFileError(SandboxError):
@@ -45,6 +88,10 @@ class GuestFileError(SandboxError):
     def __init__(self, err: int, message: str) -> None:
         super().__init__(message)
         self.errno = err
+
+
+class _Broken(Exception):
+    """What the reader found the guest doing wrong."""
 
 
 def _str(s: str | bytes) -> bytes:
@@ -70,20 +117,90 @@ class GuestStat:
 
 def _parse_entry(p: bytes) -> GuestStat:
     if len(p) < ENTRY_FIXED.size + 4:
-        raise AgentError(f"agent: short entry frame ({len(p)} bytes)")
+        raise AgentError(f"agent: it has {len(p)} bytes, too few for an entry")
     mode, uid, gid, sh, sl, mh, ml, nlink, nl = ENTRY_FIXED.unpack_from(p)
     off = ENTRY_FIXED.size
     name = p[off:off + nl]
     off += nl
     if len(name) != nl or len(p) < off + 4:
-        raise AgentError("agent: entry frame's name overruns it")
+        raise AgentError("agent: its name overruns it")
     (ll,) = struct.unpack_from(">I", p, off)
-    target = p[off + 4:off + 4 + ll] if ll else None
+    if len(p) != off + 4 + ll:
+        raise AgentError("agent: its link target does not fill it")
+    target = p[off + 4:] if ll else None
     mtime = (mh << 32 | ml)
     if mtime >= 1 << 63:
         mtime -= 1 << 64
     return GuestStat(mode, uid, gid, sh << 32 | sl, mtime, nlink, name.decode(errors="surrogateescape"),
                      target.decode(errors="surrogateescape") if target is not None else None)
+
+
+@dataclass(frozen=True)
+class _Answers:
+    """The frames one kind of request may be answered with (docs/FORMAT.md Part 5)."""
+
+    ends: frozenset[int] = frozenset({T_END})
+    once: int | None = None  # a frame that may come once before the end (a STAT's ENTRY)
+    stream: int | None = None  # what a stream carries under credit (a READ's DATA, a LIST's ENTRY)
+
+
+ANSWERS = {T_PING: _Answers(frozenset({T_PONG})), T_STAT: _Answers(once=T_ENTRY),
+           T_READ: _Answers(stream=T_DATA), T_LIST: _Answers(stream=T_ENTRY)}
+
+
+class _Channel:
+    """One request's answers on their way from the reader thread to the caller: checked frame
+    by frame against what the request may be answered with, and bounded (a stream by its
+    credit, or for an agent without credit by the reader's wait; anything else by its two frames)."""
+
+    def __init__(self, chan: int, request: int, credit: int | None, budget: int | None) -> None:
+        self.chan, self.request = chan, request
+        self.answers = ANSWERS.get(request, _Answers())
+        self.frames: deque[tuple[int, bytes]] = deque()
+        self.queued = 0  # payload bytes in frames
+        self.credit = credit  # what the guest may still send on a stream (None: an agent without credit)
+        self.budget = budget  # what the caller takes of a stream in all (None: what it has)
+        self.granted = credit or 0
+        self.once_seen = self.ended = self.abandoned = False
+
+    @property
+    def stream(self) -> bool:
+        return self.answers.stream is not None
+
+    def check(self, kind: int, payload: bytes) -> None:
+        """``payload`` of type ``kind`` as the next answer, taken off the credit; _Broken if it cannot be."""
+        a, n = self.answers, len(payload)
+        if kind != T_DATA and n > MAX_SMALL:
+            raise _Broken(f"sent a frame of type {kind} of {n} bytes (at most {MAX_SMALL})")
+        if kind == a.stream:
+            if self.credit is not None:
+                if self.credit <= 0 or (kind == T_DATA and n > self.credit):
+                    raise _Broken(f"sent {n} bytes on stream {self.chan} with {max(self.credit, 0)} asked for")
+                self.credit -= n
+        elif kind == a.once and not self.once_seen:
+            self.once_seen = True
+        elif kind in a.ends:
+            self.ended = True
+        else:
+            raise _Broken(f"answered a request of type {self.request} (channel {self.chan}) with a frame of "
+                          f"type {kind}")
+        if kind == T_END and n < 4:
+            raise _Broken(f"sent an end frame of {n} bytes on channel {self.chan}")
+        if kind == T_ENTRY:
+            try:
+                _parse_entry(payload)
+            except AgentError as exc:
+                raise _Broken(f"sent a bad entry frame: {str(exc).removeprefix('agent: ')}") from None
+
+    def grant(self, taken: int) -> int:
+        """Credit for the ``taken`` bytes the caller just took, within its budget (given before it
+        is sent: the guest may use it at once)."""
+        if self.credit is None or self.ended:
+            return 0
+        more = taken if self.budget is None else max(0, min(taken, self.budget - self.granted))
+        self.credit += more
+        self.granted += more
+        return more
 
 
 class GuestProcess:
@@ -158,30 +275,55 @@ class AgentConnection:
     def __init__(self, path: Path, *, timeout: float = 30.0) -> None:
         self.path = path
         self._sock = connect_unix(path, timeout)
+        # a guest that stops reading its port holds a sender (and the lock behind it) this long at most
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", SEND_TIMEOUT, 0))
         self._send_lock = threading.Lock()
-        self._chans = itertools.count(1)
+        self._cond = threading.Condition()  # over everything below but the socket
+        self._last_chan = 0
         self._procs: dict[int, GuestProcess] = {}
-        self._calls: dict[int, queue.Queue[tuple[int, bytes]]] = {}
-        self._lock = threading.Lock()
+        self._calls: dict[int, _Channel] = {}
+        self._token = os.urandom(TOKEN)
+        self._synced = False  # the agent answered this connection's HELLO
+        self._pending = bytearray()  # read after HELLO's answer, before the reader parsed frames
+        self._hellos = [0, 0]  # sent, answered
+        self._closing = False
+        self._on_misbehaved: Callable[[str], None] | None = None
         self.closed: str | None = None
+        self.misbehaved: str | None = None  # why the guest was found breaking the protocol
+        self.speaks_hello = False  # an agent with HELLO (streams under credit), not one from before
         self.version: str | None = None
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name=f"agent-{path.parent.name}")
         self._reader.start()
+
+    def watch(self, on_misbehaved: Callable[[str], None]) -> None:
+        """Call ``on_misbehaved(why)`` once the guest is found breaking the protocol (now, if it was)."""
+        with self._cond:
+            self._on_misbehaved, why = on_misbehaved, self.misbehaved
+        if why is not None:
+            on_misbehaved(why)
 
     # -- wire ----------------------------------------------------------------------------
     def send(self, kind: int, chan: int, payload: bytes = b"") -> None:
         if len(payload) > MAX_FRAME:
             raise AgentError(f"agent: frame of {len(payload)} bytes is over {MAX_FRAME}")
         if self.closed:
-            raise AgentError(f"agent connection {self.path}: {self.closed}")
+            raise self._closed_error()
         with self._send_lock:
             try:
                 self._sock.sendall(HEAD.pack(len(payload) + 5, kind, chan) + payload)
             except OSError as exc:
-                raise AgentError(f"agent connection {self.path}: {exc}") from None
+                why = (f"the guest took no frame for {SEND_TIMEOUT} s" if isinstance(exc, BlockingIOError)
+                       else f"sending to the guest: {exc}")
+                self._fail(why, mark=False)  # part of a frame may be out: nothing after it would parse
+                raise AgentError(f"agent connection {self.path}: {why}") from None
+
+    def _send_quietly(self, kind: int, chan: int) -> None:
+        with contextlib.suppress(AgentError):
+            self.send(kind, chan)
 
     def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray()
+        buf = self._pending[:n]
+        del self._pending[:n]
         while len(buf) < n:
             got = self._sock.recv(n - len(buf))
             if not got:
@@ -190,137 +332,311 @@ class AgentConnection:
         return bytes(buf)
 
     def _read_loop(self) -> None:
-        why = "closed by the guest"
+        why, mark = "closed by the guest", False
         try:
+            self._await_hello_answer()
             while True:
                 length, kind, chan = HEAD.unpack(self._recv_exact(HEAD.size))
                 if not 5 <= length <= MAX_FRAME + 5:
-                    why = f"the guest sent a frame of {length} bytes (at most {MAX_FRAME + 5})"
-                    break
+                    raise _Broken(f"sent a frame of {length} bytes (at most {MAX_FRAME + 5})")
                 self._dispatch(kind, chan, self._recv_exact(length - 5))
         except EOFError:
             pass
         except OSError as exc:
             why = str(exc)
-        except AgentError as exc:
-            why = str(exc)
-        self._fail(why)
+        except _Broken as exc:
+            # an agent from before HELLO is cut off, never marked: after a restore the host cannot
+            # tell its lies from what it still sends for an earlier connection
+            why, mark = f"the guest {exc}", self.speaks_hello
+        if self._closing:
+            why, mark = "closed by the host", False
+        self._fail(why, mark=mark)
+        self._sock.close()
+
+    def _await_hello_answer(self) -> None:
+        """Read up to the answer to this connection's HELLO, as bytes: what comes before it is an
+        earlier connection's, perhaps the torn end of a frame a guest was writing when its memory
+        was saved (a template, a checkpoint), so it is dropped unparsed."""
+        chan = HELLO_CHANNEL.to_bytes(4, "big")
+        heads = (bytes([T_HELLO]) + chan + self._token, bytes([T_END]) + chan)  # after its length
+        buf = bytearray()
+        while not self._synced:
+            got = self._sock.recv(1 << 16)
+            if not got:
+                raise EOFError
+            buf = self._find_hello_answer(buf + got, heads)
+        self._pending = buf
+
+    def _find_hello_answer(self, buf: bytearray, heads: tuple[bytes, bytes]) -> bytearray:
+        """The bytes of ``buf`` still to be looked at: after the answer, once found (the frames
+        that follow it), else those a head may still begin in (bounded by a frame of MAX_SMALL)."""
+        pos = 4
+        while hits := [i for h in heads if (i := buf.find(h, pos)) != -1]:
+            i = min(hits)
+            length = int.from_bytes(buf[i - 4:i], "big")
+            if not 9 <= length <= MAX_SMALL + 5:
+                pos = i + 1  # those bytes only look like a head
+                continue
+            if len(buf) < i + length:
+                return buf[i - 4:]  # its payload is still to come
+            self._hello_answer(buf[i], bytes(buf[i + 5:i + length]))
+            if self._synced:
+                return buf[i + length:]
+            pos = i + 1
+        return buf[max(0, len(buf) - len(heads[0]) - 3):]
 
     def _dispatch(self, kind: int, chan: int, payload: bytes) -> None:
-        if kind == T_READY:
+        if kind == T_READY and chan == 0:
             self.version = payload.decode(errors="replace")[:64]
             return
-        with self._lock:
-            proc = self._procs.get(chan)
-            call = self._calls.get(chan)
+        if chan == HELLO_CHANNEL:
+            self._hello_answer(kind, payload)
+            return
+        with self._cond:
+            proc, ch = self._procs.get(chan), self._calls.get(chan)
+            opened = 0 < chan <= self._last_chan
         if proc is not None:
-            if kind in (T_STDOUT, T_STDERR):
-                proc._output(kind, payload)
-            elif kind == T_STARTED and len(payload) == 4:
-                proc.pid = struct.unpack(">I", payload)[0]
-            elif kind == T_EXIT and len(payload) == 4:
-                (code,) = struct.unpack(">i", payload)
-                with self._lock:
-                    self._procs.pop(chan, None)
-                proc._finish(code if code >= 0 else 128 - code)
-            elif kind == T_END and len(payload) >= 4:  # the command never started
-                err = struct.unpack(">I", payload[:4])[0]
-                with self._lock:
-                    self._procs.pop(chan, None)
-                proc._finish(127 if err == errno.ENOENT else 126, payload[4:4096] + b"\n")
-            else:
-                raise AgentError(f"agent: frame type {kind} is not an answer to a command")
-        elif call is not None:
-            call.put((kind, payload))
-        # else: an answer to a request that gave up (a timeout): dropped
+            self._to_process(proc, kind, chan, payload)
+        elif ch is not None:
+            self._deliver(ch, kind, payload)
+        elif self.speaks_hello:
+            raise _Broken(f"sent a frame of type {kind} on channel {chan}, "
+                          + ("after that request's end" if opened else "which the host never opened"))
+        # else: an agent from before HELLO; an earlier connection's answers look like this: dropped
 
-    def _fail(self, why: str) -> None:
-        self.closed = why
-        with self._lock:
+    def _to_process(self, proc: GuestProcess, kind: int, chan: int, payload: bytes) -> None:
+        if kind in (T_STDOUT, T_STDERR):
+            proc._output(kind, payload)  # blocks while the pump is behind: the guest then waits too
+        elif kind == T_STARTED and len(payload) == 4:
+            proc.pid = struct.unpack(">I", payload)[0]
+        elif kind == T_EXIT and len(payload) == 4:
+            (code,) = struct.unpack(">i", payload)
+            with self._cond:
+                self._procs.pop(chan, None)
+            proc._finish(code if code >= 0 else 128 - code)
+        elif kind == T_END and 4 <= len(payload) <= MAX_SMALL:  # the command never started
+            err = struct.unpack(">I", payload[:4])[0]
+            with self._cond:
+                self._procs.pop(chan, None)
+            proc._finish(127 if err == errno.ENOENT else 126, payload[4:4096] + b"\n")
+        else:
+            raise _Broken(f"answered a command (channel {chan}) with a frame of type {kind} of "
+                          f"{len(payload)} bytes")
+
+    def _deliver(self, ch: _Channel, kind: int, payload: bytes) -> None:
+        with self._cond:
+            ch.check(kind, payload)
+            if ch.ended:
+                self._calls.pop(ch.chan, None)
+                self._cond.notify_all()  # a slot for a request waiting for one
+            if ch.stream and ch.credit is None:  # an agent without credit: it waits while we do
+                self._cond.wait_for(lambda: ch.queued + len(payload) <= WINDOW or not ch.frames
+                                    or ch.abandoned or self._closing or self.closed is not None)
+            if ch.abandoned or self.closed is not None:
+                return
+            ch.frames.append((kind, payload))
+            ch.queued += len(payload)
+            self._cond.notify_all()
+
+    def _hello_answer(self, kind: int, payload: bytes) -> None:
+        with self._cond:
+            if self._synced:
+                # an agent from before HELLO answers without our token: one sent by an earlier
+                # connection (a template's boot sends it until answered, and a restored guest
+                # may still hold some) looks the same; after an agent's with HELLO answered
+                # ours, only our own may come: HELLOs sent again while the first was on its way
+                if not self.speaks_hello:
+                    return
+                if kind != T_HELLO or payload[:TOKEN] != self._token or self._hellos[1] >= self._hellos[0]:
+                    raise _Broken("answered a HELLO the host did not send")
+                self._hellos[1] += 1
+                return
+            if kind == T_HELLO and TOKEN <= len(payload) <= MAX_SMALL and payload[:TOKEN] == self._token:
+                self.speaks_hello = True
+                self.version = payload[TOKEN:TOKEN + 64].decode(errors="replace")
+            elif not (kind == T_END and 4 <= len(payload) <= MAX_SMALL and payload[:4] != bytes(4)):
+                return  # an answer to an earlier connection's HELLO: dropped
+            # (else an agent from before HELLO: ENOSYS, or EAGAIN before its MOUNT)
+            self._synced = True
+            self._hellos[1] += 1
+            self._cond.notify_all()
+
+    def _fail(self, why: str, *, mark: bool) -> None:
+        with self._cond:
+            if self.closed is not None:
+                return
+            self.closed = why
+            if mark:
+                self.misbehaved = why
+                for ch in self._calls.values():  # nothing more of a guest that broke the protocol
+                    ch.frames.clear()
             procs, self._procs = self._procs, {}
-            calls = list(self._calls.values())
+            self._calls.clear()
+            callback = self._on_misbehaved if mark else None
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        if callback is not None:
+            callback(why)  # first: a caller told of the broken protocol finds its sandbox marked
         for proc in procs.values():
             proc._finish(255, f"layerbox: the guest agent went away ({why})\n".encode())
-        for q in calls:
-            q.put((-1, why.encode()))
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        with self._cond:
+            self._cond.notify_all()
+
+    def _closed_error(self) -> AgentError:
+        if self.misbehaved is not None:
+            return AgentMisbehaved(f"agent connection {self.path}: the guest broke the agent protocol "
+                                   f"({self.misbehaved}); the host no longer talks to it")
+        return AgentError(f"agent connection {self.path}: {self.closed}")
 
     def close(self) -> None:
-        try:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._reader.join(5)
 
     # -- requests ------------------------------------------------------------------------
-    def _call(self, kind: int, payload: bytes, *, timeout: float = 60.0,
-              data: Iterator[bytes] | None = None) -> Iterator[tuple[int, bytes]]:
-        """Send one request; yield its answer frames up to and including its T_END."""
-        chan = next(self._chans)
-        q: queue.Queue[tuple[int, bytes]] = queue.Queue()
-        with self._lock:
-            self._calls[chan] = q
+    def hello(self, timeout: float = 10.0) -> None:
+        """Begin the connection, once (every request does it first): the agent forgets what an
+        earlier connection asked for and says whether it streams under credit."""
+        with self._cond:
+            if self._synced:
+                return
+            self._hellos[0] += 1
+        self.send(T_HELLO, HELLO_CHANNEL, self._token)
+        with self._cond:
+            self._cond.wait_for(lambda: self._synced or self.closed is not None, timeout)
+            if self.closed is not None:
+                raise self._closed_error()
+            if not self._synced:
+                raise AgentError(f"agent: no answer to HELLO in {timeout:g} s")
+
+    def _open(self, request: int, timeout: float, budget: int | None) -> _Channel:
+        """A channel for one request, once there is room for it on this connection."""
+        self.hello(timeout)
+        stream = ANSWERS.get(request, _Answers()).stream is not None
+        most = MAX_STREAMS if stream else MAX_CALLS
+
+        def room() -> bool:
+            return sum(c.stream == stream for c in self._calls.values()) < most
+
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.closed is not None or room(), timeout):
+                raise AgentError(f"agent: {most} {'reads' if stream else 'requests'} are waiting for its answers "
+                                 f"already, for {timeout:g} s")
+            if self.closed is not None:
+                raise self._closed_error()
+            credit = (WINDOW if budget is None else min(WINDOW, budget)) if stream and self.speaks_hello else None
+            self._last_chan += 1
+            ch = self._calls[self._last_chan] = _Channel(self._last_chan, request, credit, budget)
+            return ch
+
+    def _next(self, ch: _Channel, timeout: float, deadline: float | None) -> tuple[int, bytes]:
+        with self._cond:
+            wait = timeout if deadline is None else max(0.0, min(timeout, deadline - time.monotonic()))
+            if not self._cond.wait_for(lambda: ch.frames or self.closed is not None, wait):
+                raise AgentError("agent: no answer " + (f"in {timeout:g} s" if wait == timeout else "by its deadline"))
+            if not ch.frames:
+                raise self._closed_error()
+            kind, payload = ch.frames.popleft()
+            ch.queued -= len(payload)
+            self._cond.notify_all()  # the reader, when it waits on an agent without credit
+            more = ch.grant(len(payload)) if kind == ch.answers.stream else 0
+        if more:
+            self.send(T_MORE, ch.chan, struct.pack(">I", more))
+        return kind, payload
+
+    def _release(self, ch: _Channel) -> None:
+        """The caller is done with ``ch``: anything more on it is dropped, a stream cancelled."""
+        with self._cond:
+            if ch.ended or self.closed is not None:
+                return
+            ch.abandoned = True  # kept until its end comes: it still counts against the limits
+            ch.frames.clear()
+            ch.queued = 0
+            self._cond.notify_all()
+        if ch.credit is not None:
+            # the agent ends a stream on our END; sent aside, since a generator's close runs where it
+            # is dropped (e.g. the edge's event loop), and a guest that stops reading holds a send
+            threading.Thread(target=self._send_quietly, args=(T_END, ch.chan), daemon=True,
+                             name=f"agent-cancel-{ch.chan}").start()
+
+    def _call(self, kind: int, payload: bytes, *, timeout: float = 60.0, deadline: float | None = None,
+              data: Iterator[bytes] | None = None, budget: int | None = None
+              ) -> Generator[tuple[int, bytes], None, None]:
+        """Send one request; yield its answer frames up to and including its last.  ``timeout``:
+        seconds for each answer frame; ``deadline``: a monotonic time for all of them; ``budget``:
+        a stream's bytes the caller takes at most."""
+        ch = self._open(kind, timeout, budget)
         try:
-            self.send(kind, chan, payload)
+            self.send(kind, ch.chan, payload + (struct.pack(">I", ch.credit) if ch.credit is not None else b""))
             if data is not None:
                 for piece in data:
-                    self.send(T_DATA, chan, piece)
-                self.send(T_END, chan)
+                    self.send(T_DATA, ch.chan, piece)
+                self.send(T_END, ch.chan)
             while True:
-                try:
-                    frame = q.get(timeout=timeout)
-                except queue.Empty:
-                    raise AgentError(f"agent: no answer in {timeout:g} s") from None
-                if frame[0] == -1:
-                    raise AgentError(f"agent connection {self.path}: {frame[1].decode()}")
+                frame = self._next(ch, timeout, deadline)
                 yield frame
-                if frame[0] == T_END:
+                if frame[0] in ch.answers.ends:
                     return
         finally:
-            with self._lock:
-                self._calls.pop(chan, None)
+            self._release(ch)
 
     @staticmethod
     def _check_end(payload: bytes) -> None:
-        if len(payload) < 4:
-            raise AgentError("agent: short end frame")
         err = struct.unpack(">I", payload[:4])[0]
         if err:
             raise GuestFileError(err, payload[4:4096].decode(errors="replace"))
 
+    def _done(self, kind: int, payload: bytes, *, timeout: float = 60.0) -> None:
+        """A request answered by one END: GuestFileError with the guest's errno unless it is 0."""
+        for _, end in self._call(kind, payload, timeout=timeout):
+            self._check_end(end)
+
     def ping(self, timeout: float = 5.0) -> float:
         t = time.perf_counter()
-        for kind, _payload in self._call(T_PING, b"lb", timeout=timeout):
-            if kind == T_PONG:
-                return time.perf_counter() - t
-            raise AgentError(f"agent: frame type {kind} in answer to a ping")
-        raise AgentError("agent: no pong")
+        for _kind, _payload in self._call(T_PING, b"lb", timeout=timeout):
+            pass
+        return time.perf_counter() - t
 
     def exec(self, argv: list[str], *, env: dict[str, str], cwd: str, uid: int, gid: int) -> GuestProcess:
-        chan = next(self._chans)
-        proc = GuestProcess(self, chan, argv)
-        with self._lock:
-            self._procs[chan] = proc
         payload = (struct.pack(">II", uid, gid) + _str(cwd) + struct.pack(">I", len(argv))
                    + b"".join(_str(a) for a in argv) + struct.pack(">I", len(env))
                    + b"".join(_str(f"{k}={v}") for k, v in env.items()))
         if len(payload) > MAX_FRAME:
-            with self._lock:
-                self._procs.pop(chan, None)
             raise AgentError(f"command and environment take {len(payload)} bytes, over the agent's {MAX_FRAME}")
-        self.send(T_EXEC, chan, payload)
+        self.hello()
+        with self._cond:
+            if self.closed is not None:
+                raise self._closed_error()
+            self._last_chan += 1
+            proc = self._procs[self._last_chan] = GuestProcess(self, self._last_chan, argv)
+        self.send(T_EXEC, proc.chan, payload)
         proc._forwarder.start()
         return proc
 
-    def iter_read(self, path: str) -> Iterator[bytes]:
-        for kind, payload in self._call(T_READ, _str(path)):
-            if kind == T_DATA:
-                yield payload
-            elif kind == T_END:
-                self._check_end(payload)
+    def iter_read(self, path: str, *, budget: int | None = None, timeout: float = 60.0,
+                  deadline: float | None = None) -> Generator[bytes, None, None]:
+        """The file's bytes as the caller takes them; the guest sends no more than ``budget`` in all."""
+        with contextlib.closing(self._call(T_READ, _str(path), timeout=timeout, deadline=deadline,
+                                           budget=budget)) as answers:
+            for kind, payload in answers:
+                if kind == T_DATA:
+                    yield payload
+                else:
+                    self._check_end(payload)
+
+    def read(self, path: str, *, limit: int, timeout: float = 60.0, deadline: float | None = None) -> bytes:
+        """A small file whole: GuestFileError EFBIG when it has more than ``limit`` bytes (the guest
+        is asked for one more, and not one more is kept)."""
+        out = bytearray()
+        with contextlib.closing(self.iter_read(path, budget=limit + 1, timeout=timeout, deadline=deadline)) as data:
+            for piece in data:
+                out += piece
+                if len(out) > limit:
+                    raise GuestFileError(errno.EFBIG, f"read {path}: more than {limit} bytes")
+        return bytes(out)
 
     def write(self, path: str, chunks: Iterator[bytes], mode: int = 0o644) -> int:
         total = 0
@@ -333,62 +649,59 @@ class AgentConnection:
                     total += len(piece)
                     yield piece
 
-        for kind, payload in self._call(T_WRITE, struct.pack(">I", mode) + _str(path), data=counted()):
-            if kind == T_END:
-                self._check_end(payload)
+        for _, end in self._call(T_WRITE, struct.pack(">I", mode) + _str(path), data=counted()):
+            self._check_end(end)
         return total
 
-    def _entries(self, kind: int, payload: bytes) -> list[GuestStat]:
-        out = []
-        for k, p in self._call(kind, payload):
-            if k == T_ENTRY:
-                out.append(_parse_entry(p))
-            elif k == T_END:
-                self._check_end(p)
+    def list(self, path: str, *, limit: int = MAX_ENTRIES) -> list[GuestStat]:
+        """A directory's entries; GuestFileError EOVERFLOW past ``limit`` of them."""
+        out: list[GuestStat] = []
+        with contextlib.closing(self._call(T_LIST, _str(path))) as answers:
+            for kind, p in answers:
+                if kind != T_ENTRY:
+                    self._check_end(p)
+                elif len(out) == limit:
+                    raise GuestFileError(errno.EOVERFLOW, f"list {path}: more than {limit} entries")
+                else:
+                    out.append(_parse_entry(p))
         return out
 
-    def list(self, path: str) -> list[GuestStat]:
-        return self._entries(T_LIST, _str(path))
-
     def stat(self, path: str) -> GuestStat:
-        (st,) = self._entries(T_STAT, _str(path))
-        return st
+        found = None
+        for kind, p in self._call(T_STAT, _str(path)):
+            if kind == T_ENTRY:
+                found = _parse_entry(p)
+            else:
+                self._check_end(p)
+        if found is None:
+            raise AgentError(f"agent: stat {path} answered without an entry")
+        return found
 
     def remove(self, path: str, *, recursive: bool = False) -> None:
-        for kind, payload in self._call(T_REMOVE, struct.pack(">I", int(recursive)) + _str(path)):
-            if kind == T_END:
-                self._check_end(payload)
+        self._done(T_REMOVE, struct.pack(">I", int(recursive)) + _str(path))
 
     def mkdir(self, path: str, mode: int = 0o755) -> None:
-        for kind, payload in self._call(T_MKDIR, struct.pack(">I", mode) + _str(path)):
-            if kind == T_END:
-                self._check_end(payload)
+        self._done(T_MKDIR, struct.pack(">I", mode) + _str(path))
 
     def mount(self, timeout: float = 60.0) -> None:
         """Reseed the guest's kernel RNG with 64 fresh bytes, then mount the sandbox's disk and
         root (once; again only reseeds).  Every VM of a template shares its RNG state until then."""
-        for kind, payload in self._call(T_MOUNT, os.urandom(64), timeout=timeout):
-            if kind == T_END:
-                try:
-                    self._check_end(payload)
-                except GuestFileError as exc:
-                    raise AgentError(f"the guest could not mount the sandbox's disk: {exc}") from None
+        try:
+            self._done(T_MOUNT, os.urandom(64), timeout=timeout)
+        except GuestFileError as exc:
+            raise AgentError(f"the guest could not mount the sandbox's disk: {exc}") from None
 
     def net(self, address: str, prefixlen: int, gateway: str) -> None:
         """The guest's eth0 address and default route."""
         payload = struct.pack(">III", int(ipaddress.IPv4Address(address)), prefixlen,
                               int(ipaddress.IPv4Address(gateway)))
-        for kind, p in self._call(T_NET, payload):
-            if kind == T_END:
-                try:
-                    self._check_end(p)
-                except GuestFileError as exc:
-                    raise AgentError(f"the guest could not configure its network: {exc}") from None
+        try:
+            self._done(T_NET, payload)
+        except GuestFileError as exc:
+            raise AgentError(f"the guest could not configure its network: {exc}") from None
 
     def sync(self) -> None:
-        for kind, payload in self._call(T_SYNC, b"", timeout=120.0):
-            if kind == T_END:
-                self._check_end(payload)
+        self._done(T_SYNC, b"", timeout=120.0)
 
 
 def connect_unix(path: Path, timeout: float) -> socket.socket:

@@ -45,7 +45,7 @@ from sandbox.backends.base import (
 )
 from sandbox.backends.vm import assets as vmassets
 from sandbox.backends.vm import qemu as vm
-from sandbox.backends.vm.agent import AgentConnection, AgentError, GuestProcess
+from sandbox.backends.vm.agent import AgentConnection, AgentError, AgentMisbehaved, GuestProcess
 from sandbox.backends.vm.files import GuestFiles
 from sandbox.backends.vm.record import VmRecord
 from sandbox.core.errors import (
@@ -66,6 +66,10 @@ log = logging.getLogger("layerbox.sandbox")
 
 MAX_DISK_CHAIN = 8  # deltas a checkpoint's disk may stand on; the next one is a whole disk again
 MAX_PATH = 4096
+# the guest's own figures (its /proc/meminfo: about 1.5 KiB): a "file" longer than this is a
+# lie, answered as no figure, and one that takes longer to come is no figure either
+GUEST_FIGURES_LIMIT = 64 << 10
+GUEST_FIGURES_SECONDS = 5.0
 
 
 def _mem_total() -> int | None:
@@ -145,6 +149,7 @@ class VmBackend:
         self._hv: vm.Hypervisor | None = None
         self._assets: vmassets.Assets | None = None
         self._conns: dict[str, AgentConnection] = {}
+        self._misbehaved: dict[str, str] = {}  # sandbox id -> why its guest's agent was cut off
         self._lock = threading.Lock()
 
     # -- the host ---------------------------------------------------------------------------------
@@ -352,8 +357,7 @@ class VmBackend:
                                            netns=self.ctx.resources.networks.manager.netns_path(sid), jail=jail, guest_net=guest_net,
                                            mapped_ram=template is None, memory=memory)
         (vm_dir / "devices.bin").unlink(missing_ok=True)
-        with self._lock:
-            self._conns[sid] = conn
+        self._keep_conn(sid, conn)
         record = VmRecord(
             machine=shape.machine, assets=assets.key, kernel=_text(assets.manifest.get("kernel_version")),
             kernel_from=str(assets.manifest.get("kernel_from", "layerbox")),
@@ -539,11 +543,17 @@ class VmBackend:
         return st.vm is not None and (bool(VmRecord.of(st).saved) or self.vmm_of(box_dir, st).alive())
 
     def conn(self, sid: str, box_dir: Path, st: SandboxState) -> AgentConnection:
-        """The agent of a running VM, reconnected when this manager did not make the connection."""
+        """The agent of a running VM, reconnected when this manager did not make the connection;
+        never that of a guest found breaking the protocol (AgentMisbehaved)."""
         with self._lock:
             conn = self._conns.get(sid)
-            if conn is not None and not conn.closed:
+            why = (self._misbehaved.get(sid) or (conn.misbehaved if conn is not None else None)
+                   or (VmRecord.of(st).agent_misbehaved if st.vm is not None else None))
+            if why is None and conn is not None and not conn.closed:
                 return conn
+        if why is not None:
+            raise AgentMisbehaved(f"sandbox {sid}: its guest broke the agent protocol ({why}); the host no "
+                                  "longer talks to its agent, so its commands and files are refused: destroy it")
         if st.status != "running":
             raise SandboxStateError(f"sandbox {sid} is {st.status}: its VM's agent is reachable only while it runs")
         vmm = self.vmm_of(box_dir, st)
@@ -553,9 +563,35 @@ class VmBackend:
             conn = vm.connect_agent(vmm, timeout=10.0)
         except vm.VmError as exc:
             raise SandboxStateError(f"sandbox {sid}: its guest agent does not answer: {exc}") from None
+        self._keep_conn(sid, conn)
+        return conn
+
+    def _keep_conn(self, sid: str, conn: AgentConnection) -> None:
+        """``conn`` is the sandbox's agent from now on; a guest it finds breaking the protocol marks it."""
         with self._lock:
             self._conns[sid] = conn
-        return conn
+        conn.watch(lambda why: self._agent_misbehaved(sid, why))
+
+    def _agent_misbehaved(self, sid: str, why: str) -> None:
+        """Mark sandbox ``sid`` (its VM record's ``agent_misbehaved``, an ``agent_misbehaved`` receipt):
+        every later call that needs its agent answers AgentMisbehaved; destroy works as ever."""
+        with self._lock:
+            if sid in self._misbehaved:
+                return
+            self._misbehaved[sid] = why
+        log.warning("sandbox %s: its guest broke the agent protocol (%s); the host no longer talks to it", sid, why)
+
+        def marked(fresh: SandboxState) -> dict[str, Any]:
+            if fresh.vm is None or VmRecord.of(fresh).agent_misbehaved is not None:
+                return {}
+            return {"vm": VmRecord.of(fresh).replace(agent_misbehaved=why).to_json()}
+
+        box = self.ctx.box(sid)
+        try:
+            box.update_from(marked)
+            box.receipt("agent_misbehaved", reason=why)
+        except SandboxError as exc:  # destroyed meanwhile: nothing left to mark
+            log.info("sandbox %s: not marked (%s)", sid, exc)
 
     def _drop_conn(self, sid: str) -> None:
         with self._lock:
@@ -639,8 +675,7 @@ class VmBackend:
         vmm, conn = vm.start_from_template(box_dir / "vm", hv, assets, template, layers, shape, saved, nodes, procs,
                                            netns=self.ctx.resources.networks.manager.netns_path(sid), jail=jail,
                                            guest_net=rec.guest_net)
-        with self._lock:
-            self._conns[sid] = conn
+        self._keep_conn(sid, conn)
         saved.unlink()
         # disk_top_node: a new VMM's names (vm.disk_args)
         return rec.replace(saved=False, vmm_pid=vmm.pid, vmm_start=vmm.start, disk_nodes=tuple(nodes),
@@ -850,7 +885,8 @@ class VmBackend:
                                     f"restore {resolved.digest} on a host where it does")
         record, _, _ = await asyncio.to_thread(self._start_vm, box.id, box.dir, resolved, st.options,
                                                st.cgroups_path, None, assets, prior)
-        record = record.replace(parent=resolved.digest, checkpoints=prior.checkpoints)
+        record = record.replace(parent=resolved.digest, checkpoints=prior.checkpoints,
+                                agent_misbehaved=prior.agent_misbehaved)  # the same guest goes on
         box.update(status="running", vm=record.to_json(), pid=record.vmm_pid, init_start=record.vmm_start)
         return {"isolation": st.options.isolation, "checkpoint": resolved.digest,
                 "resume_seconds": round(time.perf_counter() - started, 6)}
@@ -914,7 +950,9 @@ class VmBackend:
         if st.status != "running":
             return None
         try:
-            text = self.files(box, st).read("/proc/meminfo").decode(errors="replace")
+            text = self.conn(box.id, box.dir, st).read(
+                "/proc/meminfo", limit=GUEST_FIGURES_LIMIT,
+                deadline=time.monotonic() + GUEST_FIGURES_SECONDS).decode(errors="replace")
         except (OSError, SandboxError):
             return None
         kb = {k: int(v.split()[0]) * 1024 for k, _, v in (ln.partition(":") for ln in text.splitlines())
@@ -926,9 +964,10 @@ class VmBackend:
 
     def destroy(self, sid: str, st: SandboxState | None) -> None:
         box_dir = self.ctx.paths.box(sid)
-        if not (box_dir / "vm").exists():
-            return  # never got as far as a VM (or is not one)
-        self._destroy(sid, box_dir, st, self.ctx.cgroups.dirs(self.ctx.resources.cgroups.path(sid)))
+        if (box_dir / "vm").exists():  # else it never got as far as a VM (or is not one)
+            self._destroy(sid, box_dir, st, self.ctx.cgroups.dirs(self.ctx.resources.cgroups.path(sid)))
+        with self._lock:
+            self._misbehaved.pop(sid, None)  # its connection is closed: nothing marks it again
 
     def survivors(self) -> Mapping[str, Any]:
         return {}  # a VM is found by its record (its VMM's pid and start time), not by a runtime's list

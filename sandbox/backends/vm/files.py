@@ -1,5 +1,10 @@
 """A VM's files, through its guest agent: the container's file API (RootFiles), the same calls,
-answers and errors (the guest's errno as the OSError subclass the host's kernel would raise)."""
+answers and errors (the guest's errno as the OSError subclass the host's kernel would raise).
+
+The guest says what a file holds, so nothing here holds more of it than the caller takes:
+reads stream as the caller pulls (the agent's credit), ``read`` keeps at most its limit
+(:data:`READ_LIMIT` unless the caller says less), a listing at most ``MAX_ENTRIES``.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ from sandbox.backends.vm.agent import AgentConnection, AgentError, GuestFileErro
 from sandbox.core.errors import NotARegularFile
 
 MAX_PATH = 4096
+# what read() keeps of a file without a limit of its caller's: the guest's "file" may never end
+READ_LIMIT = 256 << 20
 
 
 def _guest_path(path: str) -> str:
@@ -58,8 +65,9 @@ class GuestFiles:
         with self._mapped(path):
             yield from self._conn().iter_read(_guest_path(path))
 
-    def read(self, path: str) -> bytes:
-        return b"".join(self.iter_read(path))
+    def read(self, path: str, limit: int | None = None) -> bytes:
+        with self._mapped(path):
+            return self._conn().read(_guest_path(path), limit=READ_LIMIT if limit is None else limit)
 
     def download(self, path: str, dst: BinaryIO, chunk: int = 0) -> int:
         total = 0

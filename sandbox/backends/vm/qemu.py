@@ -709,17 +709,20 @@ def _capabilities(mapped_ram: bool) -> list[dict[str, Any]]:
 
 
 def connect_agent(vmm: Vmm, timeout: float = BOOT_TIMEOUT) -> AgentConnection:
-    """The guest's agent, once it answers a ping; a VMM that exits meanwhile is an error with its log."""
+    """The guest's agent, once it answers the connection's HELLO (sent again each second until it
+    does: a booting guest answers when its agent opens the port, and a slow one may answer a
+    later one first); a VMM that exits meanwhile is an error with its log."""
     deadline = time.monotonic() + timeout
     conn = AgentConnection(vmm.dir / "agent.sock", timeout=timeout)
     while True:
         try:
-            conn.ping(timeout=min(1.0, max(0.05, deadline - time.monotonic())))
+            conn.hello(timeout=min(1.0, max(0.05, deadline - time.monotonic())))
             return conn
         except AgentError:
             if conn.closed or not vmm.alive() or time.monotonic() > deadline:
                 conn.close()
-                why = "exited" if not vmm.alive() else f"did not answer in {timeout:g} s"
+                why = ("exited" if not vmm.alive() else f"closed its agent's connection ({conn.closed})"
+                       if conn.closed else f"did not answer in {timeout:g} s")
                 raise VmError(f"guest of VMM {vmm.pid} {why}; {vmm.log_tail()}") from None
 
 

@@ -47,6 +47,8 @@ class VmRecord:
     parent: str | None = None  # the checkpoint its disk chain continues
     checkpoints: int = 0  # checkpoints taken of it
     paused_checkpoint: str | None = None  # the checkpoint a pause to the store made
+    # why its guest was found breaking the agent protocol: the host no longer talks to its agent
+    agent_misbehaved: str | None = None
 
     @classmethod
     def of(cls, st: SandboxState) -> VmRecord:
@@ -76,6 +78,7 @@ class VmRecord:
             "disk_top_node": self.disk_top_node,
             "guest_net": list(self.guest_net) if self.guest_net is not None else None,
             "parent": self.parent, "checkpoints": self.checkpoints, "paused_checkpoint": self.paused_checkpoint,
+            "agent_misbehaved": self.agent_misbehaved,
         }
 
     @classmethod
@@ -100,7 +103,8 @@ class VmRecord:
                 disk_top_node=_optional(doc, "disk_top_node", str),
                 guest_net=(str(net[0]), int(net[1]), str(net[2])) if net is not None else None,
                 parent=_optional(doc, "parent", str), checkpoints=_typed(doc, "checkpoints", int, 0),
-                paused_checkpoint=_optional(doc, "paused_checkpoint", str))
+                paused_checkpoint=_optional(doc, "paused_checkpoint", str),
+                agent_misbehaved=_optional(doc, "agent_misbehaved", str))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise StateUnreadable(f"{where}: {type(exc).__name__}: {exc}") from None
 

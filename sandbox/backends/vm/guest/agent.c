@@ -9,7 +9,10 @@
  *
  * The host trusts nothing it reads here (a guest runs anything, this agent included);
  * this side trusts the host.  One thread, one poll loop: the port, every command's
- * stdout/stderr, and a signalfd for SIGCHLD.  Built static by sandbox/vmassets.py.
+ * stdout/stderr, and a signalfd for SIGCHLD; file reads and listings are streams served
+ * from the loop a frame at a time, never more than the host's credit for them, so one
+ * the host is slow to take waits without holding up the others.  Built static by
+ * sandbox/backends/vm/assets.py.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -38,16 +41,19 @@
 #include <time.h>
 #include <unistd.h>
 
-#define AGENT_VERSION "lb-agent/1"
+#define AGENT_VERSION "lb-agent/2"
 #define MAX_FRAME (1u << 20) /* the host never sends more in one frame */
 #define IO_CHUNK (256u << 10)
 #define MAX_PROCS 256
+#define MAX_STREAMS 16
+#define NO_CREDIT INT64_MAX /* a READ or LIST without a credit: a host from before credit takes it all */
+#define TOKEN 16 /* bytes of the host's HELLO its answer starts with */
 
 enum {
 	T_PING = 1, T_PONG = 2, T_EXEC = 3, T_STARTED = 4, T_STDIN = 5, T_SIGNAL = 6,
 	T_READ = 7, T_DATA = 8, T_END = 9, T_WRITE = 10, T_LIST = 11, T_STAT = 12,
-	T_REMOVE = 13, T_MKDIR = 14, T_SYNC = 15, T_ENTRY = 16, T_MOUNT = 17, T_NET = 18,
-	T_STDOUT = 20, T_STDERR = 21, T_EXIT = 22, T_READY = 100,
+	T_REMOVE = 13, T_MKDIR = 14, T_SYNC = 15, T_ENTRY = 16, T_MOUNT = 17, T_NET = 18, T_MORE = 19,
+	T_STDOUT = 20, T_STDERR = 21, T_EXIT = 22, T_HELLO = 23, T_READY = 100,
 };
 
 struct proc {
@@ -57,12 +63,23 @@ struct proc {
 	char *inbuf;      /* stdin the child has not taken yet */
 	size_t inlen;
 	int in_eof;
+	int orphan;       /* started for an earlier host connection: its output and exit go nowhere */
+};
+
+/* A READ or a LIST being answered: one frame per turn of the loop while credit is left */
+struct stream {
+	char *path;       /* NULL: a free slot */
+	uint32_t chan;
+	int fd;           /* a READ's file, else -1 */
+	DIR *dir;         /* a LIST's directory, else NULL */
+	int64_t credit;   /* payload bytes the host takes before it sends MORE */
 };
 
 static int port = -1;
 static int mounted;
 static const char *root_dir;
 static struct proc procs[MAX_PROCS];
+static struct stream streams[MAX_STREAMS];
 static int writing = -1;     /* the file a T_WRITE stream goes to */
 static uint32_t writing_chan;
 static char writing_tmp[4096], writing_path[4096];
@@ -151,7 +168,7 @@ static char *rdstr(struct rd *r)
 static struct proc *find(uint32_t chan)
 {
 	for (int i = 0; i < MAX_PROCS; i++)
-		if (procs[i].pid > 0 && procs[i].chan == chan)
+		if (procs[i].pid > 0 && !procs[i].orphan && procs[i].chan == chan)
 			return &procs[i];
 	return NULL;
 }
@@ -279,7 +296,7 @@ static void drain(struct proc *p, int *fd, int type)
 	static char buf[64 << 10];
 	while (*fd >= 0) {
 		ssize_t n = read(*fd, buf, sizeof buf);
-		if (n > 0) { send_frame(type, p->chan, buf, n); continue; }
+		if (n > 0) { if (!p->orphan) send_frame(type, p->chan, buf, n); continue; }
 		if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
 		close(*fd);
 		*fd = -1;
@@ -304,13 +321,15 @@ static void reap(void)
 			unsigned char v[4];
 			int32_t code = WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
 			put32(v, (uint32_t)code);
-			send_frame(T_EXIT, p->chan, v, 4);
+			if (!p->orphan)
+				send_frame(T_EXIT, p->chan, v, 4);
 			*p = (struct proc){.pid = 0, .out = -1, .err = -1, .in = -1};
 		}
 	}
 }
 
-static void send_stat(int type, uint32_t chan, const char *name, const struct stat *st, const char *link)
+/* the payload's size, which a LIST's credit pays for */
+static size_t send_stat(int type, uint32_t chan, const char *name, const struct stat *st, const char *link)
 {
 	size_t nl = strlen(name), ll = link ? strlen(link) : 0;
 	unsigned char *b = malloc(40 + nl + ll);
@@ -323,29 +342,108 @@ static void send_stat(int type, uint32_t chan, const char *name, const struct st
 	put32(b + 36 + nl, ll); if (ll) memcpy(b + 40 + nl, link, ll);
 	send_frame(type, chan, b, 40 + nl + ll);
 	free(b);
+	return 40 + nl + ll;
 }
 
-static void do_read(uint32_t chan, const char *path)
+static struct stream *find_stream(uint32_t chan)
 {
-	int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
-	struct stat st;
-	if (fd < 0) { send_end(chan, errno, "read", path); return; }
-	if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
-		int err = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
-		close(fd);
-		send_end(chan, err, "read", path);
-		return;
+	for (int i = 0; i < MAX_STREAMS; i++)
+		if (streams[i].path && streams[i].chan == chan)
+			return &streams[i];
+	return NULL;
+}
+
+static void drop_stream(struct stream *s)
+{
+	if (s->fd >= 0) close(s->fd);
+	if (s->dir) closedir(s->dir);
+	free(s->path);
+	*s = (struct stream){.fd = -1};
+}
+
+static void end_stream(struct stream *s, int err, const char *what)
+{
+	send_end(s->chan, err, what, s->path);
+	drop_stream(s);
+}
+
+/* READ (list = 0) or LIST: the file or directory opened, answered by serve() as credit allows */
+static void open_stream(uint32_t chan, const char *path, struct rd *r, int list)
+{
+	const char *what = list ? "list" : "read";
+	int64_t credit = r->end - r->p >= 4 ? (int64_t)rd32(r) : NO_CREDIT;
+	struct stream *s = NULL;
+	for (int i = 0; i < MAX_STREAMS && !s; i++)
+		if (!streams[i].path) s = &streams[i];
+	if (!s || find_stream(chan)) { send_end(chan, s ? EEXIST : EAGAIN, what, path); return; }
+	if (list) {
+		DIR *d = opendir(path);
+		if (!d) { send_end(chan, errno, what, path); return; }
+		*s = (struct stream){.chan = chan, .fd = -1, .dir = d, .credit = credit};
+	} else {
+		int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+		struct stat st;
+		if (fd < 0) { send_end(chan, errno, what, path); return; }
+		if (fstat(fd, &st) || !S_ISREG(st.st_mode)) {
+			int err = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+			close(fd);
+			send_end(chan, err, what, path);
+			return;
+		}
+		*s = (struct stream){.chan = chan, .fd = fd, .credit = credit};
 	}
+	s->path = strdup(path);
+	if (!s->path) die("strdup");
+}
+
+/* One frame of a stream, if the host's credit for it is not spent; at its end, END */
+static void serve(struct stream *s)
+{
 	static char buf[IO_CHUNK];
-	for (;;) {
-		ssize_t n = read(fd, buf, sizeof buf);
-		if (n < 0 && errno == EINTR) continue;
-		if (n < 0) { int err = errno; close(fd); send_end(chan, err, "read", path); return; }
-		if (n == 0) break;
-		send_frame(T_DATA, chan, buf, n);
+	if (s->credit <= 0) return;
+	if (s->dir) {
+		for (;;) {
+			errno = 0;
+			struct dirent *de = readdir(s->dir);
+			if (!de) { end_stream(s, errno, "list"); return; }
+			if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+			struct stat st;
+			if (fstatat(dirfd(s->dir), de->d_name, &st, AT_SYMLINK_NOFOLLOW)) continue; /* removed meanwhile */
+			char link[4096] = "";
+			if (S_ISLNK(st.st_mode)) {
+				ssize_t n = readlinkat(dirfd(s->dir), de->d_name, link, sizeof link - 1);
+				link[n > 0 ? n : 0] = 0;
+			}
+			/* an entry may take the credit below zero: the host allows one frame past it */
+			size_t n = send_stat(T_ENTRY, s->chan, de->d_name, &st, S_ISLNK(st.st_mode) ? link : NULL);
+			if (s->credit != NO_CREDIT) s->credit -= (int64_t)n;
+			return;
+		}
 	}
-	close(fd);
-	send_end(chan, 0, "read", path);
+	size_t want = s->credit < (int64_t)sizeof buf ? (size_t)s->credit : sizeof buf;
+	ssize_t n = read(s->fd, buf, want);
+	if (n < 0 && errno == EINTR) return;
+	if (n <= 0) { end_stream(s, n < 0 ? errno : 0, "read"); return; }
+	send_frame(T_DATA, s->chan, buf, n);
+	if (s->credit != NO_CREDIT) s->credit -= n;
+}
+
+/* A new host connection: what an earlier one asked for is nobody's now.  Its streams are
+ * dropped, its upload abandoned, its commands run on with their output and exit unsent,
+ * so the new host never reads an answer to a request it did not make.  The answer starts
+ * with the host's token: whatever came before it on the port is the earlier connection's. */
+static void hello(uint32_t chan, const unsigned char *token, size_t len)
+{
+	for (int i = 0; i < MAX_STREAMS; i++)
+		if (streams[i].path) drop_stream(&streams[i]);
+	for (int i = 0; i < MAX_PROCS; i++)
+		if (procs[i].pid > 0 && !procs[i].orphan) { procs[i].orphan = 1; close_in(&procs[i]); }
+	if (writing >= 0) { close(writing); writing = -1; unlink(writing_tmp); }
+	unsigned char out[TOKEN + sizeof AGENT_VERSION];
+	size_t n = len < TOKEN ? len : TOKEN;
+	memcpy(out, token, n);
+	memcpy(out + n, AGENT_VERSION, strlen(AGENT_VERSION));
+	send_frame(T_HELLO, chan, out, n + strlen(AGENT_VERSION));
 }
 
 static void do_write_open(uint32_t chan, uint32_t mode, const char *path)
@@ -383,26 +481,6 @@ static void do_write_data(uint32_t chan, const unsigned char *data, size_t len, 
 	if (!err && rename(writing_tmp, writing_path)) err = errno;
 	if (err) unlink(writing_tmp);
 	send_end(chan, err, "write", writing_path);
-}
-
-static void do_list(uint32_t chan, const char *path)
-{
-	DIR *d = opendir(path);
-	if (!d) { send_end(chan, errno, "list", path); return; }
-	struct dirent *de;
-	while ((de = readdir(d))) {
-		if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
-		struct stat st;
-		if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW)) continue; /* removed meanwhile */
-		char link[4096] = "";
-		if (S_ISLNK(st.st_mode)) {
-			ssize_t n = readlinkat(dirfd(d), de->d_name, link, sizeof link - 1);
-			link[n > 0 ? n : 0] = 0;
-		}
-		send_stat(T_ENTRY, chan, de->d_name, &st, S_ISLNK(st.st_mode) ? link : NULL);
-	}
-	closedir(d);
-	send_end(chan, 0, "list", path);
 }
 
 static int rm_one(const char *p, const struct stat *st, int flag, struct FTW *f)
@@ -552,7 +630,7 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 	char *path = NULL;
 	uint32_t a;
 	if (!mounted && type != T_PING && type != T_MOUNT && type != T_SYNC && type != T_STDIN && type != T_SIGNAL
-	    && type != T_NET) {
+	    && type != T_NET && type != T_HELLO) {
 		send_end(chan, EAGAIN, "request", "(the sandbox's disk is not mounted yet)");
 		return;
 	}
@@ -564,6 +642,7 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 		break;
 	}
 	case T_PING: send_frame(T_PONG, chan, pl, len); break;
+	case T_HELLO: hello(chan, pl, len); break;
 	case T_EXEC: do_exec(chan, &r); break;
 	case T_STDIN: do_stdin(chan, pl, len); break;
 	case T_SIGNAL: {
@@ -572,11 +651,24 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 		if (p && !r.bad && kill(-p->pid, (int)a)) kill(p->pid, (int)a);
 		break;
 	}
-	case T_READ: if ((path = rdstr(&r))) do_read(chan, path); break;
+	case T_READ: if ((path = rdstr(&r))) open_stream(chan, path, &r, 0); break;
+	case T_LIST: if ((path = rdstr(&r))) open_stream(chan, path, &r, 1); break;
+	case T_MORE: {
+		struct stream *s = find_stream(chan);
+		a = rd32(&r);
+		/* a stream that ended meanwhile: nothing to answer */
+		if (s && !r.bad && s->credit != NO_CREDIT) s->credit += a;
+		break;
+	}
 	case T_WRITE: a = rd32(&r); if ((path = rdstr(&r))) do_write_open(chan, a, path); break;
 	case T_DATA: do_write_data(chan, pl, len, 0); break;
-	case T_END: do_write_data(chan, pl, 0, 1); break;
-	case T_LIST: if ((path = rdstr(&r))) do_list(chan, path); break;
+	case T_END: {
+		/* on a stream: the host wants no more of it (ended meanwhile: nothing to answer) */
+		struct stream *s = find_stream(chan);
+		if (s) end_stream(s, ECANCELED, s->dir ? "list" : "read");
+		else do_write_data(chan, pl, 0, 1);
+		break;
+	}
 	case T_STAT:
 		if ((path = rdstr(&r))) {
 			struct stat st;
@@ -630,6 +722,7 @@ int main(int argc, char **argv)
 	if (argc != 3) { fprintf(stderr, "usage: lb-agent PORT ROOT\n"); return 2; }
 	root_dir = argv[2];
 	for (int i = 0; i < MAX_PROCS; i++) procs[i] = (struct proc){.out = -1, .err = -1, .in = -1};
+	for (int i = 0; i < MAX_STREAMS; i++) streams[i] = (struct stream){.fd = -1};
 	port = open(argv[1], O_RDWR | O_CLOEXEC);
 	if (port < 0) die(argv[1]);
 	signal(SIGPIPE, SIG_IGN);
@@ -658,7 +751,10 @@ int main(int argc, char **argv)
 			if (p->err >= 0) { owner[n] = p; kind[n] = 2; pf[n++] = (struct pollfd){p->err, POLLIN, 0}; }
 			if (p->in >= 0 && p->inlen) { owner[n] = p; kind[n] = 3; pf[n++] = (struct pollfd){p->in, POLLOUT, 0}; }
 		}
-		if (poll(pf, n, -1) < 0) { if (errno == EINTR) continue; die("poll"); }
+		int ready = 0; /* a stream with credit left: look at the fds, then serve it */
+		for (int i = 0; i < MAX_STREAMS; i++)
+			if (streams[i].path && streams[i].credit > 0) ready = 1;
+		if (poll(pf, n, ready ? 0 : -1) < 0) { if (errno == EINTR) continue; die("poll"); }
 		for (int i = 2; i < n; i++) {
 			if (!pf[i].revents) continue;
 			struct proc *p = owner[i];
@@ -688,5 +784,7 @@ int main(int argc, char **argv)
 		} else if (pf[0].revents & (POLLHUP | POLLERR)) {
 			usleep(5000); /* no host connected (between a save and its restore): wait for one */
 		}
+		for (int i = 0; i < MAX_STREAMS; i++)
+			if (streams[i].path) serve(&streams[i]);
 	}
 }
