@@ -219,6 +219,12 @@ def wait_closed(conn: AgentConnection) -> str:
     return conn.closed
 
 
+# What the process's peak may rise by without the host having buffered a stream: the fake guest
+# runs in this process, its threads and their malloc arenas add some MiB (9-10 measured in CI). A
+# host that buffered would rise by the whole stream, four times this, or without bound.
+NOISE = 32 << 20
+
+
 # -- floods ------------------------------------------------------------------------------------------
 def test_a_guest_that_answers_a_read_with_endless_data_is_cut_off(tmp_path: Path, connect: Connect) -> None:
     guest = FakeGuest(tmp_path, lambda g, kind, chan, p: endless(chan) if kind == T_READ else iter(()))
@@ -237,7 +243,7 @@ def test_a_guest_that_answers_a_read_with_endless_data_is_cut_off(tmp_path: Path
     print(f"endless read: the host took {got} bytes, the guest pushed {guest.sent_settles()}, peak RSS +{peak.mib()}")
     assert got <= WINDOW
     assert guest.sent_settles() < WINDOW + (4 << 20)  # its window, a frame and the socket's buffers
-    assert peak.grew < 8 << 20
+    assert peak.grew < NOISE
     assert conn.misbehaved is not None
     assert "with 0 asked for" in conn.misbehaved
     assert marked == [conn.misbehaved]  # the backend marks its sandbox from this
@@ -246,7 +252,7 @@ def test_a_guest_that_answers_a_read_with_endless_data_is_cut_off(tmp_path: Path
 
 
 def test_a_stalled_reader_leaves_the_guest_waiting_not_the_host_buffering(tmp_path: Path, connect: Connect) -> None:
-    size = 64 << 20
+    size = 4 * NOISE
 
     def answer(g: FakeGuest, kind: int, chan: int, p: bytes) -> Iterator[bytes]:
         if kind == T_PING:
@@ -262,7 +268,7 @@ def test_a_stalled_reader_leaves_the_guest_waiting_not_the_host_buffering(tmp_pa
     assert stalled <= len(first) + WINDOW + (64 << 10), stalled  # its credit, and not a byte more
     total = len(first) + sum(len(p) for p in pieces)
     assert total == size
-    assert peak.grew < 8 << 20
+    assert peak.grew < NOISE
     # credit for what the caller took, but for the last frames, taken after the stream's end
     assert size - WINDOW <= sum(struct.unpack(">I", p)[0] for k, _, p in guest.received if k == T_MORE) <= size
     assert conn.ping() > 0

@@ -59,6 +59,9 @@ NOT_LAYERBOX: dict[str, str] = {
                                   "mount_overlay falls back to mount(2); raised and caught inside kmount.py",
     "lazyfetch.fuseserver._Refused": "private control flow: the errno a FUSE request is answered with; "
                                      "raised and caught inside the server loop of fuseserver.py",
+    "sandbox.backends.vm.agent._Broken": "private control flow: what the reader thread found the guest "
+                                         "doing wrong; raised and caught inside its loop in agent.py, "
+                                         "which turns it into AgentMisbehaved for every caller",
 }
 
 # Classes callers may retry unchanged: the ones the issue names, and the store's and the edge's.
