@@ -398,6 +398,23 @@ def process_defaults(files: Files, resolved: Resolved, options: SandboxOptions) 
     return ProcessDefaults(env, options.workdir or cfg.get("WorkingDir") or "/", uid, gid)
 
 
+def account(files: Files, user: str) -> tuple[int, int, str]:
+    """``(uid, gid, home)`` of ``user`` (as :class:`ExecRequest` names it) in the sandbox's own
+    passwd: what a command run as another account gets.  Its home is ``/`` when passwd has none
+    (a numeric uid not listed)."""
+    uid, gid = _uid_gid(files, user)
+    name = user.partition(":")[0]
+    try:
+        text = files.read("/etc/passwd", ID_FILE_LIMIT).decode(errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        parts = line.split(":")
+        if len(parts) > 5 and (parts[0] == name or (name.isdigit() and parts[2] == name)):
+            return uid, gid, parts[5] or "/"
+    return uid, gid, "/"
+
+
 def _uid_gid(files: Files, user: str) -> tuple[int, int]:
     """An OCI ``User`` ("", "name", "uid", "uid:gid", "name:group") looked up in the rootfs.
 

@@ -224,6 +224,14 @@ def check_env(field: str, value: object) -> dict[str, str]:
     return out
 
 
+def check_user(field: str, value: object) -> str:
+    """An account of the sandbox: name, uid, uid:gid or name:group (ids below MAX_ID)."""
+    user = check_str(field, value, max_len=65, pattern=USER_SPEC, what="a user: name, uid, uid:gid or name:group")
+    if any(part.isdigit() and int(part) >= MAX_ID for part in user.split(":")):
+        raise InvalidField(field, f"{_shown(user)}: uids and gids are below {MAX_ID}")
+    return user
+
+
 def check_labels(field: str, value: object, *, reserved_ok: bool) -> dict[str, str]:
     if not isinstance(value, Mapping):
         raise InvalidField(field, f"{_shown(value)} is not a map of strings to strings")
@@ -453,10 +461,7 @@ class SandboxOptions:
         if self.workdir is not None:
             put("workdir", check_path("workdir", self.workdir))
         if self.user is not None:
-            put("user", check_str("user", self.user, max_len=65, pattern=USER_SPEC,
-                                  what="a user: name, uid, uid:gid or name:group"))
-            if any(part.isdigit() and int(part) >= MAX_ID for part in self.user.split(":")):
-                raise InvalidField("user", f"{_shown(self.user)}: uids and gids are below {MAX_ID}")
+            put("user", check_user("user", self.user))
         put("labels", check_labels("labels", self.labels, reserved_ok=True))
         for name in ("ttl", "idle_timeout", "lease_ttl"):
             value = getattr(self, name)
@@ -567,9 +572,12 @@ class ExecRequest:
     keep: Keep = "head"
     # a keyed command a preemption, restart or shutdown cut short runs again instead of replaying that
     rerun_if_interrupted: bool = False
+    # run as this account of the sandbox's /etc/passwd (name, uid, uid:gid or name:group) instead of
+    # the sandbox's user; HOME and USER follow it unless env sets them
+    user: str | None = None
 
     FIELDS = ("cmd", "env", "cwd", "timeout", "stdin", "output_cap", "idempotency_key", "keep",
-              "rerun_if_interrupted")
+              "rerun_if_interrupted", "user")
 
     def __post_init__(self) -> None:
         cmd = self.cmd
@@ -601,6 +609,8 @@ class ExecRequest:
             raise InvalidField("keep", f"{_shown(self.keep)} is not one of {', '.join(KEEPS)}")
         if not isinstance(self.rerun_if_interrupted, bool):
             raise InvalidField("rerun_if_interrupted", f"{_shown(self.rerun_if_interrupted)} is not true or false")
+        if self.user is not None:
+            object.__setattr__(self, "user", check_user("user", self.user))
         if self.rerun_if_interrupted and self.idempotency_key is None:
             raise InvalidField("rerun_if_interrupted", "goes with an idempotency_key (only a keyed command is "
                                                        "ever replayed)")
@@ -608,6 +618,12 @@ class ExecRequest:
     @property
     def argv(self) -> list[str]:
         return ["/bin/sh", "-c", self.cmd] if isinstance(self.cmd, str) else list(self.cmd)
+
+    def with_user(self, user: str) -> ExecRequest:
+        return dataclasses.replace(self, user=user)
+
+    def with_env(self, env: Mapping[str, str]) -> ExecRequest:
+        return dataclasses.replace(self, env=env)
 
     @classmethod
     def from_json(cls, doc: object) -> ExecRequest:

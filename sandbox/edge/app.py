@@ -32,6 +32,9 @@ from sandbox.core.model import ISOLATIONS, Maxima
 from sandbox.edge.auth import AuthConfig, Project
 from sandbox.edge.caps import ProjectCaps
 from sandbox.edge.context import MAX_BODY, SHUTDOWN_GRACE, EdgeContext
+from sandbox.edge.e2b import routes as e2b_routes
+from sandbox.edge.e2b.base import check_domain
+from sandbox.edge.e2b.base import error_response as e2b_error
 from sandbox.edge.errors import as_api_error
 from sandbox.edge.metrics import Metrics
 from sandbox.edge.routes import (
@@ -79,7 +82,7 @@ class SandboxService:
                  fncall_pool: int = 2, maxima: Maxima | None = None, shutdown_manager: bool = False,
                  url_secret: bytes | None = None, command_limits: CommandLimits | None = None,
                  ready: Mapping[str, int] | None = None, isolations: Sequence[str] = ISOLATIONS,
-                 caps: ProjectCaps | None = None) -> None:
+                 caps: ProjectCaps | None = None, e2b_domain: str | None = None) -> None:
         maxima = maxima or Maxima()
         self.manager = manager
         self.context = EdgeContext(
@@ -92,6 +95,8 @@ class SandboxService:
         self.fncall_pool = fncall_pool
         self.shutdown_manager = shutdown_manager
         self.command_limits = command_limits  # background commands and terminals (sandbox.edge.routes.commands)
+        self.e2b_domain = e2b_domain  # <port>-<id>.<domain> host names name a sandbox (sandbox.edge.e2b)
+        self.e2b: e2b_routes.E2bRoutes | None = None
         self._reaper: asyncio.Task[None] | None = None
         # the reaper's own thread: TTLs, leases and a dead daemon are handled whatever tenants run
         self._reaper_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reaper")
@@ -110,8 +115,10 @@ class SandboxService:
         jobs.setup(ctx, app)
         calls.setup(ctx, app, pool_size=self.fncall_pool)
         lifecycle.setup(ctx, app)
-        ports.setup(ctx, app, self.url_secret)
-        commands.setup(ctx, app, self.command_limits)
+        proxy = ports.setup(ctx, app, self.url_secret)
+        background = commands.setup(ctx, app, self.command_limits)
+        self.e2b = e2b_routes.setup(ctx, app, secret=self.url_secret, domain=self.e2b_domain,
+                                    commands=background.commands, proxy=proxy)
         return app
 
     # -- background work ---------------------------------------------------------------------------
@@ -176,24 +183,32 @@ class SandboxService:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
+        e2b = (request.match_info.route.name or "").startswith("e2b:")
         try:
-            resp = await handler(request)
+            target = self.e2b.target(request) if self.e2b is not None else None
+            if target is not None and self.e2b is not None:  # a sandbox's envd or port: not the router's match
+                route, e2b = "e2b:sandbox", True
+                resp = await self.e2b.dispatch(request, target)
+            else:
+                resp = await handler(request)
         except web.HTTPRequestEntityTooLarge:
             resp = self._error_response(ApiError(413, "body_too_large", (
                 f"request body over {MAX_BODY} bytes; send files through /files and big input as exec stdin "
-                "or a command's stdin stream")))
+                "or a command's stdin stream")), e2b=e2b)
         except web.HTTPException as exc:  # aiohttp's own 404/405 for unknown routes
-            resp = self._error_response(ApiError(exc.status, "http", exc.reason))
+            resp = self._error_response(ApiError(exc.status, "http", exc.reason), e2b=e2b)
         except Exception as exc:
             err = as_api_error(exc)
             if err.status == 500:  # the edge's own failure; 502-504 answer what a sandbox or the host is doing
                 log.exception("%s %s failed", request.method, request.path)
-            resp = self._error_response(err)
+            resp = self._error_response(err, e2b=e2b)
         self.context.metrics.requests.labels(route, str(resp.status)).inc()
         return resp
 
-    def _error_response(self, err: ApiError) -> web.Response:
+    def _error_response(self, err: ApiError, *, e2b: bool = False) -> web.Response:
         self.context.metrics.errors.labels(err.code).inc()
+        if e2b:
+            return e2b_error(err)
         return web.json_response(err.body(), status=err.status, headers=err.headers())
 
 
@@ -239,6 +254,9 @@ def _parser() -> argparse.ArgumentParser:
                             help=f"{what} one project may have at once (default %(default)s)")
     parser.add_argument("--url-secret-file", type=Path, help="at least 32 bytes that sign port URLs, the same "
                         "on every edge that should honour them (default: random per start)")
+    parser.add_argument("--e2b-domain", type=_domain, metavar="DOMAIN",
+                        help="serve E2B's in-sandbox requests for host names <port>-<sandbox id>.DOMAIN too "
+                        "(E2B_DOMAIN behind a TLS proxy; docs/E2B.md)")
     parser.add_argument("--protect", action="append", type=ipaddress.ip_network, default=[], metavar="CIDR",
                         help="a range no egress rule may open, like the host's own addresses (repeatable)")
     return parser
@@ -253,6 +271,13 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):  # nan too
         raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0 seconds")
     return value
+
+
+def _domain(text: str) -> str:
+    try:
+        return check_domain(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[bytes | None, dict[str, int]]:
@@ -294,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                        connections=args.max_connections_per_project)
     service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True, url_secret=url_secret,
                              ready=ready, isolations=args.isolation or ISOLATIONS, caps=caps,
-                             reap_interval=args.reap_interval)
+                             reap_interval=args.reap_interval, e2b_domain=args.e2b_domain)
     # SIGTERM: commands streaming are interrupted at once (_interrupt_streams); other requests in flight
     # (a file transfer to a slow client) get SHUTDOWN_GRACE s to finish, then as long again once cancelled
     web.run_app(service.app(), host="127.0.0.1", port=args.port, shutdown_timeout=SHUTDOWN_GRACE,

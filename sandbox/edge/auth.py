@@ -79,9 +79,24 @@ class AuthConfig:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise ApiError(None, "unauthenticated", "missing 'Authorization: Bearer <token>' header")
-        project = self.tokens.get(token.strip())
+        return self.project_of(token.strip())
+
+    def project_of(self, token: str) -> Project:
+        """The project ``token`` belongs to (401 unknown, 403 disabled)."""
+        project = self.tokens.get(token)
         if project is None:
             raise ApiError(None, "unauthenticated", "unknown token")
-        if project.disabled:
-            raise ApiError(None, "forbidden", f"project {project.name!r} is disabled")
-        return project
+        return _enabled(project)
+
+    def project_named(self, name: str) -> Project:
+        """The project called ``name`` (of a sandbox's record); 403 when disabled or no longer listed."""
+        project = next((p for p in self.tokens.values() if p.name == name), None)
+        if project is None:
+            raise ApiError(None, "forbidden", f"project {name!r} is no longer configured on this edge")
+        return _enabled(project)
+
+
+def _enabled(project: Project) -> Project:
+    if project.disabled:
+        raise ApiError(None, "forbidden", f"project {project.name!r} is disabled")
+    return project

@@ -110,6 +110,10 @@ class EdgeContext:
         """The sandbox the route's ``{id}`` names, if ``project`` owns it (404 otherwise, as for none);
         a request on it renews its job's lease."""
         sid = check_sandbox_id(request.match_info["id"])  # before it is anything else: a 400 naming 'id'
+        return await self.sandbox_of(sid, project)
+
+    async def sandbox_of(self, sid: str, project: Project) -> tuple[Sandbox, SandboxState]:
+        """The sandbox ``sid`` (its grammar checked) if ``project`` owns it, as :meth:`sandbox`."""
         not_found = ApiError(None, "sandbox_not_found", f"no sandbox {sid!r} in project {project.name!r}")
         try:
             box = await asyncio.to_thread(self.manager.get, sid)
@@ -130,6 +134,13 @@ class EdgeContext:
             return
         if lease.expires - time.time() < 0.75 * lease.ttl:
             self.manager.leases.renew(state.job)
+
+    def owner_of(self, sid: str) -> str | None:
+        """The project of sandbox ``sid`` (its grammar checked), None when there is none (blocking)."""
+        try:
+            return self.manager.get(sid).state.project
+        except SandboxNotFound:
+            return None
 
     def owned(self, project: Project) -> list[SandboxState]:
         return self.owned_by(project.name)

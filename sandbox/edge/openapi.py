@@ -105,6 +105,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                  "the edge's tail maximum); a truncated event says where output was dropped"},
         "rerun_if_interrupted": {"type": "boolean", "description": "with idempotency_key: run again a command "
                                  "whose earlier run was interrupted, instead of replaying that"},
+        "user": {"type": "string", "pattern": "^" + m.USER_SPEC.pattern + "$", "description": "an account of the "
+                 "sandbox's /etc/passwd to run as (HOME, USER and the default cwd follow it)"},
     }, ("cmd",)),
     "checkpoint": _body({"name": {"type": "string", "minLength": 1, "maxLength": m.MAX_REF_NAME,
                                   "description": "repo[:tag], inside the project's namespace"},

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import blake3
 
-from sandbox.backends.base import Attach, Process
+from sandbox.backends.base import Attach, Process, account
 from sandbox.core.errors import CommandInProgress, JobNotAdmitting, SandboxStateError
 from sandbox.core.model import ExecRequest, SandboxState
 from sandbox.isolation.network import diff_counters
@@ -395,8 +395,13 @@ class ExecRunner:
         workdir = req.cwd or st.cwd
         span = _Span.begin(box, st)
         started = time.perf_counter()
-        proc = box.backend.spawn(box, st, req.argv, env={**st.env, **req.env}, cwd=workdir, uid=st.uid,
-                                 gid=st.gid, tag=tag, input_pipe=req.stdin is not None and attach is None,
+        uid, gid, env = st.uid, st.gid, {**st.env, **req.env}
+        if req.user is not None:
+            uid, gid, home = account(box.files, req.user)
+            env = {**st.env, "HOME": home, "USER": req.user.partition(":")[0], **req.env}
+            workdir = req.cwd or (home if st.cwd == "/" else st.cwd)
+        proc = box.backend.spawn(box, st, req.argv, env=env, cwd=workdir, uid=uid,
+                                 gid=gid, tag=tag, input_pipe=req.stdin is not None and attach is None,
                                  attach=attach)
         keep = req.output_cap if keep_output else (KEYED_OUTPUT_CAP if req.idempotency_key else 0)
         try:

@@ -69,7 +69,15 @@ import blake3
 from aiohttp import WSMsgType, web
 
 from sandbox.core.errors import ApiError, InvalidField, SandboxStateError
-from sandbox.core.model import ExecRequest, Maxima, check_int, check_number, check_object, check_str
+from sandbox.core.model import (
+    ExecRequest,
+    Maxima,
+    SandboxState,
+    check_int,
+    check_number,
+    check_object,
+    check_str,
+)
 from sandbox.edge import openapi
 from sandbox.edge.context import SHUTDOWN_GRACE, EdgeContext
 from sandbox.edge.errors import as_api_error
@@ -211,6 +219,8 @@ class Command:
     def __init__(self, box: Sandbox, req: ExecRequest, terminal: tuple[int, int] | None, limits: CommandLimits,
                  loop: asyncio.AbstractEventLoop, project: str = "") -> None:
         self.id = "cmd-" + secrets.token_hex(6)
+        self.number = 0  # per sandbox, from 1 (Commands.start): what E2B's envd calls its pid
+        self.tag: str | None = None  # E2B's tag, a caller's name for it
         self.box = box
         self.project = project  # whose caps it counts against
         self.request = dataclasses.replace(req, stdin=None)  # the initial stdin goes through write()
@@ -439,26 +449,44 @@ class Command:
                      present: Callable[[], bool]) -> AsyncIterator[dict[str, Any]]:
         """Output from ``since`` on (what is no longer kept as one ``dropped`` event), then live, then
         the final event; stops early once ``present()`` says the client left."""
+        async for at, stream, data in self.pieces(wake, since, present):
+            if stream == "dropped":
+                yield {"type": "dropped", "offset": at, "bytes": int(data)}
+            elif stream == "idle":
+                continue
+            elif stream == "end":
+                final = self.final_event()
+                assert final is not None
+                yield final
+            else:
+                yield {"type": stream, "data": base64.b64encode(data).decode(), "offset": at}
+
+    async def pieces(self, wake: asyncio.Event, since: int, present: Callable[[], bool], *,
+                     idle: float = LIVENESS) -> AsyncIterator[tuple[int, str, bytes]]:
+        """``(offset, stream, bytes)`` from ``since`` on: ``stdout``/``stderr`` output, ``dropped``
+        (the bytes are the count no longer kept, in decimal), ``idle`` (nothing for ``idle``
+        seconds) and last ``end`` (:meth:`final_event` is then set); stops early once ``present()``
+        says the client left."""
         offset = since
         while True:
             wake.clear()
             ended = not self.running  # read before the output: once ended, nothing more is appended
             dropped, chunks = self.output.since(offset)
             if dropped:
-                yield {"type": "dropped", "offset": offset, "bytes": dropped}
+                yield offset, "dropped", str(dropped).encode()
                 offset += dropped
             for at, stream, data in _merged(chunks):
-                yield {"type": stream, "data": base64.b64encode(data).decode(), "offset": at}
+                yield at, stream, data
                 offset = at + len(data)
             if dropped or chunks:
                 continue
             if ended:
-                final = self.final_event()
-                assert final is not None
-                yield final
+                yield offset, "end", b""
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), LIVENESS)
+            try:
+                await asyncio.wait_for(wake.wait(), idle)
+            except TimeoutError:
+                yield offset, "idle", b""
             if not present():
                 return
 
@@ -503,10 +531,11 @@ class Commands:
     def __init__(self, limits: CommandLimits) -> None:
         self.limits = limits
         self._boxes: dict[str, dict[str, Command]] = {}
+        self._numbers: dict[str, int] = {}  # sandbox -> the last Command.number given
         self._lock = threading.Lock()  # destroy hooks run on the manager's threads
         self.stopping = False
 
-    def start(self, box: Sandbox, req: StartRequest, project: str = "") -> Command:
+    def start(self, box: Sandbox, req: StartRequest, project: str = "", tag: str | None = None) -> Command:
         loop = asyncio.get_running_loop()
         with self._lock:
             if self.stopping:
@@ -521,9 +550,33 @@ class Commands:
                 raise ApiError(None, "command_limit", f"sandbox {box.id} has {terminals} terminals open, the most "
                                "this edge takes; end one first", retryable=True)
             cmd = Command(box, req.exec, req.terminal, self.limits, loop, project)
+            self._numbers[box.id] = cmd.number = self._numbers.get(box.id, 0) + 1
+            cmd.tag = tag
             mine[cmd.id] = cmd
             self._trim(mine, room=1)
         cmd.start()
+        return cmd
+
+    async def launch(self, ctx: EdgeContext, project: str, box: Sandbox, state: SandboxState, req: StartRequest,
+                     tag: str | None = None) -> Command:
+        """Start ``req`` in a running sandbox for ``project``: it holds one of the project's commands
+        until it ends, whoever watches it; returns once it runs (its failure to start is raised)."""
+        if state.status != "running":
+            raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}, not running")
+        ctx.refuse_when_stopping()
+        held = ctx.usage.take(project, "commands")
+        try:
+            cmd = self.start(box, req, project, tag)
+        except BaseException:
+            held.release()
+            raise
+        cmd.exited_callbacks.append(held.release)
+        try:
+            await asyncio.shield(cmd.ready)
+        except Exception:
+            self.forget(cmd)  # it never ran: its error is the caller's answer
+            raise
+        ctx.metrics.execs.labels(project).inc()
         return cmd
 
     def _trim(self, mine: dict[str, Command], room: int = 0) -> None:
@@ -569,6 +622,7 @@ class Commands:
                         [c.id for c in left], KILL_WAIT)
         with self._lock:
             self._boxes.pop(sid, None)
+            self._numbers.pop(sid, None)
 
 
 # -- routes ---------------------------------------------------------------------------------------------
@@ -598,22 +652,7 @@ class Routes:
         project = svc.project(request)
         box, state = await svc.sandbox(request, project)
         req = StartRequest.from_json(await svc.body(request), svc.maxima)
-        if state.status != "running":
-            raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}, not running")
-        svc.refuse_when_stopping()
-        held = svc.usage.take(project.name, "commands")  # until the command ends, whoever watches it
-        try:
-            cmd = self.commands.start(box, req, project.name)
-        except BaseException:
-            held.release()
-            raise
-        cmd.exited_callbacks.append(held.release)
-        try:
-            await asyncio.shield(cmd.ready)
-        except Exception:
-            self.commands.forget(cmd)  # it never ran: its error is this answer
-            raise
-        svc.metrics.execs.labels(project.name).inc()
+        cmd = await self.commands.launch(svc, project.name, box, state, req)
         if req.exec.stdin:
             await cmd.write(req.exec.stdin)
         return web.json_response(cmd.view(), status=201)

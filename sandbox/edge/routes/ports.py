@@ -250,7 +250,7 @@ class PortProxy:
         box, state = await self.ctx.sandbox(request, self.ctx.project(request))
         port = _port(request)
         target = _target(request, 6)
-        return await self._forward(request, box, state, port, target, keep_authorization=False)
+        return await self.forward(request, box, state, port, target, keep_authorization=False)
 
     async def signed(self, request: web.Request) -> web.StreamResponse:
         sid = check_sandbox_id(request.match_info["id"])
@@ -260,7 +260,7 @@ class PortProxy:
         target = _target(request, 8)
         verify(self.url_secret, sid, port, expires, signature, now=time.time())
         box, state = await self._signed_box(sid)
-        return await self._forward(request, box, state, port, target, keep_authorization=True)
+        return await self.forward(request, box, state, port, target, keep_authorization=True)
 
     async def _signed_box(self, sid: str) -> tuple[Sandbox, SandboxState]:
         """The sandbox a valid signature names, if it still exists and its project may still use it."""
@@ -306,12 +306,14 @@ class PortProxy:
 
         await asyncio.to_thread(touch)
 
-    async def _forward(self, request: web.Request, box: Sandbox, state: SandboxState, port: int, target: str,
-                       *, keep_authorization: bool) -> web.StreamResponse:
+    async def forward(self, request: web.Request, box: Sandbox, state: SandboxState, port: int, target: str,
+                      *, keep_authorization: bool, drop: frozenset[str] = frozenset()) -> web.StreamResponse:
+        """Relay ``request`` to ``port`` of the sandbox at ``target`` (path and query), the caller
+        already checked; headers in ``drop`` (lower case) stay here too."""
         if state.status != "running":
             raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}: its ports answer only while it "
                                             "runs" + (" (resume it)" if state.status == "paused" else ""))
-        drop = _NOT_FORWARDED if keep_authorization else _NOT_FORWARDED | {"authorization"}
+        drop = drop | (_NOT_FORWARDED if keep_authorization else _NOT_FORWARDED | {"authorization"})
         websocket = _is_websocket(request)
         headers = _forwarded(request.headers, (drop | _WS_HANDSHAKE) if websocket else drop)
         headers["Host"] = f"127.0.0.1:{port}"

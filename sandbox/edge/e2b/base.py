@@ -1,0 +1,163 @@
+"""What both E2B surfaces stand on: who calls, which sandbox a request is for, E2B's error body.
+
+**Callers.**  The control plane takes ``X-API-Key: <project token>`` (the native API's tokens:
+one registry of projects).  envd requests carry no API key in the SDK, so every sandbox gets an
+envd access token in its create and connect answers (``envdAccessToken``; the SDK then sends it
+as ``X-Access-Token`` on every in-sandbox call, ``secure`` or not): an HMAC of the sandbox id
+under the edge's secret, so it opens that sandbox only, needs no storage, and a restarted edge
+with the same secret honours it.  A project token in ``X-API-Key`` also opens its own
+sandboxes' envd.  ``trafficAccessToken`` is the same for the port proxy.  An in-sandbox request
+for a sandbox that is gone, or not the caller's, answers as E2B's proxy does (:func:`gone`).
+
+**Which sandbox.**  ``E2b-Sandbox-Id`` and ``E2b-Sandbox-Port`` headers (``E2B_SANDBOX_URL``),
+or, with ``--e2b-domain D``, a host name ``<port>-<id>.D`` (``E2B_DOMAIN=D`` behind a TLS
+proxy).  The id's grammar is checked before it is used for anything; another project's
+sandbox answers 404 as a missing one does.
+
+**Errors** are E2B's body, ``{"code": <status>, "message": ...}``, with the statuses the SDK
+maps to its exceptions (400 InvalidArgument, 401/403 Authentication, 404 NotFound, 429
+RateLimit); the message keeps the native error's code and field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from sandbox.core.errors import ApiError, InvalidField
+from sandbox.core.model import SandboxState, check_sandbox_id
+from sandbox.edge.auth import Project
+from sandbox.edge.context import EdgeContext
+from sandbox.edge.errors import as_api_error
+from sandbox.host.sandbox import Sandbox
+
+ENVD_PORT = 49983
+# what the SDK's feature gates see (e2b/envd/versions.py): stdin (0.3.0), the default user
+# (0.4.0), close stdin (0.5.2), octet-stream uploads (0.5.7), metrics (0.2.4)
+ENVD_VERSION = "0.5.7"
+DEFAULT_USER = "user"  # E2B templates run commands as this account unless told root
+HOST_LABEL = re.compile(r"(?P<port>[0-9]{1,5})-(?P<id>[^.]{1,64})")
+MAX_DOMAIN = 253
+
+
+@dataclass(frozen=True)
+class Target:
+    """An in-sandbox request: the sandbox and the port inside it."""
+
+    sid: str
+    port: int
+
+
+def target_of(request: web.Request, domain: str | None) -> Target | None:
+    """The sandbox and port an in-sandbox request names, None for any other request; a malformed
+    id or port is 400 before anything looks it up."""
+    sid, port = request.headers.get("E2b-Sandbox-Id"), request.headers.get("E2b-Sandbox-Port")
+    if sid is None and port is None and domain:
+        host = request.headers.get("Host", "").rpartition(":")[0] or request.headers.get("Host", "")
+        label, dot, rest = host.lower().partition(".")
+        if dot and rest == domain and (m := HOST_LABEL.fullmatch(label)):
+            sid, port = m["id"], m["port"]
+    if sid is None and port is None:
+        return None
+    if sid is None:
+        raise InvalidField("E2b-Sandbox-Id", "header is required with E2b-Sandbox-Port")
+    check_sandbox_id(sid, "E2b-Sandbox-Id")
+    if port is None:
+        port = str(ENVD_PORT)
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise InvalidField("E2b-Sandbox-Port", f"{port[:20]!r} is not a port (1-65535)")
+    return Target(sid, int(port))
+
+
+def check_domain(domain: str) -> str:
+    """``--e2b-domain``: a DNS name the sandboxes' host names end in."""
+    labels = domain.lower().split(".")
+    if len(domain) > MAX_DOMAIN or len(labels) < 2 or not all(
+            re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?", label) for label in labels):
+        raise ValueError(f"{domain!r} is not a domain name like sandboxes.example.com")
+    return domain.lower()
+
+
+def error_response(exc: BaseException) -> web.Response:
+    """E2B's error body for ``exc`` (its status, and the native code and field in the message)."""
+    err = as_api_error(exc)
+    message = err.message if err.code in err.message else f"{err.code}: {err.message}"
+    return web.json_response({"code": err.status, "message": message}, status=err.status, headers=err.headers())
+
+
+class Keys:
+    """The per-sandbox tokens envd and the port proxy take (see the module's docstring)."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._key = hashlib.blake2b(secret, person=b"layerbox-e2b", digest_size=32).digest()
+
+    def _token(self, kind: bytes, sid: str) -> str:
+        mac = hmac.new(self._key, kind + b"\0" + sid.encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(mac).rstrip(b"=").decode()
+
+    def access_token(self, sid: str) -> str:
+        return self._token(b"envd", sid)
+
+    def traffic_token(self, sid: str) -> str:
+        return self._token(b"traffic", sid)
+
+    def opens(self, token: str, sid: str, *, traffic: bool = False) -> bool:
+        want = self.traffic_token(sid) if traffic else self.access_token(sid)
+        return hmac.compare_digest(token.encode(), want.encode())
+
+
+class E2bContext:
+    """The edge's context seen from the E2B surfaces: its callers and its sandboxes."""
+
+    def __init__(self, ctx: EdgeContext, secret: bytes, domain: str | None = None) -> None:
+        self.ctx = ctx
+        self.keys = Keys(secret)
+        self.domain = domain
+
+    def project(self, request: web.Request) -> Project:
+        """The project of ``X-API-Key`` (the SDK's), or of a native bearer token."""
+        key = request.headers.get("X-API-Key")
+        if key is None:
+            return self.ctx.project(request)
+        return self.ctx.auth.project_of(key.strip())
+
+    async def sandbox(self, request: web.Request, project: Project, sid: str) -> tuple[Sandbox, SandboxState]:
+        return await self.ctx.sandbox_of(check_sandbox_id(sid, "sandboxID"), project)
+
+    async def envd_sandbox(self, request: web.Request, target: Target) -> tuple[Project, Sandbox, SandboxState]:
+        """The sandbox an in-sandbox request is for, if its ``X-Access-Token`` (or a project's
+        ``X-API-Key``) opens it: 401 without either, 404 for a token of another sandbox."""
+        bearer = request.headers.get("Authorization", "").lower().startswith("bearer ")
+        if "X-API-Key" in request.headers or bearer:  # (envd's own Authorization is Basic: the user)
+            project = self.project(request)
+        else:
+            token = request.headers.get("X-Access-Token")
+            if token is None:
+                raise ApiError(None, "unauthenticated", "missing X-Access-Token (the envdAccessToken of the "
+                                                        "sandbox's create or connect answer) or X-API-Key")
+            if not self.keys.opens(token.strip(), target.sid):
+                raise gone(target.sid)
+            owner = await asyncio.to_thread(self.ctx.owner_of, target.sid)
+            if owner is None:
+                raise gone(target.sid)
+            project = self.ctx.auth.project_named(owner)
+        try:
+            box, state = await self.ctx.sandbox_of(target.sid, project)
+        except ApiError as exc:
+            if exc.code == "sandbox_not_found":
+                raise gone(target.sid) from None
+            raise
+        return project, box, state
+
+
+def gone(sid: str) -> ApiError:
+    """What an in-sandbox request for a sandbox that is not there (or not the caller's) answers:
+    E2B's proxy's 502 "... was not found", which the SDK reads as a sandbox no longer running
+    (``is_running()`` is False, a command raises SandboxNotRunningException)."""
+    return ApiError(502, "sandbox_not_found", f"The sandbox {sid} was not found")

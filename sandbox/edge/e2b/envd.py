@@ -1,0 +1,196 @@
+"""envd, E2B's in-sandbox daemon, answered by the edge for the sandbox a request names.
+
+:func:`dispatch` takes every request that names a sandbox (:func:`~.base.target_of`): envd's
+port goes to the routes below, any other port to the sandbox's port proxy.  envd's routes::
+
+    GET  /health                      204 while the sandbox runs
+    GET  /envs                        the sandbox's environment
+    GET  /metrics                     CPU, memory and disk of the sandbox
+    *    /files                       file transfer (sandbox.edge.e2b.files)
+    POST /process.Process/<Method>    Connect RPC (sandbox.edge.e2b.process)
+    POST /filesystem.Filesystem/<M>   Connect RPC (sandbox.edge.e2b.files)
+
+The Connect services are ``connectrpc``'s server (E2B's generated service classes, in the
+``e2b`` package) run through :mod:`sandbox.edge.asgi`.  Who may call is decided inside each
+RPC (:meth:`EnvdCall.sandbox`), so that a refusal is a Connect error the SDK maps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextvars
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+
+from sandbox.backends.base import account
+from sandbox.core.errors import ApiError, InvalidField, UnsupportedOption
+from sandbox.core.model import SandboxState
+from sandbox.edge import asgi
+from sandbox.edge.auth import Project
+from sandbox.edge.e2b.base import DEFAULT_USER, ENVD_PORT, E2bContext, Target, error_response
+from sandbox.edge.errors import as_api_error
+from sandbox.host.sandbox import Sandbox
+
+T = TypeVar("T")
+MAX_USER = 64
+
+# status -> the Connect code the SDK maps to the same exception as the REST status
+CODES = {400: Code.INVALID_ARGUMENT, 401: Code.UNAUTHENTICATED, 403: Code.PERMISSION_DENIED,
+         404: Code.NOT_FOUND, 409: Code.FAILED_PRECONDITION, 413: Code.RESOURCE_EXHAUSTED,
+         429: Code.RESOURCE_EXHAUSTED, 501: Code.UNIMPLEMENTED, 502: Code.UNAVAILABLE, 503: Code.UNAVAILABLE,
+         504: Code.DEADLINE_EXCEEDED}
+
+
+class EnvdCall:
+    """One in-sandbox request: who sent it, for which sandbox, as which user (``Authorization:
+    Basic <user:>``, envd's; :func:`run_as` decides for none)."""
+
+    def __init__(self, e2b: E2bContext, request: web.Request, target: Target) -> None:
+        self.e2b = e2b
+        self.request = request
+        self.target = target
+        self._found: tuple[Project, Sandbox, SandboxState] | None = None
+
+    async def sandbox(self) -> tuple[Project, Sandbox, SandboxState]:
+        if self._found is None:
+            self._found = await self.e2b.envd_sandbox(self.request, self.target)
+        return self._found
+
+    @functools.cached_property
+    def user(self) -> str | None:
+        """The account the caller named, None when it named none (E2B's default user then)."""
+        scheme, _, value = self.request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "basic":
+            return None
+        try:
+            name = base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
+        except (binascii.Error, ValueError):
+            raise InvalidField("Authorization", "Basic credentials are not base64 of 'user:'") from None
+        if not name:
+            return None
+        if len(name) > MAX_USER or not all(c.isalnum() or c in "._-" for c in name):
+            raise InvalidField("Authorization", f"{name[:MAX_USER]!r} is not a user name")
+        return name
+
+    def present(self) -> bool:
+        transport = self.request.transport
+        return transport is not None and not transport.is_closing()
+
+
+async def run_as(box: Sandbox, named: str | None) -> str | None:
+    """The account a command or file operation runs as: the one named; else E2B's ``user`` when
+    the sandbox has that account, else the sandbox's own user (None: an image without ``user``,
+    such as most OCI images, works as it would natively; docs/E2B.md "Users")."""
+    if named is not None:
+        return named
+    try:
+        await asyncio.to_thread(account, box.files, DEFAULT_USER)
+    except UnsupportedOption:
+        return None
+    return DEFAULT_USER
+
+
+CALL: contextvars.ContextVar[EnvdCall] = contextvars.ContextVar("envd_call")
+
+
+def current() -> EnvdCall:
+    return CALL.get()
+
+
+def connect_error(exc: BaseException) -> ConnectError:
+    """``exc`` as a Connect error: the status the native API would answer, as its Connect code."""
+    if isinstance(exc, ConnectError):
+        return exc
+    err = as_api_error(exc)
+    return ConnectError(CODES.get(err.status, Code.INTERNAL), f"{err.code}: {err.message}")
+
+
+def rpc(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """A unary method whose errors answer as Connect errors (never an unmapped 500)."""
+    @functools.wraps(fn)
+    async def wrapped(*args: Any) -> T:
+        try:
+            return await fn(*args)
+        except ConnectError:
+            raise
+        except Exception as exc:
+            raise connect_error(exc) from exc
+    return wrapped
+
+
+def rpc_stream(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
+    """A streaming method whose errors end the stream as Connect errors."""
+    @functools.wraps(fn)
+    async def wrapped(*args: Any) -> AsyncIterator[T]:
+        try:
+            async for item in fn(*args):
+                yield item
+        except ConnectError:
+            raise
+        except Exception as exc:
+            raise connect_error(exc) from exc
+    return wrapped
+
+
+class Envd:
+    """The envd routes of every sandbox on one edge."""
+
+    def __init__(self, e2b: E2bContext, services: dict[str, asgi.AsgiApp], files: Any,
+                 forward: Callable[[web.Request, Target], Awaitable[web.StreamResponse]]) -> None:
+        self.e2b = e2b
+        self.services = services  # path prefix ("/process.Process/") -> its Connect application
+        self.files = files
+        self.forward = forward
+
+    async def dispatch(self, request: web.Request, target: Target) -> web.StreamResponse:
+        if target.port != ENVD_PORT:
+            return await self.forward(request, target)
+        call = EnvdCall(self.e2b, request, target)
+        token = CALL.set(call)
+        try:
+            for prefix, app in self.services.items():
+                if request.path.startswith(prefix):
+                    return await asgi.serve(app, request)
+            return await self._http(request, call)
+        finally:
+            CALL.reset(token)
+
+    async def _http(self, request: web.Request, call: EnvdCall) -> web.StreamResponse:
+        try:
+            path, method = request.path, request.method
+            if path == "/files" and method in ("GET", "HEAD", "POST"):
+                return await self.files.http(request, call)
+            if method != "GET" or path not in ("/health", "/envs", "/metrics"):
+                raise ApiError(404, "not_found", f"{method} {path[:80]}: envd has no such route")
+            _, box, state = await call.sandbox()
+            if path == "/health":
+                if state.status != "running":
+                    raise ApiError(502, "unavailable", f"sandbox {box.id} is {state.status}")
+                return web.Response(status=204)
+            if path == "/envs":
+                return web.json_response(dict(state.env))
+            return web.json_response(metrics(await asyncio.to_thread(box.usage)))
+        except Exception as exc:
+            return error_response(exc)
+
+
+def metrics(usage: dict[str, Any]) -> dict[str, Any]:
+    """envd's ``/metrics`` (and the REST metrics' one sample) from the sandbox's usage."""
+    cpu = usage.get("cpu") or {}
+    memory = usage.get("memory") or {}
+    disk = usage.get("disk") or {}
+    limits = usage.get("limits") or {}
+    return {"ts": int(time.time()), "cpu_count": max(1, int(limits.get("cpu") or 1)),
+            "cpu_used_pct": float(cpu.get("percent") or 0.0),
+            "mem_total": int(limits.get("memory") or memory.get("limit") or 0),
+            "mem_used": int(memory.get("current") or memory.get("bytes") or 0),
+            "disk_used": int(disk.get("bytes") or disk.get("used") or 0),
+            "disk_total": int(limits.get("disk") or disk.get("limit") or 0)}

@@ -1,0 +1,229 @@
+"""envd's ``process.Process`` service over the edge's background commands.
+
+A process E2B starts is a background command (sandbox.edge.routes.commands): the same exec,
+validation, limits, receipts and tree kill as the native API's, listed by both.  Its ``pid`` is
+the command's number in its sandbox (from 1; not a pid of the sandbox's kernel, which the edge
+does not see for a container's exec) and its ``tag`` the caller's name for it.
+
+- ``Start`` streams the start event, the output (``pty`` for a terminal), keepalives at the
+  interval the client asks (``Keepalive-Ping-Interval``) and the end event; the process does
+  not end when the stream does (E2B's ``timeout`` bounds the connection): ``Connect``
+  attaches to it again, replaying what is still kept.
+- ``stdin: false`` closes the process's input at once, as envd gives it none.
+- ``SendSignal``: SIGKILL and SIGTERM both kill the process's tree under the freezer (the
+  native kill); other signals are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from e2b.envd.process import process_pb as pb
+from e2b.envd.process.process_connect import ProcessASGIApplication
+from protobuf import Oneof
+
+from sandbox.core.errors import InvalidField
+from sandbox.core.model import ExecRequest, check_str
+from sandbox.edge.context import EdgeContext
+from sandbox.edge.routes.commands import Command, Commands, StartRequest
+from sandbox.host.sandbox import Sandbox
+
+from .envd import current, rpc, rpc_stream, run_as
+
+DEFAULT_KEEPALIVE = 30.0  # seconds between keepalive events when the client names none
+MIN_KEEPALIVE = 1.0
+MAX_TAG = 256
+SIGKILL, SIGTERM = 9, 15
+
+
+class ProcessService:
+    def __init__(self, ctx: EdgeContext, commands: Commands) -> None:
+        self.ctx = ctx
+        self.commands = commands
+
+    @rpc
+    async def list(self, request: pb.ListRequest, ctx: RequestContext[Any, Any], /) -> pb.ListResponse:
+        _, box, _ = await current().sandbox()
+        return pb.ListResponse(processes=[info(c) for c in self.commands.of(box.id) if c.running])
+
+    @rpc_stream
+    async def start(self, request: pb.StartRequest, ctx: RequestContext[Any, Any], /) -> AsyncIterator[
+            pb.StartResponse]:
+        call = current()
+        project, box, state = await call.sandbox()
+        req = start_request(request, await run_as(box, call.user), self.ctx)
+        tag = check_str("tag", request.tag, max_len=MAX_TAG, what="a tag") if request.tag else None
+        cmd = await self.commands.launch(self.ctx, project.name, box, state, req, tag=tag)
+        if not request.stdin and req.terminal is None:
+            await cmd.close_input()
+        yield pb.StartResponse(event=event("start", pb.ProcessEvent.StartEvent(pid=cmd.number)))
+        async for each in events(cmd, keepalive(ctx)):
+            yield pb.StartResponse(event=each)
+
+    @rpc_stream
+    async def connect(self, request: pb.ConnectRequest, ctx: RequestContext[Any, Any], /) -> AsyncIterator[
+            pb.ConnectResponse]:
+        _, box, _ = await current().sandbox()
+        cmd = self.select(box, request.process)
+        yield pb.ConnectResponse(event=event("start", pb.ProcessEvent.StartEvent(pid=cmd.number)))
+        async for each in events(cmd, keepalive(ctx)):
+            yield pb.ConnectResponse(event=each)
+
+    @rpc
+    async def update(self, request: pb.UpdateRequest, ctx: RequestContext[Any, Any], /) -> pb.UpdateResponse:
+        _, box, _ = await current().sandbox()
+        cmd = self.select(box, request.process)
+        size = request.pty.size if request.pty is not None else None
+        if size is None:
+            raise InvalidField("pty.size", "is required: the terminal's new cols and rows")
+        await cmd.resize(*winsize(size.cols, size.rows))
+        return pb.UpdateResponse()
+
+    @rpc
+    async def stream_input(self, request: AsyncIterator[pb.StreamInputRequest],
+                           ctx: RequestContext[Any, Any], /) -> pb.StreamInputResponse:
+        _, box, _ = await current().sandbox()
+        cmd: Command | None = None
+        async for message in request:
+            match message.event:
+                case Oneof(field="start", value=pb.StreamInputRequest.StartEvent() as start):
+                    cmd = self.select(box, start.process)
+                case Oneof(field="data", value=pb.StreamInputRequest.DataEvent() as data):
+                    if cmd is None:
+                        raise InvalidField("event", "data before the start event naming the process")
+                    await cmd.write(input_bytes(data.input))
+        return pb.StreamInputResponse()
+
+    @rpc
+    async def send_input(self, request: pb.SendInputRequest, ctx: RequestContext[Any, Any], /) -> \
+            pb.SendInputResponse:
+        _, box, _ = await current().sandbox()
+        cmd = self.select(box, request.process)
+        await cmd.write(input_bytes(request.input))
+        return pb.SendInputResponse()
+
+    @rpc
+    async def send_signal(self, request: pb.SendSignalRequest, ctx: RequestContext[Any, Any], /) -> \
+            pb.SendSignalResponse:
+        _, box, _ = await current().sandbox()
+        cmd = self.select(box, request.process)
+        signal = int(request.signal or 0)
+        if signal not in (SIGKILL, SIGTERM):
+            raise InvalidField("signal", f"{signal} is not SIGKILL or SIGTERM")
+        cmd.kill()
+        return pb.SendSignalResponse()
+
+    @rpc
+    async def close_stdin(self, request: pb.CloseStdinRequest, ctx: RequestContext[Any, Any], /) -> \
+            pb.CloseStdinResponse:
+        _, box, _ = await current().sandbox()
+        cmd = self.select(box, request.process)
+        if cmd.terminal is not None:
+            raise InvalidField("process", "a terminal has no end of input (send ^D, \\x04)")
+        await cmd.close_input()
+        return pb.CloseStdinResponse()
+
+    def select(self, box: Sandbox, selector: pb.ProcessSelector | None) -> Command:
+        """The sandbox's process a selector names (by pid or tag), running or recently ended."""
+        match selector.selector if selector is not None else None:
+            case Oneof(field="pid", value=pid):
+                found = [c for c in self.commands.of(box.id) if c.number == pid]
+                what = f"pid {pid}"
+            case Oneof(field="tag", value=tag):
+                found = [c for c in self.commands.of(box.id) if c.tag == tag and c.running]
+                what = f"tag {str(tag)[:MAX_TAG]!r}"
+            case _:
+                raise InvalidField("process", "is required: a pid or a tag")
+        if not found:
+            raise ConnectError(Code.NOT_FOUND, f"process with {what} not found in sandbox {box.id}")
+        return found[-1]
+
+    def application(self) -> ProcessASGIApplication:
+        return ProcessASGIApplication(self)  # type: ignore[arg-type]
+
+
+def start_request(request: pb.StartRequest, user: str | None, ctx: EdgeContext) -> StartRequest:
+    """The background command a Start asks for, validated as a native one is."""
+    config = request.process
+    if config is None or not config.cmd:
+        raise InvalidField("process.cmd", "is required")
+    terminal = None
+    if request.pty is not None:
+        size = request.pty.size
+        terminal = winsize(size.cols, size.rows) if size is not None else (80, 24)
+    body: dict[str, Any] = {"cmd": [config.cmd, *list(config.args or [])], "env": dict(config.envs or {})}
+    if config.cwd:
+        body["cwd"] = config.cwd
+    if terminal is not None:
+        body["output_cap"] = ctx.maxima.output_cap
+    req = ctx.maxima.check_exec(ExecRequest.from_json(body))
+    if user is not None:
+        req = req.with_user(user)
+    if terminal is not None and "TERM" not in req.env:
+        req = req.with_env({"TERM": "xterm-256color", **req.env})
+    return StartRequest(req, terminal)
+
+
+def winsize(cols: int, rows: int) -> tuple[int, int]:
+    for name, value in (("cols", cols), ("rows", rows)):
+        if not 1 <= value <= 1000:
+            raise InvalidField(f"pty.size.{name}", f"{value} is not from 1 to 1000")
+    return cols, rows
+
+
+def input_bytes(given: pb.ProcessInput | None) -> bytes:
+    match given.input if given is not None else None:
+        case Oneof(field="stdin", value=data) | Oneof(field="pty", value=data):
+            return bytes(data)
+    raise InvalidField("input", "is required: stdin or pty bytes")
+
+
+def keepalive(ctx: RequestContext[Any, Any]) -> float:
+    text = ctx.request_headers.get("keepalive-ping-interval")
+    with contextlib.suppress(TypeError, ValueError):
+        return max(MIN_KEEPALIVE, float(text or ""))
+    return DEFAULT_KEEPALIVE
+
+
+async def events(cmd: Command, every: float) -> AsyncIterator[pb.ProcessEvent]:
+    """The command's output from what is still kept, keepalives, and its end."""
+    call = current()
+    with cmd.reader() as wake:
+        async for _, stream, data in cmd.pieces(wake, 0, call.present, idle=every):
+            if stream in ("stdout", "stderr"):
+                kind = "pty" if cmd.terminal is not None else stream
+                yield event("data", pb.ProcessEvent.DataEvent(output=Oneof(kind, data)))  # type: ignore[arg-type]
+            elif stream == "idle":
+                yield event("keepalive", pb.ProcessEvent.KeepAlive())
+            elif stream == "end":
+                yield event("end", end_event(cmd.final_event() or {}))
+
+
+def event(kind: str, value: Any) -> pb.ProcessEvent:
+    """A process event of one ``kind`` (the oneof's field name)."""
+    return pb.ProcessEvent(event=Oneof(kind, value))  # type: ignore[arg-type]
+
+
+def end_event(final: dict[str, Any]) -> pb.ProcessEvent.EndEvent:
+    if final.get("type") == "error":
+        err = final.get("error") or {}
+        return pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status="error",
+                                        error=str(err.get("message", "failed")))
+    code, signal = final.get("exit_code"), final.get("signal")
+    if code is not None:
+        return pb.ProcessEvent.EndEvent(exit_code=int(code), exited=True, status=f"exit status {code}")
+    why = final.get("interrupted") or ("timed out" if final.get("timed_out") else None)
+    status = f"signal: {signal}" if signal else "killed"
+    return pb.ProcessEvent.EndEvent(exit_code=-1, exited=False, status=status,
+                                    error=f"killed ({why})" if why else None)
+
+
+def info(cmd: Command) -> pb.ProcessInfo:
+    argv = list(cmd.request.argv)
+    return pb.ProcessInfo(config=pb.ProcessConfig(cmd=argv[0], args=argv[1:], envs=dict(cmd.request.env),
+                                                  cwd=cmd.request.cwd), pid=cmd.number, tag=cmd.tag)

@@ -1,0 +1,352 @@
+"""E2B's control plane (its OpenAPI ``spec/openapi.yml``) over the edge's context.
+
+Each route reads E2B's body, turns it into the native model once (:func:`create_options`: a
+bad field is a 400 naming it, in E2B's names), and calls what the native routes call: the
+same quota, admission, ownership, receipts.  docs/E2B.md maps every field.
+
+- A template is a ref the operator published (``layerbox publish ... --name``) or a snapshot
+  of the project's; its document's label ``layerbox.isolation`` picks container, microvm or vm.
+- ``timeout`` is the sandbox's ttl, counted from now on each ``/timeout``; ``metadata`` its
+  labels; ``envVars`` its environment.
+- Network: internet access (the default, as E2B's) is one allow rule for every address but the
+  protected ranges; ``allowOut`` CIDRs are allow rules under a default deny; ``denyOut``
+  is taken only as "everything" (``0.0.0.0/0``), the default of layerbox's policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import math
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from layerstore.objects import Resolved
+from sandbox.core.errors import ApiError, InvalidField
+from sandbox.core.model import (
+    MAX_LABELS,
+    PROJECT_LABEL,
+    SandboxState,
+    check_env,
+    check_int,
+    check_labels,
+    check_object,
+    check_str,
+)
+from sandbox.edge.auth import Project
+from sandbox.edge.context import EdgeContext
+from sandbox.edge.e2b.base import ENVD_VERSION, E2bContext
+
+ISOLATION_LABEL = "layerbox.isolation"  # on a template's document: container (default), microvm, vm
+TEMPLATE_LABEL = "layerbox.e2b.template"  # on a sandbox: the templateID it was created from, as given
+DEFAULT_TIMEOUT = 15  # seconds, E2B's default when a create names none
+MAX_LIST = 100
+MiB = 1 << 20
+CREATE_FIELDS = ("templateID", "timeout", "autoPause", "autoPauseMemory", "autoResume", "secure",
+                 "allow_internet_access", "network", "metadata", "envVars", "mcp", "iam", "volumeMounts")
+NETWORK_FIELDS = ("allowOut", "denyOut", "allowPublicTraffic", "maskRequestHost", "rules")
+EVERYTHING = ("0.0.0.0/0",)
+
+
+def setup(e2b: E2bContext, app: web.Application) -> None:
+    routes = Rest(e2b)
+    r = app.router
+    for path in ("/sandboxes", "/v2/sandboxes"):
+        r.add_post(path, routes.create, name=f"e2b:create{path.count('/')}")
+    r.add_get("/sandboxes", routes.list_v1, name="e2b:list")
+    r.add_get("/v2/sandboxes", routes.list_v2, name="e2b:list2")
+    r.add_get("/sandboxes/{id}", routes.get, name="e2b:get")
+    r.add_delete("/sandboxes/{id}", routes.kill, name="e2b:kill")
+    r.add_post("/sandboxes/{id}/timeout", routes.timeout, name="e2b:timeout")
+    r.add_post("/sandboxes/{id}/refreshes", routes.refresh, name="e2b:refreshes")
+    r.add_post("/sandboxes/{id}/pause", routes.pause, name="e2b:pause")
+    r.add_post("/sandboxes/{id}/resume", routes.resume, name="e2b:resume")
+    r.add_post("/sandboxes/{id}/connect", routes.connect, name="e2b:connect")
+    r.add_post("/v2/sandboxes/{id}/connect", routes.connect, name="e2b:connect2")
+
+
+class Rest:
+    def __init__(self, e2b: E2bContext) -> None:
+        self.e2b = e2b
+        self.ctx: EdgeContext = e2b.ctx
+
+    async def _owned(self, request: web.Request) -> tuple[Project, Any, SandboxState]:
+        project = self.e2b.project(request)
+        box, state = await self.e2b.sandbox(request, project, request.match_info["id"])
+        return project, box, state
+
+    # -- create ------------------------------------------------------------------------------------------
+    async def create(self, request: web.Request) -> web.Response:
+        ctx = self.ctx
+        project = self.e2b.project(request)
+        body = check_object("", await ctx.body(request), CREATE_FIELDS)
+        template = check_str("templateID", body.get("templateID"), max_len=512, what="a template (a ref name)")
+        given = create_options(body)  # every field checked before any lookup
+        resolved = await self.template(project, template)
+        isolation = isolation_of(resolved)
+        if isolation != "container":
+            caps = await ctx.capabilities(isolation)
+            if not caps.available:
+                raise ApiError(None, "unsupported_isolation", f"template {template!r} runs as {isolation}, which "
+                               f"this edge does not run: {caps.reason}", field="templateID")
+        options = ctx.options(project, {**given, "isolation": isolation}, extra=(), base=await ctx.carried(resolved))
+        options = options.replace(labels={**options.labels, TEMPLATE_LABEL: template})
+        async with ctx.admitted(project.name, project.max_sandboxes, [options]):
+            box = await ctx.create(resolved, options, template)
+        return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
+
+    async def template(self, project: Project, name: str) -> Resolved:
+        """The image, composition or snapshot (a checkpoint of the project's) ``name`` names."""
+        return await self.ctx.resolve(project, name, field="templateID",
+                                      kinds=("image", "composition", "checkpoint"))
+
+    def created(self, state: SandboxState) -> dict[str, Any]:
+        """E2B's ``Sandbox``: what create, connect and resume answer."""
+        return {"templateID": template_of(state), "sandboxID": state.id, "clientID": self.client_id,
+                "envdVersion": ENVD_VERSION, "envdAccessToken": self.e2b.keys.access_token(state.id),
+                "trafficAccessToken": self.e2b.keys.traffic_token(state.id), "domain": self.e2b.domain}
+
+    @property
+    def client_id(self) -> str:
+        return self.ctx.admission.config.edge_id
+
+    # -- read ---------------------------------------------------------------------------------------------
+    async def get(self, request: web.Request) -> web.Response:
+        _, _, state = await self._owned(request)
+        return web.json_response({**self.listed(state), "envdAccessToken": self.e2b.keys.access_token(state.id),
+                                  "allowInternetAccess": internet_access(state), "domain": self.e2b.domain})
+
+    def listed(self, state: SandboxState) -> dict[str, Any]:
+        """E2B's ``ListedSandbox``."""
+        o = state.options
+        end = state.created + o.ttl if o.ttl is not None else state.created + self.ctx.maxima.ttl
+        return {"templateID": template_of(state), "sandboxID": state.id, "clientID": self.client_id,
+                "startedAt": iso(state.created), "endAt": iso(end), "cpuCount": max(1, math.ceil(o.cpu)),
+                "memoryMB": o.memory // MiB, "diskSizeMB": (o.disk or 0) // MiB, "state": e2b_state(state),
+                "envdVersion": ENVD_VERSION, "metadata": metadata_of(state)}
+
+    async def list_v1(self, request: web.Request) -> web.Response:
+        project = self.e2b.project(request)
+        wanted = ListFilter.parse(request.query, v2=False)
+        states = await asyncio.to_thread(self.ctx.owned, project)
+        return web.json_response([self.listed(st) for st in wanted.apply(states)])
+
+    async def list_v2(self, request: web.Request) -> web.Response:
+        project = self.e2b.project(request)
+        wanted = ListFilter.parse(request.query, v2=True)
+        states = wanted.apply(await asyncio.to_thread(self.ctx.owned, project))
+        page, next_token = wanted.page(states)
+        headers = {"x-next-token": next_token} if next_token else {}
+        return web.json_response([self.listed(st) for st in page], headers=headers)
+
+    # -- change ---------------------------------------------------------------------------------------------
+    async def kill(self, request: web.Request) -> web.Response:
+        _, box, _ = await self._owned(request)
+        await asyncio.to_thread(self.ctx.manager.destroy, box.id)
+        return web.Response(status=204)
+
+    async def timeout(self, request: web.Request) -> web.Response:
+        _, box, _ = await self._owned(request)
+        body = check_object("", await self.ctx.body(request), ("timeout",))
+        seconds = self.ctx.maxima.check_ttl(check_int("timeout", body.get("timeout"), 0, 1 << 31))
+        await asyncio.to_thread(box.set_ttl, seconds, max_lifetime=self.ctx.maxima.ttl)
+        return web.Response(status=204)
+
+    async def refresh(self, request: web.Request) -> web.Response:
+        """Keep it alive ``duration`` more seconds (E2B: at most 3600; never shortens its life)."""
+        _, box, state = await self._owned(request)
+        body = check_object("", await self.ctx.body(request), ("duration",))
+        duration = check_int("duration", body.get("duration", DEFAULT_TIMEOUT), 0, 3600)
+        left = state.created + (state.options.ttl or 0) - _now()
+        if duration > left:
+            await asyncio.to_thread(box.set_ttl, self.ctx.maxima.check_ttl(duration),
+                                    max_lifetime=self.ctx.maxima.ttl)
+        return web.Response(status=204)
+
+    async def pause(self, request: web.Request) -> web.Response:
+        _, box, state = await self._owned(request)
+        if state.status == "paused":
+            raise ApiError(None, "conflict", f"sandbox {box.id} is already paused")
+        await asyncio.to_thread(box.pause)
+        return web.Response(status=204)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        _, box, state = await self._owned(request)
+        body = check_object("", await self.ctx.body(request), ("timeout", "autoPause"))
+        if state.status != "paused":
+            raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}, not paused")
+        await asyncio.to_thread(box.resume)
+        if body.get("timeout") is not None:
+            await self._set_timeout(box, body["timeout"])
+        return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
+
+    async def connect(self, request: web.Request) -> web.Response:
+        """A running sandbox answers 200, a paused one is resumed first and answers 201; ``timeout``
+        (seconds from now) is applied either way."""
+        _, box, state = await self._owned(request)
+        body = check_object("", await self.ctx.body(request), ("timeout", "memory"))
+        if body.get("memory") not in (None, True):
+            raise InvalidField("memory", "false (resume from disk alone) is not supported: layerbox resumes "
+                               "a paused sandbox with its memory")
+        status = 200
+        if state.status == "paused":
+            await asyncio.to_thread(box.resume)
+            status = 201
+        if body.get("timeout") is not None:
+            await self._set_timeout(box, body["timeout"])
+        return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=status)
+
+    async def _set_timeout(self, box: Any, value: object) -> None:
+        seconds = self.ctx.maxima.check_ttl(check_int("timeout", value, 0, 1 << 31))
+        await asyncio.to_thread(box.set_ttl, seconds, max_lifetime=self.ctx.maxima.ttl)
+
+
+# -- the model, both ways ---------------------------------------------------------------------------------
+def create_options(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The native options (JSON) an E2B create asks for; a field layerbox cannot honour is a 400
+    naming it, never ignored."""
+    out: dict[str, Any] = {}
+    timeout = body.get("timeout")
+    out["ttl"] = check_int("timeout", DEFAULT_TIMEOUT if timeout is None else timeout, 1, 1 << 31)
+    if body.get("metadata"):
+        labels = check_labels("metadata", body["metadata"], reserved_ok=False)
+        if len(labels) > MAX_LABELS - 2:
+            raise InvalidField("metadata", f"{len(labels)} keys, at most {MAX_LABELS - 2}")
+        out["labels"] = labels
+    if body.get("envVars"):
+        out["env"] = check_env("envVars", body["envVars"])
+    for name in ("autoPause", "secure", "allow_internet_access", "autoPauseMemory"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise InvalidField(name, "must be true or false")
+    if body.get("autoPause"):
+        raise InvalidField("autoPause", "pausing at the timeout is not supported yet: the sandbox is killed "
+                                        "then (set a longer timeout, or pause it yourself)")
+    for name in ("mcp", "iam", "autoResume"):
+        if body.get(name) is not None:
+            raise InvalidField(name, "is not supported by layerbox (see docs/E2B.md)")
+    if body.get("volumeMounts"):
+        raise InvalidField("volumeMounts", "volumes are not supported by layerbox (see docs/E2B.md)")
+    out["network"] = network_rules(body.get("network"), body.get("allow_internet_access"))
+    return out
+
+
+def network_rules(network: object, internet: object) -> list[dict[str, Any]]:
+    """Egress rules for E2B's network settings (see the module's docstring)."""
+    spec = check_object("network", network or {}, NETWORK_FIELDS)
+    for name in ("allowPublicTraffic",):
+        if spec.get(name) is not None and not isinstance(spec[name], bool):
+            raise InvalidField(f"network.{name}", "must be true or false")
+    if spec.get("maskRequestHost") is not None or spec.get("rules") is not None:
+        key = "maskRequestHost" if spec.get("maskRequestHost") is not None else "rules"
+        raise InvalidField(f"network.{key}", "is not supported by layerbox (see docs/E2B.md)")
+    allow = _cidrs("network.allowOut", spec.get("allowOut"))
+    deny = _cidrs("network.denyOut", spec.get("denyOut"))
+    if deny and tuple(deny) != EVERYTHING:
+        raise InvalidField("network.denyOut", "only ['0.0.0.0/0'] (deny everything but allowOut) is supported: "
+                                              "layerbox's egress policy is default deny plus allow rules")
+    if internet is False or deny:
+        return [{"cidr": c} for c in allow]
+    if allow:
+        return [{"cidr": c} for c in allow]
+    return [{"cidr": "0.0.0.0/0"}]
+
+
+def _cidrs(field: str, value: object) -> list[str]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > 64:
+        raise InvalidField(field, "must be a list of at most 64 CIDRs")
+    out = []
+    for i, item in enumerate(value):
+        text = check_str(f"{field}[{i}]", item, max_len=64, what="a CIDR like 10.0.0.0/8")
+        if not any(ch.isdigit() for ch in text) or any(ch.isalpha() and ch not in "abcdef:" for ch in text.lower()):
+            raise InvalidField(f"{field}[{i}]", f"{text!r}: domain names are not supported, give an IP or CIDR")
+        out.append(text if "/" in text else f"{text}/{128 if ':' in text else 32}")
+    return out
+
+
+def isolation_of(resolved: Resolved) -> str:
+    labels = resolved.doc.get("labels") if isinstance(resolved.doc, dict) else None
+    value = labels.get(ISOLATION_LABEL) if isinstance(labels, dict) else None
+    return value if value in ("container", "microvm", "vm") else "container"
+
+
+def template_of(state: SandboxState) -> str:
+    return state.labels.get(TEMPLATE_LABEL) or state.ref or state.image_digest
+
+
+def metadata_of(state: SandboxState) -> dict[str, str]:
+    return {k: v for k, v in state.labels.items() if k != PROJECT_LABEL and not k.startswith("layerbox.")}
+
+
+def e2b_state(state: SandboxState) -> str:
+    return "paused" if state.status == "paused" else "running"
+
+
+def internet_access(state: SandboxState) -> bool:
+    rules = state.options.network or ()
+    return any(str(getattr(r, "cidr", "")) in ("0.0.0.0/0", "::/0") for r in rules)
+
+
+def iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _now() -> float:
+    return datetime.datetime.now(datetime.UTC).timestamp()
+
+
+class ListFilter:
+    """``GET /sandboxes`` and ``/v2/sandboxes`` query: ``metadata`` (``k=v&k2=v2``, URL-encoded),
+    ``state`` (``running,paused``), ``limit`` and ``nextToken`` (v2: a page is ordered by start
+    time then id; the token is the last id of the page before)."""
+
+    def __init__(self, metadata: dict[str, str], states: set[str], limit: int, after: str | None) -> None:
+        self.metadata, self.states, self.limit, self.after = metadata, states, limit, after
+
+    @classmethod
+    def parse(cls, query: Mapping[str, str], *, v2: bool) -> ListFilter:
+        known = ("metadata", "state", "limit", "nextToken", "order", "startedAfter", "template") if v2 else \
+            ("metadata", "query")
+        for key in query:
+            if key not in known:
+                raise InvalidField(key[:64], f"unknown query parameter (known: {', '.join(known)})")
+        for key in ("order", "startedAfter", "template"):
+            if key in query:
+                raise InvalidField(key, "is not supported by layerbox yet (see docs/E2B.md)")
+        raw = query.get("metadata") or query.get("query") or ""
+        pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=bool(raw)) if raw else []
+        metadata = check_labels("metadata", dict(pairs), reserved_ok=False) if pairs else {}
+        states = {"running"} if not v2 else {"running", "paused"}
+        if v2 and query.get("state"):
+            states = set(query["state"].split(","))
+            bad = sorted(states - {"running", "paused"})
+            if bad:
+                raise InvalidField("state", f"{bad[0][:20]!r} is not running or paused")
+        limit = MAX_LIST
+        if "limit" in query:
+            text = query["limit"]
+            if not (text.isascii() and text.isdigit()):
+                raise InvalidField("limit", f"{text[:20]!r} is not a number from 1 to {MAX_LIST}")
+            limit = check_int("limit", int(text), 1, MAX_LIST)
+        after = query.get("nextToken") or None
+        if after is not None:
+            check_str("nextToken", after, max_len=64, what="the x-next-token of the page before")
+        return cls(metadata, states, limit, after)
+
+    def apply(self, states: list[SandboxState]) -> list[SandboxState]:
+        picked = [st for st in states if e2b_state(st) in self.states
+                  and all(st.labels.get(k) == v for k, v in self.metadata.items())]
+        return sorted(picked, key=lambda st: (st.created, st.id))
+
+    def page(self, states: list[SandboxState]) -> tuple[list[SandboxState], str | None]:
+        if self.after is not None:
+            ids = [st.id for st in states]
+            start = ids.index(self.after) + 1 if self.after in ids else len(states)
+            states = states[start:]
+        page = states[:self.limit]
+        return page, page[-1].id if len(states) > self.limit else None
+

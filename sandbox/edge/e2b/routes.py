@@ -1,0 +1,64 @@
+"""The E2B surfaces on one edge app: :func:`setup` adds the control plane's routes and returns
+the :class:`E2bRoutes` whose :meth:`~E2bRoutes.dispatch` the service's middleware hands every
+request that names a sandbox (headers or host name), before aiohttp's router sees it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from sandbox.edge.asgi import AsgiApp
+from sandbox.edge.context import EdgeContext
+from sandbox.edge.e2b import rest
+from sandbox.edge.e2b.base import E2bContext, Target, gone, target_of
+from sandbox.edge.e2b.envd import Envd
+from sandbox.edge.e2b.process import ProcessService
+from sandbox.edge.routes.commands import Commands
+from sandbox.edge.routes.ports import PortProxy
+
+# what only the edge reads: never relayed to a sandbox's server
+E2B_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port", "x-access-token", "x-api-key",
+                         "e2b-traffic-access-token"})
+
+
+class E2bRoutes:
+    def __init__(self, e2b: E2bContext, commands: Commands, proxy: PortProxy) -> None:
+        self.e2b = e2b
+        self.proxy = proxy
+        services: dict[str, AsgiApp] = {"/process.Process/": ProcessService(e2b.ctx, commands).application()}
+        self.envd = Envd(e2b, services, files=None, forward=self.forward)
+
+    def target(self, request: web.Request) -> Target | None:
+        return target_of(request, self.e2b.domain)
+
+    async def dispatch(self, request: web.Request, target: Target) -> web.StreamResponse:
+        return await self.envd.dispatch(request, target)
+
+    async def forward(self, request: web.Request, target: Target) -> web.StreamResponse:
+        """Another port than envd's: the sandbox's port proxy, for a caller holding the sandbox's
+        traffic or envd token, or its project's key."""
+        token = request.headers.get("e2b-traffic-access-token")
+        if token is not None:
+            if not self.e2b.keys.opens(token.strip(), target.sid, traffic=True):
+                raise gone(target.sid)
+            owner = self.e2b.ctx.auth.project_named(await _owner(self.e2b.ctx, target.sid))
+            box, state = await self.e2b.ctx.sandbox_of(target.sid, owner)
+        else:
+            _, box, state = await self.e2b.envd_sandbox(request, target)
+        return await self.proxy.forward(request, box, state, target.port, request.rel_url.raw_path_qs,
+                                        keep_authorization=True, drop=E2B_HEADERS)
+
+
+async def _owner(ctx: EdgeContext, sid: str) -> str:
+    owner = await asyncio.to_thread(ctx.owner_of, sid)
+    if owner is None:
+        raise gone(sid)
+    return owner
+
+
+def setup(ctx: EdgeContext, app: web.Application, *, secret: bytes, domain: str | None, commands: Commands,
+          proxy: PortProxy) -> E2bRoutes:
+    e2b = E2bContext(ctx, secret, domain)
+    rest.setup(e2b, app)
+    return E2bRoutes(e2b, commands, proxy)
