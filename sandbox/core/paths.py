@@ -15,6 +15,7 @@ Layout under ``<data-dir>/sandbox/`` (docs/FORMAT.md, "Sandbox host state")::
     boxes/<id>/bundle/     config.json and each running exec's process document and pid file
     receipts/<id>.jsonl    its receipt log's live segment (<id>.<n>.jsonl: sealed ones, sandbox.core.receipts)
     leases/<project>/      one file per job's lease, and the project's lock (sandbox.core.leases)
+    edge.key               the edge's secret for per-sandbox tokens (edge_key)
 """
 
 from __future__ import annotations
@@ -109,6 +110,27 @@ def replace_beneath(base: str | os.PathLike[str], rel: str, data: bytes) -> None
             os.close(pdir)
     finally:
         os.close(dir_fd)
+
+
+EDGE_KEY_BYTES = 32
+
+
+def edge_key(root: Path) -> bytes:
+    """The edge's own secret, ``<root>/edge.key`` (32 random bytes, mode 0600), made on first use:
+    what per-sandbox tokens are derived from when the operator gives no secret, so that they
+    survive the edge's restart as its sandboxes do.  A file of another size is refused (a torn
+    write cannot happen: the key is written beside and renamed over)."""
+    path = root / "edge.key"
+    try:
+        key = path.read_bytes()
+    except FileNotFoundError:
+        closed_dir(root)  # one edge per data dir: nobody else writes it meanwhile
+        replace_beneath(root, "edge.key", os.urandom(EDGE_KEY_BYTES))
+        key = path.read_bytes()
+    if len(key) != EDGE_KEY_BYTES:
+        raise HostUnsupported(f"{path}: {len(key)} bytes, expected {EDGE_KEY_BYTES}; remove it to make a new key "
+                              "(tokens given out before then stop working)")
+    return key
 
 
 class SandboxPaths:

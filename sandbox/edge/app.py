@@ -29,6 +29,7 @@ from aiohttp import web
 from layerstore.objects import ref_key
 from sandbox.core.errors import ApiError
 from sandbox.core.model import ISOLATIONS, Maxima
+from sandbox.core.paths import edge_key
 from sandbox.edge.auth import AuthConfig, Project
 from sandbox.edge.caps import ProjectCaps
 from sandbox.edge.context import MAX_BODY, SHUTDOWN_GRACE, EdgeContext
@@ -91,6 +92,9 @@ class SandboxService:
         self.ready = dict(ready or {})
         # signs port URLs (sandbox.edge.routes.ports); unless given, a random key per start (URLs die with it)
         self.url_secret = url_secret or secrets.token_bytes(32)
+        # E2B's per-sandbox tokens must outlive a restart as the sandboxes do: the operator's secret, or the
+        # edge's own key in its data dir
+        self.e2b_secret = url_secret or edge_key(manager.paths.root)
         self.reap_interval = reap_interval
         self.fncall_pool = fncall_pool
         self.shutdown_manager = shutdown_manager
@@ -117,7 +121,7 @@ class SandboxService:
         lifecycle.setup(ctx, app)
         proxy = ports.setup(ctx, app, self.url_secret)
         background = commands.setup(ctx, app, self.command_limits)
-        self.e2b = e2b_routes.setup(ctx, app, secret=self.url_secret, domain=self.e2b_domain,
+        self.e2b = e2b_routes.setup(ctx, app, secret=self.e2b_secret, domain=self.e2b_domain,
                                     commands=background.commands, proxy=proxy)
         return app
 
