@@ -32,6 +32,14 @@ class E2bRoutes:
     def target(self, request: web.Request) -> Target | None:
         return target_of(request, self.e2b.domain)
 
+    def claims(self, request: web.Request) -> bool:
+        """Whether ``request`` is meant for a sandbox (E2B's headers, or a host name in the E2B
+        domain), well formed or not: its errors then answer in E2B's shape."""
+        if "E2b-Sandbox-Id" in request.headers or "E2b-Sandbox-Port" in request.headers:
+            return True
+        host = request.headers.get("Host", "").lower().partition(":")[0]
+        return bool(self.e2b.domain) and host.endswith("." + str(self.e2b.domain))
+
     async def dispatch(self, request: web.Request, target: Target) -> web.StreamResponse:
         return await self.envd.dispatch(request, target)
 
