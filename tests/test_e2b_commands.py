@@ -148,7 +148,9 @@ def connect_stream(url: str, sid: str, method: str, doc: dict[str, Any], **heade
 
 
 def connect_unary(url: str, sid: str, method: str, doc: dict[str, Any], **headers: str) -> httpx.Response:
-    hdrs = envd_headers(sid, **{"X-API-Key": ALPHA, **headers})
+    """A unary call of process.Process, as alpha unless ``headers`` carry another credential."""
+    own = {} if {"X-Access-Token", "X-API-Key"} & set(headers) else {"X-API-Key": ALPHA}
+    hdrs = envd_headers(sid, **own, **headers)
     hdrs.update({"Content-Type": "application/json", "Connect-Protocol-Version": "1"})
     return httpx.post(f"{url}/process.Process/{method}", content=json.dumps(doc), headers=hdrs, timeout=60)
 
@@ -418,6 +420,10 @@ def test_a_token_of_another_sandbox_or_project_finds_no_sandbox(served: E2bEdge,
     nowhere = fetch(served.url, envd_headers("lb-000000000000", WEB, **{"X-API-Key": ALPHA}))
     assert nowhere.status_code == 502
     assert nowhere.json()["message"] == "sandbox_not_found: The sandbox lb-000000000000 was not found"
+    for auth in ({"X-Access-Token": envd_token(served, sbx.sandbox_id)}, {"X-API-Key": BETA}):
+        listed = connect_unary(served.url, sid, "List", {}, **auth)  # the Connect surface answers the same
+        assert listed.json() == {"code": "unavailable",
+                                 "message": f"sandbox_not_found: The sandbox {sid} was not found"}, auth
     for auth in ({"e2b-traffic-access-token": str(sbx.traffic_access_token)},
                  {"X-Access-Token": envd_token(served, sbx.sandbox_id)}, {"X-API-Key": BETA}):
         # (a traffic token opens ports only, never envd: for envd it is no credential at all, a 401)
@@ -462,8 +468,12 @@ def test_host_names_of_the_e2b_domain_name_the_sandbox_and_port(served: E2bEdge,
     bad = fetch(served.url, {"Host": f"{WEB}-lb-NOT_AN_ID.{DOMAIN}", **key})
     assert bad.status_code == 400
     assert "E2b-Sandbox-Id" in bad.json()["message"]
-    other = fetch(served.url, {"Host": f"{WEB}-{sid}.elsewhere.test", **key})
-    assert other.status_code == 404  # not a sandbox's host name: the edge's own API, which has no such route
+    for host in (f"{WEB}-{sid}.elsewhere.test", f"api.{DOMAIN}"):  # not a sandbox's: the edge's own API
+        other = fetch(served.url, {"Host": host, **key})
+        assert other.status_code == 404, host
+        assert "error" in other.json(), host  # the native API's error shape
+    listed = httpx.get(f"{served.url}/v2/sandboxes", headers={"Host": f"api.{DOMAIN}", **key})
+    assert sid in [s["sandboxID"] for s in listed.json()]  # E2B_DOMAIN's API URL, api.<domain>
 
 
 # -- a hostile client on the Connect surface ----------------------------------------------------------------
