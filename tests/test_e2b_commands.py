@@ -227,15 +227,17 @@ def test_the_async_pty_delivers_data_to_on_data_and_is_killed(served: E2bEdge) -
         box = await AsyncSandbox.create(TEMPLATE, timeout=60)
         try:
             seen: list[bytes] = []
-            term = await box.pty.create(PtySize(rows=10, cols=40), on_data=seen.append, user="root")
+            answered = asyncio.Event()
+
+            def on_data(data: bytes) -> None:  # the output arrives as pty data
+                seen.append(data)
+                if b"ready-42\r\nroot\r\n" in b"".join(seen):
+                    answered.set()
+
+            term = await box.pty.create(PtySize(rows=10, cols=40), on_data=on_data, user="root")
             await box.pty.send_stdin(term.pid, b"echo ready-$((6*7)); whoami\n")
-            # the output arrives as pty data, before the kill ends the session
-            got = b""
-            for _ in range(200):
-                got = b"".join(seen)
-                if b"ready-42" in got and b"root" in got.split(b"ready-42", 1)[-1]:
-                    break
-                await asyncio.sleep(0.05)
+            await asyncio.wait_for(answered.wait(), 60)  # on_data runs in the handle's own task
+            got = b"".join(seen)
             killed = await box.pty.kill(term.pid)
             with pytest.raises(CommandExitException):
                 await term.wait()
