@@ -187,7 +187,8 @@ class SandboxService:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
-        e2b = (request.match_info.route.name or "").startswith("e2b:")
+        e2b = (request.match_info.route.name or "").startswith("e2b:") or (
+            self.e2b is not None and self.e2b.claims(request))  # (a malformed sandbox id too)
         try:
             target = self.e2b.target(request) if self.e2b is not None else None
             if target is not None and self.e2b is not None:  # a sandbox's envd or port: not the router's match

@@ -63,10 +63,12 @@ def make_template(edge: EdgeProcess, name: str = TEMPLATE, image: str = SOURCE_I
 
 
 @contextlib.contextmanager
-def e2b_edge(root: Path, store_url: str, *extra: str, name: str = "e2b") -> Iterator[E2bEdge]:
-    """An edge with the template, and the SDK's settings in the environment for the block."""
+def e2b_edge(root: Path, store_url: str, *extra: str, name: str = "e2b", template: str = TEMPLATE,
+             **options: Any) -> Iterator[E2bEdge]:
+    """An edge with the template (its sandbox made with ``options``, e.g. ``isolation``), and the
+    SDK's settings in the environment for the block."""
     with running(name, root, store_url, TOKENS, *extra, token=ADMIN) as edge:
-        make_template(edge)
+        make_template(edge, template, **options)
         served = E2bEdge(edge)
         with pytest.MonkeyPatch.context() as mp:
             for key, value in served.env().items():

@@ -206,18 +206,23 @@ class _Channel:
 class GuestProcess:
     """A command in the guest, shaped like the ``subprocess.Popen`` that ``pump`` drives."""
 
-    def __init__(self, conn: AgentConnection, chan: int, argv: list[str]) -> None:
+    def __init__(self, conn: AgentConnection, chan: int, argv: list[str], stdin_fd: int | None = None) -> None:
+        """``stdin_fd``: a descriptor of the caller's (a pipe's read end, taken over and closed
+        here) whose bytes are the command's input, for an owner that writes it later
+        (``Attach``); without one, :attr:`stdin` is the pipe to write."""
         self.conn, self.chan, self.args = conn, chan, argv
         self.pid = 0
         self.returncode: int | None = None
         self._exited = threading.Event()
         out_r, self._out_w = os.pipe()
         err_r, self._err_w = os.pipe()
-        in_r, in_w = os.pipe()
         self.stdout: BinaryIO = os.fdopen(out_r, "rb", buffering=0)
         self.stderr: BinaryIO = os.fdopen(err_r, "rb", buffering=0)
-        self.stdin: BinaryIO | None = os.fdopen(in_w, "wb", buffering=0)
-        self._in_r = in_r
+        self.stdin: BinaryIO | None = None
+        if stdin_fd is None:
+            stdin_fd, in_w = os.pipe()
+            self.stdin = os.fdopen(in_w, "wb", buffering=0)
+        self._in_r = stdin_fd
         self._forwarder = threading.Thread(target=self._forward_stdin, daemon=True, name=f"agent-stdin-{chan}")
 
     def _forward_stdin(self) -> None:
@@ -600,7 +605,20 @@ class AgentConnection:
             pass
         return time.perf_counter() - t
 
-    def exec(self, argv: list[str], *, env: dict[str, str], cwd: str, uid: int, gid: int) -> GuestProcess:
+    def exec(self, argv: list[str], *, env: dict[str, str], cwd: str, uid: int, gid: int,
+             stdin_fd: int | None = None) -> GuestProcess:
+        """A command in the guest; its input from ``stdin_fd`` when given (see :class:`GuestProcess`,
+        which closes it: so does a failure here)."""
+        try:
+            return self._exec(argv, env=env, cwd=cwd, uid=uid, gid=gid, stdin_fd=stdin_fd)
+        except BaseException:
+            if stdin_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(stdin_fd)
+            raise
+
+    def _exec(self, argv: list[str], *, env: dict[str, str], cwd: str, uid: int, gid: int,
+              stdin_fd: int | None) -> GuestProcess:
         payload = (struct.pack(">II", uid, gid) + _str(cwd) + struct.pack(">I", len(argv))
                    + b"".join(_str(a) for a in argv) + struct.pack(">I", len(env))
                    + b"".join(_str(f"{k}={v}") for k, v in env.items()))
@@ -611,7 +629,7 @@ class AgentConnection:
             if self.closed is not None:
                 raise self._closed_error()
             self._last_chan += 1
-            proc = self._procs[self._last_chan] = GuestProcess(self, self._last_chan, argv)
+            proc = self._procs[self._last_chan] = GuestProcess(self, self._last_chan, argv, stdin_fd)
         self.send(T_EXEC, proc.chan, payload)
         proc._forwarder.start()
         return proc

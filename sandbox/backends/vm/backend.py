@@ -813,15 +813,23 @@ class VmBackend:
     def spawn(self, box: Box, st: SandboxState, argv: Sequence[str], *, env: Mapping[str, str], cwd: str,
               uid: int, gid: int, tag: str, input_pipe: bool, attach: Attach | None = None) -> Process:
         """A command in the guest through its agent; its output arrives in OS pipes, so the
-        manager's pump streams, caps and times it out as a container's."""
-        if attach is not None:
-            raise UnsupportedOption(f"sandbox {box.id} is a {st.options.isolation}: interactive commands "
-                                    "(stdin left open, a terminal) are not available for VMs yet")
-        conn = self.conn(box.id, box.dir, st)
+        manager's pump streams, caps and times it out as a container's.  A background command
+        (``attach`` on pipes) gets its owner's input: the agent's stdin forwarder reads a copy
+        of the owner's pipe."""
+        if attach is not None and attach.terminal is not None:
+            raise UnsupportedOption(f"sandbox {box.id} is a {st.options.isolation}: a terminal (pty) is not "
+                                    "available for VMs yet (the guest agent runs commands on pipes)")
+        stdin_fd = None
         try:
-            proc = conn.exec(list(argv), env=dict(env), cwd=cwd, uid=uid, gid=gid)
+            conn = self.conn(box.id, box.dir, st)
+            if attach is not None:  # a copy: the owner closes its own once the runner holds it
+                stdin_fd = os.dup(attach.stdin_fd) if attach.stdin_fd is not None else os.open(os.devnull, os.O_RDONLY)
+            proc = conn.exec(list(argv), env=dict(env), cwd=cwd, uid=uid, gid=gid, stdin_fd=stdin_fd)
         except AgentError as exc:
             raise SandboxStateError(f"sandbox {box.id}: its guest agent: {exc}") from None
+        finally:
+            if attach is not None:
+                attach.spawned()
         return GuestCommand(proc, st.options.isolation)
 
     def tcp_socket(self, box: Box, st: SandboxState) -> socket.socket:

@@ -6,12 +6,23 @@ the command's number in its sandbox (from 1; not a pid of the sandbox's kernel, 
 does not see for a container's exec) and its ``tag`` the caller's name for it.
 
 - ``Start`` streams the start event, the output (``pty`` for a terminal), keepalives at the
-  interval the client asks (``Keepalive-Ping-Interval``) and the end event; the process does
-  not end when the stream does (E2B's ``timeout`` bounds the connection): ``Connect``
-  attaches to it again, replaying what is still kept.
+  interval the client asks (``Keepalive-Ping-Interval``) and the end event.  The process does
+  not end when the stream does: ``Connect`` attaches to it again (by pid or tag), replaying
+  what is still kept, and a finished one answers its kept output and end event.
+- The SDK's command ``timeout`` (``Connect-Timeout-Ms``) bounds the process too, as envd's
+  does: the exec's timeout is what is left of it when the request arrives, so the process is
+  killed (``killed (timed out)``) once its caller's deadline has passed, and the SDK raises
+  its TimeoutException when that deadline passes.  ``timeout=0`` (no header): no bound.  A
+  ``Connect``'s timeout bounds only that connection.
 - ``stdin: false`` closes the process's input at once, as envd gives it none.
 - ``SendSignal``: SIGKILL and SIGTERM both kill the process's tree under the freezer (the
-  native kill); other signals are refused.
+  native kill); other signals are refused; a process that has ended is NOT_FOUND, as envd's
+  (the SDK's ``kill`` then answers False).
+- A sandbox that is not running (paused) answers every call as E2B's proxy does for it: 502
+  "The sandbox ... was not found running: it is paused", which the SDK raises as
+  SandboxNotRunningException.
+- Messages are bounded (:data:`READ_MAX_BYTES`): one stdin write of the edge's largest
+  (``CommandLimits.stdin``) and its envelope fit, a larger one is RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -21,20 +32,23 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from connectrpc.code import Code
+from connectrpc.codec import Codec, proto_binary_codec, proto_json_codec
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
 from e2b.envd.process import process_pb as pb
 from e2b.envd.process.process_connect import ProcessASGIApplication
 from protobuf import Oneof
 
-from sandbox.core.errors import InvalidField
-from sandbox.core.model import ExecRequest, check_str
+from sandbox.core.errors import ApiError, InvalidField
+from sandbox.core.model import ExecRequest, SandboxState, check_str
+from sandbox.edge.auth import Project
 from sandbox.edge.context import EdgeContext
 from sandbox.edge.routes.commands import Command, Commands, StartRequest
 from sandbox.host.sandbox import Sandbox
 
 from .envd import current, rpc, rpc_stream, run_as
 
+READ_MAX_BYTES = 2 << 20  # one request message: a stdin write of CommandLimits.stdin (1 MiB) with room
 DEFAULT_KEEPALIVE = 30.0  # seconds between keepalive events when the client names none
 MIN_KEEPALIVE = 1.0
 MAX_TAG = 256
@@ -48,15 +62,15 @@ class ProcessService:
 
     @rpc
     async def list(self, request: pb.ListRequest, ctx: RequestContext[Any, Any], /) -> pb.ListResponse:
-        _, box, _ = await current().sandbox()
+        _, box, _ = await running()
         return pb.ListResponse(processes=[info(c) for c in self.commands.of(box.id) if c.running])
 
     @rpc_stream
     async def start(self, request: pb.StartRequest, ctx: RequestContext[Any, Any], /) -> AsyncIterator[
             pb.StartResponse]:
         call = current()
-        project, box, state = await call.sandbox()
-        req = start_request(request, await run_as(box, call.user), self.ctx)
+        project, box, state = await running()
+        req = start_request(request, await run_as(box, call.user), self.ctx, deadline(ctx))
         tag = check_str("tag", request.tag, max_len=MAX_TAG, what="a tag") if request.tag else None
         cmd = await self.commands.launch(self.ctx, project.name, box, state, req, tag=tag)
         if not request.stdin and req.terminal is None:
@@ -68,7 +82,7 @@ class ProcessService:
     @rpc_stream
     async def connect(self, request: pb.ConnectRequest, ctx: RequestContext[Any, Any], /) -> AsyncIterator[
             pb.ConnectResponse]:
-        _, box, _ = await current().sandbox()
+        _, box, _ = await running()
         cmd = self.select(box, request.process)
         yield pb.ConnectResponse(event=event("start", pb.ProcessEvent.StartEvent(pid=cmd.number)))
         async for each in events(cmd, keepalive(ctx)):
@@ -76,7 +90,7 @@ class ProcessService:
 
     @rpc
     async def update(self, request: pb.UpdateRequest, ctx: RequestContext[Any, Any], /) -> pb.UpdateResponse:
-        _, box, _ = await current().sandbox()
+        _, box, _ = await running()
         cmd = self.select(box, request.process)
         size = request.pty.size if request.pty is not None else None
         if size is None:
@@ -87,7 +101,7 @@ class ProcessService:
     @rpc
     async def stream_input(self, request: AsyncIterator[pb.StreamInputRequest],
                            ctx: RequestContext[Any, Any], /) -> pb.StreamInputResponse:
-        _, box, _ = await current().sandbox()
+        _, box, _ = await running()
         cmd: Command | None = None
         async for message in request:
             match message.event:
@@ -102,7 +116,7 @@ class ProcessService:
     @rpc
     async def send_input(self, request: pb.SendInputRequest, ctx: RequestContext[Any, Any], /) -> \
             pb.SendInputResponse:
-        _, box, _ = await current().sandbox()
+        _, box, _ = await running()
         cmd = self.select(box, request.process)
         await cmd.write(input_bytes(request.input))
         return pb.SendInputResponse()
@@ -110,18 +124,20 @@ class ProcessService:
     @rpc
     async def send_signal(self, request: pb.SendSignalRequest, ctx: RequestContext[Any, Any], /) -> \
             pb.SendSignalResponse:
-        _, box, _ = await current().sandbox()
+        _, box, _ = await running()
         cmd = self.select(box, request.process)
         signal = int(request.signal or 0)
         if signal not in (SIGKILL, SIGTERM):
             raise InvalidField("signal", f"{signal} is not SIGKILL or SIGTERM")
+        if not cmd.running:  # envd keeps no ended process to signal: the SDK's kill() is False
+            raise ConnectError(Code.NOT_FOUND, f"process {cmd.number} of sandbox {box.id} has ended")
         cmd.kill()
         return pb.SendSignalResponse()
 
     @rpc
     async def close_stdin(self, request: pb.CloseStdinRequest, ctx: RequestContext[Any, Any], /) -> \
             pb.CloseStdinResponse:
-        _, box, _ = await current().sandbox()
+        _, box, _ = await running()
         cmd = self.select(box, request.process)
         if cmd.terminal is not None:
             raise InvalidField("process", "a terminal has no end of input (send ^D, \\x04)")
@@ -135,7 +151,8 @@ class ProcessService:
                 found = [c for c in self.commands.of(box.id) if c.number == pid]
                 what = f"pid {pid}"
             case Oneof(field="tag", value=tag):
-                found = [c for c in self.commands.of(box.id) if c.tag == tag and c.running]
+                tagged = [c for c in self.commands.of(box.id) if c.tag == tag]
+                found = [c for c in tagged if c.running] or tagged  # the running one, else the last ended
                 what = f"tag {str(tag)[:MAX_TAG]!r}"
             case _:
                 raise InvalidField("process", "is required: a pid or a tag")
@@ -144,11 +161,35 @@ class ProcessService:
         return found[-1]
 
     def application(self) -> ProcessASGIApplication:
-        return ProcessASGIApplication(self)  # type: ignore[arg-type]
+        return ProcessASGIApplication(self, read_max_bytes=READ_MAX_BYTES,  # type: ignore[arg-type]
+                                      codecs=[Checked(proto_binary_codec()), Checked(proto_json_codec())])
 
 
-def start_request(request: pb.StartRequest, user: str | None, ctx: EdgeContext) -> StartRequest:
-    """The background command a Start asks for, validated as a native one is."""
+class Checked:
+    """A codec whose undecodable request is the caller's error (INVALID_ARGUMENT naming the
+    message), not connectrpc's UNKNOWN."""
+
+    def __init__(self, inner: Codec[Any, Any]) -> None:
+        self.inner = inner
+
+    def name(self) -> str:
+        return self.inner.name()
+
+    def encode(self, message: Any) -> bytes:
+        return self.inner.encode(message)
+
+    def decode(self, data: bytes | bytearray, message_class: type[Any]) -> Any:
+        try:
+            return self.inner.decode(data, message_class)
+        except Exception as exc:
+            raise ConnectError(Code.INVALID_ARGUMENT, f"the request is not a {message_class.__name__} in "
+                                                      f"{self.inner.name()}: {str(exc)[:200]}") from None
+
+
+def start_request(request: pb.StartRequest, user: str | None, ctx: EdgeContext,
+                  timeout: float | None = None) -> StartRequest:
+    """The background command a Start asks for, validated as a native one is; ``timeout``
+    (seconds, from :func:`deadline`) bounds the process."""
     config = request.process
     if config is None or not config.cmd:
         raise InvalidField("process.cmd", "is required")
@@ -159,8 +200,9 @@ def start_request(request: pb.StartRequest, user: str | None, ctx: EdgeContext) 
     body: dict[str, Any] = {"cmd": [config.cmd, *list(config.args or [])], "env": dict(config.envs or {})}
     if config.cwd:
         body["cwd"] = config.cwd
-    if terminal is not None:
-        body["output_cap"] = ctx.maxima.output_cap
+    if timeout is not None:
+        body["timeout"] = timeout
+    body["output_cap"] = ctx.maxima.output_cap  # envd streams what a process prints: the edge's most
     req = ctx.maxima.check_exec(ExecRequest.from_json(body))
     if user is not None:
         req = req.with_user(user)
@@ -181,6 +223,23 @@ def input_bytes(given: pb.ProcessInput | None) -> bytes:
         case Oneof(field="stdin", value=data) | Oneof(field="pty", value=data):
             return bytes(data)
     raise InvalidField("input", "is required: stdin or pty bytes")
+
+
+async def running() -> tuple[Project, Sandbox, SandboxState]:
+    """The call's sandbox, running: a paused one has no processes, and answers as E2B's proxy
+    does for a sandbox that is not running (the SDK's SandboxNotRunningException)."""
+    project, box, state = await current().sandbox()
+    if state.status != "running":
+        hint = " (resume it: Sandbox.connect)" if state.status == "paused" else ""
+        raise ApiError(502, "sandbox_not_running", f"The sandbox {box.id} was not found running: it is "
+                                                   f"{state.status}{hint}")
+    return project, box, state
+
+
+def deadline(ctx: RequestContext[Any, Any]) -> float | None:
+    """Seconds left of the caller's ``Connect-Timeout-Ms`` (None: no deadline), at least 1 ms."""
+    left = ctx.timeout_ms
+    return None if left is None else max(0.001, left / 1000.0)
 
 
 def keepalive(ctx: RequestContext[Any, Any]) -> float:

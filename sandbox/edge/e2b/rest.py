@@ -86,13 +86,16 @@ class Rest:
         template = check_str("templateID", body.get("templateID"), max_len=512, what="a template (a ref name)")
         given = create_options(body)  # every field checked before any lookup
         resolved = await self.template(project, template)
-        isolation = isolation_of(resolved)
+        carried = await ctx.carried(resolved)
+        # the template's label, else what its checkpoint's sandbox ran as (a microVM's disk
+        # restores only as a microVM), else a container
+        isolation = isolation_of(resolved) or (carried.isolation if carried is not None else "container")
         if isolation != "container":
             caps = await ctx.capabilities(isolation)
             if not caps.available:
                 raise ApiError(None, "unsupported_isolation", f"template {template!r} runs as {isolation}, which "
                                f"this edge does not run: {caps.reason}", field="templateID")
-        options = ctx.options(project, {**given, "isolation": isolation}, extra=(), base=await ctx.carried(resolved))
+        options = ctx.options(project, {**given, "isolation": isolation}, extra=(), base=carried)
         options = options.replace(labels={**options.labels, TEMPLATE_LABEL: template})
         async with ctx.admitted(project.name, project.max_sandboxes, [options]):
             box = await ctx.create(resolved, options, template)
@@ -268,10 +271,11 @@ def _cidrs(field: str, value: object) -> list[str]:
     return out
 
 
-def isolation_of(resolved: Resolved) -> str:
+def isolation_of(resolved: Resolved) -> str | None:
+    """What the template's document's label says it runs as (None: it says nothing)."""
     labels = resolved.doc.get("labels") if isinstance(resolved.doc, dict) else None
     value = labels.get(ISOLATION_LABEL) if isinstance(labels, dict) else None
-    return value if value in ("container", "microvm", "vm") else "container"
+    return value if value in ("container", "microvm", "vm") else None
 
 
 def template_of(state: SandboxState) -> str:

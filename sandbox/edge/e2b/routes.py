@@ -5,6 +5,7 @@ request that names a sandbox (headers or host name), before aiohttp's router see
 from __future__ import annotations
 
 import asyncio
+import re
 
 from aiohttp import web
 
@@ -17,6 +18,7 @@ from sandbox.edge.e2b.process import ProcessService
 from sandbox.edge.routes.commands import Commands
 from sandbox.edge.routes.ports import PortProxy
 
+CLAIMED_LABEL = re.compile(r"[0-9]{1,5}-")  # a host label naming a sandbox's port, its id not yet checked
 # what only the edge reads: never relayed to a sandbox's server
 E2B_HEADERS = frozenset({"e2b-sandbox-id", "e2b-sandbox-port", "x-access-token", "x-api-key",
                          "e2b-traffic-access-token"})
@@ -31,6 +33,15 @@ class E2bRoutes:
 
     def target(self, request: web.Request) -> Target | None:
         return target_of(request, self.e2b.domain)
+
+    def claims(self, request: web.Request) -> bool:
+        """Whether ``request`` is meant for a sandbox (E2B's headers, or a ``<port>-...`` host name
+        in the E2B domain), well formed or not: its errors then answer in E2B's shape.  (Another
+        name in the domain, such as ``api.<domain>``, is the edge's own API.)"""
+        if "E2b-Sandbox-Id" in request.headers or "E2b-Sandbox-Port" in request.headers:
+            return True
+        label, _, rest = request.headers.get("Host", "").lower().partition(":")[0].partition(".")
+        return bool(self.e2b.domain) and rest == self.e2b.domain and CLAIMED_LABEL.match(label) is not None
 
     async def dispatch(self, request: web.Request, target: Target) -> web.StreamResponse:
         return await self.envd.dispatch(request, target)
