@@ -8,7 +8,9 @@ start from ``base`` and run, interleaved round by round (the order alternating):
 * **create to first output**: create a sandbox and run ``echo ready`` until its output is back
   (native ``AsyncSandbox.create`` + ``commands.run``; E2B ``AsyncSandbox.create`` +
   ``commands.run``, which runs as ``user``, E2B's default);
-* **command**: ``commands.run("true")`` on a live sandbox, ``--iterations`` times;
+* **command**: ``commands.run("true")`` on a live sandbox, ``--iterations`` times; the e2b SDK
+  runs it as ``/bin/bash -l -c true`` (a login shell), so the native client also runs that argv,
+  and the row "native: bash -l -c true" compares the protocols on the same process;
 * **file**: a 10 MB file written then read back (checked equal);
 * **fork**: a fork of ``--forks`` sandboxes, timed until the answer (every fork running);
 * **pause** and **resume** (E2B resumes through ``connect``).
@@ -58,6 +60,8 @@ FILE_PATH = "/tmp/bench-10mb.bin"
 READY_TIMEOUT = 60.0
 TTL = 900  # seconds: every sandbox of the run outlives its section
 REPO = Path(__file__).resolve().parents[1]
+E2B_USER = "user"  # the account E2B's commands run as (the template has it)
+E2B_ARGV = ["/bin/bash", "-l", "-c", "true"]  # what the e2b SDK runs for commands.run("true")
 MISSING = "lb-000000000000"  # a well-formed id no sandbox has: what a route that exists answers 404 for
 
 
@@ -184,9 +188,10 @@ class Native:
     async def create(self) -> Any:
         from sandbox.sdk import AsyncSandbox
 
-        return await AsyncSandbox.create(TEMPLATE, url=self.edge.url, token=self.edge.token, ttl=TTL)
+        # as E2B's user, as the e2b SDK's commands run
+        return await AsyncSandbox.create(TEMPLATE, url=self.edge.url, token=self.edge.token, ttl=TTL, user=E2B_USER)
 
-    async def run(self, sb: Any, cmd: str) -> str:
+    async def run(self, sb: Any, cmd: str | list[str]) -> str:
         return str((await sb.commands.run(cmd)).stdout)
 
     async def write(self, sb: Any, data: bytes) -> None:
@@ -291,7 +296,11 @@ async def command_section(clients: Sequence[Client], live: dict[str, Any], n: in
     async def step(client: Client, sb: Any) -> dict[str, float]:
         t0 = time.perf_counter()
         await client.run(sb, "true")
-        return {"run_true": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        if client.name == "e2b":  # its "true" is E2B's argv already
+            return {"run_true": t1 - t0, "run_true_as_e2b": t1 - t0}
+        await client.run(sb, E2B_ARGV)
+        return {"run_true": t1 - t0, "run_true_as_e2b": time.perf_counter() - t1}
 
     return figures(await interleaved(clients, n, step, live, 'commands.run("true")'))
 
@@ -399,7 +408,8 @@ async def run_bench(args: argparse.Namespace, edge: Edge) -> dict[str, Any]:
 # -- output --------------------------------------------------------------------------------------------
 
 ROWS = [("create", "create", "create (answer)"), ("create", "create_to_first_output", "create to first output"),
-        ("command", "run_true", 'commands.run("true")'), ("file", "write_10mb", "write 10 MB"),
+        ("command", "run_true", 'commands.run("true")'),
+        ("command", "run_true_as_e2b", "  native: bash -l -c true"), ("file", "write_10mb", "write 10 MB"),
         ("file", "read_10mb", "read 10 MB"), ("fork", None, "fork"), ("pause", "pause", "pause"),
         ("pause", "resume", "resume")]
 
