@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 from support.e2b import ADMIN, ALPHA, BETA, TEMPLATE, TOKENS, make_template
 from support.edges import EdgeProcess, running
+from support.edges import http as native
 from support.sandboxes import store_url  # noqa: F401  (a module's store with the fixture image)
 
 pytestmark = pytest.mark.root
@@ -58,6 +59,7 @@ class World:
     edge: EdgeProcess
     alpha: dict[str, Any]  # the create answers: sandboxID, envdAccessToken, trafficAccessToken
     beta: dict[str, Any]
+    pid: int = 0  # a process (sleep 600) running in alpha's sandbox
 
     def call(self, method: str, path: str, headers: dict[str, str], body: bytes | dict[str, Any] | None = None, *,
              sid: str = "") -> Answer:
@@ -81,6 +83,12 @@ class World:
     def alphas(self) -> Answer:
         """Alpha's own view of its sandbox."""
         return self.call("GET", f"/sandboxes/{self.alpha['sandboxID']}", {"X-API-Key": ALPHA})
+
+    def alphas_processes(self) -> list[int]:
+        answer = self.call("POST", "/process.Process/List", {**UNARY, "X-API-Key": ALPHA,
+                                                             "E2b-Sandbox-Id": self.alpha["sandboxID"]}, b"{}")
+        assert answer.status == 200, answer
+        return [int(p["pid"]) for p in answer.body.get("processes", [])]
 
 
 def missing_id(world: World) -> str:
@@ -114,7 +122,12 @@ def world(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             made.append((ALPHA, alpha["sandboxID"]))
             beta = create(edge, BETA)
             made.append((BETA, beta["sandboxID"]))
-            yield World(edge, alpha, beta)
+            status, _, cmd = native("POST", f"{edge.url}/v1/sandboxes/{alpha['sandboxID']}/commands",
+                                  {"cmd": "sleep 600"}, token=ALPHA)
+            assert status in (200, 201), cmd
+            world = World(edge, alpha, beta)
+            (world.pid,) = world.alphas_processes()
+            yield world
         finally:
             for key, sid in made:
                 World(edge, {}, {}).call("DELETE", f"/sandboxes/{sid}", {"X-API-Key": key})
@@ -173,14 +186,27 @@ def envelope(doc: dict[str, Any]) -> bytes:
 
 UNARY = {"Content-Type": "application/json", "Connect-Protocol-Version": "1"}
 STREAM = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"}
-ENVD_ROUTES = {
-    "health": ("GET", "/health", {}, None),
-    "envs": ("GET", "/envs", {}, None),
-    "files": ("GET", "/files?path=/etc/hostname", {}, None),
-    "process List": ("POST", "/process.Process/List", UNARY, b"{}"),
-    "process Start": ("POST", "/process.Process/Start", STREAM,
-                      envelope({"process": {"cmd": "/bin/sh", "args": ["-c", "echo hi"]}})),
-}
+ENVD_ROUTES = ["health", "envs", "files", "process List", "process Start", "process SendSignal",
+               "process Connect"]
+OWNER_CONTROL = ("health", "envs", "files", "process List", "process Start")  # the others would end or hold alpha's
+
+
+def envd_route(world: World, route: str) -> tuple[str, str, dict[str, str], bytes | None]:
+    """method, path, headers, body of an envd call; the process calls name alpha's running process."""
+    process = {"process": {"pid": world.pid}}
+    return {
+        "health": ("GET", "/health", {}, None),
+        "envs": ("GET", "/envs", {}, None),
+        "files": ("GET", "/files?path=/etc/hostname", {}, None),
+        "process List": ("POST", "/process.Process/List", UNARY, b"{}"),
+        "process Start": ("POST", "/process.Process/Start", STREAM,
+                          envelope({"process": {"cmd": "/bin/sh", "args": ["-c", "echo hi"]}})),
+        "process SendSignal": ("POST", "/process.Process/SendSignal", UNARY,
+                               json.dumps({**process, "signal": "SIGNAL_SIGKILL"}).encode()),
+        "process Connect": ("POST", "/process.Process/Connect", STREAM, envelope(process)),
+    }[route]
+
+
 CREDENTIALS = {
     "beta's key": lambda w: {"X-API-Key": BETA},
     "beta's sandbox's envd token": lambda w: {"X-Access-Token": w.beta["envdAccessToken"]},
@@ -194,7 +220,10 @@ def skip_unserved(route: str) -> None:
 
 def owners_answer_works(world: World, route: str, headers: dict[str, str]) -> None:
     """The control: alpha's own envd token on the same route succeeds, so a refusal is the tenancy's."""
-    method, path, extra, body = ENVD_ROUTES[route]
+    if route not in OWNER_CONTROL:
+        assert world.pid in world.alphas_processes()
+        return
+    method, path, extra, body = envd_route(world, route)
     answer = world.call(method, path, {**headers, **extra, "X-Access-Token": world.alpha["envdAccessToken"]}, body)
     assert answer.status in (200, 204), answer
     if route == "process Start":
@@ -202,11 +231,11 @@ def owners_answer_works(world: World, route: str, headers: dict[str, str]) -> No
         assert b'"error"' not in answer.body
 
 
-@pytest.mark.parametrize("route", list(ENVD_ROUTES))
+@pytest.mark.parametrize("route", ENVD_ROUTES)
 @pytest.mark.parametrize("credential", list(CREDENTIALS))
 def test_alphas_sandbox_id_on_envd_answers_like_a_missing_sandbox(world: World, route: str, credential: str) -> None:
     skip_unserved(route)
-    method, path, extra, body = ENVD_ROUTES[route]
+    method, path, extra, body = envd_route(world, route)
     sid, nobody = world.alpha["sandboxID"], missing_id(world)
     creds = CREDENTIALS[credential](world)
     owners_answer_works(world, route, {"E2b-Sandbox-Id": sid})
@@ -218,14 +247,15 @@ def test_alphas_sandbox_id_on_envd_answers_like_a_missing_sandbox(world: World, 
     else:  # a Connect error (unary) or an end of stream carrying one
         assert missing.status != 200 or b'"error"' in missing.body, missing
     assert world.alphas().body["state"] == "running"
+    assert world.pid in world.alphas_processes()  # beta's SendSignal killed nothing
 
 
-@pytest.mark.parametrize("route", list(ENVD_ROUTES))
+@pytest.mark.parametrize("route", ENVD_ROUTES)
 @pytest.mark.parametrize("credential", list(CREDENTIALS))
 def test_a_host_naming_another_projects_sandbox_answers_like_a_missing_one(
         world: World, route: str, credential: str) -> None:
     skip_unserved(route)
-    method, path, extra, body = ENVD_ROUTES[route]
+    method, path, extra, body = envd_route(world, route)
     sid, nobody = world.alpha["sandboxID"], missing_id(world)
     creds = CREDENTIALS[credential](world)
     owners_answer_works(world, route, {"Host": f"{ENVD}-{sid}.{DOMAIN}"})
@@ -233,6 +263,7 @@ def test_a_host_naming_another_projects_sandbox_answers_like_a_missing_one(
     missing = world.call(method, path, {**creds, **extra, "Host": f"{ENVD}-{nobody}.{DOMAIN}"}, body, sid=nobody)
     assert theirs == missing
     assert missing.status != 200 or b'"error"' in missing.body, missing
+    assert world.pid in world.alphas_processes()
 
 
 @pytest.mark.parametrize("header", ["X-API-Key", "X-Access-Token", "e2b-traffic-access-token"])
@@ -248,6 +279,47 @@ def test_another_sandboxs_port_answers_like_a_missing_one(world: World, header: 
         missing = world.call("GET", "/", {header: value, **target(nobody)}, sid=nobody)
         assert theirs == missing
         assert (missing.status, missing.message()) == (502, GONE), missing
+
+
+def test_alphas_paused_sandbox_stays_paused_and_missing_to_beta(world: World) -> None:
+    """Beta's connect or resume must not thaw alpha's paused sandbox: every answer is a missing id's."""
+    sid, nobody = world.alpha["sandboxID"], missing_id(world)
+    assert world.call("POST", f"/sandboxes/{sid}/pause", {"X-API-Key": ALPHA}).status == 204
+    try:
+        paused = world.alphas()
+        assert paused.body["state"] == "paused"
+        for method, path, body in REST:
+            theirs = world.call(method, path.format(id=sid), {"X-API-Key": BETA}, body, sid=sid)
+            missing = world.call(method, path.format(id=nobody), {"X-API-Key": BETA}, body, sid=nobody)
+            assert theirs == missing, (method, path)
+        for headers in ({"X-API-Key": BETA}, {"X-Access-Token": world.beta["envdAccessToken"]}):
+            theirs = world.call("GET", "/health", {**headers, "E2b-Sandbox-Id": sid}, sid=sid)
+            missing = world.call("GET", "/health", {**headers, "E2b-Sandbox-Id": nobody}, sid=nobody)
+            assert theirs == missing
+        assert world.alphas() == paused
+    finally:
+        resumed = world.call("POST", f"/sandboxes/{sid}/connect", {"X-API-Key": ALPHA}, {})
+    assert resumed.status == 201, resumed
+    assert world.alphas().body["state"] == "running"
+
+
+def test_another_projects_snapshot_as_a_template_answers_like_a_missing_one(world: World) -> None:
+    sid = world.alpha["sandboxID"]
+    status, _, ckpt = native("POST", f"{world.edge.url}/v1/sandboxes/{sid}/checkpoint", {"name": "tenancy-snap"},
+                           token=ALPHA)
+    assert status == 201, ckpt
+    try:
+        own = world.call("POST", "/sandboxes", {"X-API-Key": ALPHA}, {"templateID": ckpt["name"], "timeout": 60})
+        assert own.status == 201, own  # the control: alpha starts from it
+        assert world.call("DELETE", f"/sandboxes/{own.body['sandboxID']}", {"X-API-Key": ALPHA}).status == 204
+        for ref, nothere in ((ckpt["name"], ckpt["name"] + "-not-there"),
+                             (ckpt["digest"], ckpt["digest"][:-1] + ("0" if ckpt["digest"][-1] != "0" else "1"))):
+            theirs = world.call("POST", "/sandboxes", {"X-API-Key": BETA}, {"templateID": ref}, sid=ref)
+            missing = world.call("POST", "/sandboxes", {"X-API-Key": BETA}, {"templateID": nothere}, sid=nothere)
+            assert theirs == missing
+            assert (missing.status, missing.body["code"]) == (404, 404), missing
+    finally:
+        native("DELETE", f"{world.edge.url}/v1/checkpoints/{ckpt['name']}", token=ALPHA)
 
 
 # -- ids with a bad grammar, and who calls ---------------------------------------------------------
