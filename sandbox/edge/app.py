@@ -34,7 +34,7 @@ from sandbox.edge.auth import AuthConfig, Project
 from sandbox.edge.caps import ProjectCaps
 from sandbox.edge.context import MAX_BODY, SHUTDOWN_GRACE, EdgeContext
 from sandbox.edge.e2b import routes as e2b_routes
-from sandbox.edge.e2b.base import check_domain
+from sandbox.edge.e2b.base import check_domain, from_e2b_client
 from sandbox.edge.e2b.base import error_response as e2b_error
 from sandbox.edge.errors import as_api_error
 from sandbox.edge.metrics import Metrics
@@ -187,7 +187,7 @@ class SandboxService:
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "?"
-        e2b = (request.match_info.route.name or "").startswith("e2b:") or (
+        e2b = (request.match_info.route.name or "").startswith("e2b:") or from_e2b_client(request) or (
             self.e2b is not None and self.e2b.claims(request))  # (a malformed sandbox id too)
         try:
             target = self.e2b.target(request) if self.e2b is not None else None

@@ -44,6 +44,8 @@ ENVD_VERSION = "0.5.7"
 DEFAULT_USER = "user"  # E2B templates run commands as this account unless told root
 HOST_LABEL = re.compile(r"(?P<port>[0-9]{1,5})-(?P<id>[^.]{1,64})")
 MAX_DOMAIN = 253
+E2B_CLIENT_HEADERS = ("X-API-Key", "E2b-Sandbox-Id", "E2b-Sandbox-Port", "X-Access-Token",
+                      "E2b-Traffic-Access-Token")
 
 
 @dataclass(frozen=True)
@@ -58,21 +60,30 @@ def target_of(request: web.Request, domain: str | None) -> Target | None:
     """The sandbox and port an in-sandbox request names, None for any other request; a malformed
     id or port is 400 before anything looks it up."""
     sid, port = request.headers.get("E2b-Sandbox-Id"), request.headers.get("E2b-Sandbox-Port")
+    id_field, port_field = "E2b-Sandbox-Id", "E2b-Sandbox-Port"
     if sid is None and port is None and domain:
         host = request.headers.get("Host", "").rpartition(":")[0] or request.headers.get("Host", "")
         label, dot, rest = host.lower().partition(".")
         if dot and rest == domain and (m := HOST_LABEL.fullmatch(label)):
             sid, port = m["id"], m["port"]
+            id_field = port_field = "Host"  # a 400 names what the caller sent
     if sid is None and port is None:
         return None
     if sid is None:
         raise InvalidField("E2b-Sandbox-Id", "header is required with E2b-Sandbox-Port")
-    check_sandbox_id(sid, "E2b-Sandbox-Id")
+    check_sandbox_id(sid, id_field)
     if port is None:
         port = str(ENVD_PORT)
     if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
-        raise InvalidField("E2b-Sandbox-Port", f"{port[:20]!r} is not a port (1-65535)")
+        raise InvalidField(port_field, f"{port[:20]!r} is not a port (1-65535)")
     return Target(sid, int(port))
+
+
+def from_e2b_client(request: web.Request) -> bool:
+    """Whether a request carries what only E2B's SDK sends (its API key, a sandbox's headers or
+    tokens): its errors then answer in E2B's shape, even before a route is matched (an id with a
+    bad grammar in E2b-Sandbox-Id, a route this edge does not serve)."""
+    return any(name in request.headers for name in E2B_CLIENT_HEADERS)
 
 
 def check_domain(domain: str) -> str:
