@@ -399,54 +399,47 @@ def process_defaults(files: Files, resolved: Resolved, options: SandboxOptions) 
 
 
 def account(files: Files, user: str) -> tuple[int, int, str]:
-    """``(uid, gid, home)`` of ``user`` (as :class:`ExecRequest` names it) in the sandbox's own
-    passwd: what a command run as another account gets.  Its home is ``/`` when passwd has none
-    (a numeric uid not listed)."""
-    uid, gid = _uid_gid(files, user)
-    name = user.partition(":")[0]
-    try:
-        text = files.read("/etc/passwd", ID_FILE_LIMIT).decode(errors="replace")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        parts = line.split(":")
-        if len(parts) > 5 and (parts[0] == name or (name.isdigit() and parts[2] == name)):
-            return uid, gid, parts[5] or "/"
-    return uid, gid, "/"
-
-
-def _uid_gid(files: Files, user: str) -> tuple[int, int]:
-    """An OCI ``User`` ("", "name", "uid", "uid:gid", "name:group") looked up in the rootfs.
+    """``(uid, gid, home)`` of ``user`` (an OCI ``User``: "name", "uid", "uid:gid", "name:group")
+    in the sandbox's own passwd and group files, each read once; its home is ``/`` when passwd
+    has none (a numeric uid not listed).
 
     The rootfs may hold an earlier agent's writes (a restored checkpoint): its passwd is
     the sandbox's own business, but a malformed line must not become our error.
     """
+    name, _, group = user.partition(":")
+    entry = next((p for p in _table(files, "/etc/passwd")
+                  if len(p) > 3 and (p[0] == name or (name.isdigit() and p[2] == name))), None)
+    if name.isdigit():
+        uid = int(name)
+    elif entry is not None and entry[2].isdigit():
+        uid = int(entry[2])
+    else:
+        raise UnsupportedOption(f"user {name!r} is not in the image's /etc/passwd")
+    home = entry[5] if entry is not None and len(entry) > 5 and entry[5] else "/"
+    if group:
+        if group.isdigit():
+            return uid, int(group), home
+        row = next((p for p in _table(files, "/etc/group") if len(p) > 2 and p[0] == group and p[2].isdigit()), None)
+        if row is None:
+            raise UnsupportedOption(f"group {group!r} is not in the image's /etc/group")
+        return uid, int(row[2]), home
+    if name.isdigit() or entry is None or not entry[3].isdigit():
+        return uid, uid, home
+    return uid, int(entry[3]), home
+
+
+def _table(files: Files, path: str) -> list[list[str]]:
+    """The colon-separated rows of ``path`` in the sandbox (none when it cannot be read)."""
+    try:
+        text = files.read(path, ID_FILE_LIMIT).decode(errors="replace")
+    except OSError:
+        return []
+    return [line.split(":") for line in text.splitlines()]
+
+
+def _uid_gid(files: Files, user: str) -> tuple[int, int]:
+    """The ids of an OCI ``User`` in the rootfs (root for none)."""
     if not user:
         return 0, 0
-    name, _, group = user.partition(":")
-
-    def lookup(path: str, key: str, column: int) -> int | None:
-        if key.isdigit():
-            return int(key)
-        try:
-            text = files.read(path, ID_FILE_LIMIT).decode(errors="replace")
-        except OSError:
-            return None
-        for line in text.splitlines():
-            parts = line.split(":")
-            if len(parts) > column and parts[0] == key and parts[column].isdigit():
-                return int(parts[column])
-        return None
-
-    uid = lookup("/etc/passwd", name, 2)
-    if uid is None:
-        raise UnsupportedOption(f"user {name!r} is not in the image's /etc/passwd")
-    if group:
-        gid = lookup("/etc/group", group, 2)
-        if gid is None:
-            raise UnsupportedOption(f"group {group!r} is not in the image's /etc/group")
-        return uid, gid
-    if name.isdigit():
-        return uid, uid
-    gid = lookup("/etc/passwd", name, 3)
-    return uid, gid if gid is not None else uid
+    uid, gid, _ = account(files, user)
+    return uid, gid

@@ -88,14 +88,25 @@ class EnvdCall:
 async def run_as(box: Sandbox, named: str | None) -> str | None:
     """The account a command or file operation runs as: the one named; else E2B's ``user`` when
     the sandbox has that account, else the sandbox's own user (None: an image without ``user``,
-    such as most OCI images, works as it would natively; docs/E2B.md "Users")."""
+    such as most OCI images, works as it would natively; docs/E2B.md "Users").  Whether it has
+    ``user`` is looked up once per sandbox, at its first call that names no account."""
     if named is not None:
         return named
-    try:
-        await asyncio.to_thread(account, box.files, DEFAULT_USER)
-    except UnsupportedOption:
-        return None
-    return DEFAULT_USER
+    has = _HAS_DEFAULT_USER.get(box.id)
+    if has is None:
+        try:
+            await asyncio.to_thread(account, box.files, DEFAULT_USER)
+            has = True
+        except UnsupportedOption:
+            has = False
+        if len(_HAS_DEFAULT_USER) >= _MAX_REMEMBERED:
+            _HAS_DEFAULT_USER.clear()  # ids of sandboxes long gone; a lookup each costs a millisecond
+        _HAS_DEFAULT_USER[box.id] = has
+    return DEFAULT_USER if has else None
+
+
+_HAS_DEFAULT_USER: dict[str, bool] = {}  # sandbox id -> whether it has E2B's account (ids are never reused)
+_MAX_REMEMBERED = 65536
 
 
 CALL: contextvars.ContextVar[EnvdCall] = contextvars.ContextVar("envd_call")
