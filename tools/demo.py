@@ -851,6 +851,7 @@ def sandbox_run(root: Path, store_url: str, report: Report, say: Say) -> None:
             f"{WRITE_PATH} back; that host fetched {fetched / MB:.1f} MB from the store")
         out["receipts"] = len(box.receipts())
         out["sdk"] = run_blocking(sdk_run(first, say))
+        out["e2b"] = run_blocking(e2b_run(first, say))
     report.sandbox = out
     for step, key in (("sandbox_cold", "cold_create_to_first_exec"), ("sandbox_warm", "warm_create_to_first_exec"),
                       ("sandbox_restore", "restore_to_first_exec")):
@@ -1015,6 +1016,54 @@ async def sdk_run(manager: Any, say: Say) -> dict[str, float]:
             if seen != {WRITE_TEXT}:
                 raise DemoError(f"sdk: the forks read {seen} at {WRITE_PATH}")
             say(f"sdk       {out['fork_2']:8.3f} s  sb.fork(2): two sandboxes continuing from its files")
+    finally:
+        await runner.cleanup()
+    return out
+
+
+async def e2b_run(manager: Any, say: Say) -> dict[str, float]:
+    """The same edge service as the stock ``e2b`` SDK sees it (its async client, configured with
+    only a key and the edge's URL): the image as a template, create to the first command's output,
+    a file written and read back through envd's routes, and the sandbox killed."""
+    import secrets
+
+    from aiohttp import web
+    from e2b import AsyncSandbox as E2bSandbox
+
+    from sandbox.edge.app import AuthConfig, SandboxService
+
+    token = secrets.token_hex(16)
+    service = SandboxService(manager, AuthConfig.from_dict({"projects": {"demo": {"tokens": [token],
+                                                                                  "max_sandboxes": 4}}}))
+    runner = web.AppRunner(service.app())
+    await runner.setup()
+    out: dict[str, float] = {}
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        url = f"http://{host}:{port}"
+        started = time.perf_counter()
+        sb = await E2bSandbox.create(IMAGE_NAME, timeout=120, allow_internet_access=False, api_key=token,
+                                     api_url=url, sandbox_url=url)
+        try:
+            res = await sb.commands.run(shlex.join(GUEST_COMMAND))
+            out["create_to_first_output"] = time.perf_counter() - started
+            if "ID=" not in res.stdout:
+                raise DemoError(f"e2b: sandbox {sb.sandbox_id}: {shlex.join(GUEST_COMMAND)} printed {res.stdout!r}")
+            who = (await sb.commands.run("id -un")).stdout.strip()
+            say(f"e2b       {out['create_to_first_output']:8.3f} s  create to first output through the stock e2b "
+                f"SDK (E2B's REST API and envd's Connect process service on the edge; runs as {who!r}: "
+                "the image has no E2B account 'user')")
+            started = time.perf_counter()
+            await sb.files.write(WRITE_PATH, WRITE_TEXT)
+            back = await sb.files.read(WRITE_PATH)
+            out["file_round_trip"] = time.perf_counter() - started
+            if back != WRITE_TEXT:
+                raise DemoError(f"e2b: read back {back!r} from {WRITE_PATH}")
+            say(f"e2b       {out['file_round_trip']:8.3f} s  files.write and files.read of {WRITE_PATH}")
+        finally:
+            await sb.kill()
     finally:
         await runner.cleanup()
     return out
