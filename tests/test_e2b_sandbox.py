@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import os
 import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +34,8 @@ from e2b import (
     SandboxState,
     Template,
 )
-from support.e2b import ALPHA, BETA, TEMPLATE, E2bEdge, e2b_edge
+from support.e2b import ADMIN, ALPHA, BETA, TEMPLATE, TOKENS, E2bEdge, e2b_edge
+from support.edges import EdgeProcess, http, running
 from support.sandboxes import store_url  # noqa: F401  (a module's store with the fixture image)
 
 pytestmark = pytest.mark.root
@@ -40,9 +43,34 @@ REAP = "0.5"  # seconds between reaper rounds: a timeout expires within a second
 
 
 @pytest.fixture(scope="module")
-def served(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2bEdge]:  # noqa: F811
-    with e2b_edge(tmp_path_factory.mktemp("e2b"), store_url, "--reap-interval", REAP) as edge:
+def secret(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The URL secret both edges share (the envd and traffic tokens they hand out are its HMACs)."""
+    path = tmp_path_factory.mktemp("secret") / "url-secret"
+    path.write_bytes(os.urandom(32))
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(store_url: str, secret: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2bEdge]:  # noqa: F811
+    with e2b_edge(tmp_path_factory.mktemp("e2b"), store_url, "--reap-interval", REAP,
+                  "--url-secret-file", str(secret)) as edge:
         yield edge
+
+
+@pytest.fixture
+def second(served: E2bEdge, store_url: str, secret: Path,  # noqa: F811
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:
+    """Another edge on the same store, tokens and URL secret."""
+    with running("e2b-second", tmp_path_factory.mktemp("second"), store_url, TOKENS,
+                 "--url-secret-file", str(secret), token=ADMIN) as edge:
+        yield edge
+
+
+def alpha_ids(url: str) -> list[str]:
+    """The alpha project's sandboxes an edge runs (its native API)."""
+    status, _, body = http("GET", url + "/v1/sandboxes", token=ALPHA)
+    assert status == 200, body
+    return [sb["id"] for sb in body["sandboxes"]]
 
 
 @pytest.fixture
@@ -294,13 +322,63 @@ def test_pause_then_connect_resumes_with_its_processes_and_files(served: E2bEdge
         box.kill()
 
 
+def test_a_filesystem_pause_goes_to_the_store_and_resumes_on_another_edge(served: E2bEdge,
+                                                                        second: EdgeProcess) -> None:
+    on_b = {"api_url": second.url, "sandbox_url": second.url}
+    box = Sandbox.create(TEMPLATE, timeout=120, metadata={"case": "move"})
+    try:
+        put(box, "/home/user/moved.txt", "moved")
+        assert box.pause(mode="filesystem") is True
+        assert box.sandbox_id not in alpha_ids(served.url)  # nothing of it left on the first edge
+        assert box.pause(mode="filesystem") is False  # already paused
+        info = Sandbox.get_info(box.sandbox_id, **on_b)  # the other edge reads it from the store
+        assert info.state == SandboxState.PAUSED
+        assert info.metadata == {"case": "move"}
+        assert info.template_id == TEMPLATE
+        paused = Sandbox.list(query=SandboxQuery(metadata={"case": "move"}), **on_b).next_items()
+        assert [s.sandbox_id for s in paused] == [box.sandbox_id]
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.get_info(box.sandbox_id, api_key=BETA, **on_b)  # another project's: missing
+
+        moved = Sandbox.connect(box.sandbox_id, timeout=60, **on_b)
+        assert moved.sandbox_id == box.sandbox_id
+        assert get(moved, "/home/user/moved.txt") == "moved"
+        assert box.sandbox_id in alpha_ids(second.url)
+        assert box.sandbox_id not in alpha_ids(served.url)
+        assert Sandbox.get_info(box.sandbox_id, **on_b).state == SandboxState.RUNNING
+        with pytest.raises(SandboxNotFoundException):  # it runs on the other edge now, not here
+            Sandbox.connect(box.sandbox_id)
+    finally:
+        Sandbox.kill(box.sandbox_id, **on_b)
+        Sandbox.kill(box.sandbox_id)
+    assert Sandbox.list(query=SandboxQuery(metadata={"case": "move"}), **on_b).next_items() == []
+
+
+def test_a_sandbox_paused_into_the_store_is_resumed_here_or_killed(served: E2bEdge) -> None:
+    box = Sandbox.create(TEMPLATE, timeout=120)
+    other = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        put(box, "/home/user/f.txt", "kept")
+        box.pause(mode="filesystem")
+        other.pause(mode="filesystem")
+        assert Sandbox.kill(other.sandbox_id, api_key=BETA) is False
+        assert other.kill() is True  # a paused one is killed in the store
+        assert Sandbox.kill(other.sandbox_id) is False
+        again = Sandbox.connect(box.sandbox_id, timeout=60)  # the same edge: restored with its id
+        assert get(again, "/home/user/f.txt") == "kept"
+        assert again.is_running()
+    finally:
+        box.kill()
+        other.kill()
+
+
 def test_a_sandbox_past_its_timeout_is_reaped_and_seen_gone(served: E2bEdge) -> None:
     box = Sandbox.create(TEMPLATE, timeout=1)
     deadline = time.monotonic() + 120  # a bound on a hung reaper, not a measure of it
     while box.is_running() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not box.is_running()
-    assert box.sandbox_id not in served.sandboxes()
+    assert box.sandbox_id not in alpha_ids(served.url)
     with pytest.raises(SandboxNotFoundException):
         Sandbox.get_info(box.sandbox_id)
     assert box.kill() is False

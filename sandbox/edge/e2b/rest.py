@@ -44,12 +44,14 @@ from sandbox.core.model import (
     check_int,
     check_labels,
     check_object,
+    check_sandbox_id,
     check_str,
 )
 from sandbox.edge.auth import Project
 from sandbox.edge.context import EdgeContext
 from sandbox.edge.e2b import observe, templates
 from sandbox.edge.e2b.base import ENVD_VERSION, E2bContext
+from sandbox.edge.e2b.paused import Parked
 from sandbox.edge.e2b.templates import ISOLATION_LABEL, check_query, page_query, paginate
 
 __all__ = ["ISOLATION_LABEL", "Rest", "create_options", "network_rules", "setup"]
@@ -92,11 +94,24 @@ class Rest:
         self.e2b = e2b
         self.ctx: EdgeContext = e2b.ctx
         self.templates = catalog
+        self.parked = Parked(e2b.ctx)
 
     async def _owned(self, request: web.Request) -> tuple[Project, Any, SandboxState]:
         project = self.e2b.project(request)
         box, state = await self.e2b.sandbox(request, project, request.match_info["id"])
         return project, box, state
+
+    async def _found(self, request: web.Request) -> tuple[Project, str, tuple[Any, SandboxState] | None]:
+        """The sandbox the path names if it runs (or is paused) on this edge; None when it does
+        not (it may be paused into the store: :mod:`.paused`)."""
+        project = self.e2b.project(request)
+        sid = check_sandbox_id(request.match_info["id"], "sandboxID")
+        try:
+            return project, sid, await self.e2b.sandbox(request, project, sid)
+        except ApiError as exc:
+            if exc.code != "sandbox_not_found":
+                raise
+            return project, sid, None
 
     # -- create ------------------------------------------------------------------------------------------
     async def create(self, request: web.Request) -> web.Response:
@@ -130,9 +145,16 @@ class Rest:
 
     # -- read ---------------------------------------------------------------------------------------------
     async def get(self, request: web.Request) -> web.Response:
-        _, _, state = await self._owned(request)
-        return web.json_response({**self.listed(state), "envdAccessToken": self.e2b.keys.access_token(state.id),
-                                  "allowInternetAccess": internet_access(state), "domain": self.e2b.domain})
+        project, sid, found = await self._found(request)
+        view = self.detail(found[1]) if found is not None else await self.parked.view(project, sid)
+        if view is None:
+            raise missing(project, sid)
+        return web.json_response({**view, "envdAccessToken": self.e2b.keys.access_token(sid),
+                                  "domain": self.e2b.domain})
+
+    def detail(self, state: SandboxState) -> dict[str, Any]:
+        """E2B's ``SandboxDetail`` but its tokens (what a sandbox paused into the store keeps)."""
+        return {**self.listed(state), "allowInternetAccess": internet_access(state)}
 
     def listed(self, state: SandboxState) -> dict[str, Any]:
         """E2B's ``ListedSandbox``."""
@@ -146,21 +168,30 @@ class Rest:
     async def list_v1(self, request: web.Request) -> web.Response:
         project = self.e2b.project(request)
         wanted = ListFilter.parse(request.query, v2=False)
-        states = await asyncio.to_thread(self.ctx.owned, project)
-        return web.json_response([self.listed(st) for st in wanted.apply(states)])
+        return web.json_response(wanted.apply(await self._views(project)))
 
     async def list_v2(self, request: web.Request) -> web.Response:
         project = self.e2b.project(request)
         wanted = ListFilter.parse(request.query, v2=True)
-        states = wanted.apply(await asyncio.to_thread(self.ctx.owned, project))
-        page, next_token = wanted.page(states)
+        page, next_token = wanted.page(wanted.apply(await self._views(project)))
         headers = {"x-next-token": next_token} if next_token else {}
-        return web.json_response([self.listed(st) for st in page], headers=headers)
+        return web.json_response(page, headers=headers)
+
+    async def _views(self, project: Project) -> list[dict[str, Any]]:
+        """E2B's ``ListedSandbox`` of each of the project's sandboxes: on this edge, and paused into the store."""
+        local = [self.listed(st) for st in await asyncio.to_thread(self.ctx.owned, project)]
+        here = {v["sandboxID"] for v in local}
+        parked = [{k: v for k, v in view.items() if k != "allowInternetAccess"}
+                  for view in await self.parked.views(project)]
+        return local + [v for v in parked if v.get("sandboxID") not in here]
 
     # -- change ---------------------------------------------------------------------------------------------
     async def kill(self, request: web.Request) -> web.Response:
-        _, box, _ = await self._owned(request)
-        await asyncio.to_thread(self.ctx.manager.destroy, box.id)
+        project, sid, found = await self._found(request)
+        if found is not None:
+            await asyncio.to_thread(self.ctx.manager.destroy, sid)
+        elif not await self.parked.drop(project, sid):
+            raise missing(project, sid)
         return web.Response(status=204)
 
     async def timeout(self, request: web.Request) -> web.Response:
@@ -185,12 +216,18 @@ class Rest:
         """Freeze it in place (409 when it already is: the SDK's False); its timeout is lifted to
         the edge's maximum lifetime while it is paused (see the module's docstring)."""
         body = check_object("", await self.ctx.body(request), ("memory", "requireHealthyGuest"))
-        if body.get("memory") not in (None, True):
-            raise InvalidField("memory", "false (mode='filesystem') is not supported: layerbox pauses a sandbox "
-                                         "with its memory and processes")
-        if body.get("requireHealthyGuest") is not None and not isinstance(body["requireHealthyGuest"], bool):
-            raise InvalidField("requireHealthyGuest", "must be true or false")
-        _, box, state = await self._owned(request)
+        for name in ("memory", "requireHealthyGuest"):
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise InvalidField(name, "must be true or false")
+        project, sid, found = await self._found(request)
+        if found is None:
+            if await self.parked.find(project, sid) is not None:
+                raise ApiError(None, "conflict", f"sandbox {sid} is already paused")
+            raise missing(project, sid)
+        box, state = found
+        if body.get("memory") is False:  # mode="filesystem": into the store, resumable on any edge
+            await self.parked.park(box, project, self.detail(state))
+            return web.Response(status=204)
         if state.status == "paused":
             raise ApiError(None, "conflict", f"sandbox {box.id} is already paused")
         await asyncio.to_thread(box.pause)
@@ -204,10 +241,14 @@ class Rest:
             raise InvalidField("autoPause", "pausing at the timeout is not supported (see docs/E2B.md)")
         if body.get("memory") not in (None, True):
             raise InvalidField("memory", "false (a cold boot) is not supported: a sandbox resumes with its memory")
-        _, box, state = await self._owned(request)
+        project, sid, found = await self._found(request)
+        seconds = DEFAULT_TIMEOUT if timeout is None else timeout
+        if found is None:
+            return await self._unpark(project, sid, seconds)
+        box, state = found
         if state.status != "paused":
             raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}, not paused")
-        await self._wake(box, state, DEFAULT_TIMEOUT if timeout is None else timeout)
+        await self._wake(box, state, seconds)
         return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
 
     async def connect(self, request: web.Request) -> web.Response:
@@ -218,13 +259,27 @@ class Rest:
         if body.get("memory") not in (None, True):
             raise InvalidField("memory", "false (resume from disk alone) is not supported: layerbox resumes "
                                "a paused sandbox with its memory")
-        _, box, state = await self._owned(request)
+        project, sid, found = await self._found(request)
+        if found is None:
+            return await self._unpark(project, sid, CONNECT_TIMEOUT if timeout is None else timeout)
+        box, state = found
         if state.status == "paused":
             await self._wake(box, state, CONNECT_TIMEOUT if timeout is None else timeout)
             return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
         if timeout is not None:
             await asyncio.to_thread(box.set_ttl, timeout, max_lifetime=self.ctx.maxima.ttl)
         return web.json_response(self.created(state), status=200)
+
+    async def _unpark(self, project: Project, sid: str, seconds: int) -> web.Response:
+        """Resume a sandbox paused into the store, here, with its id (201), or 404."""
+        view = await self.parked.view(project, sid)
+        if view is None:
+            raise missing(project, sid)
+        seconds = min(seconds, int(self.ctx.maxima.ttl))
+        box = await self.parked.wake(project, sid, seconds, {TEMPLATE_LABEL: str(view.get("templateID"))})
+        if box is None:
+            raise missing(project, sid)
+        return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
 
     async def _wake(self, box: Any, state: SandboxState, seconds: int) -> None:
         await asyncio.to_thread(box.resume)
@@ -340,6 +395,10 @@ def _cidrs(field: str, value: object) -> list[str]:
     return out
 
 
+def missing(project: Project, sid: str) -> ApiError:
+    return ApiError(None, "sandbox_not_found", f"no sandbox {sid!r} in project {project.name!r}")
+
+
 def template_of(state: SandboxState) -> str:
     return state.labels.get(TEMPLATE_LABEL) or state.ref or state.image_digest
 
@@ -393,11 +452,12 @@ class ListFilter:
         limit, after = page_query(query)
         return cls(metadata, states, limit, after)
 
-    def apply(self, states: list[SandboxState]) -> list[SandboxState]:
-        picked = [st for st in states if e2b_state(st) in self.states
-                  and all(st.labels.get(k) == v for k, v in self.metadata.items())]
-        return sorted(picked, key=lambda st: (st.created, st.id))
+    def apply(self, views: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The ``ListedSandbox`` views that pass, by start time then id."""
+        picked = [v for v in views if v.get("state") in self.states
+                  and all((v.get("metadata") or {}).get(k) == val for k, val in self.metadata.items())]
+        return sorted(picked, key=lambda v: (str(v.get("startedAt")), str(v.get("sandboxID"))))
 
-    def page(self, states: list[SandboxState]) -> tuple[list[SandboxState], str | None]:
-        return paginate(states, lambda st: st.id, self.after, self.limit)
+    def page(self, views: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
+        return paginate(views, lambda v: str(v.get("sandboxID")), self.after, self.limit)
 
