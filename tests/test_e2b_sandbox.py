@@ -10,6 +10,7 @@ package; raw requests only for what the SDK has no method for (templates, logs).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
 import json
 import os
@@ -162,6 +163,9 @@ def test_a_snapshot_is_a_template_listed_paginated_and_deleted(sbx: Sandbox, ser
     assert not pages.has_next
     assert [s.snapshot_id for s in Sandbox.list_snapshots(name=name).next_items()] == [first.snapshot_id]
     assert Sandbox.list_snapshots(api_key=BETA).next_items() == []  # another project's: not there
+    status, beta_templates = call(served, "GET", "/templates", key=BETA)
+    assert status == 200
+    assert not [t for t in beta_templates if "alpha" in t["names"][0]]
 
     for template in (first.snapshot_id, name):  # its id, or its short name
         restored = Sandbox.create(template, timeout=60)
@@ -352,6 +356,29 @@ def test_a_filesystem_pause_goes_to_the_store_and_resumes_on_another_edge(served
         Sandbox.kill(box.sandbox_id, **on_b)
         Sandbox.kill(box.sandbox_id)
     assert Sandbox.list(query=SandboxQuery(metadata={"case": "move"}), **on_b).next_items() == []
+
+
+def test_two_edges_resuming_one_paused_sandbox_at_once_start_it_once(served: E2bEdge,
+                                                                      second: EdgeProcess) -> None:
+    box = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        box.pause(mode="filesystem")
+
+        def connect(url: str) -> str:
+            try:
+                Sandbox.connect(box.sandbox_id, timeout=60, api_url=url, sandbox_url=url)
+                return "resumed"
+            except SandboxException as exc:  # 409 (claimed by the other) or 404 (runs on the other now)
+                return str(exc.status_code)  # type: ignore[attr-defined]
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            outcomes = sorted(pool.map(connect, [served.url, second.url]))
+        assert outcomes[1] == "resumed"
+        assert outcomes[0] in ("404", "409")
+        assert [box.sandbox_id in alpha_ids(url) for url in (served.url, second.url)].count(True) == 1
+    finally:
+        for url in (served.url, second.url):
+            Sandbox.kill(box.sandbox_id, api_url=url)
 
 
 def test_a_sandbox_paused_into_the_store_is_resumed_here_or_killed(served: E2bEdge) -> None:

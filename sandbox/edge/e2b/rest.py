@@ -11,10 +11,12 @@ same quota, admission, ownership, receipts.  docs/E2B.md maps every field.
   labels; ``envVars`` its environment.  Past its timeout the edge's reaper destroys it (E2B's
   default, kill); ``autoPause`` (pause at the timeout instead) is refused: the manager's reaper
   only destroys at a ttl, and a paused sandbox stays on the edge that paused it.
-- Pause freezes the sandbox in place (its processes too), on the edge that runs it; while it is
-  paused its timeout is lifted to the edge's maximum lifetime (E2B keeps a paused sandbox until
-  it is resumed), and resume or connect sets it again (``timeout``, else 15 s for resume, 300 s
-  for connect, E2B's defaults).
+- Pause (E2B's default, ``memory`` true) freezes the sandbox in place with its processes, on
+  the edge that runs it; while it is paused its timeout is lifted to the edge's maximum
+  lifetime (E2B keeps a paused sandbox until it is resumed), and resume or connect sets it
+  again (``timeout``, else 15 s for resume, 300 s for connect, E2B's defaults).  With
+  ``memory: false`` (the SDK's ``mode="filesystem"``) it goes to the store instead, its files
+  without its processes, and any edge of the store resumes it with its id (:mod:`.paused`).
 - Fork: one checkpoint, ``count`` sandboxes from it (:meth:`~sandbox.host.sandbox.Sandbox.fork`):
   quota and admission for all of them first, and all of them start or none (E2B reports each
   fork's outcome; here a failure fails the request, which the SDK raises).
