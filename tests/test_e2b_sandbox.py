@@ -134,7 +134,7 @@ def test_a_fork_past_the_quota_is_refused_whole_before_anything_starts(served: E
     box = Sandbox.create(TEMPLATE, timeout=120, api_key=BETA)  # beta may hold 4 sandboxes
     try:
         with pytest.raises(RateLimitException):
-            box.fork(count=4)
+            box.fork(count=4, retries=0)  # (the SDK would retry a 429 after its Retry-After: 5 s)
         assert [s.sandbox_id for s in Sandbox.list(api_key=BETA).next_items()] == [box.sandbox_id]
         status, err = call(served, "POST", f"/sandboxes/{box.sandbox_id}/fork", key=BETA, body={"count": 0})
         assert status == 400
@@ -388,6 +388,9 @@ def test_a_sandbox_paused_into_the_store_is_resumed_here_or_killed(served: E2bEd
         put(box, "/home/user/f.txt", "kept")
         box.pause(mode="filesystem")
         other.pause(mode="filesystem")
+        with pytest.raises(SandboxException) as caught:  # in the store: resume it first
+            Sandbox.set_timeout(other.sandbox_id, 30)
+        assert caught.value.status_code == 409  # type: ignore[attr-defined]
         assert Sandbox.kill(other.sandbox_id, api_key=BETA) is False
         assert other.kill() is True  # a paused one is killed in the store
         assert Sandbox.kill(other.sandbox_id) is False
@@ -480,7 +483,7 @@ def test_the_project_quota_is_a_rate_limit(served: E2bEdge) -> None:
         for _ in range(4):
             boxes.append(Sandbox.create(TEMPLATE, timeout=120, api_key=BETA))
         with pytest.raises(RateLimitException):
-            Sandbox.create(TEMPLATE, api_key=BETA)
+            Sandbox.create(TEMPLATE, api_key=BETA, retries=0)
     finally:
         kill_all(boxes)
 

@@ -99,9 +99,14 @@ class Rest:
         self.parked = Parked(e2b.ctx)
 
     async def _owned(self, request: web.Request) -> tuple[Project, Any, SandboxState]:
-        project = self.e2b.project(request)
-        box, state = await self.e2b.sandbox(request, project, request.match_info["id"])
-        return project, box, state
+        """The sandbox the path names, on this edge; 409 for one paused into the store (resume it
+        first), 404 for none."""
+        project, sid, found = await self._found(request)
+        if found is None:
+            if await self.parked.find(project, sid) is not None:
+                raise ApiError(None, "conflict", f"sandbox {sid} is paused in the store: resume or connect first")
+            raise missing(project, sid)
+        return project, *found
 
     async def _found(self, request: web.Request) -> tuple[Project, str, tuple[Any, SandboxState] | None]:
         """The sandbox the path names if it runs (or is paused) on this edge; None when it does
@@ -304,7 +309,7 @@ class Rest:
         body = check_object("", await ctx.body(request), ("timeout", "count"))
         count = check_int("count", 1 if body.get("count") is None else body["count"], 1, MAX_FORKS)
         ttl = self._timeout(DEFAULT_TIMEOUT if body.get("timeout") is None else body["timeout"])
-        box, state = await self.e2b.sandbox(request, project, request.match_info["id"])
+        _, box, state = await self._owned(request)
         if not state.live:
             raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}: only a running or paused "
                                             "sandbox can be forked")
