@@ -263,8 +263,12 @@ class SandboxManager:
         return await self._launch(resolved, ref, _options(options, fields), admitting=admitting, name=name)
 
     async def restore(self, checkpoint_ref: str, options: SandboxOptions | None = None, *, admitting: bool = True,
-                      name: str | None = None, **fields: Any) -> Sandbox:
+                      name: str | None = None, sid: str | None = None, **fields: Any) -> Sandbox:
         """A new sandbox whose rootfs is ``checkpoint_ref`` (made on this host or any other).
+
+        ``sid``: the id it gets (checked; :class:`SandboxStateError` if this host has a sandbox of
+        that id), for a sandbox that moves between hosts through the store and keeps its id (the
+        caller makes sure no other host runs it); a new id by default.
 
         Without ``options``, the sandbox gets the options its source sandbox had (env,
         workdir, user, limits, labels...: :meth:`SandboxOptions.carried`, kept with the
@@ -273,7 +277,7 @@ class SandboxManager:
         """
         resolved, options, receipts = await self._restore_plan(checkpoint_ref, options, fields)
         return await self._launch(resolved, checkpoint_ref, options, admitting=admitting, inherited=receipts,
-                                  name=name)
+                                  name=name, sid=sid)
 
     async def restore_many(self, checkpoint_ref: str, count: int, options: SandboxOptions | None = None, *,
                            name: str | None = None, **fields: Any) -> builtins.list[Sandbox]:
@@ -392,14 +396,15 @@ class SandboxManager:
         return box
 
     async def _launch(self, resolved: Resolved, ref: str, options: SandboxOptions, *, admitting: bool,
-                      inherited: Sequence[Mapping[str, Any]] = (), name: str | None = None) -> Sandbox:
+                      inherited: Sequence[Mapping[str, Any]] = (), name: str | None = None,
+                      sid: str | None = None) -> Sandbox:
         backend = self.backend(options.isolation)
         await backend.check(options, resolved, ref)
         self.layout  # noqa: B018  (the host's cgroups checked before anything is made)
         if options.network is not None:  # a refused rule leaves nothing behind, not even a receipt log
             await asyncio.to_thread(self.resources.networks.check, options.network,
                                     allow_protected=options.protected_egress)
-        box = self._new_box(options)
+        box = self._new_box(options, sid)
         with self._joined(options, admitting, box):
             now = time.time()
             state = SandboxState(
@@ -422,12 +427,15 @@ class SandboxManager:
                     layer_digests=builtins.list(state.layer_digests), **fields)
         return box
 
-    def _new_box(self, options: SandboxOptions) -> Sandbox:
-        sid = new_sandbox_id()
-        _in_flight(sid)
+    def _new_box(self, options: SandboxOptions, sid: str | None = None) -> Sandbox:
+        sid = new_sandbox_id() if sid is None else check_sandbox_id(sid)
         box = Sandbox(self, sid)
         self.paths.ensure()
-        box.dir.mkdir(mode=0o700)
+        try:
+            box.dir.mkdir(mode=0o700)  # the claim on the id: exclusive on this host
+        except FileExistsError:
+            raise SandboxStateError(f"sandbox {sid} already exists on this host") from None
+        _in_flight(sid)
         return box
 
     def _user_range(self, box: Sandbox) -> tuple[int, int]:

@@ -22,6 +22,8 @@ import base64
 import binascii
 import contextvars
 import functools
+import math
+import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -41,6 +43,7 @@ from sandbox.host.sandbox import Sandbox
 
 T = TypeVar("T")
 MAX_USER = 64
+CPU_SAMPLE = 0.2  # seconds between the two CPU readings of a metrics answer
 
 # status -> the Connect code the SDK maps to the same exception as the REST status
 CODES = {400: Code.INVALID_ARGUMENT, 401: Code.UNAUTHENTICATED, 403: Code.PERMISSION_DENIED,
@@ -188,20 +191,31 @@ class Envd:
                 return web.Response(status=204)
             if path == "/envs":
                 return web.json_response(dict(state.env))
-            return web.json_response(metrics(await asyncio.to_thread(box.usage)))
+            return web.json_response(await asyncio.to_thread(metrics, box))
         except Exception as exc:
             return error_response(exc)
 
 
-def metrics(usage: dict[str, Any]) -> dict[str, Any]:
-    """envd's ``/metrics`` (and the REST metrics' one sample) from the sandbox's usage."""
-    cpu = usage.get("cpu") or {}
-    memory = usage.get("memory") or {}
-    disk = usage.get("disk") or {}
-    limits = usage.get("limits") or {}
-    return {"ts": int(time.time()), "cpu_count": max(1, int(limits.get("cpu") or 1)),
-            "cpu_used_pct": float(cpu.get("percent") or 0.0),
-            "mem_total": int(limits.get("memory") or memory.get("limit") or 0),
-            "mem_used": int(memory.get("current") or memory.get("bytes") or 0),
-            "disk_used": int(disk.get("bytes") or disk.get("used") or 0),
-            "disk_total": int(limits.get("disk") or disk.get("limit") or 0)}
+def metrics(box: Sandbox) -> dict[str, Any]:
+    """envd's ``/metrics`` (and the REST metrics' one sample), blocking: CPU as a rate, the cgroup's
+    CPU time over CPU_SAMPLE s (two readings) per CPU the sandbox may use (E2B's percentage of its
+    vCPUs; a VM's is its VMM's); memory and disk from :meth:`Sandbox.usage` (a VM's memory as its
+    guest sees it; disk total is the disk limit, or without one what the data dir's file system
+    leaves it: its use plus the free space)."""
+    st = box.state
+    layout, cg = box.manager.layout, st.cgroups_path
+    before, t0 = layout.cpu_seconds(cg), time.monotonic()
+    time.sleep(CPU_SAMPLE)
+    after, t1 = layout.cpu_seconds(cg), time.monotonic()
+    usage = box.usage()
+    cpus = max(1, math.ceil(st.options.cpu))
+    pct = 0.0 if before is None or after is None else max(0.0, (after - before) / (t1 - t0) / cpus * 100)
+    memory, disk = usage.get("memory") or {}, usage.get("disk") or {}
+    guest = memory.get("guest") or {}
+    mem_total = int(guest.get("total") or memory.get("limit") or 0)
+    mem_used = int((guest.get("used") if guest else memory.get("current")) or 0)
+    disk_used = int(disk.get("used") or 0)
+    disk_total = int(disk.get("limit") or 0) or disk_used + shutil.disk_usage(box.manager.data_dir).free
+    return {"ts": int(time.time()), "cpu_count": cpus, "cpu_used_pct": round(pct, 2),
+            "mem_total": mem_total, "mem_used": mem_used, "mem_cache": 0,
+            "disk_used": disk_used, "disk_total": disk_total}

@@ -5,9 +5,21 @@ bad field is a 400 naming it, in E2B's names), and calls what the native routes 
 same quota, admission, ownership, receipts.  docs/E2B.md maps every field.
 
 - A template is a ref the operator published (``layerbox publish ... --name``) or a snapshot
-  of the project's; its document's label ``layerbox.isolation`` picks container, microvm or vm.
+  of the project's (:mod:`.templates`); its label ``layerbox.isolation`` picks container,
+  microvm or vm, and a checkpoint of a microVM sandbox is a microVM template.
 - ``timeout`` is the sandbox's ttl, counted from now on each ``/timeout``; ``metadata`` its
-  labels; ``envVars`` its environment.
+  labels; ``envVars`` its environment.  Past its timeout the edge's reaper destroys it (E2B's
+  default, kill); ``autoPause`` (pause at the timeout instead) is refused: the manager's reaper
+  only destroys at a ttl, and a paused sandbox stays on the edge that paused it.
+- Pause (E2B's default, ``memory`` true) freezes the sandbox in place with its processes, on
+  the edge that runs it; while it is paused its timeout is lifted to the edge's maximum
+  lifetime (E2B keeps a paused sandbox until it is resumed), and resume or connect sets it
+  again (``timeout``, else 15 s for resume, 300 s for connect, E2B's defaults).  With
+  ``memory: false`` (the SDK's ``mode="filesystem"``) it goes to the store instead, its files
+  without its processes, and any edge of the store resumes it with its id (:mod:`.paused`).
+- Fork: one checkpoint, ``count`` sandboxes from it (:meth:`~sandbox.host.sandbox.Sandbox.fork`):
+  quota and admission for all of them first, and all of them start or none (E2B reports each
+  fork's outcome; here a failure fails the request, which the SDK raises).
 - Network: internet access (the default, as E2B's) is one allow rule for every address but the
   protected ranges; ``allowOut`` CIDRs are allow rules under a default deny; ``denyOut``
   is taken only as "everything" (``0.0.0.0/0``), the default of layerbox's policy.
@@ -20,39 +32,48 @@ import datetime
 import math
 import urllib.parse
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
-from layerstore.objects import Resolved
 from sandbox.core.errors import ApiError, InvalidField
 from sandbox.core.model import (
     MAX_LABELS,
     PROJECT_LABEL,
+    SandboxOptions,
     SandboxState,
     check_env,
     check_int,
     check_labels,
     check_object,
+    check_sandbox_id,
     check_str,
 )
 from sandbox.edge.auth import Project
 from sandbox.edge.context import EdgeContext
+from sandbox.edge.e2b import observe, templates
 from sandbox.edge.e2b.base import ENVD_VERSION, E2bContext
+from sandbox.edge.e2b.paused import Parked
+from sandbox.edge.e2b.templates import ISOLATION_LABEL, check_query, page_query, paginate
 
-ISOLATION_LABEL = "layerbox.isolation"  # on a template's document: container (default), microvm, vm
+__all__ = ["ISOLATION_LABEL", "Rest", "create_options", "network_rules", "setup"]
 TEMPLATE_LABEL = "layerbox.e2b.template"  # on a sandbox: the templateID it was created from, as given
-DEFAULT_TIMEOUT = 15  # seconds, E2B's default when a create names none
-MAX_LIST = 100
+DEFAULT_TIMEOUT = 15  # seconds, E2B's default when a create, fork or resume names none
+CONNECT_TIMEOUT = 300  # seconds, E2B's default when a connect that resumes names none
+MAX_FORKS = 100  # E2B's bound on a fork's count
 MiB = 1 << 20
 CREATE_FIELDS = ("templateID", "timeout", "autoPause", "autoPauseMemory", "autoResume", "secure",
                  "allow_internet_access", "network", "metadata", "envVars", "mcp", "iam", "volumeMounts")
-NETWORK_FIELDS = ("allowOut", "denyOut", "allowPublicTraffic", "maskRequestHost", "rules")
+NETWORK_FIELDS = ("allowOut", "denyOut", "allowPublicTraffic", "maskRequestHost", "rules", "dnsServers",
+                  "egressProxy", "httpsPorts")
+NETWORK_UPDATE_FIELDS = ("allowOut", "denyOut", "dnsServers", "egressProxy", "rules", "allow_internet_access")
+UNSUPPORTED_NETWORK = ("maskRequestHost", "rules", "dnsServers", "egressProxy", "httpsPorts")
 EVERYTHING = ("0.0.0.0/0",)
 
 
 def setup(e2b: E2bContext, app: web.Application) -> None:
-    routes = Rest(e2b)
+    routes = Rest(e2b, templates.setup(e2b, app))
+    observe.setup(e2b, app)
     r = app.router
     for path in ("/sandboxes", "/v2/sandboxes"):
         r.add_post(path, routes.create, name=f"e2b:create{path.count('/')}")
@@ -66,17 +87,38 @@ def setup(e2b: E2bContext, app: web.Application) -> None:
     r.add_post("/sandboxes/{id}/resume", routes.resume, name="e2b:resume")
     r.add_post("/sandboxes/{id}/connect", routes.connect, name="e2b:connect")
     r.add_post("/v2/sandboxes/{id}/connect", routes.connect, name="e2b:connect2")
+    r.add_post("/sandboxes/{id}/fork", routes.fork, name="e2b:fork")
+    r.add_put("/sandboxes/{id}/network", routes.network, name="e2b:network")
 
 
 class Rest:
-    def __init__(self, e2b: E2bContext) -> None:
+    def __init__(self, e2b: E2bContext, catalog: templates.Templates) -> None:
         self.e2b = e2b
         self.ctx: EdgeContext = e2b.ctx
+        self.templates = catalog
+        self.parked = Parked(e2b.ctx)
 
     async def _owned(self, request: web.Request) -> tuple[Project, Any, SandboxState]:
+        """The sandbox the path names, on this edge; 409 for one paused into the store (resume it
+        first), 404 for none."""
+        project, sid, found = await self._found(request)
+        if found is None:
+            if await self.parked.find(project, sid) is not None:
+                raise ApiError(None, "conflict", f"sandbox {sid} is paused in the store: resume or connect first")
+            raise missing(project, sid)
+        return project, *found
+
+    async def _found(self, request: web.Request) -> tuple[Project, str, tuple[Any, SandboxState] | None]:
+        """The sandbox the path names if it runs (or is paused) on this edge; None when it does
+        not (it may be paused into the store: :mod:`.paused`)."""
         project = self.e2b.project(request)
-        box, state = await self.e2b.sandbox(request, project, request.match_info["id"])
-        return project, box, state
+        sid = check_sandbox_id(request.match_info["id"], "sandboxID")
+        try:
+            return project, sid, await self.e2b.sandbox(request, project, sid)
+        except ApiError as exc:
+            if exc.code != "sandbox_not_found":
+                raise
+            return project, sid, None
 
     # -- create ------------------------------------------------------------------------------------------
     async def create(self, request: web.Request) -> web.Response:
@@ -85,11 +127,9 @@ class Rest:
         body = check_object("", await ctx.body(request), CREATE_FIELDS)
         template = check_str("templateID", body.get("templateID"), max_len=512, what="a template (a ref name)")
         given = create_options(body)  # every field checked before any lookup
-        resolved = await self.template(project, template)
+        resolved = await self.templates.resolve(project, template)
         carried = await ctx.carried(resolved)
-        # the template's label, else what its checkpoint's sandbox ran as (a microVM's disk
-        # restores only as a microVM), else a container
-        isolation = isolation_of(resolved) or (carried.isolation if carried is not None else "container")
+        isolation = templates.isolation_of(resolved.doc, carried.isolation if carried is not None else None)
         if isolation != "container":
             caps = await ctx.capabilities(isolation)
             if not caps.available:
@@ -100,11 +140,6 @@ class Rest:
         async with ctx.admitted(project.name, project.max_sandboxes, [options]):
             box = await ctx.create(resolved, options, template)
         return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
-
-    async def template(self, project: Project, name: str) -> Resolved:
-        """The image, composition or snapshot (a checkpoint of the project's) ``name`` names."""
-        return await self.ctx.resolve(project, name, field="templateID",
-                                      kinds=("image", "composition", "checkpoint"))
 
     def created(self, state: SandboxState) -> dict[str, Any]:
         """E2B's ``Sandbox``: what create, connect and resume answer."""
@@ -118,9 +153,16 @@ class Rest:
 
     # -- read ---------------------------------------------------------------------------------------------
     async def get(self, request: web.Request) -> web.Response:
-        _, _, state = await self._owned(request)
-        return web.json_response({**self.listed(state), "envdAccessToken": self.e2b.keys.access_token(state.id),
-                                  "allowInternetAccess": internet_access(state), "domain": self.e2b.domain})
+        project, sid, found = await self._found(request)
+        view = self.detail(found[1]) if found is not None else await self.parked.view(project, sid)
+        if view is None:
+            raise missing(project, sid)
+        return web.json_response({**view, "envdAccessToken": self.e2b.keys.access_token(sid),
+                                  "domain": self.e2b.domain})
+
+    def detail(self, state: SandboxState) -> dict[str, Any]:
+        """E2B's ``SandboxDetail`` but its tokens (what a sandbox paused into the store keeps)."""
+        return {**self.listed(state), "allowInternetAccess": internet_access(state)}
 
     def listed(self, state: SandboxState) -> dict[str, Any]:
         """E2B's ``ListedSandbox``."""
@@ -134,21 +176,30 @@ class Rest:
     async def list_v1(self, request: web.Request) -> web.Response:
         project = self.e2b.project(request)
         wanted = ListFilter.parse(request.query, v2=False)
-        states = await asyncio.to_thread(self.ctx.owned, project)
-        return web.json_response([self.listed(st) for st in wanted.apply(states)])
+        return web.json_response(wanted.apply(await self._views(project)))
 
     async def list_v2(self, request: web.Request) -> web.Response:
         project = self.e2b.project(request)
         wanted = ListFilter.parse(request.query, v2=True)
-        states = wanted.apply(await asyncio.to_thread(self.ctx.owned, project))
-        page, next_token = wanted.page(states)
+        page, next_token = wanted.page(wanted.apply(await self._views(project)))
         headers = {"x-next-token": next_token} if next_token else {}
-        return web.json_response([self.listed(st) for st in page], headers=headers)
+        return web.json_response(page, headers=headers)
+
+    async def _views(self, project: Project) -> list[dict[str, Any]]:
+        """E2B's ``ListedSandbox`` of each of the project's sandboxes: on this edge, and paused into the store."""
+        local = [self.listed(st) for st in await asyncio.to_thread(self.ctx.owned, project)]
+        here = {v["sandboxID"] for v in local}
+        parked = [{k: v for k, v in view.items() if k != "allowInternetAccess"}
+                  for view in await self.parked.views(project)]
+        return local + [v for v in parked if v.get("sandboxID") not in here]
 
     # -- change ---------------------------------------------------------------------------------------------
     async def kill(self, request: web.Request) -> web.Response:
-        _, box, _ = await self._owned(request)
-        await asyncio.to_thread(self.ctx.manager.destroy, box.id)
+        project, sid, found = await self._found(request)
+        if found is not None:
+            await asyncio.to_thread(self.ctx.manager.destroy, sid)
+        elif not await self.parked.drop(project, sid):
+            raise missing(project, sid)
         return web.Response(status=204)
 
     async def timeout(self, request: web.Request) -> web.Response:
@@ -170,41 +221,121 @@ class Rest:
         return web.Response(status=204)
 
     async def pause(self, request: web.Request) -> web.Response:
-        _, box, state = await self._owned(request)
+        """Freeze it in place (409 when it already is: the SDK's False); its timeout is lifted to
+        the edge's maximum lifetime while it is paused (see the module's docstring)."""
+        body = check_object("", await self.ctx.body(request), ("memory", "requireHealthyGuest"))
+        for name in ("memory", "requireHealthyGuest"):
+            if body.get(name) is not None and not isinstance(body[name], bool):
+                raise InvalidField(name, "must be true or false")
+        project, sid, found = await self._found(request)
+        if found is None:
+            if await self.parked.find(project, sid) is not None:
+                raise ApiError(None, "conflict", f"sandbox {sid} is already paused")
+            raise missing(project, sid)
+        box, state = found
+        if body.get("memory") is False:  # mode="filesystem": into the store, resumable on any edge
+            await self.parked.park(box, project, self.detail(state))
+            return web.Response(status=204)
         if state.status == "paused":
             raise ApiError(None, "conflict", f"sandbox {box.id} is already paused")
         await asyncio.to_thread(box.pause)
+        await asyncio.to_thread(box.set_ttl, self._left(state), max_lifetime=self.ctx.maxima.ttl)
         return web.Response(status=204)
 
     async def resume(self, request: web.Request) -> web.Response:
-        _, box, state = await self._owned(request)
-        body = check_object("", await self.ctx.body(request), ("timeout", "autoPause"))
+        body = check_object("", await self.ctx.body(request), ("timeout", "autoPause", "memory"))
+        timeout = self._timeout(body.get("timeout"))
+        if body.get("autoPause"):
+            raise InvalidField("autoPause", "pausing at the timeout is not supported (see docs/E2B.md)")
+        if body.get("memory") not in (None, True):
+            raise InvalidField("memory", "false (a cold boot) is not supported: a sandbox resumes with its memory")
+        project, sid, found = await self._found(request)
+        seconds = DEFAULT_TIMEOUT if timeout is None else timeout
+        if found is None:
+            return await self._unpark(project, sid, seconds)
+        box, state = found
         if state.status != "paused":
             raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}, not paused")
-        await asyncio.to_thread(box.resume)
-        if body.get("timeout") is not None:
-            await self._set_timeout(box, body["timeout"])
+        await self._wake(box, state, seconds)
         return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
 
     async def connect(self, request: web.Request) -> web.Response:
         """A running sandbox answers 200, a paused one is resumed first and answers 201; ``timeout``
         (seconds from now) is applied either way."""
-        _, box, state = await self._owned(request)
         body = check_object("", await self.ctx.body(request), ("timeout", "memory"))
+        timeout = self._timeout(body.get("timeout"))
         if body.get("memory") not in (None, True):
             raise InvalidField("memory", "false (resume from disk alone) is not supported: layerbox resumes "
                                "a paused sandbox with its memory")
-        status = 200
+        project, sid, found = await self._found(request)
+        if found is None:
+            return await self._unpark(project, sid, CONNECT_TIMEOUT if timeout is None else timeout)
+        box, state = found
         if state.status == "paused":
-            await asyncio.to_thread(box.resume)
-            status = 201
-        if body.get("timeout") is not None:
-            await self._set_timeout(box, body["timeout"])
-        return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=status)
+            await self._wake(box, state, CONNECT_TIMEOUT if timeout is None else timeout)
+            return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
+        if timeout is not None:
+            await asyncio.to_thread(box.set_ttl, timeout, max_lifetime=self.ctx.maxima.ttl)
+        return web.json_response(self.created(state), status=200)
 
-    async def _set_timeout(self, box: Any, value: object) -> None:
-        seconds = self.ctx.maxima.check_ttl(check_int("timeout", value, 0, 1 << 31))
-        await asyncio.to_thread(box.set_ttl, seconds, max_lifetime=self.ctx.maxima.ttl)
+    async def _unpark(self, project: Project, sid: str, seconds: int) -> web.Response:
+        """Resume a sandbox paused into the store, here, with its id (201), or 404."""
+        view = await self.parked.view(project, sid)
+        if view is None:
+            raise missing(project, sid)
+        seconds = min(seconds, int(self.ctx.maxima.ttl))
+        box = await self.parked.wake(project, sid, seconds, {TEMPLATE_LABEL: str(view.get("templateID"))})
+        if box is None:
+            raise missing(project, sid)
+        return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
+
+    async def _wake(self, box: Any, state: SandboxState, seconds: int) -> None:
+        await asyncio.to_thread(box.resume)
+        await asyncio.to_thread(box.set_ttl, min(seconds, self._left(state)), max_lifetime=self.ctx.maxima.ttl)
+
+    def _timeout(self, value: object) -> int | None:
+        if value is None:
+            return None
+        return int(self.ctx.maxima.check_ttl(check_int("timeout", value, 0, 1 << 31)))
+
+    def _left(self, state: SandboxState) -> int:
+        """Whole seconds from now to the edge's maximum lifetime of ``state``'s sandbox, one short
+        (the clock moves on before set_ttl reads it: the sum must stay within the maximum)."""
+        return max(0, math.floor(state.created + self.ctx.maxima.ttl - _now()) - 1)
+
+    async def fork(self, request: web.Request) -> web.Response:
+        """``count`` new sandboxes continuing from this one's files (E2B's ``SandboxForkResult`` each)."""
+        ctx = self.ctx
+        project = self.e2b.project(request)
+        body = check_object("", await ctx.body(request), ("timeout", "count"))
+        count = check_int("count", 1 if body.get("count") is None else body["count"], 1, MAX_FORKS)
+        ttl = self._timeout(DEFAULT_TIMEOUT if body.get("timeout") is None else body["timeout"])
+        _, box, state = await self._owned(request)
+        if not state.live:
+            raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}: only a running or paused "
+                                            "sandbox can be forked")
+        base = SandboxOptions.from_state(state.options.carried()).replace(policy_version=state.policy_version)
+        options = ctx.options(project, {"ttl": ttl}, extra=(), base=base)
+        options = options.replace(labels={**options.labels, TEMPLATE_LABEL: template_of(state)})
+        async with ctx.admitted(project.name, project.max_sandboxes, [options] * count):
+            _, forks = await box.fork(count, options)
+        states = await asyncio.to_thread(lambda: [f.state for f in forks])
+        return web.json_response([{"sandbox": self.created(st)} for st in states], status=201)
+
+    async def network(self, request: web.Request) -> web.Response:
+        """Replace its egress rules (E2B: what the body omits is cleared)."""
+        body = check_object("", await self.ctx.body(request), NETWORK_UPDATE_FIELDS)
+        internet = body.get("allow_internet_access")
+        if internet is not None and not isinstance(internet, bool):
+            raise InvalidField("allow_internet_access", "must be true or false")
+        given = {k: v for k, v in body.items() if k != "allow_internet_access"}
+        # the one validation of rules is the model's (as the native route's)
+        rules = SandboxOptions(network=cast(Any, network_rules(given, internet, field=""))).network
+        assert rules is not None  # network_rules gives a list, [] for deny everything
+        self.ctx.maxima.check(SandboxOptions(network=rules))
+        _, box, _ = await self._owned(request)
+        await asyncio.to_thread(box.set_network, list(rules))
+        return web.Response(status=204)
 
 
 # -- the model, both ways ---------------------------------------------------------------------------------
@@ -236,20 +367,21 @@ def create_options(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def network_rules(network: object, internet: object) -> list[dict[str, Any]]:
-    """Egress rules for E2B's network settings (see the module's docstring)."""
-    spec = check_object("network", network or {}, NETWORK_FIELDS)
-    for name in ("allowPublicTraffic",):
-        if spec.get(name) is not None and not isinstance(spec[name], bool):
-            raise InvalidField(f"network.{name}", "must be true or false")
-    if spec.get("maskRequestHost") is not None or spec.get("rules") is not None:
-        key = "maskRequestHost" if spec.get("maskRequestHost") is not None else "rules"
-        raise InvalidField(f"network.{key}", "is not supported by layerbox (see docs/E2B.md)")
-    allow = _cidrs("network.allowOut", spec.get("allowOut"))
-    deny = _cidrs("network.denyOut", spec.get("denyOut"))
+def network_rules(network: object, internet: object, *, field: str = "network") -> list[dict[str, Any]]:
+    """Egress rules for E2B's network settings (see the module's docstring); ``field`` is where
+    they are in the request ("" for the body of ``PUT /sandboxes/{id}/network``)."""
+    at = f"{field}." if field else ""
+    spec = check_object(field, network or {}, NETWORK_FIELDS)
+    if spec.get("allowPublicTraffic") is not None and not isinstance(spec["allowPublicTraffic"], bool):
+        raise InvalidField(f"{at}allowPublicTraffic", "must be true or false")
+    for key in UNSUPPORTED_NETWORK:
+        if spec.get(key) is not None:
+            raise InvalidField(f"{at}{key}", "is not supported by layerbox (see docs/E2B.md)")
+    allow = _cidrs(f"{at}allowOut", spec.get("allowOut"))
+    deny = _cidrs(f"{at}denyOut", spec.get("denyOut"))
     if deny and tuple(deny) != EVERYTHING:
-        raise InvalidField("network.denyOut", "only ['0.0.0.0/0'] (deny everything but allowOut) is supported: "
-                                              "layerbox's egress policy is default deny plus allow rules")
+        raise InvalidField(f"{at}denyOut", "only ['0.0.0.0/0'] (deny everything but allowOut) is supported: "
+                                           "layerbox's egress policy is default deny plus allow rules")
     if internet is False or deny:
         return [{"cidr": c} for c in allow]
     if allow:
@@ -271,11 +403,8 @@ def _cidrs(field: str, value: object) -> list[str]:
     return out
 
 
-def isolation_of(resolved: Resolved) -> str | None:
-    """What the template's document's label says it runs as (None: it says nothing)."""
-    labels = resolved.doc.get("labels") if isinstance(resolved.doc, dict) else None
-    value = labels.get(ISOLATION_LABEL) if isinstance(labels, dict) else None
-    return value if value in ("container", "microvm", "vm") else None
+def missing(project: Project, sid: str) -> ApiError:
+    return ApiError(None, "sandbox_not_found", f"no sandbox {sid!r} in project {project.name!r}")
 
 
 def template_of(state: SandboxState) -> str:
@@ -315,9 +444,7 @@ class ListFilter:
     def parse(cls, query: Mapping[str, str], *, v2: bool) -> ListFilter:
         known = ("metadata", "state", "limit", "nextToken", "order", "startedAfter", "template") if v2 else \
             ("metadata", "query")
-        for key in query:
-            if key not in known:
-                raise InvalidField(key[:64], f"unknown query parameter (known: {', '.join(known)})")
+        check_query(query, known)
         for key in ("order", "startedAfter", "template"):
             if key in query:
                 raise InvalidField(key, "is not supported by layerbox yet (see docs/E2B.md)")
@@ -330,27 +457,15 @@ class ListFilter:
             bad = sorted(states - {"running", "paused"})
             if bad:
                 raise InvalidField("state", f"{bad[0][:20]!r} is not running or paused")
-        limit = MAX_LIST
-        if "limit" in query:
-            text = query["limit"]
-            if not (text.isascii() and text.isdigit()):
-                raise InvalidField("limit", f"{text[:20]!r} is not a number from 1 to {MAX_LIST}")
-            limit = check_int("limit", int(text), 1, MAX_LIST)
-        after = query.get("nextToken") or None
-        if after is not None:
-            check_str("nextToken", after, max_len=64, what="the x-next-token of the page before")
+        limit, after = page_query(query)
         return cls(metadata, states, limit, after)
 
-    def apply(self, states: list[SandboxState]) -> list[SandboxState]:
-        picked = [st for st in states if e2b_state(st) in self.states
-                  and all(st.labels.get(k) == v for k, v in self.metadata.items())]
-        return sorted(picked, key=lambda st: (st.created, st.id))
+    def apply(self, views: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The ``ListedSandbox`` views that pass, by start time then id."""
+        picked = [v for v in views if v.get("state") in self.states
+                  and all((v.get("metadata") or {}).get(k) == val for k, val in self.metadata.items())]
+        return sorted(picked, key=lambda v: (str(v.get("startedAt")), str(v.get("sandboxID"))))
 
-    def page(self, states: list[SandboxState]) -> tuple[list[SandboxState], str | None]:
-        if self.after is not None:
-            ids = [st.id for st in states]
-            start = ids.index(self.after) + 1 if self.after in ids else len(states)
-            states = states[start:]
-        page = states[:self.limit]
-        return page, page[-1].id if len(states) > self.limit else None
+    def page(self, views: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
+        return paginate(views, lambda v: str(v.get("sandboxID")), self.after, self.limit)
 

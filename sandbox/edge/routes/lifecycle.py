@@ -126,18 +126,24 @@ class Lifecycle:
         except BadName as exc:
             raise InvalidField("name", str(exc)) from None
         not_found = ApiError(None, "checkpoint_not_found", f"no checkpoint {name!r} in project {project.name!r}")
-        if not name.startswith(project_namespace(project.name)):
-            raise not_found
-        async with await self.ctx.manager.open_store() as store:
-            try:
-                ref = await store.read_ref(name)
-                doc = await store.get_doc(ref.digest)
-            except LayerboxError:
-                raise not_found from None
-            if ref.kind != "checkpoint" or not owned(project, doc):
-                raise not_found
-            await store.delete_ref(name)
+        await drop_checkpoint(self.ctx, project, name, not_found)
         return web.Response(status=204)
+
+
+async def drop_checkpoint(ctx: EdgeContext, project: Project, name: str, not_found: ApiError) -> None:
+    """Delete the ref ``name`` (checked against the ref grammar) if it is a checkpoint of
+    ``project``'s under its namespace; ``not_found`` otherwise, whether missing or another's."""
+    if not name.startswith(project_namespace(project.name)):
+        raise not_found
+    async with await ctx.manager.open_store() as store:
+        try:
+            ref = await store.read_ref(name)
+            doc = await store.get_doc(ref.digest)
+        except LayerboxError:
+            raise not_found from None
+        if ref.kind != "checkpoint" or not owned(project, doc):
+            raise not_found
+        await store.delete_ref(name)
 
 
 def owned(project: Project, doc: dict[str, Any]) -> bool:
