@@ -27,6 +27,7 @@ from e2b import (
     FileType,
     InvalidArgumentException,
     NotFoundException,
+    RateLimitException,
     Sandbox,
     SandboxException,
 )
@@ -221,6 +222,31 @@ def test_a_recursive_watcher_follows_new_directories(sbx: Sandbox, home: str) ->
         assert (FilesystemEventType.WRITE, "b/c/h") in seen
     finally:
         handle.stop()
+
+
+def test_a_watcher_nobody_reads_keeps_a_bounded_backlog(sbx: Sandbox, home: str) -> None:
+    sbx.files.make_dir(home)
+    handle = sbx.files.watch_dir(home)
+    try:
+        sbx.commands.run(f"cd /home/user/{home} && for i in $(seq 6000); do : > f$i; done", timeout=120)
+        kept = len(handle.get_new_events())  # what was kept before the watcher gave up
+        with pytest.raises(RateLimitException, match="4096 events unread"):
+            handle.get_new_events()
+    finally:
+        handle.stop()
+    assert kept == 4096
+
+
+def test_a_watcher_ends_with_its_sandbox(served: E2bEdge) -> None:
+    box = Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        handle = box.files.watch_dir("/tmp")
+        box.files.write("/tmp/x", "x")
+        assert FilesystemEventType.CREATE in {e.type for e in handle.get_new_events()}
+    finally:
+        box.kill()
+    with pytest.raises(SandboxException):
+        handle.get_new_events()
 
 
 def test_watchers_are_bounded_per_sandbox(sbx: Sandbox, home: str) -> None:

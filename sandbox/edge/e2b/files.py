@@ -82,9 +82,14 @@ from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from protobuf import Oneof
 from protobuf.wkt import Timestamp
 
-from sandbox.backends.base import account
 from sandbox.backends.container.files import openat2_in_root, rmtree_at
-from sandbox.core.errors import ApiError, HostUnsupported, InvalidField, NotARegularFile
+from sandbox.core.errors import (
+    ApiError,
+    HostUnsupported,
+    InvalidField,
+    NotARegularFile,
+    UnsupportedOption,
+)
 from sandbox.core.model import check_path
 from sandbox.core.paths import RESOLVE_NO_XDEV
 from sandbox.edge.auth import Project
@@ -92,8 +97,8 @@ from sandbox.edge.context import EdgeContext
 from sandbox.host.sandbox import Sandbox
 from sandbox.isolation import idmap
 
-from .base import E2bContext, error_response
-from .envd import EnvdCall, check_user, current, rpc, rpc_stream, run_as
+from .base import DEFAULT_USER, E2bContext, error_response
+from .envd import EnvdCall, check_user, current, rpc, rpc_stream
 from .process import keepalive
 
 T = TypeVar("T")
@@ -107,6 +112,7 @@ MAX_WATCHERS = 16  # per sandbox, streams and polled watchers together
 MAX_WATCH_DIRS = 1024  # directories one recursive watcher follows
 MAX_EVENTS = 4096  # events a watcher keeps unread
 WATCH_IDLE = 600.0  # seconds a polled watcher lives without a GetWatcherEvents
+ENDED_IDLE = 60.0  # the same for one that ended (its sandbox, its directory gone; overflowed)
 MAX_METADATA = 64
 NEW_FILE, NEW_DIR = 0o644, 0o755  # envd's 0666/0777 under its umask 022
 OVERFLOW_ID = 65534
@@ -139,24 +145,48 @@ class Account:
     group_names: dict[int, str] = field(repr=False)
 
 
-def load_account(box: Sandbox, name: str) -> Account:
-    """``name``'s ids, groups and home from the sandbox's /etc/passwd and /etc/group (blocking)."""
-    uid, gid, home = account(box.files, name)
+def load_account(files: Rooted, name: str) -> Account:
+    """``name``'s ids, groups and home from the sandbox's /etc/passwd and /etc/group (blocking:
+    one confined operation reads both)."""
+    passwd, group = files.within(lambda rfd: tuple(_id_file(rfd, p) for p in ("/etc/passwd", "/etc/group")))
     users: dict[int, str] = {}
     groups: dict[int, str] = {}
+    found: tuple[int, int, str] | None = None
+    for line in passwd.splitlines():
+        parts = line.split(":")
+        if len(parts) > 5 and parts[2].isdigit() and parts[3].isdigit():
+            users.setdefault(int(parts[2]), parts[0])
+            if found is None and parts[0] == name:
+                found = int(parts[2]), int(parts[3]), parts[5] or "/"
+    if found is None and name == "root":
+        found = 0, 0, "/root"
+    if found is None:
+        if not name.isdigit():
+            raise UnsupportedOption(f"user {name!r} is not in the sandbox's /etc/passwd")
+        found = int(name), int(name), "/"
+    uid, gid, home = found
     member_of = {gid}
-    for path, table in (("/etc/passwd", users), ("/etc/group", groups)):
-        try:
-            text = box.files.read(path, ID_FILE_LIMIT).decode(errors="replace")
-        except OSError:
-            text = ""
-        for line in text.splitlines():
-            parts = line.split(":")
-            if len(parts) > 3 and parts[2].isdigit():
-                table.setdefault(int(parts[2]), parts[0])
-                if table is groups and name in parts[3].split(","):
-                    member_of.add(int(parts[2]))
+    for line in group.splitlines():
+        parts = line.split(":")
+        if len(parts) > 3 and parts[2].isdigit():
+            groups.setdefault(int(parts[2]), parts[0])
+            if name in parts[3].split(","):
+                member_of.add(int(parts[2]))
     return Account(name, uid, gid, tuple(sorted(member_of)), home, users, groups)
+
+
+def _id_file(root_fd: int, path: str) -> str:
+    try:
+        fd = _regular(root_fd, path, os.O_RDONLY)
+    except (OSError, InvalidField):
+        return ""
+    try:
+        data = b""
+        while len(data) <= ID_FILE_LIMIT and (piece := os.read(fd, CHUNK)):
+            data += piece
+        return data[:ID_FILE_LIMIT].decode(errors="replace")
+    finally:
+        os.close(fd)
 
 
 def _setgroups(groups: tuple[int, ...]) -> None:
@@ -671,14 +701,17 @@ class Watchers:
             del self.open[watch.sid]
 
     def sweep(self) -> None:
-        """Drop polled watchers nobody asked for in WATCH_IDLE seconds, and those that ended."""
+        """Drop polled watchers nobody asked for in WATCH_IDLE seconds (ENDED_IDLE once they ended:
+        their error is told to the next poll in that time)."""
         now = time.monotonic()
         for wid, watch in list(self.polled.items()):
-            if now - watch.polled > WATCH_IDLE or (watch.failed is not None and not watch.events):
+            idle = now - watch.polled
+            if idle > WATCH_IDLE or (watch.failed is not None and idle > ENDED_IDLE):
                 del self.polled[wid]
                 self.release(watch)
 
     def get(self, sid: str, wid: str) -> Watch:
+        self.sweep()
         watch = self.polled.get(wid)
         if watch is None or watch.sid != sid:
             raise ConnectError(Code.NOT_FOUND, f"watcher with id {wid[:40]} not found")
@@ -727,9 +760,15 @@ class FilesystemService:
         if not hasattr(files, "within"):
             raise unsupported(box)
         rooted = cast("Rooted", files)
-        name = (await run_as(box, named)) or "root"
-        who = await self.ctx.files(project, lambda: load_account(box, name))
-        return Caller(project, box, Root(rooted, who, userns))
+
+        def load() -> Account:  # (envd.run_as's choice, from one read of the sandbox's files)
+            if named is not None:
+                return load_account(rooted, named)
+            try:
+                return load_account(rooted, DEFAULT_USER)
+            except UnsupportedOption:
+                return load_account(rooted, "root")
+        return Caller(project, box, Root(rooted, await self.ctx.files(project, load), userns))
 
     async def run(self, c: Caller, fn: Callable[[int], T]) -> T:
         return await self.ctx.files(c.project, lambda: c.root.run(fn))
