@@ -309,6 +309,16 @@ def test_a_50_mb_upload_streams_both_ways(sbx: Sandbox, home: str, tmp_path: Pat
     assert sbx.files.read(f"{home}/gz", format="bytes", gzip=True) == bytearray(b"squeezed " * 1000)
 
 
+def test_a_download_is_compressed_only_when_asked(served: E2bEdge, sbx: Sandbox, home: str) -> None:
+    sbx.files.write(f"{home}/z", "zip " * 1000)
+    token = {"X-Access-Token": sbx._envd_access_token or ""}
+    for accept, encoded in (("gzip", True), ("br, gzip;q=0.5", True), ("gzip;q=0", False), ("identity", False)):
+        r = envd(served, sbx, "GET", "/files", params={"path": f"{home}/z"}, headers={**token, "Accept-Encoding": accept})
+        assert r.status_code == 200
+        assert (r.headers.get("Content-Encoding") == "gzip") is encoded, accept
+        assert r.text == "zip " * 1000  # (httpx decodes gzip)
+
+
 def test_signed_urls_read_and_write_and_refuse_the_rest(served: E2bEdge, sbx: Sandbox, home: str) -> None:
     sbx.files.write(f"{home}/s.txt", "signed")
 

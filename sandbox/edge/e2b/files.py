@@ -114,6 +114,7 @@ MAX_EVENTS = 4096  # events a watcher keeps unread
 WATCH_IDLE = 600.0  # seconds a polled watcher lives without a GetWatcherEvents
 ENDED_IDLE = 60.0  # the same for one that ended (its sandbox, its directory gone; overflowed)
 MAX_METADATA = 64
+GZIP_LEVEL = 1  # a download compressed as it streams: the edge's CPU, not the ratio, is what counts
 NEW_FILE, NEW_DIR = 0o644, 0o755  # envd's 0666/0777 under its umask 022
 OVERFLOW_ID = 65534
 
@@ -586,7 +587,7 @@ class Watch:
         self.wake.set()
 
     def read(self) -> None:
-        if self.closed:
+        if self.closed or self.failed is not None:  # (after a failure nothing more is taken: no gaps)
             return
         try:
             data = os.read(self.fd, 1 << 16)
@@ -933,6 +934,19 @@ def expiration_of(request: web.Request) -> int | None:
     return int(text)
 
 
+def accepts_gzip(request: web.Request) -> bool:
+    """Whether ``Accept-Encoding`` takes gzip (``gzip`` or ``*`` with a quality above 0), as envd reads it."""
+    for item in request.headers.get("Accept-Encoding", "").split(","):
+        name, _, params = item.partition(";")
+        if name.strip().lower() not in ("gzip", "*"):
+            continue
+        quality = params.strip().lower().removeprefix("q=") if params.strip().lower().startswith("q=") else "1"
+        with contextlib.suppress(ValueError):
+            if float(quality) > 0:
+                return True
+    return False
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     try:
@@ -1005,7 +1019,7 @@ class Files:
                 os.close(fd)
 
     async def _send(self, request: web.Request, c: Caller, path: str, fd: int) -> web.StreamResponse:
-        gz = zlib.compressobj(6, zlib.DEFLATED, 31) if "gzip" in request.headers.get("Accept-Encoding", "") else None
+        gz = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31) if accepts_gzip(request) else None
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Vary": "Accept-Encoding"})
         if gz is not None:
             resp.headers["Content-Encoding"] = "gzip"
