@@ -291,12 +291,20 @@ def test_the_async_client_reads_writes_and_streams_watch_events(served: E2bEdge,
 
 
 # -- transfers --------------------------------------------------------------------------------------------
-def test_a_50_mb_upload_streams_both_ways(sbx: Sandbox, home: str, tmp_path: Path) -> None:
+def peak_rss(served: E2bEdge) -> int:
+    """The edge process's peak resident memory so far (VmHWM), bytes."""
+    assert served.edge.proc is not None
+    status = Path(f"/proc/{served.edge.proc.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) << 10
+
+
+def test_a_50_mb_upload_streams_both_ways(served: E2bEdge, sbx: Sandbox, home: str, tmp_path: Path) -> None:
     src = tmp_path / "big"
     with open(src, "wb") as f:
         for i in range(50):
             f.write(hashlib.sha256(str(i).encode()).digest() * (1 << 15))
     want = hashlib.sha256(src.read_bytes()).hexdigest()
+    before = peak_rss(served)
     with open(src, "rb") as f:
         sbx.files.write(f"{home}/big", f)  # a file object: octet-stream, streamed
     got = hashlib.sha256()
@@ -304,6 +312,7 @@ def test_a_50_mb_upload_streams_both_ways(sbx: Sandbox, home: str, tmp_path: Pat
         for chunk in stream:
             got.update(chunk)
     assert got.hexdigest() == want
+    assert peak_rss(served) - before < 32 << 20  # streamed through: a buffered copy would be 50 MiB
     assert sh(sbx, f"sha256sum /home/user/{home}/big").split()[0] == want
     sbx.files.write(f"{home}/gz", b"squeezed " * 1000, gzip=True)
     assert sbx.files.read(f"{home}/gz", format="bytes", gzip=True) == bytearray(b"squeezed " * 1000)
