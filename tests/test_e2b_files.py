@@ -92,6 +92,10 @@ def test_write_and_read_text_and_bytes_as_the_user_in_its_home(sbx: Sandbox, hom
     assert (entry.size, entry.mode, entry.permissions, entry.owner, entry.group) == (
         len("hej då\n".encode()), 0o644, "-rw-r--r--", "user", "user")
     assert entry.modified_time.tzinfo is not None
+    sbx.files.write(".bashrc", "# the template's file, in a lower layer: copied up, still the user's\n")
+    assert sh(sbx, "stat -c %U:%G /home/user/.bashrc; cat /home/user/.bashrc") == \
+        "user:user\n# the template's file, in a lower layer: copied up, still the user's\n"
+    assert sbx.files.get_info("/").name == "/"
     assert abs(entry.modified_time.timestamp() - time.time()) < 3600
 
 

@@ -359,7 +359,7 @@ def entry(root: Root, root_fd: int, dfd: int, name: str, path: str, st: os.stat_
     uid, gid = root.ids(st)
     metadata = read_metadata(dfd, name) if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) else {}
     return pb.EntryInfo(
-        name=name or "/", type=kind, path=path, size=st.st_size, mode=mode, permissions=permissions(st.st_mode),
+        name=posixpath.basename(path) or "/", type=kind, path=path, size=st.st_size, mode=mode, permissions=permissions(st.st_mode),
         owner=root.who.users.get(uid, str(uid)), group=root.who.group_names.get(gid, str(gid)),
         modified_time=Timestamp(seconds=st.st_mtime_ns // 10**9, nanos=st.st_mtime_ns % 10**9),
         symlink_target=target, metadata=metadata or None, is_symlink=target is not None)
