@@ -477,8 +477,11 @@ def create(root_fd: int, path: str) -> int:
                          dir_fd=dfd)
         except FileExistsError:
             return _regular(root_fd, path, os.O_WRONLY | os.O_TRUNC)
-    if stat.S_IMODE(os.fstat(fd).st_mode) != NEW_FILE:
+    st = os.fstat(fd)
+    if stat.S_IMODE(st.st_mode) != NEW_FILE:
         os.fchmod(fd, NEW_FILE)
+    # what envd's chown of a new file tells a watcher (create, chmod, write), to the same owner
+    os.fchown(fd, st.st_uid, st.st_gid)
     return fd
 
 
