@@ -12,7 +12,8 @@ Leaving fsuid 0 drops the filesystem capabilities from the thread's effective se
 supplementary groups are set with the raw syscall, which changes one thread (glibc's
 ``setgroups`` changes every thread of the edge).  ``root`` in a user-namespaced sandbox is its
 own root (``idmap.fs_identity``).  A file written over an existing one keeps its owner (E2B's
-envd chowns it; an account cannot).
+envd chowns it; an account cannot); a new one is chowned to its owner as envd's is, so a
+watcher sees envd's create, chmod, write.
 
 **Paths** are envd's: ``~`` and relative paths start at the account's home, ``..`` is folded
 before the lookup, and the result is resolved inside the sandbox (a symlink to ``/etc`` names
@@ -48,6 +49,13 @@ files API's do.  The answer is envd's: 200 with ``[{"name", "type": "file", "pat
 A request without ``X-Access-Token`` may carry envd's URL signature (``signature``,
 ``signature_expiration``: sha256 of ``path:operation:username:token[:expiration]`` under the
 sandbox's envd access token), checked in constant time; an expired one is refused (401).
+(With ``E2B_SANDBOX_URL`` the SDK's signed URLs do not name the sandbox; a proxy must add
+``E2b-Sandbox-Id``, or the edge is reached by ``<port>-<id>.<domain>`` host names.)
+
+**Known gaps**: no ``Range`` or conditional downloads (envd serves them); a directory renamed
+under a recursive watch keeps reporting under its old name; renaming a directory that comes
+from a lower layer of the overlay fails (EXDEV, 400) where the kernel's overlay has no
+``redirect_dir``; microVMs (above).
 """
 
 from __future__ import annotations
@@ -721,11 +729,6 @@ class Watchers:
             raise ConnectError(Code.NOT_FOUND, f"watcher with id {wid[:40]} not found")
         return watch
 
-    def close(self) -> None:
-        for watch in self.polled.values():
-            self.release(watch)
-        self.polled.clear()
-
 
 # -- the Connect service ----------------------------------------------------------------------------------
 def unsupported(box: Sandbox) -> ConnectError:
@@ -1103,6 +1106,3 @@ class Files:
         if stored:
             info["metadata"] = stored
         return info
-
-    def close(self) -> None:
-        self.service.watchers.close()
