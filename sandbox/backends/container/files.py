@@ -121,6 +121,11 @@ class RootFiles:
         finally:
             os.close(root_fd)
 
+    def within(self, fn: Callable[[int], T]) -> T:
+        """``fn(root_fd)`` on a thread Landlock keeps inside the root, for a caller with path work of
+        its own (resolved with :func:`openat2_in_root` from ``root_fd``, as this class does)."""
+        return self._confined(lambda: fn(self._local.root_fd))
+
     def _inside(self, st: os.stat_result) -> os.stat_result:
         if self.idmap is None:
             return st
@@ -275,7 +280,7 @@ class RootFiles:
             with self._as_sandbox_root():  # whiteouts in the upper are created like files
                 if stat.S_ISDIR(st.st_mode):
                     if recursive:
-                        _rmtree_at(dfd, name, self._resolve)
+                        rmtree_at(dfd, name, self._resolve)
                     else:
                         os.rmdir(name, dir_fd=dfd)
                 else:
@@ -304,14 +309,14 @@ def _reopen(pfd: int, flags: int) -> int:
     return os.open(f"/proc/self/fd/{pfd}", flags | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
 
 
-def _rmtree_at(dfd: int, name: str, resolve: int) -> None:
+def rmtree_at(dfd: int, name: str, resolve: int) -> None:
     # (resolve: RESOLVE_NO_XDEV keeps the walk off the sandbox's /proc, /sys and /dev)
     fd = openat2_in_root(dfd, name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, 0, resolve)
     try:
         for child in os.listdir(fd):
             st = os.stat(child, dir_fd=fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
-                _rmtree_at(fd, child, resolve)
+                rmtree_at(fd, child, resolve)
             else:
                 os.unlink(child, dir_fd=fd)
     finally:

@@ -154,17 +154,25 @@ class E2bContext:
                                                         "sandbox's create or connect answer) or X-API-Key")
             if not self.keys.opens(token.strip(), target.sid):
                 raise gone(target.sid)
-            owner = await asyncio.to_thread(self.ctx.owner_of, target.sid)
-            if owner is None:
-                raise gone(target.sid)
-            project = self.ctx.auth.project_named(owner)
+            return await self.for_owner(target.sid)
+        return project, *await self._found(target.sid, project)
+
+    async def for_owner(self, sid: str) -> tuple[Project, Sandbox, SandboxState]:
+        """The sandbox ``sid`` as its own project sees it: for a caller the edge has already let in
+        for that sandbox alone (its envd token, a URL signed with it)."""
+        owner = await asyncio.to_thread(self.ctx.owner_of, sid)
+        if owner is None:
+            raise gone(sid)
+        project = self.ctx.auth.project_named(owner)
+        return project, *await self._found(sid, project)
+
+    async def _found(self, sid: str, project: Project) -> tuple[Sandbox, SandboxState]:
         try:
-            box, state = await self.ctx.sandbox_of(target.sid, project)
+            return await self.ctx.sandbox_of(sid, project)
         except ApiError as exc:
             if exc.code == "sandbox_not_found":
-                raise gone(target.sid) from None
+                raise gone(sid) from None
             raise
-        return project, box, state
 
 
 def gone(sid: str) -> ApiError:

@@ -77,15 +77,18 @@ class EnvdCall:
             name = base64.b64decode(value.strip(), validate=True).decode().partition(":")[0]
         except (binascii.Error, ValueError):
             raise InvalidField("Authorization", "Basic credentials are not base64 of 'user:'") from None
-        if not name:
-            return None
-        if len(name) > MAX_USER or not all(c.isalnum() or c in "._-" for c in name):
-            raise InvalidField("Authorization", f"{name[:MAX_USER]!r} is not a user name")
-        return name
+        return check_user("Authorization", name) if name else None
 
     def present(self) -> bool:
         transport = self.request.transport
         return transport is not None and not transport.is_closing()
+
+
+def check_user(field: str, name: str) -> str:
+    """An account name as envd takes it (``user:`` in Basic credentials, ``username`` of /files)."""
+    if len(name) > MAX_USER or not name or not all(c.isalnum() or c in "._-" for c in name):
+        raise InvalidField(field, f"{name[:MAX_USER]!r} is not a user name")
+    return name
 
 
 async def run_as(box: Sandbox, named: str | None) -> str | None:

@@ -14,6 +14,7 @@ from sandbox.edge.context import EdgeContext
 from sandbox.edge.e2b import rest
 from sandbox.edge.e2b.base import E2bContext, Target, gone, target_of
 from sandbox.edge.e2b.envd import Envd
+from sandbox.edge.e2b.files import Files
 from sandbox.edge.e2b.process import ProcessService
 from sandbox.edge.routes.commands import Commands
 from sandbox.edge.routes.ports import PortProxy
@@ -28,8 +29,10 @@ class E2bRoutes:
     def __init__(self, e2b: E2bContext, commands: Commands, proxy: PortProxy) -> None:
         self.e2b = e2b
         self.proxy = proxy
-        services: dict[str, AsgiApp] = {"/process.Process/": ProcessService(e2b.ctx, commands).application()}
-        self.envd = Envd(e2b, services, files=None, forward=self.forward)
+        self.files = Files(e2b)
+        services: dict[str, AsgiApp] = {"/process.Process/": ProcessService(e2b.ctx, commands).application(),
+                                        "/filesystem.Filesystem/": self.files.service.application()}
+        self.envd = Envd(e2b, services, files=self.files, forward=self.forward)
 
     def target(self, request: web.Request) -> Target | None:
         return target_of(request, self.e2b.domain)

@@ -1,0 +1,440 @@
+"""The stock ``e2b`` SDK's files API against a layerbox edge: envd's ``filesystem.Filesystem``
+service and ``/files`` (sandbox/edge/e2b/files.py), sync and async, on containers.
+
+One edge and one sandbox serve most tests (each works in a directory of its own); the hostile
+cases use raw HTTP where the SDK would not send what they need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import io
+import json
+import os
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import (
+    AsyncSandbox,
+    FilesystemEventType,
+    FileType,
+    InvalidArgumentException,
+    NotFoundException,
+    RateLimitException,
+    Sandbox,
+    SandboxException,
+)
+from e2b.sandbox.signature import get_signature
+from packaging.version import Version
+from support.e2b import BETA, TEMPLATE, E2bEdge, e2b_edge
+from support.sandboxes import store_url  # noqa: F401  (a module's store with the fixture image)
+
+pytestmark = pytest.mark.root
+ENVD = "49983"
+
+
+@pytest.fixture(scope="module")
+def served(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2bEdge]:  # noqa: F811
+    with e2b_edge(tmp_path_factory.mktemp("e2b"), store_url) as edge:
+        yield edge
+
+
+@pytest.fixture(scope="module")
+def sbx(served: E2bEdge) -> Iterator[Sandbox]:
+    box = Sandbox.create(TEMPLATE, timeout=600)
+    try:
+        yield box
+    finally:
+        box.kill()
+
+
+@pytest.fixture
+def home(sbx: Sandbox) -> Iterator[str]:
+    """A fresh directory of the test's own under the user's home (relative, as SDK users write)."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    yield name
+    sbx.files.remove(f"/home/user/{name}", user="root")
+
+
+def envd(served: E2bEdge, sbx: Sandbox, method: str, path: str, **kw: object) -> httpx.Response:
+    """A raw request to the sandbox's envd, as a proxy in front of the edge would send it."""
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": ENVD, **kw.pop("headers", {})}  # type: ignore[dict-item]
+    return httpx.request(method, served.url + path, headers=headers, timeout=60, **kw)  # type: ignore[arg-type]
+
+
+def newer(sbx: Sandbox) -> None:
+    """The SDK's gates for file metadata (envd 0.6.2) and entries in watch events (0.6.3) opened
+    for this client: what the edge serves whatever envd version it reports (base.ENVD_VERSION)."""
+    sbx.files._envd_version = Version("0.6.4")  # type: ignore[attr-defined]
+
+
+def sh(sbx: Sandbox, cmd: str) -> str:
+    return sbx.commands.run(cmd, user="root").stdout
+
+
+# -- the everyday calls -----------------------------------------------------------------------------------
+def test_write_and_read_text_and_bytes_as_the_user_in_its_home(sbx: Sandbox, home: str) -> None:
+    info = sbx.files.write(f"{home}/hello.txt", "hej då\n")
+    assert (info.name, info.type, info.path) == ("hello.txt", FileType.FILE, f"/home/user/{home}/hello.txt")
+    assert sbx.files.read(f"{home}/hello.txt") == "hej då\n"
+    blob = bytes(range(256)) * 100
+    sbx.files.write(f"~/{home}/blob.bin", blob)
+    assert sbx.files.read(f"/home/user/{home}/blob.bin", format="bytes") == bytearray(blob)
+    assert sh(sbx, f"stat -c '%U:%G %a' /home/user/{home} /home/user/{home}/blob.bin") == "user:user 755\nuser:user 644\n"
+    entry = sbx.files.get_info(f"{home}/hello.txt")
+    assert (entry.size, entry.mode, entry.permissions, entry.owner, entry.group) == (
+        len("hej då\n".encode()), 0o644, "-rw-r--r--", "user", "user")
+    assert entry.modified_time.tzinfo is not None
+    sbx.files.write(".bashrc", "# the template's file, in a lower layer: copied up, still the user's\n")
+    assert sh(sbx, "stat -c %U:%G /home/user/.bashrc; cat /home/user/.bashrc") == \
+        "user:user\n# the template's file, in a lower layer: copied up, still the user's\n"
+    assert sbx.files.get_info("/").name == "/"
+    assert abs(entry.modified_time.timestamp() - time.time()) < 3600
+
+
+def test_root_writes_as_root_and_the_user_cannot_write_where_its_uid_could_not(sbx: Sandbox, home: str) -> None:
+    sbx.files.write(f"/home/user/{home}/mine", "root's", user="root")
+    assert sh(sbx, f"stat -c %U:%G /home/user/{home}/mine") == "root:root\n"
+    assert sbx.files.get_info(f"/home/user/{home}/mine").owner == "root"
+    with pytest.raises(SandboxException, match="403|ermission"):
+        sbx.files.write("/etc/not-the-users", "x")
+    with pytest.raises(SandboxException, match="ermission"):
+        sbx.files.make_dir("/root/not-the-users")
+    with pytest.raises(SandboxException, match="403|ermission"):
+        sbx.files.read("/root/.bashrc")  # /root is 0700
+    with pytest.raises(SandboxException, match="ermission"):
+        sbx.files.remove("/etc/hostname")
+    with pytest.raises(SandboxException, match="ermission"):
+        sbx.files.rename("/etc/hostname", f"/home/user/{home}/stolen")
+    assert sh(sbx, "ls /etc/not-the-users /root/not-the-users 2>&1 | grep -c 'No such'") == "2\n"
+    assert sh(sbx, "test -f /etc/hostname && echo kept") == "kept\n"
+
+
+def test_several_files_at_once_then_listed_by_depth(sbx: Sandbox, home: str) -> None:
+    written = sbx.files.write_files([{"path": f"{home}/a.txt", "data": "a"},
+                                     {"path": f"{home}/sub/b.txt", "data": b"bb"},
+                                     {"path": f"{home}/sub/deeper/c.txt", "data": io.BytesIO(b"ccc")}])
+    assert [w.path for w in written] == [f"/home/user/{home}/{p}" for p in ("a.txt", "sub/b.txt", "sub/deeper/c.txt")]
+    assert [(e.name, e.type) for e in sbx.files.list(home)] == [("a.txt", FileType.FILE), ("sub", FileType.DIR)]
+    deep = sbx.files.list(home, depth=3)
+    assert [e.path.removeprefix(f"/home/user/{home}/") for e in deep] == [
+        "a.txt", "sub", "sub/b.txt", "sub/deeper", "sub/deeper/c.txt"]
+    assert {e.name: e.size for e in deep if e.type == FileType.FILE} == {"a.txt": 1, "b.txt": 2, "c.txt": 3}
+    assert all((e.owner, e.group) == ("user", "user") for e in deep)
+    assert next(e for e in deep if e.name == "deeper").permissions == "drwxr-xr-x"
+
+
+def test_exists_make_dir_rename_remove(sbx: Sandbox, home: str) -> None:
+    assert sbx.files.make_dir(f"{home}/x/y") is True
+    assert sbx.files.make_dir(f"{home}/x/y") is False
+    assert sbx.files.exists(f"{home}/x/y")
+    assert not sbx.files.exists(f"{home}/nope")
+    sbx.files.write(f"{home}/x/y/f", "moved")
+    moved = sbx.files.rename(f"{home}/x/y/f", f"{home}/z/g")
+    assert (moved.name, moved.path, moved.type) == ("g", f"/home/user/{home}/z/g", FileType.FILE)
+    assert sbx.files.read(f"{home}/z/g") == "moved"
+    assert not sbx.files.exists(f"{home}/x/y/f")
+    sbx.files.remove(f"{home}/x")
+    sbx.files.remove(f"{home}/x")  # envd's remove is rm -rf: nothing there is no error
+    assert not sbx.files.exists(f"{home}/x")
+    assert sh(sbx, f"stat -c %U /home/user/{home}/z") == "user\n"
+
+
+def test_a_symlink_is_described_with_its_resolved_target(sbx: Sandbox, home: str) -> None:
+    sbx.files.write(f"{home}/target.txt", "t")
+    sbx.commands.run(f"ln -s target.txt /home/user/{home}/link", user="user")
+    info = sbx.files.get_info(f"{home}/link")
+    assert (info.type, info.symlink_target, info.permissions) == (
+        FileType.SYMLINK, f"/home/user/{home}/target.txt", "Lrwxrwxrwx")
+    assert info.mode == 0o644  # the target's, as envd reports
+    assert sbx.files.read(f"{home}/link") == "t"
+
+
+def test_metadata_travels_as_user_e2b_attributes(sbx: Sandbox, home: str) -> None:
+    newer(sbx)
+    info = sbx.files.write(f"{home}/m.txt", "m", metadata={"Owner": "alice", "run": "r1"})
+    if info.metadata is None:
+        pytest.skip("the sandbox's upper filesystem keeps no user.* attributes here")
+    assert info.metadata == {"owner": "alice", "run": "r1"}
+    assert sbx.files.get_info(f"{home}/m.txt").metadata == {"owner": "alice", "run": "r1"}
+    sbx.files.write(f"{home}/m.txt", "again", metadata={"run": "r2"})
+    assert sbx.files.list(home)[0].metadata == {"run": "r2"}
+
+
+def test_errors_the_sdk_maps(sbx: Sandbox, home: str) -> None:
+    with pytest.raises(NotFoundException):
+        sbx.files.read(f"{home}/missing")
+    with pytest.raises(NotFoundException):
+        sbx.files.get_info(f"{home}/missing")
+    with pytest.raises(NotFoundException):
+        sbx.files.list(f"{home}/missing")
+    sbx.files.write(f"{home}/file", "f")
+    with pytest.raises(InvalidArgumentException, match="not a directory"):
+        sbx.files.list(f"{home}/file")
+    with pytest.raises(InvalidArgumentException, match="is a directory"):
+        sbx.files.read(home)
+    with pytest.raises(InvalidArgumentException, match="not a directory"):
+        sbx.files.make_dir(f"{home}/file")
+    with pytest.raises(InvalidArgumentException, match="another user's home"):
+        sbx.files.get_info("~root/x")
+    with pytest.raises(InvalidArgumentException, match="not a directory"):
+        sbx.files.watch_dir(f"{home}/file")
+    with pytest.raises(NotFoundException):
+        sbx.files.watch_dir(f"{home}/missing")
+
+
+# -- watching ---------------------------------------------------------------------------------------------
+def test_a_polled_watcher_sees_create_write_and_remove(sbx: Sandbox, home: str) -> None:
+    sbx.files.make_dir(f"{home}/w/nested")
+    newer(sbx)
+    handle = sbx.files.watch_dir(f"{home}/w", include_entry=True)
+    try:
+        sbx.files.write(f"{home}/w/f.txt", "one")
+        seen = [(e.type, e.name) for e in handle.get_new_events()]
+        assert seen == [(kind, "f.txt") for kind in (  # envd's sequence: create, chown, write
+            FilesystemEventType.CREATE, FilesystemEventType.CHMOD, FilesystemEventType.WRITE)]
+        sbx.files.write(f"{home}/w/f.txt", "two")
+        events = handle.get_new_events()
+        write = next(e for e in events if e.type == FilesystemEventType.WRITE)
+        assert write.entry is not None
+        assert write.entry.path == f"/home/user/{home}/w/f.txt"
+        sbx.commands.run(f"rm /home/user/{home}/w/f.txt; touch /home/user/{home}/w/nested/ignored")
+        assert [(e.type, e.name) for e in handle.get_new_events()] == [(FilesystemEventType.REMOVE, "f.txt")]
+    finally:
+        handle.stop()
+    with pytest.raises(SandboxException):
+        handle.get_new_events()
+
+
+def test_a_recursive_watcher_follows_new_directories(sbx: Sandbox, home: str) -> None:
+    sbx.files.make_dir(f"{home}/r/a")
+    handle = sbx.files.watch_dir(f"{home}/r", recursive=True)
+    try:
+        sbx.files.write(f"{home}/r/a/f", "x")
+        sbx.commands.run(f"mkdir -p /home/user/{home}/r/b/c && echo hi > /home/user/{home}/r/b/c/g")
+        sbx.files.write(f"{home}/r/b/c/h", "y")
+        seen = {(e.type, e.name) for e in handle.get_new_events()}
+        for created in ("a/f", "b", "b/c", "b/c/g", "b/c/h"):
+            assert (FilesystemEventType.CREATE, created) in seen
+        assert (FilesystemEventType.WRITE, "b/c/h") in seen
+    finally:
+        handle.stop()
+
+
+def test_a_watcher_nobody_reads_keeps_a_bounded_backlog(sbx: Sandbox, home: str) -> None:
+    sbx.files.make_dir(home)
+    handle = sbx.files.watch_dir(home)
+    try:
+        sbx.commands.run(f"cd /home/user/{home} && for i in $(seq 6000); do : > f$i; done", timeout=120)
+        kept = len(handle.get_new_events())  # what was kept before the watcher gave up
+        with pytest.raises(RateLimitException, match="4096 events unread"):
+            handle.get_new_events()
+    finally:
+        handle.stop()
+    assert kept == 4096
+
+
+def test_a_watcher_ends_with_its_sandbox(served: E2bEdge) -> None:
+    box = Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        handle = box.files.watch_dir("/tmp")
+        box.files.write("/tmp/x", "x")
+        assert FilesystemEventType.CREATE in {e.type for e in handle.get_new_events()}
+    finally:
+        box.kill()
+    with pytest.raises(SandboxException):
+        handle.get_new_events()
+
+
+def test_watchers_are_bounded_per_sandbox(sbx: Sandbox, home: str) -> None:
+    sbx.files.make_dir(home)
+    handles = []
+    try:
+        for _ in range(16):
+            handles.append(sbx.files.watch_dir(home))
+        with pytest.raises(SandboxException, match="watchers"):
+            sbx.files.watch_dir(home)
+    finally:
+        for h in handles:
+            h.stop()
+    sbx.files.watch_dir(home).stop()  # stopped ones are given back
+
+
+def test_the_async_client_reads_writes_and_streams_watch_events(served: E2bEdge, sbx: Sandbox, home: str) -> None:
+    async def scenario() -> list[tuple[FilesystemEventType, str]]:
+        box = await AsyncSandbox.connect(sbx.sandbox_id)
+        await box.files.make_dir(home)
+        got: list[tuple[FilesystemEventType, str]] = []
+        done = asyncio.Event()
+
+        def on_event(e: object) -> None:
+            got.append((e.type, e.name))  # type: ignore[attr-defined]
+            if (FilesystemEventType.REMOVE, "a.txt") in got:
+                done.set()
+
+        handle = await box.files.watch_dir(home, on_event, timeout=60)
+        await box.files.write(f"{home}/a.txt", b"async bytes")
+        assert await box.files.read(f"{home}/a.txt", format="bytes") == bytearray(b"async bytes")
+        assert [e.name for e in await box.files.list(home)] == ["a.txt"]
+        await box.files.remove(f"{home}/a.txt")
+        await asyncio.wait_for(done.wait(), 30)
+        await handle.stop()
+        return got
+
+    got = asyncio.run(scenario())
+    assert got[0] == (FilesystemEventType.CREATE, "a.txt")
+    assert (FilesystemEventType.WRITE, "a.txt") in got
+    assert got[-1] == (FilesystemEventType.REMOVE, "a.txt")
+
+
+# -- transfers --------------------------------------------------------------------------------------------
+def peak_rss(served: E2bEdge) -> int:
+    """The edge process's peak resident memory so far (VmHWM), bytes."""
+    assert served.edge.proc is not None
+    status = Path(f"/proc/{served.edge.proc.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) << 10
+
+
+def test_a_50_mb_upload_streams_both_ways(served: E2bEdge, sbx: Sandbox, home: str, tmp_path: Path) -> None:
+    src = tmp_path / "big"
+    with open(src, "wb") as f:
+        for i in range(50):
+            f.write(hashlib.sha256(str(i).encode()).digest() * (1 << 15))
+    want = hashlib.sha256(src.read_bytes()).hexdigest()
+    before = peak_rss(served)
+    with open(src, "rb") as f:
+        sbx.files.write(f"{home}/big", f)  # a file object: octet-stream, streamed
+    got = hashlib.sha256()
+    with sbx.files.read(f"{home}/big", format="stream") as stream:
+        for chunk in stream:
+            got.update(chunk)
+    assert got.hexdigest() == want
+    assert peak_rss(served) - before < 32 << 20  # streamed through: a buffered copy would be 50 MiB
+    assert sh(sbx, f"sha256sum /home/user/{home}/big").split()[0] == want
+    sbx.files.write(f"{home}/gz", b"squeezed " * 1000, gzip=True)
+    assert sbx.files.read(f"{home}/gz", format="bytes", gzip=True) == bytearray(b"squeezed " * 1000)
+
+
+def test_a_download_is_compressed_only_when_asked(served: E2bEdge, sbx: Sandbox, home: str) -> None:
+    sbx.files.write(f"{home}/z", "zip " * 1000)
+    token = {"X-Access-Token": sbx._envd_access_token or ""}
+    for accept, encoded in (("gzip", True), ("br, gzip;q=0.5", True), ("gzip;q=0", False), ("identity", False)):
+        r = envd(served, sbx, "GET", "/files", params={"path": f"{home}/z"}, headers={**token, "Accept-Encoding": accept})
+        assert r.status_code == 200
+        assert (r.headers.get("Content-Encoding") == "gzip") is encoded, accept
+        assert r.text == "zip " * 1000  # (httpx decodes gzip)
+
+
+def test_signed_urls_read_and_write_and_refuse_the_rest(served: E2bEdge, sbx: Sandbox, home: str) -> None:
+    sbx.files.write(f"{home}/s.txt", "signed")
+
+    def get(url: str) -> httpx.Response:  # the URL's query, sent where E2B_SANDBOX_URL points (no token)
+        return envd(served, sbx, "GET", "/files?" + urllib.parse.urlsplit(url).query)
+
+    assert get(sbx.download_url(f"{home}/s.txt")).text == "signed"
+    assert get(sbx.download_url(f"{home}/s.txt", user="user", use_signature_expiration=60)).text == "signed"
+    expired = get(sbx.download_url(f"{home}/s.txt", user="user", use_signature_expiration=-120))
+    assert expired.status_code == 401
+    assert "expired" in expired.json()["message"]
+    forged = sbx.download_url(f"{home}/s.txt").replace("signature=v1_", "signature=v1_A")
+    assert get(forged).status_code == 401
+    other = get_signature(f"{home}/s.txt", "read", None, "not-this-sandboxs-token")
+    assert envd(served, sbx, "GET", "/files", params={"path": f"{home}/s.txt", "signature": other["signature"]}
+                ).status_code == 401
+    write_url = sbx.download_url(f"{home}/s.txt")  # signed for read: not a write
+    assert envd(served, sbx, "POST", "/files?" + urllib.parse.urlsplit(write_url).query,
+                files={"file": ("x", b"no")}).status_code == 401
+    assert envd(served, sbx, "GET", "/files", params={"path": f"{home}/s.txt"}).status_code == 401
+    up = sbx.upload_url(f"{home}/up.txt")
+    r = envd(served, sbx, "POST", "/files?" + urllib.parse.urlsplit(up).query, files={"file": ("up.txt", b"posted")})
+    assert r.status_code == 200, r.text
+    assert r.json() == [{"name": "up.txt", "type": "file", "path": f"/home/user/{home}/up.txt"}]
+    assert sbx.files.read(f"{home}/up.txt") == "posted"
+    assert sh(sbx, f"stat -c %U /home/user/{home}/up.txt") == "user\n"
+
+
+# -- hostile ----------------------------------------------------------------------------------------------
+def test_paths_never_leave_the_sandbox(sbx: Sandbox, home: str) -> None:
+    marker = f"layerbox-escape-{uuid.uuid4().hex[:8]}"
+    sbx.files.write(f"../../../../../../tmp/{marker}", "inside", user="root")
+    assert sh(sbx, f"cat /tmp/{marker}") == "inside"
+    assert not os.path.exists(f"/tmp/{marker}")
+    sbx.commands.run(f"mkdir -p /home/user/{home} && ln -s /etc /home/user/{home}/etc && ln -s / /home/user/{home}/top",
+                     user="user")
+    sbx.files.write(f"/home/user/{home}/etc/{marker}", "still inside", user="root")
+    assert sh(sbx, f"cat /etc/{marker}") == "still inside"
+    assert not os.path.exists(f"/etc/{marker}")
+    for through in (f"/home/user/{home}/top/etc/{marker}", f"{home}/../../../../../../etc/{marker}"):
+        assert sbx.files.read(through, user="root") == "still inside"  # the sandbox's /etc, by both ways
+    assert sbx.files.get_info(f"{home}/etc").symlink_target == "/etc"
+    with pytest.raises(SandboxException):
+        sbx.files.read(f"/home/user/{home}/top/proc/1/environ", user="root")  # another mount: never crossed
+    sbx.files.remove(f"/tmp/{marker}", user="root")
+    sbx.files.remove(f"/etc/{marker}", user="root")
+
+
+def test_another_sandboxs_token_or_project_gets_nothing(served: E2bEdge, sbx: Sandbox, home: str) -> None:
+    sbx.files.write(f"{home}/private", "alpha's")
+    other = Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        theirs = {"X-Access-Token": other._envd_access_token or ""}
+        r = envd(served, sbx, "GET", "/files", params={"path": f"{home}/private"}, headers=theirs)
+        assert r.status_code == 502
+        assert "not found" in r.text
+        r = envd(served, sbx, "POST", "/filesystem.Filesystem/Stat", headers={**theirs, "Content-Type": "application/json"},
+                 content=json.dumps({"path": f"{home}/private"}))
+        assert r.status_code != 200
+        assert "alpha" not in r.text
+        beta = {"X-API-Key": BETA}
+        r = envd(served, sbx, "GET", "/files", params={"path": f"{home}/private"}, headers=beta)
+        assert r.status_code == 502
+        assert "alpha's" not in r.text
+        up = other.upload_url(f"/home/user/{home}/private")  # signed for the other sandbox
+        r = envd(served, sbx, "POST", "/files?" + urllib.parse.urlsplit(up).query, files={"file": ("p", b"mine")})
+        assert r.status_code == 401
+        assert sbx.files.read(f"{home}/private") == "alpha's"
+    finally:
+        other.kill()
+
+
+def test_an_oversized_connect_message_is_refused(served: E2bEdge, sbx: Sandbox) -> None:
+    token = {"X-Access-Token": sbx._envd_access_token or "", "Content-Type": "application/json"}
+    r = envd(served, sbx, "POST", "/filesystem.Filesystem/Stat", headers=token,
+             content=json.dumps({"path": "a" * (128 << 10)}))
+    assert r.status_code in (400, 413, 429)
+    assert "resource_exhausted" in r.text.lower()
+    r = envd(served, sbx, "POST", "/filesystem.Filesystem/Stat", headers=token, content=json.dumps({"path": "/etc"}))
+    assert r.status_code == 200
+    assert r.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+
+
+def test_a_bad_upload_is_refused_by_field(served: E2bEdge, sbx: Sandbox, home: str) -> None:
+    token = {"X-Access-Token": sbx._envd_access_token or ""}
+    r = envd(served, sbx, "POST", "/files", headers={**token, "Content-Type": "application/octet-stream"},
+             content=b"x")
+    assert r.status_code == 400
+    assert "path" in r.json()["message"]
+    r = envd(served, sbx, "POST", "/files", params={"path": f"{home}/t"}, headers={**token, "Content-Type": "text/plain"},
+             content=b"x")
+    assert r.status_code == 400
+    assert "Content-Type" in r.json()["message"]
+    r = envd(served, sbx, "POST", "/files", headers=token,
+             files=[("file", (f"{home}/same", b"1")), ("file", (f"{home}/same", b"2"))])
+    assert r.status_code == 400
+    assert "same path" in r.json()["message"]
+    r = envd(served, sbx, "POST", "/files", params={"path": f"{home}/z", "username": "no body"}, headers=token,
+             files={"file": ("z", b"1")})
+    assert r.status_code == 400
+    assert "username" in r.json()["message"]
+    r = envd(served, sbx, "POST", "/files", params={"path": f"{home}/gz"},
+             headers={**token, "Content-Type": "application/octet-stream", "Content-Encoding": "gzip"},
+             content=gzip.compress(b"unzipped"))
+    assert r.status_code == 200
+    assert sbx.files.read(f"{home}/gz") == "unzipped"
