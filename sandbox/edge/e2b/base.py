@@ -39,8 +39,9 @@ from sandbox.host.sandbox import Sandbox
 
 ENVD_PORT = 49983
 # what the SDK's feature gates see (e2b/envd/versions.py): stdin (0.3.0), the default user
-# (0.4.0), close stdin (0.5.2), octet-stream uploads (0.5.7), metrics (0.2.4)
-ENVD_VERSION = "0.5.7"
+# (0.4.0), close stdin (0.5.2), octet-stream uploads (0.5.7), metrics (0.2.4), file metadata (0.6.2),
+# entry info in watch events (0.6.3), network mounts (0.6.4: accepted; lookups never leave the root mount)
+ENVD_VERSION = "0.6.4"
 DEFAULT_USER = "user"  # E2B templates run commands as this account unless told root
 HOST_LABEL = re.compile(r"(?P<port>[0-9]{1,5})-(?P<id>[^.]{1,64})")
 MAX_DOMAIN = 253
