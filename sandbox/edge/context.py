@@ -114,15 +114,23 @@ class EdgeContext:
 
     async def sandbox_of(self, sid: str, project: Project) -> tuple[Sandbox, SandboxState]:
         """The sandbox ``sid`` (its grammar checked) if ``project`` owns it, as :meth:`sandbox`."""
-        not_found = ApiError(None, "sandbox_not_found", f"no sandbox {sid!r} in project {project.name!r}")
+        found = await asyncio.to_thread(self.look_up, sid, project.name)
+        if found is None:
+            raise ApiError(None, "sandbox_not_found", f"no sandbox {sid!r} in project {project.name!r}")
+        return found
+
+    def look_up(self, sid: str, owner: str | None = None) -> tuple[Sandbox, SandboxState] | None:
+        """Sandbox ``sid`` and its state if ``owner`` owns it (any owner: None, for a caller already
+        let in for that sandbox alone), its job's lease renewed; None when there is no such one
+        (blocking: one hop off the loop for what every request on a sandbox reads)."""
         try:
-            box = await asyncio.to_thread(self.manager.get, sid)
-            state = await asyncio.to_thread(lambda: box.state)
+            box = self.manager.get(sid)
+            state = box.state
         except SandboxNotFound:
-            raise not_found from None
-        if state.project != project.name:
-            raise not_found
-        await asyncio.to_thread(self.touch_lease, state)
+            return None
+        if owner is not None and state.project != owner:
+            return None  # before the lease: another project's request renews nothing
+        self.touch_lease(state)
         return box, state
 
     def touch_lease(self, state: SandboxState) -> None:

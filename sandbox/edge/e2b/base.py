@@ -161,11 +161,12 @@ class E2bContext:
     async def for_owner(self, sid: str) -> tuple[Project, Sandbox, SandboxState]:
         """The sandbox ``sid`` as its own project sees it: for a caller the edge has already let in
         for that sandbox alone (its envd token, a URL signed with it)."""
-        owner = await asyncio.to_thread(self.ctx.owner_of, sid)
-        if owner is None:
+        found = await asyncio.to_thread(self.ctx.look_up, sid)  # one hop: this is every envd call's path
+        if found is None:
             raise gone(sid)
-        project = self.ctx.auth.project_named(owner)
-        return project, *await self._found(sid, project)
+        box, state = found
+        project = self.ctx.auth.project_named(state.project or "")
+        return project, box, state
 
     async def _found(self, sid: str, project: Project) -> tuple[Sandbox, SandboxState]:
         try:
