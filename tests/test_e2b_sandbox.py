@@ -440,6 +440,16 @@ def test_list_filters_by_metadata_and_state_and_pages(served: E2bEdge) -> None:
                                                   state=[SandboxState.RUNNING])).next_items()
         assert [s.sandbox_id for s in running] == [boxes[2].sandbox_id]
         assert Sandbox.list(query=SandboxQuery(metadata={"run": run}), api_key=BETA).next_items() == []
+        # E2B's order: newest first unless asked; startedAfter and template filter
+        query = SandboxQuery(metadata={"run": run})
+        made = [b.sandbox_id for b in boxes]
+        assert [s.sandbox_id for s in Sandbox.list(query=query).next_items()] == made[::-1]
+        assert [s.sandbox_id for s in Sandbox.list(query=query, order="asc").next_items()] == made
+        first_started = Sandbox.get_info(made[0]).started_at
+        later = Sandbox.list(query=SandboxQuery(metadata={"run": run}, started_after=first_started)).next_items()
+        assert [s.sandbox_id for s in later] == made[:0:-1]
+        assert Sandbox.list(query=SandboxQuery(metadata={"run": run}, template="no-such")).next_items() == []
+        assert len(Sandbox.list(query=SandboxQuery(metadata={"run": run}, template=TEMPLATE)).next_items()) == 3
     finally:
         kill_all(boxes)
 

@@ -434,20 +434,20 @@ def _now() -> float:
 
 class ListFilter:
     """``GET /sandboxes`` and ``/v2/sandboxes`` query: ``metadata`` (``k=v&k2=v2``, URL-encoded),
-    ``state`` (``running,paused``), ``limit`` and ``nextToken`` (v2: a page is ordered by start
-    time then id; the token is the last id of the page before)."""
+    ``state`` (``running,paused``); v2 also ``template`` (its templateID), ``startedAfter`` (an
+    ISO time: started later than it), ``order`` (by start time then id: ``desc``, newest first,
+    E2B's default, or ``asc``), ``limit`` and ``nextToken`` (the last id of the page before)."""
 
-    def __init__(self, metadata: dict[str, str], states: set[str], limit: int, after: str | None) -> None:
+    def __init__(self, metadata: dict[str, str], states: set[str], limit: int, after: str | None, *,
+                 newest_first: bool = True, template: str | None = None, since: float | None = None) -> None:
         self.metadata, self.states, self.limit, self.after = metadata, states, limit, after
+        self.newest_first, self.template, self.since = newest_first, template, since
 
     @classmethod
     def parse(cls, query: Mapping[str, str], *, v2: bool) -> ListFilter:
         known = ("metadata", "state", "limit", "nextToken", "order", "startedAfter", "template") if v2 else \
             ("metadata", "query")
         check_query(query, known)
-        for key in ("order", "startedAfter", "template"):
-            if key in query:
-                raise InvalidField(key, "is not supported by layerbox yet (see docs/E2B.md)")
         raw = query.get("metadata") or query.get("query") or ""
         pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=bool(raw)) if raw else []
         metadata = check_labels("metadata", dict(pairs), reserved_ok=False) if pairs else {}
@@ -457,15 +457,34 @@ class ListFilter:
             bad = sorted(states - {"running", "paused"})
             if bad:
                 raise InvalidField("state", f"{bad[0][:20]!r} is not running or paused")
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidField("order", f"{order[:20]!r} is not asc or desc")
+        template = None
+        if query.get("template") is not None:
+            template = check_str("template", query["template"], max_len=512, what="a templateID")
+        since = None
+        if query.get("startedAfter") is not None:
+            text = query["startedAfter"]
+            try:
+                when = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+            except ValueError:
+                raise InvalidField("startedAfter", f"{text[:40]!r} is not an ISO 8601 time") from None
+            since = (when if when.tzinfo else when.replace(tzinfo=datetime.UTC)).timestamp()
         limit, after = page_query(query)
-        return cls(metadata, states, limit, after)
+        return cls(metadata, states, limit, after, newest_first=order == "desc", template=template, since=since)
 
     def apply(self, views: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The ``ListedSandbox`` views that pass, by start time then id."""
+        """The ``ListedSandbox`` views that pass, in the asked order of start time then id."""
         picked = [v for v in views if v.get("state") in self.states
-                  and all((v.get("metadata") or {}).get(k) == val for k, val in self.metadata.items())]
-        return sorted(picked, key=lambda v: (str(v.get("startedAt")), str(v.get("sandboxID"))))
+                  and all((v.get("metadata") or {}).get(k) == val for k, val in self.metadata.items())
+                  and (self.template is None or v.get("templateID") == self.template)
+                  and (self.since is None or _started(v) > self.since)]
+        return sorted(picked, key=lambda v: (_started(v), str(v.get("sandboxID"))), reverse=self.newest_first)
 
     def page(self, views: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
         return paginate(views, lambda v: str(v.get("sandboxID")), self.after, self.limit)
 
+
+def _started(view: Mapping[str, Any]) -> float:
+    return datetime.datetime.fromisoformat(str(view.get("startedAt")).replace("Z", "+00:00")).timestamp()
