@@ -414,11 +414,40 @@ def test_a_sandbox_past_its_timeout_is_reaped_and_seen_gone(served: E2bEdge) -> 
     assert box.kill() is False
 
 
-def test_auto_pause_is_refused_naming_it(served: E2bEdge) -> None:
-    with pytest.raises(SandboxException) as caught:
-        Sandbox.create(TEMPLATE, lifecycle={"on_timeout": "pause"})
-    assert caught.value.status_code == 400
-    assert "autoPause" in str(caught.value)
+def test_auto_pause_pauses_at_the_timeout_with_the_processes_and_connect_resumes(served: E2bEdge) -> None:
+    box = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": "pause"})
+    try:
+        counter = box.commands.run("n=0; while true; do n=$((n+1)); echo $n > /tmp/n; sleep 0.1; done",
+                                   background=True, timeout=0)
+        deadline = time.monotonic() + 120  # a bound on a hung reaper, not a measure of it
+        while Sandbox.get_info(box.sandbox_id).state != SandboxState.PAUSED and time.monotonic() < deadline:
+            time.sleep(0.2)
+        info = Sandbox.get_info(box.sandbox_id)
+        assert info.state == SandboxState.PAUSED  # paused, not killed
+        assert info.end_at - info.started_at > datetime.timedelta(hours=1)  # it waits for a resume
+        again = Sandbox.connect(box.sandbox_id, timeout=60)
+        first = int(again.commands.run("cat /tmp/n").stdout)
+        time.sleep(0.5)
+        assert int(again.commands.run("cat /tmp/n").stdout) > first  # the same process counts on
+        assert counter.pid in [p.pid for p in again.commands.list()]
+        with pytest.raises(SandboxException) as caught:  # a filesystem pause at the timeout is not served
+            Sandbox.create(TEMPLATE, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
+        assert caught.value.status_code == 400
+        assert "autoPauseMemory" in str(caught.value)
+    finally:
+        box.kill()
+
+
+def test_connect_lengthens_a_running_sandboxs_timeout_never_shortens_it(served: E2bEdge) -> None:
+    box = Sandbox.create(TEMPLATE, timeout=600)
+    try:
+        end = Sandbox.get_info(box.sandbox_id).end_at
+        Sandbox.connect(box.sandbox_id, timeout=30)
+        assert Sandbox.get_info(box.sandbox_id).end_at == end
+        Sandbox.connect(box.sandbox_id, timeout=1200)
+        assert Sandbox.get_info(box.sandbox_id).end_at > end
+    finally:
+        box.kill()
 
 
 # -- list, and the errors the SDK maps ------------------------------------------------------------------------

@@ -68,6 +68,9 @@ POOL_PROJECT_LABEL = "layerbox.pool.project"
 # metadata: sandbox.isolation.network).  An operator's decision: the edge sets it for a project
 # its tokens file allows ("egress_protected"), a library caller in the options it passes.
 PROTECTED_EGRESS_LABEL = "layerbox.egress.protected"
+# "pause": at its ttl the reaper pauses the sandbox in place (its processes kept) instead of
+# destroying it, and lets it live on paused to the edge's maximum lifetime (E2B's autoPause)
+ON_TTL_LABEL = "layerbox.on-ttl"
 SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's attachment: its sandbox's carried options
 
 CpuClass = Literal["latency", "best-effort"]

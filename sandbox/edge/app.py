@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import ipaddress
 import logging
 import secrets
@@ -175,7 +176,8 @@ class SandboxService:
             try:
                 # a dead lazyfetch daemon: restart its sandboxes
                 await loop.run_in_executor(self._reaper_pool, self.manager.heal)
-                report = await loop.run_in_executor(self._reaper_pool, self.manager.reap)
+                report = await loop.run_in_executor(self._reaper_pool, functools.partial(
+                    self.manager.reap, max_lifetime=self.context.maxima.ttl))
                 if report["destroyed"] or report["paused"]:
                     log.info("reaper: %s", report)
                 for action, ids in report.items():

@@ -59,6 +59,7 @@ from sandbox.core.errors import (
 )
 from sandbox.core.leases import Leases
 from sandbox.core.model import (
+    ON_TTL_LABEL,
     POOL_LABEL,
     SCHEMA_OPTIONS,
     SandboxOptions,
@@ -491,8 +492,12 @@ class SandboxManager:
                 done.append(st.id)
         return done
 
-    def reap(self, now: float | None = None) -> dict[str, builtins.list[str]]:
-        """Destroy sandboxes past their TTL or lease; pause those idle past their idle timeout."""
+    def reap(self, now: float | None = None, *, max_lifetime: float | None = None) -> dict[str, builtins.list[str]]:
+        """Destroy sandboxes past their TTL or lease; pause those idle past their idle timeout.
+
+        A running sandbox labelled ``ON_TTL_LABEL: pause`` is paused at its TTL instead, and its
+        TTL moved to ``max_lifetime`` (the edge's; without one it is destroyed as any other): it
+        waits paused for a resume until then."""
         now = time.time() if now is None else now
         report: dict[str, builtins.list[str]] = {"destroyed": [], "paused": []}
         leases = self.leases.all()  # each lease read once; the sweep below rewrites only what changes
@@ -503,6 +508,14 @@ class SandboxManager:
                 if st.status in ("creating", "starting"):
                     continue
                 if (opts.ttl is not None and now - st.created > opts.ttl) or st.job in expired_jobs:
+                    if (st.job not in expired_jobs and st.status == "running" and max_lifetime is not None
+                            and st.labels.get(ON_TTL_LABEL) == "pause" and now - st.created < max_lifetime):
+                        box = Sandbox(self, st.id)
+                        box.pause()
+                        # a second short of the maximum: set_ttl reads the clock again, later
+                        box.set_ttl(max(0.0, max_lifetime - (time.time() - st.created) - 1), max_lifetime=max_lifetime)
+                        report["paused"].append(st.id)
+                        continue
                     self.destroy(st.id)
                     report["destroyed"].append(st.id)
                 elif (opts.idle_timeout is not None and st.status == "running"

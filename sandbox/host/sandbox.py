@@ -239,6 +239,16 @@ class Sandbox:
         self.receipt("ttl", ttl=ttl, was=was, expires=round(st.created + ttl, 3))
         return st
 
+    def set_label(self, key: str, value: str | None) -> SandboxState:
+        """Set (or, with None, drop) one of the sandbox's labels: the service's own reserved ones
+        too, so callers check tenants' keys before (``check_labels``)."""
+        with self.manager.states.lock:  # read-modify-write of the options
+            st = self.state
+            labels = {k: v for k, v in st.options.labels.items() if k != key}
+            if value is not None:
+                labels[key] = value
+            return self.update(options=st.options.replace(labels=labels))
+
     # -- pause / resume -----------------------------------------------------------------------------
     def pause(self, *, reclaim: bool = True) -> dict[str, Any]:
         """Stop every process, and with ``reclaim`` give the host its memory back (a container's page

@@ -9,8 +9,8 @@ same quota, admission, ownership, receipts.  docs/E2B.md maps every field.
   microvm or vm, and a checkpoint of a microVM sandbox is a microVM template.
 - ``timeout`` is the sandbox's ttl, counted from now on each ``/timeout``; ``metadata`` its
   labels; ``envVars`` its environment.  Past its timeout the edge's reaper destroys it (E2B's
-  default, kill); ``autoPause`` (pause at the timeout instead) is refused: the manager's reaper
-  only destroys at a ttl, and a paused sandbox stays on the edge that paused it.
+  default, kill), or with ``autoPause`` pauses it in place (label ``layerbox.on-ttl``; its
+  timeout then runs to the edge's maximum lifetime, and ``connect`` resumes it).
 - Pause (E2B's default, ``memory`` true) freezes the sandbox in place with its processes, on
   the edge that runs it; while it is paused its timeout is lifted to the edge's maximum
   lifetime (E2B keeps a paused sandbox until it is resumed), and resume or connect sets it
@@ -39,6 +39,7 @@ from aiohttp import web
 from sandbox.core.errors import ApiError, InvalidField
 from sandbox.core.model import (
     MAX_LABELS,
+    ON_TTL_LABEL,
     PROJECT_LABEL,
     SandboxOptions,
     SandboxState,
@@ -136,7 +137,8 @@ class Rest:
                 raise ApiError(None, "unsupported_isolation", f"template {template!r} runs as {isolation}, which "
                                f"this edge does not run: {caps.reason}", field="templateID")
         options = ctx.options(project, {**given, "isolation": isolation}, extra=(), base=carried)
-        options = options.replace(labels={**options.labels, TEMPLATE_LABEL: template})
+        labels = {**options.labels, TEMPLATE_LABEL: template, **({ON_TTL_LABEL: "pause"} if body.get("autoPause") else {})}
+        options = options.replace(labels=labels)
         async with ctx.admitted(project.name, project.max_sandboxes, [options]):
             box = await ctx.create(resolved, options, template)
         return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
@@ -245,8 +247,8 @@ class Rest:
     async def resume(self, request: web.Request) -> web.Response:
         body = check_object("", await self.ctx.body(request), ("timeout", "autoPause", "memory"))
         timeout = self._timeout(body.get("timeout"))
-        if body.get("autoPause"):
-            raise InvalidField("autoPause", "pausing at the timeout is not supported (see docs/E2B.md)")
+        if body.get("autoPause") is not None and not isinstance(body["autoPause"], bool):
+            raise InvalidField("autoPause", "must be true or false")
         if body.get("memory") not in (None, True):
             raise InvalidField("memory", "false (a cold boot) is not supported: a sandbox resumes with its memory")
         project, sid, found = await self._found(request)
@@ -256,6 +258,8 @@ class Rest:
         box, state = found
         if state.status != "paused":
             raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}, not paused")
+        if body.get("autoPause") is not None:  # what its next timeout does
+            await asyncio.to_thread(box.set_label, ON_TTL_LABEL, "pause" if body["autoPause"] else None)
         await self._wake(box, state, seconds)
         return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
 
@@ -274,7 +278,8 @@ class Rest:
         if state.status == "paused":
             await self._wake(box, state, CONNECT_TIMEOUT if timeout is None else timeout)
             return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
-        if timeout is not None:
+        remaining = state.created + state.options.ttl - _now() if state.options.ttl is not None else math.inf
+        if timeout is not None and timeout > remaining:  # E2B's connect never shortens a life
             await asyncio.to_thread(box.set_ttl, timeout, max_lifetime=self.ctx.maxima.ttl)
         return web.json_response(self.created(state), status=200)
 
@@ -355,9 +360,9 @@ def create_options(body: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("autoPause", "secure", "allow_internet_access", "autoPauseMemory"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise InvalidField(name, "must be true or false")
-    if body.get("autoPause"):
-        raise InvalidField("autoPause", "pausing at the timeout is not supported yet: the sandbox is killed "
-                                        "then (set a longer timeout, or pause it yourself)")
+    if body.get("autoPause") and body.get("autoPauseMemory") is False:
+        raise InvalidField("autoPauseMemory", "false (a filesystem pause at the timeout) is not supported: an "
+                                              "automatic pause keeps the sandbox in place, with its memory")
     for name in ("mcp", "iam", "autoResume"):
         if body.get(name) is not None:
             raise InvalidField(name, "is not supported by layerbox (see docs/E2B.md)")
