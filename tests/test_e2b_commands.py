@@ -573,3 +573,13 @@ def test_a_client_that_stops_reading_holds_no_worker_and_no_unbounded_buffer(ser
     assert printed == 64 << 20
     assert during - before < 32 << 20, f"the edge grew by {(during - before) >> 20} MiB for a stalled reader"
     assert fetch(served.url, envd_headers(sid, **{"X-API-Key": ALPHA}), "/health").status_code == 204
+
+
+def test_a_command_whose_sandbox_is_killed_ends_as_cancelled_not_as_its_exit(served: E2bEdge) -> None:
+    box = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        handle = box.commands.run("sleep 600", background=True, timeout=0)
+    finally:
+        box.kill()
+    with pytest.raises(TimeoutException, match="was killed"):  # E2B's proxy's answer: the stream was cancelled
+        handle.wait()

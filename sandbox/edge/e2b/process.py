@@ -53,6 +53,8 @@ DEFAULT_KEEPALIVE = 30.0  # seconds between keepalive events when the client nam
 MIN_KEEPALIVE = 1.0
 MAX_TAG = 256
 SIGKILL, SIGTERM = 9, 15
+# why a command ended that is its sandbox's end, not its own (ExecResult.interrupted)
+GONE = {"destroy": "killed", "shutdown": "stopped with its edge", "restart": "restarted with its edge"}
 
 
 class ProcessService:
@@ -260,7 +262,13 @@ async def events(cmd: Command, every: float) -> AsyncIterator[pb.ProcessEvent]:
             elif stream == "idle":
                 yield event("keepalive", pb.ProcessEvent.KeepAlive())
             elif stream == "end":
-                yield event("end", end_event(cmd.final_event() or {}))
+                final = cmd.final_event() or {}
+                if final.get("interrupted") in GONE:
+                    # as E2B's proxy ends a stream whose sandbox goes: the SDK's "cancelled ... paused or
+                    # shut down" TimeoutException, not an exit of the command's own
+                    raise ConnectError(Code.CANCELED, f"sandbox {cmd.box.id} was {GONE[final['interrupted']]} "
+                                                      f"while process {cmd.number} ran")
+                yield event("end", end_event(final))
 
 
 def event(kind: str, value: Any) -> pb.ProcessEvent:
