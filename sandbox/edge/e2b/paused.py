@@ -1,7 +1,9 @@
 """Sandboxes paused into the store (E2B's ``pause`` with ``memory: false``, the SDK's
-``mode="filesystem"``): resumed by ``connect`` or ``resume`` on any edge of the same store.
+``mode="filesystem"``; and a VM's every pause): resumed by ``connect`` or ``resume`` on any
+edge of the same store.
 
-**Park.**  The sandbox is checkpointed (its files; processes are not carried) under
+**Park.**  The sandbox is checkpointed (its files; a VM's RAM and devices too, so it goes on
+with its processes; a container's processes are not carried) under
 ``projects/<project>/paused/<sandbox id>:latest``, with what E2B's get and list answer for it
 (label ``layerbox.e2b.listed``, JSON), and destroyed here.  From then on it exists only in the
 store: it holds nothing on any host, counts against no quota, and has no timeout (E2B keeps a
@@ -55,10 +57,11 @@ class Parked:
     def __init__(self, ctx: EdgeContext) -> None:
         self.ctx = ctx
 
-    async def park(self, box: Sandbox, project: Project, view: Mapping[str, Any]) -> None:
-        """Checkpoint ``box`` as paused (``view``: what get and list answer for it), then destroy it."""
+    async def park(self, box: Sandbox, project: Project, view: Mapping[str, Any], *, memory: bool = False) -> None:
+        """Checkpoint ``box`` as paused (``view``: what get and list answer for it; ``memory``: a
+        VM's RAM and devices too, so it resumes with its processes), then destroy it."""
         labels = {LISTED_LABEL: json.dumps({**view, "state": "paused"}, sort_keys=True)}
-        await box.checkpoint(name=paused_ref(project, box.id), labels=labels)
+        await box.checkpoint(name=paused_ref(project, box.id), labels=labels, memory=memory)
         await asyncio.to_thread(self.ctx.manager.destroy, box.id)
 
     async def find(self, project: Project, sid: str) -> tuple[RefState, dict[str, Any]] | None:

@@ -11,12 +11,13 @@ same quota, admission, ownership, receipts.  docs/E2B.md maps every field.
   labels; ``envVars`` its environment.  Past its timeout the edge's reaper destroys it (E2B's
   default, kill), or with ``autoPause`` pauses it in place (label ``layerbox.on-ttl``; its
   timeout then runs to the edge's maximum lifetime, and ``connect`` resumes it).
-- Pause (E2B's default, ``memory`` true) freezes the sandbox in place with its processes, on
-  the edge that runs it; while it is paused its timeout is lifted to the edge's maximum
+- Pause (E2B's default, ``memory`` true) freezes a container in place with its processes, on
+  the edge that runs it (a VM's RAM goes to the store instead, see below); while it is paused its timeout is lifted to the edge's maximum
   lifetime (E2B keeps a paused sandbox until it is resumed), and resume or connect sets it
   again (``timeout``, else 15 s for resume, 300 s for connect, E2B's defaults).  With
   ``memory: false`` (the SDK's ``mode="filesystem"``) it goes to the store instead, its files
-  without its processes, and any edge of the store resumes it with its id (:mod:`.paused`).
+  without its processes, and any edge of the store resumes it with its id (:mod:`.paused`); a
+  microVM's pause goes there with its RAM and devices, so it resumes anywhere with its processes.
 - Fork: one checkpoint, ``count`` sandboxes from it (:meth:`~sandbox.host.sandbox.Sandbox.fork`):
   quota and admission for all of them first, and all of them start or none (E2B reports each
   fork's outcome; here a failure fails the request, which the SDK raises).
@@ -237,6 +238,10 @@ class Rest:
         box, state = found
         if body.get("memory") is False:  # mode="filesystem": into the store, resumable on any edge
             await self.parked.park(box, project, self.detail(state))
+            return web.Response(status=204)
+        if state.options.isolation != "container" and state.status == "running":
+            # a VM's memory goes through the store as its disk does: resumable on any edge, processes and all
+            await self.parked.park(box, project, self.detail(state), memory=True)
             return web.Response(status=204)
         if state.status == "paused":
             raise ApiError(None, "conflict", f"sandbox {box.id} is already paused")
