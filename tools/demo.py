@@ -1102,6 +1102,8 @@ def print_summary(report: Report, stream: TextIO) -> None:
         f"({_mb(report.sandbox['restore_bytes_fetched'])} fetched)",
         f"sdk       create to first exit {report.sandbox['sdk']['ready_create_to_first_exit']:.3f} s from a ready "
         f"pool, through the edge service; fork of 2 {report.sandbox['sdk']['fork_2']:.3f} s",
+        f"e2b       create to first output {report.sandbox['e2b']['create_to_first_output']:.3f} s through the stock "
+        f"e2b SDK on the same edge; a file written and read back {report.sandbox['e2b']['file_round_trip']:.3f} s",
         (f"microvm   create to first command {steps['microvm_cold']:.3f} s on a fresh host (template: "
          f"{report.microvm.get('template_source')}), "
          f"{steps['microvm_warm']:.3f} s from the template ({report.microvm.get('accel')}); restore on another host "
