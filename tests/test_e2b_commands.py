@@ -581,5 +581,24 @@ def test_a_command_whose_sandbox_is_killed_ends_as_cancelled_not_as_its_exit(ser
         handle = box.commands.run("sleep 600", background=True, timeout=0)
     finally:
         box.kill()
-    with pytest.raises(TimeoutException, match="was killed"):  # E2B's proxy's answer: the stream was cancelled
+    # as at E2B's proxy: the stream ends UNAVAILABLE, and the SDK's health check that follows finds it gone
+    with pytest.raises(TimeoutException, match="killed or reached its end of life"):
         handle.wait()
+
+
+def test_a_relative_cwd_starts_at_the_accounts_home(sbx: Sandbox) -> None:
+    sbx.commands.run("mkdir -p work/sub")
+    assert sbx.commands.run("pwd", cwd="work/sub").stdout == "/home/user/work/sub\n"
+    assert sbx.commands.run("pwd", cwd="..", user="root").stdout == "/\n"  # root's home is /root
+
+
+def test_the_async_clients_command_timeout_is_the_sdks_timeout_exception(served: E2bEdge) -> None:
+    async def scenario() -> None:
+        box = await AsyncSandbox.create(TEMPLATE, timeout=60)
+        try:
+            with pytest.raises(TimeoutException):
+                await box.commands.run("sleep 10", timeout=2)
+        finally:
+            await box.kill()
+
+    asyncio.run(scenario())

@@ -474,8 +474,8 @@ def test_list_filters_by_metadata_and_state_and_pages(served: E2bEdge) -> None:
         made = [b.sandbox_id for b in boxes]
         assert [s.sandbox_id for s in Sandbox.list(query=query).next_items()] == made[::-1]
         assert [s.sandbox_id for s in Sandbox.list(query=query, order="asc").next_items()] == made
-        first_started = Sandbox.get_info(made[0]).started_at
-        later = Sandbox.list(query=SandboxQuery(metadata={"run": run}, started_after=first_started)).next_items()
+        second_started = Sandbox.get_info(made[1]).started_at  # then or later, as E2B's
+        later = Sandbox.list(query=SandboxQuery(metadata={"run": run}, started_after=second_started)).next_items()
         assert [s.sandbox_id for s in later] == made[:0:-1]
         assert Sandbox.list(query=SandboxQuery(metadata={"run": run}, template="no-such")).next_items() == []
         assert len(Sandbox.list(query=SandboxQuery(metadata={"run": run}, template=TEMPLATE)).next_items()) == 3

@@ -27,7 +27,10 @@ does not see for a container's exec) and its ``tag`` the caller's name for it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import posixpath
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -39,7 +42,8 @@ from e2b.envd.process import process_pb as pb
 from e2b.envd.process.process_connect import ProcessASGIApplication
 from protobuf import Oneof
 
-from sandbox.core.errors import ApiError, InvalidField
+from sandbox.backends.base import account
+from sandbox.core.errors import ApiError, InvalidField, SandboxNotFound
 from sandbox.core.model import ExecRequest, SandboxState, check_str
 from sandbox.edge.auth import Project
 from sandbox.edge.context import EdgeContext
@@ -54,6 +58,7 @@ MIN_KEEPALIVE = 1.0
 MAX_TAG = 256
 SIGKILL, SIGTERM = 9, 15
 # why a command ended that is its sandbox's end, not its own (ExecResult.interrupted)
+GONE_WAIT = 10.0  # seconds a destroy may take after it ended the sandbox's commands
 GONE = {"destroy": "killed", "shutdown": "stopped with its edge", "restart": "restarted with its edge"}
 
 
@@ -72,13 +77,16 @@ class ProcessService:
             pb.StartResponse]:
         call = current()
         project, box, state = await running()
-        req = start_request(request, await run_as(box, call.user), self.ctx, deadline(ctx))
+        user = await run_as(box, call.user)
+        home = await home_of(box, state, user) if request.process and not posixpath.isabs(request.process.cwd or "/") \
+            else None
+        req = start_request(request, user, self.ctx, deadline(ctx), home=home)
         tag = check_str("tag", request.tag, max_len=MAX_TAG, what="a tag") if request.tag else None
         cmd = await self.commands.launch(self.ctx, project.name, box, state, req, tag=tag)
         if not request.stdin and req.terminal is None:
             await cmd.close_input()
         yield pb.StartResponse(event=event("start", pb.ProcessEvent.StartEvent(pid=cmd.number)))
-        async for each in events(cmd, keepalive(ctx)):
+        async for each in events(cmd, keepalive(ctx), started=True):
             yield pb.StartResponse(event=each)
 
     @rpc_stream
@@ -188,10 +196,18 @@ class Checked:
                                                       f"{self.inner.name()}: {str(exc)[:200]}") from None
 
 
+async def home_of(box: Sandbox, state: SandboxState, user: str | None) -> str:
+    """Where a relative ``cwd`` starts, as envd's does: the account's home (the sandbox's HOME
+    for its own user)."""
+    if user is None:
+        return state.env.get("HOME") or "/"
+    return (await asyncio.to_thread(account, box.files, user))[2]
+
+
 def start_request(request: pb.StartRequest, user: str | None, ctx: EdgeContext,
-                  timeout: float | None = None) -> StartRequest:
+                  timeout: float | None = None, *, home: str | None = None) -> StartRequest:
     """The background command a Start asks for, validated as a native one is; ``timeout``
-    (seconds, from :func:`deadline`) bounds the process."""
+    (seconds, from :func:`deadline`) bounds the process; a relative ``cwd`` starts at ``home``."""
     config = request.process
     if config is None or not config.cmd:
         raise InvalidField("process.cmd", "is required")
@@ -201,7 +217,7 @@ def start_request(request: pb.StartRequest, user: str | None, ctx: EdgeContext,
         terminal = winsize(size.cols, size.rows) if size is not None else (80, 24)
     body: dict[str, Any] = {"cmd": [config.cmd, *list(config.args or [])], "env": dict(config.envs or {})}
     if config.cwd:
-        body["cwd"] = config.cwd
+        body["cwd"] = posixpath.normpath(posixpath.join(home or "/", config.cwd))
     if timeout is not None:
         body["timeout"] = timeout
     body["output_cap"] = ctx.maxima.output_cap  # envd streams what a process prints: the edge's most
@@ -251,7 +267,7 @@ def keepalive(ctx: RequestContext[Any, Any]) -> float:
     return DEFAULT_KEEPALIVE
 
 
-async def events(cmd: Command, every: float) -> AsyncIterator[pb.ProcessEvent]:
+async def events(cmd: Command, every: float, *, started: bool = False) -> AsyncIterator[pb.ProcessEvent]:
     """The command's output from what is still kept, keepalives, and its end."""
     call = current()
     with cmd.reader() as wake:
@@ -264,11 +280,27 @@ async def events(cmd: Command, every: float) -> AsyncIterator[pb.ProcessEvent]:
             elif stream == "end":
                 final = cmd.final_event() or {}
                 if final.get("interrupted") in GONE:
-                    # as E2B's proxy ends a stream whose sandbox goes: the SDK's "cancelled ... paused or
-                    # shut down" TimeoutException, not an exit of the command's own
-                    raise ConnectError(Code.CANCELED, f"sandbox {cmd.box.id} was {GONE[final['interrupted']]} "
-                                                      f"while process {cmd.number} ran")
+                    # as a stream whose sandbox goes ends at E2B's proxy: UNAVAILABLE, which the SDK answers
+                    # with a health check, and once that finds the sandbox gone (so: after it is), raises
+                    # "killed or reached its end of life"; not an exit of the command's own
+                    await gone_by(cmd.box, GONE_WAIT)
+                    raise ConnectError(Code.UNAVAILABLE, f"sandbox {cmd.box.id} was {GONE[final['interrupted']]} "
+                                                         f"while process {cmd.number} ran")
+                if final.get("timed_out") and started:  # its deadline (Connect-Timeout-Ms): this call's, as envd's
+                    raise ConnectError(Code.DEADLINE_EXCEEDED, f"process {cmd.number} ran past its timeout and "
+                                                               "was killed")
                 yield event("end", end_event(final))
+
+
+async def gone_by(box: Sandbox, bound: float) -> None:
+    """Wait until ``box``'s state is gone (its destroy ends its commands first), at most ``bound`` s."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.to_thread(lambda: box.state)
+        except SandboxNotFound:
+            return
+        await asyncio.sleep(0.05)
 
 
 def event(kind: str, value: Any) -> pb.ProcessEvent:

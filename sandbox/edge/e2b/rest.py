@@ -445,7 +445,7 @@ def _now() -> float:
 class ListFilter:
     """``GET /sandboxes`` and ``/v2/sandboxes`` query: ``metadata`` (``k=v&k2=v2``, URL-encoded),
     ``state`` (``running,paused``); v2 also ``template`` (its templateID), ``startedAfter`` (an
-    ISO time: started later than it), ``order`` (by start time then id: ``desc``, newest first,
+    ISO time: started then or later, as E2B's), ``order`` (by start time then id: ``desc``, newest first,
     E2B's default, or ``asc``), ``limit`` and ``nextToken`` (the last id of the page before)."""
 
     def __init__(self, metadata: dict[str, str], states: set[str], limit: int, after: str | None, *,
@@ -489,7 +489,7 @@ class ListFilter:
         picked = [v for v in views if v.get("state") in self.states
                   and all((v.get("metadata") or {}).get(k) == val for k, val in self.metadata.items())
                   and (self.template is None or v.get("templateID") == self.template)
-                  and (self.since is None or _started(v) > self.since)]
+                  and (self.since is None or _started(v) >= self.since)]
         return sorted(picked, key=lambda v: (_started(v), str(v.get("sandboxID"))), reverse=self.newest_first)
 
     def page(self, views: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
