@@ -113,6 +113,10 @@ def test_files_write_read_and_describe_as_the_user(vm: Sandbox) -> None:
         FileType.FILE, len("hej då\n".encode()), 0o644, "-rw-r--r--", "user", "user")
     assert abs(entry.modified_time.timestamp() - time.time()) < 3600
     assert vm.files.get_info("/").name == "/"
+    vm.commands.run("chmod 600 /home/user/notes/hello.txt")
+    vm.files.write("notes/hello.txt", "again", gzip=True)  # written over: the same file, its mode kept
+    assert vm.files.read("notes/hello.txt", gzip=True) == "again"
+    assert sh(vm, "stat -c '%U %a' /home/user/notes/hello.txt") == "user 600\n"
     blob = os.urandom(3 << 20) + b"\n\0 end"  # several pieces each way, any bytes
     vm.files.write("/home/user/notes/blob.bin", blob)
     assert bytes(vm.files.read("notes/blob.bin", format="bytes")) == blob
@@ -175,7 +179,8 @@ def test_files_errors_the_sdk_maps_and_watching_refused(vm: Sandbox) -> None:
         vm.files.get_info("missing.txt")
     with pytest.raises(NotFoundException):
         vm.files.list("missing")
-    vm.files.write("plain", "p")
+    vm.files.write("plain", "")
+    assert vm.files.read("plain") == ""  # an empty file: a command that printed nothing
     with pytest.raises(InvalidArgumentException, match="not a directory"):
         vm.files.list("plain")
     with pytest.raises(InvalidArgumentException, match="is a directory"):
