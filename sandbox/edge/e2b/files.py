@@ -763,8 +763,9 @@ class Caller:
         return resolve(field_name, given, self.root.who.home)
 
 
-def guest_path(g: Guest, field_name: str, given: str) -> str:
-    return resolve(field_name, given, g.home)
+def path_of(c: Caller | Guest, field_name: str, given: str) -> str:
+    """envd's path for ``given`` as the call's account (from its home)."""
+    return resolve(field_name, given, c.home if isinstance(c, Guest) else c.root.who.home)
 
 
 class FilesystemService:
@@ -801,7 +802,7 @@ class FilesystemService:
     async def stat(self, request: pb.StatRequest, ctx: RequestContext[Any, Any], /) -> pb.StatResponse:
         c = await self.caller()
         if isinstance(c, Guest):
-            return pb.StatResponse(entry=guest_entry(await guestfs.stat(c, guest_path(c, "path", request.path))))
+            return pb.StatResponse(entry=guest_entry(await guestfs.stat(c, path_of(c, "path", request.path))))
         path = c.path("path", request.path)
         return pb.StatResponse(entry=await self.run(c, lambda rfd: stat_entry(c.root, rfd, path)))
 
@@ -812,7 +813,7 @@ class FilesystemService:
         if depth > MAX_DEPTH:
             raise InvalidField("depth", f"{depth}: at most {MAX_DEPTH}")
         if isinstance(c, Guest):
-            found = await guestfs.list_dir(c, guest_path(c, "path", request.path), depth)
+            found = await guestfs.list_dir(c, path_of(c, "path", request.path), depth)
             return pb.ListDirResponse(entries=[guest_entry(f) for f in found])
         path = c.path("path", request.path)
         return pb.ListDirResponse(entries=await self.run(c, lambda rfd: list_dir(c.root, rfd, path, depth)))
@@ -821,7 +822,7 @@ class FilesystemService:
     async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext[Any, Any], /) -> pb.MakeDirResponse:
         c = await self.caller()
         if isinstance(c, Guest):
-            path = guest_path(c, "path", request.path)
+            path = path_of(c, "path", request.path)
             made = await guestfs.make_dir(c, path)
             if made is None:
                 raise ConnectError(Code.ALREADY_EXISTS, f"directory already exists: {path}")
@@ -838,8 +839,8 @@ class FilesystemService:
     async def move(self, request: pb.MoveRequest, ctx: RequestContext[Any, Any], /) -> pb.MoveResponse:
         c = await self.caller()
         if isinstance(c, Guest):
-            moved = await guestfs.move(c, guest_path(c, "source", request.source),
-                                       guest_path(c, "destination", request.destination))
+            moved = await guestfs.move(c, path_of(c, "source", request.source),
+                                       path_of(c, "destination", request.destination))
             return pb.MoveResponse(entry=guest_entry(moved))
         source = c.path("source", request.source)
         destination = c.path("destination", request.destination)
@@ -853,7 +854,7 @@ class FilesystemService:
     async def remove(self, request: pb.RemoveRequest, ctx: RequestContext[Any, Any], /) -> pb.RemoveResponse:
         c = await self.caller()
         if isinstance(c, Guest):
-            await guestfs.remove(c, guest_path(c, "path", request.path))
+            await guestfs.remove(c, path_of(c, "path", request.path))
             return pb.RemoveResponse()
         path = c.path("path", request.path)
         await self.run(c, lambda rfd: remove(rfd, path))
@@ -1060,7 +1061,7 @@ class Files:
         c = await self._caller(request, call, "read")
         if isinstance(c, Guest):
             with self.ctx.usage.take(c.project.name, "transfers"):
-                return await self._send_guest(request, c, guest_path(c, "path", request.query.get("path", "")))
+                return await self._send_guest(request, c, path_of(c, "path", request.query.get("path", "")))
         path = c.path("path", request.query.get("path", ""))
         with self.ctx.usage.take(c.project.name, "transfers"):  # for as long as the client reads
             fd = await self.service.run(c, lambda rfd: _regular(rfd, path, os.O_RDONLY))
@@ -1134,7 +1135,7 @@ class Files:
             if kind == "application/octet-stream":
                 if given is None:
                     raise InvalidField("path", "is required for an application/octet-stream upload")
-                path = self._path(c, given)
+                path = path_of(c, "path", given)
                 written = [await self._write(c, path, request.content.read, metadata)]
             elif kind.startswith("multipart/"):
                 written = await self._parts(c, request, given, metadata)
@@ -1155,16 +1156,12 @@ class Files:
             raw = given if given is not None else part.filename
             if raw is None:
                 raise InvalidField("filename", "a file part names its path as its file name (or give ?path=)")
-            path = self._path(c, raw)
+            path = path_of(c, "path", raw)
             if any(w["path"] == path for w in written):
                 raise InvalidField("path", f"you cannot upload multiple files to the same path '{path}' in one "
                                            "upload request")
             written.append(await self._write(c, path, part.read_chunk, metadata))
         return written
-
-    @staticmethod
-    def _path(c: Caller | Guest, given: str) -> str:
-        return guest_path(c, "path", given) if isinstance(c, Guest) else c.path("path", given)
 
     async def _write(self, c: Caller | Guest, path: str, read: Callable[[int], Any],
                      metadata: dict[str, str]) -> dict[str, Any]:
