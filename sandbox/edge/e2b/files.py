@@ -37,9 +37,9 @@ costs the edge a fixed amount.  A polled watcher (``CreateWatcher``) not polled 
 (each new directory is scanned, so entries made before its watch was added are still reported
 as created); a renamed directory keeps reporting under its old name.
 
-**MicroVMs**: their files are reached through the guest agent, which reads and writes as root
-only, and has no rename, ownership change or watch; the service answers UNIMPLEMENTED there,
-naming that, rather than write files the caller's account would not own.
+**MicroVMs**: every call but watching is a command in the guest run as the account
+(:mod:`.guestfs`, whose docstring says why and what differs); entries are described here as for
+a container.  Watching answers UNIMPLEMENTED there: the guest agent serves no watch.
 
 **/files**: ``GET`` streams a file (``Accept-Encoding: gzip`` compresses it), ``POST`` writes
 one or several (``multipart/form-data``, each part's file name its path unless ``path`` is
@@ -55,7 +55,7 @@ sandbox's envd access token), checked in constant time; an expired one is refuse
 **Known gaps**: no ``Range`` or conditional downloads (envd serves them); a directory renamed
 under a recursive watch keeps reporting under its old name; renaming a directory that comes
 from a lower layer of the overlay fails (EXDEV, 400) where the kernel's overlay has no
-``redirect_dir``; microVMs (above).
+``redirect_dir``; microVMs: no watching, no metadata (:mod:`.guestfs`).
 """
 
 from __future__ import annotations
@@ -105,8 +105,10 @@ from sandbox.edge.context import EdgeContext
 from sandbox.host.sandbox import Sandbox
 from sandbox.isolation import idmap
 
+from . import guestfs
 from .base import DEFAULT_USER, E2bContext, error_response
 from .envd import EnvdCall, check_user, current, rpc, rpc_stream
+from .guestfs import Download, Found, Guest, guest_for
 from .process import keepalive
 
 T = TypeVar("T")
@@ -371,6 +373,18 @@ def entry(root: Root, root_fd: int, dfd: int, name: str, path: str, st: os.stat_
         owner=root.who.users.get(uid, str(uid)), group=root.who.group_names.get(gid, str(gid)),
         modified_time=Timestamp(seconds=st.st_mtime_ns // 10**9, nanos=st.st_mtime_ns % 10**9),
         symlink_target=target, metadata=metadata or None, is_symlink=target is not None)
+
+
+def guest_entry(f: Found) -> pb.EntryInfo:
+    """envd's EntryInfo of an entry a microVM's guest described (as :func:`entry` does a container's)."""
+    mode, kind, target = stat.S_IMODE(f.mode), file_type(f.mode), None
+    if stat.S_ISLNK(f.mode):
+        kind, mode, target = file_type(f.target_mode), stat.S_IMODE(f.target_mode), f.target or f.path
+    return pb.EntryInfo(
+        name=posixpath.basename(f.path) or "/", type=kind, path=f.path, size=f.size, mode=mode,
+        permissions=permissions(f.mode), owner=f.owner, group=f.group,
+        modified_time=Timestamp(seconds=f.mtime_ns // 10**9, nanos=f.mtime_ns % 10**9),
+        symlink_target=target, is_symlink=target is not None)
 
 
 def stat_entry(root: Root, root_fd: int, path: str) -> pb.EntryInfo:
@@ -731,11 +745,10 @@ class Watchers:
 
 
 # -- the Connect service ----------------------------------------------------------------------------------
-def unsupported(box: Sandbox) -> ConnectError:
+def unwatchable(box: Sandbox) -> ConnectError:
     return ConnectError(Code.UNIMPLEMENTED, (
-        f"sandbox {box.id} is a {box.state.options.isolation}: envd's filesystem is served for containers; "
-        "a VM's files are reached through its guest agent, which writes as root only and cannot rename, "
-        "change owners or watch (use the native files API, or commands)"))
+        f"sandbox {box.id} is a {box.state.options.isolation}: watching a directory is served for containers; "
+        "a VM's guest agent has no watch (poll with files.list, or run inotifywait as a command)"))
 
 
 @dataclass
@@ -750,22 +763,27 @@ class Caller:
         return resolve(field_name, given, self.root.who.home)
 
 
+def path_of(c: Caller | Guest, field_name: str, given: str) -> str:
+    """envd's path for ``given`` as the call's account (from its home)."""
+    return resolve(field_name, given, c.home if isinstance(c, Guest) else c.root.who.home)
+
+
 class FilesystemService:
     def __init__(self, ctx: EdgeContext) -> None:
         self.ctx = ctx
         self.watchers = Watchers()
 
-    async def caller(self, call: EnvdCall | None = None) -> Caller:
+    async def caller(self, call: EnvdCall | None = None) -> Caller | Guest:
         """The calling RPC's sandbox, as the account its ``Authorization`` names (or the default)."""
         call = call or current()
         project, box, state = await call.sandbox()
         return await self.caller_for(project, box, state.userns, call.user)
 
     async def caller_for(self, project: Project, box: Sandbox, userns: tuple[int, int] | None,
-                         named: str | None) -> Caller:
+                         named: str | None) -> Caller | Guest:
         files = box.files
         if not hasattr(files, "within"):
-            raise unsupported(box)
+            return await guest_for(self.ctx, project, box, named)
         rooted = cast("Rooted", files)
 
         def load() -> Account:  # (envd.run_as's choice, from one read of the sandbox's files)
@@ -783,21 +801,32 @@ class FilesystemService:
     @rpc
     async def stat(self, request: pb.StatRequest, ctx: RequestContext[Any, Any], /) -> pb.StatResponse:
         c = await self.caller()
+        if isinstance(c, Guest):
+            return pb.StatResponse(entry=guest_entry(await guestfs.stat(c, path_of(c, "path", request.path))))
         path = c.path("path", request.path)
         return pb.StatResponse(entry=await self.run(c, lambda rfd: stat_entry(c.root, rfd, path)))
 
     @rpc
     async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext[Any, Any], /) -> pb.ListDirResponse:
         c = await self.caller()
-        path = c.path("path", request.path)
         depth = request.depth or 1
         if depth > MAX_DEPTH:
             raise InvalidField("depth", f"{depth}: at most {MAX_DEPTH}")
+        if isinstance(c, Guest):
+            found = await guestfs.list_dir(c, path_of(c, "path", request.path), depth)
+            return pb.ListDirResponse(entries=[guest_entry(f) for f in found])
+        path = c.path("path", request.path)
         return pb.ListDirResponse(entries=await self.run(c, lambda rfd: list_dir(c.root, rfd, path, depth)))
 
     @rpc
     async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext[Any, Any], /) -> pb.MakeDirResponse:
         c = await self.caller()
+        if isinstance(c, Guest):
+            path = path_of(c, "path", request.path)
+            made = await guestfs.make_dir(c, path)
+            if made is None:
+                raise ConnectError(Code.ALREADY_EXISTS, f"directory already exists: {path}")
+            return pb.MakeDirResponse(entry=guest_entry(made))
         path = c.path("path", request.path)
 
         def work(rfd: int) -> pb.EntryInfo:
@@ -809,6 +838,10 @@ class FilesystemService:
     @rpc
     async def move(self, request: pb.MoveRequest, ctx: RequestContext[Any, Any], /) -> pb.MoveResponse:
         c = await self.caller()
+        if isinstance(c, Guest):
+            moved = await guestfs.move(c, path_of(c, "source", request.source),
+                                       path_of(c, "destination", request.destination))
+            return pb.MoveResponse(entry=guest_entry(moved))
         source = c.path("source", request.source)
         destination = c.path("destination", request.destination)
 
@@ -820,11 +853,16 @@ class FilesystemService:
     @rpc
     async def remove(self, request: pb.RemoveRequest, ctx: RequestContext[Any, Any], /) -> pb.RemoveResponse:
         c = await self.caller()
+        if isinstance(c, Guest):
+            await guestfs.remove(c, path_of(c, "path", request.path))
+            return pb.RemoveResponse()
         path = c.path("path", request.path)
         await self.run(c, lambda rfd: remove(rfd, path))
         return pb.RemoveResponse()
 
-    async def _watch(self, c: Caller, path: str, recursive: bool, include_entry: bool) -> Watch:
+    async def _watch(self, c: Caller | Guest, path: str, recursive: bool, include_entry: bool) -> Watch:
+        if isinstance(c, Guest):
+            raise unwatchable(c.box)
         path = c.path("path", path)
 
         def check(rfd: int) -> None:
@@ -985,6 +1023,11 @@ async def _piece(read: Callable[[int], Any]) -> bytes:
     return bytes(buf)
 
 
+async def _pieces(read: Callable[[int], Any]) -> AsyncIterator[bytes]:
+    while data := await _piece(read):
+        yield data
+
+
 class Files:
     """envd's filesystem: the Connect service (:attr:`service`) and ``/files`` (:meth:`http`)."""
 
@@ -1001,7 +1044,7 @@ class Files:
         except Exception as exc:
             return error_response(exc)
 
-    async def _caller(self, request: web.Request, call: EnvdCall, operation: str) -> Caller:
+    async def _caller(self, request: web.Request, call: EnvdCall, operation: str) -> Caller | Guest:
         """The sandbox and account of a /files request: its envd token (or key), else its signature."""
         headers = request.headers
         named = request.query.get("username") or None
@@ -1026,6 +1069,9 @@ class Files:
 
     async def download(self, request: web.Request, call: EnvdCall) -> web.StreamResponse:
         c = await self._caller(request, call, "read")
+        if isinstance(c, Guest):
+            with self.ctx.usage.take(c.project.name, "transfers"):
+                return await self._send_guest(request, c, path_of(c, "path", request.query.get("path", "")))
         path = c.path("path", request.query.get("path", ""))
         with self.ctx.usage.take(c.project.name, "transfers"):  # for as long as the client reads
             fd = await self.service.run(c, lambda rfd: _regular(rfd, path, os.O_RDONLY))
@@ -1034,7 +1080,9 @@ class Files:
             finally:
                 os.close(fd)
 
-    async def _send(self, request: web.Request, c: Caller, path: str, fd: int) -> web.StreamResponse:
+    @staticmethod
+    async def _prepared(request: web.Request) -> tuple[web.StreamResponse, Any]:
+        """A download's response, begun (a HEAD's ended); the gzip compressor when the client takes gzip."""
         gz = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 31) if accepts_gzip(request) else None
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Vary": "Accept-Encoding"})
         if gz is not None:
@@ -1043,6 +1091,11 @@ class Files:
         await resp.prepare(request)
         if request.method == "HEAD":
             await resp.write_eof()
+        return resp, gz
+
+    async def _send(self, request: web.Request, c: Caller, path: str, fd: int) -> web.StreamResponse:
+        resp, gz = await self._prepared(request)
+        if request.method == "HEAD":
             return resp
 
         def piece() -> tuple[int, bytes]:
@@ -1063,6 +1116,26 @@ class Files:
         await resp.write_eof()
         return resp
 
+    async def _send_guest(self, request: web.Request, g: Guest, path: str) -> web.StreamResponse:
+        """A microVM's file as the account's ``cat`` gives it: the answer waits for its first piece
+        (or its end), so a refusal is an error answer, not a cut stream."""
+        download = Download(g, path)
+        try:
+            data = await download.next()
+            resp, gz = await self._prepared(request)
+            while data and request.method != "HEAD":
+                await resp.write(gz.compress(data) if gz is not None else data)
+                data = await download.next()
+        finally:
+            await download.close()
+        if request.method == "HEAD":
+            return resp
+        if gz is not None:
+            await resp.write(gz.flush())
+        await asyncio.to_thread(g.box.receipt, "download", path=path, bytes=download.total)
+        await resp.write_eof()
+        return resp
+
     async def upload(self, request: web.Request, call: EnvdCall) -> web.Response:
         c = await self._caller(request, call, "write")
         metadata = metadata_of(request)
@@ -1072,7 +1145,7 @@ class Files:
             if kind == "application/octet-stream":
                 if given is None:
                     raise InvalidField("path", "is required for an application/octet-stream upload")
-                path = c.path("path", given)
+                path = path_of(c, "path", given)
                 written = [await self._write(c, path, request.content.read, metadata)]
             elif kind.startswith("multipart/"):
                 written = await self._parts(c, request, given, metadata)
@@ -1081,7 +1154,7 @@ class Files:
                                                    "application/octet-stream")
         return web.json_response(written)
 
-    async def _parts(self, c: Caller, request: web.Request, given: str | None,
+    async def _parts(self, c: Caller | Guest, request: web.Request, given: str | None,
                      metadata: dict[str, str]) -> list[dict[str, Any]]:
         """Each ``file`` part of a multipart upload, written as it arrives."""
         reader = await request.multipart()
@@ -1093,15 +1166,19 @@ class Files:
             raw = given if given is not None else part.filename
             if raw is None:
                 raise InvalidField("filename", "a file part names its path as its file name (or give ?path=)")
-            path = c.path("path", raw)
+            path = path_of(c, "path", raw)
             if any(w["path"] == path for w in written):
                 raise InvalidField("path", f"you cannot upload multiple files to the same path '{path}' in one "
                                            "upload request")
             written.append(await self._write(c, path, part.read_chunk, metadata))
         return written
 
-    async def _write(self, c: Caller, path: str, read: Callable[[int], Any],
+    async def _write(self, c: Caller | Guest, path: str, read: Callable[[int], Any],
                      metadata: dict[str, str]) -> dict[str, Any]:
+        if isinstance(c, Guest):  # (no metadata: the module's docstring)
+            total = await guestfs.upload(c, path, _pieces(read))
+            await asyncio.to_thread(c.box.receipt, "upload", path=path, bytes=total)
+            return {"name": posixpath.basename(path), "type": "file", "path": path}
         fd = await self.service.run(c, lambda rfd: create(rfd, path))
         total = 0
         try:
