@@ -190,3 +190,25 @@ def test_files_errors_the_sdk_maps_and_watching_refused(vm: Sandbox) -> None:
     with pytest.raises(SandboxException, match="no watch"):
         vm.files.watch_dir("/home/user")
     vm.files.remove("plain")
+
+
+def test_a_paused_microvm_goes_to_the_store_and_resumes_with_its_processes(served: E2bEdge) -> None:
+    box = Sandbox.create(VM_TEMPLATE, timeout=600)
+    try:
+        box.commands.run("n=0; while true; do n=$((n+1)); echo $n > /tmp/n; sleep 0.1; done", background=True,
+                         timeout=0)
+        box.files.write("/home/user/kept.txt", "across the pause")
+        time.sleep(0.5)
+        before = int(box.commands.run("cat /tmp/n").stdout)
+        assert box.pause()
+        status, _, view = http("GET", f"{served.url}/v1/sandboxes/{box.sandbox_id}", token=ALPHA)
+        assert status == 404, view  # nothing of it on the edge: its disk and RAM are in the store
+        assert Sandbox.get_info(box.sandbox_id).state.value == "paused"
+        again = Sandbox.connect(box.sandbox_id, timeout=600)  # any edge of the store would do
+        assert again.files.read("/home/user/kept.txt") == "across the pause"
+        first = int(again.commands.run("cat /tmp/n").stdout)
+        assert first >= before  # the same process: its count went on from where it was
+        time.sleep(0.5)
+        assert int(again.commands.run("cat /tmp/n").stdout) > first
+    finally:
+        box.kill()
