@@ -297,10 +297,15 @@ async def command_section(clients: Sequence[Client], live: dict[str, Any], n: in
         t0 = time.perf_counter()
         await client.run(sb, "true")
         t1 = time.perf_counter()
-        if client.name == "e2b":  # its "true" is E2B's argv already
-            return {"run_true": t1 - t0, "run_true_as_e2b": t1 - t0}
+        if client.name == "e2b":  # its "true" is E2B's argv already, and a background command of the edge's
+            return {"run_true": t1 - t0, "run_true_as_e2b": t1 - t0, "run_true_background": t1 - t0}
         await client.run(sb, E2B_ARGV)
-        return {"run_true": t1 - t0, "run_true_as_e2b": time.perf_counter() - t1}
+        t2 = time.perf_counter()
+        # the same argv as a native background command, attached to until it exits: the machinery E2B's
+        # Start stands on (a process that outlives its stream, found again by pid), without E2B's wire
+        handle = await sb.commands.run(E2B_ARGV, background=True)
+        await handle.wait()
+        return {"run_true": t1 - t0, "run_true_as_e2b": t2 - t1, "run_true_background": time.perf_counter() - t2}
 
     return figures(await interleaved(clients, n, step, live, 'commands.run("true")'))
 
@@ -387,6 +392,53 @@ async def files_probe(e2b: E2b, sb: Any) -> None:
         raise Unavailable(f"envd /files: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
+async def client_floor(rounds: int) -> dict[str, Any]:
+    """What each SDK's own HTTP client costs to take 10 MB from a bare aiohttp server in this
+    process (no edge, no sandbox): aiohttp's, which layerbox's SDK uses, and httpx over pyqwest
+    with the e2b SDK's own transport, which ``files.read`` uses.  A floor no edge can go under."""
+    import aiohttp
+    import httpx
+    from aiohttp import web
+    from e2b.api.client_async import get_transport
+    from e2b.connection_config import ConnectionConfig
+
+    data = os.urandom(FILE_SIZE)
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.enable_chunked_encoding()  # as the edge's downloads are
+        await resp.prepare(request)
+        for i in range(0, len(data), 1 << 20):
+            await resp.write(data[i:i + (1 << 20)])
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/f", serve)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}/f"
+    runs: dict[str, dict[str, list[float]]] = {"native": {"read_10mb": []}, "e2b": {"read_10mb": []}}
+    try:
+        async with aiohttp.ClientSession() as native, httpx.AsyncClient(
+                transport=get_transport(ConnectionConfig(api_key="floor"), for_streaming=True)) as e2b:
+            for _ in range(rounds):
+                t = time.perf_counter()
+                async with native.get(url) as r:
+                    got = await r.read()
+                runs["native"]["read_10mb"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                got2 = (await e2b.get(url)).content
+                runs["e2b"]["read_10mb"].append(time.perf_counter() - t)
+                if got != data or got2 != data:
+                    raise BenchError("sdk: the client floor read back other bytes")
+    finally:
+        await runner.cleanup()
+    return figures(runs)
+
+
 async def run_bench(args: argparse.Namespace, edge: Edge) -> dict[str, Any]:
     native, e2b = Native(edge), E2b(edge)
     clients: list[Client] = [native, e2b]
@@ -402,6 +454,7 @@ async def run_bench(args: argparse.Namespace, edge: Edge) -> dict[str, Any]:
                                          lambda cs: pause_section(cs, live, args.pauses))
     finally:
         await asyncio.gather(*(c.kill(live[c.name]) for c in clients), return_exceptions=True)
+    results["floor"] = await client_floor(args.file_rounds * 2)
     return results
 
 
@@ -409,9 +462,11 @@ async def run_bench(args: argparse.Namespace, edge: Edge) -> dict[str, Any]:
 
 ROWS = [("create", "create", "create (answer)"), ("create", "create_to_first_output", "create to first output"),
         ("command", "run_true", 'commands.run("true")'),
-        ("command", "run_true_as_e2b", "  native: bash -l -c true"), ("file", "write_10mb", "write 10 MB"),
+        ("command", "run_true_as_e2b", "  native: bash -l -c true"),
+        ("command", "run_true_background", "  native: the same as a background command"), ("file", "write_10mb", "write 10 MB"),
         ("file", "read_10mb", "read 10 MB"), ("fork", None, "fork"), ("pause", "pause", "pause"),
-        ("pause", "resume", "resume")]
+        ("pause", "resume", "resume"),
+        ("floor", "read_10mb", "  client alone: GET 10 MB")]
 
 
 def _ms(value: float | None) -> str:

@@ -258,13 +258,19 @@ def test_network_is_updated_at_run_time_and_logged(sbx: Sandbox, served: E2bEdge
 
 
 def test_metrics_are_a_real_sample(sbx: Sandbox, served: E2bEdge) -> None:
-    sbx.commands.run("while :; do :; done", background=True)
-    sbx.commands.run("head -c 1048576 /dev/zero > /home/user/blob.bin")
-    metrics = sbx.get_metrics()
+    spin = sbx.commands.run("while :; do :; done", background=True, timeout=0)
+    try:
+        sbx.commands.run("head -c 1048576 /dev/zero > /home/user/blob.bin")
+        for _ in range(20):  # a loaded host may not run the loop in one 0.2 s sample: a few, bounded
+            metrics = sbx.get_metrics()
+            if metrics[0].cpu_used_pct > 0:
+                break
+    finally:
+        spin.kill()
     assert len(metrics) == 1
     m = metrics[0]
     assert m.cpu_count >= 1
-    assert 0 < m.cpu_used_pct <= 100 * m.cpu_count
+    assert 0 < m.cpu_used_pct <= 100
     assert 0 < m.mem_used <= m.mem_total
     assert (1 << 20) <= m.disk_used <= m.disk_total
     now = time.time()

@@ -60,10 +60,12 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # the image's /etc/passwd and /etc/group are read whole to find a user: the sandbox may have written them
 ID_FILE_LIMIT = 16 << 20
 
-# What a backend may provide; Capabilities.provides and .lacks list these names.
+# What a backend may provide; Capabilities.provides and .lacks list these names.  "background":
+# commands that outlive their request, input kept open on a pipe (an Attach without a terminal);
+# "interactive": terminals (an Attach with one).
 FEATURES = (
     "exec", "files", "pause", "resume", "limits", "ttl", "leases", "checkpoint", "restore", "fork", "network",
-    "interactive", "ports", "userns", "disk", "memory_checkpoint", "templates", "templates_in_store", "image_kernel",
+    "background", "interactive", "ports", "userns", "disk", "memory_checkpoint", "templates", "templates_in_store", "image_kernel",
     "bootloader", "pmem_dax",
 )
 

@@ -92,7 +92,7 @@ class ContainerBackend:
         return Capabilities(
             "container", True,
             provides=("exec", "files", "pause", "resume", "limits", "ttl", "leases", "checkpoint", "restore", "fork",
-                      "network", "interactive", "ports", "userns", "disk"),
+                      "network", "background", "interactive", "ports", "userns", "disk"),
             lacks=("memory_checkpoint",), details={"runtime": os.path.basename(self.runtime.binary)})
 
     async def check(self, options: SandboxOptions, resolved: Resolved, ref: str) -> None:

@@ -172,7 +172,7 @@ class VmBackend:
             return Capabilities(isolation, False,
                                 reason=str(exc).replace("isolation=microvm", f"isolation={isolation}"))
         provides = ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates", "templates_in_store",
-                    "memory_checkpoint", "checkpoint", "restore", "fork", "network"]
+                    "memory_checkpoint", "checkpoint", "restore", "fork", "network", "background"]
         lacks = ["ports", "interactive"]
         if isolation == "vm":
             provides.append("image_kernel")

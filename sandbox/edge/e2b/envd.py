@@ -212,7 +212,8 @@ def metrics(box: Sandbox) -> dict[str, Any]:
     after, t1 = layout.cpu_seconds(cg), time.monotonic()
     usage = box.usage()
     cpus = max(1, math.ceil(st.options.cpu))
-    pct = 0.0 if before is None or after is None else max(0.0, (after - before) / (t1 - t0) / cpus * 100)
+    # at most all its CPUs: the two clocks are read a little apart, so a busy sandbox can read a hair over
+    pct = 0.0 if before is None or after is None else min(100.0, max(0.0, (after - before) / (t1 - t0) / cpus * 100))
     memory, disk = usage.get("memory") or {}, usage.get("disk") or {}
     guest = memory.get("guest") or {}
     mem_total = int(guest.get("total") or memory.get("limit") or 0)

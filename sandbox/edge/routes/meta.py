@@ -64,7 +64,7 @@ class Meta:
             "isolation": [k for k, v in backends.items() if v.available],
             # processes are checkpointed where a backend checkpoints memory (a VM's RAM)
             "checkpoint": {"filesystem": some("checkpoint"), "processes": some("memory_checkpoint")},
-            "commands": {"background": some("interactive"), "pty": some("interactive"), "websocket": True},
+            "commands": {"background": some("background"), "pty": some("interactive"), "websocket": True},
             "ports": {"http": some("ports"), "websocket": some("ports"), "signed_urls": some("ports")},
             "fork": some("fork"),
             "backends": {k: v.to_json() for k, v in backends.items()}})
