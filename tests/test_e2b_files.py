@@ -325,6 +325,20 @@ def test_a_download_is_compressed_only_when_asked(served: E2bEdge, sbx: Sandbox,
         assert r.text == "zip " * 1000  # (httpx decodes gzip)
 
 
+def test_a_download_serves_ranges_and_its_length(served: E2bEdge, sbx: Sandbox, home: str) -> None:
+    sbx.files.write(f"{home}/r", bytes(range(256)) * 64)
+    token = {"X-Access-Token": sbx._envd_access_token or ""}
+    whole = envd(served, sbx, "GET", "/files", params={"path": f"{home}/r"}, headers=token)
+    assert whole.status_code == 200
+    assert whole.headers["Content-Length"] == str(256 * 64)
+    part = envd(served, sbx, "GET", "/files", params={"path": f"{home}/r"}, headers={**token, "Range": "bytes=2-5"})
+    assert part.status_code == 206
+    assert part.content == bytes([2, 3, 4, 5])
+    past = envd(served, sbx, "GET", "/files", params={"path": f"{home}/r"},
+                headers={**token, "Range": f"bytes={256 * 64}-"})
+    assert past.status_code == 416
+
+
 def test_signed_urls_read_and_write_and_refuse_the_rest(served: E2bEdge, sbx: Sandbox, home: str) -> None:
     sbx.files.write(f"{home}/s.txt", "signed")
 

@@ -52,7 +52,7 @@ sandbox's envd access token), checked in constant time; an expired one is refuse
 (With ``E2B_SANDBOX_URL`` the SDK's signed URLs do not name the sandbox; a proxy must add
 ``E2b-Sandbox-Id``, or the edge is reached by ``<port>-<id>.<domain>`` host names.)
 
-**Known gaps**: no ``Range`` or conditional downloads (envd serves them); a directory renamed
+**Known gaps**: a gzipped download serves no ``Range`` (an uncompressed one does); a directory renamed
 under a recursive watch keeps reporting under its old name; renaming a directory that comes
 from a lower layer of the overlay fails (EXDEV, 400) where the kernel's overlay has no
 ``redirect_dir``; microVMs: no watching, no metadata (:mod:`.guestfs`).
@@ -744,6 +744,16 @@ class Watchers:
         return watch
 
 
+class _SentFile(web.FileResponse):
+    """A file answer sent inside its handler (while the descriptor it reopens is open): aiohttp
+    prepares a handler's answer again after it returns, which a file answer would redo."""
+
+    async def prepare(self, request: web.BaseRequest) -> Any:
+        if self.prepared:
+            return None
+        return await super().prepare(request)
+
+
 # -- the Connect service ----------------------------------------------------------------------------------
 def unwatchable(box: Sandbox) -> ConnectError:
     return ConnectError(Code.UNIMPLEMENTED, (
@@ -1094,6 +1104,8 @@ class Files:
         return resp, gz
 
     async def _send(self, request: web.Request, c: Caller, path: str, fd: int) -> web.StreamResponse:
+        if not accepts_gzip(request):
+            return await self._send_file(request, c, path, fd)
         resp, gz = await self._prepared(request)
         if request.method == "HEAD":
             return resp
@@ -1114,6 +1126,18 @@ class Files:
                 break
         await asyncio.to_thread(c.box.receipt, "download", path=path, bytes=total)
         await resp.write_eof()
+        return resp
+
+    async def _send_file(self, request: web.Request, c: Caller, path: str, fd: int) -> web.StreamResponse:
+        """The file as it is: aiohttp's file answer over the descriptor opened in the sandbox's root
+        (``/proc/self/fd/N`` reopens that very file, never a path), sent with ``sendfile`` and with
+        ``Range`` and conditional requests served; sent before the descriptor is closed."""
+        size = os.fstat(fd).st_size
+        resp = _SentFile(f"/proc/self/fd/{fd}", chunk_size=CHUNK,
+                                headers={"Content-Type": "application/octet-stream", "Vary": "Accept-Encoding"})
+        await resp.prepare(request)
+        if request.method != "HEAD":
+            await asyncio.to_thread(c.box.receipt, "download", path=path, bytes=size)
         return resp
 
     async def _send_guest(self, request: web.Request, g: Guest, path: str) -> web.StreamResponse:
