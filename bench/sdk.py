@@ -188,8 +188,10 @@ class Native:
     async def create(self) -> Any:
         from sandbox.sdk import AsyncSandbox
 
-        # as E2B's user, as the e2b SDK's commands run
-        return await AsyncSandbox.create(TEMPLATE, url=self.edge.url, token=self.edge.token, ttl=TTL, user=E2B_USER)
+        # as E2B's user, as the e2b SDK's commands run, and with E2B's default internet access (a policed
+        # network namespace whose counters every command's receipt reads): the same sandbox both ways
+        return await AsyncSandbox.create(TEMPLATE, url=self.edge.url, token=self.edge.token, ttl=TTL, user=E2B_USER,
+                                         network=[{"cidr": "0.0.0.0/0"}])
 
     async def run(self, sb: Any, cmd: str | list[str]) -> str:
         return str((await sb.commands.run(cmd)).stdout)
