@@ -85,38 +85,46 @@ def rss(pid: int, field_name: str = "VmRSS") -> int:
     return 0
 
 
-def spawn_edge(repo: Path, work: Path, store_url: str) -> Edge:
-    tokens = {"alpha": "alpha-" + secrets.token_hex(12), "beta": "beta-" + secrets.token_hex(12)}
-    doc = {"projects": {"alpha": {"tokens": [tokens["alpha"]], "max_sandboxes": 16},
-                        "beta": {"tokens": [tokens["beta"]], "max_sandboxes": 8}}}
-    tokens_file = work / "fair-tokens.json"
+# the projects of the fairness edge: alpha attacks, beta measures
+FAIR_PROJECTS: dict[str, dict[str, Any]] = {"alpha": {"max_sandboxes": 16}, "beta": {"max_sandboxes": 8}}
+
+
+def spawn_edge(repo: Path, work: Path, store_url: str, *, name: str = "fair",
+               projects: dict[str, dict[str, Any]] = FAIR_PROJECTS) -> Edge:
+    """``python -m sandbox.edge`` from ``repo``'s checkout as an operator runs it, with ``projects``
+    (name -> tokens-file settings; each gets a fresh token, ``edge.tokens[name]``)."""
+    tokens = {p: f"{p}-" + secrets.token_hex(12) for p in projects}
+    doc = {"projects": {p: {"tokens": [tokens[p]], **spec} for p, spec in projects.items()}}
+    tokens_file = work / f"{name}-tokens.json"
     tokens_file.write_text(json.dumps(doc))
-    data_dir, log_path, port = work / "fair-edge", work / "fair-edge.log", _port()
+    data_dir, log_path, port = work / f"{name}-edge", work / f"{name}-edge.log", _port()
     env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sandbox.edge", "--data-dir", str(data_dir), "--store",
-                                 store_url, "--port", str(port), "--tokens", str(tokens_file), "--edge-id", "fair"],
+                                 store_url, "--port", str(port), "--tokens", str(tokens_file), "--edge-id", name],
                                 cwd=repo, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     return Edge(proc, f"http://127.0.0.1:{port}", data_dir, log_path, repo, store_url, tokens)
 
 
-async def start_edge(repo: Path, work: Path, store_url: str) -> Edge:
-    edge = spawn_edge(repo, work, store_url)
+async def start_edge(repo: Path, work: Path, store_url: str, *, name: str = "fair",
+                     projects: dict[str, dict[str, Any]] = FAIR_PROJECTS) -> Edge:
+    """:func:`spawn_edge`, once it answers its own API (stopped and cleaned if it never does)."""
+    edge = spawn_edge(repo, work, store_url, name=name, projects=projects)
     proc, log_path = edge.proc, edge.log
     deadline = time.monotonic() + READY_TIMEOUT
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 problems = stop_edge(edge)
-                raise BenchError(f"fairness: the edge exited with {proc.returncode}; see {log_path} {problems}")
+                raise BenchError(f"{name}: the edge exited with {proc.returncode}; see {log_path} {problems}")
             with contextlib.suppress(OSError, aiohttp.ClientError):
-                async with s.get(edge.url + "/v1/load", headers=_auth(edge, "beta")) as r:
+                async with s.get(edge.url + "/v1/load", headers=_auth(edge, next(iter(projects)))) as r:
                     if r.status == 200:
                         return edge
             await asyncio.sleep(0.1)
     problems = stop_edge(edge)
-    raise BenchError(f"fairness: the edge was not ready after {READY_TIMEOUT:.0f} s; see {log_path} {problems}")
+    raise BenchError(f"{name}: the edge was not ready after {READY_TIMEOUT:.0f} s; see {log_path} {problems}")
 
 
 CLEAN = """

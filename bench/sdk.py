@@ -28,13 +28,9 @@ import asyncio
 import json
 import os
 import platform
-import secrets
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: import the checkout, installed
 
 import aiohttp  # noqa: E402
 from common import BenchError, _f, _table, log, ratio, summary, workspace  # noqa: E402
-from fairness import stop_edge  # noqa: E402  (SIGTERM, then destroy what the edge left)
+from fairness import Edge, start_edge, stop_edge  # noqa: E402  (the edge as a subprocess, stopped clean)
 
 from converters.publish import publish  # noqa: E402
 from layerstore.errors import LayerboxError  # noqa: E402
@@ -57,7 +53,6 @@ TEMPLATE = "base"
 GOAL = 1.2
 FILE_SIZE = 10_000_000
 FILE_PATH = "/tmp/bench-10mb.bin"
-READY_TIMEOUT = 60.0
 TTL = 900  # seconds: every sandbox of the run outlives its section
 REPO = Path(__file__).resolve().parents[1]
 E2B_USER = "user"  # the account E2B's commands run as (the template has it)
@@ -67,18 +62,6 @@ MISSING = "lb-000000000000"  # a well-formed id no sandbox has: what a route tha
 
 class Unavailable(BenchError):
     """The edge does not serve this E2B call yet; the section prints the reason."""
-
-
-@dataclass
-class Edge:
-    proc: subprocess.Popen[bytes]
-    url: str
-    data_dir: Path
-    log: Path
-    repo: Path
-    store_url: str
-    token: str  # the project both clients use
-    admin: str  # the operator's, who publishes the template
 
 
 # -- the edge, the image, the template -----------------------------------------------------------------
@@ -104,45 +87,9 @@ async def publish_image(store_url: str, work: Path, fixture: Path) -> float:
     return time.perf_counter() - t0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def spawn_edge(work: Path, store_url: str, quota: int) -> Edge:
-    """``python -m sandbox.edge`` from this checkout as an operator runs it, with one project."""
-    token, admin = "bench-" + secrets.token_hex(12), "ops-" + secrets.token_hex(12)
-    tokens = work / "sdk-tokens.json"
-    tokens.write_text(json.dumps({"projects": {"bench": {"tokens": [token], "max_sandboxes": quota},
-                                               "ops": {"tokens": [admin], "admin": True}}}))
-    data_dir, log_path, port = work / "sdk-edge", work / "sdk-edge.log", _port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sandbox.edge", "--data-dir", str(data_dir), "--store",
-                                 store_url, "--port", str(port), "--tokens", str(tokens), "--edge-id", "bench-sdk"],
-                                cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    return Edge(proc, f"http://127.0.0.1:{port}", data_dir, log_path, REPO, store_url, token, admin)
-
-
-async def start_edge(work: Path, store_url: str, quota: int) -> Edge:
-    """The edge, once it answers its own API."""
-    edge = spawn_edge(work, store_url, quota)
-    proc, log_path, token = edge.proc, edge.log, edge.token
-    deadline = time.monotonic() + READY_TIMEOUT
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise BenchError(f"sdk: the edge exited with {proc.returncode}; see {log_path} {stop_edge(edge)}")
-            try:
-                async with s.get(edge.url + "/v1/load", headers={"Authorization": f"Bearer {token}"}) as r:
-                    if r.status == 200:
-                        return edge
-            except (OSError, aiohttp.ClientError):
-                pass
-            await asyncio.sleep(0.1)
-    raise BenchError(f"sdk: the edge was not ready after {READY_TIMEOUT:.0f} s; see {log_path} {stop_edge(edge)}")
+def projects(quota: int) -> dict[str, dict[str, Any]]:
+    """The bench's project (both clients use it) and the operator's, who publishes the template."""
+    return {"bench": {"max_sandboxes": quota}, "ops": {"admin": True}}
 
 
 async def make_template(edge: Edge) -> None:
@@ -150,21 +97,21 @@ async def make_template(edge: Edge) -> None:
     by the operator and shared with every project."""
     from sandbox.sdk import AsyncSandbox
 
-    async with await AsyncSandbox.create(IMAGE, url=edge.url, token=edge.admin, ttl=TTL) as sb:
+    async with await AsyncSandbox.create(IMAGE, url=edge.url, token=edge.tokens["ops"], ttl=TTL) as sb:
         await sb.commands.run("useradd -m -u 1000 -s /bin/bash user")
         await sb.checkpoint(name=TEMPLATE, labels={"layerbox.shared": "true"})
 
 
 def use_e2b(edge: Edge) -> None:
     """The stock SDK is configured only by its environment, as a user's would be."""
-    os.environ.update({"E2B_API_KEY": edge.token, "E2B_API_URL": edge.url, "E2B_SANDBOX_URL": edge.url})
+    os.environ.update({"E2B_API_KEY": edge.tokens["bench"], "E2B_API_URL": edge.url, "E2B_SANDBOX_URL": edge.url})
 
 
 async def served(edge: Edge, method: str, path: str) -> None:
     """:class:`Unavailable` when the edge has no route for an E2B call: aiohttp's own 404/405 (error
     code ``http``, in the native or the E2B shape), not the route's "no such sandbox"."""
     async with aiohttp.ClientSession() as s, s.request(method, edge.url + path, json={},
-                                                       headers={"X-API-Key": edge.token}) as r:
+                                                       headers={"X-API-Key": edge.tokens["bench"]}) as r:
         status, text = r.status, await r.text()
     try:
         doc = json.loads(text)
@@ -190,7 +137,7 @@ class Native:
 
         # as E2B's user, as the e2b SDK's commands run, and with E2B's default internet access (a policed
         # network namespace whose counters every command's receipt reads): the same sandbox both ways
-        return await AsyncSandbox.create(TEMPLATE, url=self.edge.url, token=self.edge.token, ttl=TTL, user=E2B_USER,
+        return await AsyncSandbox.create(TEMPLATE, url=self.edge.url, token=self.edge.tokens["bench"], ttl=TTL, user=E2B_USER,
                                          network=[{"cidr": "0.0.0.0/0"}])
 
     async def run(self, sb: Any, cmd: str | list[str]) -> str:
@@ -528,7 +475,7 @@ async def bench(args: argparse.Namespace, work: Path, fixture: Path) -> dict[str
     store_url = f"file://{work / 'store'}"
     log(f"publish oci-archive:{fixture}:python -> {IMAGE}")
     published = await publish_image(store_url, work, fixture)
-    edge = await start_edge(work, store_url, quota=2 * args.forks + 8)
+    edge = await start_edge(REPO, work, store_url, name="bench-sdk", projects=projects(2 * args.forks + 8))
     try:
         log(f"template {TEMPLATE!r}: the image with E2B's account user, checkpointed")
         await make_template(edge)

@@ -9,10 +9,10 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from e2b import Sandbox
+from e2b import Sandbox, TimeoutException
 from support.e2b import ALPHA, TEMPLATE, E2bEdge, e2b_edge
 from support.edges import http
-from support.sandboxes import store_url  # noqa: F401  (a module's store with the fixture image)
+from support.sandboxes import PROCESS_ARGS, store_url  # noqa: F401  (a module's store with the fixture image)
 
 pytestmark = pytest.mark.root
 
@@ -60,3 +60,19 @@ def _get(url: str, key: str) -> tuple[int, dict[str, str], dict[str, object]]:
             return r.status, dict(r.headers), json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_a_crash_of_the_edge_mid_command_ends_the_stream_and_leaves_no_orphan(served: E2bEdge) -> None:
+    sbx = Sandbox.create(TEMPLATE, timeout=120)
+    try:
+        handle = sbx.commands.run("echo started; sleep 600", background=True, timeout=0)
+        served.edge.kill()  # SIGKILL while the command runs and its stream is open
+        with pytest.raises(TimeoutException):  # the SDK's answer to a dropped connection: an error, not a hang
+            handle.wait()
+        served.edge.start()
+        assert sbx.commands.run("echo after").stdout == "after\n"  # the sandbox was adopted, its token still opens it
+        # the command that outlived its edge was ended by the next start's reconcile, not left running unowned
+        assert sbx.commands.run(f"{PROCESS_ARGS} | grep -c '^sleep 600 ' || true", user="root").stdout == "0\n"
+        assert [p for p in sbx.commands.list() if "600" in " ".join(p.args)] == []
+    finally:
+        sbx.kill()

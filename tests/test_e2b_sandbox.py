@@ -522,6 +522,18 @@ def test_each_failure_raises_the_sdks_exception(sbx: Sandbox, served: E2bEdge) -
     assert "limit" in err["message"]
 
 
+def test_metadata_cannot_claim_the_services_own_labels(served: E2bEdge) -> None:
+    """The attack: a tenant naming the owner, sharing, egress or reaper labels through E2B's metadata."""
+    before = alpha_ids(served.url)
+    for key in ("layerbox.project", "layerbox.shared", "layerbox.egress.protected", "layerbox.on-ttl",
+                "layerbox.e2b.template"):
+        with pytest.raises(SandboxException) as caught:
+            Sandbox.create(TEMPLATE, metadata={key: "beta" if key == "layerbox.project" else "true"})
+        assert caught.value.status_code == 400, key  # type: ignore[attr-defined]
+        assert "metadata" in str(caught.value)
+    assert alpha_ids(served.url) == before  # nothing was made
+
+
 def test_the_project_quota_is_a_rate_limit(served: E2bEdge) -> None:
     boxes: list[Sandbox] = []
     try:

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -952,8 +952,6 @@ async def sdk_run(manager: Any, say: Say) -> dict[str, float]:
     adopted), a background command, and a fork of 2 that reads the source's file."""
     import secrets
 
-    from aiohttp import web
-
     from sandbox.edge.app import AuthConfig, SandboxService
     from sandbox.edge.caps import ProjectCaps
     from sandbox.sdk import AsyncSandbox, LimitExceeded
@@ -963,14 +961,8 @@ async def sdk_run(manager: Any, say: Say) -> dict[str, float]:
     service = SandboxService(manager, AuthConfig.from_dict({"projects": {"demo": {"tokens": [token],
                                                                                   "max_sandboxes": 4}}}),
                              ready={IMAGE_NAME: 1}, caps=ProjectCaps(commands=2))
-    runner = web.AppRunner(service.app())
-    await runner.setup()
     out: dict[str, float] = {}
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        url = f"http://{host}:{port}"
+    async with _serving(service) as url:
         for pool in service.context.ready_pools.values():
             await pool.full()
         started = time.perf_counter()
@@ -1016,9 +1008,23 @@ async def sdk_run(manager: Any, say: Say) -> dict[str, float]:
             if seen != {WRITE_TEXT}:
                 raise DemoError(f"sdk: the forks read {seen} at {WRITE_PATH}")
             say(f"sdk       {out['fork_2']:8.3f} s  sb.fork(2): two sandboxes continuing from its files")
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _serving(service: Any) -> AsyncIterator[str]:
+    """``service`` on 127.0.0.1 (a port of its own) for the block: its URL."""
+    from aiohttp import web
+
+    runner = web.AppRunner(service.app())
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
-    return out
 
 
 async def e2b_run(manager: Any, say: Say) -> dict[str, float]:
@@ -1027,7 +1033,6 @@ async def e2b_run(manager: Any, say: Say) -> dict[str, float]:
     a file written and read back through envd's routes, and the sandbox killed."""
     import secrets
 
-    from aiohttp import web
     from e2b import AsyncSandbox as E2bSandbox
 
     from sandbox.edge.app import AuthConfig, SandboxService
@@ -1035,14 +1040,8 @@ async def e2b_run(manager: Any, say: Say) -> dict[str, float]:
     token = secrets.token_hex(16)
     service = SandboxService(manager, AuthConfig.from_dict({"projects": {"demo": {"tokens": [token],
                                                                                   "max_sandboxes": 4}}}))
-    runner = web.AppRunner(service.app())
-    await runner.setup()
     out: dict[str, float] = {}
-    try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        url = f"http://{host}:{port}"
+    async with _serving(service) as url:
         started = time.perf_counter()
         sb = await E2bSandbox.create(IMAGE_NAME, timeout=120, allow_internet_access=False, api_key=token,
                                      api_url=url, sandbox_url=url)
@@ -1064,8 +1063,6 @@ async def e2b_run(manager: Any, say: Say) -> dict[str, float]:
             say(f"e2b       {out['file_round_trip']:8.3f} s  files.write and files.read of {WRITE_PATH}")
         finally:
             await sb.kill()
-    finally:
-        await runner.cleanup()
     return out
 
 

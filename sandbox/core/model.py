@@ -622,12 +622,6 @@ class ExecRequest:
     def argv(self) -> list[str]:
         return ["/bin/sh", "-c", self.cmd] if isinstance(self.cmd, str) else list(self.cmd)
 
-    def with_user(self, user: str) -> ExecRequest:
-        return dataclasses.replace(self, user=user)
-
-    def with_env(self, env: Mapping[str, str]) -> ExecRequest:
-        return dataclasses.replace(self, env=env)
-
     @classmethod
     def from_json(cls, doc: object) -> ExecRequest:
         """From the service's JSON body: ``stdin`` is base64; ``null`` takes the default."""

@@ -143,13 +143,6 @@ class EdgeContext:
         if lease.expires - time.time() < 0.75 * lease.ttl:
             self.manager.leases.renew(state.job)
 
-    def owner_of(self, sid: str) -> str | None:
-        """The project of sandbox ``sid`` (its grammar checked), None when there is none (blocking)."""
-        try:
-            return self.manager.get(sid).state.project
-        except SandboxNotFound:
-            return None
-
     def owned(self, project: Project) -> list[SandboxState]:
         return self.owned_by(project.name)
 
@@ -275,12 +268,9 @@ class EdgeContext:
         flying.append(made)
         token = IN_FLIGHT.set(made)
         try:
-            with contextlib.ExitStack() as held:
-                for options in demands:
-                    held.enter_context(self.admission.reserve(Demand.of(options)))
+            async with self.capacity(demands):
                 yield
         except CapacityExceeded as exc:
-            self.metrics.rejected.labels(exc.resources[0]).inc()
             log.info("create refused: %s", exc)
             raise
         finally:

@@ -33,11 +33,11 @@ from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
 from sandbox.backends.base import account
-from sandbox.core.errors import ApiError, InvalidField, UnsupportedOption
+from sandbox.core.errors import ApiError, InvalidField, SandboxError, UnsupportedOption
 from sandbox.core.model import SandboxState
 from sandbox.edge import asgi
 from sandbox.edge.auth import Project
-from sandbox.edge.e2b.base import DEFAULT_USER, ENVD_PORT, E2bContext, Target, error_response
+from sandbox.edge.e2b.base import DEFAULT_USER, ENVD_PORT, E2bContext, Target, error_response, gone
 from sandbox.edge.errors import as_api_error
 from sandbox.host.sandbox import Sandbox
 
@@ -194,23 +194,44 @@ class Envd:
                 return web.Response(status=204)
             if path == "/envs":
                 return web.json_response(dict(state.env))
-            return web.json_response(await asyncio.to_thread(metrics, box))
+            (sampled,) = await metrics([box])
+            if sampled is None:
+                raise gone(box.id)
+            return web.json_response(sampled)
         except Exception as exc:
             return error_response(exc)
 
 
-def metrics(box: Sandbox) -> dict[str, Any]:
-    """envd's ``/metrics`` (and the REST metrics' one sample), blocking: CPU as a rate, the cgroup's
-    CPU time over CPU_SAMPLE s (two readings) per CPU the sandbox may use (E2B's percentage of its
-    vCPUs; a VM's is its VMM's); memory and disk from :meth:`Sandbox.usage` (a VM's memory as its
-    guest sees it; disk total is the disk limit, or without one what the data dir's file system
-    leaves it: its use plus the free space)."""
-    st = box.state
-    layout, cg = box.manager.layout, st.cgroups_path
-    before, t0 = layout.cpu_seconds(cg), time.monotonic()
-    time.sleep(CPU_SAMPLE)
-    after, t1 = layout.cpu_seconds(cg), time.monotonic()
-    usage = box.usage()
+async def metrics(boxes: list[Sandbox]) -> list[dict[str, Any] | None]:
+    """envd's ``/metrics`` (and the REST metrics' one sample) of each of ``boxes`` (None for one
+    that went meanwhile): CPU as a rate, the cgroup's CPU time over CPU_SAMPLE s (two readings) per
+    CPU the sandbox may use (E2B's percentage of its vCPUs; a VM's is its VMM's); memory and disk
+    from :meth:`Sandbox.usage` (a VM's memory as its guest sees it; disk total is the disk limit,
+    or without one what the data dir's file system leaves it: its use plus the free space).  The
+    interval is waited on the loop, and each reading is one hop for every sandbox: a request
+    naming many holds no thread while it waits."""
+    before = await asyncio.to_thread(lambda: [_cpu_reading(b) for b in boxes])
+    await asyncio.sleep(CPU_SAMPLE)
+    return await asyncio.to_thread(lambda: [_sample(b, r) for b, r in zip(boxes, before, strict=True)])
+
+
+def _cpu_reading(box: Sandbox) -> tuple[SandboxState, float | None, float] | None:
+    try:
+        st = box.state
+    except (SandboxError, OSError):  # gone meanwhile
+        return None
+    return st, box.manager.layout.cpu_seconds(st.cgroups_path), time.monotonic()
+
+
+def _sample(box: Sandbox, first: tuple[SandboxState, float | None, float] | None) -> dict[str, Any] | None:
+    if first is None:
+        return None
+    st, before, t0 = first
+    try:
+        after, t1 = box.manager.layout.cpu_seconds(st.cgroups_path), time.monotonic()
+        usage = box.usage()
+    except (SandboxError, OSError):  # gone meanwhile
+        return None
     cpus = max(1, math.ceil(st.options.cpu))
     # at most all its CPUs: the two clocks are read a little apart, so a busy sandbox can read a hair over
     pct = 0.0 if before is None or after is None else min(100.0, max(0.0, (after - before) / (t1 - t0) / cpus * 100))

@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from sandbox.core.errors import InvalidField
+from sandbox.core.errors import InvalidField, SandboxNotFound
 from sandbox.core.model import check_int, check_sandbox_id, check_str
 from sandbox.edge.e2b.base import E2bContext
 from sandbox.edge.e2b.envd import metrics as envd_metrics
@@ -63,7 +63,10 @@ class Observe:
         box, state = await self._box(request)
         if (end is not None and end < int(state.created)) or (start is not None and start > time.time()):
             return web.json_response([])
-        return web.json_response([sample(await asyncio.to_thread(envd_metrics, box))])
+        (taken,) = await envd_metrics([box])
+        if taken is None:
+            raise SandboxNotFound(f"sandbox {box.id} was destroyed while it was measured")
+        return web.json_response([sample(taken)])
 
     async def many_metrics(self, request: web.Request) -> web.Response:
         project = self.e2b.project(request)
@@ -77,9 +80,9 @@ class Observe:
         ids = [check_sandbox_id(sid, "sandbox_ids") for sid in ids]
         owned = {st.id for st in await asyncio.to_thread(self.e2b.ctx.owned, project)}
         boxes = [Sandbox(self.e2b.ctx.manager, sid) for sid in ids if sid in owned]  # another's: left out
-        found = await asyncio.gather(*(asyncio.to_thread(envd_metrics, b) for b in boxes), return_exceptions=True)
+        found = await envd_metrics(boxes)
         return web.json_response({"sandboxes": {b.id: sample(m) for b, m in zip(boxes, found, strict=True)
-                                                if isinstance(m, dict)}})
+                                                if m is not None}})
 
     async def logs_v1(self, request: web.Request) -> web.Response:
         q = request.query

@@ -44,7 +44,7 @@ from protobuf import Oneof
 
 from sandbox.backends.base import account
 from sandbox.core.errors import ApiError, InvalidField, SandboxNotFound
-from sandbox.core.model import ExecRequest, SandboxState, check_str
+from sandbox.core.model import SandboxState, check_str
 from sandbox.edge.auth import Project
 from sandbox.edge.context import EdgeContext
 from sandbox.edge.routes.commands import Command, Commands, StartRequest
@@ -221,12 +221,11 @@ def start_request(request: pb.StartRequest, user: str | None, ctx: EdgeContext,
     if timeout is not None:
         body["timeout"] = timeout
     body["output_cap"] = ctx.maxima.output_cap  # envd streams what a process prints: the edge's most
-    req = ctx.maxima.check_exec(ExecRequest.from_json(body))
     if user is not None:
-        req = req.with_user(user)
-    if terminal is not None and "TERM" not in req.env:
-        req = req.with_env({"TERM": "xterm-256color", **req.env})
-    return StartRequest(req, terminal)
+        body["user"] = user
+    if terminal is not None:
+        body["pty"] = {"cols": terminal[0], "rows": terminal[1]}
+    return StartRequest.from_json(body, ctx.maxima)  # as a native background command is made
 
 
 def winsize(cols: int, rows: int) -> tuple[int, int]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import math
+import time
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any, cast
@@ -217,7 +218,7 @@ class Rest:
         _, box, state = await self._owned(request)
         body = check_object("", await self.ctx.body(request), ("duration",))
         duration = check_int("duration", body.get("duration", DEFAULT_TIMEOUT), 0, 3600)
-        left = state.created + (state.options.ttl or 0) - _now()
+        left = state.created + (state.options.ttl or 0) - time.time()
         if duration > left:
             await asyncio.to_thread(box.set_ttl, self.ctx.maxima.check_ttl(duration),
                                     max_lifetime=self.ctx.maxima.ttl)
@@ -283,7 +284,7 @@ class Rest:
         if state.status == "paused":
             await self._wake(box, state, CONNECT_TIMEOUT if timeout is None else timeout)
             return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
-        remaining = state.created + state.options.ttl - _now() if state.options.ttl is not None else math.inf
+        remaining = state.created + state.options.ttl - time.time() if state.options.ttl is not None else math.inf
         if timeout is not None and timeout > remaining:  # E2B's connect never shortens a life
             await asyncio.to_thread(box.set_ttl, timeout, max_lifetime=self.ctx.maxima.ttl)
         return web.json_response(self.created(state), status=200)
@@ -311,7 +312,7 @@ class Rest:
     def _left(self, state: SandboxState) -> int:
         """Whole seconds from now to the edge's maximum lifetime of ``state``'s sandbox, one short
         (the clock moves on before set_ttl reads it: the sum must stay within the maximum)."""
-        return max(0, math.floor(state.created + self.ctx.maxima.ttl - _now()) - 1)
+        return max(0, math.floor(state.created + self.ctx.maxima.ttl - time.time()) - 1)
 
     async def fork(self, request: web.Request) -> web.Response:
         """``count`` new sandboxes continuing from this one's files (E2B's ``SandboxForkResult`` each)."""
@@ -437,9 +438,6 @@ def internet_access(state: SandboxState) -> bool:
 def iso(t: float) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.UTC).isoformat().replace("+00:00", "Z")
 
-
-def _now() -> float:
-    return datetime.datetime.now(datetime.UTC).timestamp()
 
 
 class ListFilter:

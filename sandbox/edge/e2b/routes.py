@@ -4,7 +4,6 @@ request that names a sandbox (headers or host name), before aiohttp's router see
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 from aiohttp import web
@@ -56,19 +55,11 @@ class E2bRoutes:
         if token is not None:
             if not self.e2b.keys.opens(token.strip(), target.sid, traffic=True):
                 raise gone(target.sid)
-            owner = self.e2b.ctx.auth.project_named(await _owner(self.e2b.ctx, target.sid))
-            box, state = await self.e2b.ctx.sandbox_of(target.sid, owner)
+            _, box, state = await self.e2b.for_owner(target.sid)
         else:
             _, box, state = await self.e2b.envd_sandbox(request, target)
         return await self.proxy.forward(request, box, state, target.port, request.rel_url.raw_path_qs,
                                         keep_authorization=True, drop=E2B_HEADERS)
-
-
-async def _owner(ctx: EdgeContext, sid: str) -> str:
-    owner = await asyncio.to_thread(ctx.owner_of, sid)
-    if owner is None:
-        raise gone(sid)
-    return owner
 
 
 def setup(ctx: EdgeContext, app: web.Application, *, secret: bytes, domain: str | None, commands: Commands,
