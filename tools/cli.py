@@ -165,6 +165,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from sandbox.fleet.gateway import main as gateway_main
+
+    return gateway_main(args.rest)
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from tools.fleet import main as fleet_main
+
+    return fleet_main(args.rest)
+
+
 def cmd_edge(args: argparse.Namespace) -> int:
     # the same module objects as `python -m sandbox.edge` (and the tests): one entry point, two spellings
     from sandbox.edge.app import main as edge_main
@@ -1020,6 +1032,10 @@ VERBS: tuple[Verb, ...] = (
          add_help=False),
     Verb("edge", "the edge service: the sandbox API of this host (python -m sandbox.edge; --help)", cmd_edge,
          (arg("rest", nargs=argparse.REMAINDER),), add_help=False),
+    Verb("gateway", "a fleet's gateway: the API over many edges (--help)", cmd_gateway,
+         (arg("rest", nargs=argparse.REMAINDER),), add_help=False),
+    Verb("fleet", "a fleet: local fleet up/down, projects and keys, edges (--help)", cmd_fleet,
+         (arg("rest", nargs=argparse.REMAINDER),), add_help=False),
     Verb("sandbox", "run sandboxes (crun) on images and checkpoints", verbs=SANDBOX_VERBS),
     Verb("vm", "the microVM guest: its assets (kernel, initramfs, agent) on this host", verbs=VM_VERBS),
 )
@@ -1071,9 +1087,10 @@ def run_verb(verb: Verb, args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["demo"], ["edge"]):
-        # the demo and the edge own their options (argparse REMAINDER would swallow none of them)
-        return (cmd_demo if argv[0] == "demo" else cmd_edge)(argparse.Namespace(rest=argv[1:]))
+    own = {"demo": cmd_demo, "edge": cmd_edge, "gateway": cmd_gateway, "fleet": cmd_fleet}
+    if argv[:1] and argv[0] in own:
+        # these own their options (argparse REMAINDER would swallow none of them)
+        return own[argv[0]](argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         return run_verb(args.verb, args)

@@ -31,13 +31,14 @@ from layerstore.objects import ref_key
 from sandbox.core.errors import ApiError
 from sandbox.core.model import ISOLATIONS, Maxima
 from sandbox.core.paths import edge_key
-from sandbox.edge.auth import AuthConfig, Project
+from sandbox.edge.auth import CALLER, AuthConfig, Project
 from sandbox.edge.caps import ProjectCaps
 from sandbox.edge.context import MAX_BODY, SHUTDOWN_GRACE, EdgeContext
 from sandbox.edge.e2b import routes as e2b_routes
 from sandbox.edge.e2b.base import check_domain, from_e2b_client
 from sandbox.edge.e2b.base import error_response as e2b_error
 from sandbox.edge.errors import as_api_error
+from sandbox.edge.link import FleetLink
 from sandbox.edge.metrics import Metrics
 from sandbox.edge.routes import (
     calls,
@@ -51,6 +52,7 @@ from sandbox.edge.routes import (
     sandboxes,
 )
 from sandbox.edge.routes.commands import CommandLimits
+from sandbox.edge.trust import GATEWAY_HEADER, GatewayTrust
 from sandbox.host.admission import Admission, AdmissionConfig, parse_size
 from sandbox.host.manager import SandboxManager
 from sandbox.pools.fncall import WarmPool
@@ -106,6 +108,16 @@ class SandboxService:
         # the reaper's own thread: TTLs, leases and a dead daemon are handled whatever tenants run
         self._reaper_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reaper")
         self._warm: asyncio.Task[object] | None = None
+        self.link: FleetLink | None = None  # an edge of a fleet: its heartbeats (join_fleet)
+        self._beating: asyncio.Task[None] | None = None
+
+    def join_fleet(self, *, edge_id: str, pool: str, url: str, gateways: Sequence[str]) -> FleetLink:
+        """Serve a fleet: gateways vouch for every request (``auth.trust``, set already) and this
+        edge heartbeats to them while it runs."""
+        assert self.context.auth.trust is not None, "an edge of a fleet checks its gateways' signatures"
+        self.link = FleetLink(self.context, self.context.auth.trust, edge_id=edge_id, pool=pool, url=url,
+                              gateways=gateways)
+        return self.link
 
     def app(self) -> web.Application:
         ctx = self.context
@@ -129,6 +141,8 @@ class SandboxService:
     # -- background work ---------------------------------------------------------------------------
     async def _start_background(self, app: web.Application) -> None:
         self._reaper = asyncio.create_task(self._reap_forever())
+        if self.link is not None:
+            self._beating = asyncio.create_task(self.link.run())
         for ref, size in self.ready.items():
             pool = WarmPool(self.manager, ref, size=size, warm=READY_WARM_UP)
             self.context.ready_pools[ref_key(ref)] = pool
@@ -148,6 +162,8 @@ class SandboxService:
     async def _stop_background(self, app: web.Application) -> None:
         ctx = self.context
         try:
+            if self.link is not None and self._beating is not None:
+                await self.link.stop(self._beating)
             if self._warm is not None:
                 with contextlib.suppress(Exception):
                     await self._warm
@@ -192,6 +208,9 @@ class SandboxService:
         e2b = (request.match_info.route.name or "").startswith("e2b:") or from_e2b_client(request) or (
             self.e2b is not None and self.e2b.claims(request))  # (a malformed sandbox id too)
         try:
+            trust = self.context.auth.trust
+            if trust is not None:  # an edge of a fleet: only its gateways reach it, and each says for whom
+                request[CALLER] = trust.verify(request.headers.get(GATEWAY_HEADER), request.method, request.raw_path)
             target = self.e2b.target(request) if self.e2b is not None else None
             if target is not None and self.e2b is not None:  # a sandbox's envd or port: not the router's match
                 route, e2b = "e2b:sandbox", True
@@ -225,7 +244,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--store", required=True, help="store URL (file://... or s3://...)")
     parser.add_argument("--port", type=int, default=8470)
-    parser.add_argument("--tokens", required=True, help="JSON file: projects, their tokens and quotas")
+    parser.add_argument("--tokens", help="JSON file: projects, their tokens and quotas (required unless "
+                        "--fleet-gateway: a fleet's gateways check tokens)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on; other than loopback only with --fleet-gateway (default %(default)s)")
+    fleet = parser.add_argument_group("fleet", "serve gateways (layerbox gateway; docs/FLEET.md)")
+    fleet.add_argument("--fleet-gateway", action="append", default=[], metavar="URL",
+                       help="a gateway to register and heartbeat with (repeatable: the next when one fails)")
+    fleet.add_argument("--fleet-key-file", type=Path, help="this edge's key (layerbox fleet edge-key ID prints it)")
+    fleet.add_argument("--pool", default="default", help="the pool this edge serves (default %(default)s)")
+    fleet.add_argument("--advertise", metavar="URL", help="where gateways reach this edge (default "
+                       "http://HOST:PORT)")
     defaults, maxima = AdmissionConfig(), Maxima()
     parser.add_argument("--edge-id", help="name in load reports and errors (default: HOSTNAME:PORT)")
     parser.add_argument("--max-sandboxes", type=int, default=defaults.max_sandboxes,
@@ -304,15 +333,35 @@ def _settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tupl
     return url_secret, ready
 
 
+def _auth(parser: argparse.ArgumentParser, args: argparse.Namespace) -> AuthConfig:
+    """Tokens from --tokens, or an edge of a fleet: its key, its gateways vouching for callers."""
+    if not args.fleet_gateway:
+        if args.tokens is None:
+            parser.error("--tokens is required (or --fleet-gateway)")
+        if args.host not in ("127.0.0.1", "::1", "localhost"):
+            parser.error(f"--host {args.host}: an edge that checks tokens itself listens on loopback only; put a "
+                         "TLS proxy in front, or serve a fleet (--fleet-gateway)")
+        try:
+            return AuthConfig.load(args.tokens)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--tokens {args.tokens}: {exc}")
+    if args.fleet_key_file is None:
+        parser.error("--fleet-gateway needs --fleet-key-file (layerbox fleet edge-key ID prints the key)")
+    if args.edge_id is None:
+        parser.error("--fleet-gateway needs --edge-id (the key is the edge id's)")
+    try:
+        key = bytes.fromhex(args.fleet_key_file.read_text().strip())
+        return AuthConfig(trust=GatewayTrust(key))
+    except (OSError, ValueError) as exc:
+        parser.error(f"--fleet-key-file {args.fleet_key_file}: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     url_secret, ready = _settings(parser, args)
     logging.basicConfig(level=logging.INFO)
-    try:
-        auth = AuthConfig.load(args.tokens)
-    except (OSError, ValueError) as exc:
-        parser.error(f"--tokens {args.tokens}: {exc}")
+    auth = _auth(parser, args)
     manager = SandboxManager(args.data_dir, args.store, protected=[str(n) for n in args.protect])
     report = manager.reconcile()  # adopt what survived a previous run, clean up the rest
     log.info("reconciled: %s", report)
@@ -327,9 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     service = SandboxService(manager, auth, admission, maxima=limits, shutdown_manager=True, url_secret=url_secret,
                              ready=ready, isolations=args.isolation or ISOLATIONS, caps=caps,
                              reap_interval=args.reap_interval, e2b_domain=args.e2b_domain)
+    if args.fleet_gateway:
+        service.join_fleet(edge_id=admission.config.edge_id, pool=args.pool, gateways=args.fleet_gateway,
+                           url=args.advertise or f"http://{args.host}:{args.port}")
     # SIGTERM: commands streaming are interrupted at once (_interrupt_streams); other requests in flight
     # (a file transfer to a slow client) get SHUTDOWN_GRACE s to finish, then as long again once cancelled
-    web.run_app(service.app(), host="127.0.0.1", port=args.port, shutdown_timeout=SHUTDOWN_GRACE,
+    web.run_app(service.app(), host=args.host, port=args.port, shutdown_timeout=SHUTDOWN_GRACE,
                 keepalive_timeout=HEADER_TIMEOUT)
     return 0
 

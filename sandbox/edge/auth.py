@@ -7,6 +7,9 @@ Tokens file (JSON)::
 
 ``egress_protected``: the project's egress rules may open protected ranges (the host, the
 sandbox subnet, cloud metadata: docs/SECURITY.md, "Protected destinations").
+
+An edge of a fleet (``trust``) takes no tokens: gateways check them and vouch for the caller in
+a signed header (sandbox.edge.trust) that the edge's middleware verifies on every request.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from aiohttp import web
 
 from sandbox.core.errors import ApiError, InvalidField
 from sandbox.core.model import check_object, check_project
+from sandbox.edge.trust import Caller, GatewayTrust
 
 DEFAULT_QUOTA = 10
+CALLER = "layerbox.caller"  # the request key where an edge of a fleet keeps whom the gateway vouched for
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class AuthConfig:
     """Bearer token -> project."""
 
     tokens: dict[str, Project] = field(default_factory=dict)
+    trust: GatewayTrust | None = None  # an edge of a fleet: callers come vouched for by gateways
+    _vouched: dict[str, Project] = field(default_factory=dict)  # projects gateways named lately, by name
 
     @classmethod
     def from_dict(cls, doc: Mapping[str, Any]) -> AuthConfig:
@@ -75,22 +82,46 @@ class AuthConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def authenticate(self, request: web.Request) -> Project:
-        """The project of the request's ``Authorization: Bearer <token>`` (401 unknown, 403 disabled)."""
+        """The project of the request's ``Authorization: Bearer <token>`` (401 unknown, 403 disabled),
+        or on an edge of a fleet the one its gateway vouched for."""
+        if self.trust is not None:
+            caller: Caller | None = request.get(CALLER)
+            if caller is None:
+                raise ApiError(None, "unauthenticated", "the gateway named no caller for this request")
+            return self.vouched(caller)
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise ApiError(None, "unauthenticated", "missing 'Authorization: Bearer <token>' header")
         return self.project_of(token.strip())
 
+    def vouched(self, caller: Caller) -> Project:
+        project = Project(caller.name, caller.max_sandboxes, admin=caller.admin,
+                          egress_protected=caller.egress_protected)
+        self._vouched[caller.name] = project
+        return project
+
+    def has_caller(self, request: web.Request) -> bool:
+        """Whether a gateway vouched for a project on this request (an edge of a fleet)."""
+        return request.get(CALLER) is not None
+
     def project_of(self, token: str) -> Project:
         """The project ``token`` belongs to (401 unknown, 403 disabled)."""
+        if self.trust is not None:
+            raise ApiError(None, "unauthenticated", "this edge serves a fleet: its gateways check tokens")
         project = self.tokens.get(token)
         if project is None:
             raise ApiError(None, "unauthenticated", "unknown token")
         return _enabled(project)
 
+    def named(self, name: str) -> Project | None:
+        """The project called ``name`` as this edge knows it, if it does."""
+        if self.trust is not None:  # gateways vouch for projects; one not seen since a restart has defaults
+            return self._vouched.get(name) or (Project(name, DEFAULT_QUOTA) if name else None)
+        return next((p for p in self.tokens.values() if p.name == name), None)
+
     def project_named(self, name: str) -> Project:
         """The project called ``name`` (of a sandbox's record); 403 when disabled or no longer listed."""
-        project = next((p for p in self.tokens.values() if p.name == name), None)
+        project = self.named(name)
         if project is None:
             raise ApiError(None, "forbidden", f"project {name!r} is no longer configured on this edge")
         return _enabled(project)

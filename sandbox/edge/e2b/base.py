@@ -146,7 +146,8 @@ class E2bContext:
         """The sandbox an in-sandbox request is for, if its ``X-Access-Token`` (or a project's
         ``X-API-Key``) opens it: 401 without either, 404 for a token of another sandbox."""
         bearer = request.headers.get("Authorization", "").lower().startswith("bearer ")
-        if "X-API-Key" in request.headers or bearer:  # (envd's own Authorization is Basic: the user)
+        vouched = self.ctx.auth.has_caller(request)  # a gateway checked the caller's key
+        if "X-API-Key" in request.headers or bearer or vouched:  # (envd's own Authorization is Basic: the user)
             project = self.project(request)
         else:
             token = request.headers.get("X-Access-Token")

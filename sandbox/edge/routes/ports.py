@@ -59,7 +59,6 @@ from yarl import URL
 
 from sandbox.core.errors import ApiError, InvalidField, SandboxNotFound
 from sandbox.core.model import SandboxState, check_int, check_number, check_object, check_sandbox_id
-from sandbox.edge.auth import Project
 from sandbox.edge.context import EdgeContext
 from sandbox.host.sandbox import Sandbox
 
@@ -267,8 +266,7 @@ class PortProxy:
         # SandboxNotFound answers as it does everywhere in the API (404)
         box = await asyncio.to_thread(self.ctx.manager.get, sid)
         state = await asyncio.to_thread(lambda: box.state)
-        projects: dict[str, Project] = {p.name: p for p in self.ctx.auth.tokens.values()}
-        project = projects.get(state.project or "")
+        project = self.ctx.auth.named(state.project or "")
         if project is None:  # its project was removed from the tokens file
             raise SandboxNotFound(f"no sandbox {sid!r}")
         if project.disabled:

@@ -1,4 +1,4 @@
-"""Admission on each edge and placement across three edges: real services, real crun, one killed mid-test.
+"""Admission on each edge: real services, real crun (placement across edges: tests/test_fleet.py).
 
 Three ``python -m sandbox.edge`` processes on 127.0.0.1 share one file store
 holding the fixture image.  ``a`` and ``b`` admit up to four sandboxes each;
@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 
 from lazyfetch import kmount
-from sandbox.fleet.placement import Edge, Placement, PlacementError
 from sandbox.host.admission import (
     Admission,
     AdmissionConfig,
@@ -88,11 +87,6 @@ def edges(cluster: dict[str, EdgeProcess]) -> Iterator[dict[str, EdgeProcess]]:
                 leftovers[e.name] = ids
             assert e.sandboxes() == []
     assert leftovers == {}, "the test left sandboxes behind"
-
-
-def edge_of(edges: dict[str, EdgeProcess], sb: AsyncSandbox) -> str:
-    """Which edge holds ``sb``, asked of the live edges themselves."""
-    return next(name for name, e in edges.items() if e.alive() and sb.sandbox_id in e.sandboxes())
 
 
 # -- one edge ----------------------------------------------------------------------------------------
@@ -193,101 +187,3 @@ def test_creates_in_flight_hold_their_reservation(tmp_path: Path) -> None:
     assert after["sandboxes"]["in_flight"] == 0
     assert after["memory"]["in_flight"] == 0
     assert after["accepting"] is True
-
-
-# -- placement across the three edges ------------------------------------------------------------------
-def _placement(edges: dict[str, EdgeProcess], **kw: Any) -> Placement:
-    return Placement([Edge(e.url, TOKEN) for e in edges.values()], **kw)
-
-
-def test_placement_spreads_and_skips_the_edge_that_rejects(edges: dict[str, EdgeProcess]) -> None:
-    async def scenario() -> None:
-        # refreshes are explicit here so the order of events is exact; k=2 of the two accepting edges
-        async with _placement(edges, k=2, refresh_interval=3600) as placement:
-            made: list[AsyncSandbox] = []
-            try:
-                for _ in range(4):
-                    made.append(await placement.create(REF, memory=256 * MiB))
-                    await placement.refresh()
-                where = sorted(edge_of(edges, sb) for sb in made)
-                assert where == ["a", "a", "b", "b"]  # each create went to the emptier edge
-                stats = placement.stats()
-                assert stats[edges["c"].url]["chosen"] == 0  # its report said it was not accepting
-
-                # nobody has this much memory: every edge answers, the error lists all three answers
-                with pytest.raises(PlacementError) as err:
-                    await placement.create(REF, memory=HUGE)
-                answers = dict(err.value.answers)
-                assert set(answers) == {e.url for e in edges.values()}
-                assert all(a.startswith("rejected:") and "memory" in a for a in answers.values()), answers
-                assert "0 of 0 free" in answers[edges["c"].url]
-                assert err.value.retryable
-                stats = placement.stats()
-                assert [stats[edges[n].url]["rejected"] for n in "abc"] == [1, 1, 1]
-                assert all(s["failed"] == 0 and s["state"] == "closed" for s in stats.values())
-            finally:
-                for sb in made:
-                    await sb.kill()
-
-    asyncio.run(scenario())
-
-
-def test_background_refresh_keeps_reports_fresh(edges: dict[str, EdgeProcess]) -> None:
-    async def scenario() -> None:
-        async with _placement(edges, refresh_interval=0.1) as placement:
-            assert all(s["refreshed"] == 1 and s["report_age"] is not None for s in placement.stats().values())
-            # the loop, not this test, brings new reports for every edge
-            async with asyncio.timeout(30):
-                await placement.next_refresh()
-                await placement.next_refresh()
-            assert all(s["refreshed"] == 3 and s["failed"] == 0 for s in placement.stats().values())
-
-    asyncio.run(scenario())
-
-
-def test_a_killed_edge_is_skipped_and_ejected(edges: dict[str, EdgeProcess]) -> None:
-    a, b = edges["a"], edges["b"]
-
-    async def scenario() -> None:
-        async with asyncio.timeout(120):  # no request may hang on the dead edge
-            async with _placement(edges, k=2, refresh_interval=3600, fail_threshold=2,
-                                  cooldown=3600) as placement:
-                made: list[AsyncSandbox] = []
-                try:
-                    # b gets one sandbox so a is strictly the best edge in the placement's view...
-                    made.append(await AsyncSandbox.create(REF, url=b.url, token=TOKEN))
-                    await placement.refresh()
-                    assert placement.choose() == Edge(a.url, TOKEN)
-                    a.kill()  # ...and then a dies without a word
-
-                    made.append(await placement.create(REF))  # tried a, refused connection, went to b
-                    assert edge_of(edges, made[-1]) == "b"
-                    sa = placement.stats()[a.url]
-                    assert (sa["chosen"], sa["failed"], sa["created"], sa["state"]) == (1, 1, 0, "closed")
-                    assert "Connect" in sa["last_error"]
-
-                    await placement.refresh()  # the second failure in a row ejects it
-                    sa = placement.stats()[a.url]
-                    assert (sa["failed"], sa["ejected"], sa["state"]) == (2, 1, "ejected")
-
-                    made.append(await placement.create(REF))
-                    assert edge_of(edges, made[-1]) == "b"
-                    sa = placement.stats()[a.url]
-                    assert sa["chosen"] == 1  # not tried again while ejected
-                    await placement.refresh()  # and not probed either before the cooldown
-                    assert placement.stats()[a.url]["failed"] == 2
-
-                    # b short of memory for this one, c refusing, a ejected: a clear answer, not a hang
-                    with pytest.raises(PlacementError) as err:
-                        await placement.create(REF, memory=HUGE)
-                    answers = dict(err.value.answers)
-                    assert answers[a.url].startswith("ejected after repeated failures: load refresh:")
-                    assert answers[b.url].startswith("rejected:")
-                    assert "memory" in answers[b.url]
-                    assert answers[edges["c"].url].startswith("rejected:")
-                finally:
-                    for sb in made:
-                        await sb.kill()
-
-    asyncio.run(scenario())
-    assert b.sandboxes() == []
