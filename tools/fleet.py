@@ -8,7 +8,6 @@ in ``--dir``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -16,6 +15,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sandbox.core.sync import run_blocking
 from sandbox.edge.trust import edge_key
 from sandbox.fleet import local
 from sandbox.fleet.db import FleetDb
@@ -174,6 +174,6 @@ def main(argv: Sequence[str]) -> int:
             print(f"layerbox fleet restart: {exc}", file=sys.stderr)
             return 1
     else:
-        out = asyncio.run(_with_db(args, lambda db: _db_verb(args, db)))
+        out = run_blocking(_with_db(args, lambda db: _db_verb(args, db)))
     _print(args, out)
     return 0

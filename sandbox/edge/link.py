@@ -13,15 +13,17 @@ reconciles the routing table against.  The answer carries the operator's state o
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
+import math
 import os
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -30,12 +32,19 @@ from sandbox.edge.context import EdgeContext
 from sandbox.edge.trust import EDGE_HEADER, GatewayTrust, sign_report
 
 log = logging.getLogger("layerbox.sandbox.link")
+T = TypeVar("T")
 
 HEARTBEAT = 1.0  # seconds between beats
 FULL_EVERY = 5  # beats between reports of every sandbox
 RECENT_IMAGES = 64
 RECENT_LAYERS = 512
 TIMEOUT = 5.0
+
+
+def _finite(doc: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no infinities (a full edge's score is -inf): they go as null."""
+    return {k: _finite(v) if isinstance(v, dict) else None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in doc.items()}
 
 
 class FleetLink:
@@ -50,6 +59,8 @@ class FleetLink:
         self.boot = secrets.token_hex(8)
         self.state = "active"
         self.beats = 0
+        # its own thread: a heartbeat must not queue behind the creates that fill the shared executor
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="heartbeat")
         # refs and layer digests its sandboxes started from lately, newest last (placement's affinity)
         self.images: OrderedDict[str, None] = OrderedDict()
         self.layers: OrderedDict[str, None] = OrderedDict()
@@ -68,15 +79,18 @@ class FleetLink:
         doc: dict[str, Any] = {
             "edge": self.edge_id, "pool": self.pool, "url": self.url, "boot": self.boot,
             "capabilities": {"isolation": [k for k, ok in caps.items() if ok], "cpus": os.cpu_count() or 1},
-            "load": await asyncio.to_thread(ctx.admission.report),
+            "load": _finite(await self._off_loop(ctx.admission.report)),
             "images": [], "layers": [], "sandboxes": None}
         if full:
-            states = await asyncio.to_thread(ctx.manager.list)
+            states = await self._off_loop(ctx.manager.list)
             doc["sandboxes"] = [[st.id, st.project or ""] for st in states]
             self._note(self.images, [st.ref for st in states], RECENT_IMAGES)
             self._note(self.layers, [d for st in states for d in st.layer_digests], RECENT_LAYERS)
         doc["images"], doc["layers"] = [*self.images], [*self.layers]
         return doc
+
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
 
     async def beat(self, session: aiohttp.ClientSession) -> bool:
         """One heartbeat through the first gateway that takes it; False when none did."""
@@ -116,3 +130,4 @@ class FleetLink:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        self._pool.shutdown(wait=False)

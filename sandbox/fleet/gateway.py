@@ -40,7 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from sandbox.core.errors import ApiError, InvalidField
-from sandbox.core.model import SandboxOptions, check_sandbox_id, check_str
+from sandbox.core.model import SANDBOX_ID, SandboxOptions, check_sandbox_id, check_str
 from sandbox.edge.context import MAX_BODY
 from sandbox.edge.e2b.base import check_domain, target_of
 from sandbox.edge.e2b.base import error_response as e2b_error
@@ -252,6 +252,10 @@ class Gateway:
         while len(self.routes) > ROUTE_CACHE:
             self.routes.popitem(last=False)
 
+    def _reachable(self, edge_id: str) -> bool:
+        view = self.placement.edges.get(edge_id)
+        return view is not None and self.placement.healthy(view, time.monotonic())
+
     def edge(self, edge_id: str) -> EdgeView:
         view = self.placement.edges.get(edge_id)
         if view is None:
@@ -327,6 +331,8 @@ class Gateway:
     async def per_sandbox(self, call: Call, raw_id: str, rest: str) -> web.StreamResponse:
         sid = check_sandbox_id(raw_id, "sandboxID" if call.e2b else "id")  # before it routes anything
         route = await self.route(sid)
+        if route is not None and not self._reachable(route.edge):
+            route = await self.route(sid, fresh=True)  # lost with its edge, or moved since it was cached
         if route is not None and call.project is not None and route.project != call.project.name:
             route = None  # another project's: as missing, from every gateway
         method = call.request.method
@@ -535,14 +541,14 @@ class Gateway:
             verify_report(edge_key(self.fleet_key, edge_id), edge_id, stamp, mac, body, self.now())
         except ApiError as exc:  # the edge learns the fleet's clock from the refusal too
             return web.json_response(exc.body(), status=exc.status, headers={"X-Layerbox-Time": f"{self.now():.3f}"})
-        doc = json.loads(body)
+        doc = _report(body)
         if doc.get("edge") != edge_id:
             raise InvalidField("edge", "the report names another edge than its signature")
-        state = await self.db.heartbeat(edge_id, pool=str(doc["pool"]), url=str(doc["url"]), boot=str(doc["boot"]),
+        state = await self.db.heartbeat(edge_id, pool=doc["pool"], url=doc["url"], boot=doc["boot"],
                                         capabilities=doc["capabilities"], load=doc["load"],
                                         images={"refs": doc.get("images", []), "layers": doc.get("layers", [])})
         if doc.get("sandboxes") is not None:
-            pairs = [(str(sid), str(project)) for sid, project in doc["sandboxes"]]
+            pairs = [(sid, project) for sid, project in doc["sandboxes"] if SANDBOX_ID.fullmatch(sid)]
             changed = await self.db.reconcile(edge_id, pairs, grace=RECONCILE_GRACE)
             if changed["gone"] or changed["came"]:
                 log.info("edge %s reconciled: %s", edge_id, changed)
@@ -556,6 +562,29 @@ class Gateway:
                                   "healthy": sorted(v.id for v in self.placement.edges.values()
                                                     if self.placement.healthy(v, now)), **self.stats,
                                   "db_transactions": self.db.transactions})
+
+
+def _report(body: bytes) -> dict[str, Any]:
+    """A heartbeat's body: a JSON object with the fields a gateway reads (400 naming a bad one)."""
+    def no_constant(name: str) -> Any:
+        raise InvalidField("load", f"{name} is not a JSON number")
+
+    try:
+        doc = json.loads(body, parse_constant=no_constant)
+    except ValueError:
+        raise ApiError(400, "bad_request", "a heartbeat is a JSON object") from None
+    if not isinstance(doc, dict):
+        raise ApiError(400, "bad_request", "a heartbeat is a JSON object")
+    for name, kind in (("pool", str), ("url", str), ("boot", str), ("capabilities", dict), ("load", dict)):
+        if not isinstance(doc.get(name), kind):
+            raise InvalidField(name, f"must be a {kind.__name__}")
+    if not re.fullmatch(r"https?://[^/\s]+", doc["url"]):
+        raise InvalidField("url", f"{doc['url'][:100]!r} is not http(s)://host:port")
+    sandboxes = doc.get("sandboxes")
+    if sandboxes is not None and not (isinstance(sandboxes, list) and all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in sandboxes)):
+        raise InvalidField("sandboxes", "must be a list of [id, project] pairs")
+    return doc
 
 
 def _answer(status: int, headers: dict[str, str], doc: Any) -> web.Response:

@@ -12,7 +12,6 @@ and removes the directory.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from sandbox.core.errors import SandboxError
+from sandbox.core.sync import run_blocking
 from sandbox.edge.trust import edge_key
 from sandbox.fleet.db import FleetDb
 from sandbox.fleet.pg import LocalPostgres, free_port
@@ -117,7 +117,7 @@ def up(spec: Spec) -> dict[str, Any]:
             state["postgres"] = {"root": str(pg.root), "port": pg.port}
             spec.db = pg.url
         state["db"] = spec.db
-        fleet_key, admin, token = asyncio.run(_projects(spec.db, spec))
+        fleet_key, admin, token = run_blocking(_projects(spec.db, spec))
         state.update(admin_token=admin, project={"name": spec.project, "token": token})
         secret = root / "url.secret"
         secret.write_bytes(secrets.token_bytes(32))
@@ -185,7 +185,7 @@ def _wait_ready(spec: Spec, state: dict[str, Any]) -> None:
             return  # every gateway places on every edge
         time.sleep(0.2)
     raise FleetUpError(f"the fleet was not ready after {READY_TIMEOUT:.0f} s: edges registered: "
-                       f"{asyncio.run(_registered(str(spec.db), ids))} of {ids}")
+                       f"{run_blocking(_registered(str(spec.db), ids))} of {ids}")
 
 
 def _alive(pid: int) -> bool:

@@ -31,7 +31,7 @@ from sandbox.fleet.db import EdgeRow
 from sandbox.host.admission import score
 
 AFFINITY = 0.25  # score bonus for an edge holding all of the image's layers (scores lie in 0..1)
-STALE = 5.0  # seconds without a heartbeat before an edge takes no creates
+STALE = 10.0  # seconds without a heartbeat before an edge takes no creates
 
 
 @dataclass(frozen=True)
@@ -123,21 +123,26 @@ class Placement:
         return view.row.age < STALE and view.breaker.open_until <= now
 
     def eligible(self, view: EdgeView, demand: Demand, now: float) -> bool:
+        """Whether ``view`` may take ``demand`` at all (its room aside)."""
         row = view.row
         return (row.state == "active" and self.healthy(view, now) and (not demand.pools or row.pool in demand.pools)
-                and demand.isolation in row.capabilities.get("isolation", ()) and view.free_slots() >= demand.count)
+                and demand.isolation in row.capabilities.get("isolation", ()))
 
     def candidates(self, demand: Demand) -> list[EdgeView]:
-        """The edges that may take ``demand``, best-of-k order (pools in the order given)."""
+        """The edges that may take ``demand``, pools in the order given; in each, those with room by
+        the view first, best-of-k, then those the view thinks full, best first: the view is an
+        estimate, the edge's admission the answer."""
         now = time.monotonic()
         out: list[EdgeView] = []
         for pool in demand.pools or (None,):
-            rest = [v for v in self.edges.values() if self.eligible(v, demand, now) and (pool is None or v.row.pool == pool)]
+            views = [v for v in self.edges.values() if self.eligible(v, demand, now) and (pool is None or v.row.pool == pool)]
+            rest = [v for v in views if v.free_slots() >= demand.count]
             while rest:
                 drawn = self.rng.sample(rest, min(self.k, len(rest)))
                 best = max(drawn, key=lambda v: v.score(demand))
                 out.append(best)
                 rest.remove(best)
+            out += sorted((v for v in views if v not in out), key=lambda v: v.score(demand), reverse=True)
         return out
 
     def any_healthy(self, pools: Sequence[str] = ()) -> list[EdgeView]:
