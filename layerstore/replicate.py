@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,13 +264,16 @@ class _Copier:
         await self._bounded([self._doc(o) for o in docs])
         await self._bounded([self._trace(o) for o in traces if o.size >= 0])
 
-    async def _bounded(self, coros: Iterable[Awaitable[None]]) -> None:
+    async def _bounded(self, coros: Iterable[Coroutine[Any, Any, None]]) -> None:
         """Run with at most ``jobs`` at once; the first failure cancels the rest and is raised."""
         sem = asyncio.Semaphore(self.jobs)
 
-        async def one(coro: Awaitable[None]) -> None:
-            async with sem:
-                await coro
+        async def one(coro: Coroutine[Any, Any, None]) -> None:
+            try:
+                async with sem:
+                    await coro
+            finally:
+                coro.close()  # one cancelled while it waited for its turn never started
 
         tasks = [asyncio.ensure_future(one(c)) for c in coros]
         if not tasks:
