@@ -207,7 +207,7 @@ async def test_eligible_only_copies_by_prefix_and_label_and_refuses_mixed_compos
 async def test_a_destination_ref_that_points_elsewhere_is_refused_by_name_unless_forced(
         file_pair: tuple[Store, Store], tmp_path: Path) -> None:
     src, dst = file_pair
-    trees = await publish_shared(src, tmp_path)
+    await publish_shared(src, tmp_path)
     theirs = await publish(dst, str(make_tree(tmp_path / "theirs", {"x": b"other"})), "app/one:1")
     report = await replicate(src, dst)
     (one,) = report.with_status("conflict")
