@@ -31,6 +31,7 @@ from typing import Any
 
 from layerstore.errors import FormatError, LayerstoreError
 from layerstore.objects import BadName, hex_digest, ref_key, ref_name_from_key
+from layerstore.store import Store
 
 SCHEMA_ELIGIBILITY = "layerbox.eligibility.v1"
 _FIELDS = {"schema", "prefixes", "labels"}
@@ -115,6 +116,20 @@ def canonical_name(name: str) -> str:
         return ref_name_from_key(ref_key(name))
     except BadName:
         return name
+
+
+async def judge_store(store: Store, policy: Eligibility) -> Judge:
+    """A :class:`Judge` of ``store``'s documents: every ref naming a document counts for it."""
+    names: dict[str, list[str]] = {}
+    for state in await store.list_refs():
+        names.setdefault(state.digest, []).append(state.name)
+    return Judge(policy, store.get_doc, names)
+
+
+async def why_not_eligible(store: Store, policy: Eligibility, ref: str) -> str | None:
+    """None when ``policy`` lets ``ref`` (a ref name in ``store``) leave its pool, else the reason."""
+    judge = await judge_store(store, policy)
+    return await judge.why_not((await store.read_ref(ref)).digest, [ref])
 
 
 class Judge:

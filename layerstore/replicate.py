@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layerstore.backend import ObjectNotFound, PreconditionFailed
-from layerstore.eligibility import Eligibility, Judge
+from layerstore.eligibility import Eligibility, judge_store
 from layerstore.errors import FormatError, LayerstoreError
 from layerstore.objects import (
     DigestMismatch,
@@ -123,9 +123,12 @@ class SyncReport:
         }
 
 
-async def replicate(src: Store, dst: Store, prefixes: Sequence[str] = (), *, policy: Eligibility | None = None,
-                    force: bool = False, jobs: int = DEFAULT_JOBS, progress: Progress | None = None) -> SyncReport:
-    """Copy the refs of ``src`` under ``prefixes`` (all when empty) to ``dst``; see the module docstring.
+async def replicate(src: Store, dst: Store, prefixes: Sequence[str] = (), *, names: Sequence[str] = (),
+                    policy: Eligibility | None = None, force: bool = False, jobs: int = DEFAULT_JOBS,
+                    progress: Progress | None = None) -> SyncReport:
+    """Copy the refs of ``src`` under ``prefixes`` and the refs ``names`` (exact names, each
+    of which must exist: ``RefNotFound``) to ``dst``, every ref when both are empty; see the
+    module docstring.
 
     With ``policy`` only eligible refs are copied (layerstore/eligibility.py); the others are
     reported ``ineligible`` with the reason.  ``jobs`` bounds the objects in transfer at once.
@@ -137,10 +140,10 @@ async def replicate(src: Store, dst: Store, prefixes: Sequence[str] = (), *, pol
     started = time.monotonic()
     report = SyncReport(src.url, dst.url)
     await src.check_layout()
-    states = await _source_refs(src, prefixes)
+    states = await _source_refs(src, prefixes, names)
     report.refs = [RefSync(s.name, s.digest, s.kind) for s in states]
     if policy is not None:
-        await _judge(src, policy, states, report.refs)
+        await _judge(src, policy, report.refs)
     walks = await _walk(src, report.refs)
     async with dst.writer_lock("sync"):
         await dst.check_layout(create=True)
@@ -155,19 +158,19 @@ async def replicate(src: Store, dst: Store, prefixes: Sequence[str] = (), *, pol
     return report
 
 
-async def _source_refs(src: Store, prefixes: Sequence[str]) -> list[RefState]:
+async def _source_refs(src: Store, prefixes: Sequence[str], names: Sequence[str]) -> list[RefState]:
     found: dict[str, RefState] = {}
-    for prefix in prefixes or [""]:
+    for prefix in prefixes or ([] if names else [""]):
         for state in await src.list_refs(prefix):
             found[state.name] = state
+    for name in names:
+        state = await src.read_ref(name)
+        found[state.name] = state
     return [found[name] for name in sorted(found)]
 
 
-async def _judge(src: Store, policy: Eligibility, states: list[RefState], refs: list[RefSync]) -> None:
-    names: dict[str, list[str]] = {}
-    for state in await src.list_refs():  # every ref naming a document counts, not only the selected
-        names.setdefault(state.digest, []).append(state.name)
-    judge = Judge(policy, src.get_doc, names)
+async def _judge(src: Store, policy: Eligibility, refs: list[RefSync]) -> None:
+    judge = await judge_store(src, policy)  # every ref naming a document counts, not only the selected
     for ref in refs:
         why = await judge.why_not(ref.digest, [ref.name])
         if why is not None:
@@ -224,8 +227,11 @@ async def _write_refs(dst: Store, refs: list[RefSync], current: dict[str, RefSta
             else:
                 await dst.set_ref(ref.name, ref.digest, ref.kind, expect=before.digest)
         except PreconditionFailed:
-            now = await dst.read_ref(ref.name)
-            ref.status, ref.reason = "conflict", _conflict(dst, ref, now.digest) + " (written meanwhile)"
+            try:
+                theirs = (await dst.read_ref(ref.name)).digest
+            except RefNotFound:
+                theirs = "no document (deleted meanwhile)"
+            ref.status, ref.reason = "conflict", _conflict(dst, ref, theirs) + " (written meanwhile)"
             continue
         ref.status = "copied" if before is None else "moved"
         if before is not None:

@@ -22,7 +22,7 @@ import pytest_asyncio
 from converters.publish import publish
 from layerstore.backend import TransientError
 from layerstore.backends.wrappers import FaultyBackend
-from layerstore.eligibility import SCHEMA_ELIGIBILITY, Eligibility, PolicyError
+from layerstore.eligibility import SCHEMA_ELIGIBILITY, Eligibility, PolicyError, why_not_eligible
 from layerstore.erofs.reader import ErofsImage
 from layerstore.objects import DigestMismatch, doc_key, index_key, meta_key, pack_key
 from layerstore.replicate import replicate
@@ -201,6 +201,11 @@ async def test_eligible_only_copies_by_prefix_and_label_and_refuses_mixed_compos
     # a composition's own name does not make it eligible: every part must be
     by_name = await replicate(src, dst, ["env/"], policy=Eligibility(prefixes=("env/",)))
     assert {r.status for r in by_name.refs} == {"ineligible"}
+    # the fleet asks the same question of one ref; exact names select exactly
+    assert await why_not_eligible(src, policy, "env/ok:1") is None
+    assert "vendor/secret:1" in (await why_not_eligible(src, policy, "env/bad:1") or "")
+    exact = await replicate(src, dst, names=["team/base:1"])
+    assert [(r.name, r.status) for r in exact.refs] == [("team/base:1", "unchanged")]
 
 
 @pytest.mark.asyncio
@@ -230,9 +235,12 @@ async def test_a_destination_ref_that_points_elsewhere_is_refused_by_name_unless
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("dst_kind", ["file", "moto"])
+@pytest.mark.parametrize(("dst_kind", "fault"), [("file", "pack"), ("moto", "pack"), ("file", "ref"), ("moto", "ref")])
 async def test_an_interrupted_sync_leaves_no_ref_to_missing_objects_and_a_retry_completes(
-        dst_kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+        dst_kind: str, fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        request: pytest.FixtureRequest) -> None:
+    """``pack``: the destination fails for good right after the first pack is written (its
+    index copy is not); ``ref``: the first ref write fails, every object being in."""
     if dst_kind == "moto":
         use_server(monkeypatch, tmp_path, request.getfixturevalue("moto"))
     dst_url = _url(dst_kind, tmp_path, "dst", request)
@@ -246,21 +254,30 @@ async def test_an_interrupted_sync_leaves_no_ref_to_missing_objects_and_a_retry_
 
             def progress(kind: str, size: int) -> None:
                 written.append(kind)
-                if kind == "packs":  # the destination goes away right after its first pack
+                if kind == "packs" and fault == "pack":
                     faulty.fail_everything = True
 
+            if fault == "ref":
+                faulty.fail_next("put_conditional")
             with pytest.raises(TransientError):
                 await replicate(src, dst, jobs=1, progress=progress)
-            assert written == ["packs"]
             faulty.fail_everything = False
             assert await dst.list_refs() == []  # the refs come last: none names a missing object
-            assert [i.key async for i in dst.backend.list("docs/")] == []
+            docs = [i.key async for i in dst.backend.list("docs/")]
+            if fault == "pack":
+                assert written == ["packs"]
+                assert docs == []
+            else:
+                assert sorted(docs) == sorted([doc_key((await src.read_ref(n)).digest) for n in trees])
 
             retry = await replicate(src, dst)
             assert retry.ok
             assert {r.status for r in retry.refs} == {"copied"}
-            assert retry.skipped["packs"] == 1
-            assert retry.moved["indexes"] == retry.moved["packs"] + 1
+            if fault == "pack":
+                assert retry.skipped["packs"] == 1
+                assert retry.moved["indexes"] == retry.moved["packs"] + 1  # the first pack's copy
+            else:
+                assert retry.bytes_moved == 0
             assert (await verify(dst)).ok
             assert retry.bytes_total == expected["stored"]
             for name, files in trees.items():
