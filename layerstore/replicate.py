@@ -51,7 +51,7 @@ from layerstore.objects import (
     parse_trace,
     trace_key,
 )
-from layerstore.packs import PACK_RECORD, decompress, split_pack
+from layerstore.packs import PACK_RECORD, ChunkLocation, decompress, split_pack
 from layerstore.reach import Reached, reach
 from layerstore.store import RefNotFound, RefState, Store
 from layerstore.verify import check_pack
@@ -97,7 +97,11 @@ class SyncReport:
     skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     chunks_moved: int = 0  # chunks in the packs written
     chunks_skipped: int = 0  # chunks in the packs the destination already had
-    chunk_bytes_moved: int = 0  # their compressed frames' bytes
+    chunk_bytes_moved: int = 0  # compressed bytes of the chunks moved
+    # chunks moved although the destination held them in other packs (or another pack of this
+    # sync brought them): the price of moving whole packs, docs/FORMAT.md "Store known gaps"
+    chunks_redundant: int = 0
+    chunk_bytes_redundant: int = 0
     bytes_moved: int = 0  # every object written (what crossed the wire to the destination)
     bytes_total: int = 0  # every object the synced refs reach, as stored (what a copy into an empty store moves)
     logical_bytes: int = 0  # file data of the distinct layers they reach, uncompressed
@@ -117,7 +121,8 @@ class SyncReport:
             "refs": [r.to_json() for r in self.refs], "moved": dict(self.moved), "skipped": dict(self.skipped),
             "objects_moved": sum(self.moved.values()), "objects_skipped": sum(self.skipped.values()),
             "chunks_moved": self.chunks_moved, "chunks_skipped": self.chunks_skipped,
-            "chunk_bytes_moved": self.chunk_bytes_moved, "bytes_moved": self.bytes_moved,
+            "chunk_bytes_moved": self.chunk_bytes_moved, "chunks_redundant": self.chunks_redundant,
+            "chunk_bytes_redundant": self.chunk_bytes_redundant, "bytes_moved": self.bytes_moved,
             "bytes_total": self.bytes_total, "logical_bytes": self.logical_bytes,
             "seconds": round(self.seconds, 3), "ok": self.ok,
         }
@@ -253,6 +258,7 @@ class _Copier:
         self.src, self.dst, self.report = src, dst, report
         self.jobs = jobs
         self.progress = progress
+        self.moved_chunks: set[bytes] = set()
 
     async def copy(self, reached: Reached) -> None:
         self.report.logical_bytes = sum(layer.bytes for layer in reached.layers.values())
@@ -264,6 +270,8 @@ class _Copier:
         await self._bounded([self._look(o) for pair in pack_objs for o in pair])
         await self._bounded([self._look(o) for o in (*metas, *docs)])
         await self._bounded([self._look(o, optional=True) for o in traces])
+        if any(not pack.present for pack, _ in pack_objs):
+            await self.dst.sync_index()  # which chunks the destination has in its own packs: for the report
         # content first; documents once all of it is in; traces, which name documents, last
         await self._bounded([*(self._pack(pack, index) for pack, index in pack_objs),
                              *(self._meta(o) for o in metas)])
@@ -344,10 +352,18 @@ class _Copier:
             self.report.chunks_skipped += len(records)
         else:
             await self._put(pack, data)
-            self.report.chunks_moved += len(records)
-            self.report.chunk_bytes_moved += sum(loc.length for _, loc in records)
+            self._count_moved(records)
         # the copy is derived from the checked pack, not read from the source's copy
         await self._put(index, own_index)
+
+    def _count_moved(self, records: list[tuple[bytes, ChunkLocation]]) -> None:
+        for digest, loc in records:
+            self.report.chunks_moved += 1
+            self.report.chunk_bytes_moved += loc.length
+            if digest in self.moved_chunks or self.dst.locate(digest) is not None:
+                self.report.chunks_redundant += 1
+                self.report.chunk_bytes_redundant += loc.length
+            self.moved_chunks.add(digest)
 
     async def _meta(self, obj: _Object) -> None:
         if obj.present:

@@ -86,6 +86,19 @@ async def publish_shared(store: Store, tmp_path: Path) -> dict[str, dict[str, by
     return trees
 
 
+async def chunk_frames(store: Store, name: str) -> dict[bytes, int]:
+    """Chunk digest -> compressed frame length, for every chunk of ``name``'s layers."""
+    out = {}
+    for layer in (await store.resolve(name, refresh=True)).layers:
+        await store.load_layer_locations(layer)
+        for rec in ErofsImage(await store.get_meta(layer.digest), layer.digest).blob_map:
+            loc = store.locate(rec.digest)
+            assert loc is not None
+            assert loc.pack.hex() in layer.packs  # where its layer entry says
+            out[rec.digest] = loc.length
+    return out
+
+
 async def independent_figures(store: Store, names: Iterable[str]) -> dict[str, int]:
     """What the refs ``names`` reach in ``store``, summed here without layerstore/replicate.py:
     ``chunk_bytes`` (compressed frames of the distinct chunks), ``chunk_bytes_per_image``
@@ -95,7 +108,7 @@ async def independent_figures(store: Store, names: Iterable[str]) -> dict[str, i
     keys: set[str] = set()
     for name in names:
         resolved = await store.resolve(name, refresh=True)
-        pending, mine = [resolved.digest], {}
+        pending = [resolved.digest]
         while pending:  # the documents: parts of compositions, parents of checkpoints
             digest = pending.pop()
             keys.add(doc_key(digest))
@@ -106,12 +119,7 @@ async def independent_figures(store: Store, names: Iterable[str]) -> dict[str, i
             for layer in (await store.resolve(digest)).layers:
                 keys.add(meta_key(layer.digest))
                 keys.update(k(p) for p in layer.packs for k in (pack_key, index_key))
-                await store.load_layer_locations(layer)
-                for rec in ErofsImage(await store.get_meta(layer.digest), layer.digest).blob_map:
-                    loc = store.locate(rec.digest)
-                    assert loc is not None
-                    assert loc.pack.hex() in layer.packs
-                    mine[rec.digest] = loc.length
+        mine = await chunk_frames(store, name)
         chunks.update(mine)
         per_image += sum(mine.values())
     stored = 0
@@ -134,6 +142,7 @@ async def test_shared_chunks_move_once_and_a_second_sync_moves_nothing(
     assert first.ok
     assert {(r.name, r.status) for r in first.refs} == {(n, "copied") for n in trees}
     assert first.chunk_bytes_moved == expected["chunk_bytes"]  # each shared chunk moved once
+    assert first.chunks_redundant == 0
     assert first.bytes_moved == expected["stored"] == first.bytes_total
     assert first.moved["packs"] == first.moved["indexes"] >= 2
     assert first.logical_bytes == sum(len(d) for files in trees.values() for d in files.values())
@@ -165,6 +174,24 @@ async def test_one_image_then_the_other_moves_only_the_new_chunks(
     assert two.chunk_bytes_moved == both["chunk_bytes"] - only_one["chunk_bytes"]  # the shared pack stayed
     assert two.skipped["packs"] >= 1
     assert await read_back(dst, "app/two:1") == trees["app/two:1"]
+
+
+@pytest.mark.asyncio
+async def test_chunks_the_destination_holds_in_its_own_packs_move_again_and_are_reported(
+        file_pair: tuple[Store, Store], tmp_path: Path) -> None:
+    """The documented gap: a pack moves whole, also when the destination has some of its
+    chunks in a pack of its own; the report counts those chunks as redundant."""
+    src, dst = file_pair
+    trees = await publish_shared(src, tmp_path)
+    big = {"base/big.bin": trees["app/one:1"]["base/big.bin"]}
+    async with await Store.open(dst.url, tmp_path / "other-host") as elsewhere:  # dst's cache knows nothing of it
+        await publish(elsewhere, str(make_tree(tmp_path / "theirs", big)), "local/big:1")  # packed on its own
+        theirs = await chunk_frames(elsewhere, "local/big:1")
+    ours = await chunk_frames(src, "app/one:1")
+    report = await replicate(src, dst, ["app/one"])
+    assert report.chunks_redundant == len(theirs)
+    assert report.chunk_bytes_redundant == sum(ours[d] for d in theirs) > 0
+    assert report.chunk_bytes_moved == sum(ours.values())
 
 
 def labeled_image(tmp_path: Path, name: str, files: dict[str, bytes], labels: dict[str, str] | None) -> str:
