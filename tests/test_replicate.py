@@ -328,6 +328,23 @@ async def test_a_corrupt_source_pack_is_never_written_to_the_destination(
     assert await dst.list_refs() == []
 
 
+@pytest.mark.asyncio
+async def test_a_source_ref_that_reaches_a_missing_document_fails_alone(
+        file_pair: tuple[Store, Store], tmp_path: Path) -> None:
+    src, dst = file_pair
+    await publish_shared(src, tmp_path)
+    gone = (await src.read_ref("app/two:1")).digest
+    (tmp_path / "src" / doc_key(gone)).unlink()
+    async with await Store.open(src.url, tmp_path / "fresh-host") as fresh:  # no cached copy of it
+        report = await replicate(fresh, dst)
+    assert not report.ok
+    assert {r.name: r.status for r in report.refs} == {"app/one:1": "copied", "app/two:1": "failed"}
+    (failed,) = report.with_status("failed")
+    assert "app/two:1" in failed.reason
+    assert "layerbox verify" in failed.reason
+    assert [r.name for r in await dst.list_refs()] == ["app/one:1"]
+
+
 @pytest.mark.root("erofs", "overlay", "fuse")
 @pytest.mark.usefixtures("need_root")
 def test_a_checkpoint_chain_syncs_and_restores_identically_from_the_destination(hosts, tmp_path: Path) -> None:

@@ -544,6 +544,9 @@ def _print_sync(report: Any) -> None:
           f"{report.bytes_total / mb:.1f} MB stored ({report.logical_bytes / mb:.1f} MB of file data)")
     print(f"  already there: {sum(report.skipped.values())} objects ({report.chunks_skipped} chunks); "
           f"{report.seconds:.2f} s")
+    if report.chunks_redundant:
+        print(f"  {report.chunks_redundant} chunks moved ({report.chunk_bytes_redundant / mb:.1f} MB) were in the "
+              "destination's own packs already (a pack moves whole)")
     for ref in report.refs:
         print(f"  {ref.status:<10} {ref.name} {ref.digest}" + (f"\n             {ref.reason}" if ref.reason else ""))
 
