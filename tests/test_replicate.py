@@ -329,6 +329,24 @@ async def test_a_corrupt_source_pack_is_never_written_to_the_destination(
 
 
 @pytest.mark.asyncio
+async def test_two_syncs_into_one_destination_at_once_write_each_object_once(
+        file_pair: tuple[Store, Store], tmp_path: Path) -> None:
+    src, dst = file_pair
+    trees = await publish_shared(src, tmp_path)
+    async with await Store.open(dst.url, tmp_path / "h3") as dst2:  # a second host syncing too
+        a, b = await asyncio.gather(replicate(src, dst, jobs=2), replicate(src, dst2, jobs=2))
+    assert a.ok
+    assert b.ok
+    statuses = sorted(r.status for r in [*a.refs, *b.refs])
+    assert statuses.count("copied") + statuses.count("unchanged") == 2 * len(trees)
+    packs = len({p for n in trees for layer in (await src.resolve(n)).layers for p in layer.packs})
+    assert a.moved["packs"] + b.moved["packs"] == packs  # put_if_absent: one writer wins each
+    assert (await verify(dst)).ok
+    for name, files in trees.items():
+        assert await read_back(dst, name) == files
+
+
+@pytest.mark.asyncio
 async def test_a_source_ref_that_reaches_a_missing_document_fails_alone(
         file_pair: tuple[Store, Store], tmp_path: Path) -> None:
     src, dst = file_pair
