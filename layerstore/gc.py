@@ -20,8 +20,8 @@ from layerstore.backend import ObjectNotFound
 from layerstore.erofs.reader import ErofsImage
 from layerstore.errors import FormatError
 from layerstore.locks import LOCK_TTL, prune_stale_locks, store_lock
-from layerstore.objects import doc_references, hex_digest, resolve_document
 from layerstore.packs import PACK_FOOTER, ChunkLocation, parse_footer, parse_index
+from layerstore.reach import reach
 from layerstore.store import Store
 
 DEFAULT_GRACE = 3600.0
@@ -52,25 +52,14 @@ class GcReport:
 
 
 async def _mark(store: Store, report: GcReport) -> tuple[set[str], set[str], set[bytes]]:
-    docs: set[str] = set()
-    layers: set[str] = set()
+    roots = [ref.digest for ref in await store.list_refs()]
+    report.roots = len(roots)
+    reached = await reach(roots, store.get_doc)
     chunks: set[bytes] = set()
-    pending = [ref.digest for ref in await store.list_refs()]
-    report.roots = len(pending)
-    while pending:
-        digest = "blake3:" + hex_digest(pending.pop())
-        if digest in docs:
-            continue
-        docs.add(digest)
-        doc = await store.get_doc(digest)
-        resolved = resolve_document(digest, doc)
-        pending.extend(doc_references(doc))
-        for layer in resolved.stored_layers:
-            if layer.digest in layers:
-                continue
-            layers.add(layer.digest)
-            image = ErofsImage(await store.get_meta(layer.digest), layer.digest)
-            chunks.update(rec.digest for rec in image.blob_map)
+    for layer in reached.layers:
+        image = ErofsImage(await store.get_meta(layer), layer)
+        chunks.update(rec.digest for rec in image.blob_map)
+    docs, layers = set(reached.docs), set(reached.layers)
     report.live_docs, report.live_layers, report.live_chunks = len(docs), len(layers), len(chunks)
     return docs, layers, chunks
 

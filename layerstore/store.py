@@ -432,12 +432,14 @@ class Store:
         return state
 
     async def set_ref(self, name: str, digest: str, kind: str, *, expect: str | None = None,
-                      stats: UploadStats | None = None) -> RefState:
+                      create_only: bool = False, stats: UploadStats | None = None) -> RefState:
         """Point ``name`` at ``digest``, keeping history.
 
         Compare-and-swap against the ref's current version: concurrent writers
         each land (the later one wins and the earlier stays in the history);
-        with ``expect`` set, fail instead if the ref no longer points there.
+        with ``expect`` set, fail instead if the ref no longer points there, and
+        with ``create_only`` if the ref points elsewhere (:class:`PreconditionFailed`
+        both; a ref that already names ``digest`` is left as it is).
         """
         key = ref_key(name)
         canonical_name = ref_name_from_key(key)
@@ -450,6 +452,10 @@ class Store:
                 current = None
             if expect is not None and (current.digest if current else None) != expect:
                 raise PreconditionFailed(key, self.url, f"expected {expect}, found {current.digest if current else 'no ref'}")
+            if create_only and current is not None:
+                if current.digest == digest:
+                    return current  # made by another writer, or by our own attempt whose reply was lost
+                raise PreconditionFailed(key, self.url, f"expected no ref, found {current.digest}")
             history = list(current.history) if current else []
             if current:
                 history.insert(0, {"digest": current.digest, "kind": current.kind,

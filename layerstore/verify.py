@@ -25,8 +25,6 @@ from layerstore.errors import LayerstoreError
 from layerstore.objects import (
     digest_of,
     doc_key,
-    doc_references,
-    hex_digest,
     index_key,
     load_json,
     meta_key,
@@ -34,6 +32,7 @@ from layerstore.objects import (
     resolve_document,
 )
 from layerstore.packs import decompress, split_pack
+from layerstore.reach import reach
 from layerstore.store import Store
 
 
@@ -54,7 +53,7 @@ class VerifyReport:
         return doc
 
 
-def _check_pack(key: str, data: bytes, wanted: set[bytes] | None) -> tuple[list[str], int, set[bytes]]:
+def check_pack(key: str, data: bytes, wanted: set[bytes] | None) -> tuple[list[str], int, set[bytes]]:
     """Problems, chunks checked, and the digests of the sound chunks found."""
     pack_hex = key.rsplit("/", 1)[-1]
     problems = []
@@ -105,33 +104,28 @@ async def verify(store: Store, ref: str | None = None) -> VerifyReport:
         wanted = set()
         resolved = await store.resolve(ref, refresh=True)
         pack_set: set[str] = set()
-        layers_seen: set[str] = set()
-        pending, docs_seen = [resolved.digest], set()
-        while pending:  # every document the ref keeps alive, and every layer of those
-            digest = "blake3:" + hex_digest(pending.pop())
-            if digest in docs_seen:
-                continue
-            docs_seen.add(digest)
+
+        async def load(digest: str) -> dict[str, Any] | None:
+            """The document if it is sound; its problems reported otherwise."""
             doc_bytes = await _check_named(store, doc_key(digest), report)
             if doc_bytes is None:
-                continue
+                return None
             doc = load_json(doc_bytes, doc_key(digest))
-            pending.extend(doc_references(doc))
             try:
-                layers = resolve_document(digest, doc).stored_layers
+                resolve_document(digest, doc)
             except LayerstoreError:
-                continue  # reported by _check_named
-            for layer in layers:
-                if layer.digest in layers_seen:
-                    continue
-                layers_seen.add(layer.digest)
-                key = meta_key(layer.digest)
-                image_bytes = await _check_named(store, key, report)
-                if image_bytes is not None:
-                    for rec in ErofsImage(image_bytes, key).blob_map:
-                        wanted.add(rec.digest)
-                        needed_by.setdefault(rec.digest, set()).add(layer.digest)
-                pack_set.update(layer.packs)
+                return None  # reported by _check_named
+            return doc
+
+        # every document the ref keeps alive, and every layer of those
+        for layer in (await reach([resolved.digest], load)).layers.values():
+            key = meta_key(layer.digest)
+            image_bytes = await _check_named(store, key, report)
+            if image_bytes is not None:
+                for rec in ErofsImage(image_bytes, key).blob_map:
+                    wanted.add(rec.digest)
+                    needed_by.setdefault(rec.digest, set()).add(layer.digest)
+            pack_set.update(layer.packs)
         packs = [pack_key(p) for p in sorted(pack_set)]
     found: set[bytes] = set()
     for key in packs:
@@ -140,7 +134,7 @@ async def verify(store: Store, ref: str | None = None) -> VerifyReport:
         except ObjectNotFound:
             report.problems.append(f"{key}: missing")
             continue
-        problems, checked, sound = await asyncio.to_thread(_check_pack, key, data, wanted)
+        problems, checked, sound = await asyncio.to_thread(check_pack, key, data, wanted)
         found |= sound
         report.problems.extend(problems)
         report.chunks += checked

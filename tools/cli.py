@@ -38,6 +38,13 @@ def _size(text: str) -> int:
     return int(t)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be 1 or more")
+    return value
+
+
 def _env_pair(text: str) -> tuple[str, str]:
     name, eq, value = text.partition("=")
     if not eq or not name:
@@ -509,6 +516,75 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
     _emit(args, st, human)
     return 0
+
+
+def _sync_policy(args: argparse.Namespace) -> Any:
+    """The eligibility policy the flags give, or None (every selected ref is copied)."""
+    from layerstore.eligibility import Eligibility
+
+    inline = bool(args.eligible_prefix or args.eligible_label)
+    if not args.eligible_only:
+        if inline or args.policy:
+            raise SystemExit("layerbox sync: --policy, --eligible-prefix and --eligible-label apply with "
+                             "--eligible-only; add it")
+        return None
+    if args.policy and inline:
+        raise SystemExit("layerbox sync: give the policy as --policy FILE or as --eligible-prefix/"
+                         "--eligible-label, not both")
+    if args.policy:
+        return Eligibility.load(args.policy)
+    if not inline:
+        raise SystemExit("layerbox sync: --eligible-only needs a policy: --policy FILE, or "
+                         "--eligible-prefix P / --eligible-label KEY=VALUE (repeatable)")
+    labels = {}
+    for item in args.eligible_label:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"layerbox sync: --eligible-label wants KEY=VALUE, got {item!r}")
+        labels[key] = value
+    return Eligibility(tuple(args.eligible_prefix), labels)
+
+
+def _print_sync(report: Any) -> None:
+    mb = 1e6
+    counts = {s: len(report.with_status(s)) for s in ("copied", "moved", "unchanged", "ineligible", "conflict",
+                                                      "failed")}
+    print(f"{report.source} -> {report.destination}: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+          if any(counts.values()) else f"{report.source} -> {report.destination}: no refs selected")
+    moved = ", ".join(f"{n} {k}" for k, n in report.moved.items() if n) or "nothing"
+    print(f"  moved {moved}: {report.chunks_moved} chunks, {report.bytes_moved / mb:.1f} MB of "
+          f"{report.bytes_total / mb:.1f} MB stored ({report.logical_bytes / mb:.1f} MB of file data)")
+    print(f"  already there: {sum(report.skipped.values())} objects ({report.chunks_skipped} chunks); "
+          f"{report.seconds:.2f} s")
+    if report.chunks_redundant:
+        print(f"  {report.chunks_redundant} chunks moved ({report.chunk_bytes_redundant / mb:.1f} MB) were in the "
+              "destination's own packs already (a pack moves whole)")
+    for ref in report.refs:
+        print(f"  {ref.status:<10} {ref.name} {ref.digest}" + (f"\n             {ref.reason}" if ref.reason else ""))
+
+
+async def cmd_sync(args: argparse.Namespace) -> int:
+    from layerstore.replicate import replicate
+    from layerstore.store import Store
+
+    policy = _sync_policy(args)
+    src_opts = {"s3_endpoint": args.s3_endpoint} if args.s3_endpoint else {}
+    dst_endpoint = args.dst_s3_endpoint or args.s3_endpoint
+    dst_opts = {"s3_endpoint": dst_endpoint} if dst_endpoint else {}
+    async with await Store.open(args.src, args.data_dir, **src_opts) as src, \
+            await Store.open(args.dst, args.data_dir, **dst_opts) as dst:
+        with _progress_bar(args) as bar:
+            callback = None
+            if bar is not None:
+                task = bar.add_task("moved", total=None)
+                callback = lambda _kind, n: bar.advance(task, n)  # noqa: E731
+            report = await replicate(src, dst, args.prefixes, policy=policy, force=args.force, jobs=args.jobs,
+                                     progress=callback)
+    _emit(args, report.to_json(), lambda: _print_sync(report))
+    refused = report.with_status("conflict", "failed")
+    for ref in refused:
+        print(f"layerbox: sync: {ref.status} {ref.name}: {ref.reason}", file=sys.stderr)
+    return 3 if refused else 0
 
 
 # -- snapshots ------------------------------------------------------------------------------
@@ -1017,6 +1093,23 @@ VERBS: tuple[Verb, ...] = (
         *STORE, arg("ref"), arg("--name", default=None, help="ref for the squashed checkpoint (default: move REF)"))),
     Verb("cache", "drop or rebuild this host's metadata cache", arguments=STORE, verbs=CACHE_VERBS, pick=True),
     Verb("tag", "point NAME at what REF resolves to", cmd_tag, (*STORE, arg("ref"), arg("name"))),
+    Verb("sync", "copy refs (images, compositions, checkpoints) to another store, moving only the objects it "
+                 "lacks; exit 3 when a ref was refused", cmd_sync, (
+        arg("src", help="source store URL: file:///path, /path or s3://bucket/prefix"),
+        arg("dst", help="destination store URL (the same forms)"),
+        arg("prefixes", nargs="*", metavar="REF_PREFIX", help="copy refs whose name starts with one (default: all)"),
+        arg("--eligible-only", action="store_true", help="copy only refs the eligibility policy allows"),
+        arg("--eligible-prefix", action="append", default=[], metavar="P",
+            help="policy: refs starting with P are eligible (repeatable)"),
+        arg("--eligible-label", action="append", default=[], metavar="KEY=VALUE",
+            help="policy: images whose OCI config carries this label are eligible (repeatable)"),
+        arg("--policy", default=None, metavar="FILE", help="policy: a layerbox.eligibility.v1 JSON file"),
+        arg("--force", action="store_true", help="move destination refs that name another document"),
+        arg("--jobs", type=_positive, default=8, help="objects in transfer at once"),
+        arg("--data-dir", default=None, help="host state: both stores' metadata caches"),
+        arg("--s3-endpoint", default=None, help="S3 endpoint URL (default $AWS_ENDPOINT_URL)"),
+        arg("--dst-s3-endpoint", default=None, help="the destination's S3 endpoint, when it differs"),
+        _json_flag)),
     Verb("convert", "convert a tarball, directory or OCI image into EROFS layers", cmd_convert, (
         arg("src", help="tar/tar.gz/tar.zst file, '-', a directory, or oci:DIR[:TAG] | "
                         "oci-archive:FILE[:TAG] | docker-archive:FILE"),

@@ -479,16 +479,18 @@ class LayoutBuilder:
         return self.blob(json.dumps(doc).encode(), media_type, **extra)
 
     def image(
-        self, layers: list[bytes], *, arch: str = "amd64", gzip_layers: bool = True, diff_ids: list[str] | None = None
+        self, layers: list[bytes], *, arch: str = "amd64", gzip_layers: bool = True, diff_ids: list[str] | None = None,
+        labels: Mapping[str, str] | None = None,
     ) -> dict[str, Any]:
         """``layers`` are uncompressed tars; returns the manifest's descriptor (with platform).
 
-        ``diff_ids`` replaces the config's (correct) ``rootfs.diff_ids``.
+        ``diff_ids`` replaces the config's (correct) ``rootfs.diff_ids``; ``labels`` become the
+        config's ``config.Labels``.
         """
         config = {
             "architecture": arch,
             "os": "linux",
-            "config": {"Env": ["PATH=/usr/bin:/bin"], "Cmd": ["/bin/sh"]},
+            "config": {"Env": ["PATH=/usr/bin:/bin"], "Cmd": ["/bin/sh"], **({"Labels": dict(labels)} if labels else {})},
             "rootfs": {"type": "layers", "diff_ids": diff_ids or [sha256(t) for t in layers]},
         }
         blobs = [
