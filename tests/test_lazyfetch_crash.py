@@ -9,7 +9,7 @@ running at its bound is a hang: it is killed and counted, and the test fails
 with the count.  Wrong bytes (zeros where the source is not) fail at once.
 
 The kill points are random; the seed is printed (``LAYERBOX_CRASH_SEED``
-replays a run).
+replays a run; ``LAYERBOX_CRASH_ROUNDS`` sets the rounds, 4).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _gone(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
-ROUNDS = 4
+ROUNDS = int(os.environ.get("LAYERBOX_CRASH_ROUNDS") or 4)  # kills per test (more: a longer soak)
 
 
 def _holder_swept(host: Host) -> int:
