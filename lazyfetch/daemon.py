@@ -14,7 +14,8 @@ Either way the kernel state the mounts depend on (the fanotify group or the
 /dev/fuse connection, and each blob's event-free write fd) is also held by a
 separate holder process (lazyfetch/holder.py).  A daemon that dies leaves
 readers waiting, not reading zeros; the next daemon takes the fds back,
-answers what the dead one left (the sweep, or FUSE's resend) and serves on:
+answers what the dead one left (fanotify: the events its in-flight journal,
+lazyfetch/inflight.py, names get their bytes; FUSE: the kernel resends) and serves on:
 no mount is re-stacked, no sandbox restarted.  The holder's ``generation``
 names that kernel state; mounts made under another generation are stale.
 
