@@ -137,6 +137,20 @@ class BlobServer:
         if layer is None:  # a file we never marked: nothing of ours to fill
             answer(True)
             return
+        self._fill(layer, offset, count, answer)
+
+    def fill(self, layer: LayerBlob, offset: int, count: int) -> bool:
+        """Fill the chunks ``[offset, offset + count)`` of ``layer`` overlaps; whether they are all there
+        (a failure is logged and counted as a read error)."""
+        result = [False]
+
+        def keep(ok: bool) -> None:
+            result[0] = ok
+
+        self._fill(layer, offset, count, keep)
+        return result[0]
+
+    def _fill(self, layer: LayerBlob, offset: int, count: int, answer: Callable[[bool], None]) -> None:
         idxs = layer.overlapping(offset, min(offset + count, layer.blob_size))
         with self.cache.pinned(layer, idxs):
             try:

@@ -14,7 +14,8 @@ Either way the kernel state the mounts depend on (the fanotify group or the
 /dev/fuse connection, and each blob's event-free write fd) is also held by a
 separate holder process (lazyfetch/holder.py).  A daemon that dies leaves
 readers waiting, not reading zeros; the next daemon takes the fds back,
-answers what the dead one left (the sweep, or FUSE's resend) and serves on:
+answers what the dead one left (fanotify: the events its in-flight journal,
+lazyfetch/inflight.py, names get their bytes; FUSE: the kernel resends) and serves on:
 no mount is re-stacked, no sandbox restarted.  The holder's ``generation``
 names that kernel state; mounts made under another generation are stale.
 
@@ -32,10 +33,12 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import sys
@@ -62,8 +65,10 @@ from lazyfetch.client import (
     socket_path,
 )
 from lazyfetch.control import ControlServer, HTTPError, Request, Response, json_response
+from lazyfetch.errors import FanotifyError
 from lazyfetch.fetcher import Fetcher
-from lazyfetch.holder import Holder
+from lazyfetch.holder import SWEEP_FDS, Holder
+from lazyfetch.inflight import Journal, Pending
 from lazyfetch.metrics import Metrics
 
 log = logging.getLogger("layerbox.lazyfetch")
@@ -143,6 +148,8 @@ class Daemon:
         self.data_path_reason = reason  # why not fanotify, when FUSE serves
         self.generation = generation
         self.group = group
+        self.journal: Journal | None = None  # fanotify: the in-flight events (lazyfetch/inflight.py)
+        self.recovered: dict[str, int] | None = None  # what the events a dead daemon left came to
         self.instance = uuid.uuid4().hex
         self.started = time.time()
         self.metrics = Metrics()
@@ -430,7 +437,7 @@ class Daemon:
                 "pid": os.getpid(), "data_path": self.data_path, "data_path_reason": self.data_path_reason,
                 "blob_io": self.cfg.blob_io,
                 "fuse": str(self.cfg.fuse_dir),
-                "blobs": str(self.cfg.blob_dir), "holder": self.holder_pid}
+                "blobs": str(self.cfg.blob_dir), "holder": self.holder_pid, "recovered": self.recovered}
 
     # -- control server -----------------------------------------------------------------
     def control(self) -> ControlServer:
@@ -505,6 +512,8 @@ class Daemon:
                     self.holder = Holder.spawn(str(holder_socket_path(self.cfg.data_dir)),
                                                grace=self.cfg.holder_grace)
                     self.holder.put(main[0], main[1], main[2])
+                    if self.journal is not None:
+                        self.holder.put("inflight", self.journal.fd)
                     for layer in list(self.cache.layers.values()):
                         self.holder.put(f"blob:{layer.hexd}", layer.fd, {"blob_size": layer.blob_size})
                     self.holder_pid = int(self.holder.ping()["pid"])
@@ -517,13 +526,50 @@ class Daemon:
             self.fuse.stop()
 
     # -- serving the kernel ---------------------------------------------------------------
-    def serve_fanotify(self, adopted: bool) -> None:
+    def recover(self, pending: list[Pending]) -> dict[str, int]:
+        """Answer the events a dead daemon had read, before reading any (fd numbers would clash).
+
+        Each one the journal holds gets its range filled and FAN_ALLOW (EIO if the
+        fill fails); a sweep then denies any the journal could not name (a daemon
+        of an older version, or a journal of another layout).
+        """
         assert self.group is not None
-        group = self.group
-        if adopted:
-            denied = group.sweep()
-            if denied:
-                log.warning("answered %d read(s) the previous daemon left with EIO", denied)
+        assert self.journal is not None
+        group, journal = self.group, self.journal
+        by_ino = {os.fstat(layer.fd).st_ino: layer for layer in list(self.cache.layers.values())}
+
+        def answer(p: Pending) -> bool:
+            if p.ino:  # the blob it was for, as tagged; a blob not served any more: EIO
+                layers = [by_ino[p.ino]] if p.ino in by_ino else []
+            else:  # the daemon died between read() and the tag: every blob the range fits
+                layers = [layer for layer in by_ino.values() if p.offset < layer.blob_size]
+            ok = bool(layers) and all([self.server.fill(layer, p.offset, p.count) for layer in layers])
+            try:
+                group.respond(p.fd, ok)
+            except FanotifyError as exc:
+                if exc.errno != errno.ENOENT:  # ENOENT: answered already (the holder's watchdog)
+                    log.error("cannot answer a read the previous daemon left: %s", exc)
+            journal.forget(p.at)
+            return ok
+
+        with concurrent.futures.ThreadPoolExecutor(EVENT_WORKERS, thread_name_prefix="layerbox-recover") as pool:
+            filled = sum(pool.map(answer, pending))
+        swept = group.sweep()
+        journal.reset()
+        done = {"events": len(pending), "filled": filled, "denied": len(pending) - filled, "swept": swept}
+        if pending or swept:
+            log.warning("answered the %d read(s) the previous daemon left: %d with their bytes, %d with EIO; "
+                        "%d more it had not journalled denied (EIO)", len(pending), filled,
+                        len(pending) - filled, swept)
+        return done
+
+    def serve_fanotify(self, pending: list[Pending] | None) -> None:
+        """Serve the group; ``pending``: adopted, the events the journal says the dead daemon left."""
+        assert self.group is not None
+        assert self.journal is not None
+        group, journal = self.group, self.journal
+        if pending is not None:
+            self.recovered = self.recover(pending)
         self.ready.set()
         pool = concurrent.futures.ThreadPoolExecutor(EVENT_WORKERS, thread_name_prefix="layerbox-event")
 
@@ -533,6 +579,7 @@ class Daemon:
                     group.respond(event.fd, ok)
                 except OSError as exc:
                     log.error("cannot answer a fanotify event: %s", exc)
+                journal.answered(event.at)  # before the fd closes: its number names the event till then
             return respond
 
         def answer(event: fanotify.Event) -> None:
@@ -552,10 +599,13 @@ class Daemon:
                     respond(False)
                 os.close(event.fd)
 
+        def read(buf: memoryview) -> int:
+            return group.read_into(buf, timeout=0.2)
+
         os.set_blocking(group.fd, False)  # (shared with the holder: its watchdog may flip it back)
         try:
             while not self.stopping.is_set():
-                for event in group.events(timeout=0.2):
+                for event in journal.read(read, self.stopping, _inode):
                     if event.fd < 0:
                         continue
                     try:
@@ -578,6 +628,31 @@ class Daemon:
         if self.stopping.is_set():
             return
         self.fuse.serve(resumed=adopted)
+
+
+def _inode(fd: int) -> int:
+    """The inode number of an event's file (the journal's tag), 0 if it cannot be had."""
+    try:
+        return os.fstat(fd).st_ino
+    except OSError:
+        return 0
+
+
+def _keep_fds_below_sweep() -> None:
+    """Event fds get the lowest free numbers, below RLIMIT_NOFILE: keep that within a sweep's reach."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft > SWEEP_FDS:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (SWEEP_FDS, hard))
+
+
+def _journal(holder: Holder, held: dict[str, tuple[int, dict[str, Any]]]) -> tuple[Journal, list[Pending] | None]:
+    """The in-flight journal: the dead daemon's, with what it left (adopted), or a new one."""
+    if "fanotify" in held and "inflight" in held:
+        journal, pending = Journal.adopt(held["inflight"][0])
+        return journal, pending
+    journal = Journal.create()
+    holder.put("inflight", journal.fd)
+    return journal, [] if "fanotify" in held else None
 
 
 def _choose_path(cfg: DaemonConfig) -> tuple[str, str | None]:
@@ -671,13 +746,17 @@ def _serve(cfg: DaemonConfig) -> int:
         generation = str(main[1].get("generation", ""))
         adopted = True
     group: fanotify.Group | None = None
+    journal: Journal | None = None
+    pending: list[Pending] | None = None
     fuse_fd = fuse_dev = -1
     if path == "fanotify":
+        _keep_fds_below_sweep()
         if adopted:
             group = fanotify.Group.adopt(held["fanotify"][0])
         else:
             group = fanotify.Group.create()
             holder.put("fanotify", group.fd, {"generation": generation})
+        journal, pending = _journal(holder, held)
     else:
         private_dir(cfg.fuse_dir.parent)
         if adopted:
@@ -705,6 +784,7 @@ def _serve(cfg: DaemonConfig) -> int:
     opts: dict[str, Any] = {"s3_endpoint": cfg.s3_endpoint} if cfg.s3_endpoint else {}
     store = on_loop(Store.open(cfg.store_url, cfg.data_dir, **opts))
     daemon = Daemon(cfg, loop, store, holder, path, generation, group, reason)
+    daemon.journal = journal
     loop.call_soon_threadsafe(daemon._spawn, daemon.keep_capacity())
     if adopted:
         n = daemon.adopt_layers(held)
@@ -731,7 +811,7 @@ def _serve(cfg: DaemonConfig) -> int:
              store.url)
     try:
         if path == "fanotify":
-            daemon.serve_fanotify(adopted)
+            daemon.serve_fanotify(pending)
         else:
             daemon.serve_fuse(fuse_fd, adopted)
     finally:
@@ -754,6 +834,8 @@ def _serve(cfg: DaemonConfig) -> int:
         daemon.cache.close()
         if group is not None:
             group.close()
+        if journal is not None:
+            journal.close()
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         with contextlib.suppress(FileNotFoundError):

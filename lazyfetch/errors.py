@@ -86,6 +86,10 @@ class FanotifyError(LazyfetchError, OSError):
         return f"{msg} ({self.hint})" if self.hint else msg
 
 
+class JournalError(LazyfetchError):
+    """The in-flight journal (lazyfetch/inflight.py) holds bytes that are not fanotify events."""
+
+
 class HolderError(LazyfetchError):
     """The fd holder (lazyfetch/holder.py) could not be started, reached or understood."""
 

@@ -17,8 +17,12 @@ has the measurements this module relies on; the rules that follow from them:
   zeros with no error.  A separate holder process (lazyfetch/holder.py) keeps
   a dup; a restarted handler adopts it and must :meth:`Group.sweep` first.
 * Responses name the event by the fd number ``read()`` installed in the
-  handler's process, so events read by a handler that died are answered
-  only by writing a response for every fd number (the sweep).
+  handler's process (``process_access_response`` compares ``event->fd``, in
+  whatever process the response is written), so events read by a handler
+  that died are answered either from a record of them (the daemon reads into
+  the in-flight journal, lazyfetch/inflight.py, with :meth:`Group.read_into`)
+  or by writing a response for every fd number (the sweep, EIO).  Closing the
+  group's last fd instead answers them FAN_ALLOW: zeros.
 * A handler thread inside a process that reads the mount through mmap
   deadlocks (the faulting thread holds the GIL); read mounts from other
   processes.
@@ -28,7 +32,7 @@ Seen on 6.18 (tests/test_fanotify.py): ranges are page aligned (4 KiB to
 too; readers of one file wait on one event; an event denied under readahead
 is retried synchronously, so readers mostly get the right bytes, not EIO;
 event fds (``O_RDWR`` here) raise no events, so a handler may fill through
-them; a round trip costs ~40 us; sweeping 65,536 fd numbers ~0.15 s.
+them; a round trip costs ~40 us; sweeping 65,536 fd numbers ~0.07 s.
 
 Nothing here prints; failures are :class:`FanotifyError` (an ``OSError``
 with the errno and the path).
@@ -55,6 +59,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from lazyfetch.errors import FanotifyError
+from lazyfetch.holder import SWEEP_FDS, sweep
 
 # <linux/fanotify.h>; Debian 12's headers predate the pre-content ones.
 FAN_CLASS_PRE_CONTENT: Final = 0x8
@@ -139,6 +144,7 @@ class Event:
     offset: int
     count: int
     mask: int = FAN_PRE_ACCESS
+    at: int = -1  # where the event starts in the buffer it was read into (plus the caller's base)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,24 +163,29 @@ _RANGE_EVENT: Final = struct.Struct("=IBBHQiiBBHIQQ")
 assert _RANGE_EVENT.size == EVENT_METADATA.size + RANGE_INFO.size
 
 
-def parse_events(buf: bytes | memoryview) -> list[Event]:
-    """Decode one ``read()`` of a group: several events, each with its info records."""
+def parse_events(buf: bytes | memoryview, base: int = 0) -> list[Event]:
+    """Decode one ``read()`` of a group: several events, each with its info records.
+
+    Each event's ``at`` is ``base`` plus its offset in ``buf``.
+    """
     if len(buf) % _RANGE_EVENT.size == 0:
         # the fast path (a daemon answers thousands a second): every event is metadata + range
         out = []
+        at = base
         for (event_len, vers, _, meta_len, mask, fd, pid, info_type, _, info_len, _, offset,
              count) in _RANGE_EVENT.iter_unpack(buf):
             if (event_len != _RANGE_EVENT.size or vers != FANOTIFY_METADATA_VERSION
                     or meta_len != EVENT_METADATA.size or info_type != FAN_EVENT_INFO_TYPE_RANGE
                     or info_len != RANGE_INFO.size):
                 break
-            out.append(Event(fd=fd, pid=pid, mask=mask, offset=offset, count=count))
+            out.append(Event(fd=fd, pid=pid, mask=mask, offset=offset, count=count, at=at))
+            at += _RANGE_EVENT.size
         else:
             return out
-    return _parse_events(buf)  # not all of that shape: the batch in full
+    return _parse_events(buf, base)  # not all of that shape: the batch in full
 
 
-def _parse_events(buf: bytes | memoryview) -> list[Event]:
+def _parse_events(buf: bytes | memoryview, base: int = 0) -> list[Event]:
     events: list[Event] = []
     view = memoryview(buf)
     pos = 0
@@ -197,7 +208,7 @@ def _parse_events(buf: bytes | memoryview) -> list[Event]:
             info += info_len  # unknown records are skipped by their length
         if count < 0 and fd >= 0:
             count = os.fstat(fd).st_size  # no range: the whole file
-        events.append(Event(fd=fd, pid=pid, mask=mask, offset=offset, count=max(count, 0)))
+        events.append(Event(fd=fd, pid=pid, mask=mask, offset=offset, count=max(count, 0), at=base + pos))
         pos += event_len
     return events
 
@@ -294,6 +305,20 @@ class Group:
         mark = self.mark_of(os.stat(path))
         return mark is not None and not mark.ignored_mask & FAN_PRE_ACCESS
 
+    def read_into(self, buf: memoryview, timeout: float | None = None) -> int:
+        """Read one batch of events into ``buf`` (the in-flight journal's slot); bytes read,
+        0 after ``timeout`` seconds without any.  Once read, an event waits on the group's
+        access list until answered: it is in ``buf`` by then (the kernel copies it first)."""
+        if timeout is not None:
+            if not self._poll.poll(timeout * 1000):
+                return 0
+        try:
+            return os.readv(self.fd, [buf])
+        except BlockingIOError:
+            return 0  # another reader (the holder's watchdog) took them
+        except OSError as exc:
+            raise FanotifyError(exc.errno or errno.EIO, "read of the fanotify group") from None
+
     def events(self, timeout: float | None = None) -> list[Event]:
         """Read one batch of events; blocks, or returns [] after ``timeout`` seconds."""
         if timeout is not None:
@@ -315,23 +340,19 @@ class Group:
             raise FanotifyError(exc.errno or errno.EIO,
                                 f"response to the fanotify event of fd {event_fd}") from None
 
-    def sweep(self, upto: int = 65536) -> int:
+    def sweep(self, upto: int = SWEEP_FDS) -> int:
         """Deny (EIO) every event read but unanswered by a handler that died; how many.
 
         Call after :meth:`adopt` and before the first :meth:`events`: it would
         deny our own events too.  ``upto`` bounds the fd numbers tried (the
-        dead handler's RLIMIT_NOFILE is enough).
+        dead handler's RLIMIT_NOFILE is enough: the daemon keeps its own below
+        ``SWEEP_FDS``).  A number is tried again after each hit: handlers that
+        died one after the other may have left two events of one number.
         """
-        denied = 0
-        for number in range(upto):
-            try:
-                os.write(self.fd, RESPONSE.pack(number, FAN_DENY_EIO))
-            except OSError as exc:
-                if exc.errno == errno.ENOENT:
-                    continue  # no pending event has this fd number
-                raise FanotifyError(exc.errno or errno.EIO, f"sweep response for fd {number}") from None
-            denied += 1
-        return denied
+        try:
+            return sweep(self.fd, upto)
+        except OSError as exc:
+            raise FanotifyError(exc.errno or errno.EIO, "sweep of the group's unanswered events") from None
 
     def close(self) -> None:
         if self.fd >= 0:

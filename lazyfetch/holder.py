@@ -20,7 +20,9 @@ Names and meta (a JSON object) are the client's; the holder tells a fanotify
 group and a /dev/fuse fd by what the fd is, and reads ``{"dev": st_dev}`` (the
 FUSE mount's st_dev) from a FUSE fd's meta.  Watchdog (fail closed): once no
 client has been connected for ``--grace`` seconds, the holder answers every
-event of its groups with FAN_DENY_ERRNO(EIO) and aborts its FUSE connections,
+event of its groups with FAN_DENY_ERRNO(EIO): first those a dead daemon had
+read (they wait on the group's access list; :func:`sweep` answers them by fd
+number), then those still queued and every later one; and it aborts its FUSE connections,
 so readers get EIO instead of hanging; a connecting client stops the denying
 before its first request is read.  Only peers with the holder's uid are served.
 """
@@ -50,6 +52,9 @@ _MSG = 1 << 20
 _RESPONSE = struct.Struct("=iI")
 _DENY_EIO = 0x2 | (errno.EIO << 24)
 _EVENT_LEN = struct.Struct("=I")  # event_len leads every fanotify event; fd at byte 16
+# Event fds of a daemon are below this (it keeps its RLIMIT_NOFILE there), so a sweep of the
+# numbers below it answers every event a dead daemon read (0.07 s)
+SWEEP_FDS = 65536
 
 
 @contextlib.contextmanager
@@ -90,6 +95,27 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
 def _send(sock: socket.socket, obj: dict[str, Any], fds: list[int] | None = None) -> None:
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
     sock.sendmsg([json.dumps(obj).encode()], anc)
+
+
+def sweep(fd: int, upto: int = SWEEP_FDS) -> int:
+    """Deny (EIO) every event of group ``fd`` that some process read and did not answer; how many.
+
+    The kernel matches a response to an event by the fd number read() gave
+    it, in whatever process, so every number below ``upto`` is tried (again
+    after each hit: two dead handlers may have left one number twice).  Only
+    safe while nobody else reads the group: it would deny their events too.
+    """
+    denied = 0
+    for number in range(upto):
+        while True:
+            try:
+                os.write(fd, _RESPONSE.pack(number, _DENY_EIO))
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    break  # no unanswered event has this number (any more)
+                raise
+            denied += 1
+    return denied
 
 
 def _deny_all(fd: int) -> None:
@@ -186,6 +212,7 @@ class _Server:
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
                 self.denying.add(fd)
                 self.sel.register(fd, selectors.EVENT_READ)
+                self._sweep(fd)
                 _deny_all(fd)
         for name, (fd, meta) in self.held.items():
             if fd not in self.aborted and self.kinds[fd] == "fuse":
@@ -201,6 +228,16 @@ class _Server:
                     log(f"no client for {self.grace:g} s: aborted FUSE connection {conn} ({name})")
                 except OSError as exc:
                     log(f"cannot abort FUSE connection {conn} ({name}): {exc}")
+
+    def _sweep(self, fd: int) -> None:
+        # the events the dead daemon had read: they wait on the access list, not in the queue
+        try:
+            denied = sweep(fd)
+        except OSError as exc:
+            log(f"sweep of group fd {fd}: {exc}")
+            return
+        if denied:
+            log(f"denied {denied} event(s) of group fd {fd} that the dead daemon had read")
 
     def _accept(self) -> None:
         conn, _ = self.listener.accept()

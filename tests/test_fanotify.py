@@ -445,6 +445,9 @@ def test_the_fast_path_reads_range_events_as_the_full_parser_does() -> None:
                      for i in range(5))
     fast = parse_events(batch)
     assert fast == _parse_events(batch)
+    # where each event starts (the in-flight journal marks it answered there)
+    assert [e.at for e in parse_events(batch, 4096)] == [e.at for e in _parse_events(batch, 4096)] == [
+        4096 + 48 * i for i in range(5)]
     assert [(e.fd, e.pid, e.mask, e.offset, e.count) for e in fast] == [
         (10 + i, 200 + i, FAN_PRE_ACCESS, 4096 * (i + 1), 65536 * (i + 1)) for i in range(5)]
     # 48-byte events that are not metadata + range go to the general parser, which refuses them
@@ -568,14 +571,12 @@ def _start_handler(cleanup: Cleanup, socket_path: Path, layer: Layer, *args: str
         stdout=subprocess.PIPE, env=ENV, cwd=REPO / "tests", bufsize=0))
 
 
-def test_killed_handler_readers_block_then_new_handler_serves(
-    layer: Layer, mounts: Mounts, cleanup: Cleanup, tmp_path: Path
-) -> None:
-    holder, mnt = _hand_to_holder(layer, mounts, cleanup, tmp_path, grace=60)
-    first = _start_handler(cleanup, tmp_path / "holder.sock", layer, "--stall-after", "3")
-    assert _line(first, 20) == "ready"
+Readers = list[tuple[str, str, Path, subprocess.Popen[bytes]]]
 
-    # several processes, every file >= 1 MiB (8+ events: none can be done before the stall)
+
+def _big_readers(layer: Layer, mnt: Path, cleanup: Cleanup, tmp_path: Path
+                 ) -> Readers:
+    """Several processes, every file >= 1 MiB (8+ events: none can be done before a stall)."""
     plan = [(name, "read") for name in layer.big] + [("libc.so.6", "mmap"), ("random-1m", "read"),
                                                        ("random-3m-odd", "mmap")]
     assert len(layer.big) == 3
@@ -583,14 +584,54 @@ def test_killed_handler_readers_block_then_new_handler_serves(
     for i, (name, how) in enumerate(plan):
         out = tmp_path / f"out-{i}"
         readers.append((name, how, out, _start_reader(cleanup, mnt / name, out, how)))
+    return readers
+
+
+def _outcome(layer: Layer, name: str, how: str, out: Path, proc: subprocess.Popen[bytes],
+             timeout: float) -> str:
+    """How one reader ended: complete (every byte right), EIO or SIGBUS; a wrong byte or a
+    reader still running after ``timeout`` seconds fails the test."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} via {how}: still waiting {timeout:g} s later (hung)")
+    source = (layer.src / name).read_bytes()
+    got = out.read_bytes()
+    assert _wrong_bytes(source, got) == 0, f"{name} via {how}: wrong bytes"
+    if proc.returncode != 0:
+        assert proc.returncode == -signal.SIGBUS, stderr  # an mmap fault denied with EIO
+        return f"{name}/{how}: SIGBUS after {len(got)} bytes"
+    result = json.loads(stdout)
+    if result["ok"]:
+        assert got == source
+        return f"{name}/{how}: complete"
+    assert result["errno"] == 5
+    return f"{name}/{how}: errno 5 after {result['bytes']}"
+
+
+def _stall_and_kill(cleanup: Cleanup, tmp_path: Path, layer: Layer, mnt: Path, *args: str
+                    ) -> tuple[int, Readers]:
+    """A handler that reads a batch it never answers while readers run, killed: how many events
+    the batch held, and the readers (all still waiting)."""
+    first = _start_handler(cleanup, tmp_path / "holder.sock", layer, *args, "--stall-after", "3")
+    assert _line(first, 20) == "ready"
+    readers = _big_readers(layer, mnt, cleanup, tmp_path)
     stalled = _line(first, 20)
     assert stalled.startswith("stalled ")
     orphaned = int(stalled.split()[1])
+    assert orphaned > 0
     time.sleep(1.0)
     assert [name for name, _, _, p in readers if p.poll() is not None] == []  # blocked, not zeros
-
     first.kill()
     first.wait(10)
+    return orphaned, readers
+
+
+def test_killed_handler_readers_block_then_new_handler_serves(
+    layer: Layer, mounts: Mounts, cleanup: Cleanup, tmp_path: Path
+) -> None:
+    holder, mnt = _hand_to_holder(layer, mounts, cleanup, tmp_path, grace=60)
+    orphaned, readers = _stall_and_kill(cleanup, tmp_path, layer, mnt)
     time.sleep(1.0)  # the holder keeps the group: readers still wait
     assert [name for name, _, _, p in readers if p.poll() is not None] == []
 
@@ -601,25 +642,38 @@ def test_killed_handler_readers_block_then_new_handler_serves(
     denied = int(swept.split()[1])
     assert denied == orphaned  # exactly the batch the dead handler had read
 
-    outcomes = []
-    for name, how, out, proc in readers:
-        stdout, stderr = proc.communicate(timeout=60)
-        source = (layer.src / name).read_bytes()
-        got = out.read_bytes()
-        assert _wrong_bytes(source, got) == 0, f"{name} via {how}: wrong bytes"
-        if proc.returncode == 0:
-            result = json.loads(stdout)
-            outcomes.append(f"{name}/{how}: " + ("complete" if result["ok"] else
-                                                 f"errno {result['errno']} after {result['bytes']}"))
-            if result["ok"]:
-                assert got == source
-            else:
-                assert result["errno"] == 5
-        else:
-            assert proc.returncode == -signal.SIGBUS, stderr  # an mmap fault denied with EIO
-            outcomes.append(f"{name}/{how}: SIGBUS after {len(got)} bytes")
+    outcomes = [_outcome(layer, name, how, out, proc, 60) for name, how, out, proc in readers]
     print(f"\nswept {denied} orphaned event(s); " + "; ".join(outcomes))
     assert holder.ping()["names"] == 2
+
+
+def test_the_journal_lets_the_next_handler_answer_the_dead_ones_events_with_their_bytes(
+    layer: Layer, mounts: Mounts, cleanup: Cleanup, tmp_path: Path
+) -> None:
+    """Events a killed handler had read are answered ALLOW after their range is filled, not EIO:
+    the kernel copied each into the journal before putting it on the access list."""
+    _, mnt = _hand_to_holder(layer, mounts, cleanup, tmp_path, grace=60)
+    orphaned, readers = _stall_and_kill(cleanup, tmp_path, layer, mnt, "--journal")
+    second = _start_handler(cleanup, tmp_path / "holder.sock", layer, "--journal", "--sweep")
+    assert _line(second, 30) == f"replayed {orphaned}"  # the journal named every one
+    assert _line(second, 30) == "swept 0"  # and nothing else waited
+    assert _line(second, 30) == "ready"
+    outcomes = [_outcome(layer, name, how, out, proc, 60) for name, how, out, proc in readers]
+    assert all(o.endswith("complete") for o in outcomes), outcomes
+
+
+def test_without_a_successor_the_watchdog_answers_the_events_a_killed_handler_had_read(
+    layer: Layer, mounts: Mounts, cleanup: Cleanup, tmp_path: Path
+) -> None:
+    """Not only the queued events: those on the access list too, within the grace and a bound."""
+    socket_path = tmp_path / "holder.sock"
+    holder, mnt = _hand_to_holder(layer, mounts, cleanup, tmp_path, grace=2)
+    orphaned, readers = _stall_and_kill(cleanup, tmp_path, layer, mnt, "--journal")
+    holder.close()  # no client from now on
+    outcomes = [_outcome(layer, name, how, out, proc, 2 + 20) for name, how, out, proc in readers]
+    log = Path(f"{socket_path}.log").read_text()
+    assert f"denied {orphaned} event(s) of group fd" in log, log
+    print(f"\n{orphaned} event(s) the killed handler had read denied by the watchdog; " + "; ".join(outcomes))
 
 
 def test_watchdog_denies_without_a_client_and_stops_when_one_connects(
