@@ -15,9 +15,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from layerstore.eligibility import Eligibility
 from sandbox.core.sync import run_blocking
 from sandbox.edge.trust import edge_key
 from sandbox.fleet import local
+from sandbox.fleet.burst import BurstPolicy
 from sandbox.fleet.db import FleetDb
 
 DEFAULT_DIR = Path("/var/tmp/layerbox-fleet")
@@ -88,6 +90,17 @@ def parser() -> argparse.ArgumentParser:
         d = sub.add_parser(verb, help={"drain": "place no more creates on an edge", "undrain": "place again",
                                        "forget": "remove an edge from the registry"}[verb])
         d.add_argument("edge")
+    pol = sub.add_parser("policy", help="the burst policy: when creates overflow to another pool")
+    pols = pol.add_subparsers(dest="action", required=True)
+    pset = pols.add_parser("set", parents=[common], help="set it (docs/FLEET.md, 'Bursting')")
+    pset.add_argument("--home", required=True, help="the pool creates go to first (on premises)")
+    pset.add_argument("--overflow", required=True, help="the pool eligible creates overflow to")
+    pset.add_argument("--threshold", type=float, default=0.8, help="home's utilization past which (default 0.8)")
+    pset.add_argument("--wait", type=float, default=10.0, help="seconds an ineligible create waits for room")
+    pset.add_argument("--eligible-prefix", action="append", default=[], metavar="PREFIX")
+    pset.add_argument("--eligible-label", action="append", default=[], metavar="KEY=VALUE")
+    pols.add_parser("show", parents=[common])
+    pols.add_parser("clear", parents=[common])
     k = sub.add_parser("edge-key", help="the key an edge with this id needs (--fleet-key-file)")
     k.add_argument("edge")
     return p
@@ -132,8 +145,31 @@ async def _db_verb(args: argparse.Namespace, db: FleetDb) -> Any:
     if args.verb == "forget":
         await db.forget_edge(args.edge)
         return {"edge": args.edge, "forgotten": True}
+    if args.verb == "policy":
+        return await _policy(args, db)
     assert args.verb == "edge-key"
     return {"edge": args.edge, "key": edge_key(await db.fleet_key(), args.edge).hex()}
+
+
+async def _policy(args: argparse.Namespace, db: FleetDb) -> Any:
+    if args.action == "show":
+        return await db.setting("burst")
+    if args.action == "clear":
+        await db.set_setting("burst", None)
+        return None
+    labels = {}
+    for item in args.eligible_label:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"layerbox fleet policy set: --eligible-label {item!r}: KEY=VALUE")
+        labels[key] = value
+    try:
+        policy = BurstPolicy(args.home, args.overflow, args.threshold, args.wait,
+                             Eligibility(tuple(args.eligible_prefix), labels))
+    except ValueError as exc:
+        raise SystemExit(f"layerbox fleet policy set: {exc}") from None
+    await db.set_setting("burst", policy.to_json())
+    return policy.to_json()
 
 
 def _print(args: argparse.Namespace, out: Any) -> None:

@@ -27,13 +27,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
+import shutil
+import tempfile
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -56,6 +60,7 @@ from sandbox.edge.trust import (
     sign_request,
     verify_report,
 )
+from sandbox.fleet.burst import BurstPolicy, Verdicts
 from sandbox.fleet.db import FleetDb, FleetDbError, ProjectRow, Route
 from sandbox.fleet.placement import Demand, EdgeView, Placement
 from sandbox.fleet.proxy import EdgeUnreachable, fetch_json, outbound_headers, relay
@@ -109,8 +114,11 @@ class Gateway:
     """One gateway replica: its caches and its handlers (see the module's docstring)."""
 
     def __init__(self, db: FleetDb, fleet_key: bytes, *, domain: str | None = None, k: int = 2,
-                 placement: Placement | None = None, lost_after: float = LOST_AFTER) -> None:
+                 placement: Placement | None = None, lost_after: float = LOST_AFTER,
+                 verdicts: Verdicts | None = None) -> None:
         self.lost_after = lost_after
+        self.verdicts = verdicts  # the stores of pools creates may overflow to
+        self.burst: BurstPolicy | None = None
         self.db = db
         self.fleet_key = fleet_key
         self.domain = domain
@@ -148,6 +156,8 @@ class Gateway:
                 await task
         if self.session is not None:
             await self.session.close()
+        if self.verdicts is not None:
+            await self.verdicts.close()
         await self.db.close()
 
     async def _every(self, interval: float, work: Callable[[], Awaitable[Any]]) -> None:
@@ -168,6 +178,12 @@ class Gateway:
         now = await self.db.now()
         self.clock = now - (before + time.time()) / 2
         self.placement.update(rows)
+        policy = await self.db.setting("burst")
+        try:
+            self.burst = None if policy is None else BurstPolicy.from_json(policy)
+        except ValueError as exc:  # a bad policy places as if there were none, and says so
+            log.error("the burst policy in the database is unreadable: %s", exc)
+            self.burst = None
 
     async def housekeeping(self) -> None:
         await self.db.expire()
@@ -474,7 +490,7 @@ class Gateway:
         reservation = await self.db.reserve(call.project.name, demand.count)
         made: list[tuple[str, str]] = []
         try:
-            answer = await self._place(call, demand, raw, parent, resume=resume is not None)
+            answer = await self._burst_place(call, demand, raw, parent, resume=resume is not None)
             status, headers, doc = answer
             made = [(sid, headers["X-Layerbox-Edge-Id"]) for sid in made_ids(doc)] if status < 300 else []
             if made:
@@ -487,6 +503,37 @@ class Gateway:
             if not made:
                 with contextlib.suppress(FleetDbError):
                     await self.db.release(reservation)
+
+    async def pools(self, demand: Demand) -> tuple[tuple[str, ...], str | None]:
+        """The pools a create may use, in order, and why it may not overflow (sandbox.fleet.burst)."""
+        policy = self.burst
+        if policy is None:
+            return (), None
+        if self.placement.utilization(policy.home) < policy.threshold:
+            return (policy.home,), None
+        reason = (await self.verdicts.why_not(policy, demand.image) if self.verdicts is not None
+                  else f"this gateway has no store for pool {policy.overflow!r} (--pool-store)")
+        return ((policy.overflow, policy.home), None) if reason is None else ((policy.home,), reason)
+
+    async def _burst_place(self, call: Call, demand: Demand, body: bytes, parent: Route | None, *,
+                           resume: bool) -> tuple[int, dict[str, str], Any]:
+        """:meth:`_place` in the pools the burst policy allows; a create that may not overflow
+        waits (bounded) for room at home, then is refused with the policy's reason."""
+        if parent is not None and not resume:
+            return await self._place(call, demand, body, parent)
+        pools, reason = await self.pools(demand)
+        demand = dataclasses.replace(demand, pools=pools)
+        deadline = time.monotonic() + (self.burst.wait if reason is not None and self.burst else 0.0)
+        while True:
+            try:
+                return await self._place(call, demand, body, parent, resume=resume)
+            except ApiError as exc:
+                if exc.code != "capacity" or reason is None:
+                    raise
+                if time.monotonic() >= deadline:
+                    raise ApiError(503, "capacity", f"pool {pools[0]!r} has no room and this create may not "
+                                   f"overflow: {reason}", retryable=True, retry_after=1.0) from None
+            await asyncio.sleep(0.5)
 
     async def _to_edge(self, call: Call, view: EdgeView, body: bytes) -> tuple[int, dict[str, str], Any]:
         assert self.session is not None
@@ -601,6 +648,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8480)
     p.add_argument("--k", type=int, default=2, help="edges sampled per placement choice (default %(default)s)")
     p.add_argument("--e2b-domain", help="route <port>-<sandbox id>.DOMAIN host names (docs/E2B.md)")
+    p.add_argument("--pool-store", action="append", default=[], metavar="POOL=URL",
+                   help="the store a pool's edges read: creates overflow there only for images present in it")
+    p.add_argument("--cache-dir", type=Path, help="where store metadata is cached (default: a directory of its own "
+                   "under /var/tmp, removed at exit)")
     p.add_argument("--lost-after", type=float, default=LOST_AFTER, metavar="SECONDS",
                    help="silence after which an edge's sandboxes are lost and leave their quotas (default %(default)s)")
     return p
@@ -617,9 +668,20 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(f"--e2b-domain: {exc}")
 
+    stores: dict[str, str] = {}
+    for item in args.pool_store:
+        pool, sep, url = item.partition("=")
+        if not (sep and pool and url):
+            parser.error(f"--pool-store {item!r}: POOL=URL")
+        stores[pool] = url
+    own_cache = args.cache_dir is None
+    cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="layerbox-gateway-", dir="/var/tmp"))
+
     async def serve() -> None:
         db = await FleetDb.open(args.db)
-        gateway = Gateway(db, await db.fleet_key(), domain=domain, k=args.k, lost_after=args.lost_after)
+        verdicts = Verdicts(stores, cache) if stores else None
+        gateway = Gateway(db, await db.fleet_key(), domain=domain, k=args.k, lost_after=args.lost_after,
+                          verdicts=verdicts)
         runner = web.AppRunner(gateway.app(), keepalive_timeout=15.0)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()
@@ -629,8 +691,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             await runner.cleanup()
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve())
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve())
+    finally:
+        if own_cache:
+            shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 

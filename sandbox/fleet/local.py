@@ -146,6 +146,8 @@ def _start_gateways(spec: Spec, state: dict[str, Any]) -> None:
         argv = [sys.executable, "-m", "sandbox.fleet.gateway", "--db", str(spec.db), "--port", str(port)]
         if spec.e2b_domain:
             argv += ["--e2b-domain", spec.e2b_domain]
+        for pool, url in spec.pool_stores.items():
+            argv += ["--pool-store", f"{pool}={url}"]
         argv += spec.gateway_args
         log = spec.root / f"gateway-{i}.log"
         proc = _spawn(argv, log)
