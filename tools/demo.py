@@ -26,6 +26,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -315,6 +317,7 @@ class Report:
     checkpoint: dict[str, Any] | None = None
     sandbox: dict[str, Any] = field(default_factory=dict)
     microvm: dict[str, Any] = field(default_factory=dict)
+    fleet: dict[str, Any] = field(default_factory=dict)
     left_mounted: list[str] = field(default_factory=list)
 
 
@@ -1069,6 +1072,70 @@ async def e2b_run(manager: Any, say: Say) -> dict[str, float]:
 # --- output ---------------------------------------------------------------------------
 
 
+def _api(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
+    """One JSON request to a layerbox API: (status, decoded answer); HTTP errors are answers."""
+    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    lines = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+    return status, lines[0] if len(lines) == 1 else lines
+
+
+def fleet_run(root: Path, store_url: str, report: Report, say: Say) -> None:
+    """A fleet on this machine (PostgreSQL, one gateway, two edges): a create placed on each edge,
+    a command routed through the gateway by sandbox id, and the project's fleet quota refusing a third."""
+    from sandbox.fleet import local
+
+    where = root / "fleet"
+    local.down(where)  # what an interrupted demo left
+    started = time.perf_counter()
+    state = local.up(local.Spec(where, store_url, {"default": 2}, gateways=1, max_sandboxes=2))
+    out: dict[str, Any] = {"up": time.perf_counter() - started}
+    try:
+        gateway, token = state["gateways"][0]["url"], state["project"]["token"]
+        say(f"fleet     {out['up']:8.3f} s  up: PostgreSQL, gateway {gateway}, edges "
+            + ", ".join(e["id"] for e in state["edges"]) + " (layerbox fleet up)")
+        placed, firsts = [], []
+        for _ in range(2):
+            begun = time.perf_counter()
+            status, box = _api("POST", gateway + "/v1/sandboxes", token, {"image": IMAGE_NAME, "memory": 256 << 20})
+            if status != 201:
+                raise DemoError(f"fleet: a create through the gateway answered {status}: {box}")
+            status, events = _api("POST", f"{gateway}/v1/sandboxes/{box['id']}/exec", token,
+                                  {"cmd": "cat /etc/hostname"})
+            firsts.append(time.perf_counter() - begun)
+            if status != 200 or events[-1].get("exit_code") != 0:
+                raise DemoError(f"fleet: a command routed to {box['id']} answered {status}: {events}")
+            placed.append(box["id"])
+        edges = {e["id"]: e for e in state["edges"]}
+        on = {sid: next((name for name, e in edges.items() if sid in _edge_ids(where, e)), "?") for sid in placed}
+        out.update(create_to_first_exec=firsts, placed=on)
+        say(f"fleet     {min(firsts):8.3f} s  create to first command through the gateway (best of 2); placed "
+            + ", ".join(f"{sid} on {edge}" for sid, edge in on.items()))
+        status, refused = _api("POST", gateway + "/v1/sandboxes", token, {"image": IMAGE_NAME})
+        code = refused.get("error", {}).get("code") if isinstance(refused, dict) else None
+        if status != 429 or code != "quota_exceeded":
+            raise DemoError(f"fleet: a third create past the project's fleet quota of 2 answered {status}: {refused}")
+        out["quota_refusal"] = code
+        say("fleet              a third create refused: 429 quota_exceeded (the project's quota holds fleet-wide)")
+        for sid in placed:
+            _api("DELETE", f"{gateway}/v1/sandboxes/{sid}", token)
+    finally:
+        local.down(where)
+    report.fleet = out
+    report.step_seconds["fleet_up"] = out["up"]
+
+
+def _edge_ids(where: Path, edge: dict[str, Any]) -> list[str]:
+    """The sandboxes an edge of the demo's fleet runs (its data dir's state: the edge is the truth)."""
+    boxes = Path(edge["data_dir"]) / "sandbox" / "boxes"
+    return sorted(p.name for p in boxes.iterdir()) if boxes.is_dir() else []
+
+
 def _mb(n: int) -> str:
     return f"{n / MB:.1f} MB"
 
@@ -1107,6 +1174,10 @@ def print_summary(report: Report, stream: TextIO) -> None:
          f"{steps['microvm_restore']:.3f} s ({_mb(report.microvm['restore_bytes_fetched'])} fetched), "
          f"with its memory {steps['microvm_memory_restore']:.3f} s"
          if "microvm_cold" in steps else f"microvm   skipped: {report.microvm.get('skipped')}"),
+        (f"fleet     up {report.fleet['up']:.2f} s; create to first command through the gateway "
+         f"{min(report.fleet['create_to_first_exec']):.3f} s; placed on "
+         + ", ".join(sorted(set(report.fleet['placed'].values()))) + "; a third create refused "
+         + str(report.fleet["quota_refusal"]) if report.fleet else "fleet     skipped"),
         # first_output is part of command: the total counts it once
         f"total     {sum(v for k, v in steps.items() if k != 'first_output'):.2f} s ("
         + ", ".join(f"{k} {v:.3f}" for k, v in steps.items() if k != "first_output")
@@ -1158,6 +1229,7 @@ def demo(data: Path, *, rebuild: bool, say: Say) -> Report:
         lazy_run(HostMounts(host, report.store), root, report, say)
         sandbox_run(root, report.store, report, say)
         microvm_run(root, report.store, report, say)
+        fleet_run(root, report.store, report, say)
     return report
 
 
