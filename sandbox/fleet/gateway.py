@@ -30,8 +30,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 from collections import OrderedDict
@@ -80,6 +82,8 @@ E2B_SANDBOX = re.compile(r"/(?:v2/)?sandboxes/([^/]+)(/.*)?")
 NOT_IDS = frozenset({"restore", "metrics"})  # /v1/sandboxes/restore, /sandboxes/metrics
 E2B_PREFIXES = ("/sandboxes", "/v2/", "/templates", "/snapshots")
 CREATE_TIMEOUT = 150.0
+CACHE_PARENT = "/var/tmp"
+CACHE_PREFIX = "layerbox-gateway-"
 
 
 def made_ids(doc: object) -> list[str]:
@@ -657,6 +661,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _sweep_caches() -> None:
+    """Remove the metadata caches of gateways that died without removing theirs (their pid is gone)."""
+    for path in Path(CACHE_PARENT).glob(CACHE_PREFIX + "*"):
+        pid = path.name[len(CACHE_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -675,7 +687,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--pool-store {item!r}: POOL=URL")
         stores[pool] = url
     own_cache = args.cache_dir is None
-    cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="layerbox-gateway-", dir="/var/tmp"))
+    if own_cache:
+        _sweep_caches()
+    cache = args.cache_dir or Path(tempfile.mkdtemp(prefix=f"{CACHE_PREFIX}{os.getpid()}-", dir=CACHE_PARENT))
 
     async def serve() -> None:
         db = await FleetDb.open(args.db)
@@ -691,6 +705,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             await runner.cleanup()
 
+    # SIGTERM (fleet down, systemd) ends serve() through its finally, as ^C does
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(serve())

@@ -143,7 +143,8 @@ def _write(root: Path, state: Mapping[str, Any]) -> None:
 def _start_gateways(spec: Spec, state: dict[str, Any]) -> None:
     for i in range(spec.gateways):
         port = free_port()
-        argv = [sys.executable, "-m", "sandbox.fleet.gateway", "--db", str(spec.db), "--port", str(port)]
+        argv = [sys.executable, "-m", "sandbox.fleet.gateway", "--db", str(spec.db), "--port", str(port),
+                "--cache-dir", str(spec.root / f"gateway-{i}.cache")]
         if spec.e2b_domain:
             argv += ["--e2b-domain", spec.e2b_domain]
         for pool, url in spec.pool_stores.items():
