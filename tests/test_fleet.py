@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ import pytest
 
 from sandbox.edge.trust import GATEWAY_HEADER, sign_request
 from tests import sdk_sample
-from tests.support.edges import http
+from tests.support.edges import free_port, http
 from tests.support.env import require
 from tests.support.sandboxes import REF, store_url  # noqa: F401  (the module's store with the fixture image)
 
@@ -438,3 +439,184 @@ def test_postgres_down_routes_from_cache_refuses_creates_and_recovers(clean: Fle
             break
         time.sleep(0.5)
     assert status == 201, again  # no gateway restarted
+
+
+def _only(fleet: Fleet, keep: str) -> list[str]:
+    """Drain every edge but ``keep``; the ones drained (undrain them after)."""
+    drained = [e for e in fleet.edges() if e != keep]
+    for e in drained:
+        fleet.cli("drain", e)
+    time.sleep(1.5)  # each gateway's next registry refresh
+    return drained
+
+
+def _undrain(fleet: Fleet, edges: list[str]) -> None:
+    for e in edges:
+        fleet.cli("undrain", e)
+    time.sleep(1.5)
+
+
+def test_an_edge_killed_mid_create_leaks_nothing(clean: Fleet) -> None:
+    """The create answers an error, its reservation goes, and whatever the edge had made by then
+    is adopted by its restart and counted: the table, the quota and the edges agree."""
+    drained = _only(clean, "edge-2")
+    try:
+        pid = clean.edge_pid("edge-2")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(create, clean.gateways[0], clean.token)
+            time.sleep(0.15)
+            os.kill(pid, signal.SIGKILL)
+            status, body = pending.result(timeout=120)
+        assert status in (201, 502, 503), body
+        clean.cli("restart", "edge-2")
+        deadline = time.monotonic() + 60
+        while True:
+            demo = {p["name"]: p for p in clean.cli("projects")}["demo"]
+            on = clean.on_edges().get("edge-2", [])
+            if (demo["live"], demo["reserved"]) == (len(on), 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert (demo["live"], demo["reserved"]) == (len(on), 0), (demo, on)
+        if status == 201:
+            assert body["id"] in on
+    finally:
+        _undrain(clean, drained)
+
+
+def test_an_edge_on_a_skewed_clock_joins_and_serves(clean: Fleet, tmp_path: Path) -> None:
+    """A host whose clock is 10 minutes ahead (libfaketime: the real fault, not a hook): its first
+    heartbeat is refused with the fleet's time, it signs and checks by that from then on."""
+    require("cmd:faketime")
+    key = clean.cli("edge-key", "edge-skew")["key"]
+    key_file = tmp_path / "edge-skew.key"
+    key_file.write_text(key)
+    key_file.chmod(0o600)
+    argv = list(clean.state["edges"][0]["argv"])
+    for flag, value in (("--data-dir", str(tmp_path / "data")), ("--edge-id", "edge-skew"),
+                        ("--fleet-key-file", str(key_file)), ("--port", str(free_port()))):
+        argv[argv.index(flag) + 1] = value
+    # the edge process alone runs on the skewed clock: a sitecustomize drops the preload from what
+    # its children (crun, the lazyfetch daemon) inherit
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nfor k in ('LD_PRELOAD', 'FAKETIME', 'FAKETIME_DONT_FAKE_MONOTONIC'):\n    os.environ.pop(k, None)\n")
+    env = {**os.environ, "FAKETIME": "+600s",
+           "PYTHONPATH": f"{site}{os.pathsep}{REPO}",
+           "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"}
+    with open(tmp_path / "edge.log", "wb") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    drained: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while "edge-skew" not in clean.edges() or clean.edges()["edge-skew"]["last_seen_age"] > 2:
+            assert (proc.poll(), time.monotonic() < deadline) == (None, True), (tmp_path / "edge.log").read_text()[-2000:]
+            time.sleep(0.3)
+        drained = _only(clean, "edge-skew")
+        status, box = create(clean.gateways[1], clean.token)
+        assert status == 201, box
+        assert "skewed" in run(clean.gateways[0], clean.token, box["id"], "echo skewed")
+        assert "signed -600 s from the gateway's clock" in (tmp_path / "edge.log").read_text()  # it was refused once
+        http("DELETE", f"{clean.gateways[0]}/v1/sandboxes/{box['id']}", token=clean.token)
+    finally:
+        _undrain(clean, drained)
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        clean.cli("forget", "edge-skew")
+    from sandbox.host.manager import SandboxManager
+
+    mgr = SandboxManager(tmp_path / "data")
+    mgr.reconcile()
+    assert mgr.list() == []
+    mgr.close()
+
+
+class FakeEdge:
+    """An edge that answers every request 500 and records what reached it: the fault a real edge
+    does not produce on demand (a broken edge), behind the same interface (it heartbeats, signed)."""
+
+    def __init__(self, fleet: Fleet, edge_id: str) -> None:
+        from aiohttp import web
+
+        self.fleet, self.id, self.seen = fleet, edge_id, []
+        self.key = bytes.fromhex(fleet.cli("edge-key", edge_id)["key"])
+        self.port = free_port()
+
+        async def any_request(request: web.Request) -> web.Response:
+            self.seen.append(dict(request.headers))
+            return web.json_response({"error": {"code": "internal", "message": "broken", "retryable": False}},
+                                     status=500)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", any_request)
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.threads = concurrent.futures.ThreadPoolExecutor(2)
+        self.stopping = False
+        self.serving = self.threads.submit(self.loop.run_forever)
+        self.beats = self.threads.submit(self._beat_forever)
+
+    def _beat_forever(self) -> None:
+        from sandbox.edge.trust import EDGE_HEADER, sign_report
+
+        load = {"time": 0, "accepting": True, "short": [], "sandboxes": {"live": 0, "in_flight": 0, "max": 100,
+                                                                         "free": 100},
+                "memory": {"total": 1 << 40, "free": 1 << 40}, "pids": {}, "disk": {},
+                "load": {"avg1": 0.0, "avg5": 0.0, "avg15": 0.0, "cpus": 64}}
+        while not self.stopping:
+            load["time"] = time.time()
+            body = json.dumps({"edge": self.id, "pool": "onprem", "url": f"http://127.0.0.1:{self.port}",
+                               "boot": "fake", "capabilities": {"isolation": ["container"], "cpus": 64},
+                               "load": load, "images": [], "layers": [], "sandboxes": []}).encode()
+            req = urllib.request.Request(self.fleet.gateways[0] + "/fleet/v1/heartbeat", data=body, method="POST",
+                                         headers={EDGE_HEADER: sign_report(self.key, self.id, body, time.time())})
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(req, timeout=5).read()
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.stopping = True
+        self.beats.result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.serving.result(timeout=30)
+        self.threads.shutdown()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.close()
+        self.fleet.cli("forget", self.id)
+
+
+def test_a_broken_edge_is_ejected_and_never_sees_a_callers_token(clean: Fleet) -> None:
+    fake = FakeEdge(clean, "edge-broken")
+    drained = []
+    try:
+        deadline = time.monotonic() + 30
+        while "edge-broken" not in clean.edges():
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+        drained = _only(clean, "edge-broken")
+        answers = [create(clean.gateways[0], clean.token)[0] for _ in range(5)]
+        # a create the edge may have made is not retried elsewhere: its 500 is the answer, until the
+        # breaker opens (3 in a row) and the edge leaves the candidates: then 503, no edge has room
+        assert answers == [500, 500, 500, 503, 503], answers
+        assert len(fake.seen) == 3
+        for headers in fake.seen:
+            lowered = {k.lower(): v for k, v in headers.items()}
+            assert "x-api-key" not in lowered
+            assert "bearer" not in lowered.get("authorization", "").lower()
+            assert clean.token not in json.dumps(headers)
+            assert lowered["x-layerbox-gateway"].startswith("v1;")
+        _undrain(clean, drained)
+        drained = []
+        status, box = create(clean.gateways[0], clean.token)
+        assert status == 201, box  # a healthy edge takes it; the broken one is still ejected
+        assert len(fake.seen) == 3
+    finally:
+        _undrain(clean, drained)
+        fake.close()

@@ -52,7 +52,7 @@ from sandbox.edge.routes import (
     sandboxes,
 )
 from sandbox.edge.routes.commands import CommandLimits
-from sandbox.edge.trust import GATEWAY_HEADER, GatewayTrust
+from sandbox.edge.trust import EDGE_ID, GATEWAY_HEADER, GatewayTrust
 from sandbox.host.admission import Admission, AdmissionConfig, parse_size
 from sandbox.host.manager import SandboxManager
 from sandbox.pools.fncall import WarmPool
@@ -347,8 +347,9 @@ def _auth(parser: argparse.ArgumentParser, args: argparse.Namespace) -> AuthConf
             parser.error(f"--tokens {args.tokens}: {exc}")
     if args.fleet_key_file is None:
         parser.error("--fleet-gateway needs --fleet-key-file (layerbox fleet edge-key ID prints the key)")
-    if args.edge_id is None:
-        parser.error("--fleet-gateway needs --edge-id (the key is the edge id's)")
+    if args.edge_id is None or not EDGE_ID.fullmatch(args.edge_id):
+        parser.error("--fleet-gateway needs --edge-id: 1-64 of [A-Za-z0-9._:-], starting with a letter or digit "
+                     "(the key is the edge id's)")
     try:
         key = bytes.fromhex(args.fleet_key_file.read_text().strip())
         return AuthConfig(trust=GatewayTrust(key))

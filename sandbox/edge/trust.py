@@ -24,6 +24,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ EDGE_HEADER = "X-Layerbox-Edge"
 VERSION = "v1"
 SKEW = 120.0  # seconds a signed request stays valid either side of the receiver's clock
 KEY_BYTES = 32
+EDGE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")  # an edge's name: in keys, headers, the registry
 
 
 def edge_key(fleet_key: bytes, edge_id: str) -> bytes:

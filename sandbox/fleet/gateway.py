@@ -55,6 +55,7 @@ from sandbox.edge.e2b.templates import MAX_PAGE
 from sandbox.edge.errors import as_api_error
 from sandbox.edge.trust import (
     EDGE_HEADER,
+    EDGE_ID,
     GATEWAY_HEADER,
     Caller,
     edge_key,
@@ -76,7 +77,6 @@ HOUSEKEEPING = 5.0  # seconds between expiring reservations and marking silent e
 LOST_AFTER = 30.0  # seconds of silence before an edge's sandboxes leave their quotas
 RECONCILE_GRACE = 10.0  # seconds a fresh route may be missing from its edge's report
 MAX_REPORT = 16 << 20
-EDGE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")
 NATIVE_SANDBOX = re.compile(r"/v1/sandboxes/([^/]+)(/.*)?")
 E2B_SANDBOX = re.compile(r"/(?:v2/)?sandboxes/([^/]+)(/.*)?")
 NOT_IDS = frozenset({"restore", "metrics"})  # /v1/sandboxes/restore, /sandboxes/metrics

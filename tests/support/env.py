@@ -27,6 +27,7 @@ _PACKAGES = {
     "dump.erofs": "erofs-utils",
     "modprobe": "kmod",
     "fusermount3": "fuse3",
+    "faketime": "faketime",
 }
 
 
