@@ -322,6 +322,34 @@ def test_a_drained_edge_takes_no_creates(clean: Fleet) -> None:
         clean.cli("undrain", "edge-0")
 
 
+def test_drain_move_takes_sandboxes_with_their_ids_and_files_to_other_edges(clean: Fleet) -> None:
+    drained = _only(clean, "edge-3")
+    try:
+        made = []
+        for i in range(2):
+            status, box = create(clean.gateways[0], clean.token, env={"MARK": f"m{i}"}, workdir="/tmp")
+            assert status == 201, box
+            run(clean.gateways[0], clean.token, box["id"], f"echo kept-{i} > /root/state.txt")
+            made.append(box["id"])
+        assert sorted(clean.on_edges()["edge-3"]) == sorted(made)
+    finally:
+        _undrain(clean, drained)
+    moved = clean.cli("drain", "edge-3", "--move")
+    try:
+        assert (moved["state"], moved["failed"]) == ("draining", []), moved
+        assert sorted(m["sandbox"] for m in moved["moved"]) == sorted(made)
+        on = clean.on_edges()
+        assert not set(made) & set(on["edge-3"])
+        for i, sid in enumerate(made):
+            assert sid in {s for ids in on.values() for s in ids}
+            out = run(clean.gateways[1], clean.token, sid, "cat /root/state.txt; echo $MARK; pwd")
+            assert out.split() == [f"kept-{i}", f"m{i}", "/tmp"], out
+        demo = {p["name"]: p for p in clean.cli("projects")}["demo"]
+        assert demo["live"] == len(made)
+    finally:
+        clean.cli("undrain", "edge-3")
+
+
 # -- the E2B SDK ------------------------------------------------------------------------------------------------
 def test_the_e2b_sdk_through_two_gateways(clean: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
     g0, g1 = clean.gateways

@@ -21,6 +21,7 @@ from sandbox.edge.trust import edge_key
 from sandbox.fleet import local
 from sandbox.fleet.burst import BurstPolicy
 from sandbox.fleet.db import FleetDb
+from sandbox.fleet.drain import DrainError, drain
 
 DEFAULT_DIR = Path("/var/tmp/layerbox-fleet")
 
@@ -90,6 +91,9 @@ def parser() -> argparse.ArgumentParser:
         d = sub.add_parser(verb, help={"drain": "place no more creates on an edge", "undrain": "place again",
                                        "forget": "remove an edge from the registry"}[verb])
         d.add_argument("edge")
+        if verb == "drain":
+            d.add_argument("--move", action="store_true", help="and move its sandboxes (with their ids) to other "
+                           "edges of its pool: files, env and workdir; a VM's processes too")
     pol = sub.add_parser("policy", help="the burst policy: when creates overflow to another pool")
     pols = pol.add_subparsers(dest="action", required=True)
     pset = pols.add_parser("set", parents=[common], help="set it (docs/FLEET.md, 'Bursting')")
@@ -139,9 +143,14 @@ async def _db_verb(args: argparse.Namespace, db: FleetDb) -> Any:
         return [{**p.to_json(), "live": live, "reserved": reserved} for p, live, reserved in await db.projects()]
     if args.verb == "edges":
         return [e.to_json() for e in await db.edges()]
-    if args.verb in ("drain", "undrain"):
-        await db.set_edge_state(args.edge, "draining" if args.verb == "drain" else "active")
-        return {"edge": args.edge, "state": "draining" if args.verb == "drain" else "active"}
+    if args.verb == "drain":
+        try:
+            return await drain(db, args.edge, move=args.move)
+        except DrainError as exc:
+            raise SystemExit(f"layerbox fleet drain: {exc}") from None
+    if args.verb == "undrain":
+        await db.set_edge_state(args.edge, "active")
+        return {"edge": args.edge, "state": "active"}
     if args.verb == "forget":
         await db.forget_edge(args.edge)
         return {"edge": args.edge, "forgotten": True}

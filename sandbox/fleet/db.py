@@ -325,6 +325,10 @@ class FleetDb:
                                  project)
         return [Route(*r.values()) for r in rows]
 
+    async def routes_on(self, edge: str) -> list[Route]:
+        rows = await self._fetch("SELECT id, project, edge, state FROM sandboxes WHERE edge = $1 ORDER BY id", edge)
+        return [Route(*r.values()) for r in rows]
+
     async def set_route(self, sid: str, project: str, edge: str, state: str) -> None:
         await self._fetch(
             "INSERT INTO sandboxes (id, project, edge, state) VALUES ($1, $2, $3, $4) "
