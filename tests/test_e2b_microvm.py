@@ -8,11 +8,18 @@ module (QEMU under TCG is slow); each sandbox starts from the template's checkpo
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import hashlib
+import json
 import os
+import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
+import aiohttp
+import httpx
 import pytest
 from e2b import (
     CommandExitException,
@@ -23,7 +30,7 @@ from e2b import (
     Sandbox,
     SandboxException,
 )
-from support.e2b import ALPHA, E2bEdge, e2b_edge
+from support.e2b import ALPHA, E2bEdge, e2b_edge, envd_headers, ws_echo
 from support.edges import http
 from support.sandboxes import store_url  # noqa: F401  (a module's store with the fixture image)
 
@@ -31,12 +38,14 @@ pytestmark = [pytest.mark.usefixtures("need_root"),
               pytest.mark.root("erofs", "overlay", "cmd:qemu-system-x86_64")]
 
 VM_TEMPLATE = "base-vm"
+DOMAIN = "vms.test"
 VM = {"isolation": "microvm", "memory": 384 << 20, "disk": 256 << 20}
 
 
 @pytest.fixture(scope="module")
 def served(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2bEdge]:  # noqa: F811
-    with e2b_edge(tmp_path_factory.mktemp("e2b-vm"), store_url, name="e2b-vm", template=VM_TEMPLATE, **VM) as edge:
+    with e2b_edge(tmp_path_factory.mktemp("e2b-vm"), store_url, "--e2b-domain", DOMAIN, name="e2b-vm",
+                  template=VM_TEMPLATE, **VM) as edge:
         yield edge
 
 
@@ -88,9 +97,77 @@ def test_stdin_background_connect_and_kill(vm: Sandbox) -> None:
     assert vm.commands.kill(handle.pid) is False  # finished: as envd, no such running process
 
 
-def test_a_terminal_on_a_microvm_is_refused_naming_what_is_missing(vm: Sandbox) -> None:
-    with pytest.raises(InvalidArgumentException, match="terminal"):
-        vm.pty.create(PtySize(rows=24, cols=80))
+# -- terminals: a pty the guest agent makes (protocol 3) ------------------------------------------------------
+def test_a_pty_on_a_microvm_takes_keys_resizes_and_ends_with_its_shell(vm: Sandbox) -> None:
+    term = vm.pty.create(PtySize(rows=24, cols=80))
+    vm.pty.send_stdin(term.pid, b"stty size; echo T=$TERM; readlink /proc/self/fd/0\n")
+    seen: list[bytes] = []
+    for _, _, data in term:  # the shell's answer, before the resize
+        seen.append(data or b"")
+        if re.search(rb"T=xterm-256color\r\n/dev/pts/\d+\r\n", b"".join(seen)):
+            break
+    vm.pty.resize(term.pid, PtySize(rows=30, cols=100))
+    vm.pty.send_stdin(term.pid, b"stty size; whoami; tty; exit 3\n")
+    with pytest.raises(CommandExitException) as caught:
+        term.wait(on_pty=seen.append)
+    screen = b"".join(seen).decode(errors="replace")
+    assert caught.value.exit_code == 3
+    for line in ("24 80\r\n", "30 100\r\n", "\nuser\r\n", "/dev/pts/"):
+        assert line in screen, repr(screen)
+    assert "not a tty" not in screen, screen
+    assert vm.pty.kill(term.pid) is False  # it ended
+
+
+# exits 0 once ``test`` finds nothing (within 30 s): what a kill or a close ends is gone a moment later
+GONE = "for i in $(seq 300); do {test} >/dev/null 2>&1 || exit 0; sleep 0.1; done; exit 1"
+
+
+def test_a_pty_on_a_microvm_is_killed_with_what_it_runs(vm: Sandbox) -> None:
+    seen: list[bytes] = []
+    term = vm.pty.create(PtySize(rows=10, cols=40), user="root")
+    vm.pty.send_stdin(term.pid, b"sleep 300 & echo bg=$((40+2)); sleep 301\n")
+    for _, _, data in term:  # the job started, the foreground command runs
+        seen.append(data or b"")
+        if b"bg=42" in b"".join(seen):
+            break
+    assert vm.pty.kill(term.pid) is True
+    with pytest.raises(CommandExitException):
+        term.wait()
+    # the shell's session, its background job and its foreground command all end with it
+    assert vm.commands.run(GONE.format(test="grep -lx sleep /proc/[0-9]*/comm")).exit_code == 0
+
+
+def test_a_terminal_on_a_microvm_through_the_native_api(served: E2bEdge, vm: Sandbox) -> None:
+    async def session() -> tuple[bytes, dict[str, Any]]:
+        base = f"/v1/sandboxes/{vm.sandbox_id}/commands"
+        async with aiohttp.ClientSession(served.url, headers={"Authorization": f"Bearer {ALPHA}"}) as http_:
+            async with http_.post(base, json={"pty": {"cols": 80, "rows": 24}, "env": {"PS1": "$ "}}) as resp:
+                started = await resp.json()
+                assert resp.status == 201, started
+            assert started["pty"] == {"cols": 80, "rows": 24}
+            screen = b""
+            async with http_.ws_connect(f"{base}/{started['id']}/connect") as ws:
+                async def until(pattern: bytes) -> dict[str, Any]:
+                    nonlocal screen
+                    async with asyncio.timeout(60):
+                        while True:
+                            event = json.loads((await ws.receive()).data)
+                            if event["type"] in ("stdout", "stderr"):
+                                screen += base64.b64decode(event["data"])
+                            if re.search(pattern, screen) or event["type"] in ("exit", "error"):
+                                return dict(event)
+
+                await ws.send_bytes(b"echo hi-$((6*7)); stty size\n")
+                await until(rb"hi-42\r\n24 80\r\n")
+                await ws.send_str(json.dumps({"type": "resize", "cols": 132, "rows": 40}))
+                await ws.send_bytes(b"stty size; exit 7\n")
+                await until(rb"[\r\n]40 132\r\n")
+                final = await until(rb"(?!)")  # the exit event
+            return screen, final
+
+    screen, final = asyncio.run(session())
+    assert b"40 132" in screen
+    assert (final["type"], final["exit_code"]) == ("exit", 7), final
 
 
 # -- files: commands in the guest as the caller's account (sandbox/edge/e2b/guestfs.py) --------------------
@@ -212,3 +289,63 @@ def test_a_paused_microvm_goes_to_the_store_and_resumes_with_its_processes(serve
         assert int(again.commands.run("cat /tmp/n").stdout) > first
     finally:
         box.kill()
+
+
+# -- ports: the guest agent relays a connection to the guest's own 127.0.0.1 (protocol 3) -----------------
+WEB, WS = 8000, 8001
+
+
+@pytest.fixture(scope="module")
+def web(vm: Sandbox) -> Sandbox:
+    """The module's microVM serving HTTP on WEB (a 3 MiB file among others) and a WebSocket echo on WS."""
+    vm.commands.run(f"mkdir -p www && echo hello-from-{WEB} > www/index.txt && head -c 3145728 /dev/urandom > "
+                    f"www/big.bin && cat > ws.py <<'EOF'{ws_echo(WS)}EOF")
+    vm.commands.run(f"cd www && exec python3 -m http.server {WEB} --bind 127.0.0.1", background=True, timeout=0)
+    vm.commands.run("exec python3 ws.py", background=True, timeout=0)
+    vm.commands.run(f"for port in {WEB} {WS}; do for i in $(seq 600); do "
+                    "(exec 3<>/dev/tcp/127.0.0.1/$port) 2>/dev/null && continue 2; sleep 0.1; done; exit 1; done")
+    return vm
+
+
+def test_a_port_of_a_microvm_through_the_native_proxy_e2b_headers_and_host_names(served: E2bEdge,
+                                                                                  web: Sandbox) -> None:
+    sid = web.sandbox_id
+    native = httpx.get(f"{served.url}/v1/sandboxes/{sid}/ports/{WEB}/proxy/index.txt",
+                       headers={"Authorization": f"Bearer {ALPHA}"}, timeout=60)
+    assert (native.status_code, native.text) == (200, f"hello-from-{WEB}\n")
+    by_header = httpx.get(f"{served.url}/index.txt", headers=envd_headers(sid, WEB, **{"X-API-Key": ALPHA}),
+                          timeout=60)
+    assert (by_header.status_code, by_header.text) == (200, f"hello-from-{WEB}\n")
+    assert web.get_host(WEB) == f"{WEB}-{sid}.{DOMAIN}"
+    by_host = httpx.get(f"{served.url}/index.txt", timeout=60, headers={
+        "Host": web.get_host(WEB), "e2b-traffic-access-token": str(web.traffic_access_token)})
+    assert (by_host.status_code, by_host.text) == (200, f"hello-from-{WEB}\n")
+    started = time.perf_counter()
+    big = httpx.get(f"{served.url}/big.bin", headers=envd_headers(sid, WEB, **{"X-API-Key": ALPHA}), timeout=120)
+    took = time.perf_counter() - started
+    assert big.status_code == 200
+    assert hashlib.sha256(big.content).hexdigest() == \
+        web.commands.run("sha256sum www/big.bin").stdout.split()[0]  # every byte, through several windows
+    print(f"\nmicroVM port: 3 MiB over HTTP in {took * 1000:.0f} ms")
+    closed = httpx.get(f"{served.url}/index.txt", headers=envd_headers(sid, 8999, **{"X-API-Key": ALPHA}),
+                       timeout=60)
+    assert closed.status_code == 502
+    assert "8999" in closed.json()["message"]
+
+
+def test_a_websocket_into_a_microvm_is_proxied(served: E2bEdge, web: Sandbox) -> None:
+    async def echo() -> list[str]:
+        async with aiohttp.ClientSession() as session, session.ws_connect(
+                f"{served.url}/socket", headers=envd_headers(web.sandbox_id, WS, **{
+                    "e2b-traffic-access-token": str(web.traffic_access_token)})) as ws:
+            got = []
+            for word in ("one", "two"):
+                await ws.send_str(word)
+                got.append((await ws.receive(timeout=60)).data)
+            return got
+
+    assert asyncio.run(echo()) == ["echo:one", "echo:two"]
+    # every relayed connection ended with its client: none is established in the guest any more
+    ports = "|".join(f"{p:04X}" for p in (WEB, WS))
+    established = f"awk '$4 == \"01\" && ($2 ~ /:({ports})$/ || $3 ~ /:({ports})$/)' /proc/net/tcp | grep ."
+    assert web.commands.run(GONE.format(test=established)).exit_code == 0

@@ -319,6 +319,21 @@ out:
 	free(argv); free(envp); free(cwd);
 }
 
+/* Every process of the command's session (it is its session's leader): its process group, and
+ * the groups a shell on a terminal makes for its jobs, which a signal to one group misses */
+static void signal_session(pid_t leader, int sig)
+{
+	if (kill(-leader, sig)) kill(leader, sig);
+	DIR *d = opendir("/proc");
+	if (!d) return;
+	struct dirent *de;
+	while ((de = readdir(d))) {
+		pid_t pid = (pid_t)atoi(de->d_name);
+		if (pid > 1 && pid != leader && getsid(pid) == leader) kill(pid, sig);
+	}
+	closedir(d);
+}
+
 static void close_in(struct proc *p)
 {
 	if (p->in >= 0) close(p->in);
@@ -856,7 +871,7 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 	case T_SIGNAL: {
 		struct proc *p = find(chan);
 		a = rd32(&r);
-		if (p && !r.bad && kill(-p->pid, (int)a)) kill(p->pid, (int)a);
+		if (p && !r.bad) signal_session(p->pid, (int)a);
 		break;
 	}
 	case T_READ: if ((path = rdstr(&r))) open_stream(chan, path, &r, 0); break;
