@@ -22,7 +22,9 @@ import aiohttp
 import httpx
 import pytest
 from e2b import (
+    AsyncSandbox,
     CommandExitException,
+    FilesystemEventType,
     FileType,
     InvalidArgumentException,
     NotFoundException,
@@ -249,7 +251,7 @@ def test_files_as_root_and_where_the_user_may_not(vm: Sandbox) -> None:
     vm.files.remove("/home/user/roots.txt", user="root")
 
 
-def test_files_errors_the_sdk_maps_and_watching_refused(vm: Sandbox) -> None:
+def test_files_errors_the_sdk_maps(vm: Sandbox) -> None:
     with pytest.raises(NotFoundException):
         vm.files.read("missing.txt")
     with pytest.raises(NotFoundException):
@@ -264,9 +266,96 @@ def test_files_errors_the_sdk_maps_and_watching_refused(vm: Sandbox) -> None:
         vm.files.read("/home/user")
     with pytest.raises(InvalidArgumentException, match="not a directory"):
         vm.files.make_dir("plain/sub")
-    with pytest.raises(SandboxException, match="no watch"):
-        vm.files.watch_dir("/home/user")
     vm.files.remove("plain")
+
+
+# -- watching: the guest kernel's inotify, read by a child of the agent's (protocol 3) ----------------------
+# (the watch's child is a fork of the agent: while it runs, two processes are called lb-agent)
+WATCHING = "[ $(grep -lx lb-agent /proc/[0-9]*/comm | wc -l) -gt 1 ]"
+
+
+def test_a_polled_watcher_on_a_microvm_sees_the_guests_changes(vm: Sandbox) -> None:
+    vm.files.make_dir("w/nested")
+    handle = vm.files.watch_dir("w", include_entry=True)
+    try:
+        vm.files.write("w/f.txt", "one")
+        seen = [(e.type, e.name) for e in handle.get_new_events()]  # settled: all the write's events
+        assert seen[0] == (FilesystemEventType.CREATE, "f.txt"), seen
+        assert (FilesystemEventType.WRITE, "f.txt") in seen, seen
+        vm.commands.run("echo two >> w/f.txt; chmod 600 w/f.txt")
+        events = handle.get_new_events()
+        assert [(e.type, e.name) for e in events] == [(FilesystemEventType.WRITE, "f.txt"),
+                                                      (FilesystemEventType.CHMOD, "f.txt")]
+        assert events[1].entry is not None
+        assert (events[1].entry.path, events[1].entry.mode) == ("/home/user/w/f.txt", 0o600)
+        vm.commands.run("mv w/f.txt w/g.txt; rm w/g.txt; touch w/nested/ignored")
+        assert [(e.type, e.name) for e in handle.get_new_events()] == [
+            (FilesystemEventType.RENAME, "f.txt"), (FilesystemEventType.CREATE, "g.txt"),
+            (FilesystemEventType.REMOVE, "g.txt")]
+        assert vm.commands.run(WATCHING).exit_code == 0
+    finally:
+        handle.stop()
+    with pytest.raises(SandboxException):
+        handle.get_new_events()
+    # the watch's child was killed with it
+    assert vm.commands.run(GONE.format(test=WATCHING)).exit_code == 0
+
+
+def test_a_recursive_watcher_on_a_microvm_follows_new_directories(vm: Sandbox) -> None:
+    vm.files.make_dir("r/a")
+    handle = vm.files.watch_dir("r", recursive=True)
+    try:
+        vm.files.write("r/a/f", "x")
+        vm.commands.run("mkdir -p r/b/c && echo hi > r/b/c/g")
+        vm.files.write("r/b/c/h", "y")
+        seen = {(e.type, e.name) for e in handle.get_new_events()}
+        for created in ("a/f", "b", "b/c", "b/c/g", "b/c/h"):
+            assert (FilesystemEventType.CREATE, created) in seen, seen
+        assert (FilesystemEventType.WRITE, "b/c/h") in seen
+        vm.commands.run("rm -r r")
+        assert (FilesystemEventType.REMOVE, "") in {(e.type, e.name) for e in handle.get_new_events()}
+        with pytest.raises(NotFoundException):  # its directory is gone: the watch ended
+            handle.get_new_events()
+    finally:
+        handle.stop()
+
+
+def test_a_watch_on_a_microvm_runs_as_the_account_and_refuses_what_it_cannot_watch(vm: Sandbox) -> None:
+    with pytest.raises(SandboxException, match="ermission"):
+        vm.files.watch_dir("/root")  # 0700, root's
+    vm.files.write("plain", "")
+    with pytest.raises(InvalidArgumentException, match="not a directory"):
+        vm.files.watch_dir("plain")
+    with pytest.raises(NotFoundException):
+        vm.files.watch_dir("missing")
+    vm.files.remove("plain")
+    vm.files.watch_dir("/root", user="root").stop()
+
+
+def test_the_async_client_streams_a_microvms_watch_events(served: E2bEdge, vm: Sandbox) -> None:
+    async def scenario() -> list[tuple[FilesystemEventType, str]]:
+        box = await AsyncSandbox.connect(vm.sandbox_id)
+        await box.files.make_dir("aw")
+        got: list[tuple[FilesystemEventType, str]] = []
+        done = asyncio.Event()
+
+        def on_event(e: Any) -> None:
+            got.append((e.type, e.name))
+            if (FilesystemEventType.REMOVE, "a.txt") in got:
+                done.set()
+
+        handle = await box.files.watch_dir("aw", on_event, timeout=120)
+        try:
+            await box.files.write("aw/a.txt", b"async bytes")
+            await box.files.remove("aw/a.txt")
+            await asyncio.wait_for(done.wait(), 120)
+        finally:
+            await handle.stop()
+        return got
+
+    got = asyncio.run(scenario())
+    assert got[0] == (FilesystemEventType.CREATE, "a.txt")
+    assert got[-1] == (FilesystemEventType.REMOVE, "a.txt")
 
 
 def test_a_paused_microvm_goes_to_the_store_and_resumes_with_its_processes(served: E2bEdge) -> None:

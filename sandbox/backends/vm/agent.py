@@ -61,10 +61,10 @@ log = logging.getLogger("layerbox.sandbox")
 T_PING, T_PONG, T_EXEC, T_STARTED, T_STDIN, T_SIGNAL = 1, 2, 3, 4, 5, 6
 T_READ, T_DATA, T_END, T_WRITE, T_LIST, T_STAT, T_REMOVE, T_MKDIR, T_SYNC, T_ENTRY, T_MOUNT, T_NET = range(7, 19)
 T_MORE, T_STDOUT, T_STDERR, T_EXIT, T_HELLO, T_READY = 19, 20, 21, 22, 23, 100
-T_PTY, T_RESIZE, T_CONNECT, T_OPENED, T_SHUT, T_CLOSE = range(24, 30)  # protocol 3
+T_PTY, T_RESIZE, T_CONNECT, T_OPENED, T_SHUT, T_CLOSE, T_WATCH = range(24, 31)  # protocol 3
 # the agent protocol this host speaks; an agent's HELLO answer says its own ("lb-agent/N")
 PROTOCOL = 3
-TERMINALS_SINCE = PORTS_SINCE = 3
+TERMINALS_SINCE = PORTS_SINCE = WATCH_SINCE = 3
 HEAD = struct.Struct(">IBI")  # length of what follows the length field, type, channel
 MAX_FRAME = 1 << 20  # payload bytes, both directions (the agent's MAX_FRAME)
 DATA_CHUNK = 256 << 10
@@ -784,29 +784,38 @@ class AgentConnection:
         which closes it: so does a failure here).  ``terminal``: ``(cols, rows)`` of a pty the agent
         makes the command's controlling terminal (protocol 3); its output is all stdout."""
         try:
-            return self._exec(argv, env=env, cwd=cwd, uid=uid, gid=gid, stdin_fd=stdin_fd, terminal=terminal)
+            if terminal is not None:
+                self.require(TERMINALS_SINCE, "a terminal (pty)")
+            kind, head = (T_EXEC, b"") if terminal is None else (T_PTY, struct.pack(">II", *terminal))
+            return self._exec(kind, head, argv, env=env, cwd=cwd, uid=uid, gid=gid, stdin_fd=stdin_fd)
         except BaseException:
             if stdin_fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(stdin_fd)
             raise
 
-    def _exec(self, argv: list[str], *, env: dict[str, str], cwd: str, uid: int, gid: int,
-              stdin_fd: int | None, terminal: tuple[int, int] | None) -> GuestProcess:
-        payload = ((struct.pack(">II", *terminal) if terminal is not None else b"") + struct.pack(">II", uid, gid) + _str(cwd) + struct.pack(">I", len(argv))
+    def watch_dir(self, path: str, *, recursive: bool, uid: int, gid: int) -> GuestProcess:
+        """A watch of the directory ``path`` as ``uid``:``gid``: a child of the agent's reporting the
+        guest kernel's inotify events on its stdout (docs/FORMAT.md Part 5, WATCH); a byte on its
+        stdin is answered after every event queued before it.  Killed to end it."""
+        self.require(WATCH_SINCE, "a directory watch")
+        return self._exec(T_WATCH, b"", [path, "recursive" if recursive else "flat"], env={}, cwd="/", uid=uid,
+                          gid=gid, stdin_fd=None)
+
+    def _exec(self, kind: int, head: bytes, argv: list[str], *, env: dict[str, str], cwd: str, uid: int, gid: int,
+              stdin_fd: int | None) -> GuestProcess:
+        payload = (head + struct.pack(">II", uid, gid) + _str(cwd) + struct.pack(">I", len(argv))
                    + b"".join(_str(a) for a in argv) + struct.pack(">I", len(env))
                    + b"".join(_str(f"{k}={v}") for k, v in env.items()))
         if len(payload) > MAX_FRAME:
             raise AgentError(f"command and environment take {len(payload)} bytes, over the agent's {MAX_FRAME}")
         self.hello()
-        if terminal is not None:
-            self.require(TERMINALS_SINCE, "a terminal (pty)")
         with self._cond:
             if self.closed is not None:
                 raise self._closed_error()
             self._last_chan += 1
             proc = self._procs[self._last_chan] = GuestProcess(self, self._last_chan, argv, stdin_fd)
-        self.send(T_EXEC if terminal is None else T_PTY, proc.chan, payload)
+        self.send(kind, proc.chan, payload)
         proc._forwarder.start()
         return proc
 

@@ -7,7 +7,8 @@
  * argv[2] and chroots there; then it serves
  * commands with streamed output, signals, stdin, terminals (a pty it makes, resized on
  * request), TCP connections to the guest's own 127.0.0.1 relayed both ways under credit
- * (ports), and file operations.
+ * (ports), directory watches (inotify in a child of its own, run as the caller's account),
+ * and file operations.
  *
  * The host trusts nothing it reads here (a guest runs anything, this agent included);
  * this side trusts the host.  One thread, one poll loop: the port, every command's
@@ -32,7 +33,9 @@
 #include <net/if.h>
 #include <net/route.h>
 #include <linux/random.h>
+#include <sys/inotify.h>
 #include <sys/ioctl.h>
+#include <sys/syscall.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <netinet/in.h>
@@ -44,12 +47,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#define AGENT_VERSION "lb-agent/3" /* 3: terminals (PTY, RESIZE) and ports (CONNECT...) */
+#define AGENT_VERSION "lb-agent/3" /* 3: terminals (PTY, RESIZE), ports (CONNECT...), WATCH */
 #define MAX_FRAME (1u << 20) /* the host never sends more in one frame */
 #define IO_CHUNK (256u << 10)
 #define MAX_PROCS 256
 #define MAX_STREAMS 16
 #define MAX_PORTS 64 /* relayed TCP connections at once */
+#define MAX_WATCH_DIRS 1024 /* directories one watch follows (the edge's for a container's) */
 #define NO_CREDIT INT64_MAX /* a READ or LIST without a credit: a host from before credit takes it all */
 #define TOKEN 16 /* bytes of the host's HELLO its answer starts with */
 
@@ -58,7 +62,7 @@ enum {
 	T_READ = 7, T_DATA = 8, T_END = 9, T_WRITE = 10, T_LIST = 11, T_STAT = 12,
 	T_REMOVE = 13, T_MKDIR = 14, T_SYNC = 15, T_ENTRY = 16, T_MOUNT = 17, T_NET = 18, T_MORE = 19,
 	T_STDOUT = 20, T_STDERR = 21, T_EXIT = 22, T_HELLO = 23,
-	T_PTY = 24, T_RESIZE = 25, T_CONNECT = 26, T_OPENED = 27, T_SHUT = 28, T_CLOSE = 29, T_READY = 100,
+	T_PTY = 24, T_RESIZE = 25, T_CONNECT = 26, T_OPENED = 27, T_SHUT = 28, T_CLOSE = 29, T_WATCH = 30, T_READY = 100,
 };
 
 struct proc {
@@ -200,6 +204,133 @@ static void nonblock(int fd)
 	fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
+/* -- watches: a child of the agent's, as the caller's account, reports inotify events ------------ */
+/* A watch's output, records of: mask (u32, the kernel's; 0 for the watch's own), the name's length
+ * (u32), the name (relative to the watched directory, "" for itself).  Its own: "ready" once
+ * every directory is watched, "sync" for each byte on its stdin, after every event queued
+ * before that byte.  Its exit status: 0 when the directory is gone, else an errno (stderr
+ * says more): what it could not watch, E2BIG past MAX_WATCH_DIRS, EOVERFLOW when the
+ * kernel's queue overflowed. */
+static struct { int wd; char *rel; } wdirs[MAX_WATCH_DIRS];
+static int nwdirs;
+static const char *wroot;
+static const uint32_t WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+	| IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR;
+
+static void emit(uint32_t mask, const char *name)
+{
+	size_t n = strlen(name);
+	unsigned char head[8];
+	put32(head, mask);
+	put32(head + 4, (uint32_t)n);
+	if (write(1, head, 8) != 8 || (n && write(1, name, n) != (ssize_t)n)) _exit(EPIPE); /* the host left */
+}
+
+static void watch_fail(int err, const char *what, const char *rel)
+{
+	fprintf(stderr, "%s %s/%s: %s\n", what, wroot, rel, strerror(err));
+	_exit(err);
+}
+
+static char *join(const char *a, const char *b)
+{
+	char *out;
+	if (asprintf(&out, "%s%s%s", a, *a && *b ? "/" : "", b) < 0) die("asprintf");
+	return out;
+}
+
+/* ``rel`` (and with ``recursive`` each directory under it) watched; with ``report`` every entry
+ * in them is told as created (a directory made under a recursive watch: what it held before
+ * its watch was added) */
+static void watch_tree(int ifd, const char *rel, int recursive, int report)
+{
+	char *path = join(wroot, rel);
+	if (nwdirs == MAX_WATCH_DIRS) watch_fail(E2BIG, "more directories than 1024 to watch under", "");
+	int wd = inotify_add_watch(ifd, path, WATCH_MASK | IN_DONT_FOLLOW);
+	if (wd < 0) {
+		int err = errno;
+		free(path);
+		if (*rel && (err == ENOENT || err == ENOTDIR)) return; /* gone again already */
+		watch_fail(err, "watch", rel);
+	}
+	wdirs[nwdirs].wd = wd;
+	wdirs[nwdirs++].rel = strdup(rel);
+	DIR *d = recursive || report ? opendir(path) : NULL;
+	free(path);
+	struct dirent *de;
+	while (d && (de = readdir(d))) {
+		if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+		char *child = join(rel, de->d_name);
+		if (report) emit(IN_CREATE, child);
+		struct stat cst;
+		int dir = de->d_type == DT_DIR
+			|| (de->d_type == DT_UNKNOWN && !fstatat(dirfd(d), de->d_name, &cst, AT_SYMLINK_NOFOLLOW) && S_ISDIR(cst.st_mode));
+		if (recursive && dir) watch_tree(ifd, child, 1, report);
+		free(child);
+	}
+	if (d) closedir(d);
+}
+
+static int watched(int wd)
+{
+	for (int i = 0; i < nwdirs; i++)
+		if (wdirs[i].wd == wd) return i;
+	return -1;
+}
+
+/* What the kernel queued, told; 0 when nothing was queued */
+static int watch_read(int ifd, int recursive)
+{
+	static char buf[64 << 10] __attribute__((aligned(__alignof__(struct inotify_event))));
+	ssize_t n = read(ifd, buf, sizeof buf);
+	if (n <= 0) return 0;
+	for (char *p = buf; p < buf + n;) {
+		struct inotify_event *ev = (struct inotify_event *)p;
+		p += sizeof *ev + ev->len;
+		if (ev->mask & IN_Q_OVERFLOW) watch_fail(EOVERFLOW, "the kernel's event queue overflowed for", "");
+		int i = watched(ev->wd);
+		if (i < 0) continue;
+		if (ev->mask & IN_IGNORED) {
+			free(wdirs[i].rel);
+			wdirs[i] = wdirs[--nwdirs];
+			if (!nwdirs) _exit(0); /* the watched directory is gone */
+			continue;
+		}
+		const char *rel = wdirs[i].rel;
+		if (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF) && *rel) continue; /* its parent tells it */
+		char *where = join(rel, ev->len ? ev->name : "");
+		emit(ev->mask, where);
+		if (recursive && ev->mask & IN_ISDIR && ev->mask & (IN_CREATE | IN_MOVED_TO))
+			watch_tree(ifd, where, 1, 1);
+		free(where);
+	}
+	return 1;
+}
+
+static void watch_main(const char *path, int recursive)
+{
+	wroot = path;
+	int ifd = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+	if (ifd < 0) watch_fail(errno, "inotify for", "");
+	struct stat st;
+	if (stat(path, &st)) watch_fail(errno, "watch", "");
+	if (!S_ISDIR(st.st_mode)) watch_fail(ENOTDIR, "watch", "");
+	watch_tree(ifd, "", recursive, 0);
+	emit(0, "ready");
+	for (;;) {
+		struct pollfd pf[2] = {{ifd, POLLIN, 0}, {0, POLLIN, 0}};
+		if (poll(pf, 2, -1) < 0 && errno != EINTR) watch_fail(errno, "poll", "");
+		if (pf[0].revents) watch_read(ifd, recursive);
+		if (pf[1].revents) {
+			char c[64];
+			ssize_t n = read(0, c, sizeof c);
+			if (n <= 0) _exit(0); /* the host ended the watch */
+			while (watch_read(ifd, recursive)) {}
+			for (ssize_t i = 0; i < n; i++) emit(0, "sync");
+		}
+	}
+}
+
 /* A pty's master (nonblocking) and its slave's path; -1 on failure (errno set) */
 static int open_pty(char *slave, size_t n, uint32_t cols, uint32_t rows)
 {
@@ -230,8 +361,13 @@ static int take_pty(const char *slave, uint32_t uid, uint32_t gid)
 	return 0;
 }
 
-static void do_exec(uint32_t chan, struct rd *r, int tty)
+enum { RUN_EXEC, RUN_PTY, RUN_WATCH };
+
+/* EXEC, PTY (a terminal's cols and rows first) and WATCH (argv: the directory, then
+ * "recursive" or not; run by this agent's code in the child, as the account) */
+static void do_exec(uint32_t chan, struct rd *r, int mode)
 {
+	int tty = mode == RUN_PTY;
 	uint32_t cols = tty ? rd32(r) : 0, rows = tty ? rd32(r) : 0;
 	uint32_t uid = rd32(r), gid = rd32(r);
 	char *cwd = rdstr(r);
@@ -283,6 +419,11 @@ static void do_exec(uint32_t chan, struct rd *r, int tty)
 		else if (setgroups(0, NULL) && errno != EPERM) err = errno;
 		else if (setgid(gid)) err = errno;
 		else if (setuid(uid)) err = errno;
+		if (!err && mode == RUN_WATCH) {
+			/* no exec: nothing of the agent's may stay open in it (the port, other commands' pipes) */
+			syscall(SYS_close_range, 3, ~0U, 0);
+			watch_main(argv[0], argc > 1 && !strcmp(argv[1], "recursive"));
+		}
 		if (!err) {
 			environ = envp;
 			execvp(argv[0], argv);
@@ -856,8 +997,9 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 	}
 	case T_PING: send_frame(T_PONG, chan, pl, len); break;
 	case T_HELLO: hello(chan, pl, len); break;
-	case T_EXEC: do_exec(chan, &r, 0); break;
-	case T_PTY: do_exec(chan, &r, 1); break;
+	case T_EXEC: do_exec(chan, &r, RUN_EXEC); break;
+	case T_PTY: do_exec(chan, &r, RUN_PTY); break;
+	case T_WATCH: do_exec(chan, &r, RUN_WATCH); break;
 	case T_RESIZE: {
 		struct proc *p = find(chan);
 		uint32_t cols = rd32(&r), rows = rd32(&r);
