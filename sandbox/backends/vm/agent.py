@@ -830,7 +830,8 @@ class AgentConnection:
     def connect_port(self, port: int, timeout: float) -> socket.socket:
         """A connected stream socket whose peer is ``127.0.0.1:<port>`` inside the guest (relayed by
         the agent, :class:`GuestPort`); ConnectionRefusedError when nothing listens there,
-        TimeoutError when the guest's connect takes longer than ``timeout``."""
+        TimeoutError when the guest's connect takes longer than ``timeout``, another OSError with
+        the guest's errno when its connect failed otherwise."""
         self.require(PORTS_SINCE, "a port connection")
         with self._cond:
             if not self._cond.wait_for(lambda: self.closed is not None or len(self._ports) < MAX_PORTS, timeout):
@@ -856,9 +857,11 @@ class AgentConnection:
             relay._inner.close()
             raise TimeoutError(f"port {port} of the guest did not accept within {timeout:g} s")
         relay._inner.close()
+        if self.closed is not None:  # the connection ended meanwhile (the guest broke the protocol)
+            raise self._closed_error()
         if err == errno.ECONNREFUSED:
             raise ConnectionRefusedError(err, f"nothing listens on 127.0.0.1:{port} in the guest")
-        raise GuestFileError(err or errno.ECONNRESET, message or f"connect to 127.0.0.1:{port} in the guest failed")
+        raise OSError(err or errno.ECONNRESET, message or f"connect to 127.0.0.1:{port} in the guest failed")
 
     def iter_read(self, path: str, *, budget: int | None = None, timeout: float = 60.0,
                   deadline: float | None = None) -> Generator[bytes, None, None]:
