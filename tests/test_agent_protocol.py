@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import queue
+import re
 import socket
 import struct
 import threading
@@ -24,12 +25,14 @@ from pathlib import Path
 import pytest
 from support.memory import PeakRss
 
+from sandbox.backends.vm import assets as vmassets
 from sandbox.backends.vm.agent import (
     DATA_CHUNK,
     ENTRY_FIXED,
     HEAD,
     HELLO_CHANNEL,
     MAX_STREAMS,
+    PROTOCOL,
     T_CONNECT,
     T_DATA,
     T_END,
@@ -483,6 +486,13 @@ def test_a_read_through_the_files_api_maps_the_guests_answers(tmp_path: Path, co
 
 
 # -- protocol 3: terminals, ports, watches -----------------------------------------------------------
+def wait_marked(marked: list[str]) -> None:
+    deadline = time.monotonic() + 10
+    while not marked:
+        assert time.monotonic() < deadline, "the host never marked the guest"
+        time.sleep(0.01)
+
+
 def connect_port_or_cut(conn: AgentConnection) -> socket.socket | None:
     """Port 8000 of a guest that lies right after it said the connection is open: the caller's
     end, or None when the lie came before the connect's answer was taken (AgentMisbehaved)."""
@@ -519,6 +529,7 @@ def test_a_port_the_guest_floods_past_its_window_is_cut_off(tmp_path: Path, conn
     sock = connect_port_or_cut(conn)  # nobody reads it
     try:
         assert "connection to port 8000" in wait_closed(conn)
+        wait_marked(marked)  # (told after the connection was closed)
         assert marked == [conn.misbehaved]
         assert guest.sent < 4 << 20
         assert peak.grew < NOISE
@@ -538,6 +549,7 @@ def test_a_guest_that_gives_back_more_than_the_host_sent_is_cut_off(tmp_path: Pa
     sock = connect_port_or_cut(conn)
     try:
         assert "connection to port 8000" in wait_closed(conn)
+        wait_marked(marked)  # (told after the connection was closed)
         assert marked == [conn.misbehaved]
         if sock is not None:
             sock.settimeout(10)
@@ -555,3 +567,21 @@ def test_a_refused_port_is_the_callers_connection_refused(tmp_path: Path, connec
         conn.connect_port(8000, 5.0)
     assert conn.stat  # the connection goes on
     assert (conn.closed, marked) == (None, [])
+
+
+def test_the_guest_agent_speaks_the_hosts_protocol() -> None:
+    """agent.c's version is the host's PROTOCOL: built assets record it (capabilities), the host asks by it."""
+    source = (Path(vmassets.GUEST_DIR) / "agent.c").read_text()
+    (version,) = re.findall(r'#define AGENT_VERSION "lb-agent/(\d+)"', source)
+    assert int(version) == PROTOCOL
+
+
+def test_assets_built_before_protocol_3_say_so() -> None:
+    """A set's manifest records its agent's protocol; one from before the field is protocol 2
+    (capabilities then lack terminals and ports: sandbox/backends/vm/backend.py)."""
+    def made(manifest: dict[str, object]) -> vmassets.Assets:
+        return vmassets.Assets("k", Path("/nowhere"), Path("/k"), Path("/i"), Path("/f"), manifest)
+
+    assert made({}).agent_protocol == 2
+    assert made({"agent_protocol": 3}).agent_protocol == 3
+    assert made({"agent_protocol": "3"}).agent_protocol == 2  # not the builder's: the oldest it can be

@@ -140,6 +140,8 @@ def test_a_pty_on_a_microvm_is_killed_with_what_it_runs(vm: Sandbox) -> None:
 
 
 def test_a_terminal_on_a_microvm_through_the_native_api(served: E2bEdge, vm: Sandbox) -> None:
+    trips: list[float] = []
+
     async def session() -> tuple[bytes, dict[str, Any]]:
         base = f"/v1/sandboxes/{vm.sandbox_id}/commands"
         async with aiohttp.ClientSession(served.url, headers={"Authorization": f"Bearer {ALPHA}"}) as http_:
@@ -161,6 +163,12 @@ def test_a_terminal_on_a_microvm_through_the_native_api(served: E2bEdge, vm: San
 
                 await ws.send_bytes(b"echo hi-$((6*7)); stty size\n")
                 await until(rb"hi-42\r\n24 80\r\n")
+                for i in range(20):  # one key typed, its echo seen: the terminal's round trip
+                    started = time.perf_counter()
+                    await ws.send_bytes(b"abcdefghijklmnopqrst"[i:i + 1])
+                    await until(re.escape(b"abcdefghijklmnopqrst"[:i + 1]) + rb"$")
+                    trips.append(time.perf_counter() - started)
+                await ws.send_bytes(b"\x15")  # ^U: the typed line erased
                 await ws.send_str(json.dumps({"type": "resize", "cols": 132, "rows": 40}))
                 await ws.send_bytes(b"stty size; exit 7\n")
                 await until(rb"[\r\n]40 132\r\n")
@@ -168,6 +176,9 @@ def test_a_terminal_on_a_microvm_through_the_native_api(served: E2bEdge, vm: San
             return screen, final
 
     screen, final = asyncio.run(session())
+    trips.sort()
+    print(f"\nmicroVM terminal: a key's echo in {trips[len(trips) // 2] * 1000:.1f} ms (p50), "
+          f"{trips[-1] * 1000:.1f} ms (max of {len(trips)})")
     assert b"40 132" in screen
     assert (final["type"], final["exit_code"]) == ("exit", 7), final
 
@@ -416,6 +427,15 @@ def test_a_port_of_a_microvm_through_the_native_proxy_e2b_headers_and_host_names
     assert hashlib.sha256(big.content).hexdigest() == \
         web.commands.run("sha256sum www/big.bin").stdout.split()[0]  # every byte, through several windows
     print(f"\nmicroVM port: 3 MiB over HTTP in {took * 1000:.0f} ms")
+    small = []
+    with httpx.Client(timeout=60) as client:
+        for _ in range(20):
+            started = time.perf_counter()
+            assert client.get(f"{served.url}/index.txt", headers=envd_headers(sid, WEB, **{"X-API-Key": ALPHA})
+                              ).status_code == 200
+            small.append(time.perf_counter() - started)
+    small.sort()
+    print(f"microVM port: a small GET in {small[len(small) // 2] * 1000:.1f} ms (p50 of {len(small)})")
     closed = httpx.get(f"{served.url}/index.txt", headers=envd_headers(sid, 8999, **{"X-API-Key": ALPHA}),
                        timeout=60)
     assert closed.status_code == 502

@@ -46,6 +46,7 @@ from sandbox.backends.base import (
 from sandbox.backends.vm import assets as vmassets
 from sandbox.backends.vm import qemu as vm
 from sandbox.backends.vm.agent import (
+    TERMINALS_SINCE,
     AgentConnection,
     AgentError,
     AgentMisbehaved,
@@ -178,14 +179,16 @@ class VmBackend:
             return Capabilities(isolation, False,
                                 reason=str(exc).replace("isolation=microvm", f"isolation={isolation}"))
         provides = ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates", "templates_in_store",
-                    "memory_checkpoint", "checkpoint", "restore", "fork", "network", "background",
-                    "interactive", "ports"]
-        lacks = []
+                    "memory_checkpoint", "checkpoint", "restore", "fork", "network", "background"]
+        lacks: list[str] = []
+        # terminals and ports are the guest agent's (protocol 3): guest assets built before it lack them
+        (provides if assets.agent_protocol >= TERMINALS_SINCE else lacks).extend(["interactive", "ports"])
         if isolation == "vm":
             provides.append("image_kernel")
             lacks += ["bootloader", "pmem_dax"]
         return Capabilities(isolation, True, tuple(provides), tuple(lacks), details={
             **hv.to_json(), "machine": vm.MACHINES[isolation], "guest_assets": assets.key,
+            "agent_protocol": assets.agent_protocol,
             "kernel": assets.manifest.get("kernel_version")})
 
     def assets_for(self, resolved: Resolved, options: SandboxOptions) -> vmassets.Assets:

@@ -80,6 +80,7 @@ from sandbox.core.model import (
     check_object,
     check_str,
 )
+from sandbox.core.sync import own_thread
 from sandbox.edge import openapi
 from sandbox.edge.context import SHUTDOWN_GRACE, EdgeContext
 from sandbox.edge.errors import as_api_error
@@ -406,8 +407,9 @@ class Command:
             raise SandboxStateError(f"command {self.id} runs on pipes, not on a terminal: nothing to resize")
         async with self._input_lock:
             fd = self._open_input()
-            if self._resize is not None:  # a guest's terminal: a request to its agent
-                await asyncio.to_thread(self._resize, cols, rows)
+            if self._resize is not None:  # a guest's terminal: a request to its agent, which a guest
+                resize = self._resize      # that stops reading stalls (SEND_TIMEOUT): not the shared executor
+                await own_thread(lambda: resize(cols, rows), name=f"layerbox-resize-{self.id}")
             else:
                 fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
             self.size = (cols, rows)
