@@ -74,6 +74,7 @@ struct proc {
 	int in_eof;
 	int orphan;       /* started for an earlier host connection: its output and exit go nowhere */
 	int tty;          /* out (and in, a dup) is a pty's master */
+	int watch;        /* a WATCH's child: nobody's once its host connection is gone */
 };
 
 /* A TCP connection to 127.0.0.1:<port> relayed for the host: its bytes to the host under the
@@ -450,7 +451,8 @@ static void do_exec(uint32_t chan, struct rd *r, int mode)
 		goto out;
 	}
 	nonblock(o[0]); if (e[0] >= 0) nonblock(e[0]); nonblock(in[1]);
-	*slot = (struct proc){.chan = chan, .pid = pid, .out = o[0], .err = e[0], .in = in[1], .tty = tty};
+	*slot = (struct proc){.chan = chan, .pid = pid, .out = o[0], .err = e[0], .in = in[1], .tty = tty,
+			      .watch = mode == RUN_WATCH};
 	unsigned char p[4];
 	put32(p, (uint32_t)pid);
 	send_frame(T_STARTED, chan, p, 4);
@@ -774,16 +776,21 @@ static void port_frame(struct portc *c, int type, const unsigned char *pl, size_
 	}
 }
 
-/* A new host connection: what an earlier one asked for is nobody's now.  Its streams are
- * dropped, its upload abandoned, its commands run on with their output and exit unsent,
- * so the new host never reads an answer to a request it did not make.  The answer starts
- * with the host's token: whatever came before it on the port is the earlier connection's. */
+/* A new host connection: what an earlier one asked for is nobody's now.  Its streams and port
+ * connections are dropped, its upload abandoned, its watches killed (their events were for it
+ * alone), its commands run on with their output and exit unsent, so the new host never reads
+ * an answer to a request it did not make.  The answer starts with the host's token: whatever
+ * came before it on the port is the earlier connection's. */
 static void hello(uint32_t chan, const unsigned char *token, size_t len)
 {
 	for (int i = 0; i < MAX_STREAMS; i++)
 		if (streams[i].path) drop_stream(&streams[i]);
 	for (int i = 0; i < MAX_PROCS; i++)
-		if (procs[i].pid > 0 && !procs[i].orphan) { procs[i].orphan = 1; close_in(&procs[i]); }
+		if (procs[i].pid > 0 && !procs[i].orphan) {
+			procs[i].orphan = 1;
+			close_in(&procs[i]);
+			if (procs[i].watch) kill(procs[i].pid, SIGKILL); /* its events are for no one now */
+		}
 	if (writing >= 0) { close(writing); writing = -1; unlink(writing_tmp); }
 	for (int i = 0; i < MAX_PORTS; i++)
 		if (ports[i].fd >= 0) drop_port(&ports[i]);
