@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import queue
+import re
 import socket
 import struct
 import threading
@@ -24,12 +25,15 @@ from pathlib import Path
 import pytest
 from support.memory import PeakRss
 
+from sandbox.backends.vm import assets as vmassets
 from sandbox.backends.vm.agent import (
     DATA_CHUNK,
     ENTRY_FIXED,
     HEAD,
     HELLO_CHANNEL,
     MAX_STREAMS,
+    PROTOCOL,
+    T_CONNECT,
     T_DATA,
     T_END,
     T_ENTRY,
@@ -37,18 +41,22 @@ from sandbox.backends.vm.agent import (
     T_HELLO,
     T_LIST,
     T_MORE,
+    T_OPENED,
     T_PING,
     T_PONG,
+    T_PTY,
     T_READ,
     T_READY,
     T_STARTED,
     T_STAT,
     T_STDOUT,
+    T_WATCH,
     TOKEN,
     WINDOW,
     AgentConnection,
     AgentError,
     AgentMisbehaved,
+    AgentTooOld,
     GuestFileError,
 )
 
@@ -84,9 +92,9 @@ class FakeGuest:
     """
 
     def __init__(self, tmp_path: Path, answer: Answer, *, hello: bool = True, before: bytes = b"",
-                 most: int = MOST) -> None:
+                 most: int = MOST, version: bytes = b"fake/2") -> None:
         self.path = tmp_path / "agent.sock"
-        self.answer, self.hello, self.most = answer, hello, most
+        self.answer, self.hello, self.most, self.version = answer, hello, most, version
         self.received: list[tuple[int, int, bytes]] = []
         self.credit: dict[int, int] = {}
         self.cancelled: set[int] = set()
@@ -147,7 +155,7 @@ class FakeGuest:
             while (request := self._requests.get()) is not None:
                 kind, chan, payload = request
                 if kind == T_HELLO:
-                    reply = [frame(T_HELLO, chan, payload[:TOKEN] + b"fake/2")] if self.hello else [end(chan, errno.ENOSYS)]
+                    reply = [frame(T_HELLO, chan, payload[:TOKEN] + self.version)] if self.hello else [end(chan, errno.ENOSYS)]
                 else:
                     reply = self.answer(self, kind, chan, payload)
                 for f in reply:
@@ -475,3 +483,105 @@ def test_a_read_through_the_files_api_maps_the_guests_answers(tmp_path: Path, co
     assert exc.value.errno == errno.EFBIG
     with pytest.raises(FileNotFoundError):
         files.stat("/missing")
+
+
+# -- protocol 3: terminals, ports, watches -----------------------------------------------------------
+def wait_marked(marked: list[str]) -> None:
+    deadline = time.monotonic() + 10
+    while not marked:
+        assert time.monotonic() < deadline, "the host never marked the guest"
+        time.sleep(0.01)
+
+
+def connect_port_or_cut(conn: AgentConnection) -> socket.socket | None:
+    """Port 8000 of a guest that lies right after it said the connection is open: the caller's
+    end, or None when the lie came before the connect's answer was taken (AgentMisbehaved)."""
+    try:
+        return conn.connect_port(8000, 5.0)
+    except AgentMisbehaved:
+        return None
+
+
+@pytest.mark.parametrize("version", [b"lb-agent/2", b"fake/3", b""])
+def test_an_older_agent_is_never_asked_for_a_terminal_a_port_or_a_watch(tmp_path: Path, connect: Connect,
+                                                                         version: bytes) -> None:
+    guest = FakeGuest(tmp_path, lambda g, kind, chan, p: iter([end(chan, errno.ENOSYS)]), version=version)
+    conn, marked = connect(guest)
+    with pytest.raises(AgentTooOld, match=r"a terminal \(pty\) needs a guest agent of protocol 3.*layerbox vm assets"):
+        conn.exec(["sh"], env={}, cwd="/", uid=0, gid=0, stdin_fd=os.open(os.devnull, os.O_RDONLY), terminal=(80, 24))
+    with pytest.raises(AgentTooOld, match="a port connection needs"):
+        conn.connect_port(8000, 5.0)
+    with pytest.raises(AgentTooOld, match="a directory watch needs"):
+        conn.watch_dir("/tmp", recursive=False, uid=0, gid=0)
+    assert not [k for k, _, _ in guest.received if k in (T_PTY, T_CONNECT, T_WATCH)]  # refused, never sent
+    assert (conn.closed, marked) == (None, [])
+
+
+def test_a_port_the_guest_floods_past_its_window_is_cut_off(tmp_path: Path, connect: Connect) -> None:
+    def answer(g: FakeGuest, kind: int, chan: int, p: bytes) -> Iterator[bytes]:
+        if kind == T_CONNECT:
+            yield frame(T_OPENED, chan)
+            yield from endless(chan)  # whatever the host's credit says
+
+    guest = FakeGuest(tmp_path, answer, version=b"lb-agent/3")
+    conn, marked = connect(guest)
+    peak = PeakRss()
+    sock = connect_port_or_cut(conn)  # nobody reads it
+    try:
+        assert "connection to port 8000" in wait_closed(conn)
+        wait_marked(marked)  # (told after the connection was closed)
+        assert marked == [conn.misbehaved]
+        assert guest.sent < 4 << 20
+        assert peak.grew < NOISE
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def test_a_guest_that_gives_back_more_than_the_host_sent_is_cut_off(tmp_path: Path, connect: Connect) -> None:
+    def answer(g: FakeGuest, kind: int, chan: int, p: bytes) -> Iterator[bytes]:
+        if kind == T_CONNECT:
+            yield frame(T_OPENED, chan)
+            yield frame(T_MORE, chan, struct.pack(">I", 1 << 30))  # "my socket took 1 GiB of yours"
+
+    guest = FakeGuest(tmp_path, answer, version=b"lb-agent/3")
+    conn, marked = connect(guest)
+    sock = connect_port_or_cut(conn)
+    try:
+        assert "connection to port 8000" in wait_closed(conn)
+        wait_marked(marked)  # (told after the connection was closed)
+        assert marked == [conn.misbehaved]
+        if sock is not None:
+            sock.settimeout(10)
+            assert sock.recv(10) == b""  # the caller's end sees the connection end
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def test_a_refused_port_is_the_callers_connection_refused(tmp_path: Path, connect: Connect) -> None:
+    guest = FakeGuest(tmp_path, lambda g, kind, chan, p: iter([end(chan, errno.ECONNREFUSED)]),
+                      version=b"lb-agent/3")
+    conn, marked = connect(guest)
+    with pytest.raises(ConnectionRefusedError, match="127.0.0.1:8000"):
+        conn.connect_port(8000, 5.0)
+    assert conn.stat  # the connection goes on
+    assert (conn.closed, marked) == (None, [])
+
+
+def test_the_guest_agent_speaks_the_hosts_protocol() -> None:
+    """agent.c's version is the host's PROTOCOL: built assets record it (capabilities), the host asks by it."""
+    source = (Path(vmassets.GUEST_DIR) / "agent.c").read_text()
+    (version,) = re.findall(r'#define AGENT_VERSION "lb-agent/(\d+)"', source)
+    assert int(version) == PROTOCOL
+
+
+def test_assets_built_before_protocol_3_say_so() -> None:
+    """A set's manifest records its agent's protocol; one from before the field is protocol 2
+    (capabilities then lack terminals and ports: sandbox/backends/vm/backend.py)."""
+    def made(manifest: dict[str, object]) -> vmassets.Assets:
+        return vmassets.Assets("k", Path("/nowhere"), Path("/k"), Path("/i"), Path("/f"), manifest)
+
+    assert made({}).agent_protocol == 2
+    assert made({"agent_protocol": 3}).agent_protocol == 3
+    assert made({"agent_protocol": "3"}).agent_protocol == 2  # not the builder's: the oldest it can be

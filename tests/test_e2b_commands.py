@@ -30,13 +30,22 @@ from e2b import (
     SandboxNotRunningException,
     TimeoutException,
 )
-from support.e2b import ALPHA, BETA, SOURCE_IMAGE, TEMPLATE, E2bEdge, e2b_edge
+from support.e2b import (
+    ALPHA,
+    BETA,
+    ENVD,
+    SOURCE_IMAGE,
+    TEMPLATE,
+    E2bEdge,
+    e2b_edge,
+    envd_headers,
+    ws_echo,
+)
 from support.edges import http
 from support.sandboxes import store_url  # noqa: F401  (a module's store with the fixture image)
 
 pytestmark = pytest.mark.root
 DOMAIN = "sandboxes.test"
-ENVD = 49983
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +127,6 @@ def test_the_async_client_runs_commands_too(served: E2bEdge) -> None:
 
 
 # -- raw Connect and HTTP, for what the SDK does not send ----------------------------------------------------
-def envd_headers(sid: str, port: int = ENVD, **more: str) -> dict[str, str]:
-    return {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port), **more}
-
-
 def envelope(doc: dict[str, Any], flags: int = 0) -> bytes:
     data = json.dumps(doc).encode()
     return struct.pack(">BI", flags, len(data)) + data
@@ -349,36 +354,6 @@ def test_a_command_on_a_paused_sandbox_says_it_is_paused(served: E2bEdge) -> Non
 
 # -- ports -------------------------------------------------------------------------------------------------
 WEB, WS = 8000, 8001
-# a WebSocket echo on the standard library (RFC 6455's handshake and short frames by hand)
-WS_ECHO = r'''
-import base64, hashlib, socket, struct, threading
-GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-def serve(conn):
-    f, key = conn.makefile("rb"), b""
-    while (line := f.readline()) not in (b"\r\n", b""):
-        if line.lower().startswith(b"sec-websocket-key:"):
-            key = line.split(b":", 1)[1].strip()
-    accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
-    conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
-    while len(head := f.read(2)) == 2:
-        op, n = head[0] & 15, head[1] & 127
-        if n == 126:
-            n = struct.unpack("!H", f.read(2))[0]
-        mask = f.read(4) if head[1] & 128 else b"\0\0\0\0"
-        data = bytes(b ^ mask[i % 4] for i, b in enumerate(f.read(n)))
-        if op == 8:
-            conn.sendall(b"\x88\x00")
-            return
-        out = b"echo:" + data[:100]
-        conn.sendall(bytes([0x80 | op, len(out)]) + out)
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("127.0.0.1", 8001))
-s.listen(8)
-while True:
-    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
-'''
 
 
 @pytest.fixture(scope="module")
@@ -387,7 +362,7 @@ def web(served: E2bEdge) -> Iterator[Sandbox]:
     started through the SDK as background commands."""
     box = Sandbox.create(TEMPLATE, timeout=600)
     try:
-        box.commands.run(f"mkdir -p www && echo hello-from-{WEB} > www/index.txt && cat > ws.py <<'EOF'{WS_ECHO}EOF")
+        box.commands.run(f"mkdir -p www && echo hello-from-{WEB} > www/index.txt && cat > ws.py <<'EOF'{ws_echo(WS)}EOF")
         box.commands.run(f"cd www && exec python3 -m http.server {WEB} --bind 127.0.0.1", background=True, timeout=0)
         box.commands.run("exec python3 ws.py", background=True, timeout=0)
         box.commands.run(f"for port in {WEB} {WS}; do for i in $(seq 200); do "

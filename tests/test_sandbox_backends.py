@@ -9,10 +9,15 @@ store (a restore goes to the second, its cache empty); the VM hosts boot their t
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import io
 import os
+import shlex
 import signal
+import socket
+import struct
+import termios
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -249,9 +254,13 @@ class Pipe:
     def spawned(self) -> None:
         os.close(self._read)
 
-    def on_terminal(self, master: int) -> None:
+    def on_terminal(self, master: int, resize: Any = None) -> None:
         self.master = master
-        os.write(master, b"echo typed-$((6*7)); exit\n")
+        if resize is not None:  # a terminal that is not the host's (a VM's): resized by the backend
+            resize(100, 30)
+        else:
+            fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+        os.write(master, b"stty size; echo typed-$((6*7)); exit 5\n")
 
     def finished(self) -> Mapping[str, Any]:
         return {"stdin_bytes": 0}
@@ -277,7 +286,8 @@ def test_commands_with_open_stdin_and_terminals_or_a_clear_refusal(sb: Hosts) ->
         assert box.exec("echo fine").stdout == b"fine\n"
         return
     res = box.exec(ExecRequest(["sh"], timeout=60), attach=term)
-    assert b"typed-42" in res.stdout
+    assert b"30 100\r\ntyped-42\r\n" in res.stdout, res.stdout  # resized, and its output a terminal's
+    assert res.exit_code == 5
     assert term.master is not None
     os.close(term.master)
     os.close(term.writer)
@@ -287,14 +297,49 @@ def test_ports_or_a_clear_refusal(sb: Hosts) -> None:
     box = sb.create()
     if not sb.caps.has("ports"):
         with pytest.raises(UnsupportedOption, match="ports"):
-            box.tcp_socket()
+            box.connect_port(9, 5.0)
         return
-    sock = box.tcp_socket()
+    with pytest.raises(ConnectionRefusedError):  # the sandbox's own loopback: nothing listens on 9
+        box.connect_port(9, 5.0)
+    box.exec(f"nohup python3 -c {shlex.quote(ECHO_SERVER)} >/dev/null 2>&1 &")
+    sock = _connect_when_listening(box, 7007)
     try:
-        with pytest.raises(BlockingIOError):  # non-blocking, in the sandbox's own namespace
-            sock.connect(("127.0.0.1", 9))
+        sock.setblocking(True)
+        sock.settimeout(60)
+        blob = os.urandom(1 << 20)  # several windows of the VM's relay each way
+        sender = threading.Thread(target=lambda: (sock.sendall(blob), sock.shutdown(socket.SHUT_WR)))
+        sender.start()
+        got = bytearray()
+        while chunk := sock.recv(1 << 16):  # the server's end of output follows ours (a half close)
+            got += chunk
+        sender.join(60)
+        assert hashlib.sha256(got).hexdigest() == hashlib.sha256(b"echo:" + blob).hexdigest()
     finally:
         sock.close()
+
+
+# answers "echo:" and then what it reads, until its end of input; one connection
+ECHO_SERVER = """
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 7007)); s.listen(1)
+c, _ = s.accept(); c.sendall(b"echo:")
+while data := c.recv(65536):
+    c.sendall(data)
+c.shutdown(socket.SHUT_WR); c.close()
+"""
+
+
+def _connect_when_listening(box: Sandbox, port: int) -> socket.socket:
+    """The server was started in the background: refused until it listens (within 60 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return box.connect_port(port, 5.0)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 # -- pause and resume ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from support.sandboxes import REF, run, store_url  # noqa: F401  (the module's store)
 
@@ -107,6 +108,20 @@ def test_full_vm_through_the_edge_checkpoints_with_memory_and_goes_on_on_a_secon
             assert int(res.stdout.split()[0]) >= 8, res.stdout
             assert "streamed" in "".join(seen)
             await sb.files.write("/root/f.txt", b"on a q35")
+            # a terminal and a port, as on a container: the guest agent's pty and relayed connection
+            screen: list[bytes] = []
+            term = await sb.pty.create(80, 24, on_data=screen.append)
+            await term.resize(100, 30)
+            await term.send_stdin(b"stty size; exit 4\n")
+            assert (await term.wait()).exit_code == 4
+            assert b"30 100\r\n" in b"".join(screen), b"".join(screen)
+            await sb.commands.run(["bash", "-c", "echo q35-served > /tmp/i.txt; nohup python3 -m http.server 8000 "
+                                   "--directory /tmp --bind 127.0.0.1 >/dev/null 2>&1 & for i in $(seq 600); do "
+                                   "(exec 3<>/dev/tcp/127.0.0.1/8000) 2>/dev/null && exit 0; sleep 0.1; done; exit 1"],
+                                  check=True)
+            async with aiohttp.ClientSession() as web, web.get(
+                    sb.port_url(8000, "/i.txt"), headers={"Authorization": f"Bearer {token}"}) as resp:
+                assert (resp.status, await resp.text()) == (200, "q35-served\n")
             # RAM only: it comes back on another host only if the memory does
             assert (await sb.commands.run("echo in-ram > /dev/shm/mark")).exit_code == 0
             await sb.pause()

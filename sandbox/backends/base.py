@@ -157,8 +157,11 @@ class Attach(Protocol):
     def spawned(self) -> None:
         """The command's runner holds its stdin now (or failed to start)."""
 
-    def on_terminal(self, master: int) -> None:
-        """The pty's master, a descriptor of the callee's own to close (the pump reads another one)."""
+    def on_terminal(self, master: int, resize: Callable[[int, int], None] | None = None) -> None:
+        """The pty's master, a descriptor of the callee's own to close (the pump reads another one).
+        ``resize(cols, rows)``, when given, is how the terminal is resized (blocking): the pty is
+        not the host's (a VM's is the guest's; ``master`` is then a pipe to its input), so
+        ``TIOCSWINSZ`` on ``master`` would not reach it."""
 
     def finished(self) -> Mapping[str, Any]:
         """Fields added to the command's ``exec`` receipt (what its input was)."""
@@ -322,8 +325,11 @@ class Backend(Protocol):
     def update_limits(self, box: Box, st: SandboxState, options: SandboxOptions) -> None:
         """Apply ``options``' CPU, memory and pids limits to the running sandbox."""
 
-    def tcp_socket(self, box: Box, st: SandboxState) -> socket.socket:
-        """A non-blocking TCP socket in the network namespace of the sandbox's own loopback (ports)."""
+    def connect_port(self, box: Box, st: SandboxState, port: int, timeout: float) -> socket.socket:
+        """A non-blocking stream socket connected to ``127.0.0.1:<port>`` as the sandbox sees it
+        (ports): ConnectionRefusedError when nothing listens there, TimeoutError when the connect
+        takes longer than ``timeout``.  A container's is a TCP socket made in its network
+        namespace; a VM's a socket pair whose other end the guest agent relays."""
 
     def usage(self, box: Box, st: SandboxState) -> dict[str, Any]:
         """What the sandbox's writes and its own view of memory take: ``{"disk": {...}, "guest_memory": ...}``."""

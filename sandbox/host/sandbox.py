@@ -129,9 +129,10 @@ class Sandbox:
     def pid(self) -> int:
         return self.init_pid()
 
-    def tcp_socket(self) -> socket.socket:
-        """A non-blocking TCP socket in the sandbox's own network namespace (blocking call)."""
-        return self.backend.tcp_socket(self, self.state)
+    def connect_port(self, port: int, timeout: float) -> socket.socket:
+        """A non-blocking socket connected to the sandbox's own ``127.0.0.1:<port>`` (blocking call;
+        :meth:`Backend.connect_port <sandbox.backends.base.Backend.connect_port>`)."""
+        return self.backend.connect_port(self, self.state, port, timeout)
 
     # -- commands --------------------------------------------------------------------------------------
     def exec(self, cmd: Sequence[str] | str | ExecRequest, *, env: Mapping[str, str] | None = None,

@@ -27,6 +27,7 @@ TOKENS = {"projects": {"ops": {"tokens": [ADMIN], "admin": True},
                        "beta": {"tokens": [BETA], "max_sandboxes": 4}}}
 TEMPLATE = "base"
 SOURCE_IMAGE = "img/python"
+ENVD = 49983  # envd's port: the SDK's E2b-Sandbox-Port for its in-sandbox calls
 
 
 @dataclass
@@ -74,3 +75,45 @@ def e2b_edge(root: Path, store_url: str, *extra: str, name: str = "e2b", templat
             for key, value in served.env().items():
                 mp.setenv(key, value)
             yield served
+
+
+def envd_headers(sid: str, port: int = ENVD, **more: str) -> dict[str, str]:
+    """The headers the SDK sends with ``E2B_SANDBOX_URL``: which sandbox, which port."""
+    return {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port), **more}
+
+
+# a WebSocket echo on the standard library (RFC 6455's handshake and short frames by hand)
+_WS_ECHO = r'''
+import base64, hashlib, socket, struct, threading
+GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+def serve(conn):
+    f, key = conn.makefile("rb"), b""
+    while (line := f.readline()) not in (b"\r\n", b""):
+        if line.lower().startswith(b"sec-websocket-key:"):
+            key = line.split(b":", 1)[1].strip()
+    accept = base64.b64encode(hashlib.sha1(key + GUID).digest())
+    conn.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+    while len(head := f.read(2)) == 2:
+        op, n = head[0] & 15, head[1] & 127
+        if n == 126:
+            n = struct.unpack("!H", f.read(2))[0]
+        mask = f.read(4) if head[1] & 128 else b"\0\0\0\0"
+        data = bytes(b ^ mask[i % 4] for i, b in enumerate(f.read(n)))
+        if op == 8:
+            conn.sendall(b"\x88\x00")
+            return
+        out = b"echo:" + data[:100]
+        conn.sendall(bytes([0x80 | op, len(out)]) + out)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", PORT))
+s.listen(8)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+'''
+
+
+def ws_echo(port: int) -> str:
+    """A python script serving a WebSocket echo (each message back as ``echo:<message>``) on ``127.0.0.1:port``."""
+    return f"\nPORT = {port}" + _WS_ECHO  # starts and ends with a newline: a heredoc's body

@@ -326,7 +326,19 @@ class ContainerBackend:
         kill_tree(self.runtime, box.id, main_pid(st, self.ctx.cgroups), root, since)
         return True
 
-    def tcp_socket(self, box: Box, st: SandboxState) -> socket.socket:
+    def connect_port(self, box: Box, st: SandboxState, port: int, timeout: float) -> socket.socket:
+        """A TCP socket made inside the network namespace of the sandbox's init, connected there."""
+        sock = self._tcp_socket(box, st)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(("127.0.0.1", port))
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _tcp_socket(self, box: Box, st: SandboxState) -> socket.socket:
         """A TCP socket made inside the network namespace of the sandbox's init (blocking)."""
         if st.pid is None:
             main_pid(st, self.ctx.cgroups)  # raises: no init

@@ -17,9 +17,13 @@ what the guest sends:
   bytes, and more only as the caller takes them (MORE); a read of a small thing asks for
   no more than it keeps.  A caller that stops taking leaves the guest waiting; one that
   leaves cancels the stream.
-* At most :data:`MAX_STREAMS` streams and :data:`MAX_CALLS` other requests wait for answers
-  on one connection, so it holds at most ``MAX_STREAMS * WINDOW + MAX_CALLS * 2 * MAX_SMALL``
-  bytes (10 MiB) of the guest's, whatever the guest does (and one frame being read).
+* A relayed TCP connection (:meth:`AgentConnection.connect_port`, ports) is a stream both ways:
+  the guest sends its socket's bytes under credit as a read's, and the host sends no more
+  than :data:`PORT_WINDOW` past what the guest said its socket took (the guest's MORE).
+* At most :data:`MAX_STREAMS` streams, :data:`MAX_PORTS` connections and :data:`MAX_CALLS` other
+  requests wait for answers on one connection, so it holds at most ``MAX_STREAMS * WINDOW +
+  MAX_PORTS * PORT_WINDOW + MAX_CALLS * 2 * MAX_SMALL`` bytes (18 MiB) of the guest's, whatever
+  the guest does (and one frame being read).
 * A guest that breaks any of this (a frame over the limit, on a channel nobody opened or
   after its end, of a type its request cannot have, past its credit) has its connection
   ended and is :attr:`AgentConnection.misbehaved`; the VM backend marks its sandbox.
@@ -37,6 +41,7 @@ import errno
 import ipaddress
 import logging
 import os
+import select
 import socket
 import stat as statmod
 import struct
@@ -56,6 +61,10 @@ log = logging.getLogger("layerbox.sandbox")
 T_PING, T_PONG, T_EXEC, T_STARTED, T_STDIN, T_SIGNAL = 1, 2, 3, 4, 5, 6
 T_READ, T_DATA, T_END, T_WRITE, T_LIST, T_STAT, T_REMOVE, T_MKDIR, T_SYNC, T_ENTRY, T_MOUNT, T_NET = range(7, 19)
 T_MORE, T_STDOUT, T_STDERR, T_EXIT, T_HELLO, T_READY = 19, 20, 21, 22, 23, 100
+T_PTY, T_RESIZE, T_CONNECT, T_OPENED, T_SHUT, T_CLOSE, T_WATCH = range(24, 31)  # protocol 3
+# the agent protocol this host speaks; an agent's HELLO answer says its own ("lb-agent/N")
+PROTOCOL = 3
+TERMINALS_SINCE = PORTS_SINCE = WATCH_SINCE = 3
 HEAD = struct.Struct(">IBI")  # length of what follows the length field, type, channel
 MAX_FRAME = 1 << 20  # payload bytes, both directions (the agent's MAX_FRAME)
 DATA_CHUNK = 256 << 10
@@ -67,6 +76,10 @@ TOKEN = 16  # random bytes of a HELLO, which its answer starts with
 WINDOW = 1 << 20
 MAX_STREAMS = 8
 MAX_CALLS = 64
+# a relayed TCP connection (ports): the guest sends at most this much more than the caller took,
+# and the host no more than this more than the guest's socket took; the agent relays 64 at most
+PORT_WINDOW = 256 << 10
+MAX_PORTS = 32
 # every answer frame but a stream's data and a command's output: END (errno + a message of at
 # most 4352 bytes), ENTRY (36 + 4 + a path of 4096 + a link of 4096), PONG, HELLO
 MAX_SMALL = 16 << 10
@@ -80,6 +93,10 @@ class AgentError(SandboxError):
 
 class AgentMisbehaved(AgentError, SandboxStateError):
     """The guest broke the agent protocol: the host ended its connection and no longer talks to it."""
+
+
+class AgentTooOld(AgentError):
+    """The guest's agent predates what was asked of it (its VM's guest assets are older than this host's)."""
 
 
 class GuestFileError(SandboxError):
@@ -273,6 +290,139 @@ class GuestProcess:
             except AgentError:
                 pass
 
+    def resize(self, cols: int, rows: int) -> None:
+        """A command on a terminal: its new size (the guest's kernel tells its foreground with SIGWINCH)."""
+        if self.returncode is None:
+            self.conn.send(T_RESIZE, self.chan, struct.pack(">II", cols, rows))
+
+
+class GuestPort:
+    """A TCP connection to ``127.0.0.1:<port>`` in the guest, relayed by the agent: the caller holds
+    :attr:`outer`, one end of a socket pair; two threads move the bytes of the other end.
+
+    Guest to caller: DATA frames under credit, written to the pair as the caller reads, each
+    given back (MORE) once written; SHUT, the guest socket's end of input, shuts the pair's
+    writing side.  Caller to guest: what the pair reads, while the guest's window allows; at
+    its end, END (a half close) or, when the caller closed its end whole, CLOSE (the guest
+    drops its socket).  The guest's END is the connection's last frame."""
+
+    def __init__(self, conn: AgentConnection, chan: int, port: int) -> None:
+        self.conn, self.chan, self.port = conn, chan, port
+        self.outer, self._inner = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.opened = self.shut = self.ended = self.abandoned = False
+        self.error = 0  # the guest's errno with its END
+        self.message = ""
+        self.frames: deque[bytes] = deque()
+        self.credit = PORT_WINDOW  # what the guest may still send
+        self.window = PORT_WINDOW  # what the host may still send
+        self.unacked = 0  # sent, not yet said taken by the guest's socket
+        self._down = threading.Thread(target=self._to_caller, daemon=True, name=f"agent-port-{chan}-down")
+        self._up = threading.Thread(target=self._to_guest, daemon=True, name=f"agent-port-{chan}-up")
+
+    def start(self) -> None:
+        self._down.start()
+        self._up.start()
+
+    def check(self, kind: int, payload: bytes) -> None:
+        """The guest's frame ``kind`` on this connection (under the connection's lock); _Broken if it cannot be."""
+        n = len(payload)
+        if kind == T_OPENED and not self.opened and not n:
+            self.opened = True
+        elif kind == T_DATA and self.opened and not self.shut and 0 < n <= self.credit:
+            self.credit -= n
+            if not self.abandoned:
+                self.frames.append(payload)
+        elif kind == T_SHUT and self.opened and not self.shut and not n:
+            self.shut = True
+        elif kind == T_MORE and n == 4 and struct.unpack(">I", payload)[0] <= self.unacked:
+            taken = struct.unpack(">I", payload)[0]
+            self.unacked -= taken
+            self.window += taken
+        elif kind == T_END and 4 <= n <= MAX_SMALL:
+            self.ended = True
+            self.error = struct.unpack(">I", payload[:4])[0]
+            self.message = payload[4:4096].decode(errors="replace")
+        else:
+            raise _Broken(f"answered a connection to port {self.port} (channel {self.chan}) with a frame of "
+                          f"type {kind} of {n} bytes")
+
+    def cut(self) -> None:
+        """The connection is over (the guest's END with an error, or the agent's connection ended):
+        the caller's end sees its end, both threads stop."""
+        with contextlib.suppress(OSError):
+            self._inner.shutdown(socket.SHUT_RDWR)
+
+    def _to_caller(self) -> None:
+        cond = self.conn._cond
+        while True:
+            with cond:
+                cond.wait_for(lambda: self.frames or self.shut or self.ended or self.abandoned)
+                data = self.frames.popleft() if self.frames and not self.abandoned else None
+                if data is None:
+                    break
+            try:
+                self._inner.sendall(data)
+            except OSError:
+                self._abandon()
+                return
+            with cond:
+                self.credit += len(data)  # before the guest hears of it: it may send at once
+            self._send(T_MORE, struct.pack(">I", len(data)))
+        with contextlib.suppress(OSError):
+            self._inner.shutdown(socket.SHUT_WR)
+
+    def _to_guest(self) -> None:
+        cond = self.conn._cond
+        try:
+            while True:
+                with cond:
+                    cond.wait_for(lambda: self.window > 0 or self.ended or self.abandoned)
+                    if self.ended or self.abandoned:
+                        return
+                    want = min(self.window, DATA_CHUNK)
+                try:
+                    data = self._inner.recv(want)
+                except OSError:
+                    data = b""
+                if not data:
+                    # the caller's whole close (the pair hung up) or only its end of output
+                    if select_poll(self._inner) & select.POLLHUP:
+                        self._abandon()
+                    else:
+                        self._send(T_END)
+                    return
+                with cond:
+                    self.window -= len(data)
+                    self.unacked += len(data)
+                self._send(T_DATA, data)
+        finally:
+            self._down.join()
+            self._inner.close()
+
+    def _send(self, kind: int, payload: bytes = b"") -> None:
+        with self.conn._cond:
+            if self.ended or self.abandoned:
+                return
+        with contextlib.suppress(AgentError):
+            self.conn.send(kind, self.chan, payload)
+
+    def _abandon(self) -> None:
+        """The caller is gone: the guest drops its socket (its END still ends the channel)."""
+        self._send(T_CLOSE)
+        with self.conn._cond:
+            self.abandoned = True
+            self.frames.clear()
+            self.conn._cond.notify_all()
+        self.cut()
+
+
+def select_poll(sock: socket.socket) -> int:
+    """The poll events of ``sock`` now (without waiting)."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    found = p.poll(0)
+    return found[0][1] if found else 0
+
 
 class AgentConnection:
     """One connection to a VM's agent.  Thread-safe: any thread sends; one thread reads."""
@@ -287,6 +437,7 @@ class AgentConnection:
         self._last_chan = 0
         self._procs: dict[int, GuestProcess] = {}
         self._calls: dict[int, _Channel] = {}
+        self._ports: dict[int, GuestPort] = {}
         self._token = os.urandom(TOKEN)
         self._synced = False  # the agent answered this connection's HELLO
         self._pending = bytearray()  # read after HELLO's answer, before the reader parsed frames
@@ -296,9 +447,15 @@ class AgentConnection:
         self.closed: str | None = None
         self.misbehaved: str | None = None  # why the guest was found breaking the protocol
         self.speaks_hello = False  # an agent with HELLO (streams under credit), not one from before
-        self.version: str | None = None
+        self.version: str | None = None  # "lb-agent/N", its answer to HELLO says
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name=f"agent-{path.parent.name}")
         self._reader.start()
+
+    @property
+    def protocol(self) -> int:
+        """The agent's protocol version (:data:`PROTOCOL`; 0 for one that does not say), once HELLO was answered."""
+        name, _, number = (self.version or "").partition("/")
+        return int(number) if name == "lb-agent" and number.isdigit() and self.speaks_hello else 0
 
     def watch(self, on_misbehaved: Callable[[str], None]) -> None:
         """Call ``on_misbehaved(why)`` once the guest is found breaking the protocol (now, if it was)."""
@@ -398,9 +555,11 @@ class AgentConnection:
             self._hello_answer(kind, payload)
             return
         with self._cond:
-            proc, ch = self._procs.get(chan), self._calls.get(chan)
+            proc, ch, port = self._procs.get(chan), self._calls.get(chan), self._ports.get(chan)
             opened = 0 < chan <= self._last_chan
-        if proc is not None:
+        if port is not None:
+            self._to_port(port, kind, payload)
+        elif proc is not None:
             self._to_process(proc, kind, chan, payload)
         elif ch is not None:
             self._deliver(ch, kind, payload)
@@ -427,6 +586,15 @@ class AgentConnection:
         else:
             raise _Broken(f"answered a command (channel {chan}) with a frame of type {kind} of "
                           f"{len(payload)} bytes")
+
+    def _to_port(self, port: GuestPort, kind: int, payload: bytes) -> None:
+        with self._cond:
+            port.check(kind, payload)
+            if port.ended:
+                self._ports.pop(port.chan, None)
+            self._cond.notify_all()
+        if port.ended and port.error:
+            port.cut()
 
     def _deliver(self, ch: _Channel, kind: int, payload: bytes) -> None:
         with self._cond:
@@ -476,6 +644,9 @@ class AgentConnection:
                 for ch in self._calls.values():  # nothing more of a guest that broke the protocol
                     ch.frames.clear()
             procs, self._procs = self._procs, {}
+            ports, self._ports = self._ports, {}
+            for port in ports.values():
+                port.ended, port.error = True, port.error or errno.ECONNABORTED
             self._calls.clear()
             callback = self._on_misbehaved if mark else None
         with contextlib.suppress(OSError):
@@ -484,6 +655,8 @@ class AgentConnection:
             callback(why)  # first: a caller told of the broken protocol finds its sandbox marked
         for proc in procs.values():
             proc._finish(255, f"layerbox: the guest agent went away ({why})\n".encode())
+        for port in ports.values():
+            port.cut()
         with self._cond:
             self._cond.notify_all()
 
@@ -606,20 +779,32 @@ class AgentConnection:
         return time.perf_counter() - t
 
     def exec(self, argv: list[str], *, env: dict[str, str], cwd: str, uid: int, gid: int,
-             stdin_fd: int | None = None) -> GuestProcess:
+             stdin_fd: int | None = None, terminal: tuple[int, int] | None = None) -> GuestProcess:
         """A command in the guest; its input from ``stdin_fd`` when given (see :class:`GuestProcess`,
-        which closes it: so does a failure here)."""
+        which closes it: so does a failure here).  ``terminal``: ``(cols, rows)`` of a pty the agent
+        makes the command's controlling terminal (protocol 3); its output is all stdout."""
         try:
-            return self._exec(argv, env=env, cwd=cwd, uid=uid, gid=gid, stdin_fd=stdin_fd)
+            if terminal is not None:
+                self.require(TERMINALS_SINCE, "a terminal (pty)")
+            kind, head = (T_EXEC, b"") if terminal is None else (T_PTY, struct.pack(">II", *terminal))
+            return self._exec(kind, head, argv, env=env, cwd=cwd, uid=uid, gid=gid, stdin_fd=stdin_fd)
         except BaseException:
             if stdin_fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(stdin_fd)
             raise
 
-    def _exec(self, argv: list[str], *, env: dict[str, str], cwd: str, uid: int, gid: int,
+    def watch_dir(self, path: str, *, recursive: bool, uid: int, gid: int) -> GuestProcess:
+        """A watch of the directory ``path`` as ``uid``:``gid``: a child of the agent's reporting the
+        guest kernel's inotify events on its stdout (docs/FORMAT.md Part 5, WATCH); a byte on its
+        stdin is answered after every event queued before it.  Killed to end it."""
+        self.require(WATCH_SINCE, "a directory watch")
+        return self._exec(T_WATCH, b"", [path, "recursive" if recursive else "flat"], env={}, cwd="/", uid=uid,
+                          gid=gid, stdin_fd=None)
+
+    def _exec(self, kind: int, head: bytes, argv: list[str], *, env: dict[str, str], cwd: str, uid: int, gid: int,
               stdin_fd: int | None) -> GuestProcess:
-        payload = (struct.pack(">II", uid, gid) + _str(cwd) + struct.pack(">I", len(argv))
+        payload = (head + struct.pack(">II", uid, gid) + _str(cwd) + struct.pack(">I", len(argv))
                    + b"".join(_str(a) for a in argv) + struct.pack(">I", len(env))
                    + b"".join(_str(f"{k}={v}") for k, v in env.items()))
         if len(payload) > MAX_FRAME:
@@ -630,9 +815,53 @@ class AgentConnection:
                 raise self._closed_error()
             self._last_chan += 1
             proc = self._procs[self._last_chan] = GuestProcess(self, self._last_chan, argv, stdin_fd)
-        self.send(T_EXEC, proc.chan, payload)
+        self.send(kind, proc.chan, payload)
         proc._forwarder.start()
         return proc
+
+    def require(self, since: int, what: str) -> None:
+        """AgentTooOld unless the agent speaks protocol ``since`` or later (HELLO answered first)."""
+        self.hello()
+        if self.protocol < since:
+            raise AgentTooOld(f"{what} needs a guest agent of protocol {since} or later; this guest's is "
+                              f"{self.version or 'older'!r}: its VM was made from guest assets built before "
+                              "(`layerbox vm assets` builds new ones; sandboxes made after that have it)")
+
+    def connect_port(self, port: int, timeout: float) -> socket.socket:
+        """A connected stream socket whose peer is ``127.0.0.1:<port>`` inside the guest (relayed by
+        the agent, :class:`GuestPort`); ConnectionRefusedError when nothing listens there,
+        TimeoutError when the guest's connect takes longer than ``timeout``, another OSError with
+        the guest's errno when its connect failed otherwise."""
+        self.require(PORTS_SINCE, "a port connection")
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.closed is not None or len(self._ports) < MAX_PORTS, timeout):
+                raise AgentError(f"agent: {MAX_PORTS} port connections are open already, for {timeout:g} s")
+            if self.closed is not None:
+                raise self._closed_error()
+            self._last_chan += 1
+            relay = self._ports[self._last_chan] = GuestPort(self, self._last_chan, port)
+        try:
+            self.send(T_CONNECT, relay.chan, struct.pack(">II", port, PORT_WINDOW))
+            with self._cond:
+                self._cond.wait_for(lambda: relay.opened or relay.ended, timeout)
+                opened, ended, err, message = relay.opened, relay.ended, relay.error, relay.message
+        except BaseException:
+            relay.outer.close()
+            raise
+        if opened and not ended:
+            relay.start()
+            return relay.outer
+        relay.outer.close()
+        if not ended:
+            relay._abandon()  # the guest's END, when it comes, ends the channel
+            relay._inner.close()
+            raise TimeoutError(f"port {port} of the guest did not accept within {timeout:g} s")
+        relay._inner.close()
+        if self.closed is not None:  # the connection ended meanwhile (the guest broke the protocol)
+            raise self._closed_error()
+        if err == errno.ECONNREFUSED:
+            raise ConnectionRefusedError(err, f"nothing listens on 127.0.0.1:{port} in the guest")
+        raise OSError(err or errno.ECONNRESET, message or f"connect to 127.0.0.1:{port} in the guest failed")
 
     def iter_read(self, path: str, *, budget: int | None = None, timeout: float = 60.0,
                   deadline: float | None = None) -> Generator[bytes, None, None]:

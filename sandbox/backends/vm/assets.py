@@ -25,6 +25,7 @@ from pathlib import Path
 import blake3
 import zstandard
 
+from sandbox.backends.vm.agent import PROTOCOL
 from sandbox.core.errors import SandboxError
 from sandbox.core.paths import open_beneath
 
@@ -54,6 +55,13 @@ class Assets:
     initrd: Path
     firmware: Path
     manifest: dict[str, object]
+
+    @property
+    def agent_protocol(self) -> int:
+        """The protocol of the guest agent in its initrd (docs/FORMAT.md Part 5): a set built before
+        the manifest said (protocol 2 or older) is 2."""
+        value = self.manifest.get("agent_protocol")
+        return value if isinstance(value, int) else 2
 
 
 def _run(*cmd: str, cwd: Path | None = None) -> str:
@@ -219,7 +227,7 @@ def build(root: Path = DEFAULT_ROOT) -> Assets:
         # QEMU looks for bios-microvm.bin in -L: qboot boots a Linux kernel directly (SeaBIOS'
         # microvm build did not boot this kernel in 40 s)
         shutil.copy(QBOOT, stage / "fw/bios-microvm.bin")
-        manifest = {"schema": ASSETS_SCHEMA, "key": key, **versions,
+        manifest = {"schema": ASSETS_SCHEMA, "key": key, **versions, "agent_protocol": PROTOCOL,
                     "modules": [m.name for m in mods],
                     "files": {name: blake3.blake3((stage / name).read_bytes()).hexdigest()
                               for name in ("vmlinuz", "initrd.img", "fw/bios-microvm.bin")}}
@@ -391,6 +399,7 @@ def build_image_kernel(base: Assets, layers: Sequence[str], image_root: Path) ->
         (stage / "initrd.img").write_bytes(_cpio(entries))
         os.symlink(base.firmware, stage / "fw")
         manifest = {"schema": ASSETS_SCHEMA, "key": key, "base": base.key, "kernel_from": "image",
+                    "agent_protocol": base.agent_protocol,  # (the base set's initrd, its agent)
                     "layers": list(layers), "kernel_version": version, "modules": [n for n, _ in modules],
                     "files": {name: blake3.blake3((stage / name).read_bytes()).hexdigest()
                               for name in ("vmlinuz", "initrd.img")}}

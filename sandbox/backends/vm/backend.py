@@ -45,7 +45,14 @@ from sandbox.backends.base import (
 )
 from sandbox.backends.vm import assets as vmassets
 from sandbox.backends.vm import qemu as vm
-from sandbox.backends.vm.agent import AgentConnection, AgentError, AgentMisbehaved, GuestProcess
+from sandbox.backends.vm.agent import (
+    TERMINALS_SINCE,
+    AgentConnection,
+    AgentError,
+    AgentMisbehaved,
+    AgentTooOld,
+    GuestProcess,
+)
 from sandbox.backends.vm.files import GuestFiles
 from sandbox.backends.vm.record import VmRecord
 from sandbox.core.errors import (
@@ -173,12 +180,15 @@ class VmBackend:
                                 reason=str(exc).replace("isolation=microvm", f"isolation={isolation}"))
         provides = ["exec", "files", "pause", "resume", "limits", "ttl", "leases", "templates", "templates_in_store",
                     "memory_checkpoint", "checkpoint", "restore", "fork", "network", "background"]
-        lacks = ["ports", "interactive"]
+        lacks: list[str] = []
+        # terminals and ports are the guest agent's (protocol 3): guest assets built before it lack them
+        (provides if assets.agent_protocol >= TERMINALS_SINCE else lacks).extend(["interactive", "ports"])
         if isolation == "vm":
             provides.append("image_kernel")
             lacks += ["bootloader", "pmem_dax"]
         return Capabilities(isolation, True, tuple(provides), tuple(lacks), details={
             **hv.to_json(), "machine": vm.MACHINES[isolation], "guest_assets": assets.key,
+            "agent_protocol": assets.agent_protocol,
             "kernel": assets.manifest.get("kernel_version")})
 
     def assets_for(self, resolved: Resolved, options: SandboxOptions) -> vmassets.Assets:
@@ -815,26 +825,41 @@ class VmBackend:
         """A command in the guest through its agent; its output arrives in OS pipes, so the
         manager's pump streams, caps and times it out as a container's.  A background command
         (``attach`` on pipes) gets its owner's input: the agent's stdin forwarder reads a copy
-        of the owner's pipe."""
-        if attach is not None and attach.terminal is not None:
-            raise UnsupportedOption(f"sandbox {box.id} is a {st.options.isolation}: a terminal (pty) is not "
-                                    "available for VMs yet (the guest agent runs commands on pipes)")
-        stdin_fd = None
+        of the owner's pipe.  On a terminal the guest agent makes the pty; its owner gets a pipe
+        to write the keys to and the agent's resize request (``Attach.on_terminal``)."""
+        terminal = attach.terminal if attach is not None else None
+        stdin_fd = keys = None
+        proc = None
         try:
             conn = self.conn(box.id, box.dir, st)
-            if attach is not None:  # a copy: the owner closes its own once the runner holds it
+            if terminal is not None:
+                stdin_fd, keys = os.pipe2(os.O_CLOEXEC)
+            elif attach is not None:  # a copy: the owner closes its own once the runner holds it
                 stdin_fd = os.dup(attach.stdin_fd) if attach.stdin_fd is not None else os.open(os.devnull, os.O_RDONLY)
-            proc = conn.exec(list(argv), env=dict(env), cwd=cwd, uid=uid, gid=gid, stdin_fd=stdin_fd)
+            proc = conn.exec(list(argv), env=dict(env), cwd=cwd, uid=uid, gid=gid, stdin_fd=stdin_fd,
+                             terminal=terminal)
+        except AgentTooOld as exc:
+            raise UnsupportedOption(f"sandbox {box.id}: {exc}") from None
         except AgentError as exc:
             raise SandboxStateError(f"sandbox {box.id}: its guest agent: {exc}") from None
         finally:
             if attach is not None:
                 attach.spawned()
+            if keys is not None and proc is None:  # no command reads them (exec closed the other end)
+                os.close(keys)
+        if attach is not None and keys is not None:
+            attach.on_terminal(keys, proc.resize)
         return GuestCommand(proc, st.options.isolation)
 
-    def tcp_socket(self, box: Box, st: SandboxState) -> socket.socket:
-        raise UnsupportedOption(f"ports: sandbox {box.id} is a {st.options.isolation}: its ports are the "
-                                "guest's, which the edge does not reach yet")
+    def connect_port(self, box: Box, st: SandboxState, port: int, timeout: float) -> socket.socket:
+        """The guest agent connects to the guest's own ``127.0.0.1:<port>`` and relays the stream
+        (whatever the sandbox's network: the connection never crosses its NIC)."""
+        try:
+            return self.conn(box.id, box.dir, st).connect_port(port, timeout)
+        except AgentTooOld as exc:
+            raise UnsupportedOption(f"ports: sandbox {box.id}: {exc}") from None
+        except AgentError as exc:
+            raise SandboxStateError(f"sandbox {box.id}: its guest agent: {exc}") from None
 
     def update_limits(self, box: Box, st: SandboxState, options: SandboxOptions) -> None:
         raise UnsupportedOption(f"sandbox {box.id} is a {st.options.isolation}: its limits are its VM's shape")

@@ -16,7 +16,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from sandbox.backends.base import special_kind
-from sandbox.backends.vm.agent import AgentConnection, AgentError, GuestFileError, entry_json
+from sandbox.backends.vm.agent import (
+    AgentConnection,
+    AgentError,
+    GuestFileError,
+    GuestProcess,
+    entry_json,
+)
 from sandbox.core.errors import NotARegularFile
 
 MAX_PATH = 4096
@@ -106,3 +112,7 @@ class GuestFiles:
             self._conn().remove(_guest_path(path), recursive=recursive)
 
 
+
+    def watch_dir(self, path: str, *, recursive: bool, uid: int, gid: int) -> GuestProcess:
+        """The guest's inotify on the directory ``path``, as ``uid``:``gid`` (AgentConnection.watch_dir)."""
+        return self._conn().watch_dir(_guest_path(path), recursive=recursive, uid=uid, gid=gid)

@@ -39,7 +39,8 @@ as created); a renamed directory keeps reporting under its old name.
 
 **MicroVMs**: every call but watching is a command in the guest run as the account
 (:mod:`.guestfs`, whose docstring says why and what differs); entries are described here as for
-a container.  Watching answers UNIMPLEMENTED there: the guest agent serves no watch.
+a container.  Watching is the guest kernel's inotify, read by a child of the guest agent run as
+the account (:mod:`.guestwatch`), with the same events, bounds and recursion as a container's.
 
 **/files**: ``GET`` streams a file (``Accept-Encoding: gzip`` compresses it), ``POST`` writes
 one or several (``multipart/form-data``, each part's file name its path unless ``path`` is
@@ -55,7 +56,7 @@ sandbox's envd access token), checked in constant time; an expired one is refuse
 **Known gaps**: a gzipped download serves no ``Range`` (an uncompressed one does); a directory renamed
 under a recursive watch keeps reporting under its old name; renaming a directory that comes
 from a lower layer of the overlay fails (EXDEV, 400) where the kernel's overlay has no
-``redirect_dir``; microVMs: no watching, no metadata (:mod:`.guestfs`).
+``redirect_dir``; microVMs: no metadata (:mod:`.guestfs`).
 """
 
 from __future__ import annotations
@@ -109,9 +110,26 @@ from . import guestfs
 from .base import DEFAULT_USER, E2bContext, error_response
 from .envd import EnvdCall, check_user, current, rpc, rpc_stream
 from .guestfs import Download, Found, Guest, guest_for
+from .guestwatch import GuestWatch
+from .inotify import (
+    IN_CREATE,
+    IN_DELETE_SELF,
+    IN_IGNORED,
+    IN_ISDIR,
+    IN_MOVE_SELF,
+    IN_MOVED_TO,
+    IN_Q_OVERFLOW,
+    IN_UNMOUNT,
+    KINDS,
+    MAX_EVENTS,
+    MAX_WATCH_DIRS,
+    WATCH_MASK,
+    take_events,
+)
 from .process import keepalive
 
 T = TypeVar("T")
+W = TypeVar("W", "Watch", GuestWatch)
 CHUNK = 1 << 20
 READ_MAX_BYTES = 64 << 10  # a Connect request of this service holds paths, never data
 ID_FILE_LIMIT = 1 << 20
@@ -119,8 +137,6 @@ MAX_ENTRIES = 100_000  # a listing's entries, every depth
 MAX_DEPTH = 64
 MAX_LINKS = 40  # symlinks followed while resolving one symlink's target (the kernel's)
 MAX_WATCHERS = 16  # per sandbox, streams and polled watchers together
-MAX_WATCH_DIRS = 1024  # directories one recursive watcher follows
-MAX_EVENTS = 4096  # events a watcher keeps unread
 WATCH_IDLE = 600.0  # seconds a polled watcher lives without a GetWatcherEvents
 ENDED_IDLE = 60.0  # the same for one that ended (its sandbox, its directory gone; overflowed)
 MAX_METADATA = 64
@@ -130,16 +146,7 @@ OVERFLOW_ID = 65534
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}.get(platform.machine())
-IN_MODIFY, IN_ATTRIB, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x4, 0x40, 0x80
-IN_CREATE, IN_DELETE, IN_DELETE_SELF, IN_MOVE_SELF = 0x100, 0x200, 0x400, 0x800
-IN_UNMOUNT, IN_Q_OVERFLOW, IN_IGNORED, IN_ONLYDIR, IN_ISDIR = 0x2000, 0x4000, 0x8000, 0x1000000, 0x40000000
-WATCH_MASK = (IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_DELETE_SELF
-              | IN_MOVE_SELF | IN_ONLYDIR)
 EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
-# inotify's bits -> envd's events, in fsnotify's order (one inotify event may be several)
-KINDS = ((IN_CREATE | IN_MOVED_TO, pb.EventType.CREATE), (IN_MOVED_FROM | IN_MOVE_SELF, pb.EventType.RENAME),
-         (IN_ATTRIB, pb.EventType.CHMOD), (IN_MODIFY, pb.EventType.WRITE),
-         (IN_DELETE | IN_DELETE_SELF, pb.EventType.REMOVE))
 
 
 # -- who --------------------------------------------------------------------------------------------------
@@ -686,11 +693,7 @@ class Watch:
 
     async def take(self) -> list[pb.FilesystemEvent]:
         """The events so far (with their entries when asked), or the error that ended the watch."""
-        taken = list(self.events)
-        self.events.clear()
-        self.wake.clear()
-        if not taken and self.failed is not None:
-            raise self.failed
+        taken = take_events(self.events, self.wake, self.failed)
         if not self.include_entry:
             return [pb.FilesystemEvent(name=n, type=k) for n, k in taken]
         return await self.ctx.files(self.project, lambda: self.root.run(lambda rfd: self._described(rfd, taken)))
@@ -710,7 +713,7 @@ class Watchers:
     """The polled watchers of every sandbox on this edge, and how many watches each sandbox has."""
 
     def __init__(self) -> None:
-        self.polled: dict[str, Watch] = {}
+        self.polled: dict[str, Watch | GuestWatch] = {}
         self.open: collections.Counter[str] = collections.Counter()
 
     def admit(self, sid: str) -> None:
@@ -720,7 +723,7 @@ class Watchers:
                                                     "may: stop one (RemoveWatcher, or end its stream)")
         self.open[sid] += 1
 
-    def release(self, watch: Watch) -> None:
+    def release(self, watch: Watch | GuestWatch) -> None:
         watch.close()
         self.open[watch.sid] -= 1
         if self.open[watch.sid] <= 0:
@@ -736,7 +739,7 @@ class Watchers:
                 del self.polled[wid]
                 self.release(watch)
 
-    def get(self, sid: str, wid: str) -> Watch:
+    def get(self, sid: str, wid: str) -> Watch | GuestWatch:
         self.sweep()
         watch = self.polled.get(wid)
         if watch is None or watch.sid != sid:
@@ -755,12 +758,6 @@ class _SentFile(web.FileResponse):
 
 
 # -- the Connect service ----------------------------------------------------------------------------------
-def unwatchable(box: Sandbox) -> ConnectError:
-    return ConnectError(Code.UNIMPLEMENTED, (
-        f"sandbox {box.id} is a {box.state.options.isolation}: watching a directory is served for containers; "
-        "a VM's guest agent has no watch (poll with files.list, or run inotifywait as a command)"))
-
-
 @dataclass
 class Caller:
     """One call's sandbox and account."""
@@ -870,9 +867,9 @@ class FilesystemService:
         await self.run(c, lambda rfd: remove(rfd, path))
         return pb.RemoveResponse()
 
-    async def _watch(self, c: Caller | Guest, path: str, recursive: bool, include_entry: bool) -> Watch:
+    async def _watch(self, c: Caller | Guest, path: str, recursive: bool, include_entry: bool) -> Watch | GuestWatch:
         if isinstance(c, Guest):
-            raise unwatchable(c.box)
+            return await self._guest_watch(c, path_of(c, "path", path), recursive, include_entry)
         path = c.path("path", path)
 
         def check(rfd: int) -> None:
@@ -881,7 +878,19 @@ class FilesystemService:
                     raise InvalidField("path", f"path {path} not a directory")
         await self.run(c, check)
         self.watchers.admit(c.box.id)
-        watch = Watch(c.box.id, c.root, path, recursive, include_entry, self.ctx, c.project)
+        return await self._started(Watch(c.box.id, c.root, path, recursive, include_entry, self.ctx, c.project))
+
+    async def _guest_watch(self, g: Guest, path: str, recursive: bool, include_entry: bool) -> GuestWatch:
+        async def describe(where: str) -> pb.EntryInfo | None:
+            with contextlib.suppress(OSError, ApiError, InvalidField):
+                return guest_entry(await guestfs.stat(g, where))
+            return None  # (gone again)
+
+        self.watchers.admit(g.box.id)
+        return await self._started(GuestWatch(g.box.id, g, path, recursive, include_entry, describe))
+
+    async def _started(self, watch: W) -> W:
+        """``watch`` (admitted) started; given back when it cannot start."""
         try:
             await watch.start()
         except BaseException:

@@ -41,7 +41,7 @@ import errno
 import os
 import posixpath
 import threading
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,7 +268,7 @@ class _Stdin:
     def spawned(self) -> None:
         self.close()  # the runner holds a copy of its own now
 
-    def on_terminal(self, master: int) -> None:
+    def on_terminal(self, master: int, resize: Callable[[int, int], None] | None = None) -> None:
         os.close(master)
 
     def finished(self) -> Mapping[str, Any]:

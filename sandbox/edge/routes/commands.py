@@ -13,8 +13,10 @@ starts.
 
 A terminal session is a background command on a pty that crun makes inside the
 sandbox's own devpts (``crun exec --console-socket`` hands us the master: the sandbox
-never gets a host pty).  Its output is the terminal's, its input the keys; it can be
-resized (``TIOCSWINSZ`` on the master).
+never gets a host pty), or in a microVM the guest agent makes inside the guest (the
+edge writes the keys to a pipe the agent relays).  Its output is the terminal's, its
+input the keys; it can be resized (``TIOCSWINSZ`` on the master, or the VM backend's
+resize request to its agent).
 
 Everything is bounded (:class:`CommandLimits`): running commands and terminals per sandbox,
 finished commands kept per sandbox, output kept per command, readers attached to one
@@ -78,6 +80,7 @@ from sandbox.core.model import (
     check_object,
     check_str,
 )
+from sandbox.core.sync import own_thread
 from sandbox.edge import openapi
 from sandbox.edge.context import SHUTDOWN_GRACE, EdgeContext
 from sandbox.edge.errors import as_api_error
@@ -243,6 +246,7 @@ class Command:
         self._stdin_hash = blake3.blake3()
         self._stdin_bytes = 0
         self._input: int | None = None  # the pipe's write end, or our copy of the pty master
+        self._resize: Callable[[int, int], None] | None = None  # a terminal that is not the host's (a VM's)
         self._pipe_read: int | None = None  # crun's stdin until crun has it
         if terminal is None:
             self._pipe_read, self._input = os.pipe2(os.O_CLOEXEC)
@@ -267,10 +271,11 @@ class Command:
         if self.terminal is None:
             self._soon(self._set_ready)
 
-    def on_terminal(self, master: int) -> None:
+    def on_terminal(self, master: int, resize: Callable[[int, int], None] | None = None) -> None:
         os.set_blocking(master, False)
         with self._fd_lock:
             self._input = master
+            self._resize = resize
         self._soon(self._set_ready)
 
     def finished(self) -> Mapping[str, Any]:
@@ -402,7 +407,11 @@ class Command:
             raise SandboxStateError(f"command {self.id} runs on pipes, not on a terminal: nothing to resize")
         async with self._input_lock:
             fd = self._open_input()
-            fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+            if self._resize is not None:  # a guest's terminal: a request to its agent, which a guest
+                resize = self._resize      # that stops reading stalls (SEND_TIMEOUT): not the shared executor
+                await own_thread(lambda: resize(cols, rows), name=f"layerbox-resize-{self.id}")
+            else:
+                fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
             self.size = (cols, rows)
 
     def _open_input(self) -> int:

@@ -8,11 +8,14 @@ sandbox's server sees, query string kept)::
     POST /v1/sandboxes/{id}/ports/{port}/url  {"ttl": seconds}                mints a signed URL
 
 Where a connection goes: ``127.0.0.1:<port>`` *inside the sandbox's own network
-namespace*.  The edge opens the socket on a short-lived thread that has ``setns``'d
-into the namespace of the sandbox's init (``/proc/<init>/ns/net``, opened, then the
-init checked again against its recorded start time and cgroup, as the files API
-does); a socket keeps the namespace it was made in, so the connect and everything
-after run on the event loop.  Nothing is routed: the sandbox gains no path to the
+namespace* (its backend's ``connect_port``).  For a container the edge opens the socket
+on a short-lived thread that has ``setns``'d into the namespace of the sandbox's init
+(``/proc/<init>/ns/net``, opened, then the init checked again against its recorded
+start time and cgroup, as the files API does) and connects it there; a socket keeps
+the namespace it was made in, so everything after runs on the event loop.  For a
+microVM or VM the guest agent connects to the guest's own ``127.0.0.1:<port>`` and
+relays the stream over its channel (sandbox/backends/vm/agent.py ``GuestPort``); the
+edge holds one end of a socket pair.  Nothing is routed: the sandbox gains no path to the
 host, its egress policy is untouched (loopback is always allowed inside it, in both
 directions), and the host's own ``127.0.0.1`` is never the target.  A port nobody
 listens on is refused by the sandbox's kernel at once: 502 ``port_closed`` naming it.
@@ -199,21 +202,19 @@ class _NetnsConnector(aiohttp.BaseConnector):
 
     async def _create_connection(self, req: ClientRequest, traces: list[Trace],
                                  timeout: aiohttp.ClientTimeout) -> ResponseHandler:  # noqa: ASYNC109 (aiohttp's)
-        sock = await asyncio.to_thread(self.box.tcp_socket)
         where = f"port {self.port} of sandbox {self.box.id}"
         try:
-            async with asyncio.timeout(CONNECT_TIMEOUT):
-                await self._loop.sock_connect(sock, ("127.0.0.1", self.port))
-            _, proto = await self._loop.create_connection(self._factory, sock=sock)
+            # a thread: a VM's connect is a request to its guest agent (the backend bounds it)
+            sock = await asyncio.to_thread(self.box.connect_port, self.port, CONNECT_TIMEOUT)
         except ConnectionRefusedError:
-            sock.close()
             raise ApiError(None, "port_closed", f"nothing listens on {where} (127.0.0.1:{self.port} inside the "
                                                "sandbox; a server bound to another address is not reached)",
                            retryable=True) from None
         except TimeoutError:
-            sock.close()
             raise ApiError(None, "port_timeout", f"{where} did not accept within {CONNECT_TIMEOUT:g} s "
                                                 "(its accept backlog is full)", retryable=True) from None
+        try:
+            _, proto = await self._loop.create_connection(self._factory, sock=sock)
         except BaseException:
             sock.close()
             raise

@@ -5,7 +5,10 @@
  * Asked to (T_MOUNT, after a template restore), it reseeds the kernel's random number
  * generator from the host's bytes, mounts the sandbox's own disk, composes its root at
  * argv[2] and chroots there; then it serves
- * commands with streamed output, signals, stdin, and file operations.
+ * commands with streamed output, signals, stdin, terminals (a pty it makes, resized on
+ * request), TCP connections to the guest's own 127.0.0.1 relayed both ways under credit
+ * (ports), directory watches (inotify in a child of its own, run as the caller's account),
+ * and file operations.
  *
  * The host trusts nothing it reads here (a guest runs anything, this agent included);
  * this side trusts the host.  One thread, one poll loop: the port, every command's
@@ -30,9 +33,12 @@
 #include <net/if.h>
 #include <net/route.h>
 #include <linux/random.h>
+#include <sys/inotify.h>
 #include <sys/ioctl.h>
+#include <sys/syscall.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -41,11 +47,13 @@
 #include <time.h>
 #include <unistd.h>
 
-#define AGENT_VERSION "lb-agent/2"
+#define AGENT_VERSION "lb-agent/3" /* 3: terminals (PTY, RESIZE), ports (CONNECT...), WATCH */
 #define MAX_FRAME (1u << 20) /* the host never sends more in one frame */
 #define IO_CHUNK (256u << 10)
 #define MAX_PROCS 256
 #define MAX_STREAMS 16
+#define MAX_PORTS 64 /* relayed TCP connections at once */
+#define MAX_WATCH_DIRS 1024 /* directories one watch follows (the edge's for a container's) */
 #define NO_CREDIT INT64_MAX /* a READ or LIST without a credit: a host from before credit takes it all */
 #define TOKEN 16 /* bytes of the host's HELLO its answer starts with */
 
@@ -53,7 +61,8 @@ enum {
 	T_PING = 1, T_PONG = 2, T_EXEC = 3, T_STARTED = 4, T_STDIN = 5, T_SIGNAL = 6,
 	T_READ = 7, T_DATA = 8, T_END = 9, T_WRITE = 10, T_LIST = 11, T_STAT = 12,
 	T_REMOVE = 13, T_MKDIR = 14, T_SYNC = 15, T_ENTRY = 16, T_MOUNT = 17, T_NET = 18, T_MORE = 19,
-	T_STDOUT = 20, T_STDERR = 21, T_EXIT = 22, T_HELLO = 23, T_READY = 100,
+	T_STDOUT = 20, T_STDERR = 21, T_EXIT = 22, T_HELLO = 23,
+	T_PTY = 24, T_RESIZE = 25, T_CONNECT = 26, T_OPENED = 27, T_SHUT = 28, T_CLOSE = 29, T_WATCH = 30, T_READY = 100,
 };
 
 struct proc {
@@ -64,6 +73,23 @@ struct proc {
 	size_t inlen;
 	int in_eof;
 	int orphan;       /* started for an earlier host connection: its output and exit go nowhere */
+	int tty;          /* out (and in, a dup) is a pty's master */
+	int watch;        /* a WATCH's child: nobody's once its host connection is gone */
+};
+
+/* A TCP connection to 127.0.0.1:<port> relayed for the host: its bytes to the host under the
+ * host's credit (DATA, MORE), the host's to it as they come (the host sends no more than its
+ * window: each MORE this side sends gives back what the socket took) */
+struct portc {
+	uint32_t chan;
+	int fd;           /* -1: a free slot */
+	int connecting;
+	int64_t credit;   /* bytes the host takes before it sends MORE */
+	char *out;        /* the host's bytes the socket has not taken yet */
+	size_t outlen;
+	int rd_eof;       /* the socket's end of input was read (SHUT sent) */
+	int wr_eof;       /* the host's END came: once out is written, shutdown(SHUT_WR) */
+	int shut;         /* shut down for writing */
 };
 
 /* A READ or a LIST being answered: one frame per turn of the loop while credit is left */
@@ -80,6 +106,7 @@ static int mounted;
 static const char *root_dir;
 static struct proc procs[MAX_PROCS];
 static struct stream streams[MAX_STREAMS];
+static struct portc ports[MAX_PORTS];
 static int writing = -1;     /* the file a T_WRITE stream goes to */
 static uint32_t writing_chan;
 static char writing_tmp[4096], writing_path[4096];
@@ -178,8 +205,171 @@ static void nonblock(int fd)
 	fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
-static void do_exec(uint32_t chan, struct rd *r)
+/* -- watches: a child of the agent's, as the caller's account, reports inotify events ------------ */
+/* A watch's output, records of: mask (u32, the kernel's; 0 for the watch's own), the name's length
+ * (u32), the name (relative to the watched directory, "" for itself).  Its own: "ready" once
+ * every directory is watched, "sync" for each byte on its stdin, after every event queued
+ * before that byte.  Its exit status: 0 when the directory is gone, else an errno (stderr
+ * says more): what it could not watch, E2BIG past MAX_WATCH_DIRS, EOVERFLOW when the
+ * kernel's queue overflowed. */
+static struct { int wd; char *rel; } wdirs[MAX_WATCH_DIRS];
+static int nwdirs;
+static const char *wroot;
+static const uint32_t WATCH_MASK = IN_MODIFY | IN_ATTRIB | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
+	| IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR;
+
+static void emit(uint32_t mask, const char *name)
 {
+	size_t n = strlen(name);
+	unsigned char head[8];
+	put32(head, mask);
+	put32(head + 4, (uint32_t)n);
+	if (write(1, head, 8) != 8 || (n && write(1, name, n) != (ssize_t)n)) _exit(EPIPE); /* the host left */
+}
+
+static void watch_fail(int err, const char *what, const char *rel)
+{
+	fprintf(stderr, "%s %s/%s: %s\n", what, wroot, rel, strerror(err));
+	_exit(err);
+}
+
+static char *join(const char *a, const char *b)
+{
+	char *out;
+	if (asprintf(&out, "%s%s%s", a, *a && *b ? "/" : "", b) < 0) die("asprintf");
+	return out;
+}
+
+/* ``rel`` (and with ``recursive`` each directory under it) watched; with ``report`` every entry
+ * in them is told as created (a directory made under a recursive watch: what it held before
+ * its watch was added) */
+static void watch_tree(int ifd, const char *rel, int recursive, int report)
+{
+	char *path = join(wroot, rel);
+	if (nwdirs == MAX_WATCH_DIRS) watch_fail(E2BIG, "more directories than 1024 to watch under", "");
+	int wd = inotify_add_watch(ifd, path, WATCH_MASK | IN_DONT_FOLLOW);
+	if (wd < 0) {
+		int err = errno;
+		free(path);
+		if (*rel && (err == ENOENT || err == ENOTDIR)) return; /* gone again already */
+		watch_fail(err, "watch", rel);
+	}
+	wdirs[nwdirs].wd = wd;
+	wdirs[nwdirs++].rel = strdup(rel);
+	DIR *d = recursive || report ? opendir(path) : NULL;
+	free(path);
+	struct dirent *de;
+	while (d && (de = readdir(d))) {
+		if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+		char *child = join(rel, de->d_name);
+		if (report) emit(IN_CREATE, child);
+		struct stat cst;
+		int dir = de->d_type == DT_DIR
+			|| (de->d_type == DT_UNKNOWN && !fstatat(dirfd(d), de->d_name, &cst, AT_SYMLINK_NOFOLLOW) && S_ISDIR(cst.st_mode));
+		if (recursive && dir) watch_tree(ifd, child, 1, report);
+		free(child);
+	}
+	if (d) closedir(d);
+}
+
+static int watched(int wd)
+{
+	for (int i = 0; i < nwdirs; i++)
+		if (wdirs[i].wd == wd) return i;
+	return -1;
+}
+
+/* What the kernel queued, told; 0 when nothing was queued */
+static int watch_read(int ifd, int recursive)
+{
+	static char buf[64 << 10] __attribute__((aligned(__alignof__(struct inotify_event))));
+	ssize_t n = read(ifd, buf, sizeof buf);
+	if (n <= 0) return 0;
+	for (char *p = buf; p < buf + n;) {
+		struct inotify_event *ev = (struct inotify_event *)p;
+		p += sizeof *ev + ev->len;
+		if (ev->mask & IN_Q_OVERFLOW) watch_fail(EOVERFLOW, "the kernel's event queue overflowed for", "");
+		int i = watched(ev->wd);
+		if (i < 0) continue;
+		if (ev->mask & IN_IGNORED) {
+			free(wdirs[i].rel);
+			wdirs[i] = wdirs[--nwdirs];
+			if (!nwdirs) _exit(0); /* the watched directory is gone */
+			continue;
+		}
+		const char *rel = wdirs[i].rel;
+		if (ev->mask & (IN_DELETE_SELF | IN_MOVE_SELF) && *rel) continue; /* its parent tells it */
+		char *where = join(rel, ev->len ? ev->name : "");
+		emit(ev->mask, where);
+		if (recursive && ev->mask & IN_ISDIR && ev->mask & (IN_CREATE | IN_MOVED_TO))
+			watch_tree(ifd, where, 1, 1);
+		free(where);
+	}
+	return 1;
+}
+
+static void watch_main(const char *path, int recursive)
+{
+	wroot = path;
+	int ifd = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+	if (ifd < 0) watch_fail(errno, "inotify for", "");
+	struct stat st;
+	if (stat(path, &st)) watch_fail(errno, "watch", "");
+	if (!S_ISDIR(st.st_mode)) watch_fail(ENOTDIR, "watch", "");
+	watch_tree(ifd, "", recursive, 0);
+	emit(0, "ready");
+	for (;;) {
+		struct pollfd pf[2] = {{ifd, POLLIN, 0}, {0, POLLIN, 0}};
+		if (poll(pf, 2, -1) < 0 && errno != EINTR) watch_fail(errno, "poll", "");
+		if (pf[0].revents) watch_read(ifd, recursive);
+		if (pf[1].revents) {
+			char c[64];
+			ssize_t n = read(0, c, sizeof c);
+			if (n <= 0) _exit(0); /* the host ended the watch */
+			while (watch_read(ifd, recursive)) {}
+			for (ssize_t i = 0; i < n; i++) emit(0, "sync");
+		}
+	}
+}
+
+/* A pty's master (nonblocking) and its slave's path; -1 on failure (errno set) */
+static int open_pty(char *slave, size_t n, uint32_t cols, uint32_t rows)
+{
+	int m = open("/dev/pts/ptmx", O_RDWR | O_NOCTTY | O_CLOEXEC);
+	if (m < 0) m = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+	if (m < 0) return -1;
+	struct winsize ws = {.ws_row = rows, .ws_col = cols};
+	if (unlockpt(m) || ptsname_r(m, slave, n) || ioctl(m, TIOCSWINSZ, &ws)) {
+		int err = errno;
+		close(m);
+		errno = err;
+		return -1;
+	}
+	return m;
+}
+
+/* In the child of a command on a terminal: a session of its own whose controlling terminal
+ * is the pty (opened without O_NOCTTY by the session leader, and TIOCSCTTY to be sure), its
+ * stdin, stdout and stderr; owned by the command's account, as a login's terminal is */
+static int take_pty(const char *slave, uint32_t uid, uint32_t gid)
+{
+	int s = open(slave, O_RDWR);
+	if (s < 0) return errno;
+	if (ioctl(s, TIOCSCTTY, 0) && errno != EPERM) return errno;
+	if (fchown(s, uid, gid)) {} /* a terminal the account cannot chmod is still its terminal */
+	dup2(s, 0); dup2(s, 1); dup2(s, 2);
+	if (s > 2) close(s);
+	return 0;
+}
+
+enum { RUN_EXEC, RUN_PTY, RUN_WATCH };
+
+/* EXEC, PTY (a terminal's cols and rows first) and WATCH (argv: the directory, then
+ * "recursive" or not; run by this agent's code in the child, as the account) */
+static void do_exec(uint32_t chan, struct rd *r, int mode)
+{
+	int tty = mode == RUN_PTY;
+	uint32_t cols = tty ? rd32(r) : 0, rows = tty ? rd32(r) : 0;
 	uint32_t uid = rd32(r), gid = rd32(r);
 	char *cwd = rdstr(r);
 	uint32_t argc = rd32(r);
@@ -197,12 +387,22 @@ static void do_exec(uint32_t chan, struct rd *r)
 	struct proc *slot = NULL;
 	for (int i = 0; i < MAX_PROCS; i++)
 		if (procs[i].pid <= 0) { slot = &procs[i]; break; }
-	int o[2], e[2], in[2], ep[2];
+	int o[2] = {-1, -1}, e[2] = {-1, -1}, in[2] = {-1, -1}, ep[2];
+	char slave[64] = "";
 	if (!slot || find(chan)) {
 		send_end(chan, slot ? EEXIST : EAGAIN, "exec", argv[0]);
 		goto out;
 	}
-	if (pipe2(o, O_CLOEXEC) || pipe2(e, O_CLOEXEC) || pipe2(in, O_CLOEXEC) || pipe2(ep, O_CLOEXEC)) {
+	if (tty) {
+		/* the master is the command's output (o[0]) and, a dup of it, its input (in[1]) */
+		if ((o[0] = open_pty(slave, sizeof slave, cols, rows)) < 0 || (in[1] = fcntl(o[0], F_DUPFD_CLOEXEC, 3)) < 0
+		    || pipe2(ep, O_CLOEXEC)) {
+			send_end(chan, errno, "terminal", argv[0]);
+			if (o[0] >= 0) close(o[0]);
+			if (in[1] >= 0) close(in[1]);
+			goto out;
+		}
+	} else if (pipe2(o, O_CLOEXEC) || pipe2(e, O_CLOEXEC) || pipe2(in, O_CLOEXEC) || pipe2(ep, O_CLOEXEC)) {
 		send_end(chan, errno, "exec", argv[0]);
 		goto out;
 	}
@@ -212,12 +412,19 @@ static void do_exec(uint32_t chan, struct rd *r)
 		sigemptyset(&all);
 		sigprocmask(SIG_SETMASK, &all, NULL);
 		setsid();
-		dup2(in[0], 0); dup2(o[1], 1); dup2(e[1], 2);
 		int err = 0;
-		if (chdir(cwd)) err = errno;
+		if (tty) err = take_pty(slave, uid, gid);
+		else { dup2(in[0], 0); dup2(o[1], 1); dup2(e[1], 2); }
+		if (err) {}
+		else if (chdir(cwd)) err = errno;
 		else if (setgroups(0, NULL) && errno != EPERM) err = errno;
 		else if (setgid(gid)) err = errno;
 		else if (setuid(uid)) err = errno;
+		if (!err && mode == RUN_WATCH) {
+			/* no exec: nothing of the agent's may stay open in it (the port, other commands' pipes) */
+			syscall(SYS_close_range, 3, ~0U, 0);
+			watch_main(argv[0], argc > 1 && !strcmp(argv[1], "recursive"));
+		}
 		if (!err) {
 			environ = envp;
 			execvp(argv[0], argv);
@@ -227,10 +434,11 @@ static void do_exec(uint32_t chan, struct rd *r)
 		(void)!write(ep[1], &v, 4);
 		_exit(127);
 	}
-	close(o[1]); close(e[1]); close(in[0]); close(ep[1]);
+	if (!tty) { close(o[1]); close(e[1]); close(in[0]); }
+	close(ep[1]);
 	if (pid < 0) {
 		send_end(chan, errno, "exec", argv[0]);
-		close(o[0]); close(e[0]); close(in[1]); close(ep[0]);
+		close(o[0]); if (e[0] >= 0) close(e[0]); close(in[1]); close(ep[0]);
 		goto out;
 	}
 	int32_t err = 0;
@@ -238,12 +446,13 @@ static void do_exec(uint32_t chan, struct rd *r)
 	close(ep[0]);
 	if (n == 4) {
 		waitpid(pid, NULL, 0);
-		close(o[0]); close(e[0]); close(in[1]);
+		close(o[0]); if (e[0] >= 0) close(e[0]); close(in[1]);
 		send_end(chan, err, "exec", argv[0]);
 		goto out;
 	}
-	nonblock(o[0]); nonblock(e[0]); nonblock(in[1]);
-	*slot = (struct proc){.chan = chan, .pid = pid, .out = o[0], .err = e[0], .in = in[1]};
+	nonblock(o[0]); if (e[0] >= 0) nonblock(e[0]); nonblock(in[1]);
+	*slot = (struct proc){.chan = chan, .pid = pid, .out = o[0], .err = e[0], .in = in[1], .tty = tty,
+			      .watch = mode == RUN_WATCH};
 	unsigned char p[4];
 	put32(p, (uint32_t)pid);
 	send_frame(T_STARTED, chan, p, 4);
@@ -251,6 +460,21 @@ out:
 	for (uint32_t i = 0; i < argc; i++) free(argv[i]);
 	for (uint32_t i = 0; envp && i < envc; i++) free(envp[i]);
 	free(argv); free(envp); free(cwd);
+}
+
+/* Every process of the command's session (it is its session's leader): its process group, and
+ * the groups a shell on a terminal makes for its jobs, which a signal to one group misses */
+static void signal_session(pid_t leader, int sig)
+{
+	if (kill(-leader, sig)) kill(leader, sig);
+	DIR *d = opendir("/proc");
+	if (!d) return;
+	struct dirent *de;
+	while ((de = readdir(d))) {
+		pid_t pid = (pid_t)atoi(de->d_name);
+		if (pid > 1 && pid != leader && getsid(pid) == leader) kill(pid, sig);
+	}
+	closedir(d);
 }
 
 static void close_in(struct proc *p)
@@ -282,6 +506,7 @@ static void do_stdin(uint32_t chan, const unsigned char *data, size_t len)
 {
 	struct proc *p = find(chan);
 	if (!p || p->in < 0) return;
+	if (!len && p->tty) return; /* a terminal has no end of input: its master stays (^D is a key) */
 	if (!len) { p->in_eof = 1; flush_in(p); return; }
 	p->inbuf = realloc(p->inbuf, p->inlen + len);
 	if (!p->inbuf) die("realloc");
@@ -428,17 +653,147 @@ static void serve(struct stream *s)
 	if (s->credit != NO_CREDIT) s->credit -= n;
 }
 
-/* A new host connection: what an earlier one asked for is nobody's now.  Its streams are
- * dropped, its upload abandoned, its commands run on with their output and exit unsent,
- * so the new host never reads an answer to a request it did not make.  The answer starts
- * with the host's token: whatever came before it on the port is the earlier connection's. */
+/* -- ports: TCP connections to the guest's own 127.0.0.1, relayed for the host ------------------ */
+static struct portc *find_port(uint32_t chan)
+{
+	for (int i = 0; i < MAX_PORTS; i++)
+		if (ports[i].fd >= 0 && ports[i].chan == chan)
+			return &ports[i];
+	return NULL;
+}
+
+static void drop_port(struct portc *c)
+{
+	if (c->fd >= 0) close(c->fd);
+	free(c->out);
+	*c = (struct portc){.fd = -1};
+}
+
+/* END is a connection's last frame: errno 0 once both directions ended, else why it ended */
+static void end_port(struct portc *c, int err)
+{
+	char where[32];
+	snprintf(where, sizeof where, "127.0.0.1 (channel %u)", c->chan);
+	send_end(c->chan, err, "connection to", where);
+	drop_port(c);
+}
+
+static void do_connect(uint32_t chan, struct rd *r)
+{
+	uint32_t portno = rd32(r), credit = rd32(r);
+	char where[32];
+	snprintf(where, sizeof where, "127.0.0.1:%u", portno);
+	if (r->bad) return;
+	struct portc *c = NULL;
+	for (int i = 0; i < MAX_PORTS && !c; i++)
+		if (ports[i].fd < 0) c = &ports[i];
+	if (!c || find_port(chan) || portno == 0 || portno > 65535) {
+		send_end(chan, !c ? EAGAIN : portno == 0 || portno > 65535 ? EINVAL : EEXIST, "connect", where);
+		return;
+	}
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0) { send_end(chan, errno, "connect", where); return; }
+	struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(portno), .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+	int rc = connect(fd, (struct sockaddr *)&sa, sizeof sa);
+	if (rc && errno != EINPROGRESS) { send_end(chan, errno, "connect", where); close(fd); return; }
+	*c = (struct portc){.chan = chan, .fd = fd, .connecting = rc != 0, .credit = credit};
+	if (!rc) send_frame(T_OPENED, chan, NULL, 0);
+}
+
+/* the host's bytes into the socket, as far as it takes them; what it took is the host's credit back */
+static void flush_port(struct portc *c)
+{
+	size_t done = 0;
+	while (done < c->outlen) {
+		ssize_t n = write(c->fd, c->out + done, c->outlen - done);
+		if (n < 0 && errno == EINTR) continue;
+		if (n < 0 && errno == EAGAIN) break;
+		if (n < 0) { end_port(c, errno); return; }
+		done += n;
+	}
+	if (done) {
+		unsigned char v[4];
+		memmove(c->out, c->out + done, c->outlen - done);
+		c->outlen -= done;
+		put32(v, (uint32_t)done);
+		send_frame(T_MORE, c->chan, v, 4);
+	}
+	if (!c->outlen && c->wr_eof && !c->shut) {
+		shutdown(c->fd, SHUT_WR);
+		c->shut = 1;
+	}
+	if (c->shut && c->rd_eof) end_port(c, 0);
+}
+
+/* the socket's bytes to the host while it has credit; at its end SHUT */
+static void pump_port(struct portc *c)
+{
+	static char buf[IO_CHUNK];
+	while (c->credit > 0) {
+		size_t want = c->credit < (int64_t)sizeof buf ? (size_t)c->credit : sizeof buf;
+		ssize_t n = read(c->fd, buf, want);
+		if (n < 0 && errno == EINTR) continue;
+		if (n < 0 && errno == EAGAIN) return;
+		if (n < 0) { end_port(c, errno); return; }
+		if (n == 0) {
+			c->rd_eof = 1;
+			send_frame(T_SHUT, c->chan, NULL, 0);
+			if (c->shut) end_port(c, 0);
+			return;
+		}
+		send_frame(T_DATA, c->chan, buf, n);
+		c->credit -= n;
+	}
+}
+
+static void connected(struct portc *c)
+{
+	int err = 0;
+	socklen_t len = sizeof err;
+	if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &len)) err = errno;
+	if (err) { end_port(c, err); return; }
+	c->connecting = 0;
+	send_frame(T_OPENED, c->chan, NULL, 0);
+}
+
+/* A frame of the host's on a connection: DATA for the socket, END (its end of input), MORE
+ * (credit), CLOSE (it wants nothing more: the connection is dropped, END answers) */
+static void port_frame(struct portc *c, int type, const unsigned char *pl, size_t len)
+{
+	struct rd r = {pl, pl + len, 0};
+	switch (type) {
+	case T_DATA:
+		if (c->wr_eof || !len) break;
+		c->out = realloc(c->out, c->outlen + len);
+		if (!c->out) die("realloc");
+		memcpy(c->out + c->outlen, pl, len);
+		c->outlen += len;
+		if (!c->connecting) flush_port(c);
+		break;
+	case T_END: c->wr_eof = 1; if (!c->connecting) flush_port(c); break;
+	case T_MORE: { uint32_t a = rd32(&r); if (!r.bad) c->credit += a; break; }
+	default: end_port(c, ECONNABORTED); /* T_CLOSE */
+	}
+}
+
+/* A new host connection: what an earlier one asked for is nobody's now.  Its streams and port
+ * connections are dropped, its upload abandoned, its watches killed (their events were for it
+ * alone), its commands run on with their output and exit unsent, so the new host never reads
+ * an answer to a request it did not make.  The answer starts with the host's token: whatever
+ * came before it on the port is the earlier connection's. */
 static void hello(uint32_t chan, const unsigned char *token, size_t len)
 {
 	for (int i = 0; i < MAX_STREAMS; i++)
 		if (streams[i].path) drop_stream(&streams[i]);
 	for (int i = 0; i < MAX_PROCS; i++)
-		if (procs[i].pid > 0 && !procs[i].orphan) { procs[i].orphan = 1; close_in(&procs[i]); }
+		if (procs[i].pid > 0 && !procs[i].orphan) {
+			procs[i].orphan = 1;
+			close_in(&procs[i]);
+			if (procs[i].watch) kill(procs[i].pid, SIGKILL); /* its events are for no one now */
+		}
 	if (writing >= 0) { close(writing); writing = -1; unlink(writing_tmp); }
+	for (int i = 0; i < MAX_PORTS; i++)
+		if (ports[i].fd >= 0) drop_port(&ports[i]);
 	unsigned char out[TOKEN + sizeof AGENT_VERSION];
 	size_t n = len < TOKEN ? len : TOKEN;
 	memcpy(out, token, n);
@@ -629,6 +984,12 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 	struct rd r = {pl, pl + len, 0};
 	char *path = NULL;
 	uint32_t a;
+	struct portc *conn = find_port(chan);
+	if (conn && (type == T_DATA || type == T_END || type == T_MORE || type == T_CLOSE)) {
+		port_frame(conn, type, pl, len);
+		return;
+	}
+	if (type == T_CLOSE) return; /* a connection that ended meanwhile: its END is on its way */
 	if (!mounted && type != T_PING && type != T_MOUNT && type != T_SYNC && type != T_STDIN && type != T_SIGNAL
 	    && type != T_NET && type != T_HELLO) {
 		send_end(chan, EAGAIN, "request", "(the sandbox's disk is not mounted yet)");
@@ -643,12 +1004,23 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 	}
 	case T_PING: send_frame(T_PONG, chan, pl, len); break;
 	case T_HELLO: hello(chan, pl, len); break;
-	case T_EXEC: do_exec(chan, &r); break;
+	case T_EXEC: do_exec(chan, &r, RUN_EXEC); break;
+	case T_PTY: do_exec(chan, &r, RUN_PTY); break;
+	case T_WATCH: do_exec(chan, &r, RUN_WATCH); break;
+	case T_RESIZE: {
+		struct proc *p = find(chan);
+		uint32_t cols = rd32(&r), rows = rd32(&r);
+		struct winsize ws = {.ws_row = rows, .ws_col = cols};
+		/* the kernel signals the terminal's foreground process group (SIGWINCH) */
+		if (p && p->tty && !r.bad) ioctl(p->in >= 0 ? p->in : p->out, TIOCSWINSZ, &ws);
+		break;
+	}
+	case T_CONNECT: do_connect(chan, &r); break;
 	case T_STDIN: do_stdin(chan, pl, len); break;
 	case T_SIGNAL: {
 		struct proc *p = find(chan);
 		a = rd32(&r);
-		if (p && !r.bad && kill(-p->pid, (int)a)) kill(p->pid, (int)a);
+		if (p && !r.bad) signal_session(p->pid, (int)a);
 		break;
 	}
 	case T_READ: if ((path = rdstr(&r))) open_stream(chan, path, &r, 0); break;
@@ -723,6 +1095,7 @@ int main(int argc, char **argv)
 	root_dir = argv[2];
 	for (int i = 0; i < MAX_PROCS; i++) procs[i] = (struct proc){.out = -1, .err = -1, .in = -1};
 	for (int i = 0; i < MAX_STREAMS; i++) streams[i] = (struct stream){.fd = -1};
+	for (int i = 0; i < MAX_PORTS; i++) ports[i] = (struct portc){.fd = -1};
 	port = open(argv[1], O_RDWR | O_CLOEXEC);
 	if (port < 0) die(argv[1]);
 	signal(SIGPIPE, SIG_IGN);
@@ -737,9 +1110,10 @@ int main(int argc, char **argv)
 
 	size_t cap = MAX_FRAME + 16, have = 0;
 	unsigned char *buf = malloc(cap);
-	struct pollfd pf[2 + 3 * MAX_PROCS];
-	struct proc *owner[2 + 3 * MAX_PROCS];
-	int kind[2 + 3 * MAX_PROCS];
+	struct pollfd pf[2 + 3 * MAX_PROCS + MAX_PORTS];
+	struct proc *owner[2 + 3 * MAX_PROCS + MAX_PORTS];
+	struct portc *conn[2 + 3 * MAX_PROCS + MAX_PORTS];
+	int kind[2 + 3 * MAX_PROCS + MAX_PORTS];
 	for (;;) {
 		int n = 0;
 		pf[n++] = (struct pollfd){port, POLLIN, 0};
@@ -751,6 +1125,13 @@ int main(int argc, char **argv)
 			if (p->err >= 0) { owner[n] = p; kind[n] = 2; pf[n++] = (struct pollfd){p->err, POLLIN, 0}; }
 			if (p->in >= 0 && p->inlen) { owner[n] = p; kind[n] = 3; pf[n++] = (struct pollfd){p->in, POLLOUT, 0}; }
 		}
+		for (int i = 0; i < MAX_PORTS; i++) {
+			struct portc *c = &ports[i];
+			short ev = c->fd < 0 ? 0 : c->connecting ? POLLOUT
+				: (short)((!c->rd_eof && c->credit > 0 ? POLLIN : 0) | (c->outlen ? POLLOUT : 0));
+			/* none wanted: not polled, or a socket's hangup would wake the loop until credit comes */
+			if (ev) { conn[n] = c; kind[n] = 4; pf[n++] = (struct pollfd){c->fd, ev, 0}; }
+		}
 		int ready = 0; /* a stream with credit left: look at the fds, then serve it */
 		for (int i = 0; i < MAX_STREAMS; i++)
 			if (streams[i].path && streams[i].credit > 0) ready = 1;
@@ -758,6 +1139,15 @@ int main(int argc, char **argv)
 		for (int i = 2; i < n; i++) {
 			if (!pf[i].revents) continue;
 			struct proc *p = owner[i];
+			if (kind[i] == 4) {
+				struct portc *c = conn[i];
+				/* an earlier event of this turn (a hello) may have dropped it */
+				if (c->fd != pf[i].fd) continue;
+				if (c->connecting) { connected(c); continue; }
+				if (c->outlen && (pf[i].revents & (POLLOUT | POLLERR | POLLHUP))) flush_port(c);
+				if (c->fd == pf[i].fd && !c->rd_eof && (pf[i].revents & (POLLIN | POLLERR | POLLHUP))) pump_port(c);
+				continue;
+			}
 			if (kind[i] == 1) drain(p, &p->out, T_STDOUT);
 			else if (kind[i] == 2) drain(p, &p->err, T_STDERR);
 			else flush_in(p);
