@@ -44,7 +44,7 @@ def burst(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     root = base / "f"
     state = layerbox("fleet", "--dir", str(root), "up", "--store", store_url, "--pools", "onprem=1,cloud=1",
                      "--pool-store", f"cloud={cloud}", "--gateways", "1", "--edge-arg=--max-sandboxes",
-                     "--edge-arg=2")
+                     "--edge-arg=2", "--gateway-arg=--sync-back", "--gateway-arg=1")
     fleet = Fleet(root, state)
     try:
         fleet.cli("policy", "set", "--home", "onprem", "--overflow", "cloud", "--threshold", "0.5", "--wait", "2",
@@ -57,6 +57,15 @@ def burst(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 def where(fleet: Fleet) -> dict[str, list[str]]:
     return fleet.on_edges()
+
+
+def reported(fleet: Fleet, edge: str, live: int) -> None:
+    """Until ``edge``'s heartbeat says it runs ``live`` sandboxes, and the gateway has read it."""
+    deadline = time.monotonic() + 30
+    while fleet.edges()[edge]["load"]["sandboxes"]["live"] != live:
+        assert time.monotonic() < deadline, fleet.edges()[edge]["load"]
+        time.sleep(0.3)
+    time.sleep(1.2)  # the gateway's next registry refresh
 
 
 def test_sync_moved_only_the_eligible_image_and_a_second_sync_moves_nothing(
@@ -78,11 +87,12 @@ def test_past_the_threshold_eligible_creates_overflow_and_others_wait_then_are_r
     g = fleet.gateways[0]
     made: list[str] = []
     try:
+        reported(fleet, "edge-0", 0)
         status, _, first = http("POST", g + "/v1/sandboxes", {"image": REF}, token=fleet.token, timeout=120)
         assert status == 201, first
         made.append(first["id"])
         assert first["id"] in where(fleet)["edge-0"]  # home below the threshold
-        time.sleep(2.5)  # the home edge's next report says it is half full
+        reported(fleet, "edge-0", 1)  # the home edge's report says it is half full
         status, _, second = http("POST", g + "/v1/sandboxes", {"image": REF}, token=fleet.token, timeout=120)
         assert status == 201, second
         made.append(second["id"])
@@ -104,6 +114,50 @@ def test_past_the_threshold_eligible_creates_overflow_and_others_wait_then_are_r
     finally:
         for sid in made:
             http("DELETE", f"{g}/v1/sandboxes/{sid}", token=fleet.token)
+
+
+def test_a_checkpoint_made_in_the_cloud_syncs_back_and_restores_at_home(burst: tuple[Fleet, dict[str, Any]]) -> None:
+    fleet, stores = burst
+    g = fleet.gateways[0]
+    made: list[str] = []
+    try:
+        for live in (0, 1):  # the second overflows (past half of home's two slots)
+            reported(fleet, "edge-0", live)
+            status, _, box = http("POST", g + "/v1/sandboxes", {"image": REF}, token=fleet.token, timeout=120)
+            assert status == 201, box
+            made.append(box["id"])
+        cloudy = made[1]
+        assert cloudy in where(fleet)["edge-1"]
+        status, _, out = http("POST", f"{g}/v1/sandboxes/{cloudy}/exec", {"cmd": "echo from-the-cloud > /root/c.txt"},
+                              token=fleet.token, timeout=120)
+        assert status == 200, out
+        status, _, ckpt = http("POST", f"{g}/v1/sandboxes/{cloudy}/checkpoint", {"name": "cloudy"}, token=fleet.token,
+                               timeout=300)
+        assert status == 201, ckpt
+    finally:
+        for sid in made:
+            http("DELETE", f"{g}/v1/sandboxes/{sid}", token=fleet.token)
+    home = cli("ls", "--store", stores["home"], "--data-dir", str(stores["base"] / "ls0"), "projects/demo/")
+    assert not any("cloudy" in json.dumps(r) for r in home), home  # the checkpoint went to the cloud store
+    deadline = time.monotonic() + 60
+    while True:
+        home = cli("ls", "--store", stores["home"], "--data-dir", str(stores["base"] / f"ls{time.monotonic()}"),
+                   "projects/demo/")
+        if any("cloudy" in json.dumps(r) for r in home) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert any("cloudy" in json.dumps(r) for r in home), home
+    reported(fleet, "edge-0", 0)  # home's utilization back to 0 in the gateway's view: the restore goes home
+    status, _, back = http("POST", g + "/v1/sandboxes/restore", {"checkpoint": ckpt["name"]}, token=fleet.token,
+                           timeout=300)
+    assert status == 201, back
+    try:
+        assert back["id"] in where(fleet)["edge-0"]
+        status, _, out = http("POST", f"{g}/v1/sandboxes/{back['id']}/exec", {"cmd": "cat /root/c.txt"},
+                              token=fleet.token, timeout=120)
+        assert "ZnJvbS10aGUtY2xvdWQK" in str(out), out  # base64 of "from-the-cloud\n"
+    finally:
+        http("DELETE", f"{g}/v1/sandboxes/{back['id']}", token=fleet.token)
 
 
 def test_the_cloud_edge_reads_only_the_cloud_store(burst: tuple[Fleet, dict[str, Any]]) -> None:

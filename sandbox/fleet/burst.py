@@ -11,6 +11,10 @@ in the overflow pool's store (``layerbox sync HOME CLOUD --eligible-only`` copie
 overflow pool first, home second; any other create stays home, and when home has no room it
 waits up to ``wait`` seconds and is then refused with the reason, naming the policy.  Verdicts
 are cached for :data:`VERDICT_TTL` seconds per image: a create must not list a store.
+
+What sandboxes in the overflow pool write (checkpoints, sandboxes paused into the store) goes
+back: one gateway at a time (:meth:`FleetDb.leader`) copies the overflow store's ``projects/``
+refs to the home store every ``--sync-back`` seconds, moving only what home lacks.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 from layerstore.eligibility import Eligibility, PolicyError, why_not_eligible
 from layerstore.errors import LayerboxError
+from layerstore.replicate import SyncReport, replicate
 from layerstore.store import Store
 
 SCHEMA = "layerbox.burst.v1"
@@ -32,6 +37,7 @@ FIELDS = {"schema", "home", "overflow", "threshold", "wait", "eligibility"}
 VERDICT_TTL = 30.0
 DEFAULT_THRESHOLD = 0.8
 DEFAULT_WAIT = 10.0
+PROJECTS = "projects/"  # where checkpoints and paused sandboxes live (per project)
 
 
 @dataclass(frozen=True)
@@ -92,13 +98,28 @@ class Verdicts:
         self._cache[key] = (verdict, time.monotonic() + VERDICT_TTL)
         return verdict
 
-    async def _judge(self, policy: BurstPolicy, image: str) -> str | None:
-        url = self.stores.get(policy.overflow)
+    async def store(self, pool: str) -> Store | None:
+        """Pool ``pool``'s store, opened once (None when this gateway was given none)."""
+        url = self.stores.get(pool)
         if url is None:
-            return f"this gateway knows no store for pool {policy.overflow!r} (--pool-store)"
-        store = self._open.get(policy.overflow)
+            return None
+        store = self._open.get(pool)
         if store is None:
-            store = self._open[policy.overflow] = await Store.open(url, self.data_dir / policy.overflow)
+            store = self._open[pool] = await Store.open(url, self.data_dir / pool)
+        return store
+
+    async def sync_back(self, policy: BurstPolicy) -> SyncReport | None:
+        """Copy what sandboxes of the overflow pool wrote (checkpoints, paused sandboxes: the refs
+        under ``projects/``) to the home pool's store; None without both stores."""
+        src, dst = await self.store(policy.overflow), await self.store(policy.home)
+        if src is None or dst is None:
+            return None
+        return await replicate(src, dst, [PROJECTS])
+
+    async def _judge(self, policy: BurstPolicy, image: str) -> str | None:
+        store = await self.store(policy.overflow)
+        if store is None:
+            return f"this gateway knows no store for pool {policy.overflow!r} (--pool-store)"
         try:
             reason = await why_not_eligible(store, policy.eligibility, image)
         except LayerboxError as exc:

@@ -25,10 +25,11 @@ Every statement runs through :class:`FleetDb`, which counts transactions (the be
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,6 +200,15 @@ class FleetDb:
         """The database's clock: the fleet's time (gateways sign and edges check by it)."""
         rows = await self._fetch("SELECT extract(epoch FROM clock_timestamp())::float8 AS t")
         return float(rows[0]["t"])
+
+    @contextlib.asynccontextmanager
+    async def leader(self, name: str) -> AsyncIterator[bool]:
+        """Whether this process leads ``name`` for the block (one at a time across every gateway;
+        a transaction-scoped advisory lock, so a gateway that dies lets go at once)."""
+        key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+        self.transactions += 1
+        async with self.pool.acquire() as conn, conn.transaction():
+            yield bool(await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", key))
 
     # -- settings ------------------------------------------------------------------------------------
     async def fleet_key(self) -> bytes:

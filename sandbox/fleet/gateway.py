@@ -82,6 +82,7 @@ E2B_SANDBOX = re.compile(r"/(?:v2/)?sandboxes/([^/]+)(/.*)?")
 NOT_IDS = frozenset({"restore", "metrics"})  # /v1/sandboxes/restore, /sandboxes/metrics
 E2B_PREFIXES = ("/sandboxes", "/v2/", "/templates", "/snapshots")
 CREATE_TIMEOUT = 150.0
+SYNC_BACK = 60.0  # seconds between copies of the overflow pool's checkpoints home
 CACHE_PARENT = "/var/tmp"
 CACHE_PREFIX = "layerbox-gateway-"
 
@@ -119,8 +120,9 @@ class Gateway:
 
     def __init__(self, db: FleetDb, fleet_key: bytes, *, domain: str | None = None, k: int = 2,
                  placement: Placement | None = None, lost_after: float = LOST_AFTER,
-                 verdicts: Verdicts | None = None) -> None:
+                 verdicts: Verdicts | None = None, sync_back: float = SYNC_BACK) -> None:
         self.lost_after = lost_after
+        self.sync_back_every = sync_back
         self.verdicts = verdicts  # the stores of pools creates may overflow to
         self.burst: BurstPolicy | None = None
         self.db = db
@@ -151,7 +153,8 @@ class Gateway:
                                              auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
         await self.refresh()
         self._tasks = [asyncio.create_task(self._every(REFRESH, self.refresh)),
-                       asyncio.create_task(self._every(HOUSEKEEPING, self.housekeeping))]
+                       asyncio.create_task(self._every(HOUSEKEEPING, self.housekeeping)),
+                       asyncio.create_task(self._every(self.sync_back_every, self.sync_back))]
 
     async def _stop(self, app: web.Application) -> None:
         for task in self._tasks:
@@ -192,6 +195,17 @@ class Gateway:
     async def housekeeping(self) -> None:
         await self.db.expire()
         await self.db.mark_lost(after=self.lost_after)
+
+    async def sync_back(self) -> None:
+        """The overflow pool's checkpoints to the home store (sandbox.fleet.burst), by one gateway."""
+        policy, verdicts = self.burst, self.verdicts
+        if policy is None or verdicts is None:
+            return
+        async with self.db.leader("sync-back") as leading:
+            if leading:
+                report = await verdicts.sync_back(policy)
+                if report is not None and report.bytes_moved:
+                    log.info("synced back from pool %s: %s bytes", policy.overflow, report.bytes_moved)
 
     def now(self) -> float:
         return time.time() + self.clock
@@ -656,6 +670,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="the store a pool's edges read: creates overflow there only for images present in it")
     p.add_argument("--cache-dir", type=Path, help="where store metadata is cached (default: a directory of its own "
                    "under /var/tmp, removed at exit)")
+    p.add_argument("--sync-back", type=float, default=SYNC_BACK, metavar="SECONDS",
+                   help="how often the overflow pool's checkpoints are copied home (default %(default)s)")
     p.add_argument("--lost-after", type=float, default=LOST_AFTER, metavar="SECONDS",
                    help="silence after which an edge's sandboxes are lost and leave their quotas (default %(default)s)")
     return p
@@ -695,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         db = await FleetDb.open(args.db)
         verdicts = Verdicts(stores, cache) if stores else None
         gateway = Gateway(db, await db.fleet_key(), domain=domain, k=args.k, lost_after=args.lost_after,
-                          verdicts=verdicts)
+                          verdicts=verdicts, sync_back=args.sync_back)
         runner = web.AppRunner(gateway.app(), keepalive_timeout=15.0)
         await runner.setup()
         await web.TCPSite(runner, args.host, args.port).start()

@@ -147,8 +147,8 @@ def _start_gateways(spec: Spec, state: dict[str, Any]) -> None:
                 "--cache-dir", str(spec.root / f"gateway-{i}.cache")]
         if spec.e2b_domain:
             argv += ["--e2b-domain", spec.e2b_domain]
-        for pool, url in spec.pool_stores.items():
-            argv += ["--pool-store", f"{pool}={url}"]
+        for pool in spec.pools:  # every pool's store: the overflow's to judge, the home's to sync back to
+            argv += ["--pool-store", f"{pool}={spec.pool_stores.get(pool, spec.store)}"]
         argv += spec.gateway_args
         log = spec.root / f"gateway-{i}.log"
         proc = _spawn(argv, log)
