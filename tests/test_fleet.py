@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 PER_EDGE = 5
 EDGES = 4
 LOST_AFTER = 6.0
+DOMAIN = "sandboxes.test"
 
 
 def layerbox(*args: str, timeout: float = 300) -> Any:
@@ -97,7 +98,7 @@ def fleet(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     root = tmp_path_factory.mktemp("fleet") / "f"
     state = layerbox("fleet", "--dir", str(root), "up", "--store", store_url, "--pools", f"onprem={EDGES}",
                      "--gateways", "2", "--max-sandboxes", "40", "--edge-arg=--max-sandboxes", f"--edge-arg={PER_EDGE}",
-                     "--gateway-arg=--lost-after", f"--gateway-arg={LOST_AFTER}", timeout=300)
+                     "--gateway-arg=--lost-after", f"--gateway-arg={LOST_AFTER}", "--e2b-domain", DOMAIN, timeout=300)
     try:
         yield Fleet(root, state)
     finally:
@@ -205,6 +206,31 @@ def test_another_projects_sandbox_is_missing_from_every_gateway(clean: Fleet) ->
             urllib.request.urlopen(req, timeout=30)
         assert err.value.code == 502
     assert "lb-" in run(clean.gateways[1], clean.token, sid, "hostname")  # still there, still theirs
+
+
+def test_e2b_host_names_route_through_any_gateway(clean: Fleet) -> None:
+    """``<port>-<id>.<domain>`` (E2B_DOMAIN behind a TLS proxy) reaches the sandbox's envd through
+    either gateway, with the sandbox's own access token."""
+    g0, g1 = clean.gateways
+    status, box = create(g0, clean.token)
+    assert status == 201, box
+    req = urllib.request.Request(f"{g0}/sandboxes/{box['id']}", headers={"X-API-Key": clean.token})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        token = json.loads(r.read())["envdAccessToken"]
+
+    def envd(gateway: str, sid: str, access: str) -> int:
+        req = urllib.request.Request(gateway + "/envs", headers={"Host": f"49983-{sid}.{DOMAIN}",
+                                                                 "X-Access-Token": access})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return int(r.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert envd(g1, box["id"], token) == 200
+    assert envd(g0, box["id"], token) == 200
+    assert envd(g1, box["id"], "not-its-token") in (401, 502)
+    assert envd(g1, "lb-000000000000", token) == 502
 
 
 def test_ids_and_fields_are_checked_at_the_gateway(clean: Fleet) -> None:
