@@ -376,6 +376,28 @@ def test_drain_move_takes_sandboxes_with_their_ids_and_files_to_other_edges(clea
         clean.cli("undrain", "edge-3")
 
 
+def test_a_gateway_with_a_stale_route_follows_a_sandbox_another_gateway_moved(clean: Fleet) -> None:
+    g0, g1 = clean.gateways
+    status, box = create(g0, clean.token)
+    assert status == 201, box
+    sid = box["id"]
+    run(g0, clean.token, sid, "echo before > /root/moved.txt")  # g0 holds the route now
+    first = next(e for e, ids in clean.on_edges().items() if sid in ids)
+    drained = _only(clean, next(e for e in clean.edges() if e != first))  # only another edge takes creates
+    try:
+        headers = {"X-API-Key": clean.token, "Content-Type": "application/json"}
+        for path, body, want in (("pause", {"memory": False}, 204), ("connect", {"timeout": 300}, 201)):
+            req = urllib.request.Request(f"{g1}/sandboxes/{sid}/{path}", data=json.dumps(body).encode(),
+                                         method="POST", headers=headers)
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert r.status == want
+        now_on = next(e for e, ids in clean.on_edges().items() if sid in ids)
+        assert now_on != first
+        assert run(g0, clean.token, sid, "cat /root/moved.txt").strip() == "before"  # through g0's stale route
+    finally:
+        _undrain(clean, drained)
+
+
 # -- the E2B SDK ------------------------------------------------------------------------------------------------
 def test_the_e2b_sdk_through_two_gateways(clean: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
     g0, g1 = clean.gateways

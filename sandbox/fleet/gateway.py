@@ -37,7 +37,7 @@ import signal
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,14 @@ from sandbox.edge.trust import (
 from sandbox.fleet.burst import BurstPolicy, Verdicts
 from sandbox.fleet.db import FleetDb, FleetDbError, ProjectRow, Route
 from sandbox.fleet.placement import Demand, EdgeView, Placement
-from sandbox.fleet.proxy import EdgeUnreachable, fetch_json, outbound_headers, relay
+from sandbox.fleet.proxy import (
+    EdgeUnreachable,
+    NotThere,
+    fetch_json,
+    is_websocket,
+    outbound_headers,
+    relay,
+)
 
 log = logging.getLogger("layerbox.fleet.gateway")
 
@@ -84,6 +91,7 @@ E2B_PREFIXES = ("/sandboxes", "/v2/", "/templates", "/snapshots")
 CREATE_TIMEOUT = 150.0
 SYNC_BACK = 60.0  # seconds between copies of the overflow pool's checkpoints home
 CACHE_PARENT = "/var/tmp"
+REPLAYABLE = 1 << 16  # bytes of a request body the gateway holds so that it can resend it
 CACHE_PREFIX = "layerbox-gateway-"
 
 
@@ -307,11 +315,12 @@ class Gateway:
         return outbound_headers(r, {GATEWAY_HEADER: signed})
 
     async def _send(self, call: Call, view: EdgeView, *, body: bytes | None = None,
-                    caller: bool = True) -> web.StreamResponse:
+                    caller: bool = True, unless: frozenset[int] = frozenset(),
+                    extra: Mapping[str, str] | None = None) -> web.StreamResponse:
         assert self.session is not None
         try:
-            resp = await relay(self.session, call.request, view.id, view.row.url,
-                               self.headers(call, view.id, caller=caller), body)
+            headers = {**self.headers(call, view.id, caller=caller), **(extra or {})}
+            resp = await relay(self.session, call.request, view.id, view.row.url, headers, body, unless=unless)
         except EdgeUnreachable as exc:
             self.placement.failed(view.id, exc.message)
             raise
@@ -349,21 +358,19 @@ class Gateway:
         call = Call(request, True)
         if "X-API-Key" in request.headers or request.headers.get("Authorization", "").lower().startswith("bearer "):
             call.project = await self.project(request)
+        cached = sid in self.routes
         route = await self.route(sid)
+        if route is not None and not self._reachable(route.edge):
+            route = await self.route(sid, fresh=True)
         if route is None or route.state != "placed" or (call.project is not None and route.project != call.project.name):
             raise ApiError(502, "sandbox_not_found", f"The sandbox {sid} was not found")  # (E2B's proxy's answer)
-        view = self.edge(route.edge)
-        assert self.session is not None
-        headers = self.headers(call, view.id, caller=call.project is not None)
-        headers.update({"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port)})
-        try:
-            return await relay(self.session, request, view.id, view.row.url, headers)
-        except EdgeUnreachable as exc:
-            self.placement.failed(view.id, exc.message)
-            raise
+        # the edge's "not found" for a sandbox is E2B's proxy's 502
+        return await self._routed(call, sid, route, cached=cached, missing=frozenset({404, 502}),
+                                  extra={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port)})
 
     async def per_sandbox(self, call: Call, raw_id: str, rest: str) -> web.StreamResponse:
         sid = check_sandbox_id(raw_id, "sandboxID" if call.e2b else "id")  # before it routes anything
+        cached = sid in self.routes
         route = await self.route(sid)
         if route is not None and not self._reachable(route.edge):
             route = await self.route(sid, fresh=True)  # lost with its edge, or moved since it was cached
@@ -380,14 +387,38 @@ class Gateway:
             raise ApiError(None, "sandbox_not_found", f"no sandbox {sid!r} in this project: it {what}")
         if method == "POST" and rest == "/fork":
             return await self.create(call, parent=route)
-        view = self.edge(route.edge)
         if wakes:  # read the answer: a 404 means it was paused into the store since
             return await self.create(call, resume=sid, parent=route)
-        resp = await self._send(call, view, caller=call.project is not None)
+        resp = await self._routed(call, sid, route, cached=cached)
         if method == "DELETE" and rest == "" and resp.status in (204, 404):
             await self.db.drop_route(sid)
             self.routes.pop(sid, None)
         return resp
+
+    async def _routed(self, call: Call, sid: str, route: Route, *, cached: bool,
+                      missing: frozenset[int] = frozenset({404}),
+                      extra: Mapping[str, str] | None = None) -> web.StreamResponse:
+        """Send to the route's edge.  A cached route may be stale (another gateway moved the
+        sandbox: a resume elsewhere, a drain): the edge's 404 then drops it, and a request whose
+        body can be sent again is resent along the route read afresh."""
+        caller = call.project is not None
+        request = call.request
+        replayable = not is_websocket(request) and (
+            not request.body_exists or (request.content_length or REPLAYABLE + 1) <= REPLAYABLE)
+        if not (cached and replayable):
+            resp = await self._send(call, self.edge(route.edge), caller=caller, extra=extra)
+            if resp.status in missing:
+                self.routes.pop(sid, None)  # the client's retry reads the route afresh
+            return resp
+        body = await request.read() if request.body_exists else None
+        try:
+            return await self._send(call, self.edge(route.edge), body=body, caller=caller, unless=missing, extra=extra)
+        except NotThere:
+            self.routes.pop(sid, None)
+            fresh = await self.route(sid, fresh=True)
+            if fresh is None or fresh.state != "placed" or fresh.project != route.project:
+                fresh = route  # gone, or never moved: the edge's own answer is the answer
+            return await self._send(call, self.edge(fresh.edge), body=body, caller=caller, extra=extra)
 
     async def anywhere(self, call: Call) -> web.StreamResponse:
         """Requests that name no sandbox (templates, checkpoints, capabilities, FnCalls): any healthy
@@ -499,7 +530,8 @@ class Gateway:
         if not isinstance(body, dict):
             raise ApiError(400, "bad_request", "the body is not a JSON object")
         demand = Demand(count=1) if resume else await self._demand(call, body, parent)
-        if resume and parent is not None:  # running or paused in place on its edge: no new sandbox
+        if resume and parent is not None and await self._holds(call, self.edge(parent.edge), resume):
+            # running or paused in place on its edge: no new sandbox
             status, headers, doc = await self._to_edge(call, self.edge(parent.edge), raw)
             if status != 404:
                 return _answer(status, headers, doc)
@@ -550,6 +582,18 @@ class Gateway:
                     raise ApiError(503, "capacity", f"pool {pools[0]!r} has no room and this create may not "
                                    f"overflow: {reason}", retryable=True, retry_after=1.0) from None
             await asyncio.sleep(0.5)
+
+    async def _holds(self, call: Call, view: EdgeView, sid: str) -> bool:
+        """Whether the edge runs ``sid`` itself (else it is paused into the store, and a resume is
+        placed: the edge it left may be draining)."""
+        assert self.session is not None
+        path = f"/v1/sandboxes/{sid}"
+        try:
+            status, _, _ = await fetch_json(self.session, "GET", view.id, view.row.url + path,
+                                            self.headers(call, view.id, path_qs=path, method="GET"))
+        except EdgeUnreachable:
+            return False
+        return status == 200
 
     async def _to_edge(self, call: Call, view: EdgeView, body: bytes) -> tuple[int, dict[str, str], Any]:
         assert self.session is not None

@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from sandbox.core.errors import ApiError
+from sandbox.core.errors import ApiError, SandboxError
 
 log = logging.getLogger("layerbox.fleet.proxy")
 
@@ -49,6 +49,11 @@ def is_websocket(request: web.Request) -> bool:
     return request.headers.get("Upgrade", "").lower() == "websocket"
 
 
+class NotThere(SandboxError):  # noqa: N818 (control flow between relay and the gateway, never answered)
+    """The edge answered one of the statuses a request was relayed ``unless`` (its "no such
+    sandbox"): the caller may look the route up again and resend (nothing was streamed yet)."""
+
+
 class EdgeUnreachable(ApiError):
     """The edge did not answer (connection refused or cut, timeout): the breaker counts it."""
 
@@ -58,7 +63,8 @@ class EdgeUnreachable(ApiError):
 
 
 async def relay(session: aiohttp.ClientSession, request: web.Request, edge: str, url: str,
-                headers: Mapping[str, str], body: bytes | None = None) -> web.StreamResponse:
+                headers: Mapping[str, str], body: bytes | None = None, *,
+                unless: frozenset[int] = frozenset()) -> web.StreamResponse:
     """``request`` sent to ``url`` (the edge's base URL plus the request's raw path and query, sent
     as it came: the signature covers it), its answer streamed back; :class:`EdgeUnreachable` when the edge does not answer."""
     target = url + request.rel_url.raw_path_qs
@@ -67,6 +73,8 @@ async def relay(session: aiohttp.ClientSession, request: web.Request, edge: str,
     data = body if body is not None else (request.content.iter_any() if request.body_exists else None)
     try:
         async with session.request(request.method, URL(target, encoded=True), headers=headers, data=data, allow_redirects=False) as resp:
+            if resp.status in unless:
+                raise NotThere(edge)
             out = web.StreamResponse(status=resp.status, reason=resp.reason)
             for name, value in resp.headers.items():
                 if name.lower() not in HOP_BY_HOP or name.lower() == "content-length":
