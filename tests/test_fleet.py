@@ -161,7 +161,9 @@ def test_fleet_up_json_and_the_registry(fleet: Fleet) -> None:
     assert listed["scratch"]["max_sandboxes"] == 2
     assert listed["scratch"]["live"] == 0
     # the tokens are kept hashed: the database holds no token in the clear
-    dump = subprocess.run(["/usr/lib/postgresql/15/bin/pg_dump", "--data-only", s["db"]], capture_output=True,
+    from sandbox.fleet.pg import bin_dir
+
+    dump = subprocess.run([str(bin_dir() / "pg_dump"), "--data-only", s["db"]], capture_output=True,
                           text=True, timeout=60)
     assert dump.returncode == 0, dump.stderr
     assert added["token"] not in dump.stdout
