@@ -494,6 +494,30 @@ def test_a_killed_gateway_leaves_its_clients_to_the_other(clean: Fleet) -> None:
     assert "again" in run(g0, clean.token, box["id"], "echo again")
 
 
+def test_a_stalled_edge_leaves_the_candidates_and_comes_back(clean: Fleet) -> None:
+    """An edge that answers nothing (SIGSTOP: it accepts connections and says nothing) stops
+    heartbeating: after the registry's staleness bound no create waits on it."""
+    pid = clean.edge_pid("edge-1")
+    os.kill(pid, signal.SIGSTOP)
+    made = []
+    try:
+        deadline = time.monotonic() + 30
+        while clean.edges()["edge-1"]["last_seen_age"] < 11:  # the placement's staleness bound is 10 s
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        for i in range(4):
+            status, box = create(clean.gateways[i % 2], clean.token)
+            assert status == 201, box
+            made.append(box["id"])
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert not set(made) & set(clean.on_edges()["edge-1"])
+    deadline = time.monotonic() + 30
+    while clean.edges()["edge-1"]["last_seen_age"] > 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
 def test_postgres_down_routes_from_cache_refuses_creates_and_recovers(clean: Fleet) -> None:
     from sandbox.fleet.pg import LocalPostgres
 
