@@ -286,27 +286,30 @@ class FleetDb:
         try:
             async with self.pool.acquire() as conn, conn.transaction():
                 row = await conn.fetchrow(
-                    "SELECT max_sandboxes, creates_per_second, burst, bucket, "
-                    "extract(epoch FROM now() - bucket_at) AS idle FROM projects WHERE name = $1 FOR UPDATE",
+                    "SELECT max_sandboxes, creates_per_second, burst, bucket FROM projects WHERE name = $1 FOR UPDATE",
                     project)
                 if row is None:
                     raise ApiError(None, "forbidden", f"project {project!r} is not in the fleet")
-                held = await conn.fetchval(
+                # the bucket's clock is read here, with the row lock held, not by now() (the transaction's
+                # start): one that waited for the lock would see time run backwards (and be refused) and
+                # move bucket_at back for the next
+                held, at, idle = await conn.fetchrow(
                     "SELECT (SELECT count(*) FROM sandboxes WHERE project = $1 AND state = 'placed') + "
-                    "(SELECT coalesce(sum(count), 0) FROM reservations WHERE project = $1 AND expires_at > now())",
-                    project)
+                    "(SELECT coalesce(sum(count), 0) FROM reservations WHERE project = $1 AND expires_at > now()), "
+                    "t, extract(epoch FROM t - (SELECT bucket_at FROM projects WHERE name = $1)) "
+                    "FROM clock_timestamp() AS t", project)
                 if held + count > row["max_sandboxes"]:
                     raise ApiError(None, "quota_exceeded", (
                         f"project {project!r} holds {held} of its {row['max_sandboxes']} sandboxes across the fleet; "
                         f"{count} more do not fit"), retryable=True, resources=("sandboxes",))
-                bucket = min(float(row["burst"]), row["bucket"] + float(row["idle"]) * row["creates_per_second"])
+                bucket = min(float(row["burst"]), row["bucket"] + max(0.0, float(idle)) * row["creates_per_second"])
                 if bucket < count:
                     wait = (count - bucket) / row["creates_per_second"]
                     raise ApiError(429, "rate_limited", (
                         f"project {project!r} may create {row['creates_per_second']:g} sandboxes a second "
                         f"(burst {row['burst']}); retry in {wait:.2f} s"), retryable=True, retry_after=wait)
-                await conn.execute("UPDATE projects SET bucket = $2, bucket_at = now() WHERE name = $1",
-                                   project, bucket - count)
+                await conn.execute("UPDATE projects SET bucket = $2, bucket_at = $3 WHERE name = $1",
+                                   project, bucket - count, at)
                 return int(await conn.fetchval(
                     "INSERT INTO reservations (project, count, expires_at) "
                     "VALUES ($1, $2, now() + make_interval(secs => $3)) RETURNING id", project, count, ttl))
