@@ -318,6 +318,22 @@ def per_create(burst: dict[str, Any], life: dict[str, Any], idle: dict[str, floa
             "gw_cpu_ms_lifecycle_net": 1000 * (net(life, "gw_cpu") or 0)}
 
 
+async def latency_section(session: aiohttp.ClientSession, fleet: Fleet, n: int) -> dict[str, Any]:
+    """``n`` creates + first exec one at a time per mode, the modes alternating, each destroyed before
+    the next: what the gateway adds to one create, without queueing behind the others."""
+    log(f"latency: {n} creates + first exec one at a time, fleet and direct alternating")
+    runs: dict[str, dict[str, Any]] = {}
+    for i in range(2 * n):
+        mode = ("fleet", "direct")[(i + i // 2) % 2]  # fleet, direct, direct, fleet, ...
+        out = runs.setdefault(mode, {"create": [], "first_exec": [], "rejections": Counter(), "made": []})
+        target, made = Target(mode, fleet), len(out["made"])
+        await one(session, target, i, out)
+        await destroy(session, target, out["made"][made:], 1)
+    return {mode: {"create": summary(r["create"]), "first_exec": summary(r["first_exec"]),
+                   "rejections": dict(r["rejections"]), "create_runs": r["create"], "first_exec_runs": r["first_exec"]}
+            for mode, r in runs.items()}
+
+
 async def idle_rates(session: aiohttp.ClientSession, fleet: Fleet, seconds: float) -> dict[str, float]:
     """Counters per second with nothing but the background running (heartbeats, refresh, housekeeping)."""
     log(f"idle: {seconds:g} s of background only")
@@ -385,12 +401,25 @@ async def hot_section(db_url: str, seconds: float) -> dict[str, Any]:
             inserted = live
             await db.pool.execute("ANALYZE sandboxes")
             out["live"][live] = {c: await reserve_rate(db, names[:1], c, seconds) for c in (1, 16)}
+        out["reconcile_ms"] = await reconcile_ms(db, names[0])
         size = await db.pool.fetchval("SELECT pg_total_relation_size('sandboxes')")
         out["routing_bytes_per_row"] = size / inserted
         await db.pool.execute("DELETE FROM sandboxes WHERE project = $1", names[0])
     finally:
         await db.close()
     return out
+
+
+async def reconcile_ms(db: FleetDb, project: str, per_edge: int = 2375, rounds: int = 5) -> float:
+    """ms per reconcile of a full report of ``per_edge`` sandboxes that all are in the table already
+    (the common case: nothing changed), against the table the section filled."""
+    rows = await db.pool.fetch("UPDATE sandboxes SET edge = 'bench-edge-full' WHERE id IN (SELECT id FROM sandboxes "
+                               "WHERE project = $1 LIMIT $2) RETURNING id", project, per_edge)
+    pairs = [(r["id"], project) for r in rows]
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        await db.reconcile("bench-edge-full", pairs, grace=10.0)
+    return 1000 * (time.perf_counter() - t0) / rounds
 
 
 def report_sizes(edge_row: dict[str, Any]) -> dict[int, dict[str, int]]:
@@ -439,21 +468,23 @@ async def measure(args: argparse.Namespace, fleet: Fleet) -> dict[str, Any]:
         await warm(session, fleet)
         await asyncio.sleep(args.settle)
         idle = await idle_rates(session, fleet, args.idle_seconds)
+        latency = await latency_section(session, fleet, args.latency) if args.latency else {}
+        await asyncio.sleep(args.settle)
         rounds: list[dict[str, Any]] = []
         for r in range(args.rounds):
             order = ("fleet", "direct") if r % 2 == 0 else ("direct", "fleet")
             for mode in order:
                 rounds.append(await burst_section(session, fleet, mode, args, idle))
     edges = layerbox("fleet", "--dir", str(fleet.root), "edges")
-    out: dict[str, Any] = {"idle": idle, "rounds": rounds, "compare": compare(rounds),
+    out: dict[str, Any] = {"idle": idle, "latency": latency, "rounds": rounds, "compare": compare(rounds, latency),
                            "heartbeat_bytes": report_sizes(edges[0]), "full_every": FULL_EVERY}
     if args.hot_seconds > 0:
         out["database"] = await hot_section(fleet.state["db"], args.hot_seconds)
     return out
 
 
-def compare(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """fleet / direct over every round's runs pooled."""
+def compare(rounds: list[dict[str, Any]], latency: dict[str, Any]) -> dict[str, Any]:
+    """fleet / direct over every round's runs pooled, and over the one-at-a-time creates."""
     def pooled(mode: str, what: str) -> dict[str, Any]:
         return summary([v for r in rounds if r["mode"] == mode for v in r[f"{what}_runs"]])
 
@@ -468,8 +499,16 @@ def compare(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         f, d = pooled("fleet", what), pooled("direct", what)
         out[what] = {"fleet": f, "direct": d, "p50_ratio": ratio(f["p50"], d["p50"]),
                      "p99_ratio": ratio(f["p99"], d["p99"]),
-                     "p50_added_ms": None if f["p50"] is None or d["p50"] is None else 1000 * (f["p50"] - d["p50"])}
+                     "p50_added_ms": added(f, d)}
+    if latency:
+        out["one_at_a_time"] = {what: {"p50_added_ms": added(latency["fleet"][what], latency["direct"][what]),
+                                       "p50_ratio": ratio(latency["fleet"][what]["p50"], latency["direct"][what]["p50"])}
+                                for what in ("create", "first_exec")}
     return out
+
+
+def added(f: dict[str, Any], d: dict[str, Any]) -> float | None:
+    return None if f["p50"] is None or d["p50"] is None else 1000 * (f["p50"] - d["p50"])
 
 
 # -- output -------------------------------------------------------------------------------------------------
@@ -505,6 +544,13 @@ def render(doc: dict[str, Any]) -> str:
               f"{_f(c['create']['p99_ratio'])}x; create->first exec p50 {_f(c['first_exec']['p50_ratio'])}x "
               f"({_f(c['first_exec']['p50_added_ms'], 1)} ms added), p99 {_f(c['first_exec']['p99_ratio'])}x "
               f"(goal: at most {GOAL_MS:g} ms added at p50, creates/s ratio at least 1)"]
+    lat = doc.get("latency")
+    if lat:
+        lines.append(f"one at a time ({lat['fleet']['create']['n']} each): " + "; ".join(
+            f"{mode} create p50 {_ms(lat[mode]['create']['p50'])} p99 {_ms(lat[mode]['create']['p99'])}, ->exec p50 "
+            f"{_ms(lat[mode]['first_exec']['p50'])} p99 {_ms(lat[mode]['first_exec']['p99'])}" for mode in ("fleet", "direct"))
+            + f"; added at p50: create {_f(c['one_at_a_time']['create']['p50_added_ms'], 1)} ms, ->exec "
+            f"{_f(c['one_at_a_time']['first_exec']['p50_added_ms'], 1)} ms")
     i = doc["idle"]
     lines.append(f"idle (background): gateways {i['gw_cpu'] * 1000:.1f} ms CPU/s, {i['gw_tx']:.1f} db tx/s; "
                  f"PostgreSQL {i['pg_cpu'] * 1000:.1f} ms CPU/s, {i['pg_commits']:.1f} commits/s")
@@ -517,7 +563,8 @@ def render(doc: dict[str, Any]) -> str:
             f"{c} workers {db['one_project'][c]:.0f}/{db['own_project'][c]:.0f}" for c in db["one_project"]))
         lines.append("  one project with live sandboxes: " + ", ".join(
             f"{n} live: " + "/".join(f"{v:.0f}" for v in by.values()) + " (1/16 workers)"
-            for n, by in db["live"].items()) + f"; routing table {db['routing_bytes_per_row']:.0f} bytes per row")
+            for n, by in db["live"].items()) + f"; routing table {db['routing_bytes_per_row']:.0f} bytes per row; reconcile of a full report "
+            f"of 2375 sandboxes {db['reconcile_ms']:.1f} ms")
     return "\n".join(lines)
 
 
@@ -527,6 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=16, help="creates at once (default %(default)s)")
     p.add_argument("--rounds", type=int, default=1, help="rounds of fleet + direct bursts, the order alternating "
                    "(default %(default)s)")
+    p.add_argument("--latency", type=int, default=30, help="creates one at a time per mode before the bursts; 0 "
+                   "leaves them out (default %(default)s)")
     p.add_argument("--gateways", type=int, default=2)
     p.add_argument("--edges", type=int, default=8)
     p.add_argument("--settle", type=float, default=12.0, metavar="SECONDS",
@@ -546,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if min(args.creates, args.concurrency, args.rounds, args.gateways, args.edges) < 1 or args.settle < 0 \
-            or args.idle_seconds <= 0 or args.hot_seconds < 0:
+            or args.idle_seconds <= 0 or args.hot_seconds < 0 or args.latency < 0:
         print("bench/fleet.py: counts must be at least 1, --idle-seconds positive", file=sys.stderr)
         return 2
     if os.geteuid() != 0:
