@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import json
 import re
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ EDGE_HEADER = "X-Layerbox-Edge"
 VERSION = "v1"
 SKEW = 120.0  # seconds a signed request stays valid either side of the receiver's clock
 KEY_BYTES = 32
+SEEN_PRUNE = 4096  # accepted MACs remembered before the ones out of the window are dropped
 EDGE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}")  # an edge's name: in keys, headers, the registry
 
 
@@ -76,7 +78,10 @@ def _mac(key: bytes, *parts: str) -> str:
 def sign_request(key: bytes, method: str, path_qs: str, caller: Caller | None, now: float) -> str:
     """The header a gateway sends with ``method path_qs`` to the edge whose key is ``key``."""
     who = caller.encode() if caller is not None else "-"
-    stamp = f"{now:.3f}"
+    # 9 random digits after the milliseconds: the same request signed twice in one millisecond (two
+    # creates of a project to one edge, from one gateway or two) must not make the same MAC, which
+    # the edge would refuse as replayed; the value stays the time to within a millisecond
+    stamp = f"{now:.3f}{secrets.randbelow(10**9):09d}"
     return f"{VERSION};{stamp};{who};{_mac(key, VERSION, stamp, method.upper(), path_qs, who)}"
 
 
@@ -89,6 +94,7 @@ class GatewayTrust:
         self.key = key
         self.clock = clock  # seconds added to time.time(): a test's skewed host
         self._seen: dict[str, float] = {}
+        self._prune_at = SEEN_PRUNE
         self._lock = threading.Lock()
 
     def now(self) -> float:
@@ -117,8 +123,11 @@ class GatewayTrust:
             if mac in self._seen:
                 raise ApiError(None, "unauthenticated", f"{GATEWAY_HEADER}: replayed")
             self._seen[mac] = at
-            if len(self._seen) > 4096:
+            if len(self._seen) > self._prune_at:
                 self._seen = {m: t for m, t in self._seen.items() if t >= now - SKEW}
+                # next time at twice what is still in the window: past SEEN_PRUNE requests per window
+                # a fixed bound would rebuild the whole map on every request
+                self._prune_at = max(SEEN_PRUNE, 2 * len(self._seen))
         return None if who == "-" else Caller.decode(who)
 
 
