@@ -22,13 +22,18 @@ EACH = 25
 
 
 @pytest.fixture(scope="module")
-def db_url() -> Iterator[str]:
+def cluster() -> Iterator[LocalPostgres]:
     require("root")
     pg = LocalPostgres(Path(tempfile.mkdtemp(prefix="layerbox-pg-", dir="/var/tmp")))
     try:
-        yield pg.start().url
+        yield pg.start()
     finally:
         pg.stop()
+
+
+@pytest.fixture
+def db_url(cluster: LocalPostgres) -> str:
+    return cluster.url
 
 
 async def _race(url: str, project: str, rate: float, burst: int) -> tuple[Counter[str], float]:
@@ -65,3 +70,31 @@ def test_the_rate_limit_admits_no_more_than_burst_plus_rate_under_racing_reserva
     seen, seconds = asyncio.run(_race(db_url, "limited", 100.0, 10))
     assert seen["ok"] + seen["rate_limited"] == WORKERS * EACH
     assert 10 <= seen["ok"] <= 10 + 100.0 * seconds + 1
+
+
+
+def test_a_statement_is_one_round_trip(cluster: LocalPostgres) -> None:
+    """The pool takes a connection back without resetting its session: asyncpg's default reset
+    (``RESET ALL`` and more) doubled the transactions and round trips of every call."""
+    marker = f"marker-{time.time_ns()}"
+
+    async def run() -> None:
+        db = await FleetDb.open(cluster.url)
+        try:
+            await db.pool.execute("ALTER SYSTEM SET log_statement = 'all'")
+            await db.pool.execute("SELECT pg_reload_conf()")
+            await asyncio.sleep(1.0)  # the server reads its configuration again
+            await db.setting(marker)
+            for _ in range(10):
+                await db.route("lb-000000000000")
+            await db.setting(marker + "-end")
+        finally:
+            await db.pool.execute("ALTER SYSTEM RESET log_statement")
+            await db.pool.execute("SELECT pg_reload_conf()")
+            await db.close()
+
+    asyncio.run(run())
+    text = (cluster.root / "server.log").read_text(errors="replace")
+    between = text[text.index(marker):text.index(marker + "-end")]
+    assert between.count("FROM sandboxes WHERE id") == 10, between[-2000:]
+    assert "RESET ALL" not in between

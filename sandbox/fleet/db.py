@@ -156,6 +156,12 @@ def _json(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """The pool's reset of a connection it takes back: nothing.  asyncpg's default sends ``RESET ALL``
+    and more, a round trip and a transaction of its own after every statement, for session state
+    this code never sets (an open transaction is still rolled back before this is called)."""
+
+
 class FleetDb:
     """A pool of connections to the fleet database; :meth:`open` migrates it to this schema."""
 
@@ -167,7 +173,7 @@ class FleetDb:
     async def open(cls, url: str, *, min_size: int = 1, max_size: int = 10, wait: float = 5.0) -> FleetDb:
         try:
             pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, timeout=wait,
-                                             command_timeout=wait)
+                                             command_timeout=wait, reset=_keep_session)
         except (OSError, asyncpg.PostgresError) as exc:
             raise FleetDbError(f"fleet database {redact(url)}: {exc}") from None
         db = cls(pool)
