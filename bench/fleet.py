@@ -18,11 +18,13 @@ PostgreSQL's own ``xact_commit`` per create (psql, over the whole lifecycle: cre
 destroys, settle).  Background work (heartbeats, the registry refresh, housekeeping) runs in
 both modes; an idle window measured first gives its rate, which is subtracted ("net").
 
-Then the database alone (``--hot-seconds``; 0 leaves it out): ``FleetDb.reserve`` + ``release``
-in a loop from this process at several concurrencies on one project (every reservation takes
-its row lock) against the same on as many projects as workers, and again with 10,000 and
-100,000 live sandboxes in the hot project (``reserve`` counts them); the routing table's bytes
-per row; a heartbeat's body size with 0 .. 2,375 sandboxes (a full report).
+Before the bursts, ``--latency`` creates one at a time per mode (what a gateway adds without
+queueing).  After them, the database alone (``--hot-seconds``; 0 leaves it out):
+``FleetDb.reserve`` + ``release`` in a loop from this process at several concurrencies on one
+project (every reservation takes its row lock) against each worker on a project of its own, and
+again with 10,000 and 100,000 live sandboxes in the hot project (``reserve`` counts them); the
+routing table's bytes per row and one reconcile of a full report of 2,375 sandboxes; a
+heartbeat's body size with 0 .. 2,375 sandboxes (a full report).
 
 ``fleet down`` runs at the end however the run ends.  ``python bench/fleet.py --help``;
 bench/README.md explains every number and docs/SCALE.md extrapolates them.
