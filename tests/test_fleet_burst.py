@@ -137,8 +137,8 @@ def test_a_checkpoint_made_in_the_cloud_syncs_back_and_restores_at_home(burst: t
     finally:
         for sid in made:
             http("DELETE", f"{g}/v1/sandboxes/{sid}", token=fleet.token)
-    home = cli("ls", "--store", stores["home"], "--data-dir", str(stores["base"] / "ls0"), "projects/demo/")
-    assert not any("cloudy" in json.dumps(r) for r in home), home  # the checkpoint went to the cloud store
+    cloud = cli("ls", "--store", stores["cloud"], "--data-dir", str(stores["base"] / "ls0"), "projects/demo/")
+    assert any("cloudy" in json.dumps(r) for r in cloud), cloud  # made in the cloud, written to its store
     deadline = time.monotonic() + 60
     while True:
         home = cli("ls", "--store", stores["home"], "--data-dir", str(stores["base"] / f"ls{time.monotonic()}"),

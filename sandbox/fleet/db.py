@@ -382,22 +382,23 @@ class FleetDb:
     async def forget_edge(self, edge: str) -> None:
         await self._fetch("DELETE FROM edges WHERE id = $1", edge)
 
-    async def reconcile(self, edge: str, reported: Iterable[tuple[str, str]], *, grace: float) -> dict[str, int]:
+    async def reconcile(self, edge: str, reported: Iterable[tuple[str, str]], *, grace: float) -> list[str]:
         """Make the table agree with what ``edge`` says it runs, (id, project) each: rows it does not
         report (and older than ``grace`` s: a create may not be in the report yet) go (one paused
         into the store lives on no edge: any edge finds it there); ones it reports come back as placed
-        there (a create whose gateway died before recording it, a lost edge back)."""
+        there (a create whose gateway died before recording it, a lost edge back).  Returns the ids
+        whose rows changed (a gateway drops their cached routes)."""
         ids, projects = zip(*reported, strict=True) if reported else ((), ())
         rows = await self._fetch(
             "WITH gone AS (DELETE FROM sandboxes WHERE edge = $1 AND NOT (id = ANY($2::text[])) "
-            "AND updated_at < now() - make_interval(secs => $4) RETURNING 1), "
+            "AND updated_at < now() - make_interval(secs => $4) RETURNING id), "
             "came AS (INSERT INTO sandboxes (id, project, edge, state) SELECT i, p, $1, 'placed' "
             "FROM unnest($2::text[], $3::text[]) AS t(i, p) ON CONFLICT (id) DO UPDATE SET edge = excluded.edge, "
             "state = 'placed', updated_at = now() WHERE sandboxes.edge <> excluded.edge "
-            "OR sandboxes.state <> 'placed' RETURNING 1) "
-            "SELECT (SELECT count(*) FROM gone) AS gone, (SELECT count(*) FROM came) AS came",
+            "OR sandboxes.state <> 'placed' RETURNING id) "
+            "SELECT id FROM gone UNION ALL SELECT id FROM came",
             edge, list(ids), list(projects), grace)
-        return {"gone": int(rows[0]["gone"]), "came": int(rows[0]["came"])}
+        return [str(r["id"]) for r in rows]
 
     async def mark_lost(self, *, after: float) -> int:
         """Sandboxes of edges silent for ``after`` s are lost: they leave their project's quota (and

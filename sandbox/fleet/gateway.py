@@ -657,9 +657,10 @@ class Gateway:
         if doc.get("sandboxes") is not None:
             pairs = [(sid, project) for sid, project in doc["sandboxes"] if SANDBOX_ID.fullmatch(sid)]
             changed = await self.db.reconcile(edge_id, pairs, grace=RECONCILE_GRACE)
-            if changed["gone"] or changed["came"]:
-                log.info("edge %s reconciled: %s", edge_id, changed)
-                self.routes.clear()
+            if changed:
+                log.info("edge %s reconciled: %d routes changed", edge_id, len(changed))
+                for sid in changed:  # this gateway's cache; the others' follow the edge's "no such sandbox"
+                    self.routes.pop(sid, None)
         return web.json_response({"state": state}, headers={"X-Layerbox-Time": f"{self.now():.3f}"})
 
     async def health(self, request: web.Request) -> web.Response:
