@@ -436,6 +436,7 @@ def test_an_edge_killed_mid_exec_is_lost_then_comes_back(clean: Fleet) -> None:
     sid = box["id"]
     edge = next(e for e, ids in clean.on_edges().items() if sid in ids)
     pid = clean.edge_pid(edge)
+    live = {p["name"]: p for p in clean.cli("projects")}["demo"]["live"]
 
     def long_exec() -> tuple[int, Any]:
         status, _, out = http("POST", f"{g1}/v1/sandboxes/{sid}/exec", {"cmd": "sleep 30"}, token=clean.token,
@@ -450,18 +451,20 @@ def test_an_edge_killed_mid_exec_is_lost_then_comes_back(clean: Fleet) -> None:
             ended = str(pending.result(timeout=60))
         except Exception as exc:
             ended = repr(exc)
-    assert '"exit_code": 0' not in ended, ended
-    deadline = time.monotonic() + LOST_AFTER + 15
-    while time.monotonic() < deadline:
-        status, _, body = http("GET", f"{g0}/v1/sandboxes/{sid}", token=clean.token)
-        if status == 404 and "lost" in body["error"]["message"]:
-            break
-        time.sleep(0.5)
-    else:
-        raise AssertionError(f"the sandbox was never reported lost: {status} {body}")
-    demo = {p["name"]: p for p in clean.cli("projects")}["demo"]
-    assert demo["live"] == 0  # a lost sandbox leaves the quota
-    clean.cli("restart", edge)  # adopts its sandboxes, registers, reports them
+    try:
+        assert '"exit_code": 0' not in ended, ended
+        deadline = time.monotonic() + LOST_AFTER + 15
+        while time.monotonic() < deadline:
+            status, _, body = http("GET", f"{g0}/v1/sandboxes/{sid}", token=clean.token)
+            if status == 404 and "lost" in body["error"]["message"]:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the sandbox was never reported lost: {status} {body}")
+        demo = {p["name"]: p for p in clean.cli("projects")}["demo"]
+        assert demo["live"] == live - 1  # a lost sandbox leaves the quota
+    finally:
+        clean.cli("restart", edge)  # adopts its sandboxes, registers, reports them
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         status, _, body = http("GET", f"{g1}/v1/sandboxes/{sid}", token=clean.token)

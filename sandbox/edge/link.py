@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
-from sandbox.core.model import ISOLATIONS
+from sandbox.core.model import ISOLATIONS, POOL_LABEL
 from sandbox.edge.context import EdgeContext
 from sandbox.edge.trust import EDGE_HEADER, GatewayTrust, sign_report
 
@@ -83,7 +83,8 @@ class FleetLink:
             "images": [], "layers": [], "sandboxes": None}
         if full:
             states = await self._off_loop(ctx.manager.list)
-            doc["sandboxes"] = [[st.id, st.project or ""] for st in states]
+            # pooled sandboxes (FnCall, ready) are the edge's own until a create adopts one: no route, no quota
+            doc["sandboxes"] = [[st.id, st.project or ""] for st in states if POOL_LABEL not in st.labels]
             self._note(self.images, [st.ref for st in states], RECENT_IMAGES)
             self._note(self.layers, [d for st in states for d in st.layer_digests], RECENT_LAYERS)
         doc["images"], doc["layers"] = [*self.images], [*self.layers]
