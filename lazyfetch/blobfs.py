@@ -48,7 +48,8 @@ class BlobServer:
         self._by_inode: dict[tuple[int, int], LayerBlob] = {}
         self._lock = threading.Lock()
         self._quick_hits = self._quick_bytes = 0
-        self.on_miss: Callable[[LayerBlob], None] | None = None  # the daemon's fill policy hears of misses
+        # the daemon's fill policy hears of misses: the layer and the bytes a read waits for
+        self.on_miss: Callable[[LayerBlob, int], None] | None = None
         self._quick_events: dict[str, int] = {}  # layer -> events present() answered since count_batch
 
     @property
@@ -191,7 +192,7 @@ class BlobServer:
             return {}
         self.metrics.misses.inc(len(missing))
         if self.on_miss is not None:
-            self.on_miss(layer)
+            self.on_miss(layer, sum(layer.records[i].length for i in missing))
         first = layer.starts[missing[0]]
         sequential = layer.seen_from - SEQUENTIAL_SLACK <= first <= layer.ahead_end + SEQUENTIAL_SLACK
         sync = self._missing_from(layer, idxs[-1] + 1, SYNC_AHEAD)

@@ -71,6 +71,7 @@ from lazyfetch.fillpolicy import (
     DEFAULT_FILL_AFTER_SECONDS,
     DEFAULT_FILL_AFTER_USES,
     DEFAULT_FILL_MAX_BUSY,
+    DEFAULT_FILL_MISS_BYTES,
     DiskIdle,
     FillPolicy,
     add_policy_flags,
@@ -86,6 +87,7 @@ DEFAULT_FILL_BELOW = 4 << 30  # images with more blob bytes are never filled in 
 DEFAULT_FILL_BANDWIDTH = 200 << 20  # bytes per second the background fill may take from the store
 FILL_BUDGET = 0.8  # ... and it stops before the cache is this full, leaving room to readers
 FILL_BATCH = 64  # chunks per background fetch
+FILL_ATTEMPTS = 3  # tries of one batch before the fill leaves it to the readers
 BLOB_IO = ("buffered", "direct")
 PREFETCH_BATCH = 32
 PREFETCH_CONCURRENCY = 4
@@ -111,9 +113,11 @@ class DaemonConfig:
     fill_after_uses: int = DEFAULT_FILL_AFTER_USES
     fill_after_seconds: float = DEFAULT_FILL_AFTER_SECONDS
     fill_max_busy: float = DEFAULT_FILL_MAX_BUSY
+    fill_miss_bytes: int = DEFAULT_FILL_MISS_BYTES
 
     def fill_policy(self) -> FillPolicy:
-        return FillPolicy(self.fill_below, self.fill_after_uses, self.fill_after_seconds, self.fill_max_busy)
+        return FillPolicy(self.fill_below, self.fill_after_uses, self.fill_after_seconds, self.fill_max_busy,
+                          self.fill_miss_bytes)
 
     @property
     def fuse_dir(self) -> Path:
@@ -186,7 +190,9 @@ class Daemon:
         self.fill_policy = cfg.fill_policy()
         self._uses: dict[str, int] = {}  # image digest -> its mounts on this host since the start
         self._long_lived: set[str] = set()  # images whose long-life check is scheduled
-        self._armed: set[str] = set()  # layer hexes whose next miss starts their fill
+        self._armed: set[str] = set()  # layer hexes whose misses start their fill
+        self._missed: dict[str, int] = {}  # armed layer hex -> bytes its reads missed since
+        self._missed_lock = threading.Lock()
         self.server.on_miss = self._on_miss
         self.fill_state: dict[str, str] = {}  # layer hex -> what the fill does about it (daemon status)
         self._disk = DiskIdle(cfg.blob_dir)
@@ -411,7 +417,8 @@ class Daemon:
             for b in blobs:
                 if b.hexd not in self._filling and not b.complete_hint:
                     self._armed.add(b.hexd)
-            self._note_fill(blobs, f"armed: used {uses} time(s); fills at its next miss")
+            self._note_fill(blobs, f"armed: used {uses} time(s); fills once its reads miss "
+                                   f"{self.fill_policy.miss_bytes} bytes")
             return False
         if decision == "wait":
             self._note_fill(blobs, "waiting: " + self.fill_policy.waiting_reason(uses))
@@ -422,12 +429,19 @@ class Daemon:
         self._start_fill(blobs)
         return True
 
-    def _on_miss(self, layer: LayerBlob) -> None:
-        """(A thread serving the kernel) a read of ``layer`` waits for the store: an armed layer
-        is filled from now on."""
-        if layer.hexd in self._armed:
+    def _on_miss(self, layer: LayerBlob, missed: int) -> None:
+        """(A thread serving the kernel) a read of ``layer`` waits for ``missed`` bytes from the
+        store: an armed layer whose reads missed ``miss_bytes`` since it was armed is filled."""
+        if layer.hexd not in self._armed:
+            return
+        with self._missed_lock:
+            total = self._missed[layer.hexd] = self._missed.get(layer.hexd, 0) + missed
+            if total < self.fill_policy.miss_bytes or layer.hexd not in self._armed:
+                return
             self._armed.discard(layer.hexd)
-            self.loop.call_soon_threadsafe(self._start_fill, [layer])
+        log.info("layer %s missed %d bytes since its image came back: filling it in the background",
+                 layer.digest, total)
+        self.loop.call_soon_threadsafe(self._start_fill, [layer])
 
     def _note_fill(self, blobs: list[LayerBlob], state: str) -> None:
         for b in blobs:
@@ -469,40 +483,50 @@ class Daemon:
             await asyncio.sleep(0.5)
 
     async def _fill(self, layers: list[LayerBlob]) -> None:
-        """The rest of each layer, at low priority: after its trace replay and readers, within a rate
-        and a cache budget."""
+        """The rest of each layer, at low priority: after its trace replay and readers, within a rate,
+        a cache budget and the disk's idle time."""
         try:
             for layer in layers:
                 replay = self._replays.pop(layer.hexd, None)
                 if replay is not None:
                     await asyncio.wait([replay])
-                for start in range(0, len(layer.records), FILL_BATCH):
-                    idxs = layer.missing(range(start, min(start + FILL_BATCH, len(layer.records))))
-                    if not idxs:
-                        continue
-                    while self.fetcher.foreground:  # noqa: ASYNC110 (a reader waits for the store: it goes first)
-                        await asyncio.sleep(0.02)
-                    await self._wait_for_idle_disk()
-                    size = sum(layer.records[i].length for i in idxs)
-                    if self.cache.used + size > self.cache.capacity * FILL_BUDGET:
-                        log.info("background fill of %s stops: the cache is %d%% full", layer.digest,
-                                 100 * self.cache.used // max(self.cache.capacity, 1))
-                        return
-                    await self._bucket.take(size)
-                    digests = list(dict.fromkeys(layer.records[i].digest for i in idxs))
-                    try:
-                        await self.fetcher.fetch_many(layer, digests, prefetch=True)
-                    except Exception as exc:
-                        log.warning("background fill of %s: %s; retrying later", layer.digest, exc)
-                        await asyncio.sleep(1.0)
-                self.metrics.layers_filled.inc()
-                await asyncio.to_thread(self.cache.note_complete, layer)
-                self.fill_state[layer.hexd] = "whole"
+                stopped = await self._fill_layer(layer)
+                if stopped:
+                    self.fill_state[layer.hexd] = f"stopped: {stopped}"
+                    return
+                if await asyncio.to_thread(self.cache.note_complete, layer):
+                    self.metrics.layers_filled.inc()
+                    self.fill_state[layer.hexd] = "whole"
         finally:
             for layer in layers:
                 self._filling.discard(layer.hexd)
                 if self.fill_state.get(layer.hexd) == "filling":
-                    self.fill_state[layer.hexd] = "stopped: the cache budget, or the daemon stopping"
+                    self.fill_state[layer.hexd] = "stopped: the daemon is stopping, or a chunk failed"
+
+    async def _fill_layer(self, layer: LayerBlob) -> str | None:
+        """Fetch every missing chunk of ``layer``, ``FILL_BATCH`` at a time; why it stopped, if it did."""
+        for start in range(0, len(layer.records), FILL_BATCH):
+            for attempt in range(1, FILL_ATTEMPTS + 1):
+                idxs = layer.missing(range(start, min(start + FILL_BATCH, len(layer.records))))
+                if not idxs:
+                    break
+                while self.fetcher.foreground:  # noqa: ASYNC110 (a reader waits for the store: it goes first)
+                    await asyncio.sleep(0.02)
+                await self._wait_for_idle_disk()
+                size = sum(layer.records[i].length for i in idxs)
+                if self.cache.used + size > self.cache.capacity * FILL_BUDGET:
+                    full = 100 * self.cache.used // max(self.cache.capacity, 1)
+                    log.info("background fill of %s stops: the cache is %d%% full", layer.digest, full)
+                    return f"the cache is {full}% full"
+                await self._bucket.take(size)
+                try:
+                    await self.fetcher.fetch_many(layer, list(dict.fromkeys(layer.records[i].digest for i in idxs)),
+                                                  prefetch=True)
+                except Exception as exc:  # a read that needs these chunks fetches them itself
+                    log.warning("background fill of %s at chunk %d (attempt %d of %d): %s", layer.digest,
+                                start, attempt, FILL_ATTEMPTS, exc)
+                    await asyncio.sleep(1.0)
+        return None
 
     def stats(self) -> dict[str, Any]:
         """``GET /stats``, ``layerbox stats --json``: every field is defined in docs/STATS.md."""
@@ -961,7 +985,7 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
     a = p.parse_args(argv)
     cfg = DaemonConfig(Path(a.data_dir), a.store, a.s3_endpoint, a.cache_size, a.fetch_timeout, a.trace_seconds,
                        a.data_path, a.fill_below, a.fill_bandwidth, a.holder_grace, a.evict_min_age, a.blob_io,
-                       a.fill_after_uses, a.fill_after_seconds, a.fill_max_busy)
+                       a.fill_after_uses, a.fill_after_seconds, a.fill_max_busy, a.fill_miss_bytes)
     try:
         cfg.fill_policy()
     except ValueError as exc:

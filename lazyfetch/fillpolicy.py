@@ -10,9 +10,10 @@ chunks again and again.  So a layer is filled in full only
 
 * when it still asks the store after its image came back: from the
   ``after_uses``-th mount of an image on this host (default 2) its layers are
-  *armed*, and an armed layer's next miss (a read that waits for the store)
-  starts its fill.  Repeated tasks that read what the first one read never
-  miss, so they never fill; tasks that read more each time do.
+  *armed*, and an armed layer whose reads then wait for ``miss_bytes`` (4 MiB)
+  of chunks from the store starts its fill.  Repeated tasks that read what the
+  first one read do not miss (or only the odd chunk a different kernel
+  readahead asks for), so they never fill; tasks that read more each time do.
   ``after_uses`` 1 fills every image at its first mount, without waiting for
   a miss (the policy before issue 27);
 * or when one of the image's layers is still mounted ``after_seconds`` after
@@ -45,6 +46,7 @@ from lazyfetch.errors import LazyfetchError
 DEFAULT_FILL_AFTER_USES = 2
 DEFAULT_FILL_AFTER_SECONDS = 300.0
 DEFAULT_FILL_MAX_BUSY = 0.5
+DEFAULT_FILL_MISS_BYTES = 4 << 20
 
 
 class FillPolicyError(LazyfetchError, ValueError):
@@ -57,6 +59,7 @@ class FillPolicy:
     after_uses: int = DEFAULT_FILL_AFTER_USES  # the mount of an image that starts its fill (1: the first)
     after_seconds: float = DEFAULT_FILL_AFTER_SECONDS  # ... or a layer mounted this long (0: never)
     max_busy: float = DEFAULT_FILL_MAX_BUSY  # the fill waits while the disk was busier than this
+    miss_bytes: int = DEFAULT_FILL_MISS_BYTES  # an armed layer fills once its reads missed this much
 
     def __post_init__(self) -> None:
         if self.below < 0:
@@ -67,13 +70,15 @@ class FillPolicy:
             raise FillPolicyError(f"--fill-after-seconds must be 0 or more, not {self.after_seconds}")
         if not 0 < self.max_busy <= 1:
             raise FillPolicyError(f"--fill-max-busy must be in (0, 1], not {self.max_busy}")
+        if self.miss_bytes < 1:
+            raise FillPolicyError(f"--fill-miss-bytes must be at least 1, not {self.miss_bytes}")
 
     def too_large(self, blob_bytes: int) -> bool:
         return not self.below or blob_bytes > self.below
 
     def on_use(self, blob_bytes: int, uses: int) -> str:
         """What a mount (the ``uses``-th of the image on this host) does about the rest of it:
-        ``"fill"`` now, ``"arm"`` (fill at the next miss), ``"wait"`` for a later use or a long
+        ``"fill"`` now, ``"arm"`` (fill once reads miss ``miss_bytes``), ``"wait"`` for a later use or a long
         life, or ``"never"``."""
         if self.too_large(blob_bytes):
             return "never"
@@ -90,14 +95,16 @@ class FillPolicy:
 
 
 def add_policy_flags(p: argparse.ArgumentParser, *, defaults: bool) -> None:
-    """``--fill-after-uses``, ``--fill-after-seconds``, ``--fill-max-busy``, for the daemon
+    """``--fill-after-uses``, ``--fill-after-seconds``, ``--fill-max-busy``, ``--fill-miss-bytes``, for the daemon
     (``defaults``) and for the commands that start one (``None``: the daemon's default)."""
     flags = (("--fill-after-uses", int, DEFAULT_FILL_AFTER_USES,
               "fill an image in full once its N-th mount on this host misses (1: every image at its first mount)"),
              ("--fill-after-seconds", float, DEFAULT_FILL_AFTER_SECONDS,
               "... or once a layer of it stayed mounted this long (0: never)"),
              ("--fill-max-busy", float, DEFAULT_FILL_MAX_BUSY,
-              "the fill waits while the blob disk was busy more than this fraction of the time"))
+              "the fill waits while the blob disk was busy more than this fraction of the time"),
+             ("--fill-miss-bytes", int, DEFAULT_FILL_MISS_BYTES,
+              "an armed layer (its image came back) is filled once its reads missed this many bytes"))
     for flag, kind, default, text in flags:
         p.add_argument(flag, type=kind, default=default if defaults else None,
                        help=f"{text} (default {default})")

@@ -398,7 +398,8 @@ def _host(args: argparse.Namespace) -> Any:
 
     opts: dict[str, Any] = {}
     for name in ("cache_size", "fetch_timeout", "trace_seconds", "data_path", "fill_below", "fill_bandwidth",
-                 "fill_after_uses", "fill_after_seconds", "fill_max_busy", "holder_grace", "blob_io"):
+                 "fill_after_uses", "fill_after_seconds", "fill_max_busy", "fill_miss_bytes", "holder_grace",
+                 "blob_io"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value
