@@ -193,6 +193,10 @@ class LayerBlob:
         """True when no chunk's range has a hole (asked of the file)."""
         return not self.missing(range(len(self.records)))
 
+    def present_bytes(self) -> int:
+        """Raw bytes of the chunks present, by the accounting hint (reads still ask the file)."""
+        return sum(rec.length for rec, here in zip(self.records, self.present, strict=True) if here)
+
 
 class BlobCache:
     """The blob files of every layer this host serves, under one byte capacity.

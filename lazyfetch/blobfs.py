@@ -48,6 +48,9 @@ class BlobServer:
         self._by_inode: dict[tuple[int, int], LayerBlob] = {}
         self._lock = threading.Lock()
         self._quick_hits = self._quick_bytes = 0
+        # the daemon's fill policy hears of misses: the layer and the bytes a read waits for
+        self.on_miss: Callable[[LayerBlob, int], None] | None = None
+        self._quick_events: dict[str, int] = {}  # layer -> events present() answered since count_batch
 
     @property
     def layers(self) -> dict[str, LayerBlob]:
@@ -84,6 +87,8 @@ class BlobServer:
             self._failed(layer, offset, exc)
         except OSError as exc:
             self._failed(layer, offset, exc)
+        finally:
+            self.metrics.served(layer.digest, 1)
         self.metrics.bytes_served.inc(len(data))
         return data
 
@@ -118,6 +123,7 @@ class BlobServer:
                 self._record(layer, idxs)
             self._quick_hits += len(idxs)  # (only the event reader calls this: plain ints, counted per batch)
             self._quick_bytes += count
+            self._quick_events[layer.digest] = self._quick_events.get(layer.digest, 0) + 1
             if layer.window and offset + count > layer.ahead_mark:
                 self._next_window(layer)
         except Exception:
@@ -130,6 +136,10 @@ class BlobServer:
             self.metrics.hits.inc(self._quick_hits)
             self.metrics.bytes_served.inc(self._quick_bytes)
             self._quick_hits = self._quick_bytes = 0
+        if self._quick_events:
+            events, self._quick_events = self._quick_events, {}
+            for layer, n in events.items():
+                self.metrics.served(layer, n)
 
     def allow(self, fd: int, offset: int, count: int, answer: Callable[[bool], None]) -> None:
         """Fill the chunks the event's range overlaps and answer: allow, or deny (EIO)."""
@@ -151,6 +161,7 @@ class BlobServer:
         return result[0]
 
     def _fill(self, layer: LayerBlob, offset: int, count: int, answer: Callable[[bool], None]) -> None:
+        self.metrics.served(layer.digest, 1)
         idxs = layer.overlapping(offset, min(offset + count, layer.blob_size))
         with self.cache.pinned(layer, idxs):
             try:
@@ -180,6 +191,8 @@ class BlobServer:
                 self._next_window(layer)
             return {}
         self.metrics.misses.inc(len(missing))
+        if self.on_miss is not None:
+            self.on_miss(layer, sum(layer.records[i].length for i in missing))
         first = layer.starts[missing[0]]
         sequential = layer.seen_from - SEQUENTIAL_SLACK <= first <= layer.ahead_end + SEQUENTIAL_SLACK
         sync = self._missing_from(layer, idxs[-1] + 1, SYNC_AHEAD)
@@ -193,7 +206,11 @@ class BlobServer:
         layer.ahead_mark = layer.ahead_end = sync_end
         wanted = [layer.records[i].digest for i in missing + sync]
         ahead = self._window(layer) if layer.window else []
-        fetched = self.fetcher.fetch_blocking(layer, wanted, ahead)
+        started = time.perf_counter()
+        try:
+            fetched = self.fetcher.fetch_blocking(layer, wanted, ahead)
+        finally:
+            self.metrics.waited(layer.digest, time.perf_counter() - started)
         self.cache.note_complete(layer)
         return fetched
 

@@ -132,7 +132,8 @@ class DaemonClient:
 
         ``options`` are the daemon's flags (lazyfetch.daemon.parse_args) by their
         Python names: ``cache_size``, ``fetch_timeout``, ``trace_seconds``,
-        ``data_path``, ``fill_below``, ``fill_bandwidth``, ``holder_grace``, ``blob_io``.
+        ``data_path``, ``fill_below``, ``fill_bandwidth``, ``fill_after_uses``, ``fill_after_seconds``,
+        ``fill_max_busy``, ``fill_miss_bytes``, ``holder_grace``, ``blob_io``.
         """
         h = self.health()
         if h and h.get("ready"):

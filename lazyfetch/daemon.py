@@ -67,6 +67,15 @@ from lazyfetch.client import (
 from lazyfetch.control import ControlServer, HTTPError, Request, Response, json_response
 from lazyfetch.errors import FanotifyError
 from lazyfetch.fetcher import Fetcher
+from lazyfetch.fillpolicy import (
+    DEFAULT_FILL_AFTER_SECONDS,
+    DEFAULT_FILL_AFTER_USES,
+    DEFAULT_FILL_MAX_BUSY,
+    DEFAULT_FILL_MISS_BYTES,
+    DiskIdle,
+    FillPolicy,
+    add_policy_flags,
+)
 from lazyfetch.holder import SWEEP_FDS, Holder
 from lazyfetch.inflight import Journal, Pending
 from lazyfetch.metrics import Metrics
@@ -74,10 +83,11 @@ from lazyfetch.metrics import Metrics
 log = logging.getLogger("layerbox.lazyfetch")
 
 DEFAULT_CACHE_SIZE = 10 << 30
-DEFAULT_FILL_BELOW = 4 << 30  # images up to this many blob bytes are filled in the background
+DEFAULT_FILL_BELOW = 4 << 30  # images with more blob bytes are never filled in full (lazyfetch/fillpolicy.py)
 DEFAULT_FILL_BANDWIDTH = 200 << 20  # bytes per second the background fill may take from the store
 FILL_BUDGET = 0.8  # ... and it stops before the cache is this full, leaving room to readers
 FILL_BATCH = 64  # chunks per background fetch
+FILL_ATTEMPTS = 3  # tries of one batch before the fill leaves it to the readers
 BLOB_IO = ("buffered", "direct")
 PREFETCH_BATCH = 32
 PREFETCH_CONCURRENCY = 4
@@ -100,6 +110,14 @@ class DaemonConfig:
     holder_grace: float = 60.0
     evict_min_age: float = EVICT_MIN_AGE
     blob_io: str = "buffered"
+    fill_after_uses: int = DEFAULT_FILL_AFTER_USES
+    fill_after_seconds: float = DEFAULT_FILL_AFTER_SECONDS
+    fill_max_busy: float = DEFAULT_FILL_MAX_BUSY
+    fill_miss_bytes: int = DEFAULT_FILL_MISS_BYTES
+
+    def fill_policy(self) -> FillPolicy:
+        return FillPolicy(self.fill_below, self.fill_after_uses, self.fill_after_seconds, self.fill_max_busy,
+                          self.fill_miss_bytes)
 
     @property
     def fuse_dir(self) -> Path:
@@ -169,6 +187,15 @@ class Daemon:
         self._filling: set[str] = set()
         self._replays: dict[str, asyncio.Task[int]] = {}  # layer hex -> its trace replay
         self._bucket = _Bucket(max(cfg.fill_bandwidth, 1))
+        self.fill_policy = cfg.fill_policy()
+        self._uses: dict[str, int] = {}  # image digest -> its mounts on this host since the start
+        self._long_lived: set[str] = set()  # images whose long-life check is scheduled
+        self._armed: set[str] = set()  # layer hexes whose misses start their fill
+        self._missed: dict[str, int] = {}  # armed layer hex -> bytes its reads missed since
+        self._missed_lock = threading.Lock()
+        self.server.on_miss = self._on_miss
+        self.fill_state: dict[str, str] = {}  # layer hex -> what the fill does about it (daemon status)
+        self._disk = DiskIdle(cfg.blob_dir)
         if group is not None:
             self.cache.on_complete = lambda layer: group.ignore(str(layer.path))
             self.cache.on_punch = lambda layer: group.unignore(str(layer.path))
@@ -374,49 +401,132 @@ class Daemon:
             if self.cache.used > self.cache.capacity:
                 await asyncio.to_thread(self.cache.evict, int(self.cache.capacity * EVICT_LOW_WATER))
 
-    def maybe_fill(self, layers: list[str]) -> bool:
-        """Start the background fill of these layers if the image is small enough; True if started."""
+    def maybe_fill(self, image: str | None, layers: list[str]) -> bool:
+        """A mount of ``image``: start the background fill of its layers if the fill policy says so
+        (lazyfetch/fillpolicy.py); True if a fill runs for them."""
         blobs = [self.cache.layers[h] for h in map(hex_digest, layers) if h in self.cache.layers]
-        if not self.cfg.fill_below or sum(b.blob_size for b in blobs) > self.cfg.fill_below:
+        uses = 1
+        if image:
+            uses = self._uses[image] = self._uses.get(image, 0) + 1
+        decision = self.fill_policy.on_use(sum(b.blob_size for b in blobs), uses)
+        if decision == "never":
+            self._note_fill(blobs, "off" if not self.fill_policy.below else
+                            f"never: the image is above --fill-below ({self.fill_policy.below} bytes)")
             return False
-        todo = [b for b in blobs if b.hexd not in self._filling and not b.complete_hint]
-        for b in todo:
-            self._filling.add(b.hexd)
-        if todo:
-            self._spawn(self._fill(todo))
+        if decision == "arm":
+            for b in blobs:
+                if b.hexd not in self._filling and not b.complete_hint:
+                    self._armed.add(b.hexd)
+            self._note_fill(blobs, f"armed: used {uses} time(s); fills once its reads miss "
+                                   f"{self.fill_policy.miss_bytes} bytes")
+            return False
+        if decision == "wait":
+            self._note_fill(blobs, "waiting: " + self.fill_policy.waiting_reason(uses))
+            if image and self.fill_policy.after_seconds and image not in self._long_lived:
+                self._long_lived.add(image)
+                self._spawn(self._fill_if_long_lived(image, blobs))
+            return False
+        self._start_fill(blobs)
         return True
 
+    def _on_miss(self, layer: LayerBlob, missed: int) -> None:
+        """(A thread serving the kernel) a read of ``layer`` waits for ``missed`` bytes from the
+        store: an armed layer whose reads missed ``miss_bytes`` since it was armed is filled."""
+        if layer.hexd not in self._armed:
+            return
+        with self._missed_lock:
+            total = self._missed[layer.hexd] = self._missed.get(layer.hexd, 0) + missed
+            if total < self.fill_policy.miss_bytes or layer.hexd not in self._armed:
+                return
+            self._armed.discard(layer.hexd)
+        log.info("layer %s missed %d bytes since its image came back: filling it in the background",
+                 layer.digest, total)
+        self.loop.call_soon_threadsafe(self._start_fill, [layer])
+
+    def _note_fill(self, blobs: list[LayerBlob], state: str) -> None:
+        for b in blobs:
+            if b.hexd in self._filling or self.fill_state.get(b.hexd) in ("filling", "whole"):
+                continue
+            if b.hexd in self._armed and not state.startswith("armed"):
+                continue  # (a layer another image armed stays armed)
+            self.fill_state[b.hexd] = state
+
+    def _start_fill(self, blobs: list[LayerBlob]) -> None:
+        todo = [b for b in blobs if b.hexd not in self._filling and not b.complete_hint]
+        for b in todo:
+            self._armed.discard(b.hexd)
+            self._filling.add(b.hexd)
+            self.fill_state[b.hexd] = "filling"
+        for b in blobs:
+            if b.complete_hint:
+                self.fill_state[b.hexd] = "whole"
+        if todo:
+            self._spawn(self._fill(todo))
+
+    async def _fill_if_long_lived(self, image: str, blobs: list[LayerBlob]) -> None:
+        """``after_seconds`` after the image's first mount: fill it if a layer of it is still mounted."""
+        try:
+            await asyncio.sleep(self.fill_policy.after_seconds)
+            under = self.cfg.data_dir / "layers"
+            mounted = {Path(mp).name for mp in await asyncio.to_thread(kmount.mounts_under, under)}
+            if any(b.hexd in mounted for b in blobs):
+                log.info("image %s is mounted since %.0f s: filling it in the background", image,
+                         self.fill_policy.after_seconds)
+                self._start_fill(blobs)
+        finally:
+            self._long_lived.discard(image)
+
+    async def _wait_for_idle_disk(self) -> None:
+        """The fill goes on only while the blob cache's disk has bandwidth to spare."""
+        while (busy := await asyncio.to_thread(self._disk.busy)) > self.fill_policy.max_busy:
+            log.debug("background fill waits: the blob disk was %d%% busy", 100 * busy)
+            await asyncio.sleep(0.5)
+
     async def _fill(self, layers: list[LayerBlob]) -> None:
-        """The rest of each layer, at low priority: after its trace replay and readers, within a rate
-        and a cache budget."""
+        """The rest of each layer, at low priority: after its trace replay and readers, within a rate,
+        a cache budget and the disk's idle time."""
         try:
             for layer in layers:
                 replay = self._replays.pop(layer.hexd, None)
                 if replay is not None:
                     await asyncio.wait([replay])
-                for start in range(0, len(layer.records), FILL_BATCH):
-                    idxs = layer.missing(range(start, min(start + FILL_BATCH, len(layer.records))))
-                    if not idxs:
-                        continue
-                    while self.fetcher.foreground:  # noqa: ASYNC110 (a reader waits for the store: it goes first)
-                        await asyncio.sleep(0.02)
-                    size = sum(layer.records[i].length for i in idxs)
-                    if self.cache.used + size > self.cache.capacity * FILL_BUDGET:
-                        log.info("background fill of %s stops: the cache is %d%% full", layer.digest,
-                                 100 * self.cache.used // max(self.cache.capacity, 1))
-                        return
-                    await self._bucket.take(size)
-                    digests = list(dict.fromkeys(layer.records[i].digest for i in idxs))
-                    try:
-                        await self.fetcher.fetch_many(layer, digests, prefetch=True)
-                    except Exception as exc:
-                        log.warning("background fill of %s: %s; retrying later", layer.digest, exc)
-                        await asyncio.sleep(1.0)
-                self.metrics.layers_filled.inc()
-                await asyncio.to_thread(self.cache.note_complete, layer)
+                stopped = await self._fill_layer(layer)
+                if stopped:
+                    self.fill_state[layer.hexd] = f"stopped: {stopped}"
+                    return
+                if await asyncio.to_thread(self.cache.note_complete, layer):
+                    self.metrics.layers_filled.inc()
+                    self.fill_state[layer.hexd] = "whole"
         finally:
             for layer in layers:
                 self._filling.discard(layer.hexd)
+                if self.fill_state.get(layer.hexd) == "filling":
+                    self.fill_state[layer.hexd] = "stopped: the daemon is stopping, or a chunk failed"
+
+    async def _fill_layer(self, layer: LayerBlob) -> str | None:
+        """Fetch every missing chunk of ``layer``, ``FILL_BATCH`` at a time; why it stopped, if it did."""
+        for start in range(0, len(layer.records), FILL_BATCH):
+            for attempt in range(1, FILL_ATTEMPTS + 1):
+                idxs = layer.missing(range(start, min(start + FILL_BATCH, len(layer.records))))
+                if not idxs:
+                    break
+                while self.fetcher.foreground:  # noqa: ASYNC110 (a reader waits for the store: it goes first)
+                    await asyncio.sleep(0.02)
+                await self._wait_for_idle_disk()
+                size = sum(layer.records[i].length for i in idxs)
+                if self.cache.used + size > self.cache.capacity * FILL_BUDGET:
+                    full = 100 * self.cache.used // max(self.cache.capacity, 1)
+                    log.info("background fill of %s stops: the cache is %d%% full", layer.digest, full)
+                    return f"the cache is {full}% full"
+                await self._bucket.take(size)
+                try:
+                    await self.fetcher.fetch_many(layer, list(dict.fromkeys(layer.records[i].digest for i in idxs)),
+                                                  prefetch=True)
+                except Exception as exc:  # a read that needs these chunks fetches them itself
+                    log.warning("background fill of %s at chunk %d (attempt %d of %d): %s", layer.digest,
+                                start, attempt, FILL_ATTEMPTS, exc)
+                    await asyncio.sleep(1.0)
+        return None
 
     def stats(self) -> dict[str, Any]:
         """``GET /stats``, ``layerbox stats --json``: every field is defined in docs/STATS.md."""
@@ -426,6 +536,11 @@ class Daemon:
         snap = self.metrics.snapshot(layers)
         snap["cache"] = cache
         snap["layers"] = len(self.cache.layers)
+        served = list(self.cache.layers.values())
+        snap["bytes_present_per_layer"] = {b.digest: b.present_bytes() for b in served}
+        snap["blob_bytes_per_layer"] = {b.digest: b.blob_size for b in served}
+        snap["fill_per_layer"] = {b.digest: "whole" if b.complete_hint else self.fill_state.get(b.hexd, "not asked")
+                                  for b in served}
         snap["instance"] = self.instance
         snap["generation"] = self.generation
         snap["data_path"] = self.data_path
@@ -454,7 +569,7 @@ class Daemon:
             mode = None
             if image and body.get("trace", True):
                 mode = await self.start_trace_or_prefetch(image, digests)
-            filling = self.maybe_fill(digests) if body.get("fill", True) else False
+            filling = self.maybe_fill(image, digests) if body.get("fill", True) else False
             return json_response({"layers": out, "trace": mode, "fill": filling})
 
         async def check(req: Request) -> Response:
@@ -855,7 +970,8 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
                    help="how the kernel reads layer blobs: fanotify pre-content events where they work, "
                         "else FUSE (auto); or force one")
     p.add_argument("--fill-below", type=int, default=DEFAULT_FILL_BELOW,
-                   help="fill images with at most this many blob bytes in the background (0: never)")
+                   help="never fill images with more blob bytes in full (0: no background fill)")
+    add_policy_flags(p, defaults=True)
     p.add_argument("--fill-bandwidth", type=int, default=DEFAULT_FILL_BANDWIDTH,
                    help="bytes per second the background fill may fetch")
     p.add_argument("--holder-grace", type=float, default=60.0,
@@ -867,8 +983,14 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
                         "but a read byte is cached twice, as blob and as file) or with direct I/O (direct: "
                         "cached once, as the file; re-reads ~0.6x buffered); applies to layers mounted from then on")
     a = p.parse_args(argv)
-    return DaemonConfig(Path(a.data_dir), a.store, a.s3_endpoint, a.cache_size, a.fetch_timeout, a.trace_seconds,
-                        a.data_path, a.fill_below, a.fill_bandwidth, a.holder_grace, a.evict_min_age, a.blob_io)
+    cfg = DaemonConfig(Path(a.data_dir), a.store, a.s3_endpoint, a.cache_size, a.fetch_timeout, a.trace_seconds,
+                       a.data_path, a.fill_below, a.fill_bandwidth, a.holder_grace, a.evict_min_age, a.blob_io,
+                       a.fill_after_uses, a.fill_after_seconds, a.fill_max_busy, a.fill_miss_bytes)
+    try:
+        cfg.fill_policy()
+    except ValueError as exc:
+        p.error(str(exc))
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,6 +93,8 @@ class Fetcher:
         self.loop = loop
         self.timeout = timeout
         self._inflight: dict[tuple[str, bytes], asyncio.Future[bytes]] = {}
+        # in-flight chunks a reader waits for -> when the first reader started waiting (loop time)
+        self._waited_since: dict[tuple[str, bytes], float] = {}
         self._sem = asyncio.Semaphore(concurrency)
         # read-ahead, prefetch and fill take at most this many of the GETs in flight, so a
         # reader's own fetch never queues behind a window nobody waits for yet
@@ -102,16 +104,24 @@ class Fetcher:
     # -- called from the threads serving the kernel -------------------------------------
     def fetch_blocking(self, layer: LayerBlob, wanted: list[bytes], ahead: list[bytes] | None = None
                        ) -> dict[bytes, bytes]:
-        """Fetch ``wanted`` into the layer's blob and wait; ``ahead`` is fetched along, not waited for."""
+        """Fetch ``wanted`` into the layer's blob and wait; ``ahead`` is fetched along, not waited for.
+
+        A read waits at most ``timeout`` seconds from the start of the oldest fetch a reader
+        waits for among its chunks: the kernel retries a failed readahead page by page, and
+        each retry joins the same stalled fetch, so without that bound one reader would wait
+        ``timeout`` once per retry.
+        """
         future = asyncio.run_coroutine_threadsafe(self._foreground(layer, wanted, ahead), self.loop)
         try:
-            return future.result(self.timeout)
+            return future.result(self.timeout + 1.0)  # (the coroutine's own deadline comes first)
         except concurrent.futures.TimeoutError:
             # the fetch goes on in the background; a later read may find the chunk present
-            raise FetchTimeout(
-                f"store {self.store.url} did not deliver {len(wanted)} chunk(s) of layer {layer.digest} "
-                f"within {self.timeout:.0f} s (first {wanted[0].hex()})"
-            ) from None
+            raise self._timeout(layer, wanted) from None
+
+    def _timeout(self, layer: LayerBlob, wanted: list[bytes]) -> FetchTimeout:
+        return FetchTimeout(
+            f"store {self.store.url} did not deliver {len(wanted)} chunk(s) of layer {layer.digest} "
+            f"within {self.timeout:.0f} s (first {wanted[0].hex()})")
 
     def fetch_later(self, layer: LayerBlob, wanted: list[bytes]) -> None:
         """Start fetching ``wanted`` (counted as prefetched) and return at once."""
@@ -125,20 +135,29 @@ class Fetcher:
             if ahead:
                 task = asyncio.ensure_future(self.fetch_many(layer, ahead, prefetch=True))
                 task.add_done_callback(_log_failure)
-            return await self.fetch_many(layer, wanted)
+            now = self.loop.time()
+            oldest = min((self._waited_since.get((layer.hexd, d), now) for d in wanted), default=now)
+            remaining = oldest + self.timeout - now
+            if remaining <= 0:  # the fetch it would join has kept readers waiting too long already
+                raise self._timeout(layer, wanted)
+            try:
+                return await asyncio.wait_for(self.fetch_many(layer, wanted, waited=True), remaining)
+            except TimeoutError:
+                raise self._timeout(layer, wanted) from None
         finally:
             self.foreground -= 1
 
     # -- on the loop --------------------------------------------------------------------
-    async def fetch_many(self, layer: LayerBlob, wanted: Iterable[bytes], *, prefetch: bool = False
-                         ) -> dict[bytes, bytes]:
+    async def fetch_many(self, layer: LayerBlob, wanted: Iterable[bytes], *, prefetch: bool = False,
+                         waited: bool = False) -> dict[bytes, bytes]:
         """Fetch every wanted chunk of ``layer`` into its blob; each at most once at a time.
 
         Returns the bytes of the chunks this call waited for (a chunk the blob
         could not store is served from them).  The chunks it starts fetching are
         counted for the layer and, with ``prefetch``, as prefetched; chunks in
         flight already are not counted again.  The caller asked the blob which
-        chunks are missing.
+        chunks are missing; ``waited``: a reader waits for them (the deadline of
+        :meth:`fetch_blocking` counts from the first such reader).
         """
         out: dict[bytes, bytes] = {}
         waiting: list[tuple[bytes, asyncio.Future[bytes]]] = []
@@ -159,6 +178,8 @@ class Fetcher:
                 fut = self.loop.create_future()
                 self._inflight[key] = fut
                 todo.append((digest, loc))
+            if waited:
+                self._waited_since.setdefault(key, self.loop.time())
             waiting.append((digest, fut))
         if todo:
             # started as tasks so that a caller that stops waiting does not cancel
@@ -183,8 +204,14 @@ class Fetcher:
                                  f"[{run.start}, {run.end}): got {len(data)} bytes")
             await asyncio.to_thread(self._decode_run, run, data, layer, prefetch)
         except BaseException as exc:
+            failure = exc
+            if isinstance(exc, Exception) and not isinstance(exc, FetchError):
+                # a store error (throttled past its retries, refused): the reader's EIO names the range
+                failure = FetchError(f"{self.store.url}: GET of {pack_key(run.pack)} [{run.start}, {run.end}) "
+                                     f"for layer {layer.digest} failed: {exc}")
+                failure.__cause__ = exc
             for digest, _ in run.items:  # (the chunks settled already are not in flight any more)
-                self._fail((layer.hexd, digest), exc)
+                self._fail((layer.hexd, digest), failure)
             if not isinstance(exc, Exception):
                 raise
             return
@@ -194,6 +221,7 @@ class Fetcher:
                 self.metrics.fetch_seconds.observe(time.perf_counter() - started)
 
     def _settle(self, key: tuple[str, bytes], value: bytes | Exception) -> None:
+        self._waited_since.pop(key, None)
         fut = self._inflight.pop(key, None)
         if fut is None or fut.done():
             return
@@ -204,6 +232,7 @@ class Fetcher:
             fut.set_result(value)
 
     def _fail(self, key: tuple[str, bytes], exc: BaseException) -> None:
+        self._waited_since.pop(key, None)
         fut = self._inflight.pop(key, None)
         if fut is not None and not fut.done():
             fut.set_exception(exc if isinstance(exc, Exception) else FetchError(repr(exc)))

@@ -18,10 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 @dataclass
 class LayerFetched:
-    """What the store delivered for fetches attributed to one layer."""
+    """What the store delivered for fetches attributed to one layer, and what its readers saw."""
 
     bytes_fetched: int = 0  # GET body bytes (compressed frames)
     bytes_fetched_uncompressed: int = 0  # the verified chunks decoded from them
+    events_served: int = 0  # kernel reads of its blob answered (FUSE READs, fanotify events)
+    store_wait_seconds: float = 0.0  # time those reads spent waiting for the store
 
 
 class Metrics:
@@ -86,6 +88,16 @@ class Metrics:
             self.bytes_fetched_uncompressed.inc(raw_bytes)
             self._layer_locked(layer).bytes_fetched_uncompressed += raw_bytes
 
+    def served(self, layer: str, events: int) -> None:
+        """``events`` kernel reads of the layer's blob were answered (allowed, or EIO)."""
+        with self._lock:
+            self._layer_locked(layer).events_served += events
+
+    def waited(self, layer: str, seconds: float) -> None:
+        """A read of the layer waited ``seconds`` for chunks from the store (or for its timeout)."""
+        with self._lock:
+            self._layer_locked(layer).store_wait_seconds += seconds
+
     # -- exports ------------------------------------------------------------------------
     def prometheus(self) -> bytes:
         return generate_latest(self.registry)
@@ -101,7 +113,8 @@ class Metrics:
             count = next(s.value for s in hist if s.name.endswith("_count"))
             total = next(s.value for s in hist if s.name.endswith("_sum"))
             per_layer = {layer: LayerFetched() for layer in layers or {}}
-            per_layer.update({k: LayerFetched(v.bytes_fetched, v.bytes_fetched_uncompressed)
+            per_layer.update({k: LayerFetched(v.bytes_fetched, v.bytes_fetched_uncompressed, v.events_served,
+                                              v.store_wait_seconds)
                               for k, v in self._per_layer.items()})
             snap: dict[str, Any] = {
                 "hits": int(value(self.hits)), "misses": int(value(self.misses)),
@@ -125,4 +138,6 @@ class Metrics:
         snap["bytes_fetched_uncompressed_per_layer"] = {k: v.bytes_fetched_uncompressed
                                                          for k, v in per_layer.items()}
         snap["bytes_fetched_per_image"] = per_image
+        snap["events_served_per_layer"] = {k: v.events_served for k, v in per_layer.items()}
+        snap["store_wait_seconds_per_layer"] = {k: round(v.store_wait_seconds, 6) for k, v in per_layer.items()}
         return snap

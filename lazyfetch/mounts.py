@@ -524,8 +524,21 @@ class HostMounts:
             return self.client.stop(release=not state["layers"])
 
     def status(self) -> dict[str, Any]:
+        """The daemon's health, this host's mounts, layers and holds, and (``served``) per layer the
+        daemon serves: its data path, bytes present, kernel reads served, time they waited on the
+        store and what the background fill does about it."""
         with self._locked() as state:
             health = self.client.health()
             self._reconcile(state, health["generation"] if health else None)
-            return {"daemon": health, "mounts": state["mounts"], "layers": state["layers"],
-                    "holds": state["holds"]}
+            out = {"daemon": health, "mounts": state["mounts"], "layers": state["layers"],
+                   "holds": state["holds"]}
+        out["served"] = self._served_layers() if health else {}
+        return out
+
+    def _served_layers(self) -> dict[str, dict[str, Any]]:
+        st = self.client.request("GET", "/stats")
+        return {layer: {"data_path": st["data_path"], "blob_bytes": st["blob_bytes_per_layer"][layer],
+                        "bytes_present": present, "events_served": st["events_served_per_layer"][layer],
+                        "store_wait_seconds": st["store_wait_seconds_per_layer"][layer],
+                        "fill": st["fill_per_layer"][layer]}
+                for layer, present in st["bytes_present_per_layer"].items()}

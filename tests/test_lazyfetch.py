@@ -7,12 +7,14 @@ Teardown unmounts everything and stops the daemon even when a test fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from layerstore.store import Store
 from lazyfetch import kmount
 from tests.support.hosts import Host, publish_sync, resolve_sync  # noqa: F401
 from tests.support.moto import MotoServer, aws_test_env, file_and_s3_store_url, moto_fixture  # noqa: F401
+from tests.support.s3proxy import Fault, FaultProxy
 from tests.support.treecmp import assert_trees_equal
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse")]
@@ -113,10 +116,11 @@ def test_layers_are_shared_and_refcounted(hosts, tmp_path: Path) -> None:
     assert kmount.mounts_under(host.data_dir / "layers") == []
 
 
-def test_store_stall_gives_eio_then_recovers(hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tests.support.s3proxy import Fault, FaultProxy
-
-    server = request_moto = MotoServer()
+@contextlib.contextmanager
+def proxied_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, big_mb: int = 0
+                  ) -> Iterator[tuple[str, Path, FaultProxy]]:
+    """A moto bucket behind a fault proxy (what the daemons talk to), an image published there."""
+    server = MotoServer()
     proxy = FaultProxy(server.endpoint).start()
     try:
         bucket = server.new_bucket()
@@ -125,9 +129,19 @@ def test_store_stall_gives_eio_then_recovers(hosts, tmp_path: Path, monkeypatch:
             monkeypatch.setenv(k, v)
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         url = f"s3://{bucket}/lb"
-        src = make_source(tmp_path / "src")
-        publish_sync(url, tmp_path / "pub", str(src), "stall/img")
-        host = hosts(url, fetch_timeout=2.0)
+        src = make_source(tmp_path / "src", big_mb=big_mb)
+        publish_sync(url, tmp_path / "pub", str(src), name)
+        yield url, src, proxy
+    finally:
+        proxy.stop()
+        server.stop()
+
+
+@pytest.mark.parametrize("data_path", ["fanotify", "fuse"])
+def test_store_stall_gives_eio_then_recovers(hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             data_path: str) -> None:
+    with proxied_store(tmp_path, monkeypatch, "stall/img") as (url, src, proxy):
+        host = hosts(url, fetch_timeout=2.0, data_path=data_path)
         mnt = host.mount("stall/img")
         proxy.inject(Fault.stall(6.0), times=100, method="GET")
         started = time.monotonic()
@@ -135,13 +149,43 @@ def test_store_stall_gives_eio_then_recovers(hosts, tmp_path: Path, monkeypatch:
         assert res.returncode != 0
         assert "Input/output error" in res.stderr or "Errno 5" in res.stderr
         assert time.monotonic() - started < 5  # bounded by the fetch timeout, never forever
+        assert host.stats()["read_errors"] >= 1
         proxy.clear()
         time.sleep(7)  # the stalled request ends; the store answers again
+        # the mount stays usable: the same data, and data nobody asked for yet
         assert (mnt / "bin/tool5").read_bytes() == (src / "bin/tool5").read_bytes()
-        del request_moto
-    finally:
-        proxy.stop()
-        server.stop()
+        assert (mnt / "bin/tool17").read_bytes() == (src / "bin/tool17").read_bytes()
+
+
+@pytest.mark.parametrize("data_path", ["fanotify", "fuse"])
+def test_s3_slowdown_is_retried_with_backoff_and_bounded(hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         data_path: str) -> None:
+    with proxied_store(tmp_path, monkeypatch, "slow/img", big_mb=8) as (url, src, proxy):
+        host = hosts(url, fetch_timeout=20.0, data_path=data_path)
+        mnt = host.mount("slow/img")
+        before = len(proxy.requests("GET"))
+        proxy.inject(Fault.error(503, "SlowDown"), times=2, method="GET")
+        assert (mnt / "bin/tool5").read_bytes() == (src / "bin/tool5").read_bytes()  # after two back-offs
+        kinds = [kind for _, _, kind in proxy.requests("GET")[before:]]
+        assert kinds[:3] == ["error", "error", None]
+        logtext = (host.data_dir / "lazyfetch.log").read_text()
+        assert "failed (attempt 1 of 6), retrying" in logtext
+        assert "SlowDown" in logtext
+        assert host.stats()["read_errors"] == 0
+        # a store that keeps throttling: the read fails after the retries (6 attempts), well before
+        # the fetch timeout, with EIO, and the mount stays usable
+        proxy.inject(Fault.error(503, "SlowDown"), times=1000, method="GET")
+        started = time.monotonic()
+        res = read_in_subprocess(mnt / "data/blob0", timeout=60)  # (nothing of it fetched yet)
+        assert res.returncode != 0
+        assert "Input/output error" in res.stderr or "Errno 5" in res.stderr
+        assert time.monotonic() - started < 15  # the back-off is bounded (< 4 s), not the 20 s timeout
+        logtext = (host.data_dir / "lazyfetch.log").read_text()
+        assert "gave up after 6 attempts" in logtext
+        assert host.stats()["read_errors"] >= 1
+        proxy.clear()
+        assert (mnt / "data/blob0").read_bytes() == (src / "data/blob0").read_bytes()
+        assert (mnt / "bin/tool8").read_bytes() == (src / "bin/tool8").read_bytes()
 
 
 def test_corrupt_chunk_is_refused_then_refetched(hosts, tmp_path: Path) -> None:

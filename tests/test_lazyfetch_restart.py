@@ -222,7 +222,10 @@ def test_eviction_under_a_tiny_cache_while_readers_run(hosts, tmp_path: Path, da
 
 
 def test_background_fill_makes_the_layer_whole(hosts, tmp_path: Path, data_path: str) -> None:
-    src, host, mnt = lazy_host(hosts, tmp_path, data_path, big_mb=16, fill_below=1 << 30)
+    # --fill-after-uses 1: the whole image at its first mount (the default waits for a second use
+    # that misses, or a long life: tests/test_lazyfetch_fill.py)
+    src, host, mnt = lazy_host(hosts, tmp_path, data_path, big_mb=16, fill_below=1 << 30, fill_after_uses=1,
+                               fill_max_busy=1.0)
     deadline = time.monotonic() + 60
     while host.stats()["layers_filled"] < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -237,7 +240,7 @@ def test_background_fill_makes_the_layer_whole(hosts, tmp_path: Path, data_path:
 
 
 def test_a_mounted_image_is_not_filled_above_the_threshold(hosts, tmp_path: Path) -> None:
-    _, host, _ = lazy_host(hosts, tmp_path, "fanotify", big_mb=16, fill_below=1 << 20)
+    _, host, _ = lazy_host(hosts, tmp_path, "fanotify", big_mb=16, fill_below=1 << 20, fill_after_uses=1)
     time.sleep(1.0)
     st = host.stats()
     assert st["layers_filled"] == 0

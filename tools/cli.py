@@ -398,7 +398,8 @@ def _host(args: argparse.Namespace) -> Any:
 
     opts: dict[str, Any] = {}
     for name in ("cache_size", "fetch_timeout", "trace_seconds", "data_path", "fill_below", "fill_bandwidth",
-                 "holder_grace", "blob_io"):
+                 "fill_after_uses", "fill_after_seconds", "fill_max_busy", "fill_miss_bytes", "holder_grace",
+                 "blob_io"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value
@@ -468,7 +469,19 @@ def cmd_daemon_stop(args: argparse.Namespace) -> int:
 
 def cmd_daemon_status(args: argparse.Namespace) -> int:
     st = _host(args).status()
-    _emit(args, st, lambda: print(json.dumps(st, indent=1)))
+
+    def human() -> None:
+        served = st.get("served", {})
+        print(json.dumps({k: v for k, v in st.items() if k != "served"}, indent=1))
+        if served:
+            print(f"{'layer':<20} {'path':<8} {'present MB':>10} {'blob MB':>8} {'events':>8} "
+                  f"{'store wait s':>12}  fill")
+        for layer, row in served.items():
+            print(f"{layer[:20]:<20} {row['data_path']:<8} {row['bytes_present'] / 1e6:>10.1f} "
+                  f"{row['blob_bytes'] / 1e6:>8.1f} {row['events_served']:>8} "
+                  f"{row['store_wait_seconds']:>12.3f}  {row['fill']}")
+
+    _emit(args, st, human)
     return 0
 
 
@@ -868,12 +881,15 @@ def _store_flags(p: argparse.ArgumentParser) -> None:
 
 def _host_flags(p: argparse.ArgumentParser) -> None:
     """The lazyfetch daemon's options (``None``: the daemon's own default, or a running daemon's)."""
+    from lazyfetch.fillpolicy import add_policy_flags
+
     p.add_argument("--cache-size", type=_size, default=None, help="blob cache cap (daemon start)")
     p.add_argument("--data-path", choices=["auto", "fanotify", "fuse"], default=None,
                    help="how the kernel reads layer blobs (daemon start; default auto: fanotify "
                         "pre-content events where they work, else FUSE)")
     p.add_argument("--fill-below", type=_size, default=None,
-                   help="fill images up to this size in the background after a mount (0: never)")
+                   help="never fill images above this size in full (0: no background fill)")
+    add_policy_flags(p, defaults=False)
     p.add_argument("--fill-bandwidth", type=_size, default=None,
                    help="bytes per second the background fill may fetch")
     p.add_argument("--holder-grace", type=float, default=None,
