@@ -83,6 +83,18 @@ class Eligibility:
             raise PolicyError(str(exc).replace("eligibility policy", what, 1)) from None
 
     @classmethod
+    def from_flags(cls, prefixes: Iterable[str], labels: Iterable[str], what: str) -> Eligibility:
+        """From command-line flags: prefixes, and labels as ``KEY=VALUE``; ``what`` names the
+        command in errors."""
+        pairs: dict[str, str] = {}
+        for item in labels:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise PolicyError(f"{what}: --eligible-label wants KEY=VALUE, got {item!r}")
+            pairs[key] = value
+        return cls(tuple(prefixes), pairs)
+
+    @classmethod
     def load(cls, path: str | Path) -> Eligibility:
         """A policy file (JSON); errors name the file."""
         try:

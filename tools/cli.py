@@ -549,13 +549,10 @@ def _sync_policy(args: argparse.Namespace) -> Any:
     if not inline:
         raise SystemExit("layerbox sync: --eligible-only needs a policy: --policy FILE, or "
                          "--eligible-prefix P / --eligible-label KEY=VALUE (repeatable)")
-    labels = {}
-    for item in args.eligible_label:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"layerbox sync: --eligible-label wants KEY=VALUE, got {item!r}")
-        labels[key] = value
-    return Eligibility(tuple(args.eligible_prefix), labels)
+    try:
+        return Eligibility.from_flags(args.eligible_prefix, args.eligible_label, "layerbox sync")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _print_sync(report: Any) -> None:

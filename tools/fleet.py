@@ -166,15 +166,9 @@ async def _policy(args: argparse.Namespace, db: FleetDb) -> Any:
     if args.action == "clear":
         await db.set_setting("burst", None)
         return None
-    labels = {}
-    for item in args.eligible_label:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"layerbox fleet policy set: --eligible-label {item!r}: KEY=VALUE")
-        labels[key] = value
     try:
-        policy = BurstPolicy(args.home, args.overflow, args.threshold, args.wait,
-                             Eligibility(tuple(args.eligible_prefix), labels))
+        policy = BurstPolicy(args.home, args.overflow, args.threshold, args.wait, Eligibility.from_flags(
+            args.eligible_prefix, args.eligible_label, "layerbox fleet policy set"))
     except ValueError as exc:
         raise SystemExit(f"layerbox fleet policy set: {exc}") from None
     await db.set_setting("burst", policy.to_json())
