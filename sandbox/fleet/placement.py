@@ -75,6 +75,13 @@ class EdgeView:
     def free_slots(self) -> int:
         return int(self.row.load.get("sandboxes", {}).get("free", 0)) - self.pending()[0]
 
+    def rank(self, demand: Demand) -> tuple[float, int]:
+        """The score to 2 decimals, then fewer sandboxes: edges sharing a machine (or alike) score
+        within a hair of each other, and a hair is no reason to stack sandboxes on one."""
+        boxes = self.row.load.get("sandboxes", {}) if self.row.load else {}
+        held = int(boxes.get("live", 0)) + int(boxes.get("in_flight", 0)) + self.pending()[0]
+        return round(self.score(demand), 2), -held
+
     def score(self, demand: Demand) -> float:
         load = self.row.load
         if not load:
@@ -139,10 +146,10 @@ class Placement:
             rest = [v for v in views if v.free_slots() >= demand.count]
             while rest:
                 drawn = self.rng.sample(rest, min(self.k, len(rest)))
-                best = max(drawn, key=lambda v: v.score(demand))
+                best = max(drawn, key=lambda v: v.rank(demand))
                 out.append(best)
                 rest.remove(best)
-            out += sorted((v for v in views if v not in out), key=lambda v: v.score(demand), reverse=True)
+            out += sorted((v for v in views if v not in out), key=lambda v: v.rank(demand), reverse=True)
         return out
 
     def any_healthy(self, pools: Sequence[str] = ()) -> list[EdgeView]:
