@@ -141,6 +141,7 @@ class Image:
     probe: str
     esgz_ref: str = ""  # the eStargz copy in the same registry (the stargz peer's)
     esgz_layers: tuple[tuple[str, int], ...] = ()
+    esgz_seconds: float = 0.0  # the conversion and push, before any timing
 
     @property
     def layer_bytes(self) -> int:
@@ -368,9 +369,9 @@ def convert_esgz(base: Path, registry: RegistryServer, images: list[Image]) -> l
             ctr_remote(cd, "image", "convert", "--estargz", "--oci", image.ref, esgz_ref)
             ctr_remote(cd, "image", "push", "--plain-http", esgz_ref)
             layers = _manifest_layers(registry, esgz_ref)
-            log(f"{image.name}: eStargz {sum(s for _, s in layers) / MB:.1f} MB in "
-                f"{time.monotonic() - start:.1f} s")
-            out.append(dataclasses.replace(image, esgz_ref=esgz_ref, esgz_layers=layers))
+            seconds = time.monotonic() - start
+            log(f"{image.name}: eStargz {sum(s for _, s in layers) / MB:.1f} MB in {seconds:.1f} s")
+            out.append(dataclasses.replace(image, esgz_ref=esgz_ref, esgz_layers=layers, esgz_seconds=seconds))
     finally:
         cd.teardown()
         shutil.rmtree(base, ignore_errors=True)
@@ -655,7 +656,8 @@ def _prepare(base: Path, registry: RegistryServer, store: str, names: list[str],
     described = [{"name": i.name, "ref": i.ref, "source": i.source, "layers": len(i.layers),
                   "layer_bytes": i.layer_bytes, "probe": i.probe, "probe_bytes": probe_sizes[i.name],
                   "command": i.command, "esgz_ref": i.esgz_ref or None,
-                  "esgz_layer_bytes": sum(s for _, s in i.esgz_layers) if i.esgz_layers else None}
+                  "esgz_layer_bytes": sum(s for _, s in i.esgz_layers) if i.esgz_layers else None,
+                  "esgz_seconds": i.esgz_seconds if i.esgz_layers else None}
                  for i in images]
     return images, described
 
