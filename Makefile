@@ -29,11 +29,11 @@ BENCH_DEB_PACKAGES := podman
 
 DEMO_ARGS ?=
 
-.PHONY: help deps backports containerd2 vm-assets bench-deps bench-peers venv lint typecheck test demo clean
+.PHONY: help deps backports containerd2 stargz vm-assets bench-deps bench-peers venv lint typecheck test demo clean
 
 help:
 	@echo "make deps      install missing Debian packages, load erofs/overlay/fuse (root)"
-	@echo "make bench-deps  deps + the benchmarks' peer tools ($(BENCH_DEB_PACKAGES), erofs-utils 1.8) (root)"
+	@echo "make bench-deps  deps + the benchmarks' peer tools ($(BENCH_DEB_PACKAGES), erofs-utils 1.8, stargz) (root)"
 	@echo "make venv      create $(VENV) and pip install -e '.[test]' (again when pyproject.toml changes)"
 	@echo "make lint      ruff check ."
 	@echo "make test      deps + venv, then ruff, mypy, pytest"
@@ -107,9 +107,17 @@ bench-deps: deps
 	@$(MAKE) --no-print-directory bench-peers
 
 # erofs-utils 1.8 from Debian 13, unpacked beside (never over) the system's 1.5, for
-# bench/convert.py; a no-op once fetched (--force in the script fetches again).
+# bench/convert.py; a no-op once fetched (--force in the script fetches again).  Then the
+# stargz snapshotter for bench/containerd.py.
 bench-peers:
 	@bash bench/peers/erofs-utils.sh >/dev/null
+	@$(MAKE) --no-print-directory stargz
+
+# Debian sid's stargz-snapshotter (ctr-remote) under /opt/layerbox/stargz-snapshotter, and its
+# daemon, which Debian does not package, built from Debian's stargz library with Debian's Go
+# into /opt/layerbox/stargz-grpc (bench/peers/stargz.sh); a no-op once both are there.
+stargz:
+	@bash bench/peers/stargz.sh
 
 venv: deps $(STAMP)
 

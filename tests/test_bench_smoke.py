@@ -585,13 +585,17 @@ def test_bench_sandbox_small_json(tmp_path: Path) -> None:
 
 CONTAINERD_BENCH = Path(__file__).resolve().parents[1] / "bench" / "containerd.py"
 CONTAINERD_PEERS = ["overlayfs", "layerbox", "layerbox-unpack"]
+STARGZ_BINARIES = (Path("/opt/layerbox/stargz-snapshotter/usr/bin/ctr-remote"),
+                   Path("/opt/layerbox/stargz-grpc/bin/stargz-grpc"))
 
 
 @pytest.mark.slow
 @pytest.mark.root("erofs", "overlay", "fuse")
 def test_bench_containerd_minbase_json() -> None:
     """The fixture's minbase on each peer, once: the lazy peer pulls no layer blob and writes
-    less to disk than overlayfs, which pulls each blob once; nothing is left behind."""
+    less to disk than overlayfs, which pulls each blob once; stargz (a benchmark peer, skipped
+    with its reason when `make bench-peers` has not installed it) fetches ranges of its eStargz
+    blob; every peer then reads the same bytes of the whole image; nothing is left behind."""
     from lazyfetch import kmount
     from tests.support.containerd import require_containerd2
     from tests.support.registry import fixture_archive, require_tools
@@ -611,7 +615,10 @@ def test_bench_containerd_minbase_json() -> None:
     assert image["layer_bytes"] > 10_000_000
     assert (image["probe"], image["probe_bytes"]) == ("/etc/passwd", None)
     by_peer = {r["peer"]: r for r in doc["results"]}
-    assert list(by_peer) == CONTAINERD_PEERS
+    with_stargz = all(p.exists() for p in STARGZ_BINARIES)
+    assert list(by_peer) == CONTAINERD_PEERS + (["stargz"] if with_stargz else [])
+    if not with_stargz:
+        assert "make bench-peers" in doc["skipped"]["stargz"]
     for peer, r in by_peer.items():
         assert r["image"] == "minbase"
         _positive(r, "pull_seconds", "run_seconds", "run_exit_seconds", "registry_other_bytes")
@@ -622,6 +629,10 @@ def test_bench_containerd_minbase_json() -> None:
         assert len(r["runs"]) == 1, peer
         # the manifests and the config only: kilobytes
         assert r["registry_other_bytes"] < 100_000, peer
+        # the whole image read: the same files, whatever the snapshotter
+        assert r["read_bytes"] == by_peer["overlayfs"]["read_bytes"] > image["layer_bytes"], peer
+        _positive(r, "read_seconds", "disk_bytes_after_read")
+        assert r["transferred_bytes_after_read"] >= r["transferred_bytes"], peer
 
     ovl, lazy, unpack = (by_peer[p] for p in CONTAINERD_PEERS)
     # containerd's own path fetches each layer blob once, whole, and nothing from the store
@@ -640,6 +651,16 @@ def test_bench_containerd_minbase_json() -> None:
     assert unpack["publish_seconds"] > unpack["pull_seconds"]
     assert "publish_seconds" not in ovl
     assert "publish_seconds" not in lazy
+    # reading everything fetches (nearly) every chunk from the store, still no blob from the registry
+    assert lazy["registry_layer_bytes_after_read"] == 0
+    assert lazy["store_bytes_fetched_after_read"] > image["layer_bytes"] / 2
+    if with_stargz:
+        stargz, esgz_bytes = by_peer["stargz"], image["esgz_layer_bytes"]
+        # ranges of the eStargz blob: its footer and TOC and what the run read, then the rest
+        assert 0 < stargz["registry_layer_bytes"] < esgz_bytes / 2
+        assert stargz["registry_layer_blobs"] > 1
+        assert stargz["registry_layer_bytes_after_read"] > esgz_bytes / 2
+        assert stargz["store_bytes_fetched"] == 0
 
     cleanup = doc["cleanup"]
     assert cleanup["problems"] == []

@@ -88,7 +88,9 @@ class Snapshotter:
 
 
 class Containerd:
-    def __init__(self, base: Path, snapshotter_socket: Path, *, bin_dir: Path | None = None) -> None:
+    def __init__(self, base: Path, snapshotter_socket: Path, *, bin_dir: Path | None = None,
+                 proxies: dict[str, Path] | None = None) -> None:
+        """``proxies``: more proxy snapshotters by name (2.x only; e.g. bench/containerd.py's stargz)."""
         self.base = base
         self.bin_dir = bin_dir
         # its own shim and ctr first (2.x); runc from the system
@@ -99,7 +101,7 @@ class Containerd:
         self.config = base / "config.toml"
         self.log = base / "containerd.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.config.write_text(self._config_2x(snapshotter_socket) if bin_dir else f"""version = 2
+        self.config.write_text(self._config_2x(snapshotter_socket, proxies or {}) if bin_dir else f"""version = 2
 root = "{self.root}"
 state = "{self.state}"
 disabled_plugins = ["io.containerd.grpc.v1.cri"]
@@ -119,10 +121,15 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
   address = "{snapshotter_socket}"
 """)
 
-    def _config_2x(self, snapshotter_socket: Path) -> str:
+    def _config_2x(self, snapshotter_socket: Path, proxies: dict[str, Path]) -> str:
         # 2.x pulls through its transfer service, which unpacks (and so fetches layers lazily:
         # only those a snapshotter does not already have) for the snapshotters listed here only;
         # listing any replaces its default (overlayfs), which bench/containerd.py pulls with too
+        more = "".join(f"""
+[proxy_plugins.{name}]
+  type = "snapshot"
+  address = "{socket}"
+""" for name, socket in proxies.items())
         return f"""version = 3
 root = "{self.root}"
 state = "{self.state}"
@@ -142,7 +149,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", 
 [proxy_plugins.layerbox]
   type = "snapshot"
   address = "{snapshotter_socket}"
-
+{more}
 [[plugins."io.containerd.transfer.v1.local".unpack_config]]
   platform = "linux/amd64"
   snapshotter = "layerbox"
