@@ -29,6 +29,7 @@ from sandbox.core.errors import (
 from sandbox.core.receipts import receipt_line, verify_receipt_chain
 from sandbox.host.manager import Cancel, ExecResult, SandboxManager
 from sandbox.host.runs import preempt, resume_run
+from sandbox.host.sandbox import ACTIVE_GRAIN
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -122,13 +123,15 @@ def test_an_older_leases_json_is_split_once_with_each_jobs_sandboxes(boxes: Any,
 
 def test_idle_sandbox_pauses_itself_and_ttl_destroys(boxes: Any, manager: SandboxManager) -> None:
     idle = boxes(idle_timeout=2)
-    short = boxes(ttl=3)
+    short = boxes(ttl=6)
     idle.exec("true")
-    report = manager.reap(now=time.time() + 2.5)
+    # last_active may lag by ACTIVE_GRAIN: never paused before idle_timeout, paused after it and the grain
+    assert manager.reap(now=time.time() + 1.9)["paused"] == []
+    report = manager.reap(now=time.time() + 2 + ACTIVE_GRAIN + 0.1)
     assert report["paused"] == [idle.id]
     assert idle.state.status == "paused"
     assert "pause" in [r["action"] for r in idle.receipts()]
-    report = manager.reap(now=time.time() + 3.5)
+    report = manager.reap(now=time.time() + 6.5)
     assert report["destroyed"] == [short.id]
     idle.resume()
     assert idle.exec("echo awake").stdout == b"awake\n"

@@ -167,6 +167,38 @@ def test_default_deny_loopback_and_counters(boxes: Any, net: NetworkManager, ser
     assert after["version"] == net.policy("deny")["version"]
 
 
+def test_counter_readings_match_the_kernel_and_follow_a_policy_set_again(boxes: Any, net: NetworkManager,
+                                                                         server: Server) -> None:
+    """counters() answers a quiet sandbox from its last full reading: every reading must still be
+    what `nft -j list table` says, after traffic, and after the same rules are set again (which
+    resets the per-rule counters but not the named ones)."""
+    info = boxes("cheap", [allow(server, str(PORT_A))])
+
+    def kernel() -> tuple[int, list[int], int]:
+        doc = json.loads(sh("nsenter", f"--net={info.path}", "nft", "-j", "list", "table", "inet", "layerbox"))
+        items = doc["nftables"]
+        accepted = next(i["counter"]["packets"] for i in items if i.get("counter", {}).get("name") == "accepted")
+        rules = [next(e["counter"]["packets"] for e in i["rule"]["expr"] if isinstance(e.get("counter"), dict))
+                 for i in items if str(i.get("rule", {}).get("comment", "")).startswith("rule:")]
+        denied = sum(e["elem"]["counter"]["packets"] for i in items if i.get("set", {}).get("name", "") == "denied4"
+                     for e in i["set"].get("elem", []))
+        return accepted, rules, denied
+
+    def ours() -> tuple[int, list[int], int]:
+        c = net.counters("cheap")
+        return (c["accepted"]["packets"], [r["packets"] for r in c["rules"]],
+                sum(d["packets"] for d in c["denied_destinations"] if "." in d["address"]))
+
+    assert ours() == kernel() == ours()  # a first (full) reading, then a remembered one
+    assert tcp_echo(info.path, server.addr, PORT_A) == "ok"
+    assert tcp_echo(info.path, server.addr, PORT_B) == "OSError"
+    after = ours()
+    assert after == kernel() and after[0] > 0 and after[1][0] > 0 and after[2] > 0
+    net.set_policy("cheap", [allow(server, str(PORT_A))])  # the same rules: the same version
+    again = ours()
+    assert again == kernel() and again[1] == [0] and again[0] == after[0]
+
+
 def test_allow_port_range_udp_and_runtime_changes(boxes: Any, net: NetworkManager, server: Server) -> None:
     info = boxes("live", [allow(server, str(PORT_A))])
     assert tcp_echo(info.path, server.addr, PORT_A) == "ok"

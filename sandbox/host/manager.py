@@ -72,7 +72,7 @@ from sandbox.core.receipts import ReceiptLogs, verify_receipt_chain
 from sandbox.core.states import States
 from sandbox.host.execs import Cancel, ExecResult, ExecRunner
 from sandbox.host.reconcile import reconcile
-from sandbox.host.sandbox import Sandbox
+from sandbox.host.sandbox import ACTIVE_GRAIN, Sandbox
 from sandbox.isolation import idmap
 from sandbox.isolation.cgroups import CgroupLayout
 from sandbox.isolation.network import NetworkManager
@@ -519,7 +519,7 @@ class SandboxManager:
                     self.destroy(st.id)
                     report["destroyed"].append(st.id)
                 elif (opts.idle_timeout is not None and st.status == "running"
-                      and now - st.last_active > opts.idle_timeout and not self.inflight(st.id)):
+                      and now - st.last_active > opts.idle_timeout + ACTIVE_GRAIN and not self.inflight(st.id)):
                     Sandbox(self, st.id).pause()
                     report["paused"].append(st.id)
             except (SandboxError, MountError, OSError) as exc:  # one bad sandbox must not stop the reaper

@@ -41,6 +41,11 @@ from snapshots.checkpoint import Checkpoint
 if TYPE_CHECKING:
     from sandbox.host.manager import SandboxManager
 
+# how stale last_active may be, in seconds: a receipt rewrites state.json for it only when it is
+# older (every command writes one or two receipts), and the reaper allows the same slack before it
+# calls a sandbox idle
+ACTIVE_GRAIN = 1.0
+
 
 class Sandbox:
     """One sandbox; get it from :class:`~sandbox.host.manager.SandboxManager` (``get``, ``create``)."""
@@ -89,8 +94,8 @@ class Sandbox:
         rec = {"id": uuid.uuid4().hex[:16], "sandbox": self.id, "action": action, "time": time.time(),
                "image": st.image_digest if st else None, "labels": dict(st.labels) if st else {}, **fields}
         self.manager.receipt_logs.append(self.id, rec)
-        if st is not None:
-            self.update(last_active=time.time())
+        if st is not None and rec["time"] - st.last_active >= ACTIVE_GRAIN:
+            self.update(last_active=rec["time"])
         return rec
 
     def receipts(self) -> builtins.list[dict[str, Any]]:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import copy
 import ctypes
 import ctypes.util
 import errno
@@ -335,6 +336,8 @@ class NetworkManager:
             *((ipaddress.ip_network(n), why) for n, why in ALWAYS_PROTECTED.items()),
             *((ipaddress.ip_network(a), "an address of this host") for a in self.host_addresses),
             *((n, "protected by the operator") for n in extra))
+        # sandbox -> (what its last full counter reading was taken under, that reading): counters()
+        self._last_counters: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         if masquerade:
             self._ensure_host_nat()
 
@@ -489,34 +492,31 @@ add rule ip {TABLE}_vm post oifname "eth0" ip saddr {VM_GUEST_NET} masquerade
         ``denied_destinations`` lists (address, protocol, port) with packet and
         byte counts; at most 4096 distinct entries are kept, later ones are
         only counted in ``denied``.
+
+        Read before and after every policed command, so the common case is cheap: the named
+        ``accepted`` and ``denied`` counters are read first (one netlink dump, ~0.05 ms), and
+        while they and the policy are what they were at the last full reading, so is every
+        per-rule and per-destination counter (each accepting rule and each denied-set update
+        goes with one of the two): that reading is answered again, with ``ingress_dropped``
+        fresh.  Otherwise the whole table is listed (~1.5 ms) and remembered.
         """
         path = self._live(sid, self.netns_path(sid))
+        policy = self._entry(sid)["policy"]
+        named = _on_thread(lambda: nftables.named_counters(TABLE), netns=path)
+        key = (policy["version"], policy.get("set_at"), named.get("accepted"), named.get("denied"))
+        known = self._last_counters.get(sid)
+        if known is not None and known[0] == key:
+            out = copy.deepcopy(known[1])
+            packets, size = named.get("ingress_dropped", (0, 0))
+            out["ingress_dropped"] = {"packets": packets, "bytes": size}
+            return out
         text = _on_thread(lambda: _nft(f"list table inet {TABLE}", what=f"sandbox {sid}: counters", json_output=True),
                           netns=path)
-        out: dict[str, Any] = {"version": self._entry(sid)["policy"]["version"],
-                               "accepted": {"packets": 0, "bytes": 0}, "denied": {"packets": 0, "bytes": 0},
-                               "ingress_dropped": {"packets": 0, "bytes": 0}, "denied_destinations": [],
-                               "rules": {}}
-        for item in json.loads(text).get("nftables", []):
-            if "counter" in item and item["counter"].get("name") in ("accepted", "denied", "ingress_dropped"):
-                c = item["counter"]
-                out[c["name"]] = {"packets": c["packets"], "bytes": c["bytes"]}
-            elif "set" in item and item["set"]["name"].startswith("denied"):
-                for elem in item["set"].get("elem", []):
-                    val = elem["elem"]["val"]["concat"]
-                    counter = elem["elem"].get("counter") or {"packets": 0, "bytes": 0}
-                    out["denied_destinations"].append({
-                        "address": val[0], "protocol": val[1], "port": val[2] if len(val) > 2 else None,
-                        "packets": counter["packets"], "bytes": counter["bytes"]})
-            elif "rule" in item and str(item["rule"].get("comment", "")).startswith("rule:"):
-                idx = int(item["rule"]["comment"].split(":")[1])
-                counter = next((e["counter"] for e in item["rule"]["expr"]
-                                if isinstance(e.get("counter"), dict)), {"packets": 0, "bytes": 0})
-                slot = out["rules"].setdefault(idx, {"packets": 0, "bytes": 0})
-                slot["packets"] += counter["packets"]
-                slot["bytes"] += counter["bytes"]
-        out["rules"] = [{"rule": i, **c} for i, c in sorted(out["rules"].items())]
-        out["denied_destinations"].sort(key=lambda d: (d["address"], str(d["protocol"]), d["port"] or 0))
+        out = _parse_counters(policy["version"], text)
+        # (the listing is later than `named`: remembered under the listing's own figures)
+        listed = (out["accepted"]["packets"], out["accepted"]["bytes"])
+        denied = (out["denied"]["packets"], out["denied"]["bytes"])
+        self._last_counters[sid] = ((policy["version"], policy.get("set_at"), listed, denied), copy.deepcopy(out))
         return out
 
     def destroy(self, sid: str) -> None:
@@ -534,6 +534,7 @@ add rule ip {TABLE}_vm post oifname "eth0" ip saddr {VM_GUEST_NET} masquerade
             path.unlink()
         with self._locked() as state:
             state.pop(sid, None)
+        self._last_counters.pop(sid, None)
 
     def list(self) -> builtins.list[str]:
         """Sandboxes with any network resource under this state dir (allocation or netns file)."""
@@ -780,6 +781,35 @@ def _valid_sid(sid: str) -> str:
     if not isinstance(sid, str) or not _SID.match(sid):
         raise NetworkError(f"sandbox id {sid!r}: expected letters, digits, '_', '.', '-' (max 128)")
     return sid
+
+
+def _parse_counters(version: str, text: str) -> dict[str, Any]:
+    """:meth:`NetworkManager.counters` from ``nft -j list table`` of a sandbox's table."""
+    out: dict[str, Any] = {"version": version,
+                           "accepted": {"packets": 0, "bytes": 0}, "denied": {"packets": 0, "bytes": 0},
+                           "ingress_dropped": {"packets": 0, "bytes": 0}, "denied_destinations": [],
+                           "rules": {}}
+    for item in json.loads(text).get("nftables", []):
+        if "counter" in item and item["counter"].get("name") in ("accepted", "denied", "ingress_dropped"):
+            c = item["counter"]
+            out[c["name"]] = {"packets": c["packets"], "bytes": c["bytes"]}
+        elif "set" in item and item["set"]["name"].startswith("denied"):
+            for elem in item["set"].get("elem", []):
+                val = elem["elem"]["val"]["concat"]
+                counter = elem["elem"].get("counter") or {"packets": 0, "bytes": 0}
+                out["denied_destinations"].append({
+                    "address": val[0], "protocol": val[1], "port": val[2] if len(val) > 2 else None,
+                    "packets": counter["packets"], "bytes": counter["bytes"]})
+        elif "rule" in item and str(item["rule"].get("comment", "")).startswith("rule:"):
+            idx = int(item["rule"]["comment"].split(":")[1])
+            counter = next((e["counter"] for e in item["rule"]["expr"]
+                            if isinstance(e.get("counter"), dict)), {"packets": 0, "bytes": 0})
+            slot = out["rules"].setdefault(idx, {"packets": 0, "bytes": 0})
+            slot["packets"] += counter["packets"]
+            slot["bytes"] += counter["bytes"]
+    out["rules"] = [{"rule": i, **c} for i, c in sorted(out["rules"].items())]
+    out["denied_destinations"].sort(key=lambda d: (d["address"], str(d["protocol"]), d["port"] or 0))
+    return out
 
 
 def diff_counters(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, Any]:

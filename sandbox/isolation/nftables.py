@@ -13,6 +13,10 @@ thread-safe, so calls are serialised; each is far shorter than any caller's work
 from __future__ import annotations
 
 import ctypes
+import errno
+import os
+import socket
+import struct
 import threading
 
 from sandbox.core.errors import HostUnsupported, SandboxError
@@ -87,3 +91,81 @@ def run(script: str, *, json_output: bool = False) -> str:
     if rc != 0:
         raise NftError(err.strip() or f"nft script failed (status {rc}) with no message")
     return out
+
+
+# -- named counters over raw netlink -----------------------------------------------------------------------
+# from <linux/netlink.h>, <linux/netfilter/nfnetlink.h> and <linux/netfilter/nf_tables.h>
+_NETLINK_NETFILTER = 12
+_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP = 0x1, 0x4, 0x300
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_NFNL_SUBSYS_NFTABLES = 10
+_NFT_MSG_NEWOBJ, _NFT_MSG_GETOBJ = 18, 19
+_NFPROTO_INET = 1
+_NFTA_OBJ_TABLE, _NFTA_OBJ_NAME, _NFTA_OBJ_TYPE, _NFTA_OBJ_DATA = 1, 2, 3, 4
+_NFT_OBJECT_COUNTER = 1
+_NFTA_COUNTER_BYTES, _NFTA_COUNTER_PACKETS = 1, 2
+_NLA_TYPE_MASK = 0x3FFF
+_RECV_BYTES = 1 << 16
+
+
+def _attrs(buf: bytes, start: int, end: int) -> dict[int, bytes]:
+    """The netlink attributes in ``buf[start:end]`` by type (nesting and byte-order flags cleared)."""
+    out: dict[int, bytes] = {}
+    while start + 4 <= end:
+        length, kind = struct.unpack_from("=HH", buf, start)
+        if length < 4:
+            break
+        out[kind & _NLA_TYPE_MASK] = buf[start + 4:start + length]
+        start += (length + 3) & ~3
+    return out
+
+
+def _attr(kind: int, payload: bytes) -> bytes:
+    raw = struct.pack("=HH", 4 + len(payload), kind) + payload
+    return raw + b"\0" * (-len(raw) % 4)
+
+
+def named_counters(table: str) -> dict[str, tuple[int, int]]:
+    """The named counter objects of the ``inet`` table ``table`` in the calling thread's netns, as
+    ``{name: (packets, bytes)}``: one netlink dump, no libnftables context (which costs ~0.7 ms
+    to make and fills a cache of the whole ruleset).  A missing table is an empty answer."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_NETFILTER)
+    try:
+        body = struct.pack("=BBH", _NFPROTO_INET, 0, 0) + _attr(_NFTA_OBJ_TABLE, table.encode() + b"\0") + \
+            _attr(_NFTA_OBJ_TYPE, struct.pack(">I", _NFT_OBJECT_COUNTER))
+        kind = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETOBJ
+        sock.send(struct.pack("=IHHII", 16 + len(body), kind, _NLM_F_REQUEST | _NLM_F_ACK | _NLM_F_DUMP, 1, 0) + body)
+        return _collect(sock)
+    finally:
+        sock.close()
+
+
+def _collect(sock: socket.socket) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    while True:
+        buf = sock.recv(_RECV_BYTES)
+        if not buf:
+            raise NftError("netlink closed before the end of the counter dump")
+        at = 0
+        while at + 16 <= len(buf):
+            length, kind = struct.unpack_from("=IH", buf, at)
+            if length < 16:
+                raise NftError(f"malformed netlink message of {length} bytes in the counter dump")
+            if kind == _NLMSG_DONE:
+                return out
+            if kind == _NLMSG_ERROR:
+                (err,) = struct.unpack_from("=i", buf, at + 16)
+                if err == 0:
+                    at += (length + 3) & ~3
+                    continue
+                if -err == errno.ENOENT:
+                    return out
+                raise NftError(f"netlink counter dump: {os.strerror(-err)}")
+            if kind & 0xFF == _NFT_MSG_NEWOBJ:
+                attrs = _attrs(buf, at + 20, at + length)  # after nlmsghdr (16) and nfgenmsg (4)
+                data = _attrs(attrs.get(_NFTA_OBJ_DATA, b""), 0, len(attrs.get(_NFTA_OBJ_DATA, b"")))
+                name = attrs.get(_NFTA_OBJ_NAME, b"").rstrip(b"\0").decode(errors="replace")
+                if name and _NFTA_COUNTER_PACKETS in data and _NFTA_COUNTER_BYTES in data:
+                    out[name] = (struct.unpack(">Q", data[_NFTA_COUNTER_PACKETS])[0],
+                                 struct.unpack(">Q", data[_NFTA_COUNTER_BYTES])[0])
+            at += (length + 3) & ~3
