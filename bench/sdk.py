@@ -15,7 +15,10 @@ start from ``base`` and run, interleaved round by round (the order alternating):
 * **fork**: a fork of ``--forks`` sandboxes, timed until the answer (every fork running);
 * **pause** and **resume** (E2B resumes through ``connect``).
 
-Each figure is printed for both with the ratio e2b/native (the goal: at most 1.2x).  A section
+Each figure is printed for both with the ratio e2b/native (the goal: at most 1.2x).  Under the
+command, file and pause figures, two more rows split it: **each SDK alone**, the same calls
+answered by a server that replays the edge's recorded answers at once (:class:`Replay`: what the
+client itself costs), and **the edge's part**, the p50 minus that.  A section
 whose E2B call the edge does not serve yet prints ``not available: <reason>``; the native side
 still runs.  Everything the run makes (sandboxes, the edge, its mounts, the store) is removed
 at exit, on Ctrl-C and on SIGTERM/SIGHUP.  ``python bench/sdk.py --help``.
@@ -341,50 +344,98 @@ async def files_probe(e2b: E2b, sb: Any) -> None:
         raise Unavailable(f"envd /files: {type(exc).__name__}: {str(exc)[:200]}") from exc
 
 
-async def client_floor(rounds: int) -> dict[str, Any]:
-    """What each SDK's own HTTP client costs to take 10 MB from a bare aiohttp server in this
-    process (no edge, no sandbox): aiohttp's, which layerbox's SDK uses, and httpx over pyqwest
-    with the e2b SDK's own transport, which ``files.read`` uses.  A floor no edge can go under."""
-    import aiohttp
-    import httpx
-    from aiohttp import web
-    from e2b.api.client_async import get_transport
-    from e2b.connection_config import ConnectionConfig
+class Replay:
+    """Each SDK's own cost with no edge behind it.  Recording, it is a proxy to the edge that keeps
+    the answer to each (method, path) it forwards; replaying, it answers those bytes again at once
+    (no sandbox, no work): what a client takes for a call whose server costs nothing."""
+
+    DROPPED = frozenset({"transfer-encoding", "content-length", "connection", "keep-alive", "date", "server"})
+
+    def __init__(self, edge_url: str) -> None:
+        self.edge_url = edge_url
+        self.recording = True
+        self.answers: dict[tuple[str, str], tuple[int, list[tuple[str, str]], bytes]] = {}
+
+    async def handle(self, request: Any) -> Any:
+        from aiohttp import web
+
+        key = (request.method, request.path)
+        body = await request.read()
+        if self.recording:
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", *self.DROPPED)}
+            async with self.session.request(request.method, self.edge_url + request.path_qs, headers=headers,
+                                            data=body) as r:
+                self.answers[key] = (r.status, [(k, v) for k, v in r.headers.items()
+                                                if k.lower() not in self.DROPPED], await r.read())
+        if key not in self.answers:
+            raise BenchError(f"sdk: replay: {request.method} {request.path} was not recorded")
+        status, headers, data = self.answers[key]
+        return web.Response(status=status, headers=headers, body=data)
+
+    async def __aenter__(self) -> str:
+        import aiohttp
+        from aiohttp import web
+
+        self.session = aiohttp.ClientSession(auto_decompress=False)
+        app = web.Application(client_max_size=4 * FILE_SIZE)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.runner.cleanup()
+        await self.session.close()
+
+
+async def client_floor(edge: Edge, live: dict[str, Any], rounds: int, iterations: int) -> dict[str, Any]:
+    """What each SDK itself costs for the section's calls: one of each recorded through
+    :class:`Replay` against the live sandboxes, then answered again ``rounds`` times (a command
+    ``iterations`` times) with no edge behind (the clients interleaved as everywhere)."""
+    from e2b import AsyncSandbox as E2bSandbox
+
+    from sandbox.sdk import AsyncSandbox as NativeSandbox
 
     data = os.urandom(FILE_SIZE)
+    replay = Replay(edge.url)
+    async with replay as url:
+        through = {"native": await NativeSandbox.connect(live["native"].sandbox_id, url=url,
+                                                         token=edge.tokens["bench"]),
+                   "e2b": await E2bSandbox.connect(live["e2b"].sandbox_id, api_url=url, sandbox_url=url)}
+        clients: list[Client] = [Native(edge), E2b(edge)]
 
-    async def serve(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        resp.enable_chunked_encoding()  # as the edge's downloads are
-        await resp.prepare(request)
-        for i in range(0, len(data), 1 << 20):
-            await resp.write(data[i:i + (1 << 20)])
-        await resp.write_eof()
-        return resp
+        async def step(client: Client, sb: Any) -> dict[str, float]:
+            t = [time.perf_counter()]
+            await client.run(sb, "true")
+            t.append(time.perf_counter())
+            await client.write(sb, data)
+            t.append(time.perf_counter())
+            back = await client.read(sb)
+            t.append(time.perf_counter())
+            await client.pause(sb)
+            t.append(time.perf_counter())
+            await client.resume(sb)
+            t.append(time.perf_counter())
+            if back != data and not replay.recording:
+                raise BenchError(f"sdk: {client.name}'s replayed read gave other bytes")
+            return {k: t[i + 1] - t[i] for i, k in enumerate(("run_true", "write_10mb", "read_10mb", "pause",
+                                                               "resume"))}
 
-    app = web.Application()
-    app.router.add_get("/f", serve)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/f"
-    runs: dict[str, dict[str, list[float]]] = {"native": {"read_10mb": []}, "e2b": {"read_10mb": []}}
-    try:
-        async with aiohttp.ClientSession() as native, httpx.AsyncClient(
-                transport=get_transport(ConnectionConfig(api_key="floor"), for_streaming=True)) as e2b:
-            for _ in range(rounds):
-                t = time.perf_counter()
-                async with native.get(url) as r:
-                    got = await r.read()
-                runs["native"]["read_10mb"].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                got2 = (await e2b.get(url)).content
-                runs["e2b"]["read_10mb"].append(time.perf_counter() - t)
-                if got != data or got2 != data:
-                    raise BenchError("sdk: the client floor read back other bytes")
-    finally:
-        await runner.cleanup()
+        for client in clients:  # recorded: the edge's answer to each call (the sandbox ends as it began)
+            await step(client, through[client.name])
+        replay.recording = False
+        runs = await interleaved(clients, rounds, step, through, "each client alone (answers replayed)")
+
+        async def command(client: Client, sb: Any) -> dict[str, float]:
+            t0 = time.perf_counter()
+            await client.run(sb, "true")
+            return {"run_true": time.perf_counter() - t0}
+
+        commands = await interleaved(clients, iterations, command, through, 'each client alone: commands.run("true")')
+        await through["native"].close()  # (the session only: the sandbox is the section's, killed after)
+    for name, figs in commands.items():
+        runs[name]["run_true"] = figs["run_true"]
     return figures(runs)
 
 
@@ -401,9 +452,9 @@ async def run_bench(args: argparse.Namespace, edge: Edge) -> dict[str, Any]:
                                         lambda cs: fork_section(cs, live, args.forks, args.fork_rounds))
         results["pause"] = await guarded("pause", clients, lambda: served(edge, "POST", f"/sandboxes/{MISSING}/pause"),
                                          lambda cs: pause_section(cs, live, args.pauses))
+        results["floor"] = await client_floor(edge, live, args.file_rounds * 2, args.iterations)
     finally:
         await asyncio.gather(*(c.kill(live[c.name]) for c in clients), return_exceptions=True)
-    results["floor"] = await client_floor(args.file_rounds * 2)
     return results
 
 
@@ -414,8 +465,8 @@ ROWS = [("create", "create", "create (answer)"), ("create", "create_to_first_out
         ("command", "run_true_as_e2b", "  native: bash -l -c true"),
         ("command", "run_true_background", "  native: the same as a background command"), ("file", "write_10mb", "write 10 MB"),
         ("file", "read_10mb", "read 10 MB"), ("fork", None, "fork"), ("pause", "pause", "pause"),
-        ("pause", "resume", "resume"),
-        ("floor", "read_10mb", "  client alone: GET 10 MB")]
+        ("pause", "resume", "resume")]
+FLOORED = ("run_true", "write_10mb", "read_10mb", "pause", "resume")  # rows followed by each SDK alone
 
 
 def _ms(value: float | None) -> str:
@@ -444,6 +495,16 @@ def render(doc: dict[str, Any]) -> str:
             rows.append([label if key else f"fork of {k.split('_')[1]}", str(n["n"]), _ms(n["p50"]), _ms(n["p99"]),
                          _ms(e and e["p50"]), _ms(e and e["p99"]), _x(r50), _x(fig["ratio_p99"]),
                          "-" if r50 is None else "ok" if r50 <= GOAL else "over"])
+            alone = (doc.get("floor") or {}).get(k)
+            if k in FLOORED and alone is not None and e is not None:
+                a_n, a_e = alone["native"], alone["e2b"]
+                rows.append(["  each SDK alone (answers replayed)", str(a_n["n"]), _ms(a_n["p50"]), _ms(a_n["p99"]),
+                             _ms(a_e and a_e["p50"]), _ms(a_e and a_e["p99"]), _x(alone["ratio_p50"]),
+                             _x(alone["ratio_p99"]), ""])
+                share_n, share_e = n["p50"] - a_n["p50"], e["p50"] - (a_e["p50"] if a_e else 0.0)
+                share = ratio(share_e, share_n) if share_n > 0 else None
+                rows.append(["  the edge's part (p50 minus alone)", "", _ms(share_n), "", _ms(share_e), "", _x(share),
+                             "", "-" if share is None else "ok" if share <= GOAL else "over"])
     for section in dict.fromkeys(s for s, _, _ in ROWS):
         if "e2b_unavailable" in (doc.get(section) or {}):
             notes.append(f"{section}: e2b not available: {doc[section]['e2b_unavailable']}")

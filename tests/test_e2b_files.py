@@ -111,6 +111,27 @@ def test_root_writes_as_root_and_the_user_cannot_write_where_its_uid_could_not(s
     assert sh(sbx, "test -f /etc/hostname && echo kept") == "kept\n"
 
 
+def test_an_account_the_sandbox_changes_is_used_as_changed(sbx: Sandbox, home: str) -> None:
+    """The edge remembers each account it read, and checks its passwd and group at every use: an
+    edit by the sandbox (a new uid, a new group) holds for the very next call."""
+    sbx.files.write("/tmp/acct-before", "x")
+    sh(sbx, "cp /etc/passwd /tmp/passwd.orig && cp /etc/group /tmp/group.orig && mkdir -m 0770 /tmp/crew-only && "
+            "groupadd -g 4242 crew && chgrp crew /tmp/crew-only && sed -i 's/^user:x:1000:/user:x:1042:/' /etc/passwd")
+    try:
+        with pytest.raises(SandboxException, match="ermission"):  # not yet in the group
+            sbx.files.write("/tmp/crew-only/in", "x")
+        sbx.files.write("/tmp/acct-after", "x")
+        assert sh(sbx, "stat -c %u /tmp/acct-before /tmp/acct-after") == "1000\n1042\n"
+        sh(sbx, "sed -i 's/^crew:x:4242:$/crew:x:4242:user/' /etc/group")
+        sbx.files.write("/tmp/crew-only/in", "x")
+        assert sh(sbx, "stat -c %u:%G /tmp/crew-only/in") == "1042:user\n"  # (its primary group)
+    finally:
+        sh(sbx, "cp /tmp/passwd.orig /etc/passwd && cp /tmp/group.orig /etc/group && "
+                "rm -rf /tmp/crew-only /tmp/acct-before /tmp/acct-after")
+    sbx.files.write("/tmp/acct-back", "x")
+    assert sh(sbx, "stat -c %u /tmp/acct-back; rm /tmp/acct-back") == "1000\n"
+
+
 def test_several_files_at_once_then_listed_by_depth(sbx: Sandbox, home: str) -> None:
     written = sbx.files.write_files([{"path": f"{home}/a.txt", "data": "a"},
                                      {"path": f"{home}/sub/b.txt", "data": b"bb"},

@@ -113,6 +113,14 @@ def test_confinement(boxes: Any) -> None:
     assert bad.value.field == "cpu_class"
 
 
+def test_home_is_the_accounts_own_unless_the_image_or_the_caller_sets_it(boxes: Any) -> None:
+    """As runc and crun do: a sandbox run as an account gets HOME from its passwd entry."""
+    assert boxes().exec("id -un; echo $HOME").stdout == b"root\n/root\n"
+    assert boxes(user="www-data").exec("id -un; echo $HOME").stdout == b"www-data\n/var/www\n"
+    assert boxes(user="12345").exec("id -u; echo $HOME").stdout == b"12345\n/\n"  # not in passwd
+    assert boxes(user="www-data", env={"HOME": "/tmp"}).exec("echo $HOME").stdout == b"/tmp\n"
+
+
 def _cgroup_procs(box: Sandbox) -> set[int]:
     d = box.manager.layout.controller_dir("pids", box.state.cgroups_path)
     assert d is not None

@@ -401,8 +401,9 @@ def process_defaults(files: Files, resolved: Resolved, options: SandboxOptions) 
     cfg = resolved.config.get("config", resolved.config) or {}
     image_env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if isinstance(e, str) and "=" in e)
     image_env.setdefault("PATH", DEFAULT_PATH)
-    env = {**image_env, "HOME": image_env.get("HOME", "/root"), **options.env}
-    uid, gid = _uid_gid(files, options.user if options.user is not None else cfg.get("User") or "")
+    uid, gid, home = _identity(files, options.user if options.user is not None else cfg.get("User") or "")
+    # as runc and crun do: HOME from the account's passwd entry unless the image sets it
+    env = {**image_env, "HOME": image_env.get("HOME", home), **options.env}
     return ProcessDefaults(env, options.workdir or cfg.get("WorkingDir") or "/", uid, gid)
 
 
@@ -445,9 +446,10 @@ def _table(files: Files, path: str) -> list[list[str]]:
     return [line.split(":") for line in text.splitlines()]
 
 
-def _uid_gid(files: Files, user: str) -> tuple[int, int]:
-    """The ids of an OCI ``User`` in the rootfs (root for none)."""
+def _identity(files: Files, user: str) -> tuple[int, int, str]:
+    """``(uid, gid, home)`` of an OCI ``User`` in the rootfs (root for none; its home ``/root``
+    unless passwd names another)."""
     if not user:
-        return 0, 0
-    uid, gid, _ = account(files, user)
-    return uid, gid
+        home = account(files, "0")[2]  # (a numeric uid is never refused: its home is "/" when not listed)
+        return 0, 0, home if home != "/" else "/root"
+    return account(files, user)

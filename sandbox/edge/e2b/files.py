@@ -133,6 +133,7 @@ W = TypeVar("W", "Watch", GuestWatch)
 CHUNK = 1 << 20
 READ_MAX_BYTES = 64 << 10  # a Connect request of this service holds paths, never data
 ID_FILE_LIMIT = 1 << 20
+MAX_ACCOUNTS = 16384  # accounts remembered across sandboxes (FilesystemService._remember)
 MAX_ENTRIES = 100_000  # a listing's entries, every depth
 MAX_DEPTH = 64
 MAX_LINKS = 40  # symlinks followed while resolving one symlink's target (the kernel's)
@@ -163,10 +164,36 @@ class Account:
     group_names: dict[int, str] = field(repr=False)
 
 
-def load_account(files: Rooted, name: str) -> Account:
-    """``name``'s ids, groups and home from the sandbox's /etc/passwd and /etc/group (blocking:
-    one confined operation reads both)."""
-    passwd, group = files.within(lambda rfd: tuple(_id_file(rfd, p) for p in ("/etc/passwd", "/etc/group")))
+ID_FILES = ("/etc/passwd", "/etc/group")
+Identity = tuple[tuple[int, ...] | None, ...]  # of ID_FILES: (dev, ino, size, mtime, ctime) each, None if absent
+
+
+def read_account(root_fd: int, name: str) -> tuple[Account, Identity]:
+    """``name``'s ids, groups and home from the sandbox's /etc/passwd and /etc/group, read from the
+    root ``root_fd`` (on a confined thread), and the identity of the two files it was read from
+    (:func:`id_files_identity`)."""
+    (passwd, pid), (group, gid_) = (_id_file(root_fd, p) for p in ID_FILES)
+    return _account(name, passwd, group), (pid, gid_)
+
+
+def id_files_identity(root_fd: int) -> Identity:
+    """What changes when the sandbox edits, replaces or removes /etc/passwd or /etc/group: each
+    one's device, inode, size, mtime and ctime (an overlay's copy-up is a new inode)."""
+    out: list[tuple[int, ...] | None] = []
+    for path in ID_FILES:
+        try:
+            with _fd(root_fd, path, os.O_PATH) as fd:
+                out.append(_stamp(os.fstat(fd)))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def _stamp(st: os.stat_result) -> tuple[int, ...]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _account(name: str, passwd: str, group: str) -> Account:
     users: dict[int, str] = {}
     groups: dict[int, str] = {}
     found: tuple[int, int, str] | None = None
@@ -193,16 +220,17 @@ def load_account(files: Rooted, name: str) -> Account:
     return Account(name, uid, gid, tuple(sorted(member_of)), home, users, groups)
 
 
-def _id_file(root_fd: int, path: str) -> str:
+def _id_file(root_fd: int, path: str) -> tuple[str, tuple[int, ...] | None]:
     try:
         fd = _regular(root_fd, path, os.O_RDONLY)
     except (OSError, InvalidField):
-        return ""
+        return "", None
     try:
+        stamp = _stamp(os.fstat(fd))
         data = b""
         while len(data) <= ID_FILE_LIMIT and (piece := os.read(fd, CHUNK)):
             data += piece
-        return data[:ID_FILE_LIMIT].decode(errors="replace")
+        return data[:ID_FILE_LIMIT].decode(errors="replace"), stamp
     finally:
         os.close(fd)
 
@@ -243,10 +271,27 @@ class Rooted(Protocol):
 class Root:
     """A container's root as one account reaches it: :meth:`run` is blocking."""
 
-    def __init__(self, files: Rooted, who: Account, userns: tuple[int, int] | None) -> None:
+    def __init__(self, files: Rooted, who: Account, userns: tuple[int, int] | None,
+                 identity: Identity | None = None, remember: Callable[[Account, Identity], None] | None = None
+                 ) -> None:
         self.files = files
         self.who = who
         self.userns = userns
+        self.identity = identity  # of the files ``who`` was read from: checked before every operation
+        self.remember = remember
+
+    def _current(self, root_fd: int) -> None:
+        """``who`` as the sandbox's files say now: a remembered account is read again when its
+        passwd or group changed since (on the operation's own thread: no extra hop)."""
+        if self.identity is None or id_files_identity(root_fd) == self.identity:
+            return
+        fresh, identity = read_account(root_fd, self.who.name)
+        if fresh.home != self.who.home:  # the request's paths were resolved from the old home
+            raise ApiError(409, "conflict", f"the home of account {self.who.name!r} changed during the request; "
+                                            "retry it")
+        self.who, self.identity = fresh, identity
+        if self.remember is not None:
+            self.remember(fresh, identity)
 
     def _identity(self) -> contextlib.AbstractContextManager[None]:
         base = self.userns[0] if self.userns else 0
@@ -257,6 +302,7 @@ class Root:
     def run(self, fn: Callable[[int], T]) -> T:
         """``fn(root_fd)`` as the account, confined to the sandbox's root."""
         def work(root_fd: int) -> T:
+            self._current(root_fd)
             with self._identity():
                 return fn(root_fd)
         return self.files.within(work)
@@ -779,6 +825,7 @@ class FilesystemService:
     def __init__(self, ctx: EdgeContext) -> None:
         self.ctx = ctx
         self.watchers = Watchers()
+        self._accounts: dict[tuple[str, str | None], tuple[Account, Identity]] = {}  # (sandbox, named): _remember
 
     async def caller(self, call: EnvdCall | None = None) -> Caller | Guest:
         """The calling RPC's sandbox, as the account its ``Authorization`` names (or the default)."""
@@ -792,15 +839,26 @@ class FilesystemService:
         if not hasattr(files, "within"):
             return await guest_for(self.ctx, project, box, named)
         rooted = cast("Rooted", files)
+        key = (box.id, named)
+        known = self._accounts.get(key)
+        if known is None:
+            def load(rfd: int) -> tuple[Account, Identity]:  # (envd.run_as's choice, from one read)
+                if named is not None:
+                    return read_account(rfd, named)
+                try:
+                    return read_account(rfd, DEFAULT_USER)
+                except UnsupportedOption:
+                    return read_account(rfd, "root")
+            known = await self.ctx.files(project, lambda: rooted.within(load))
+            self._remember(key, known)
+        return Caller(project, box, Root(rooted, known[0], userns, known[1],
+                                         lambda who, identity: self._remember(key, (who, identity))))
 
-        def load() -> Account:  # (envd.run_as's choice, from one read of the sandbox's files)
-            if named is not None:
-                return load_account(rooted, named)
-            try:
-                return load_account(rooted, DEFAULT_USER)
-            except UnsupportedOption:
-                return load_account(rooted, "root")
-        return Caller(project, box, Root(rooted, await self.ctx.files(project, load), userns))
+    def _remember(self, key: tuple[str, str | None], known: tuple[Account, Identity]) -> None:
+        """An account as last read, checked against its files' identity at each use (Root.run)."""
+        if len(self._accounts) >= MAX_ACCOUNTS and key not in self._accounts:
+            self._accounts.clear()  # sandboxes long gone (ids are never reused); each costs one read again
+        self._accounts[key] = known
 
     async def run(self, c: Caller, fn: Callable[[int], T]) -> T:
         return await self.ctx.files(c.project, lambda: c.root.run(fn))

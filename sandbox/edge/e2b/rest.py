@@ -246,8 +246,10 @@ class Rest:
             return web.Response(status=204)
         if state.status == "paused":
             raise ApiError(None, "conflict", f"sandbox {box.id} is already paused")
-        await asyncio.to_thread(box.pause)
-        await asyncio.to_thread(box.set_ttl, self._left(state), max_lifetime=self.ctx.maxima.ttl)
+        def pause() -> None:  # (one thread hop: the SDK waits for both)
+            box.pause()
+            box.set_ttl(self._left(state), max_lifetime=self.ctx.maxima.ttl)
+        await asyncio.to_thread(pause)
         return web.Response(status=204)
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -266,8 +268,7 @@ class Rest:
             raise ApiError(None, "conflict", f"sandbox {box.id} is {state.status}, not paused")
         if body.get("autoPause") is not None:  # what its next timeout does
             await asyncio.to_thread(box.set_label, ON_TTL_LABEL, "pause" if body["autoPause"] else None)
-        await self._wake(box, state, seconds)
-        return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
+        return web.json_response(self.created(await self._wake(box, state, seconds)), status=201)
 
     async def connect(self, request: web.Request) -> web.Response:
         """A running sandbox answers 200, a paused one is resumed first and answers 201; ``timeout``
@@ -282,8 +283,8 @@ class Rest:
             return await self._unpark(project, sid, CONNECT_TIMEOUT if timeout is None else timeout)
         box, state = found
         if state.status == "paused":
-            await self._wake(box, state, CONNECT_TIMEOUT if timeout is None else timeout)
-            return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
+            woken = await self._wake(box, state, CONNECT_TIMEOUT if timeout is None else timeout)
+            return web.json_response(self.created(woken), status=201)
         remaining = state.created + state.options.ttl - time.time() if state.options.ttl is not None else math.inf
         if timeout is not None and timeout > remaining:  # E2B's connect never shortens a life
             await asyncio.to_thread(box.set_ttl, timeout, max_lifetime=self.ctx.maxima.ttl)
@@ -300,9 +301,12 @@ class Rest:
             raise missing(project, sid)
         return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
 
-    async def _wake(self, box: Any, state: SandboxState, seconds: int) -> None:
-        await asyncio.to_thread(box.resume)
-        await asyncio.to_thread(box.set_ttl, min(seconds, self._left(state)), max_lifetime=self.ctx.maxima.ttl)
+    async def _wake(self, box: Any, state: SandboxState, seconds: int) -> SandboxState:
+        """Resume ``box`` with its timeout ``seconds`` from now; its state after (one thread hop)."""
+        def wake() -> SandboxState:
+            box.resume()
+            return cast(SandboxState, box.set_ttl(min(seconds, self._left(state)), max_lifetime=self.ctx.maxima.ttl))
+        return await asyncio.to_thread(wake)
 
     def _timeout(self, value: object) -> int | None:
         if value is None:
