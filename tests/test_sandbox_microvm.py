@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from support.memory import PeakRss
-from support.sandboxes import REF, run, store_url  # noqa: F401  (the module's store)
+from support.sandboxes import REF, run, store_url, vm_host  # noqa: F401  (the module's store)
 
 from sandbox.backends.vm import backend as microvm
 from sandbox.backends.vm.agent import AgentMisbehaved
@@ -53,12 +53,8 @@ def vm_manager(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def vm_host2(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
     """A second host on the same store, its cache empty at first (one template boot for the module)."""
-    mgr = SandboxManager(tmp_path_factory.mktemp("vm-host2"), store_url)
-    mgr.host.daemon_options = {"fill_below": 0}
-    try:
+    with vm_host(store_url, tmp_path_factory, "vm-host2") as mgr:
         yield mgr
-    finally:
-        mgr.close()
 
 
 @pytest.fixture
