@@ -1145,9 +1145,16 @@ int main(int argc, char **argv)
 	port = open(argv[1], O_RDWR | O_CLOEXEC);
 	if (port < 0) die(argv[1]);
 	signal(SIGPIPE, SIG_IGN);
+	/* SIGIO when the host connects to the port (virtio_console's PORT_OPEN) or sends: with no
+	 * host connected the port polls readable and hung up, always, and reads nothing, so the
+	 * loop waits for the signal then instead of waking every few ms (7-8% of a core under TCG
+	 * for an idle guest) */
+	if (fcntl(port, F_SETOWN, getpid()) == 0) /* without it, the loop looks again each second */
+		fcntl(port, F_SETFL, fcntl(port, F_GETFL) | O_ASYNC);
 	sigset_t mask;
 	sigemptyset(&mask);
 	sigaddset(&mask, SIGCHLD);
+	sigaddset(&mask, SIGIO);
 	sigprocmask(SIG_BLOCK, &mask, NULL);
 	int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
 	if (sfd < 0) die("signalfd");
@@ -1156,13 +1163,14 @@ int main(int argc, char **argv)
 
 	size_t cap = MAX_FRAME + 16, have = 0;
 	unsigned char *buf = malloc(cap);
+	int hangup = 0; /* the port's last poll said no host: leave it out until a signal or a second */
 	struct pollfd pf[2 + 3 * MAX_PROCS + MAX_PORTS];
 	struct proc *owner[2 + 3 * MAX_PROCS + MAX_PORTS];
 	struct portc *conn[2 + 3 * MAX_PROCS + MAX_PORTS];
 	int kind[2 + 3 * MAX_PROCS + MAX_PORTS];
 	for (;;) {
 		int n = 0;
-		pf[n++] = (struct pollfd){port, POLLIN, 0};
+		pf[n++] = (struct pollfd){hangup ? -1 : port, POLLIN, 0};
 		pf[n++] = (struct pollfd){sfd, POLLIN, 0};
 		for (int i = 0; i < MAX_PROCS; i++) {
 			struct proc *p = &procs[i];
@@ -1181,7 +1189,8 @@ int main(int argc, char **argv)
 		int ready = 0; /* a stream with credit left: look at the fds, then serve it */
 		for (int i = 0; i < MAX_STREAMS; i++)
 			if (streams[i].path && streams[i].credit > 0) ready = 1;
-		if (poll(pf, n, ready ? 0 : -1) < 0) { if (errno == EINTR) continue; die("poll"); }
+		if (poll(pf, n, ready ? 0 : hangup ? 1000 : -1) < 0) { if (errno == EINTR) continue; die("poll"); }
+		hangup = 0; /* woken: look at the port again */
 		for (int i = 2; i < n; i++) {
 			if (!pf[i].revents) continue;
 			struct proc *p = owner[i];
@@ -1205,7 +1214,8 @@ int main(int argc, char **argv)
 		}
 		if (pf[0].revents & POLLIN) {
 			ssize_t got = read(port, buf + have, cap - have);
-			if (got <= 0) { usleep(5000); continue; }
+			/* nothing to read and no host: the port polls readable and hung up then */
+			if (got <= 0) { hangup = 1; continue; }
 			have += got;
 			size_t off = 0;
 			while (have - off >= 9) {
@@ -1218,7 +1228,7 @@ int main(int argc, char **argv)
 			memmove(buf, buf + off, have - off);
 			have -= off;
 		} else if (pf[0].revents & (POLLHUP | POLLERR)) {
-			usleep(5000); /* no host connected (between a save and its restore): wait for one */
+			hangup = 1; /* no host connected (between a save and its restore, or none holds one) */
 		}
 		for (int i = 0; i < MAX_STREAMS; i++)
 			if (streams[i].path) serve(&streams[i]);
