@@ -226,7 +226,7 @@ MACHINES = {"microvm": "microvm", "vm": "q35"}
 
 # The least guest RAM a sandbox may ask for, and the least a guest is given: the stock kernel
 # decompresses itself into 51.5 MiB (its bzImage's init_size) from 16 MiB up, so 64 MiB does
-# not boot, 80 MiB panics in PID 1's first fork, 96 MiB leaves 14 MiB free; at 128 MiB the
+# not boot, 80 MiB runs out in PID 1's first forks, 96 MiB leaves 14 MiB free; at 128 MiB the
 # guest has ~75 MiB free.  A request between the two is a guest of MIN_GUEST_MEMORY (its
 # MemTotal says so), host memory accounted at that size.
 MIN_MEMORY = 64 << 20
