@@ -1,5 +1,6 @@
 # layerbox developer entry points.  On a fresh Debian 12 machine, as root:
 #   make demo   build a Debian sample, publish it, mount it lazily, run a command, checkpoint, restore
+#               (and the same in a microVM: it builds the guest assets first, as make test does)
 #   make test   ruff, mypy and pytest (root-only tests included)
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -36,8 +37,9 @@ help:
 	@echo "make bench-deps  deps + the benchmarks' peer tools ($(BENCH_DEB_PACKAGES), erofs-utils 1.8, stargz) (root)"
 	@echo "make venv      create $(VENV) and pip install -e '.[test]' (again when pyproject.toml changes)"
 	@echo "make lint      ruff check ."
-	@echo "make test      deps + venv, then ruff, mypy, pytest"
-	@echo "make demo      deps + venv, then '$(BIN)/layerbox demo' (root; DEMO_ARGS=--json for JSON)"
+	@echo "make test      deps + venv + vm-assets, then ruff, mypy, pytest"
+	@echo "make demo      deps + venv + vm-assets, then '$(BIN)/layerbox demo' (root; DEMO_ARGS=--json for JSON)"
+	@echo "make vm-assets build the microVM guest (kernel, initramfs, agent) from Debian packages, once per host"
 	@echo "make clean     remove $(VENV) and caches (never the data dir)"
 
 # dpkg-query first so that a machine with everything installed needs neither root nor the network.
@@ -142,7 +144,8 @@ test: lint typecheck vm-assets
 	fi; \
 	exit "$$rc"
 
-demo: venv
+# vm-assets: the demo's microVM step boots the guest they are (a fresh machine has none)
+demo: venv vm-assets
 	$(BIN)/layerbox demo $(DEMO_ARGS)
 
 # The data dir (LAYERBOX_DATA_DIR, /var/lib/layerbox or ~/.local/share/layerbox; ./.data in a

@@ -62,6 +62,18 @@ def manager(store_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         assert_clean(mgr)
 
 
+@contextlib.contextmanager
+def vm_host(store_url: str, tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[SandboxManager]:
+    """A manager for microVM tests on ``store_url``, closed after the block: no background fill
+    of the layers' caches, so what is fetched is what the guests read."""
+    mgr = SandboxManager(tmp_path_factory.mktemp(name), store_url)
+    mgr.host.daemon_options = {"fill_below": 0}
+    try:
+        yield mgr
+    finally:
+        mgr.close()
+
+
 @pytest.fixture
 def boxes(manager: SandboxManager) -> Iterator[Any]:
     """Create sandboxes on the module's manager; every one is destroyed when the test ends."""

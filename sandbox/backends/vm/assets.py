@@ -256,7 +256,7 @@ def find(root: Path = DEFAULT_ROOT) -> Assets:
     """The newest set already built here, without the network; an error says how to build one."""
     sets = sorted((p for p in root.glob("*/manifest.json")), key=lambda p: p.stat().st_mtime) if root.is_dir() else []
     if not sets:
-        raise AssetsError(f"no VM guest assets in {root}: build them with `layerbox vm assets` (make deps does)")
+        raise AssetsError(f"no VM guest assets in {root}: build them with `layerbox vm assets` (make vm-assets, make demo and make test do)")
     return load(root, sets[-1].parent.name)
 
 

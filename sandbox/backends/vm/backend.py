@@ -248,6 +248,9 @@ class VmBackend:
         cpus = os.cpu_count() or 1
         if vm.shape_of(options.cpu, options.memory, options.disk).vcpus > cpus:
             raise UnsupportedOption(f"cpu: {options.cpu:g} CPUs is more vCPUs than this host's {cpus}")
+        if options.memory < vm.MIN_MEMORY:
+            raise UnsupportedOption(f"memory: {options.memory} bytes of guest RAM is less than the "
+                                    f"{vm.MIN_MEMORY >> 20} MiB a microVM's kernel needs")
         total = _mem_total()
         if total and options.memory > total:
             raise UnsupportedOption(f"memory: {options.memory} bytes of guest RAM is more than this host's "

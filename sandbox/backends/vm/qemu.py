@@ -224,9 +224,17 @@ class Shape:
 MACHINES = {"microvm": "microvm", "vm": "q35"}
 
 
+# The least guest RAM a sandbox may ask for, and the least a guest is given: the stock kernel
+# decompresses itself into 51.5 MiB (its bzImage's init_size) from 16 MiB up, so 64 MiB does
+# not boot, 80 MiB runs out in PID 1's first forks, 96 MiB leaves 14 MiB free; at 128 MiB the
+# guest has ~75 MiB free.  A request between the two is a guest of MIN_GUEST_MEMORY (its
+# MemTotal says so), host memory accounted at that size.
+MIN_MEMORY = 64 << 20
+MIN_GUEST_MEMORY = 128 << 20
+
+
 def shape_of(cpu: float, memory: int, disk: int | None, machine: str = "microvm") -> Shape:
-    # guest RAM in whole MiB, at least 128 MiB (the kernel and the initramfs' unpacked modules)
-    mem = max(128 << 20, memory >> 20 << 20)
+    mem = max(MIN_GUEST_MEMORY, memory >> 20 << 20)  # guest RAM in whole MiB
     return Shape(vcpus=max(1, min(64, int(cpu + 0.999))), memory=mem, disk=disk or DEFAULT_DISK, machine=machine)
 
 
@@ -341,6 +349,31 @@ def command_line(hv: Hypervisor, assets: vmassets.Assets, shape: Shape, layers: 
     return argv
 
 
+# -- the guest's console ---------------------------------------------------------------------------------
+# What a guest that cannot go on prints (the console is ``quiet``: only errors and worse): the
+# kernel's panic (PID 1 died, memory deadlocked) and the init's LB-FAIL (it then powers off).
+CONSOLE_FAILURES = ("Kernel panic - not syncing", "LB-FAIL ")
+_STACK_LINE = re.compile(r"^\[\s*[0-9.]+\]\s+(?:[A-Z0-9]{2,3}:|\?|</?[A-Z]+>|[\w.]+\+0x|Call Trace|Code:|Hardware name|"
+                         r"Kernel Offset|CPU: \d|Workqueue)")
+
+
+def console_failure(path: Path) -> str | None:
+    """The guest's failure in its console ``path`` (its last 64 KiB): each failure line, then the
+    console's last lines that are not a panic's register or stack dump; None when it has none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - (64 << 10)))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    failures = [ln.strip() for ln in lines if any(m in ln for m in CONSOLE_FAILURES)]
+    if not failures:
+        return None
+    last = [ln.strip() for ln in lines if ln.strip() and not _STACK_LINE.match(ln.strip())][-6:]
+    said = failures[:3] + [ln for ln in last if ln not in failures[:3]]
+    return " | ".join(said)[:1500]
+
+
 # -- the VMM process ------------------------------------------------------------------------------------
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -392,6 +425,8 @@ class Vmm:
         for name in ("vmm.log", "console.log"):
             with contextlib.suppress(OSError):
                 text = (self.dir / name).read_bytes()[-600:].decode(errors="replace").strip()
+                if name == "console.log":
+                    text = console_failure(self.dir / name) or text
                 if text:
                     out.append(f"{name}: {text}")
         return "; ".join(out) or "(no output)"
@@ -711,7 +746,9 @@ def _capabilities(mapped_ram: bool) -> list[dict[str, Any]]:
 def connect_agent(vmm: Vmm, timeout: float = BOOT_TIMEOUT) -> AgentConnection:
     """The guest's agent, once it answers the connection's HELLO (sent again each second until it
     does: a booting guest answers when its agent opens the port, and a slow one may answer a
-    later one first); a VMM that exits meanwhile is an error with its log."""
+    later one first).  A VMM that exits meanwhile, or a guest whose console says it failed (a
+    kernel panic, PID 1 dead: :func:`console_failure`), is an error at once that quotes its
+    console; the caller stops the VMM."""
     deadline = time.monotonic() + timeout
     conn = AgentConnection(vmm.dir / "agent.sock", timeout=timeout)
     while True:
@@ -719,10 +756,12 @@ def connect_agent(vmm: Vmm, timeout: float = BOOT_TIMEOUT) -> AgentConnection:
             conn.hello(timeout=min(1.0, max(0.05, deadline - time.monotonic())))
             return conn
         except AgentError:
-            if conn.closed or not vmm.alive() or time.monotonic() > deadline:
+            failed = console_failure(vmm.dir / "console.log")
+            if failed or conn.closed or not vmm.alive() or time.monotonic() > deadline:
                 conn.close()
-                why = ("exited" if not vmm.alive() else f"closed its agent's connection ({conn.closed})"
-                       if conn.closed else f"did not answer in {timeout:g} s")
+                why = ("failed" if failed else "exited" if not vmm.alive()
+                       else f"closed its agent's connection ({conn.closed})" if conn.closed
+                       else f"did not answer in {timeout:g} s")
                 raise VmError(f"guest of VMM {vmm.pid} {why}; {vmm.log_tail()}") from None
 
 
@@ -823,17 +862,21 @@ def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers:
         for name, size in (("disk.raw", shape.disk), ("memory", shape.memory)):
             with open(work / name, "wb") as f:
                 f.truncate(size)
-        with netns(f"lb-t{key[:10]}") as ns, jail(f"template-{key[:16]}") as ids:
-            argv = command_line(hv, assets, shape, layers, [(str(work / "disk.raw"), "raw")], work / "memory",
-                                template=True, hostname="sandbox", vm_dir=work, jail=ids)
-            vmm = Vmm.spawn(work, argv, netns=ns)
-            try:
-                conn = connect_agent(vmm)  # layers mounted, no writable disk: nothing of it to flush
-                booted = time.perf_counter() - t
-                conn.close()
-                save_seconds = vmm.save(work / "state.bin")
-            finally:
-                vmm.quit()
+        try:
+            with netns(f"lb-t{key[:10]}") as ns, jail(f"template-{key[:16]}") as ids:
+                argv = command_line(hv, assets, shape, layers, [(str(work / "disk.raw"), "raw")], work / "memory",
+                                    template=True, hostname="sandbox", vm_dir=work, jail=ids)
+                vmm = Vmm.spawn(work, argv, netns=ns)
+                try:
+                    conn = connect_agent(vmm)  # layers mounted, no writable disk: nothing of it to flush
+                    booted = time.perf_counter() - t
+                    conn.close()
+                    save_seconds = vmm.save(work / "state.bin")
+                finally:
+                    vmm.quit()
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)  # a boot that failed (its error quotes the console)
+            raise
         doc = {"schema": TEMPLATE_SCHEMA, "key": key, "assets": assets.key, "layers": list(layer_digests),
                "shape": shape.to_json(), "accel": hv.accel, "qemu": ".".join(map(str, hv.version)),
                "tsc_khz": hv.tsc_khz, "boot_seconds": round(booted, 3), "save_seconds": round(save_seconds, 3),
@@ -910,7 +953,7 @@ def start_from_template(vm_dir: Path, hv: Hypervisor, assets: vmassets.Assets, t
         raise
 
 
-__all__ = ["Hypervisor", "Qmp", "Shape", "Template", "VmError", "Vmm", "chain_image_opts", "command_line",
-           "connect_agent", "cpu_flags", "device_state_of", "disk_args", "exact_ram_image", "mapped_ram_blocks",
+__all__ = ["MIN_GUEST_MEMORY", "MIN_MEMORY", "Hypervisor", "Qmp", "Shape", "Template", "VmError", "Vmm",
+           "chain_image_opts", "command_line", "connect_agent", "console_failure", "cpu_flags", "device_state_of", "disk_args", "exact_ram_image", "mapped_ram_blocks",
            "qemu_path", "ensure_template", "hypervisor", "load_template", "pristine_disk", "sandbox_disk", "shape_of",
            "start_from_template", "template_key", "template_lock"]

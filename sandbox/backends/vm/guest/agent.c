@@ -1060,33 +1060,79 @@ static void handle(int type, uint32_t chan, const unsigned char *pl, size_t len)
 	free(path);
 }
 
-/* Before the template is saved: every free page of the guest zeroed.  The pages the kernel
- * freed after boot (the unpacked initramfs archive, early allocations) keep their bytes, and
- * a restored guest allocates from them first: each would be a fetch from the store on a host
- * that maps the template lazily.  Zeroed, they are holes of the published memory file and
- * cost nothing to read.  The kernel zeroes an anonymous page it faults in (MAP_POPULATE);
- * unmapping hands it back, still zero. */
+/* A value of /proc/meminfo in kB (-1 when absent). */
+static long meminfo_kb(const char *field)
+{
+	FILE *f = fopen("/proc/meminfo", "re");
+	if (!f) return -1;
+	char line[128];
+	long v = -1;
+	size_t n = strlen(field);
+	while (fgets(line, sizeof line, f))
+		if (!strncmp(line, field, n) && line[n] == ':') { v = strtol(line + n + 1, NULL, 10); break; }
+	fclose(f);
+	return v;
+}
+
+/* The pages the allocator keeps from user allocations, as the kernel counts them for MemAvailable
+ * (calculate_totalreserve_pages): per zone its high watermark plus its largest lowmem_reserve. */
+static long reserve_pages(void)
+{
+	FILE *f = fopen("/proc/zoneinfo", "re");
+	if (!f) return -1;
+	char line[512];
+	long total = 0, high = 0, managed = 0, v;
+	while (fgets(line, sizeof line, f)) {
+		if (sscanf(line, " high %ld", &v) == 1) high = v;
+		else if (sscanf(line, " managed %ld", &v) == 1) managed = v;
+		else if (strstr(line, "protection: (")) {
+			long most = 0;
+			for (char *q = strchr(line, '(') + 1; *q && *q != ')'; q++) {
+				v = strtol(q, &q, 10);
+				if (v > most) most = v;
+				if (*q == ')') break;
+			}
+			total += high + most < managed ? high + most : managed;
+		}
+	}
+	fclose(f);
+	return total;
+}
+
+/* Before the template is saved: the free pages the boot dirtied, zeroed.  The pages the kernel
+ * freed after boot (the kernel's decompression buffers, init sections, the initramfs archive,
+ * early allocations) keep their bytes, and a restored guest allocates from them first: each
+ * would be a fetch from the store on a host that maps the template lazily.  Zeroed, they are
+ * holes of the published memory file and cost nothing to read.  The kernel zeroes an
+ * anonymous page it faults in (MAP_POPULATE); unmapping hands it back, still zero.
+ *
+ * SCRUB_KB of them, not all free memory: the allocator hands out the pages freed last first,
+ * and the memory the kernel never touched (freed to the lists' tails at boot) is zero
+ * already -- faulting it in too only made the template's memory file as big as the guest's
+ * RAM on the host's disk and cost TCG a second per 100 MiB (docs/FORMAT.md Part 5 has the
+ * measurement).  And never below what the kernel keeps for itself, checked before every
+ * chunk: the agent is PID 1, the one process, so an allocation the kernel cannot satisfy is
+ * not an OOM kill but a panic ("System is deadlocked on memory": what a fixed 24 MiB margin
+ * did at 1 GiB, where transparent hugepages raise min_free_kbytes to 44 MiB).  That is the
+ * zones' high watermarks and lowmem reserves, plus page tables and per-CPU lists. */
+#define SCRUB_KB (64L << 10)
+#define SCRUB_STEP (4u << 20)
 static void scrub_free_memory(void)
 {
 	int fd = open("/proc/sys/vm/drop_caches", O_WRONLY | O_CLOEXEC);
 	if (fd >= 0) { if (write(fd, "3", 1) < 0) {} close(fd); }
-	FILE *f = fopen("/proc/meminfo", "re");
-	if (!f) return;
-	char line[128];
-	long free_kb = 0;
-	while (fgets(line, sizeof line, f))
-		if (sscanf(line, "MemFree: %ld kB", &free_kb) == 1) break;
-	fclose(f);
-	const size_t step = 8u << 20, keep = 24u << 20; /* what the kernel may need meanwhile */
-	size_t want = free_kb > 0 && (size_t)free_kb * 1024 > keep ? (size_t)free_kb * 1024 - keep : 0;
-	void *maps[4096];
-	size_t n = 0;
-	for (size_t done = 0; done + step <= want && n < sizeof maps / sizeof maps[0]; done += step) {
-		void *p = mmap(NULL, step, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+	long total_kb = meminfo_kb("MemTotal"), reserved = reserve_pages();
+	if (total_kb <= 0 || reserved < 0) return; /* nothing to bound it by: no scrub */
+	long keep_kb = reserved * (getpagesize() / 1024) + 4096 + total_kb / 256;
+	void *chain = NULL;
+	for (long done = 0; done < SCRUB_KB; done += SCRUB_STEP / 1024) {
+		if (meminfo_kb("MemFree") - (long)(SCRUB_STEP / 1024) < keep_kb) break;
+		void *p = mmap(NULL, SCRUB_STEP, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
 		if (p == MAP_FAILED) break;
-		maps[n++] = p;
+		*(void **)p = chain; /* each chunk names the one before */
+		chain = p;
 	}
-	while (n) munmap(maps[--n], step);
+	while (chain) { void *next = *(void **)chain; munmap(chain, SCRUB_STEP); chain = next; }
 }
 
 int main(int argc, char **argv)
@@ -1099,9 +1145,16 @@ int main(int argc, char **argv)
 	port = open(argv[1], O_RDWR | O_CLOEXEC);
 	if (port < 0) die(argv[1]);
 	signal(SIGPIPE, SIG_IGN);
+	/* SIGIO when the host connects to the port (virtio_console's PORT_OPEN) or sends: with no
+	 * host connected the port polls readable and hung up, always, and reads nothing, so the
+	 * loop waits for the signal then instead of waking every few ms (7-8% of a core under TCG
+	 * for an idle guest) */
+	if (fcntl(port, F_SETOWN, getpid()) == 0) /* without it, the loop looks again each second */
+		fcntl(port, F_SETFL, fcntl(port, F_GETFL) | O_ASYNC);
 	sigset_t mask;
 	sigemptyset(&mask);
 	sigaddset(&mask, SIGCHLD);
+	sigaddset(&mask, SIGIO);
 	sigprocmask(SIG_BLOCK, &mask, NULL);
 	int sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
 	if (sfd < 0) die("signalfd");
@@ -1110,13 +1163,14 @@ int main(int argc, char **argv)
 
 	size_t cap = MAX_FRAME + 16, have = 0;
 	unsigned char *buf = malloc(cap);
+	int hangup = 0; /* the port's last poll said no host: leave it out until a signal or a second */
 	struct pollfd pf[2 + 3 * MAX_PROCS + MAX_PORTS];
 	struct proc *owner[2 + 3 * MAX_PROCS + MAX_PORTS];
 	struct portc *conn[2 + 3 * MAX_PROCS + MAX_PORTS];
 	int kind[2 + 3 * MAX_PROCS + MAX_PORTS];
 	for (;;) {
 		int n = 0;
-		pf[n++] = (struct pollfd){port, POLLIN, 0};
+		pf[n++] = (struct pollfd){hangup ? -1 : port, POLLIN, 0};
 		pf[n++] = (struct pollfd){sfd, POLLIN, 0};
 		for (int i = 0; i < MAX_PROCS; i++) {
 			struct proc *p = &procs[i];
@@ -1135,7 +1189,8 @@ int main(int argc, char **argv)
 		int ready = 0; /* a stream with credit left: look at the fds, then serve it */
 		for (int i = 0; i < MAX_STREAMS; i++)
 			if (streams[i].path && streams[i].credit > 0) ready = 1;
-		if (poll(pf, n, ready ? 0 : -1) < 0) { if (errno == EINTR) continue; die("poll"); }
+		if (poll(pf, n, ready ? 0 : hangup ? 1000 : -1) < 0) { if (errno == EINTR) continue; die("poll"); }
+		hangup = 0; /* woken: look at the port again */
 		for (int i = 2; i < n; i++) {
 			if (!pf[i].revents) continue;
 			struct proc *p = owner[i];
@@ -1159,7 +1214,8 @@ int main(int argc, char **argv)
 		}
 		if (pf[0].revents & POLLIN) {
 			ssize_t got = read(port, buf + have, cap - have);
-			if (got <= 0) { usleep(5000); continue; }
+			/* nothing to read and no host: the port polls readable and hung up then */
+			if (got <= 0) { hangup = 1; continue; }
 			have += got;
 			size_t off = 0;
 			while (have - off >= 9) {
@@ -1172,7 +1228,7 @@ int main(int argc, char **argv)
 			memmove(buf, buf + off, have - off);
 			have -= off;
 		} else if (pf[0].revents & (POLLHUP | POLLERR)) {
-			usleep(5000); /* no host connected (between a save and its restore): wait for one */
+			hangup = 1; /* no host connected (between a save and its restore, or none holds one) */
 		}
 		for (int i = 0; i < MAX_STREAMS; i++)
 			if (streams[i].path) serve(&streams[i]);
