@@ -15,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import stat
 from collections.abc import Callable, Collection, Iterator
@@ -29,6 +30,8 @@ Body = dict[str, Any]
 Upgrade = Callable[[Body, int | None], Body]
 
 ENVELOPE = ("format", "version")
+
+log = logging.getLogger("layerbox.hoststate")
 
 
 class HostStateError(LayerstoreError):
@@ -223,7 +226,7 @@ class HostTable:
         # compact: mounts.json is rewritten on every mount and holds one record per sandbox
         return json.dumps({"format": self.format, "version": self.version, **body}, separators=(",", ":")).encode()
 
-    def _replace(self, data: bytes) -> None:
+    def _replace(self, data: bytes, *, durable: bool = True) -> None:
         # One temp name: only the lock holder writes, and a temp file a crash left behind is
         # simply truncated by the next writer.
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -235,7 +238,8 @@ class HostTable:
                 view = view[os.write(fd, view):]
             # without it a power loss can leave the renamed name on empty or partial data
             # (XFS, ext4 with noauto_da_alloc): a table nothing reads until moved aside by hand
-            os.fsync(fd)
+            if durable:
+                os.fsync(fd)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -243,7 +247,8 @@ class HostTable:
             raise
         os.close(fd)
         os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
+        if durable:
+            _fsync_dir(self.path.parent)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -256,3 +261,78 @@ def _fsync_dir(directory: Path) -> None:
             raise  # some network and FUSE filesystems cannot fsync a directory: nothing to do
     finally:
         os.close(fd)
+
+
+class HostRecords:
+    """A directory of host-state records of one format, one file each (``<key>.json``, in the
+    envelope of :class:`HostTable`): for state with one record per sandbox, which as one table
+    would be decoded and rewritten whole on every change (its cost growing with the sandboxes
+    the host holds).
+
+    Writers are serialised by the caller (the lock of the table the records go with: this
+    class takes none, so it can be used inside :meth:`HostTable.locked`); a reader sees each
+    record whole (every write is a temp file and a rename).  ``key`` is the caller's, checked
+    to be a plain file name.
+
+    ``durable=False`` is for records of what a reboot ends anyway (mounts): no fsync (two per
+    write, the larger part of a mount's bookkeeping), and so a record a power loss left empty
+    or torn is one :meth:`all` drops, with a warning, where a durable one is an error.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], format: str, version: int, *, aside: str = "",
+                 durable: bool = True) -> None:
+        self.dir = Path(directory)
+        self.format = format
+        self.version = version
+        self.aside = aside
+        self.durable = durable
+
+    def _table(self, key: str) -> HostTable:
+        if not key or "/" in key or key.startswith(".") or not key.isprintable():
+            raise ValueError(f"{self.dir}: {key!r} is not a record key")
+        # (the lock is the caller's: HostTable.locked is never used here)
+        return HostTable(self.dir / f"{key}.json", self.format, self.version, aside=self.aside)
+
+    def get(self, key: str) -> Body | None:
+        """The record ``key``, None when there is none."""
+        table = self._table(key)
+        raw = table._raw()
+        return None if raw is None else table._decode(raw)[0]
+
+    def put(self, key: str, body: Body) -> None:
+        closed_dir(self.dir)
+        table = self._table(key)
+        table._replace(table._encode(body), durable=self.durable)
+
+    def drop(self, key: str) -> bool:
+        """Remove the record ``key``; False when there was none.  (Not fsynced: a record that comes
+        back after a power loss is one its owner's reconcile finds unmounted and forgets.)"""
+        try:
+            self._table(key).path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def all(self) -> dict[str, Body]:
+        """Every record, by key (an O(records) scan: for reconcile and listings, not hot paths)."""
+        try:
+            names = sorted(os.listdir(self.dir))
+        except FileNotFoundError:
+            return {}
+        out: dict[str, Body] = {}
+        for name in names:
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            key = name[:-len(".json")]
+            try:
+                body = self.get(key)
+            except HostStateError as exc:
+                if self.durable:
+                    raise
+                log.warning("dropping %s: %s (a power loss tore it; what it described ended with the host)",
+                            self.dir / name, exc)
+                self.drop(key)
+                continue
+            if body is not None:  # (removed meanwhile)
+                out[key] = body
+        return out

@@ -173,7 +173,7 @@ class Snapshots:
         return target, self._mount(target)
 
     def _mount(self, mountpoint: str) -> dict[str, Any]:
-        rec = self.host.status()["mounts"].get(os.path.realpath(mountpoint))
+        rec = self.host.record(mountpoint)
         if rec is None:
             raise SnapshotError(f"{mountpoint} is not a layerbox mount on this host ({self.host.data_dir})")
         return dict(rec)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from layerstore.errors import LayerboxError
-from layerstore.hoststate import HostStateError, HostTable
+from layerstore.hoststate import HostRecords, HostStateError, HostTable
 from lazyfetch.mounts import HostMounts
 from sandbox.core.leases import Leases
 from sandbox.isolation.idmap import RANGE_SIZE, RangePool
@@ -234,23 +234,31 @@ LEGACY_MOUNTS = (
 )
 
 
-def test_mounts_reads_the_unversioned_table_and_rewrites_it_on_a_change(tmp_path: Path) -> None:
+def test_mounts_reads_the_unversioned_table_and_moves_its_mounts_to_records(tmp_path: Path) -> None:
     host = HostMounts(tmp_path / "data")
     state = tmp_path / "data" / "state"
     state.mkdir(parents=True)
     path = state / "mounts.json"
     path.write_bytes(LEGACY_MOUNTS)
     before = unchanged_stamp(path)
-    assert host.holds() == {}  # a read under the lock: upgraded in memory only
-    assert host.has_stale_layers("g2")
+    assert host.has_stale_layers("g2")  # read without the lock: nothing is written
     assert not host.has_stale_layers("g1")
     assert stamp(path) == before
-    # status() reconciles with the kernel: neither mount is there, so both are forgotten
+    assert host.holds() == {}  # the first locked operation moves each mount to a record of its own
+    doc = envelope(path)
+    assert (doc["format"], doc["version"], doc["holds"], doc["entries"]) == ("layerbox.mounts", 2, {}, {})
+    assert "mounts" not in doc
+    assert [(info["users"], info["mounts"]) for info in doc["layers"].values()] == [([], 1)]
+    (record,) = (state / "mounts").iterdir()
+    assert json.loads(record.read_bytes())["mountpoint"] == "/nonexistent/mnt"
+    assert host.record("/nonexistent/mnt")["digest"] == f"sha256:{HEX}"
+    assert not host.has_stale_layers("g1")
+    # status() reconciles with the kernel: neither the mount nor its layer is there, so both are forgotten
     assert host.status()["mounts"] == {}
-    assert envelope(path) == {"format": "layerbox.mounts", "version": 1, "layers": {}, "mounts": {},
-                              "entries": {}, "holds": {}}
+    assert envelope(path) == {"format": "layerbox.mounts", "version": 2, "layers": {}, "entries": {}, "holds": {}}
     assert not host.has_stale_layers("g2")
-    assert sorted(p.name for p in state.iterdir()) == ["lock", "mounts.json"]
+    assert sorted(p.name for p in state.iterdir()) == ["lock", "mounts", "mounts.json"]
+    assert list((state / "mounts").iterdir()) == []
 
 
 def test_mounts_with_holds_rewritten_keeps_them(tmp_path: Path) -> None:
@@ -264,8 +272,8 @@ def test_mounts_with_holds_rewritten_keeps_them(tmp_path: Path) -> None:
     assert set(host.holds()) == {"containerd:/c:1", "containerd:/c:2"}
     assert host.release("containerd:/c:1")
     doc = envelope(path)
-    assert (doc["format"], doc["version"], doc["holds"]) == ("layerbox.mounts", 1, {"containerd:/c:2": hold})
-    assert path.read_bytes().startswith(b'{"format":"layerbox.mounts","version":1,"layers":{}')  # compact
+    assert (doc["format"], doc["version"], doc["holds"]) == ("layerbox.mounts", 2, {"containerd:/c:2": hold})
+    assert path.read_bytes().startswith(b'{"format":"layerbox.mounts","version":2,"layers":{}')  # compact
 
 
 def test_has_stale_layers(tmp_path: Path) -> None:
@@ -275,7 +283,7 @@ def test_has_stale_layers(tmp_path: Path) -> None:
     path.parent.mkdir(parents=True)
     layer = {"mountpoint": "/x", "path": None, "users": [], "meta": "/m", "blob_io": "buffered"}
     layers = {"a" * 64: {**layer, "generation": "g1"}, "b" * 64: {**layer, "generation": "g1"}}
-    doc = {"format": "layerbox.mounts", "version": 1, "layers": layers, "mounts": {}, "entries": {}, "holds": {}}
+    doc = {"format": "layerbox.mounts", "version": 2, "layers": layers, "entries": {}, "holds": {}}
     path.write_text(json.dumps(doc))
     assert not host.has_stale_layers("g1")
     assert host.has_stale_layers("g2")
@@ -283,8 +291,8 @@ def test_has_stale_layers(tmp_path: Path) -> None:
     path.write_text(json.dumps(doc))
     assert host.has_stale_layers("g1")
     assert host.has_stale_layers("g2")
-    path.write_text(json.dumps({**doc, "version": 2}))
-    with pytest.raises(HostStateError, match="mounts.json: found layerbox.mounts version 2"):
+    path.write_text(json.dumps({**doc, "version": 3}))
+    with pytest.raises(HostStateError, match="mounts.json: found layerbox.mounts version 3"):
         host.has_stale_layers("g1")
 
 
@@ -416,3 +424,28 @@ def test_net_reads_the_unversioned_table_and_rewrites_it_on_a_change(tmp_path: P
     assert net.list() == [SID2]
     net.destroy(SID2)
     assert net.list() == []
+
+
+def test_host_records_one_file_each_and_a_torn_one(tmp_path: Path) -> None:
+    records = HostRecords(tmp_path / "recs", "layerbox.mount", 1, durable=False)
+    assert (records.get("a1"), records.all(), records.drop("a1")) == (None, {}, False)
+    records.put("a1", {"x": 1})
+    records.put("b2", {"x": 2})
+    assert json.loads((tmp_path / "recs" / "a1.json").read_bytes()) == {"format": "layerbox.mount", "version": 1,
+                                                                        "x": 1}
+    assert records.all() == {"a1": {"x": 1}, "b2": {"x": 2}}
+    assert records.drop("a1")
+    assert records.all() == {"b2": {"x": 2}}
+    for bad in ("", "../x", ".hidden", "a/b"):
+        with pytest.raises(ValueError, match="not a record key"):
+            records.put(bad, {})
+    (tmp_path / "recs" / "b2.json").write_bytes(b'{"format":"layerbox.mo')  # torn by a power loss
+    with pytest.raises(HostStateError, match="b2.json: found no JSON"):
+        records.get("b2")
+    assert records.all() == {}  # what it described (a mount) ended with the host: dropped
+    assert not (tmp_path / "recs" / "b2.json").exists()
+    durable = HostRecords(tmp_path / "durable", "layerbox.x", 1)
+    durable.put("k", {})
+    (tmp_path / "durable" / "k.json").write_bytes(b"")
+    with pytest.raises(HostStateError, match="k.json"):
+        durable.all()

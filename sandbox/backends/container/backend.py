@@ -418,7 +418,7 @@ class ContainerBackend:
             if got is not None:
                 return {"disk": {"where": "disk", "used": got["size"] - got["free"], "free": got["free"],
                                  "limit": st.options.disk, "partial": False}}
-        record = self.ctx.mounts.status()["mounts"].get(str(box.dir / "rootfs")) or {}
+        record = self.ctx.mounts.record(box.dir / "rootfs") or {}
         upper = record.get("upper")
         if not upper:
             return {"disk": {"where": "upper", "used": None, "free": None, "limit": None, "partial": False}}
