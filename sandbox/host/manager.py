@@ -411,7 +411,7 @@ class SandboxManager:
             state = SandboxState(
                 id=box.id, status="creating", ref=name or ref, image_digest=resolved.digest, kind=resolved.kind,
                 options=options, layer_digests=tuple(layer.digest for layer in resolved.layers), created=now,
-                last_active=now, cgroups_path=self.resources.cgroups.path(box.id), admitting=admitting,
+                last_active=now, cgroups_path=self.resources.cgroups.acquire(box.id), admitting=admitting,
                 userns=self._user_range(box) if options.userns else None)
             self.states.write(state)  # first: a crash from here on is reconciled
         for rec in inherited:  # the history of the checkpoint this sandbox continues

@@ -10,6 +10,7 @@ removes the directories once their tasks are gone.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -173,6 +174,30 @@ class CgroupLayout:
             for name, value in files["v1"].items():
                 (cd / name).write_text(str(value))
         return procs
+
+    def prepare_parent(self, parent: str) -> None:
+        """Make ``parent`` (the cgroup every sandbox's is made under) ready for thousands of
+        children.  With cgroup v1's cpuset, a new child has no cpus and mems: crun copies them from
+        the parent with a write the kernel validates against every sibling (``validate_change``)
+        and follows with a rebuild of the scheduling domains, so each create cost more the more
+        sandboxes the host held (crun create 21.6 ms with none held, 28.8 ms with 1,600).  With
+        ``cgroup.clone_children`` set on the parent, the kernel gives a child the parent's cpus
+        and mems as it makes it, and crun finds them set.  A no-op on cgroup v2."""
+        cpuset = self.v1.get("cpuset")
+        if self.version == 2 or cpuset is None:
+            return
+        # the common case, one read: ready (the parent goes with its last child, and is made again)
+        with contextlib.suppress(OSError):
+            if (cpuset / parent.strip("/") / "cgroup.clone_children").read_text().strip() == "1":
+                return
+        d = cpuset
+        for part in parent.strip("/").split("/"):
+            up, d = d, d / part
+            d.mkdir(exist_ok=True)
+            for name in ("cpuset.cpus", "cpuset.mems"):
+                if not (d / name).read_text().strip():
+                    (d / name).write_text((up / name).read_text())
+        (d / "cgroup.clone_children").write_text("1")
 
     def remove(self, cgroups_path: str, *, wait: float = 5.0) -> bool:
         """rmdir every directory of ``cgroups_path``; True when none is left.

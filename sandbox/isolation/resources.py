@@ -201,6 +201,12 @@ class Cgroups:
     def path(self, sid: str) -> str:
         return f"/{self.parent}/{check_sandbox_id(sid)}"
 
+    def acquire(self, sid: str) -> str:
+        """The cgroup path of a new sandbox, its parent made ready first (CgroupLayout.prepare_parent:
+        the parent goes with the host's last sandbox, and whoever makes a child first makes it)."""
+        self.layout.prepare_parent(f"/{self.parent}")
+        return self.path(sid)
+
     def release(self, sid: str) -> None:
         self.layout.remove(self.path(sid))
 
