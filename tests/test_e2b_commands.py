@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import aiohttp
 import httpx
 import pytest
 from e2b import (
@@ -38,6 +37,7 @@ from support.e2b import (
     TEMPLATE,
     E2bEdge,
     e2b_edge,
+    echo_through,
     envd_headers,
     ws_echo,
 )
@@ -411,17 +411,7 @@ def test_a_token_of_another_sandbox_or_project_finds_no_sandbox(served: E2bEdge,
 
 
 def test_a_websocket_is_proxied(served: E2bEdge, web: Sandbox) -> None:
-    async def echo() -> list[str]:
-        async with aiohttp.ClientSession() as session, session.ws_connect(
-                f"{served.url}/socket", headers=envd_headers(web.sandbox_id, WS, **{
-                    "e2b-traffic-access-token": str(web.traffic_access_token)})) as ws:
-            got = []
-            for word in ("one", "two"):
-                await ws.send_str(word)
-                got.append((await ws.receive(timeout=30)).data)
-            return got
-
-    assert asyncio.run(echo()) == ["echo:one", "echo:two"]
+    assert echo_through(served.url, web, WS, timeout=30) == ["echo:one", "echo:two"]
 
 
 def test_host_names_of_the_e2b_domain_name_the_sandbox_and_port(served: E2bEdge, web: Sandbox) -> None:

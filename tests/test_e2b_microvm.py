@@ -32,7 +32,7 @@ from e2b import (
     Sandbox,
     SandboxException,
 )
-from support.e2b import ALPHA, E2bEdge, e2b_edge, envd_headers, ws_echo
+from support.e2b import ALPHA, E2bEdge, e2b_edge, echo_through, envd_headers, ws_echo
 from support.edges import http
 from support.sandboxes import store_url  # noqa: F401  (a module's store with the fixture image)
 
@@ -443,17 +443,7 @@ def test_a_port_of_a_microvm_through_the_native_proxy_e2b_headers_and_host_names
 
 
 def test_a_websocket_into_a_microvm_is_proxied(served: E2bEdge, web: Sandbox) -> None:
-    async def echo() -> list[str]:
-        async with aiohttp.ClientSession() as session, session.ws_connect(
-                f"{served.url}/socket", headers=envd_headers(web.sandbox_id, WS, **{
-                    "e2b-traffic-access-token": str(web.traffic_access_token)})) as ws:
-            got = []
-            for word in ("one", "two"):
-                await ws.send_str(word)
-                got.append((await ws.receive(timeout=60)).data)
-            return got
-
-    assert asyncio.run(echo()) == ["echo:one", "echo:two"]
+    assert echo_through(served.url, web, WS, timeout=60) == ["echo:one", "echo:two"]
     # every relayed connection ended with its client: none is established in the guest any more
     ports = "|".join(f"{p:04X}" for p in (WEB, WS))
     established = f"awk '$4 == \"01\" && ($2 ~ /:({ports})$/ || $3 ~ /:({ports})$/)' /proc/net/tcp | grep ."

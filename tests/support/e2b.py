@@ -9,12 +9,14 @@ and ``E2B_SANDBOX_URL`` (:func:`sdk_env`), as a user's would.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from .edges import EdgeProcess, running
@@ -80,6 +82,22 @@ def e2b_edge(root: Path, store_url: str, *extra: str, name: str = "e2b", templat
 def envd_headers(sid: str, port: int = ENVD, **more: str) -> dict[str, str]:
     """The headers the SDK sends with ``E2B_SANDBOX_URL``: which sandbox, which port."""
     return {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port), **more}
+
+
+def echo_through(edge_url: str, sandbox: Any, port: int, timeout: float) -> list[str]:
+    """Two words through the E2B port proxy to the :func:`ws_echo` server on ``port`` of ``sandbox``
+    (an ``e2b`` Sandbox), as a browser of its preview URL sends them: what came back."""
+    async def echo() -> list[str]:
+        async with aiohttp.ClientSession() as session, session.ws_connect(
+                f"{edge_url}/socket", headers=envd_headers(sandbox.sandbox_id, port, **{
+                    "e2b-traffic-access-token": str(sandbox.traffic_access_token)})) as ws:
+            got = []
+            for word in ("one", "two"):
+                await ws.send_str(word)
+                got.append((await ws.receive(timeout=timeout)).data)
+            return got
+
+    return asyncio.run(echo())
 
 
 # a WebSocket echo on the standard library (RFC 6455's handshake and short frames by hand)
