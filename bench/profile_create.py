@@ -2,8 +2,9 @@
 
 Publishes the fixture's ``python`` image to a ``file://`` store under a temp dir, then for
 each count of ``--held`` (e.g. ``0,1600,3200``) creates and holds sandboxes up to it and
-times ``--cycles`` create + ``/bin/true`` + destroy cycles: the medians of the three, and of
-the crun commands inside them (create, start, exec, delete).  The last row's ratio to the
+times ``--cycles`` create + ``/bin/true`` + destroy cycles, ``--workers`` at a time: the
+medians of the three, of the crun commands inside them (create, start, exec, delete), and
+the cycles per second.  The last row's ratio to the
 first says what grows with the number held (bench/README.md, "Manager operations were
 O(number of sandboxes)").  ``--profile`` also runs as many cycles again at the last count
 under cProfile (the calling thread only) and prints the top functions by own time.
@@ -66,21 +67,31 @@ def timing_crun(into: Timings) -> Callable[[], None]:
     return undo
 
 
-async def cycles(mgr: SandboxManager, n: int, into: Timings) -> None:
-    for _ in range(n):
-        t0 = time.perf_counter()
-        box = await mgr.create(REF)
-        t1 = time.perf_counter()
-        box.exec(["/bin/true"])
-        t2 = time.perf_counter()
-        mgr.destroy(box.id)
-        into["create"].append(t1 - t0)
-        into["exec"].append(t2 - t1)
-        into["destroy"].append(time.perf_counter() - t2)
+async def cycles(mgr: SandboxManager, n: int, into: Timings, workers: int = 1) -> float:
+    """``n`` create + exec + destroy cycles by ``workers`` at once; cycles per second."""
+    left = [n]
+
+    async def worker() -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            t0 = time.perf_counter()
+            box = await mgr.create(REF)
+            t1 = time.perf_counter()
+            await asyncio.to_thread(box.exec, ["/bin/true"])
+            t2 = time.perf_counter()
+            await asyncio.to_thread(mgr.destroy, box.id)
+            into["create"].append(t1 - t0)
+            into["exec"].append(t2 - t1)
+            into["destroy"].append(time.perf_counter() - t2)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    return n / (time.perf_counter() - start)
 
 
-def row(held: int, timings: Timings) -> list[str]:
-    return [str(held), *(f"{statistics.median(timings[p]) * 1000:.1f}" if timings[p] else "-" for p in PHASES)]
+def row(held: int, timings: Timings, rate: float) -> list[str]:
+    return [str(held), *(f"{statistics.median(timings[p]) * 1000:.1f}" if timings[p] else "-" for p in PHASES),
+            f"{rate:.1f}"]
 
 
 async def run(args: argparse.Namespace, work: Path) -> None:
@@ -95,15 +106,16 @@ async def run(args: argparse.Namespace, work: Path) -> None:
             timings: Timings = defaultdict(list)
             undo = timing_crun(timings)
             try:
-                await cycles(mgr, args.cycles, timings)
+                rate = await cycles(mgr, args.cycles, timings, args.workers)
             finally:
                 undo()
-            rows.append(row(len(held), timings))
+            rows.append(row(len(held), timings, rate))
             firsts = firsts or timings
             print("  ".join(rows[-1]), flush=True)
-        header = ["held", *(f"{p} ms" for p in PHASES)]
+        header = ["held", *(f"{p} ms" for p in PHASES), "cycles/s"]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        print(f"\nmedians of {args.cycles} create + exec /bin/true + destroy cycles at each count held")
+        print(f"\nmedians of {args.cycles} create + exec /bin/true + destroy cycles at each count held, "
+              f"{args.workers} at a time")
         for r in [header, *rows]:
             print("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)))
         if len(rows) > 1 and firsts is not None:
@@ -137,6 +149,7 @@ def main() -> int:
     p.add_argument("--held", type=counts, default=[0, 300], help="sandboxes held while timing, comma-separated "
                    "(default 0,300)")
     p.add_argument("--cycles", type=int, default=10, help="timed cycles per count (default 10)")
+    p.add_argument("--workers", type=int, default=1, help="cycles at once (default 1; the issue's rate: 2)")
     p.add_argument("--profile", action="store_true", help="also profile as many cycles at the last count")
     p.add_argument("--top", type=int, default=25, help="functions printed with --profile (default 25)")
     p.add_argument("--fixture", type=Path, default=FIXTURE, help=f"the oci-archive (default {FIXTURE})")

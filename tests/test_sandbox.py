@@ -137,6 +137,41 @@ def test_sandbox_cpusets_are_cloned_from_their_parent(boxes: Any) -> None:
         (root / "cpuset.cpus").read_text().strip()
 
 
+class _SpawnProbe:
+    """A background command's owner, as the exec API sees one: records what exists when the
+    backend says the command is spawned."""
+
+    terminal = None
+    stdin_fd = None
+
+    def __init__(self, box: Sandbox) -> None:
+        self.box = box
+        self.pid_files: list[str] | None = None
+
+    def started(self) -> dict[str, Any]:
+        return {}
+
+    def spawned(self) -> None:
+        self.pid_files = sorted(p.name for p in (self.box.dir / "bundle").glob("*.pid"))
+
+    def on_terminal(self, master: int, resize: Any = None) -> None:
+        os.close(master)
+
+    def finished(self) -> dict[str, Any]:
+        return {}
+
+
+def test_a_background_command_is_spawned_once_its_process_exists(boxes: Any) -> None:
+    """crun exec refuses a paused container: a start answered before crun made the process let a
+    pause that came at once fail the command.  Its pid file is written once the process exists."""
+    box = boxes()
+    for _ in range(3):
+        probe = _SpawnProbe(box)
+        assert box.exec("true", attach=probe).exit_code == 0
+        assert probe.pid_files is not None
+        assert len(probe.pid_files) == 1, probe.pid_files
+
+
 def _cgroup_procs(box: Sandbox) -> set[int]:
     d = box.manager.layout.controller_dir("pids", box.state.cgroups_path)
     assert d is not None

@@ -140,7 +140,8 @@ class Attach(Protocol):
     ``sandbox.edge.commands`` implements it for background commands and terminal sessions.
     The manager calls :meth:`started` (for the ``exec_started`` receipt) and :meth:`finished`
     (for the ``exec`` receipt); the backend's ``spawn`` calls :meth:`spawned` once the runner
-    holds its stdin (also when it failed to start) and, with a terminal, :meth:`on_terminal`.
+    holds its stdin and, without a terminal, the command's process exists (also when it failed
+    to start) and, with a terminal, :meth:`on_terminal`.
     """
 
     @property
@@ -155,7 +156,7 @@ class Attach(Protocol):
         """Fields added to the ``exec_started`` receipt written before the command runs."""
 
     def spawned(self) -> None:
-        """The command's runner holds its stdin now (or failed to start)."""
+        """The command's runner holds its stdin, and its process exists (or it failed to start)."""
 
     def on_terminal(self, master: int, resize: Callable[[int, int], None] | None = None) -> None:
         """The pty's master, a descriptor of the callee's own to close (the pump reads another one).

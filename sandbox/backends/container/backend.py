@@ -275,10 +275,13 @@ class ContainerBackend:
         except BaseException:
             if console is not None:
                 console.close()
-            raise
-        finally:
             if attach is not None:
                 attach.spawned()
+            raise
+        if attach is not None:
+            if terminal is None:
+                _wait_started(proc, pid_file, self.runtime.timeout)
+            attach.spawned()
         master = None
         if console is not None:
             assert attach is not None
@@ -604,3 +607,14 @@ def tree_bytes(root: Path, limit: int = MAX_WALK) -> tuple[int, bool]:
                 if entry.is_dir(follow_symlinks=False):
                     stack.append(entry.path)
     return total, False
+
+
+def _wait_started(proc: subprocess.Popen[bytes], pid_file: Path, bound: float) -> None:
+    """Until ``crun exec`` has made its process (its pid file is written) or ended, at most ``bound``
+    seconds: a background command is reported started only then, so a pause that follows at
+    once freezes the command instead of making ``crun exec`` refuse a paused container."""
+    deadline = time.monotonic() + bound
+    delay = 0.0005
+    while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, 0.01)
