@@ -276,8 +276,16 @@ class Daemon:
         self.cache.note_complete(layer)
         # where the files lie in the blob (read-ahead to a file's end): a walk of the metadata
         # (~10 us a file), off the path of the mount that registers the layer
-        threading.Thread(target=_learn_files, args=(layer, img), name="layerbox-files", daemon=True).start()
+        threading.Thread(target=self._learn, args=(layer, img), name="layerbox-files", daemon=True).start()
         return layer
+
+    def _learn(self, layer: LayerBlob, img: ErofsImage) -> None:
+        """What read-ahead needs to know of a layer: where its files and its packs end."""
+        try:
+            layer.learn_files(img)
+            self.fetcher.note_packs(layer)
+        except Exception as exc:  # read-ahead stays within the chunk a read needs, plus neighbours
+            log.warning("layer %s: cannot map its files and packs for read-ahead: %s", layer.digest, exc)
 
     def _check_served(self, layer: LayerBlob) -> None:
         """The canary: a layer is handed out only while its reads are sure to reach us."""
@@ -746,13 +754,6 @@ class Daemon:
         if self.stopping.is_set():
             return
         self.fuse.serve(resumed=adopted)
-
-
-def _learn_files(layer: LayerBlob, img: ErofsImage) -> None:
-    try:
-        layer.learn_files(img)
-    except Exception as exc:  # read-ahead stays within the chunk a read needs, plus neighbours
-        log.warning("layer %s: cannot map its files to the blob for read-ahead: %s", layer.digest, exc)
 
 
 def _inode(fd: int) -> int:

@@ -22,8 +22,10 @@ import contextlib
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import blake3
 
@@ -33,6 +35,7 @@ from layerstore.store import Store
 from lazyfetch.blobcache import BlobCache, LayerBlob
 from lazyfetch.errors import LazyfetchError
 from lazyfetch.metrics import Metrics
+from lazyfetch.units import PackUnits
 
 log = logging.getLogger("layerbox.lazyfetch")
 
@@ -40,6 +43,8 @@ MAX_RUN = 4 << 20  # one ranged GET covers at most this many compressed bytes
 SETTLE_EVERY = 0.001  # seconds: how long a decoded chunk may wait for its waiters to be woken
 MAX_GAP = 0  # only exactly adjacent frames are merged; gaps would fetch bytes nobody asked for
 DECODE_GROUP = 256 << 10  # raw bytes of consecutive chunks one decode job takes (a larger chunk: alone)
+STREAM_MISSES = 16  # a layer streams (its GETs take whole units, lazyfetch/units.py) once this many
+STREAM_SECONDS = 1.0  # ... reads waited for the store within this many seconds
 
 
 _NO_LIMIT = contextlib.nullcontext()
@@ -109,10 +114,30 @@ class Fetcher:
         threads = max(os.cpu_count() or 1, 2)
         self._decoder = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="layerbox-decode")
         self._bg_decoder = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="layerbox-decode-bg")
+        self.units = PackUnits(self._get)
+        # whole units only from a remote store: a file store's packs are local files the kernel
+        # reads ahead itself, and larger reads of them only cost disk time (measured: no faster)
+        self.stream_units = not store.url.startswith("file:")
+        self._recent: dict[str, deque[float]] = {}  # layer hex -> when its last misses started (loop time)
 
     def close(self) -> None:
         for pool in (self._decoder, self._bg_decoder):
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def note_packs(self, layer: LayerBlob) -> None:
+        """(Any thread) where the layer's packs end, as far as its chunks tell: units stop there."""
+        ends: dict[bytes, int] = {}
+        for rec in layer.records:
+            loc = self.store.locate(rec.digest)
+            if loc is not None and loc.offset + loc.length > ends.get(loc.pack, 0):
+                ends[loc.pack] = loc.offset + loc.length
+        for pack, end in ends.items():
+            self.loop.call_soon_threadsafe(self.units.note_end, pack, end)
+
+    def _streaming(self, layer: LayerBlob) -> bool:
+        recent = self._recent.get(layer.hexd)
+        return self.stream_units and recent is not None and len(recent) == STREAM_MISSES and \
+            self.loop.time() - recent[0] <= STREAM_SECONDS
 
     # -- called from the threads serving the kernel -------------------------------------
     def fetch_blocking(self, layer: LayerBlob, wanted: list[bytes], ahead: list[bytes] | None = None,
@@ -179,6 +204,8 @@ class Fetcher:
         waiting: list[tuple[bytes, asyncio.Future[bytes]]] = []
         todo: list[tuple[bytes, ChunkLocation]] = []
         wanted = list(dict.fromkeys(wanted))
+        if waited:
+            self._recent.setdefault(layer.hexd, deque(maxlen=STREAM_MISSES)).append(self.loop.time())
         shared = [d for d in wanted if self.cache.shared(layer, d) and (layer.hexd, d) not in self._inflight]
         if shared:  # another layer on this host has them: no store request
             copied = await asyncio.to_thread(self.cache.copy_local, layer, shared)
@@ -222,11 +249,15 @@ class Fetcher:
         started: float | None = None
         background = prefetch or (ahead is not None and all(d in ahead for d, _ in run.items))
         try:
-            async with self._ahead_sem if background else _NO_LIMIT, self._sem:
-                started = time.perf_counter()
-                self.metrics.requested()
-                data = await self.store.read_pack_range(run.pack, run.start, run.end)
-            self.metrics.fetched(layer.digest, len(data))  # received, even if it is not what we asked for
+            data = self.units.cached(run.pack, run.start, run.end)
+            if data is None and not background and self._streaming(layer) and run.pack in self.units.pack_end:
+                data = await self.units.read(run.pack, run.start, run.end, layer)
+            if data is None:
+                async with self._ahead_sem if background else _NO_LIMIT, self._sem:
+                    started = time.perf_counter()
+                    self.metrics.requested()
+                    data = await self.store.read_pack_range(run.pack, run.start, run.end)
+                self.metrics.fetched(layer.digest, len(data))  # received, even if it is not what we asked for
             if len(data) != run.end - run.start:
                 raise FetchError(f"{self.store.url}: short read of {pack_key(run.pack)} "
                                  f"[{run.start}, {run.end}): got {len(data)} bytes")
@@ -251,6 +282,18 @@ class Fetcher:
             self.metrics.inflight.dec(len(run.items))
             if started is not None:  # one observation per GET sent: fetch_count == store_requests
                 self.metrics.fetch_seconds.observe(time.perf_counter() - started)
+
+    async def _get(self, pack: bytes, start: int, end: int, layer: Any, background: bool) -> bytes:
+        """One GET of whole units (lazyfetch/units.py), counted and timed as a GET of its own."""
+        async with self._ahead_sem if background else _NO_LIMIT, self._sem:
+            started = time.perf_counter()
+            self.metrics.requested()
+            try:
+                data = await self.store.read_pack_range(pack, start, end)
+            finally:
+                self.metrics.fetch_seconds.observe(time.perf_counter() - started)
+        self.metrics.fetched(layer.digest, len(data))
+        return data
 
     def _settle(self, key: tuple[str, bytes], value: bytes | Exception) -> None:
         self._waited_since.pop(key, None)
@@ -298,6 +341,8 @@ class Fetcher:
                 value = chunk
             else:
                 self.metrics.corrupt.inc()
+                # (before its waiters hear of it: the refetch must not find the same bytes in memory)
+                self.loop.call_soon_threadsafe(self.units.drop, run.pack, loc.offset, loc.offset + loc.length)
                 log.error("chunk %s from %s (%s) does not match its digest; not served, will refetch",
                           digest.hex(), self.store.url, where)
                 value = CorruptChunk(f"chunk {digest.hex()} from {self.store.url} ({where}) is corrupt")
