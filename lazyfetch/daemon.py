@@ -552,6 +552,8 @@ class Daemon:
         snap["blob_bytes_per_layer"] = {b.digest: b.blob_size for b in served}
         snap["fill_per_layer"] = {b.digest: "whole" if b.complete_hint else self.fill_state.get(b.hexd, "not asked")
                                   for b in served}
+        snap["read_ahead_mapped_per_layer"] = {b.digest: b.file_end is not None for b in served}
+        snap["pack_units"] = self.fetcher.units.stats()
         snap["instance"] = self.instance
         snap["generation"] = self.generation
         snap["data_path"] = self.data_path

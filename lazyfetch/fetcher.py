@@ -206,16 +206,18 @@ class Fetcher:
         wanted = list(dict.fromkeys(wanted))
         if waited:
             self._recent.setdefault(layer.hexd, deque(maxlen=STREAM_MISSES)).append(self.loop.time())
-        shared = [d for d in wanted if self.cache.shared(layer, d) and (layer.hexd, d) not in self._inflight]
+        extra = [d for d in dict.fromkeys(along or ()) if d not in wanted]
+        shared = [d for d in wanted + extra if self.cache.shared(layer, d) and (layer.hexd, d) not in self._inflight]
         if shared:  # another layer on this host has them: no store request
             copied = await asyncio.to_thread(self.cache.copy_local, layer, shared)
             wanted = [d for d in wanted if d not in copied]
+            extra = [d for d in extra if d not in copied]
         for digest in wanted:
             fut = self._claim(layer, digest, todo)
             if waited:
                 self._waited_since.setdefault((layer.hexd, digest), self.loop.time())
             waiting.append((digest, fut))
-        ahead = {d for d in (along or ()) if (layer.hexd, d) not in self._inflight}
+        ahead = {d for d in extra if (layer.hexd, d) not in self._inflight}
         for digest in ahead:  # (the caller asked the blob: these are missing)
             self._claim(layer, digest, todo)
         if todo:

@@ -127,7 +127,8 @@ class PackUnits:
             self._bytes -= len(gone)
 
     def stats(self) -> dict[str, int]:
-        return {"units": len(self._units), "bytes": self._bytes, "served": self.served}
+        return {"units": len(self._units), "bytes": self._bytes, "served": self.served,
+                "in_flight": len(self._inflight)}
 
 
 def _spans(units: list[int]) -> list[list[int]]:
