@@ -22,6 +22,11 @@ One run, on the fixture images published to a ``file://`` store and to an
   the page cache used per byte read.
 * **mount time** of a cached image: ``--mounts`` mounts and unmounts,
   read-only and writable, with the layers mounted by the call or shared.
+* **cold reads against the decode ceiling** (``cold``, issue 27): the files of
+  at least 256 KiB of ``python`` read from a fresh host with 1 and with
+  ``--readers`` threads, each against decompress + blake3 of exactly their
+  chunks from memory on every core, measured right after it; ``--backends
+  rgw`` runs every section on a Ceph RGW booted for the run.
 
 Every host is torn down in ``finally`` (``umount_all(stop_daemon=True)``), and
 at exit nothing may remain mounted under the work directory.  Run
