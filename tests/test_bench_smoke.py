@@ -548,6 +548,7 @@ def check_cold_section(cold: dict[str, Any], readers: int) -> None:
         assert 0 < ceiling["bytes"] <= run0["bytes"]
         assert 0 < ceiling["compressed_bytes"] <= run0["bytes_fetched"]
         assert c["vs_ceiling"] == pytest.approx(run0["mb_per_s"] / ceiling["mb_per_s"])
+        assert run0["remount"]["bytes"] == run0["bytes"]
     # the same files for any number of readers
     assert cold["one"]["runs"][0]["bytes"] == cold["many"]["runs"][0]["bytes"]
 
