@@ -8,7 +8,7 @@ only once every chunk the range overlaps is in the file.  Which chunks are
 missing is asked of the file (SEEK_HOLE), never of memory.  A miss fetches the
 chunks the read needs and waits for them only; the same requests carry the
 rest of the file the reader is in (``RANGE_AHEAD`` at most, from the layer's
-metadata: :meth:`LayerBlob.learn_files`) and, past its end, the next
+blob map: :meth:`LayerBlob._file_ends`) and, past its end, the next
 ``SYNC_AHEAD`` bytes of small neighbours: adjacent frames of one pack, so one
 GET, decoded on every core while the reader reads the first chunk.  A reader
 that reaches a chunk still in flight joins its fetch.  No read-ahead goes past
@@ -231,7 +231,7 @@ class BlobServer:
     def _along(self, layer: LayerBlob, last: int) -> list[int]:
         """The missing records after ``last`` that go along with a miss: the rest of its file
         (``RANGE_AHEAD`` bytes at most), then small neighbours up to ``SYNC_AHEAD`` bytes."""
-        stop = layer.file_end[last] if layer.file_end is not None else last + 1
+        stop = layer.file_end[last]
         budget, small = min(RANGE_AHEAD, self._ahead_cap()), SYNC_AHEAD
         j, n = last + 1, len(layer.records)
         while j < n and layer.records[j].length <= budget:

@@ -274,18 +274,7 @@ class Daemon:
             if self.group is not None and os.environ.get("LAYERBOX_FAULT") != "skip-mark":
                 self.group.watch(str(layer.path))  # (the fault: what a lost mark would look like)
         self.cache.note_complete(layer)
-        # where the files lie in the blob (read-ahead to a file's end): a walk of the metadata
-        # (~10 us a file), off the path of the mount that registers the layer
-        threading.Thread(target=self._learn, args=(layer, img), name="layerbox-files", daemon=True).start()
         return layer
-
-    def _learn(self, layer: LayerBlob, img: ErofsImage) -> None:
-        """What read-ahead needs to know of a layer: where its files and its packs end."""
-        try:
-            layer.learn_files(img)
-            self.fetcher.note_packs(layer)
-        except Exception as exc:  # read-ahead stays within the chunk a read needs, plus neighbours
-            log.warning("layer %s: cannot map its files and packs for read-ahead: %s", layer.digest, exc)
 
     def _check_served(self, layer: LayerBlob) -> None:
         """The canary: a layer is handed out only while its reads are sure to reach us."""
@@ -552,7 +541,6 @@ class Daemon:
         snap["blob_bytes_per_layer"] = {b.digest: b.blob_size for b in served}
         snap["fill_per_layer"] = {b.digest: "whole" if b.complete_hint else self.fill_state.get(b.hexd, "not asked")
                                   for b in served}
-        snap["read_ahead_mapped_per_layer"] = {b.digest: b.file_end is not None for b in served}
         snap["pack_units"] = self.fetcher.units.stats()
         snap["instance"] = self.instance
         snap["generation"] = self.generation

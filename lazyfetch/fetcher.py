@@ -119,13 +119,15 @@ class Fetcher:
         # reads ahead itself, and larger reads of them only cost disk time (measured: no faster)
         self.stream_units = not store.url.startswith("file:")
         self._recent: dict[str, deque[float]] = {}  # layer hex -> when its last misses started (loop time)
+        self._packs_noted: set[str] = set()  # layers whose packs' ends are known to the units
 
     def close(self) -> None:
         for pool in (self._decoder, self._bg_decoder):
             pool.shutdown(wait=False, cancel_futures=True)
 
     def note_packs(self, layer: LayerBlob) -> None:
-        """(Any thread) where the layer's packs end, as far as its chunks tell: units stop there."""
+        """(A worker thread, once a layer of a remote store first streams) where the layer's packs
+        end, as far as its chunks tell: units stop there.  Until then its runs are GET exactly."""
         ends: dict[bytes, int] = {}
         for rec in layer.records:
             loc = self.store.locate(rec.digest)
@@ -252,8 +254,13 @@ class Fetcher:
         background = prefetch or (ahead is not None and all(d in ahead for d, _ in run.items))
         try:
             data = self.units.cached(run.pack, run.start, run.end)
-            if data is None and not background and self._streaming(layer) and run.pack in self.units.pack_end:
+            streaming = data is None and not background and self.stream_units and self._streaming(layer)
+            if streaming and run.pack in self.units.pack_end:
                 data = await self.units.read(run.pack, run.start, run.end, layer)
+            elif streaming and layer.hexd not in self._packs_noted:
+                self._packs_noted.add(layer.hexd)
+                noted = self.loop.run_in_executor(None, self.note_packs, layer)
+                noted.add_done_callback(_log_failure)
             if data is None:
                 async with self._ahead_sem if background else _NO_LIMIT, self._sem:
                     started = time.perf_counter()
@@ -263,11 +270,14 @@ class Fetcher:
             if len(data) != run.end - run.start:
                 raise FetchError(f"{self.store.url}: short read of {pack_key(run.pack)} "
                                  f"[{run.start}, {run.end}): got {len(data)} bytes")
-            groups = _decode_groups(run.items)
-            pool = self._bg_decoder if background else self._decoder
-            await asyncio.gather(*(self.loop.run_in_executor(pool, self._decode_run, run, data, layer,
-                                                             prefetch, items, ahead)
-                                   for items in groups))
+            # a group of chunks fetched only along goes to the background decoders: a reader's next
+            # miss never queues behind the rest of the file this one read ahead
+            jobs = []
+            for items in _decode_groups(run.items):
+                along = background or (ahead is not None and all(d in ahead for d, _ in items))
+                jobs.append(self.loop.run_in_executor(self._bg_decoder if along else self._decoder, self._decode_run,
+                                                      run, data, layer, prefetch, items, ahead))
+            await asyncio.gather(*jobs)
         except BaseException as exc:
             failure = exc
             if isinstance(exc, Exception) and not isinstance(exc, FetchError):
@@ -373,8 +383,8 @@ def _decode_groups(items: list[tuple[bytes, ChunkLocation]]) -> list[list[tuple[
     return groups
 
 
-def _log_failure(future: concurrent.futures.Future[dict[bytes, bytes]] | asyncio.Future[dict[bytes, bytes]]
-                 ) -> None:
-    """A read-ahead nobody waits for: its failure is logged (the read that needs it fetches again)."""
+def _log_failure(future: concurrent.futures.Future[Any] | asyncio.Future[Any]) -> None:
+    """Read-ahead (or its preparation) nobody waits for: its failure is logged (the read that needs
+    it fetches again)."""
     if not future.cancelled() and future.exception() is not None:
         log.warning("read-ahead failed: %s", future.exception())
