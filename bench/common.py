@@ -46,15 +46,17 @@ def rate(nbytes: int, seconds: float) -> float | None:
 
 
 @contextlib.contextmanager
-def aws_environment(endpoint: str, home: Path) -> Iterator[None]:
-    """Point boto3 at the moto server with fake credentials only; restore the environment after."""
+def aws_environment(endpoint: str, home: Path, *, access_key: str = "testing", secret_key: str = "testing",
+                    region: str = "us-east-1") -> Iterator[None]:
+    """Point boto3 at the S3 server the bench started (moto: fake credentials; an RGW: the keys it
+    made for the run) and at no config of the host's; restore the environment after."""
     saved = dict(os.environ)
     try:
         for name in AWS_LEAKS:
             os.environ.pop(name, None)
         os.environ.update({
-            "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": access_key,
+            "AWS_SECRET_ACCESS_KEY": secret_key, "AWS_DEFAULT_REGION": region,
             "AWS_CONFIG_FILE": str(home / "no-aws-config"),
             "AWS_SHARED_CREDENTIALS_FILE": str(home / "no-aws-credentials"),
             "AWS_EC2_METADATA_DISABLED": "true",

@@ -22,6 +22,11 @@ One run, on the fixture images published to a ``file://`` store and to an
   the page cache used per byte read.
 * **mount time** of a cached image: ``--mounts`` mounts and unmounts,
   read-only and writable, with the layers mounted by the call or shared.
+* **cold reads against the decode ceiling** (``cold``, issue 27): the files of
+  at least 256 KiB of ``python`` read from a fresh host with 1 and with
+  ``--readers`` threads, each against decompress + blake3 of exactly their
+  chunks from memory on every core, measured right after it; ``--backends
+  rgw`` runs every section on a Ceph RGW booted for the run.
 
 Every host is torn down in ``finally`` (``umount_all(stop_daemon=True)``), and
 at exit nothing may remain mounted under the work directory.  Run
@@ -61,6 +66,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: import the checkout, installed or not
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import blake3  # noqa: E402
 from common import (  # shared by the benchmarks
     BenchError,
     _f,
@@ -79,6 +85,7 @@ from converters.publish import publish  # noqa: E402
 from layerstore.erofs.reader import ErofsImage  # noqa: E402
 from layerstore.errors import LayerstoreError  # noqa: E402
 from layerstore.objects import Resolved, doc_key, index_key, meta_key, trace_key  # noqa: E402
+from layerstore.packs import decompress  # noqa: E402
 from layerstore.store import Store  # noqa: E402
 from lazyfetch import kmount  # noqa: E402
 from lazyfetch.blobcache import holes, padded  # noqa: E402
@@ -111,8 +118,10 @@ TASK_SCRIPT = (
 TASK = ("/bin/sh", "-c", TASK_SCRIPT)
 CASES = (("minbase", "cat"), ("python", "cat"), ("python", "python"), (BIG, "cat"), (BIG, "python"))
 READ_TREE = "usr"  # what the sequential read reads, in the python image
-SECTIONS = ("first", "replay", "read", "mount", "start", "burst")
-DEFAULT_SECTIONS = ("first", "replay", "read", "mount", "start")
+SECTIONS = ("first", "replay", "read", "mount", "start", "burst", "cold")
+DEFAULT_SECTIONS = ("first", "replay", "read", "mount", "start", "cold")
+BACKENDS = ("file", "s3", "rgw")
+COLD_MIN_SIZE = 256 << 10  # the cold section reads the image's files of at least this size
 DATA_PATHS = ("fanotify", "fuse")
 TOOLS = {"skopeo": "skopeo", "umoci": "umoci", "strace": "strace", "unshare": "util-linux",
          "chroot": "coreutils", "fincore": "util-linux", "sync": "coreutils"}
@@ -126,6 +135,7 @@ GOAL_SIZE_RATIO = 1.25  # first output on the largest image <= this x on the sma
 GOAL_CACHED_ONCE = 1.1  # page cache per byte read through the mount <= this x the plain directory's
 GOAL_REREAD = 0.9  # issue 13: re-read, page cache dropped >= this x EROFS on a local blob
 GOAL_COLD = 0.8  # issue 13: cold reads >= this x the store's raw delivery (1 and 16 readers)
+GOAL_COLD_DECODE = 0.8  # issue 27: cold reads >= this x decompress+verify of their chunks on every core
 GOAL_TASK_COLD = 2.0  # issue 13: the task cold <= this x the plain dir with dropped caches
 GOAL_TASK_TRACE = 1.3  # issue 13: ... with its trace
 
@@ -911,6 +921,128 @@ def cold_pass(ctx: Ctx, image: ImageInput, readers: int) -> dict[str, Any]:
     return row
 
 
+# -- cold reads against the decode ceiling (issue 27) -------------------------------------------
+
+
+def cold_files(mp: Path) -> list[str]:
+    """The mounted image's regular files of at least ``COLD_MIN_SIZE`` bytes, each inode once, sorted."""
+    return [f for f in regular_files(mp) if os.path.getsize(f) >= COLD_MIN_SIZE]
+
+
+def file_chunks(root: Path, resolved: Resolved, rel: Sequence[str]) -> list[bytes]:
+    """The chunk digests holding these files' data (relative paths in the mounted image), in read
+    order, once each: each file from the topmost layer that has it, as the overlay shows it."""
+    images = [ErofsImage.open(root / "meta" / f"{layer.digest.removeprefix('blake3:')}.erofs")
+              for layer in resolved.layers]
+    out: dict[bytes, None] = {}
+    for path in rel:
+        for img in reversed(images):  # the last layer is the top one
+            try:
+                nid = img.lookup(path)
+            except FileNotFoundError:
+                continue
+            for c in img.chunks(nid):
+                if c.digest is None:
+                    raise BenchError(f"{path}: a chunk at {c.file_offset} is not in the layer's blob map")
+                out.setdefault(c.digest, None)
+            break
+        else:
+            raise BenchError(f"{path} is in no layer of {resolved.digest}")
+    return list(out)
+
+
+async def _frames(url: str, data_dir: Path, resolved: Resolved, chunks: Sequence[bytes]
+                  ) -> list[tuple[bytes, bytes, int]]:
+    """(digest, compressed frame, raw length) of each chunk, fetched from the store once (untimed)."""
+    async with await Store.open(url, data_dir) as store:
+        for layer in resolved.layers:
+            await store.load_layer_locations(layer)
+        wanted = []
+        for digest in chunks:
+            loc = store.locate(digest)
+            if loc is None:
+                raise BenchError(f"chunk {digest.hex()} of {resolved.digest} is in no pack index of {url}")
+            wanted.append((digest, loc))
+        out = []
+        for run in plan_runs(wanted):
+            data = await store.read_pack_range(run.pack, run.start, run.end)
+            for digest, loc in run.items:
+                out.append((digest, data[loc.offset - run.start : loc.offset - run.start + loc.length],
+                            loc.raw_length))
+        return out
+
+
+def _decode_part(part: Sequence[tuple[bytes, bytes, int]]) -> int:
+    n = 0
+    for digest, frame, raw_length in part:
+        chunk = decompress(frame, raw_length)
+        if blake3.blake3(chunk).digest() != digest:
+            raise BenchError(f"chunk {digest.hex()} does not match its digest")
+        n += len(chunk)
+    return n
+
+
+def decode_ceiling(frames: Sequence[tuple[bytes, bytes, int]], rounds: int = 3) -> dict[str, Any]:
+    """Decompress + blake3 of these chunks from memory on every core (one thread per core, zstandard
+    and blake3 release the GIL): no I/O. The best of ``rounds`` (the machine's limit, not its noise)."""
+    threads = os.cpu_count() or 1
+    parts = [list(frames[i::threads]) for i in range(threads)]
+    best, n = math.inf, 0
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            n = sum(pool.map(_decode_part, parts))
+            best = min(best, time.perf_counter() - t0)
+    return {"threads": threads, "chunks": len(frames), "bytes": n, "compressed_bytes": sum(len(f) for _, f, _ in frames),
+            "seconds": best, "mb_per_s": rate(n, best)}
+
+
+def cold_decode_pass(ctx: Ctx, image: ImageInput, readers: int) -> dict[str, Any]:
+    """A fresh host (fill off), page cache dropped: the files >= COLD_MIN_SIZE read by ``readers``
+    threads at once; then, in the same run, the decode ceiling of exactly their chunks."""
+    root, mp = ctx.fresh(f"colddec{readers}")
+    with host(ctx, root) as hm:
+        resolved = resolve(ctx.url, root, image.name)
+        hm.mount(resolved, mp, trace=False)
+        files = cold_files(mp)
+        rel = [os.path.relpath(f, mp) for f in files]
+        drop_caches()
+        before = stats(hm)
+        n, seconds = timed_read(files, readers)
+        row: dict[str, Any] = {"readers": readers, "files": len(files), **pass_row(n, seconds),
+                               **stat_delta(stats(hm), before)}
+        # the data path alone: mounted again (EROFS's page cache gone), every chunk in the blob
+        # files and those in memory, so nothing is fetched or decoded
+        hm.umount(mp)
+        hm.mount(resolved, mp, trace=False)
+        n, seconds = timed_read(files, readers)
+        row["remount"] = pass_row(n, seconds)
+        hm.umount(mp)
+        frames = asyncio.run(_frames(ctx.url, root, resolved, file_chunks(root, resolved, rel)))
+    mp.rmdir()
+    row["ceiling"] = decode_ceiling(frames)
+    row["vs_ceiling"] = ratio(row["mb_per_s"], row["ceiling"]["mb_per_s"])
+    return row
+
+
+def cold_section(ctx: Ctx, image: ImageInput, readers: int, repeat: int) -> dict[str, Any]:
+    """``repeat`` rounds of the cold read with 1 and with ``readers`` readers, each against the
+    ceiling measured right after it; medians of the ratios."""
+    out: dict[str, Any] = {}
+    for key, n in (("one", 1), ("many", readers)):
+        runs = []
+        for i in range(repeat):
+            log(f"[{ctx.label}] cold read of files >= {COLD_MIN_SIZE >> 10} KiB, {n} reader(s), and the "
+                f"decode ceiling ({i + 1}/{repeat})")
+            runs.append(cold_decode_pass(ctx, image, n))
+        out[key] = {"readers": n, "runs": runs,
+                    "mb_per_s": statistics.median(r["mb_per_s"] for r in runs),
+                    "remount_mb_per_s": statistics.median(r["remount"]["mb_per_s"] for r in runs),
+                    "ceiling_mb_per_s": statistics.median(r["ceiling"]["mb_per_s"] for r in runs),
+                    "vs_ceiling": statistics.median(r["vs_ceiling"] for r in runs)}
+    return out
+
+
 def served_blobs(ctx: Ctx, root: Path, resolved: Resolved) -> list[Path]:
     """The files holding a host's layer data: its blob files (fuse: and the FUSE files EROFS reads,
     whose page cache is apart from the blob cache's)."""
@@ -1590,6 +1722,8 @@ def bench_backend(kind: str, url: str, work: Path, images: Mapping[str, ImageInp
                 r["mount_times"] = mount_only(ctx, images["python"], args.mounts)
             if "start" in sections:
                 r["start"] = start_section(ctx, images["python"], args.repeat)
+            if "cold" in sections:
+                r["cold"] = cold_section(ctx, images["python"], args.readers, args.repeat)
             out["paths"][path] = r
         if peers is not None:
             out["local_blob_bytes"] = peers.local_bytes
@@ -1689,6 +1823,13 @@ def goals(doc: Mapping[str, Any]) -> dict[str, Any]:
                 v = cold[key]["vs_raw"]
                 g[f"cold_vs_store_{key}"] = {"want": GOAL_COLD, "readers": cold[key]["readers"], "ratio": v,
                                              "met": (v or 0) >= GOAL_COLD}
+        if "cold" in b:
+            for key in ("one", "many"):
+                c = b["cold"][key]
+                g[f"cold_vs_decode_{key}"] = {"want": GOAL_COLD_DECODE, "readers": c["readers"],
+                                              "ratio": c["vs_ceiling"], "mb_per_s": c["mb_per_s"],
+                                              "ceiling_mb_per_s": c["ceiling_mb_per_s"],
+                                              "met": (c["vs_ceiling"] or 0) >= GOAL_COLD_DECODE}
         if "replay" in b:
             plain = doc["eager"]["task"]["plain_cold"]["median"]["seconds"]
             r = b["replay"]
@@ -1772,6 +1913,8 @@ def render(doc: Mapping[str, Any]) -> str:
                            "ratio", "difference", "`layerbox daemon start` alone", "2nd mount, layers known"],
                           rows, left=1))
         out.append("")
+    if "cold" in s["sections"]:
+        out += _render_cold(results)
     for kind, b in doc["backends"].items():
         if "burst" in b:
             out += _render_burst(kind, b["burst"])
@@ -1993,6 +2136,30 @@ def _render_burst(kind: str, b: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _render_cold(results: Sequence[tuple[str, Mapping[str, Any]]]) -> list[str]:
+    out = [f"Cold reads of the files >= {COLD_MIN_SIZE >> 10} KiB of python (fresh host, fill off, page cache "
+           "dropped) against decompress+verify of the same chunks from memory on every core, measured right "
+           "after each read (MB/s; medians)"]
+    rows = []
+    for name, b in results:
+        if "cold" not in b:
+            continue
+        for key in ("one", "many"):
+            c = b["cold"][key]
+            r = c["runs"][0]
+            rows.append([name, str(c["readers"]), str(r["files"]), _mb(r["bytes"]), _f(c["mb_per_s"], 1),
+                         _f(c["remount_mb_per_s"], 1), _f(c["ceiling_mb_per_s"], 1), _x(c["vs_ceiling"]),
+                         " ".join(_f(x["vs_ceiling"]) for x in c["runs"]),
+                         _f(statistics.median(x["store_requests"] for x in c["runs"]), 0),
+                         _f(statistics.median(x["misses"] for x in c["runs"]), 0)])
+    out.append(_table(["store/path", "readers", "files", "MB", "cold MB/s", "remounted MB/s", "ceiling MB/s",
+                       "ratio", "runs", "GETs", "misses"], rows, left=1))
+    out.append("  remounted: the same read again after an umount and mount (every chunk on the host, the blob "
+               "files in memory): the data path alone, nothing fetched or decoded")
+    out.append("")
+    return out
+
+
 def _render_goals(doc: Mapping[str, Any]) -> list[str]:
     out = ["Goals (issue 12's and issue 13's; figures, not asserts)"]
     for name, g in doc["goals"].items():
@@ -2025,6 +2192,12 @@ def _render_goals(doc: Mapping[str, Any]) -> list[str]:
                 c = g[f"cold_vs_store_{key}"]
                 out.append(f"  [{name}] cold read, {c['readers']} reader(s): {_x(c['ratio'])} of the raw GET "
                            f"loop(s), want >= {c['want']}x: {_met(c['met'])}")
+        for key in ("one", "many"):
+            if f"cold_vs_decode_{key}" in g:
+                c = g[f"cold_vs_decode_{key}"]
+                out.append(f"  [{name}] cold read of files >= {COLD_MIN_SIZE >> 10} KiB, {c['readers']} reader(s): "
+                           f"{_f(c['mb_per_s'], 1)} MB/s = {_x(c['ratio'])} of decompress+verify of their chunks on "
+                           f"every core ({_f(c['ceiling_mb_per_s'], 1)} MB/s), want >= {c['want']}x: {_met(c['met'])}")
         for key, label in (("task_cold", "task cold"), ("task_trace", "task with its trace")):
             if key in g:
                 t = g[key]
@@ -2058,10 +2231,45 @@ def s3_support() -> Any:
     return MotoServer
 
 
+def rgw_support() -> Any:
+    """The Ceph RGW the tests run (tests/support/rgw.py), checked before any work."""
+    try:
+        from tests.support import rgw
+    except ImportError as exc:
+        raise BenchError(f"the rgw backend needs the test support code ({exc}); pip install -e '.[test]'") from None
+    absent = rgw.missing()
+    if absent:
+        raise BenchError(f"the rgw backend needs Ceph ({', '.join(absent)} missing): {rgw.install_hint()}")
+    return rgw
+
+
+def run_rgw(work: Path, images: Mapping[str, ImageInput], opened: Mapping[tuple[str, str], Any], rootfs: Path,
+            args: argparse.Namespace) -> dict[str, Any]:
+    """The s3 backend on a single-node Ceph RGW booted for the run (127.0.0.1 only), stopped after."""
+    rgw = rgw_support()
+    log("[rgw] booting a single-node Ceph RGW on 127.0.0.1")
+    cluster = rgw.RgwCluster.create("bench")
+    try:
+        try:
+            cluster.boot()
+        except rgw.RgwStartError as exc:
+            raise BenchError(f"cannot boot the Ceph RGW: {exc}") from None
+        with aws_environment(cluster.endpoint, work, access_key=cluster.access_key, secret_key=cluster.secret_key,
+                             region=cluster.region):
+            url = f"s3://{cluster.new_bucket()}/layerbox"
+            result = bench_backend("rgw", url, work, images, opened, rootfs, args)
+            result["server"] = {"endpoint": cluster.endpoint, "kind": "ceph-rgw"}
+            return result
+    finally:
+        cluster.stop()
+
+
 def run_backend(kind: str, work: Path, images: Mapping[str, ImageInput], opened: Mapping[tuple[str, str], Any],
                 rootfs: Path, args: argparse.Namespace) -> dict[str, Any]:
     if kind == "file":
         return bench_backend(kind, f"file://{work / 'stores' / 'file'}", work, images, opened, rootfs, args)
+    if kind == "rgw":
+        return run_rgw(work, images, opened, rootfs, args)
     MotoServer = s3_support()
     log("[s3] starting moto_server on 127.0.0.1")
     try:
@@ -2116,7 +2324,8 @@ def build_parser() -> argparse.ArgumentParser:
         "its access trace / cached, sequential read MB/s and page cache per byte, mount time p50/p99.",
     )
     p.add_argument("--backends", default="file,s3", metavar="LIST",
-                   help="comma-separated: file, s3 (default file,s3; s3 starts a moto server on 127.0.0.1)")
+                   help="comma-separated: file, s3, rgw (default file,s3; s3 starts a moto server on 127.0.0.1, "
+                        "rgw boots a single-node Ceph RGW on 127.0.0.1 as the tests do)")
     p.add_argument("--quick", action="store_true",
                    help="1 run per case, 10 mounts per variant, 32 MB of filler: a smoke test")
     p.add_argument("--repeat", type=int, default=None, metavar="N", help="runs per case (default 3; 1 with --quick)")
@@ -2173,8 +2382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "must be at least 1", file=sys.stderr)
         return 2
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not backends or any(b not in ("file", "s3") for b in backends) or len(set(backends)) != len(backends):
-        print(f"bench/lazy.py: --backends {args.backends!r}: use file, s3 or file,s3", file=sys.stderr)
+    if not backends or any(b not in BACKENDS for b in backends) or len(set(backends)) != len(backends):
+        print(f"bench/lazy.py: --backends {args.backends!r}: use some of {', '.join(BACKENDS)}", file=sys.stderr)
         return 2
     if args.repeat < 1 or args.mounts < 1 or args.filler_mb < 0 or args.trace_seconds <= 0:
         print("bench/lazy.py: --repeat and --mounts must be at least 1, --filler-mb at least 0, "
@@ -2187,13 +2396,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_host()
         if "s3" in backends:
             s3_support()
+        if "rgw" in backends:
+            rgw_support()
         fixture = find_fixture(args.fixture)
         with workspace(args.tmpdir, "layerbox-bench-lazy-", before_removal=unmount_leftovers) as work:
             try:
                 trash = Trash(work / "trash")
                 images = prepare_images(fixture, work, args.filler_mb if "first" in args.sections else 0)
-                eager, rootfs = eager_section(images, work, trash, args.repeat, first="first" in args.sections,
-                                              with_task="replay" in args.sections)
+                if {"first", "replay", "read"} & set(args.sections):
+                    eager, rootfs = eager_section(images, work, trash, args.repeat, first="first" in args.sections,
+                                                  with_task="replay" in args.sections)
+                else:  # nothing compares with an eager pull or reads the plain tree
+                    eager, rootfs = {"cases": []}, work / "no-plain-tree"
                 plain = None
                 if "read" in args.sections:
                     log("plain directory: sequential reads")

@@ -6,7 +6,13 @@ for each READ of ``<blobs>/<layer hex>``; fanotify (lazyfetch/fanotify.py) calls
 for each pre-content event of ``<blobcache>/<hex>.blob``, and answers FAN_ALLOW
 only once every chunk the range overlaps is in the file.  Which chunks are
 missing is asked of the file (SEEK_HOLE), never of memory.  A miss fetches the
-missing chunks and the next ``SYNC_AHEAD`` bytes, and waits.
+chunks the read needs and waits for them only; the same requests carry the
+rest of the file the reader is in (``RANGE_AHEAD`` at most, from the layer's
+blob map: :meth:`LayerBlob._file_ends`) and, past its end, the next
+``SYNC_AHEAD`` bytes of small neighbours: adjacent frames of one pack, so one
+GET, decoded on every core while the reader reads the first chunk.  A reader
+that reaches a chunk still in flight joins its fetch.  No read-ahead goes past
+the blob's last chunk or takes more than 1/``CACHE_SHARE`` of the cache.
 
 Read-ahead, one level below the kernel's and shaped like it: a miss inside or
 right after the region fetched for the layer lately is sequential; from the
@@ -33,7 +39,9 @@ from lazyfetch.metrics import Metrics
 
 log = logging.getLogger("layerbox.lazyfetch")
 
-SYNC_AHEAD = 128 << 10  # bytes of following chunks fetched along with a miss and waited for
+SYNC_AHEAD = 128 << 10  # bytes of small following chunks fetched along with a miss
+RANGE_AHEAD = 8 << 20  # raw bytes of the rest of the reader's file fetched along with a miss
+CACHE_SHARE = 16  # ... and no read-ahead takes more than this fraction of the cache
 FIRST_WINDOW = 512 << 10  # a sequential reader's first window beyond that, not waited for
 ASYNC_AHEAD = 8 << 20  # the largest window
 SEQUENTIAL_SLACK = 128 << 10  # a miss this close to the region fetched lately is sequential
@@ -195,28 +203,50 @@ class BlobServer:
             self.on_miss(layer, sum(layer.records[i].length for i in missing))
         first = layer.starts[missing[0]]
         sequential = layer.seen_from - SEQUENTIAL_SLACK <= first <= layer.ahead_end + SEQUENTIAL_SLACK
-        sync = self._missing_from(layer, idxs[-1] + 1, SYNC_AHEAD)
-        sync_end = layer.span(sync[-1])[1] if sync else end
+        along = self._along(layer, idxs[-1])
+        along_end = layer.span(along[-1])[1] if along else end
         if sequential:
             layer.streak += 1
             if layer.streak >= SEQUENTIAL_STREAK:
-                layer.window = min(max(layer.window * 2, FIRST_WINDOW), ASYNC_AHEAD)
+                layer.window = min(max(layer.window * 2, FIRST_WINDOW), self._ahead_cap())
         else:
             layer.window, layer.seen_from, layer.streak = 0, first, 0
-        layer.ahead_mark = layer.ahead_end = sync_end
-        wanted = [layer.records[i].digest for i in missing + sync]
+        layer.ahead_mark = layer.ahead_end = along_end
+        wanted = [layer.records[i].digest for i in missing]
+        rest = list(dict.fromkeys(layer.records[i].digest for i in along))
         ahead = self._window(layer) if layer.window else []
         started = time.perf_counter()
         try:
-            fetched = self.fetcher.fetch_blocking(layer, wanted, ahead)
+            fetched = self.fetcher.fetch_blocking(layer, wanted, ahead, rest)
         finally:
             self.metrics.waited(layer.digest, time.perf_counter() - started)
         self.cache.note_complete(layer)
         return fetched
 
+    def _ahead_cap(self) -> int:
+        """The largest read-ahead: ``ASYNC_AHEAD``, or less in a small cache (it must not evict
+        what readers use)."""
+        return max(min(ASYNC_AHEAD, self.cache.capacity // CACHE_SHARE), 0)
+
+    def _along(self, layer: LayerBlob, last: int) -> list[int]:
+        """The missing records after ``last`` that go along with a miss: the rest of its file
+        (``RANGE_AHEAD`` bytes at most), then small neighbours up to ``SYNC_AHEAD`` bytes."""
+        stop = layer.file_end[last]
+        budget, small = min(RANGE_AHEAD, self._ahead_cap()), SYNC_AHEAD
+        j, n = last + 1, len(layer.records)
+        while j < n and layer.records[j].length <= budget:
+            length = layer.records[j].length
+            if j >= stop:
+                if length > small:
+                    break
+                small -= length
+            budget -= length
+            j += 1
+        return layer.missing(range(last + 1, j))
+
     def _next_window(self, layer: LayerBlob) -> None:
         """The reader reached the mark: fetch the next window (twice as large) without waiting."""
-        layer.window = min(layer.window * 2, ASYNC_AHEAD)
+        layer.window = min(layer.window * 2, self._ahead_cap())
         ahead = self._window(layer)
         if ahead:
             self.fetcher.fetch_later(layer, ahead)

@@ -541,6 +541,7 @@ class Daemon:
         snap["blob_bytes_per_layer"] = {b.digest: b.blob_size for b in served}
         snap["fill_per_layer"] = {b.digest: "whole" if b.complete_hint else self.fill_state.get(b.hexd, "not asked")
                                   for b in served}
+        snap["pack_units"] = self.fetcher.units.stats()
         snap["instance"] = self.instance
         snap["generation"] = self.generation
         snap["data_path"] = self.data_path
@@ -946,6 +947,7 @@ def _serve(cfg: DaemonConfig) -> int:
             with contextlib.suppress(Exception):
                 daemon.holder.exit()
         daemon.holder.close()
+        daemon.fetcher.close()
         daemon.cache.close()
         if group is not None:
             group.close()

@@ -20,9 +20,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import blake3
 
@@ -32,12 +35,16 @@ from layerstore.store import Store
 from lazyfetch.blobcache import BlobCache, LayerBlob
 from lazyfetch.errors import LazyfetchError
 from lazyfetch.metrics import Metrics
+from lazyfetch.units import PackUnits
 
 log = logging.getLogger("layerbox.lazyfetch")
 
 MAX_RUN = 4 << 20  # one ranged GET covers at most this many compressed bytes
 SETTLE_EVERY = 0.001  # seconds: how long a decoded chunk may wait for its waiters to be woken
 MAX_GAP = 0  # only exactly adjacent frames are merged; gaps would fetch bytes nobody asked for
+DECODE_GROUP = 256 << 10  # raw bytes of consecutive chunks one decode job takes (a larger chunk: alone)
+STREAM_MISSES = 16  # a layer streams (its GETs take whole units, lazyfetch/units.py) once this many
+STREAM_SECONDS = 1.0  # ... reads waited for the store within this many seconds
 
 
 _NO_LIMIT = contextlib.nullcontext()
@@ -100,18 +107,53 @@ class Fetcher:
         # reader's own fetch never queues behind a window nobody waits for yet
         self._ahead_sem = asyncio.Semaphore(max(concurrency // 4, 1))
         self.foreground = 0  # fetches a reader waits for: background fill yields to them
+        # decompress + verify + write, one job per group of chunks, on as many threads as cores
+        # (zstandard, blake3 and pwrite release the GIL): a run's chunks decode side by side, and
+        # a handful of busy threads switch less than the loop's 48-thread executor would
+        # (background runs have their own: a reader's chunk never queues behind a window's)
+        threads = max(os.cpu_count() or 1, 2)
+        self._decoder = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="layerbox-decode")
+        self._bg_decoder = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="layerbox-decode-bg")
+        self.units = PackUnits(self._get)
+        # whole units only from a remote store: a file store's packs are local files the kernel
+        # reads ahead itself, and larger reads of them only cost disk time (measured: no faster)
+        self.stream_units = not store.url.startswith("file:")
+        self._recent: dict[str, deque[float]] = {}  # layer hex -> when its last misses started (loop time)
+        self._packs_noted: set[str] = set()  # layers whose packs' ends are known to the units
+
+    def close(self) -> None:
+        for pool in (self._decoder, self._bg_decoder):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def note_packs(self, layer: LayerBlob) -> None:
+        """(A worker thread, once a layer of a remote store first streams) where the layer's packs
+        end, as far as its chunks tell: units stop there.  Until then its runs are GET exactly."""
+        ends: dict[bytes, int] = {}
+        for rec in layer.records:
+            loc = self.store.locate(rec.digest)
+            if loc is not None and loc.offset + loc.length > ends.get(loc.pack, 0):
+                ends[loc.pack] = loc.offset + loc.length
+        for pack, end in ends.items():
+            self.loop.call_soon_threadsafe(self.units.note_end, pack, end)
+
+    def _streaming(self, layer: LayerBlob) -> bool:
+        recent = self._recent.get(layer.hexd)
+        return self.stream_units and recent is not None and len(recent) == STREAM_MISSES and \
+            self.loop.time() - recent[0] <= STREAM_SECONDS
 
     # -- called from the threads serving the kernel -------------------------------------
-    def fetch_blocking(self, layer: LayerBlob, wanted: list[bytes], ahead: list[bytes] | None = None
-                       ) -> dict[bytes, bytes]:
-        """Fetch ``wanted`` into the layer's blob and wait; ``ahead`` is fetched along, not waited for.
+    def fetch_blocking(self, layer: LayerBlob, wanted: list[bytes], ahead: list[bytes] | None = None,
+                       along: list[bytes] | None = None) -> dict[bytes, bytes]:
+        """Fetch ``wanted`` into the layer's blob and wait; ``ahead`` and ``along`` are fetched too,
+        not waited for: ``along`` in the same requests as ``wanted`` (the rest of the range the
+        reader is in: adjacent frames share a GET), ``ahead`` as a window of its own.
 
         A read waits at most ``timeout`` seconds from the start of the oldest fetch a reader
         waits for among its chunks: the kernel retries a failed readahead page by page, and
         each retry joins the same stalled fetch, so without that bound one reader would wait
         ``timeout`` once per retry.
         """
-        future = asyncio.run_coroutine_threadsafe(self._foreground(layer, wanted, ahead), self.loop)
+        future = asyncio.run_coroutine_threadsafe(self._foreground(layer, wanted, ahead, along), self.loop)
         try:
             return future.result(self.timeout + 1.0)  # (the coroutine's own deadline comes first)
         except concurrent.futures.TimeoutError:
@@ -128,8 +170,8 @@ class Fetcher:
         future = asyncio.run_coroutine_threadsafe(self.fetch_many(layer, wanted, prefetch=True), self.loop)
         future.add_done_callback(_log_failure)
 
-    async def _foreground(self, layer: LayerBlob, wanted: list[bytes], ahead: list[bytes] | None
-                          ) -> dict[bytes, bytes]:
+    async def _foreground(self, layer: LayerBlob, wanted: list[bytes], ahead: list[bytes] | None,
+                          along: list[bytes] | None = None) -> dict[bytes, bytes]:
         self.foreground += 1
         try:
             if ahead:
@@ -141,7 +183,7 @@ class Fetcher:
             if remaining <= 0:  # the fetch it would join has kept readers waiting too long already
                 raise self._timeout(layer, wanted)
             try:
-                return await asyncio.wait_for(self.fetch_many(layer, wanted, waited=True), remaining)
+                return await asyncio.wait_for(self.fetch_many(layer, wanted, waited=True, along=along), remaining)
             except TimeoutError:
                 raise self._timeout(layer, wanted) from None
         finally:
@@ -149,7 +191,7 @@ class Fetcher:
 
     # -- on the loop --------------------------------------------------------------------
     async def fetch_many(self, layer: LayerBlob, wanted: Iterable[bytes], *, prefetch: bool = False,
-                         waited: bool = False) -> dict[bytes, bytes]:
+                         waited: bool = False, along: Iterable[bytes] | None = None) -> dict[bytes, bytes]:
         """Fetch every wanted chunk of ``layer`` into its blob; each at most once at a time.
 
         Returns the bytes of the chunks this call waited for (a chunk the blob
@@ -157,52 +199,85 @@ class Fetcher:
         counted for the layer and, with ``prefetch``, as prefetched; chunks in
         flight already are not counted again.  The caller asked the blob which
         chunks are missing; ``waited``: a reader waits for them (the deadline of
-        :meth:`fetch_blocking` counts from the first such reader).
+        :meth:`fetch_blocking` counts from the first such reader).  ``along``: more chunks
+        fetched in the same requests (counted as prefetched), not waited for.
         """
         out: dict[bytes, bytes] = {}
         waiting: list[tuple[bytes, asyncio.Future[bytes]]] = []
         todo: list[tuple[bytes, ChunkLocation]] = []
         wanted = list(dict.fromkeys(wanted))
-        shared = [d for d in wanted if self.cache.shared(layer, d) and (layer.hexd, d) not in self._inflight]
+        if waited:
+            self._recent.setdefault(layer.hexd, deque(maxlen=STREAM_MISSES)).append(self.loop.time())
+        extra = [d for d in dict.fromkeys(along or ()) if d not in wanted]
+        shared = [d for d in wanted + extra if self.cache.shared(layer, d) and (layer.hexd, d) not in self._inflight]
         if shared:  # another layer on this host has them: no store request
             copied = await asyncio.to_thread(self.cache.copy_local, layer, shared)
             wanted = [d for d in wanted if d not in copied]
+            extra = [d for d in extra if d not in copied]
         for digest in wanted:
-            key = (layer.hexd, digest)
-            fut = self._inflight.get(key)
-            if fut is None:
-                loc = self.store.locate(digest)
-                if loc is None:
-                    raise FetchError(f"chunk {digest.hex()} of layer {layer.digest} has no known location "
-                                     f"in {self.store.url}")
-                fut = self.loop.create_future()
-                self._inflight[key] = fut
-                todo.append((digest, loc))
+            fut = self._claim(layer, digest, todo)
             if waited:
-                self._waited_since.setdefault(key, self.loop.time())
+                self._waited_since.setdefault((layer.hexd, digest), self.loop.time())
             waiting.append((digest, fut))
+        ahead = {d for d in extra if (layer.hexd, d) not in self._inflight}
+        for digest in ahead:  # (the caller asked the blob: these are missing)
+            self._claim(layer, digest, todo)
         if todo:
             # started as tasks so that a caller that stops waiting does not cancel
             # the fetch for everybody else sharing it
             for run in plan_runs(todo):
-                asyncio.ensure_future(self._fetch_run(run, layer, prefetch))  # noqa: RUF006 (they resolve futures)
+                asyncio.ensure_future(self._fetch_run(run, layer, prefetch, ahead))  # noqa: RUF006 (they resolve futures)
         for digest, fut in waiting:
             out[digest] = await asyncio.shield(fut)
         return out
 
-    async def _fetch_run(self, run: _Run, layer: LayerBlob, prefetch: bool) -> None:
+    def _claim(self, layer: LayerBlob, digest: bytes, todo: list[tuple[bytes, ChunkLocation]]
+               ) -> asyncio.Future[bytes]:
+        """The chunk's fetch in flight; a new one (added to ``todo``) when there is none: a range
+        asked for twice is fetched once."""
+        key = (layer.hexd, digest)
+        fut = self._inflight.get(key)
+        if fut is None:
+            loc = self.store.locate(digest)
+            if loc is None:
+                raise FetchError(f"chunk {digest.hex()} of layer {layer.digest} has no known location "
+                                 f"in {self.store.url}")
+            fut = self.loop.create_future()
+            self._inflight[key] = fut
+            todo.append((digest, loc))
+        return fut
+
+    async def _fetch_run(self, run: _Run, layer: LayerBlob, prefetch: bool, ahead: set[bytes] | None = None
+                         ) -> None:
         self.metrics.inflight.inc(len(run.items))
         started: float | None = None
+        background = prefetch or (ahead is not None and all(d in ahead for d, _ in run.items))
         try:
-            async with self._ahead_sem if prefetch else _NO_LIMIT, self._sem:
-                started = time.perf_counter()
-                self.metrics.requested()
-                data = await self.store.read_pack_range(run.pack, run.start, run.end)
-            self.metrics.fetched(layer.digest, len(data))  # received, even if it is not what we asked for
+            data = self.units.cached(run.pack, run.start, run.end)
+            streaming = data is None and not background and self.stream_units and self._streaming(layer)
+            if streaming and run.pack in self.units.pack_end:
+                data = await self.units.read(run.pack, run.start, run.end, layer)
+            elif streaming and layer.hexd not in self._packs_noted:
+                self._packs_noted.add(layer.hexd)
+                noted = self.loop.run_in_executor(None, self.note_packs, layer)
+                noted.add_done_callback(_log_failure)
+            if data is None:
+                async with self._ahead_sem if background else _NO_LIMIT, self._sem:
+                    started = time.perf_counter()
+                    self.metrics.requested()
+                    data = await self.store.read_pack_range(run.pack, run.start, run.end)
+                self.metrics.fetched(layer.digest, len(data))  # received, even if it is not what we asked for
             if len(data) != run.end - run.start:
                 raise FetchError(f"{self.store.url}: short read of {pack_key(run.pack)} "
                                  f"[{run.start}, {run.end}): got {len(data)} bytes")
-            await asyncio.to_thread(self._decode_run, run, data, layer, prefetch)
+            # a group of chunks fetched only along goes to the background decoders: a reader's next
+            # miss never queues behind the rest of the file this one read ahead
+            jobs = []
+            for items in _decode_groups(run.items):
+                along = background or (ahead is not None and all(d in ahead for d, _ in items))
+                jobs.append(self.loop.run_in_executor(self._bg_decoder if along else self._decoder, self._decode_run,
+                                                      run, data, layer, prefetch, items, ahead))
+            await asyncio.gather(*jobs)
         except BaseException as exc:
             failure = exc
             if isinstance(exc, Exception) and not isinstance(exc, FetchError):
@@ -219,6 +294,18 @@ class Fetcher:
             self.metrics.inflight.dec(len(run.items))
             if started is not None:  # one observation per GET sent: fetch_count == store_requests
                 self.metrics.fetch_seconds.observe(time.perf_counter() - started)
+
+    async def _get(self, pack: bytes, start: int, end: int, layer: Any, background: bool) -> bytes:
+        """One GET of whole units (lazyfetch/units.py), counted and timed as a GET of its own."""
+        async with self._ahead_sem if background else _NO_LIMIT, self._sem:
+            started = time.perf_counter()
+            self.metrics.requested()
+            try:
+                data = await self.store.read_pack_range(pack, start, end)
+            finally:
+                self.metrics.fetch_seconds.observe(time.perf_counter() - started)
+        self.metrics.fetched(layer.digest, len(data))
+        return data
 
     def _settle(self, key: tuple[str, bytes], value: bytes | Exception) -> None:
         self._waited_since.pop(key, None)
@@ -238,8 +325,10 @@ class Fetcher:
             fut.set_exception(exc if isinstance(exc, Exception) else FetchError(repr(exc)))
             fut.exception()
 
-    def _decode_run(self, run: _Run, data: bytes, layer: LayerBlob, prefetch: bool) -> None:
-        """Decompress and verify each chunk, write the good ones into the blob (off the loop).
+    def _decode_run(self, run: _Run, data: bytes, layer: LayerBlob, prefetch: bool,
+                    items: list[tuple[bytes, ChunkLocation]], ahead: set[bytes] | None = None) -> None:
+        """Decompress and verify ``items`` of the run, write the good ones into the blob (a decode
+        thread; the run's other groups decode on the others at the same time).
 
         A chunk's waiters are woken within ``SETTLE_EVERY`` seconds of it being in the
         blob, not when the whole run is: a reader waiting for the first chunk of a 4 MiB run
@@ -247,7 +336,7 @@ class Fetcher:
         """
         done: list[tuple[tuple[str, bytes], bytes | Exception]] = []
         woken = time.perf_counter()
-        for digest, loc in run.items:
+        for digest, loc in items:
             frame = data[loc.offset - run.start : loc.offset - run.start + loc.length]
             where = f"{pack_key(run.pack)}@{loc.offset}+{loc.length}"
             try:
@@ -258,12 +347,14 @@ class Fetcher:
                 log.error("corrupt chunk %s from %s (%s): %s", digest.hex(), self.store.url, where, exc)
             value: bytes | Exception
             if ok:
-                self.metrics.verified(layer.digest, len(chunk), prefetch=prefetch)
+                self.metrics.verified(layer.digest, len(chunk), prefetch=prefetch or (ahead is not None and digest in ahead))
                 if not self.cache.fill(layer, digest, chunk):
                     self.metrics.cache_put_failures.inc()
                 value = chunk
             else:
                 self.metrics.corrupt.inc()
+                # (before its waiters hear of it: the refetch must not find the same bytes in memory)
+                self.loop.call_soon_threadsafe(self.units.drop, run.pack, loc.offset, loc.offset + loc.length)
                 log.error("chunk %s from %s (%s) does not match its digest; not served, will refetch",
                           digest.hex(), self.store.url, where)
                 value = CorruptChunk(f"chunk {digest.hex()} from {self.store.url} ({where}) is corrupt")
@@ -279,8 +370,21 @@ class Fetcher:
             self._settle(key, value)
 
 
-def _log_failure(future: concurrent.futures.Future[dict[bytes, bytes]] | asyncio.Future[dict[bytes, bytes]]
-                 ) -> None:
-    """A read-ahead nobody waits for: its failure is logged (the read that needs it fetches again)."""
+def _decode_groups(items: list[tuple[bytes, ChunkLocation]]) -> list[list[tuple[bytes, ChunkLocation]]]:
+    """The run's chunks in order, in groups of about ``DECODE_GROUP`` raw bytes: one decode job each."""
+    groups: list[list[tuple[bytes, ChunkLocation]]] = []
+    size = DECODE_GROUP
+    for item in items:
+        if size >= DECODE_GROUP:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item[1].raw_length
+    return groups
+
+
+def _log_failure(future: concurrent.futures.Future[Any] | asyncio.Future[Any]) -> None:
+    """Read-ahead (or its preparation) nobody waits for: its failure is logged (the read that needs
+    it fetches again)."""
     if not future.cancelled() and future.exception() is not None:
         log.warning("read-ahead failed: %s", future.exception())

@@ -393,7 +393,7 @@ def test_bench_lazy_quick_json(tmp_path: Path) -> None:
     s = doc["settings"]
     assert (s["backends"], s["repeat"], s["mounts"], s["filler_mb"]) == (["file"], 1, 4, 8)
     assert s["data_paths"] == ["fanotify"]
-    assert s["sections"] == ["first", "replay", "read", "mount", "start", "burst"]
+    assert s["sections"] == ["first", "replay", "read", "mount", "start", "burst", "cold"]
     images = doc["images"]
     assert [(tag, images[tag]["layers"]) for tag in images] == [("minbase", 1), ("python", 3), ("big", 4)]
     assert images["minbase"]["compressed_bytes"] < images["python"]["compressed_bytes"] < images["big"]["compressed_bytes"]
@@ -501,6 +501,8 @@ def test_bench_lazy_quick_json(tmp_path: Path) -> None:
         for key in ("fresh_host", "again", "daemon_start", "daemon_running"):
             assert start[key] > 0, (path, key)
 
+        check_cold_section(r["cold"], readers=4)
+
         goals = doc["goals"][f"file/{path}"]
         for goal in goals.values():
             assert isinstance(goal["met"], bool)
@@ -528,6 +530,53 @@ def test_bench_lazy_quick_json(tmp_path: Path) -> None:
         assert rows["lazy"]["allocated"] > 0
     assert doc["leftover_mounts"] == []
     assert doc["mounts_after_cleanup"] == []
+    assert list(work.iterdir()) == [], "the benchmark left files behind"
+
+
+def check_cold_section(cold: dict[str, Any], readers: int) -> None:
+    """The cold reads against the decode ceiling: one run per reader count, figures that agree."""
+    for key, n in (("one", 1), ("many", readers)):
+        c = cold[key]
+        assert (c["readers"], len(c["runs"])) == (n, 1), key
+        run0 = c["runs"][0]
+        assert run0["files"] > 0
+        assert run0["bytes_fetched"] > 0
+        assert run0["mb_per_s"] == pytest.approx(run0["bytes"] / 1e6 / run0["seconds"])
+        ceiling = run0["ceiling"]
+        assert ceiling["threads"] == os.cpu_count()
+        # the chunks of the files read, each once (files with the same content share chunks)
+        assert 0 < ceiling["bytes"] <= run0["bytes"]
+        assert 0 < ceiling["compressed_bytes"] <= run0["bytes_fetched"]
+        assert c["vs_ceiling"] == pytest.approx(run0["mb_per_s"] / ceiling["mb_per_s"])
+        assert run0["remount"]["bytes"] == run0["bytes"]
+    # the same files for any number of readers
+    assert cold["one"]["runs"][0]["bytes"] == cold["many"]["runs"][0]["bytes"]
+
+
+@pytest.mark.root("erofs", "overlay", "fuse")
+def test_bench_lazy_cold_section_on_both_paths(tmp_path: Path) -> None:
+    """--sections cold alone (no eager pull, no plain tree): both data paths, the goal lines there."""
+    if not LAZY_FIXTURE.exists():
+        pytest.skip(f"{LAZY_FIXTURE} is absent (the shared fixtures are not beside this checkout)")
+    require("cmd:skopeo")
+    work = tmp_path / "work"
+    work.mkdir()
+    doc = json.loads(run([sys.executable, LAZY_BENCH, "--quick", "--backends", "file", "--sections", "cold",
+                          "--readers", "3", "--json", "--fixture", LAZY_FIXTURE, "--tmpdir", work],
+                         timeout=900).stdout)
+    assert doc["settings"]["sections"] == ["cold"]
+    assert doc["eager"] == {"cases": []}
+    paths = doc["backends"]["file"]["paths"]
+    assert list(paths) == ["fanotify", "fuse"]
+    for path, r in paths.items():
+        assert set(r) == {"cold"}, path
+        check_cold_section(r["cold"], readers=3)
+        goals = doc["goals"][f"file/{path}"]
+        assert set(goals) == {"cold_vs_decode_one", "cold_vs_decode_many"}
+        for g in goals.values():
+            assert g["want"] == 0.8
+            assert g["met"] == (g["ratio"] >= 0.8)
+    assert doc["leftover_mounts"] == doc["mounts_after_cleanup"] == []
     assert list(work.iterdir()) == [], "the benchmark left files behind"
 
 
