@@ -868,15 +868,7 @@ async def _raw_gets(url: str, data_dir: Path, resolved: Resolved, chunks: Sequen
     async with await Store.open(url, data_dir) as store:
         for layer in resolved.layers:
             await store.load_layer_locations(layer)
-        plans = []
-        for part in _slices(chunks, loops):
-            wanted = []
-            for digest in part:
-                loc = store.locate(digest)
-                if loc is None:
-                    raise BenchError(f"chunk {digest.hex()} of {resolved.digest} is in no pack index of {url}")
-                wanted.append((digest, loc))
-            plans.append(plan_runs(wanted))
+        plans = [plan_runs(_located(store, part, resolved.digest, url)) for part in _slices(chunks, loops)]
 
         async def loop(runs: Sequence[Any]) -> int:
             n = 0
@@ -951,20 +943,25 @@ def file_chunks(root: Path, resolved: Resolved, rel: Sequence[str]) -> list[byte
     return list(out)
 
 
+
+def _located(store: Any, digests: Sequence[bytes], image: str, url: str) -> list[tuple[bytes, Any]]:
+    """Each chunk with its place in the store's packs (the layers' locations loaded)."""
+    wanted = []
+    for digest in digests:
+        loc = store.locate(digest)
+        if loc is None:
+            raise BenchError(f"chunk {digest.hex()} of {image} is in no pack index of {url}")
+        wanted.append((digest, loc))
+    return wanted
+
 async def _frames(url: str, data_dir: Path, resolved: Resolved, chunks: Sequence[bytes]
                   ) -> list[tuple[bytes, bytes, int]]:
     """(digest, compressed frame, raw length) of each chunk, fetched from the store once (untimed)."""
     async with await Store.open(url, data_dir) as store:
         for layer in resolved.layers:
             await store.load_layer_locations(layer)
-        wanted = []
-        for digest in chunks:
-            loc = store.locate(digest)
-            if loc is None:
-                raise BenchError(f"chunk {digest.hex()} of {resolved.digest} is in no pack index of {url}")
-            wanted.append((digest, loc))
         out = []
-        for run in plan_runs(wanted):
+        for run in plan_runs(_located(store, chunks, resolved.digest, url)):
             data = await store.read_pack_range(run.pack, run.start, run.end)
             for digest, loc in run.items:
                 out.append((digest, data[loc.offset - run.start : loc.offset - run.start + loc.length],
