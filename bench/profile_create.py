@@ -130,8 +130,7 @@ async def run(args: argparse.Namespace, work: Path) -> None:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
     finally:
-        for box in held:
-            mgr.destroy(box.id)
+        mgr.close()  # every sandbox, the layer mounts and the daemon with its holder
 
 
 def counts(text: str) -> list[int]:
