@@ -62,7 +62,9 @@ class Snapshotter:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"snapshotter exited {self.proc.returncode}:\n{self.log_tail()}")
-            if self.socket.is_socket() and b"serving" in self.log.read_bytes()[mark:]:
+            # its own line: a killed one leaves its socket file, and the lazyfetch daemon it starts
+            # logs "serving" too, before the snapshotter listens
+            if self.socket.is_socket() and f"serving {self.socket}\n".encode() in self.log.read_bytes()[mark:]:
                 return
             time.sleep(0.05)
         raise RuntimeError(f"snapshotter not ready in {READY_TIMEOUT} s:\n{self.log_tail()}")
