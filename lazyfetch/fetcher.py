@@ -209,6 +209,9 @@ class Fetcher:
         if waited:
             self._recent.setdefault(layer.hexd, deque(maxlen=STREAM_MISSES)).append(self.loop.time())
         extra = [d for d in dict.fromkeys(along or ()) if d not in wanted]
+        # the caller looked at the blob on its own thread: a fetch may have settled since
+        wanted = [d for d in wanted if not self._landed(layer, d)]
+        extra = [d for d in extra if not self._landed(layer, d)]
         shared = [d for d in wanted + extra if self.cache.shared(layer, d) and (layer.hexd, d) not in self._inflight]
         if shared:  # another layer on this host has them: no store request
             copied = await asyncio.to_thread(self.cache.copy_local, layer, shared)
@@ -230,6 +233,18 @@ class Fetcher:
         for digest, fut in waiting:
             out[digest] = await asyncio.shield(fut)
         return out
+
+    def _landed(self, layer: LayerBlob, digest: bytes) -> bool:
+        """Whether a chunk the caller saw missing is in the blob now, with no fetch of it in flight
+        (one that settled between the caller's look and this call): claiming it would fetch it twice.
+
+        The present hint is set before a fetch settles, so a chunk still missing costs no I/O;
+        the file has the last word (eviction may have punched it since).
+        """
+        if (layer.hexd, digest) in self._inflight:
+            return False
+        idxs = layer.positions.get(digest, ())
+        return bool(idxs) and all(layer.present[i] for i in idxs) and not layer.missing(idxs)
 
     def _claim(self, layer: LayerBlob, digest: bytes, todo: list[tuple[bytes, ChunkLocation]]
                ) -> asyncio.Future[bytes]:

@@ -219,6 +219,7 @@ def test_a_stored_image_pulls_without_layer_blobs_and_runs_lazily(
                     "sha256sum /usr/bin/python3.11 | cut -c1-64").stdout.strip()
     assert re.fullmatch(r"[0-9a-f]{64}", read), read
     node.sn.start()
+    node.containerd.wait_snapshotter()
     again = node.run(image, "three", "sh", "-c", "sha256sum /usr/bin/python3.11 | cut -c1-64").strip()
     assert again == read
 

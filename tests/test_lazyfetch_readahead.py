@@ -268,3 +268,49 @@ def test_units_stay_within_their_memory_and_forget_what_was_corrupt_or_failed(pa
         assert await units.read(PACK, 0, 10, "layer") == data[:10]
 
     asyncio.run(run())
+
+
+def test_a_chunk_that_landed_after_the_reader_looked_is_not_fetched_again(
+        published: tuple[str, Path], tmp_path: Path) -> None:
+    """A reader looks at the blob on its own thread, then asks the loop to fetch what it saw
+    missing; a fetch of the same chunk may settle in between (six readers of one file do this).
+    The second ask must find the chunk in the blob, not fetch it twice."""
+    from layerstore.erofs.reader import ErofsImage
+    from lazyfetch.blobcache import BlobCache
+    from lazyfetch.fetcher import Fetcher
+    from lazyfetch.metrics import Metrics
+
+    url, _ = published
+
+    async def run() -> None:
+        async with await Store.open(url, tmp_path / "data") as store:
+            entry = (await store.resolve("ahead/img")).layers[-1]
+            await store.load_layer_locations(entry)
+            img = ErofsImage(await store.get_meta(entry.digest), hex_digest(entry.digest))
+            cache = BlobCache(tmp_path / "blobs", 1 << 30)
+            hexd = hex_digest(entry.digest)
+            layer = cache.add(hexd, img.blob_size, list(img.blob_map), fd=cache.open_fd(hexd, img.blob_size))
+            metrics = Metrics()
+            fetcher = Fetcher(store, cache, metrics, asyncio.get_running_loop())
+            try:
+                first = layer.records[0].digest
+                assert layer.missing([0]) == [0]
+                got = await fetcher.fetch_many(layer, [first], waited=True)
+                assert set(got) == {first}
+                assert layer.missing([0]) == []
+                once = metrics.snapshot()
+                assert (once["store_requests"], once["chunks_fetched"]) == (1, 1)
+                # the late ask: the chunk is there, so nothing more is requested or counted
+                assert await fetcher.fetch_many(layer, [first], waited=True) == {}
+                await fetcher.fetch_many(layer, [layer.records[1].digest], along=[first])
+                again = metrics.snapshot()
+                assert (again["store_requests"], again["chunks_fetched"]) == (2, 2), again
+                # punched by eviction since: then it is fetched again
+                assert cache.evict(0, force=True) > 0
+                assert set(await fetcher.fetch_many(layer, [first], waited=True)) == {first}
+                assert metrics.snapshot()["chunks_fetched"] == 3
+            finally:
+                fetcher.close()
+                cache.close()
+
+    asyncio.run(run())

@@ -184,6 +184,23 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", 
                                  f"containerd log:\n{self.log_tail()}")
         return res
 
+    def wait_snapshotter(self, name: str = "layerbox") -> None:
+        """Wait until containerd talks to a restarted proxy snapshotter again.
+
+        While the snapshotter was down a call (its garbage collection, say) put containerd's gRPC
+        connection into backoff; until the next attempt (at most a few seconds) calls fail fast
+        with the old "connection refused", although the new process already listens.
+        """
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:
+            res = self.ctr("snapshots", "--snapshotter", name, "ls", check=False)
+            if res.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"containerd does not reach snapshotter {name} again in {READY_TIMEOUT} s:\n"
+                                     f"{res.stderr}\ncontainerd log:\n{self.log_tail()}")
+            time.sleep(0.2)
+
     def ctr_argv(self, *args: str) -> list[str]:
         """``ctr`` on this containerd's socket and namespace (run it with ``env=self.env``)."""
         return [self._bin("ctr"), "--address", str(self.socket), "--namespace", NAMESPACE, *args]
