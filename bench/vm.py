@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -88,6 +89,43 @@ def guest_used(box: Sandbox) -> int:
     info = dict(line.split(":", 1) for line in box.read("/proc/meminfo").decode().splitlines() if ":" in line)
     kb = int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])
     return kb * 1024
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def host_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of every CPU since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def idle_figures(mgr: SandboxManager, idle: list[Sandbox], available: int, window: float) -> dict[str, Any]:
+    """What idle microVMs cost the host: memory (each VMM's cgroup, and the host's MemAvailable drop)
+    and CPU (each VMM cgroup's CPU time over ``window`` seconds, and the host's), and how many
+    such VMs this host would hold by each (an extrapolation from the ``len(idle)`` measured)."""
+    per = [{"host": mgr.layout.memory_current(b.state.cgroups_path) or 0, "guest_used": guest_used(b)} for b in idle]
+    drop = (available - mem_available()) / len(idle)
+    cpu0 = [mgr.layout.cpu_seconds(b.state.cgroups_path) or 0.0 for b in idle]
+    busy0, total0 = host_busy()
+    time.sleep(window)
+    busy1, total1 = host_busy()
+    cpu1 = [mgr.layout.cpu_seconds(b.state.cgroups_path) or 0.0 for b in idle]
+    cores = os.cpu_count() or 1
+    per_vm = statistics.mean(b - a for a, b in zip(cpu0, cpu1, strict=True)) / window * 100  # % of a core
+    host_pct = (busy1 - busy0) / max(total1 - total0, 1) * 100 * cores
+    return {"vms": len(per), "host_mib_mean": round(statistics.mean(p["host"] for p in per) / MiB, 1),
+            "guest_used_mib_mean": round(statistics.mean(p["guest_used"] for p in per) / MiB, 1),
+            "overhead_mib_mean": round(statistics.mean(p["host"] - p["guest_used"] for p in per) / MiB, 1),
+            "goal_overhead_mib": 20, "mem_available_drop_mib_per_vm": round(drop / MiB, 1),
+            "cpu_pct_of_a_core_per_vm": round(per_vm, 2), "host_cpu_pct_of_a_core": round(host_pct, 1),
+            "window_s": window,
+            "would_hold_by_memory": int(available / max(drop, 1)),
+            "would_hold_by_cpu": int(cores * 100 / per_vm) if per_vm > 0 else None}
 
 
 def create_first_exec(mgr: SandboxManager, options: SandboxOptions, ref: str = REF) -> tuple[Sandbox, float]:
@@ -143,24 +181,20 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 lat[name].append(time.perf_counter() - t)
         doc["exec"] = {k: {"p50_ms": _ms(statistics.median(v)), "max_ms": _ms(max(v))} for k, v in lat.items()}
         doc["exec"]["ratio"] = round(statistics.median(lat["microvm"]) / statistics.median(lat["container"]), 1)
-        log(f"idle memory: {args.idle} microVMs")
+        log(f"idle: {args.idle} microVMs")
         idle = []
+        available = mem_available()
         for _ in range(args.idle):
             b, _t = create_first_exec(host1, vm)
             idle.append(b)
             made.append(b)
         time.sleep(args.settle)
-        per = []
-        for b in idle:
-            host = host1.layout.memory_current(b.state.cgroups_path) or 0
-            per.append({"host": host, "guest_used": guest_used(b)})
-        doc["idle"] = {"vms": len(per), "host_mib_mean": round(statistics.mean(p["host"] for p in per) / MiB, 1),
-                       "guest_used_mib_mean": round(statistics.mean(p["guest_used"] for p in per) / MiB, 1),
-                       "overhead_mib_mean": round(statistics.mean(p["host"] - p["guest_used"] for p in per) / MiB, 1),
-                       "goal_overhead_mib": 20}
+        doc["idle"] = idle_figures(host1, idle, available, args.idle_window)
         for b in idle:
             b.destroy()
             made.remove(b)
+        if args.idle_only:
+            return doc
         log("pause with reclaim / resume")
         t = time.perf_counter()
         paused = box.pause(reclaim=True)
@@ -297,6 +331,10 @@ def main() -> int:
     p.add_argument("--execs", type=int, default=20, help="exec rounds (default 20)")
     p.add_argument("--idle", type=int, default=4, help="idle microVMs measured (default 4)")
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the idle reading (default 5)")
+    p.add_argument("--idle-window", type=float, default=10.0, metavar="S",
+                   help="seconds over which idle CPU is measured (default 10)")
+    p.add_argument("--idle-only", action="store_true",
+                   help="stop after the idle section (to measure many idle microVMs)")
     p.add_argument("--writes", type=int, default=20, help="MB the guest writes before the checkpoint (default 20)")
     p.add_argument("--image-kernel", action="store_true",
                    help="also a full VM on an image's own kernel (downloads Debian's newest cloud kernel once)")

@@ -372,7 +372,25 @@ def test_the_limits_a_sandbox_gets_are_the_ones_asked_for(url: str, manager: San
         limit_file = "memory.max" if manager.layout.version == 2 else "memory.limit_in_bytes"
         assert int((mem / limit_file).read_text()) == 64 << 20
         assert (pids / "pids.max").read_text().strip() == "32"
-        await call("DELETE", f"{url}/v1/sandboxes/{box['id']}", ALPHA)
+        # inside, as a runtime that sizes itself reads them (a JVM, Go's GOMAXPROCS libraries)
+        sid, other = box["id"], (await create(url, BETA))["id"]
+        inside = "/sys/fs/cgroup/" + ("memory.max" if manager.layout.version == 2 else "memory/memory.limit_in_bytes")
+        res = await run(url, ALPHA, sid, f"cat {inside}; cat /sys/fs/cgroup/pids*/pids.max")
+        assert res["stdout"].split() == [str(64 << 20).encode(), b"32"], res
+        # the attack: root in the sandbox raises its own limits, or looks for its neighbours
+        procs = "/sys/fs/cgroup/" + ("" if manager.layout.version == 2 else "memory/")
+        for cmd in (f"echo -1 > {inside}", f"mkdir {procs}escape", f"echo 1 > {procs}cgroup.procs"):
+            res = await run(url, ALPHA, sid, cmd)
+            assert res["exit"]["exit_code"] != 0, (cmd, res)
+            assert b"Read-only file system" in res["stderr"], (cmd, res)
+        assert int((mem / limit_file).read_text()) == 64 << 20
+        res = await run(url, ALPHA, sid, "find /sys/fs/cgroup -maxdepth 3; grep cgroup /proc/self/mountinfo")
+        assert res["exit"]["exit_code"] == 0, res
+        assert res["stdout"].count(b"\n") > 3, res
+        for name in (other, sid):  # (its cgroup namespace shows its own cgroup as /)
+            assert name.encode() not in res["stdout"], res["stdout"].decode()
+        for gone in (sid, other):
+            await call("DELETE", f"{url}/v1/sandboxes/{gone}", ALPHA if gone == sid else BETA)
 
     asyncio.run(scenario())
 

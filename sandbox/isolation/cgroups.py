@@ -45,6 +45,16 @@ class CgroupLayout:
             return [CGROUP_ROOT / rel]
         return sorted({root / rel for root in (*self.v1.values(), *self.others)})
 
+    def binds(self, cgroups_path: str) -> list[tuple[str, Path]]:
+        """On cgroup v1, each hierarchy's name under ``/sys/fs/cgroup`` and the directory a container
+        with ``cgroups_path`` has in it: what the container sees there, bound read-only
+        (sandbox.backends.container.spec).  Empty on v2, whose one cgroup2 mount is cheap."""
+        if self.version == 2:
+            return []
+        rel = cgroups_path.lstrip("/")
+        return sorted((str(root.relative_to(CGROUP_ROOT)), root / rel)
+                      for root in {*self.v1.values(), *self.others} if root.parent == CGROUP_ROOT)
+
     def controller_dir(self, controller: str, cgroups_path: str) -> Path | None:
         rel = cgroups_path.lstrip("/")
         if self.version == 2:

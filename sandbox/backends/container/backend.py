@@ -157,7 +157,7 @@ class ContainerBackend:
         limits = limits_of(options)
         spec = build_spec(str(box.dir / "rootfs"), process, hostname=box.id, cgroups_path=st.cgroups_path,
                           limits=limits, cgroup_version=self.ctx.cgroups.version, netns_path=netns, userns=userns,
-                          userns_path=joined)
+                          userns_path=joined, cgroup_binds=self.ctx.cgroups.binds(st.cgroups_path))
         replace_beneath(self.ctx.paths.boxes, f"{box.id}/bundle/config.json", json.dumps(spec).encode())
         box.update(env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid, status="starting",
                    network=network)

@@ -11,6 +11,7 @@ import functools
 import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sandbox.core.model import DEFAULT_CPU, DEFAULT_MEMORY, DEFAULT_PIDS
@@ -241,6 +242,18 @@ def seccomp_profile() -> dict[str, Any]:
     }
 
 
+def _cgroup_mounts(binds: Sequence[tuple[str, Path]], ro: list[str]) -> list[dict[str, Any]]:
+    if not binds:
+        return [{"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+                 "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]}]
+    # (not read-only itself, like the tmpfs crun mounts there: readonlyPaths on it would copy the
+    # binds under it read-write; a sandbox may write 64 KiB of its own memory there, nothing else)
+    return [{"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "noexec", "nodev", "mode=755", "size=64k"]},
+            *({"destination": f"/sys/fs/cgroup/{name}", "type": "bind", "source": str(source),
+               "options": ["bind", *ro]} for name, source in binds)]
+
+
 @functools.cache
 def _precompiled_seccomp() -> dict[str, str]:
     return seccomp.annotation(seccomp_profile())
@@ -265,7 +278,8 @@ def build_process(args: Sequence[str], *, env: Mapping[str, str], cwd: str, uid:
 
 def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroups_path: str,
                limits: OciLimits, cgroup_version: int, netns_path: str | None = None,
-               userns: tuple[int, int] | None = None, userns_path: str | None = None) -> dict[str, Any]:
+               userns: tuple[int, int] | None = None, userns_path: str | None = None,
+               cgroup_binds: Sequence[tuple[str, Path]] = ()) -> dict[str, Any]:
     """``netns_path``: join that network namespace (sandbox.isolation.network) instead of a new empty one.
 
     ``userns``: ``(host_base, size)`` runs the sandbox in a new user namespace
@@ -275,6 +289,13 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
     ``userns_path`` the sandbox joins that user namespace (which must have this
     mapping) instead: a network namespace made inside it is then the sandbox's
     own, so the runtime can mount a sysfs for it.
+
+    ``cgroup_binds`` (cgroup v1: ``CgroupLayout.binds``): the container's ``/sys/fs/cgroup`` is a
+    tmpfs with each hierarchy's directory of this container bound read-only, as runc gives a
+    v1 container without a cgroup namespace, instead of crun mounting every hierarchy afresh.
+    A v1 cgroup mount takes the kernel's cgroup mutex and drains every offline cgroup on the
+    host first (``cgroup_lock_and_drain_offline``): with 3,200 sandboxes held it made each
+    create wait, and the other creator's exec behind it (bench/README.md, "Dense hosts").
     """
     resources = limits.resources()
     if cgroup_version == 1:
@@ -297,8 +318,7 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
              "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ro},
-            {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
-             "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
+            *_cgroup_mounts(cgroup_binds, ro),
         ],
         "linux": {
             "namespaces": [{"type": t, "path": netns_path} if t == "network" and netns_path else {"type": t}
