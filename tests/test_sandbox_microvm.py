@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
+import json
 import os
 import re
 import signal
@@ -185,6 +186,15 @@ def test_sandboxes_of_one_template_are_apart_and_fetch_lazily(vms: Any, vm_manag
     a, b = vms(), vms()
     assert a.state.vm["template"] == b.state.vm["template"]
     assert b.receipts()[0]["template_made"] is False  # the second restores the template
+    # a new sandbox's template had its disk mounted before the save, and each sandbox's disk
+    # stands on that very file; the same boot saved the kind a checkpoint's restore takes
+    backend = vm_manager.backend("microvm")
+    template = backend.host_template(a.state.vm["template"])
+    assert template is not None
+    assert template.mounted
+    assert [tuple(x) for x in a.state.vm["disk_nodes"]][0] == (str(template.disk), "raw")
+    kinds = [json.loads(p.read_text())["disk"] for p in backend.templates_dir.glob("*/template.json")]
+    assert sorted(kinds) == ["mounted", "placeholder"], kinds
     # both start from the template's memory, kernel RNG included: the agent reseeds it on MOUNT
     # (without that, these were the same 16 bytes in every sandbox of a template, and so was
     # every seed a program took from them)
@@ -322,7 +332,7 @@ def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
     assert doc2["bound"]["disk_chain"] == [first.layer, second.layer]
     assert box.exec("cat /root/small").stdout == b"x" * 1000  # the guest went on after the freeze
     # the overlay the second checkpoint froze was merged into the one under it: this VM's own
-    # files stay two (its first overlay and the one it writes), over the pristine disk
+    # files stay two (its first overlay and the one it writes), over its template's disk
     nodes = box.state.vm["disk_nodes"]
     assert len(nodes) == 3, nodes
     assert sum(1 for p, _ in nodes if Path(p).parent == box.dir / "vm") == 2
@@ -369,6 +379,11 @@ def test_block_checkpoint_restores_on_a_second_host_with_an_empty_cache(
         create = next(r for r in restored.receipts() if r["action"] == "restore" and not r.get("inherited"))
         assert create["template_source"] == "store", create
         assert create["template_made"] is False
+        # its template: the kind saved before any disk was mounted (the guest mounts the checkpoint's)
+        unmounted = host2.backend("microvm").host_template(restored.state.vm["template"])
+        assert unmounted is not None
+        assert not unmounted.mounted
+        assert restored.state.vm["template"] != box.state.vm["template"]
         # the template's document is in the store beside the images, but nothing runs from it
         with pytest.raises(UnsupportedOption, match="vm-template document"):
             run(host2.create(f"vm-templates/{restored.state.vm['template']}"))

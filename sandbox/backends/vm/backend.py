@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from layerstore.errors import LayerstoreError
 from layerstore.objects import LayerEntry, Resolved
+from layerstore.store import Store
 from lazyfetch import kmount
 from lazyfetch.errors import LazyfetchError
 from sandbox.backends.base import (
@@ -265,7 +266,7 @@ class VmBackend:
 
     def template_key(self, resolved: Resolved, shape: vm.Shape, assets: vmassets.Assets) -> str:
         hv, _ = self.prepare()
-        return vm.template_key(hv, assets, [x.digest for x in resolved.layers], shape)
+        return vm.template_key(hv, assets, [x.digest for x in resolved.layers], shape, mounted=_mounted(resolved))
 
     def host_template(self, key: str) -> vm.Template | None:
         """This host's template ``key``: booted here (``<key>/``) or mounted from the store
@@ -274,13 +275,13 @@ class VmBackend:
                 or vm.load_template(self.templates_dir / f"{key}.store", key))
 
     def boot_template(self, resolved: Resolved, shape: vm.Shape, assets: vmassets.Assets
-                      ) -> tuple[vm.Template, bool]:
+                      ) -> tuple[vm.Template, list[vm.Template]]:
         """Boot and save the template of ``resolved``, ``shape`` and guest ``assets`` here (unless
-        another call just did); whether this call made it."""
+        another call just did); the templates this call made (both kinds: vm.ensure_template)."""
         hv, _ = self.prepare()
         layers = [(f["meta"], f["blob"]) for f in self.host.layer_files(resolved)]
         return vm.ensure_template(self.templates_dir, hv, assets, layers, [x.digest for x in resolved.layers],
-                                  shape, self._scratch_netns, self._template_jail)
+                                  shape, self._scratch_netns, self._template_jail, mounted=_mounted(resolved))
 
     def mount_template(self, key: str, found: Resolved) -> vm.Template:
         """The store's template ``key`` (``found``, its document) mounted lazily here: its VMs
@@ -296,7 +297,8 @@ class VmBackend:
             target.mkdir(mode=0o700, exist_ok=True)
             self.host.mount(found, target, trace=False)  # fill: a restored guest touches most of what is not zero
             template = vm.load_template(target, key)
-            if template is None or not template.memory.is_file() or not template.state.is_file():
+            if template is None or not template.memory.is_file() or not template.state.is_file() or \
+                    (template.mounted and not template.disk.is_file()):
                 self.host.umount(target, discard=True)
                 raise SandboxStateError(f"template document {found.digest}: its layer has no template {key} "
                                         "(template.json, memory, state.bin)")
@@ -342,6 +344,8 @@ class VmBackend:
         jail = self.jail_of(sid)
         if chain:
             nodes = self._mount_disk_chain(resolved, chain, vm_dir)
+        elif template is not None and template.mounted:  # the very disk its guest has mounted
+            nodes = [(str(template.disk), "raw")]
         else:
             nodes = [(str(vm.pristine_disk(self.templates_dir, shape.disk)), "raw")]
         vm.sandbox_disk(nodes[-1][0], nodes[-1][1], vm_dir / "disk.qcow2", shape.disk, jail)
@@ -810,15 +814,19 @@ class VmBackend:
             template, made = await asyncio.to_thread(self.boot_template, resolved, shape, assets)
             if not made:
                 return template, "host"
-            try:
-                pub = await vmstate.publish_template(store, template.dir, ("memory", "state.bin", "template.json"),
-                                                     template.doc, self.ctx.data_dir)
-                log.info("template %s published as %s: %d bytes stored, %d uploaded in %.2f s", key, pub.digest,
-                         pub.bytes_stored, pub.bytes_uploaded, pub.seconds)
-            except (LayerstoreError, SnapshotError, OSError) as exc:
-                log.warning("template %s: publishing it to %s failed (%s); other hosts boot their own", key,
-                            store.url, exc)
+            for each in made:  # (both kinds: a host that restores a checkpoint boots none either)
+                await self._publish_template(store, each)
             return template, "boot"
+
+    async def _publish_template(self, store: Store, template: vm.Template) -> None:
+        files = ("memory", "state.bin", "template.json", *(("disk.raw",) if template.mounted else ()))
+        try:
+            pub = await vmstate.publish_template(store, template.dir, files, template.doc, self.ctx.data_dir)
+            log.info("template %s published as %s: %d bytes stored, %d uploaded in %.2f s", template.key,
+                     pub.digest, pub.bytes_stored, pub.bytes_uploaded, pub.seconds)
+        except (LayerstoreError, SnapshotError, OSError) as exc:
+            log.warning("template %s: publishing it to %s failed (%s); other hosts boot their own", template.key,
+                        store.url, exc)
 
     def files(self, box: Box, st: SandboxState) -> Files:
         return GuestFiles(lambda: self.conn(box.id, box.dir, box.state))
@@ -1070,3 +1078,9 @@ class GuestCommand:
 
     def receipt(self) -> dict[str, Any]:
         return {"isolation": self._isolation}
+
+
+def _mounted(resolved: Resolved) -> bool:
+    """Whether a VM of ``resolved`` restores the template whose guest has its disk mounted: a new
+    sandbox (its disk stands on that template's); a checkpoint brings a disk of its own."""
+    return not resolved.disk_chain

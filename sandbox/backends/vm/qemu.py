@@ -6,11 +6,12 @@ reads of it are the only fetches (no host mount is made).  Its writes go to an e
 a qcow2 overlay over a *backing* file: this host's pristine ext4 of that size for a new
 sandbox, a checkpoint's disk image (lazily fetched) for a restored one.  A template is an
 image booted once per host and shape (vCPUs, memory, disk size, guest assets, QEMU), its
-layers mounted and its agent answering, and saved before any writable disk is mounted:
-QEMU's device state with ``x-ignore-shared`` and its RAM as a ``share=on`` memory file.
-Every sandbox then restores the template, its RAM a private copy-on-write mapping of the
-template's file (clean pages shared between all of them), and has the agent mount its own
-disk -- this is how VM sandboxes start fast without KVM.  Layout and crash analysis:
+layers mounted and its agent answering, and saved twice: before any writable disk is
+mounted (a checkpoint's restore mounts its own) and after its own empty disk is (new
+sandboxes' disks stand on that file): QEMU's device state with ``x-ignore-shared`` and its
+RAM as a ``share=on`` memory file.  Every sandbox then restores a template, its RAM a
+private copy-on-write mapping of the template's file (clean pages shared between all of
+them) -- this is how VM sandboxes start fast without KVM.  Layout and crash analysis:
 docs/FORMAT.md Part 5.
 
 This module knows QEMU, QMP and the guest; the manager decides when, and owns state.json.
@@ -775,16 +776,19 @@ def cpu_flags() -> str:
     return ""
 
 
-def template_key(hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[str], shape: Shape) -> str:
+def template_key(hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[str], shape: Shape, *,
+                 mounted: bool = False) -> str:
     """What a saved template depends on, digested: it is shared through the store, so every
     host whose VMM would load its state differently has a key of its own.  The QEMU version
     and accelerator (a device state loads into the same VMM only); the TSC rate the guest
     calibrated at boot (under TCG the guest reads the host's TSC: another rate would run its
-    clock fast or slow); under KVM the host CPU's flags (``-cpu host``)."""
+    clock fast or slow); under KVM the host CPU's flags (``-cpu host``).  ``mounted``: the
+    template whose guest has its own disk mounted (:func:`ensure_template`)."""
     h = blake3.blake3(TEMPLATE_SCHEMA.encode())
     h.update(json.dumps({"assets": assets.key, "layers": list(layers), "shape": shape.to_json(),
                          "qemu": list(hv.version), "accel": hv.accel, "tsc_khz": hv.tsc_khz,
-                         "cpu": cpu_flags() if hv.accel == "kvm" else ""}, sort_keys=True).encode())
+                         "cpu": cpu_flags() if hv.accel == "kvm" else "",
+                         **({"disk": "mounted"} if mounted else {})}, sort_keys=True).encode())
     return h.hexdigest()[:32]
 
 
@@ -813,8 +817,13 @@ class Template:
 
     @property
     def disk(self) -> Path:
-        """A sparse placeholder of the disk's size: the template's guest never mounts it."""
+        """The disk the template's guest has: a sparse placeholder of the disk's size it never
+        mounted, or (:attr:`mounted`) its own ext4, mounted, which new sandboxes' disks stand on."""
         return self.dir / "disk.raw"
+
+    @property
+    def mounted(self) -> bool:
+        return self.doc.get("disk") == "mounted"
 
 
 def make_ext4(path: Path, size: int) -> None:
@@ -841,51 +850,97 @@ def template_lock(root: Path, key: str) -> contextlib.AbstractContextManager[int
 def ensure_template(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[tuple[str, str]],
                     layer_digests: Sequence[str], shape: Shape,
                     netns: Callable[[str], contextlib.AbstractContextManager[Path]],
-                    jail: Callable[[str], contextlib.AbstractContextManager[tuple[int, int]]]
-                    ) -> tuple[Template, bool]:
+                    jail: Callable[[str], contextlib.AbstractContextManager[tuple[int, int]]], *,
+                    mounted: bool = False) -> tuple[Template, list[Template]]:
     """The template of these layers and shape on this host, booted and saved now if missing.
     ``netns(name)`` gives an isolated network namespace with the VM's tap for the boot,
     ``jail(name)`` the uid and gid its VMM runs as (the image's kernel may be the tenant's).
-    Returns it and whether it was made by this call."""
-    key = template_key(hv, assets, layer_digests, shape)
+    Returns it and the templates this call made (none when it was there).
+
+    Each comes in two kinds, both saved from one boot when neither is here.  ``mounted``:
+    the guest has mounted a disk of its own (an empty ext4, ``disk.raw``) and its root, and
+    new sandboxes' disks are overlays over that very file.  Under TCG the mount is ~100 ms
+    of a restore (the guest's ext4 and overlayfs code translated afresh by each VMM); a
+    restored guest then only reseeds its RNG.  A checkpoint brings a disk of its own, and a
+    guest must never hold a mount of a disk other than the one it has: its restores use
+    the kind saved before the mount.  One boot: saved unmounted, its memory file copied,
+    run on, mounted, saved again."""
+    keys = {m: template_key(hv, assets, layer_digests, shape, mounted=m) for m in (False, True)}
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    final = root / key
-    with template_lock(root, key):
-        found = load_template(final, key)
+    # one boot makes both kinds: both locks, always in this order
+    with template_lock(root, keys[False]), template_lock(root, keys[True]):
+        found = load_template(root / keys[mounted], keys[mounted])
         if found is not None:
-            return found, False
-        shutil.rmtree(final, ignore_errors=True)  # a half-made one (a crash while booting it)
-        work = root / f".{key}.tmp"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(mode=0o711)  # the VMM's chroot: it may traverse it, not list or change it
-        t = time.perf_counter()
+            return found, []
+        missing = {m: k for m, k in keys.items() if load_template(root / k, k) is None}
+        made = _boot_templates(root, hv, assets, layers, layer_digests, shape, netns, jail, missing)
+        return next(t for t in made if t.mounted == mounted), made
+
+
+def _boot_templates(root: Path, hv: Hypervisor, assets: vmassets.Assets, layers: Sequence[tuple[str, str]],
+                    layer_digests: Sequence[str], shape: Shape,
+                    netns: Callable[[str], contextlib.AbstractContextManager[Path]],
+                    jail: Callable[[str], contextlib.AbstractContextManager[tuple[int, int]]],
+                    keys: dict[bool, str]) -> list[Template]:
+    """Boot once and save the templates ``keys`` (mounted -> key) asks for (see :func:`ensure_template`)."""
+    works = {m: root / f".{k}.tmp" for m, k in keys.items()}
+    for m, k in keys.items():
+        shutil.rmtree(root / k, ignore_errors=True)  # a half-made one (a crash while booting it)
+        shutil.rmtree(works[m], ignore_errors=True)
+        works[m].mkdir(mode=0o711)  # the VMM's chroot: it may traverse it, not list or change it
+    work = works[True] if True in works else works[False]  # the booted VM's own files
+    t = time.perf_counter()
+    for w in works.values():
         for name, size in (("disk.raw", shape.disk), ("memory", shape.memory)):
-            with open(work / name, "wb") as f:
+            with open(w / name, "wb") as f:
                 f.truncate(size)
-        try:
-            with netns(f"lb-t{key[:10]}") as ns, jail(f"template-{key[:16]}") as ids:
-                argv = command_line(hv, assets, shape, layers, [(str(work / "disk.raw"), "raw")], work / "memory",
-                                    template=True, hostname="sandbox", vm_dir=work, jail=ids)
-                vmm = Vmm.spawn(work, argv, netns=ns)
-                try:
-                    conn = connect_agent(vmm)  # layers mounted, no writable disk: nothing of it to flush
-                    booted = time.perf_counter() - t
-                    conn.close()
-                    save_seconds = vmm.save(work / "state.bin")
-                finally:
-                    vmm.quit()
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)  # a boot that failed (its error quotes the console)
-            raise
-        doc = {"schema": TEMPLATE_SCHEMA, "key": key, "assets": assets.key, "layers": list(layer_digests),
+    if True in works:
+        make_ext4(works[True] / "disk.raw", shape.disk)
+    saved: dict[bool, float] = {}
+    try:
+        with netns(f"lb-t{keys[min(keys)][:10]}") as ns, jail(f"template-{keys[min(keys)][:16]}") as ids:
+            argv = command_line(hv, assets, shape, layers, [(str(work / "disk.raw"), "raw")], work / "memory",
+                                template=True, hostname="sandbox", vm_dir=work, jail=ids)
+            vmm = Vmm.spawn(work, argv, netns=ns)
+            try:
+                connect_agent(vmm).close()  # layers mounted
+                booted = time.perf_counter() - t
+                if False in works:
+                    saved[False] = vmm.save(works[False] / "state.bin")
+                    if work is not works[False]:  # the guest runs on in its memory file: a copy stays
+                        subprocess.run(["cp", "--sparse=always", str(work / "memory"), str(works[False] / "memory")],
+                                       check=True, capture_output=True)
+                        qmp = vmm.qmp()
+                        try:
+                            qmp.execute("cont")
+                        finally:
+                            qmp.close()
+                if True in works:
+                    conn = connect_agent(vmm)
+                    try:  # (written through before the save: the file is what the guest saw)
+                        conn.mount()
+                        conn.sync()
+                    finally:
+                        conn.close()
+                    saved[True] = vmm.save(works[True] / "state.bin")
+            finally:
+                vmm.quit()
+    except BaseException:
+        for w in works.values():
+            shutil.rmtree(w, ignore_errors=True)  # a boot that failed (its error quotes the console)
+        raise
+    made = []
+    for m, k in keys.items():
+        doc = {"schema": TEMPLATE_SCHEMA, "key": k, "assets": assets.key, "layers": list(layer_digests),
                "shape": shape.to_json(), "accel": hv.accel, "qemu": ".".join(map(str, hv.version)),
-               "tsc_khz": hv.tsc_khz, "boot_seconds": round(booted, 3), "save_seconds": round(save_seconds, 3),
-               "created": round(time.time(), 3)}
-        (work / "template.json").write_text(json.dumps(doc, indent=1) + "\n")
+               "tsc_khz": hv.tsc_khz, "boot_seconds": round(booted, 3), "save_seconds": round(saved[m], 3),
+               "created": round(time.time(), 3), "disk": "mounted" if m else "placeholder"}
+        (works[m] / "template.json").write_text(json.dumps(doc, indent=1) + "\n")
         for name in ("disk.raw", "memory"):  # what every sandbox of it shares: never written again
-            (work / name).chmod(0o400)
-        os.rename(work, final)
-        return Template(key, final, doc), True
+            (works[m] / name).chmod(0o400)
+        os.rename(works[m], root / k)
+        made.append(Template(k, root / k, doc))
+    return made
 
 
 def pristine_disk(root: Path, size: int) -> Path:
