@@ -444,5 +444,6 @@ def test_destroy_takes_everything_back(sb: Hosts) -> None:
     assert not [d for d in sb.first.layout.dirs(st.cgroups_path) if d.exists()]
     assert box.id not in sb.first.net.list()
     assert box.id not in sb.first.uid_ranges.owners()
+    assert box.id not in sb.first.uid_jails.owners()
     assert box.receipts()[-1]["action"] == "destroy"
     box.destroy()  # again: nothing left, nothing raised

@@ -131,8 +131,14 @@ def _ids(pid: int) -> tuple[set[int], int]:
     return ids, int(re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.M)[1], 16)  # type: ignore[index]
 
 
-def test_each_vmm_is_jailed_as_a_uid_of_its_own(vms: Any) -> None:
+def test_each_vmm_is_jailed_as_a_uid_of_its_own(vms: Any, vm_manager: SandboxManager) -> None:
     a, b = vms(), vms()
+    # from a pool of single uids (65,536 VMs, not one per user namespace range), which no
+    # user-namespaced sandbox's range overlaps: a container's root is never a VMM's owner
+    jails = vm_manager.uid_jails.owners()
+    assert (vm_manager.uid_jails.size, vm_manager.uid_jails.slots) == (1, 65536)
+    ranges = vm_manager.uid_ranges
+    assert ranges.base(ranges.slots) <= min(jails.values())
     uids = []
     for box in (a, b):
         pid = box.state.vm["vmm_pid"]
@@ -140,6 +146,7 @@ def test_each_vmm_is_jailed_as_a_uid_of_its_own(vms: Any) -> None:
         assert len(ids) == 1, ids  # uid == gid, real == effective == saved: no way back to root
         (uid,) = ids
         assert uid != 0
+        assert uid == jails[box.id]
         assert caps == 0
         assert os.readlink(f"/proc/{pid}/root") == str(box.dir / "vm")  # chrooted to its own directory
         vm_dir = box.dir / "vm"

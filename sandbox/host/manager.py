@@ -86,7 +86,8 @@ __all__ = ["Cancel", "ExecResult", "Sandbox", "SandboxManager", "become_subreape
 PR_SET_CHILD_SUBREAPER = 36
 # Host uids of user-namespaced sandboxes and VMMs: 64 regions of USERNS_SLOTS ranges from 2^30, one
 # region per data dir (like the subnet), so two managers on one machine rarely share a uid; far above
-# the 100000.. ranges /etc/subuid hands to users.
+# the 100000.. ranges /etc/subuid hands to users.  A region's last range is 65536 single uids, one
+# per VMM's jail.
 USERNS_FIRST = 1 << 30
 USERNS_SLOTS = 256
 
@@ -141,11 +142,14 @@ class SandboxManager:
         if userns_range is None:
             region = int(digest, 16) % 64
             userns_range = (USERNS_FIRST + region * USERNS_SLOTS * idmap.RANGE_SIZE, USERNS_SLOTS)
-        self.uid_ranges = idmap.RangePool(self.root / "userns.json", *userns_range)
+        first, slots = userns_range
+        self.uid_ranges = idmap.RangePool(self.root / "userns.json", first, slots - 1)
+        self.uid_jails = idmap.RangePool(self.root / "jails.json", first + (slots - 1) * idmap.RANGE_SIZE,
+                                         idmap.RANGE_SIZE, 1)
         self.resources = HostResources(
             mounts=Mounts(self.host, self.paths), disks=Disks(self.paths),
             networks=Networks(self.data_dir / "net", self.subnet, protected), cgroups=Cgroups(self.cgroup_parent),
-            uids=Uids(self.uid_ranges))
+            uids=Uids(self.uid_ranges, self.uid_jails))
         self.execs = ExecRunner(self.states.lock)
         ctx = HostContext(self.data_dir, self.paths, self.host, self.resources, self.open_store,
                           lambda sid: Sandbox(self, sid))

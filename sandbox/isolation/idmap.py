@@ -337,10 +337,11 @@ class RangesExhausted(SandboxError):
 
 
 class RangePool:
-    """Distinct ``RANGE_SIZE`` host uid ranges, one per sandbox, allocated from ``slots`` ranges at ``first``.
+    """Distinct host uid ranges of ``size`` uids (``RANGE_SIZE``: a user namespace's; 1: a VMM's
+    jail), one per owner, allocated from ``slots`` ranges at ``first``.
 
-    ``first, first + RANGE_SIZE, ...``: slot ``k`` is host uids
-    ``first + k*RANGE_SIZE ..``, so two sandboxes of one pool never share a
+    ``first, first + size, ...``: slot ``k`` is host uids
+    ``first + k*size ..``, so two sandboxes of one pool never share a
     host uid (root of one is not the owner of the other's processes or files).
     The table (``path``, host-state format ``layerbox.userns``: sid -> slot) is
     rewritten whole under an flock, so a CLI and the service on one data dir
@@ -348,14 +349,15 @@ class RangePool:
     of ranges (and the user namespace fds a manager caches per range) small.
     """
 
-    def __init__(self, path: str | os.PathLike[str], first: int, slots: int) -> None:
-        if first <= 0 or slots <= 0 or first + slots * RANGE_SIZE > 1 << 32:
-            raise ValueError(f"uid pool {first}+{slots}x{RANGE_SIZE} is not a valid non-root uid range")
+    def __init__(self, path: str | os.PathLike[str], first: int, slots: int, size: int = RANGE_SIZE) -> None:
+        if first <= 0 or slots <= 0 or size <= 0 or first + slots * size > 1 << 32:
+            raise ValueError(f"uid pool {first}+{slots}x{size} is not a valid non-root uid range")
         self.path = Path(path)
         self.first = first
         self.slots = slots
+        self.size = size
         self.table = HostTable(self.path, "layerbox.userns", 1, upgrade=_unversioned_ranges,
-                               empty=lambda: {"first": first, "size": RANGE_SIZE, "sandboxes": {}}, aside=(
+                               empty=lambda: {"first": first, "size": size, "sandboxes": {}}, aside=(
                                    "only with no user-namespaced sandbox left: their ranges would be "
                                    "handed out again"))
 
@@ -363,22 +365,22 @@ class RangePool:
     def _locked(self) -> Iterator[dict[str, int]]:
         with self.table.locked() as body:
             yield body["sandboxes"]
-            body.update(first=self.first, size=RANGE_SIZE)  # the pool the slots count in
+            body.update(first=self.first, size=self.size)  # the pool the slots count in
 
     def base(self, slot: int) -> int:
-        return self.first + slot * RANGE_SIZE
+        return self.first + slot * self.size
 
     def allocate(self, sid: str) -> tuple[int, int]:
-        """``(host_base, RANGE_SIZE)`` for ``sid`` (the same one again if it already has a range)."""
+        """``(host_base, size)`` for ``sid`` (the same one again if it already has a range)."""
         with self._locked() as table:
             if sid not in table:
                 used = set(table.values())
                 free = next((k for k in range(self.slots) if k not in used), None)
                 if free is None:
                     raise RangesExhausted(f"all {self.slots} uid ranges of {self.path} are in use (one per "
-                                          f"user-namespaced sandbox): {RangesExhausted.fix}")
+                                          f"user-namespaced sandbox or VMM): {RangesExhausted.fix}")
                 table[sid] = free
-            return self.base(table[sid]), RANGE_SIZE
+            return self.base(table[sid]), self.size
 
     def release(self, sid: str) -> None:
         """Free ``sid``'s range (nothing happens if it has none)."""

@@ -232,22 +232,31 @@ class Cgroups:
 
 
 class Uids:
-    """Host uid ranges from the manager's pool (sandbox.isolation.idmap.RangePool)."""
+    """Host uids from the manager's pools (sandbox.isolation.idmap.RangePool): a range of 65536
+    for a user-namespaced sandbox, one uid for a VMM's jail (a pool of its own, so that VMs are
+    not capped by the number of user namespace ranges)."""
 
     name = "userns"
 
-    def __init__(self, pool: RangePool) -> None:
+    def __init__(self, pool: RangePool, jails: RangePool) -> None:
         self.pool = pool
+        self.jails = jails
 
     def acquire(self, sid: str) -> tuple[int, int]:
         return self.pool.allocate(sid)
 
+    def jail(self, owner: str) -> int:
+        legacy = self.pool.owners().get(owner)  # a VMM jailed before its own pool: it keeps its uid
+        return legacy if legacy is not None else self.jails.allocate(owner)[0]
+
     def release(self, sid: str) -> None:
-        self.pool.release(sid)  # after the processes: no process of the range is left
+        # after the processes: no process of the range is left
+        self.pool.release(sid)
+        self.jails.release(sid)
 
     def owners(self) -> set[str]:
         """Sandbox ids, and the names of template boots a crash interrupted (their VMM's jail)."""
-        return set(self.pool.owners())
+        return set(self.pool.owners()) | set(self.jails.owners())
 
     reclaim = release
 

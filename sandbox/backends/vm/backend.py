@@ -233,8 +233,8 @@ class VmBackend:
         """The host uid and gid the VMM of ``owner`` (a sandbox id, or a template boot's name)
         runs as: the first of a uid range of its own in the manager's pool, the same again for
         the same owner (a resume), released with the sandbox (the manager's destroy and reconcile)."""
-        base, _ = self.ctx.resources.uids.acquire(owner)
-        return base, base
+        uid = self.ctx.resources.uids.jail(owner)
+        return uid, uid
 
     @contextlib.contextmanager
     def _template_jail(self, name: str) -> Iterator[tuple[int, int]]:
