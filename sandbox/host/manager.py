@@ -119,8 +119,9 @@ class SandboxManager:
     def __init__(self, data_dir: str | os.PathLike[str], store_url: str | None = None, *,
                  runtime: str = "crun", subnet: str | None = None,
                  userns_range: tuple[int, int] | None = None, protected: Sequence[str] = ()) -> None:
-        """``userns_range``: ``(first host uid, number of 65536-uid ranges)`` for sandboxes created
-        with ``userns=True`` and for VMMs' jails; by default a region from 2^30 chosen by the data dir.
+        """``userns_range``: ``(first host uid, number of 65536-uid ranges)``, at least 2: all but the
+        last for sandboxes created with ``userns=True``, the last as one uid per VMM's jail; by
+        default a region from 2^30 chosen by the data dir.
         ``runtime``: the OCI runtime the container backend runs (crun).  ``protected``: CIDRs no
         egress rule may open, on top of the host's, the subnet's and link-local ones (docs/SECURITY.md,
         "Protected destinations"); a sandbox whose options carry ``PROTECTED_EGRESS_LABEL`` may."""

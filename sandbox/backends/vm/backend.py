@@ -231,7 +231,7 @@ class VmBackend:
     # -- the VMM's jail ---------------------------------------------------------------------------
     def jail_of(self, owner: str) -> tuple[int, int]:
         """The host uid and gid the VMM of ``owner`` (a sandbox id, or a template boot's name)
-        runs as: the first of a uid range of its own in the manager's pool, the same again for
+        runs as: a uid of its own from the manager's jail pool (``Uids.jail``), the same again for
         the same owner (a resume), released with the sandbox (the manager's destroy and reconcile)."""
         uid = self.ctx.resources.uids.jail(owner)
         return uid, uid
