@@ -8,15 +8,17 @@ cases use raw HTTP where the SDK would not send what they need.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import hashlib
 import io
 import json
 import os
+import socket
 import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -441,6 +443,54 @@ def test_an_oversized_connect_message_is_refused(served: E2bEdge, sbx: Sandbox) 
     r = envd(served, sbx, "POST", "/filesystem.Filesystem/Stat", headers=token, content=json.dumps({"path": "/etc"}))
     assert r.status_code == 200
     assert r.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
+
+
+def open_fds(served: E2bEdge) -> set[str]:
+    """What the edge process's descriptors point at."""
+    assert served.edge.proc is not None
+    fds = Path(f"/proc/{served.edge.proc.pid}/fd")
+    out = set()
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            out.add(os.readlink(fd))
+    return out
+
+
+def test_an_upload_its_client_abandons_leaves_no_descriptor_open(served: E2bEdge, sbx: Sandbox, home: str) -> None:
+    """The edge opens the file while the body arrives and writes each piece while it reads the
+    next: a client that goes away in the middle leaves no descriptor of the sandbox's file behind
+    (one held open would pin it, one closed under a write could land bytes in another file)."""
+    sbx.files.write(f"{home}/cut", b"o" * (3 << 20))  # an old file: the open truncates it
+    url = urllib.parse.urlsplit(served.url)
+    boundary = "cut" + uuid.uuid4().hex
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{home}/cut\"\r\n"
+            "Content-Type: application/octet-stream\r\n\r\n").encode()
+    piece = b"n" * (1 << 20)
+
+    def holding() -> bool:
+        return any(f.endswith(f"/{home}/cut") for f in open_fds(served))
+
+    def until(cond: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 30
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    for sent in (0, 1, 3):  # MiB of the body before the client goes: as the file opens, a write, later
+        with socket.create_connection((url.hostname, url.port), timeout=30) as conn:
+            conn.sendall((f"POST /files HTTP/1.1\r\nHost: {url.netloc}\r\nE2b-Sandbox-Id: {sbx.sandbox_id}\r\n"
+                          f"E2b-Sandbox-Port: {ENVD}\r\nX-Access-Token: {sbx._envd_access_token}\r\n"
+                          f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+                          f"Content-Length: {len(head) + (8 << 20)}\r\n\r\n").encode() + head)
+            for _ in range(sent):
+                conn.sendall(piece)
+            until(holding)  # the edge has the file open
+            assert holding()
+        until(lambda: not holding())
+        assert not holding(), f"the edge still holds the file after its client left ({sent} MiB sent)"
+    written = sbx.files.read(f"{home}/cut", format="bytes")
+    assert set(written) <= {ord("n")}  # truncated, then only what the last client sent
+    sbx.files.write(f"{home}/cut", b"whole")  # and the edge still takes an upload of that file
+    assert sbx.files.read(f"{home}/cut") == "whole"
 
 
 def test_a_bad_upload_is_refused_by_field(served: E2bEdge, sbx: Sandbox, home: str) -> None:
