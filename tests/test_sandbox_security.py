@@ -12,6 +12,7 @@ import base64
 import json
 import os
 import re
+import stat
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -393,6 +394,58 @@ def test_the_limits_a_sandbox_gets_are_the_ones_asked_for(url: str, manager: San
             await call("DELETE", f"{url}/v1/sandboxes/{gone}", ALPHA if gone == sid else BETA)
 
     asyncio.run(scenario())
+
+
+def test_masked_directories_are_empty_and_read_only_and_shared_by_none(url: str, manager: SandboxManager) -> None:
+    """The masked directories (/proc/acpi, /sys/firmware where the host has them) and v1's
+    /sys/fs/cgroup are read-only binds of directories every container shares (spec.Masks): root in
+    a sandbox, with a user namespace or without, can neither read the host's entries there nor
+    leave anything for the next sandbox."""
+    masked = [p for p in ("/proc/acpi", "/proc/asound", "/proc/scsi", "/sys/firmware") if os.path.isdir(p)]
+    assert masked, "this host's kernel has none of the masked directories: the test would show nothing"
+
+    made: list[str] = []
+
+    async def scenario() -> None:
+        plain = await create(url, ALPHA)
+        made.append(plain["id"])
+        mapped = await create(url, ALPHA, userns=True)
+        made.append(mapped["id"])
+        for box in (plain, mapped):
+            sid = box["id"]
+            res = await run(url, ALPHA, sid, "find " + " ".join(masked) + " -mindepth 1 | wc -l")
+            assert res["stdout"].split() == [b"0"], (sid, res)
+            for target in (*masked, "/sys/fs/cgroup"):
+                res = await run(url, ALPHA, sid, f"touch {target}/left-behind")
+                assert res["exit"]["exit_code"] != 0, (sid, target, res)
+                assert b"Read-only file system" in res["stderr"], (sid, target, res)
+            res = await run(url, ALPHA, sid, f"umount {masked[0]} && ls -A {masked[0]} | head -3")
+            assert res["exit"]["exit_code"] != 0 or not res["stdout"].strip(), (sid, res)
+        shared = manager.data_dir / "sandbox" / "masks"
+        if manager.layout.version == 1:
+            assert sorted(p.name for p in (shared / "cgroup").iterdir()), shared
+        assert not list((shared / "empty").iterdir())
+        assert not [p for p in shared.rglob("*") if p.is_file()]
+        # one sandbox's masks are the others': a sandbox made after sees the same, empty
+        later = await create(url, ALPHA)
+        made.append(later["id"])
+        res = await run(url, ALPHA, later["id"], f"ls -A {masked[0]} | wc -l")
+        assert res["stdout"].split() == [b"0"], res
+
+    async def remove() -> None:
+        for sid in made:
+            await call("DELETE", f"{url}/v1/sandboxes/{sid}", ALPHA)
+
+    # a user namespace's uids must traverse the data dir's parents (pytest's temp root is 0700)
+    closed = {d: stat.S_IMODE(d.stat().st_mode) for d in manager.data_dir.parents if not d.stat().st_mode & 0o001}
+    for d, mode in closed.items():
+        d.chmod(mode | 0o001)
+    try:
+        asyncio.run(scenario())
+    finally:
+        asyncio.run(remove())
+        for d, mode in closed.items():
+            d.chmod(mode)
 
 
 # -- 4. the files API: special files, and one project cannot starve the others ----------------------------

@@ -48,7 +48,7 @@ from sandbox.backends.base import (
 )
 from sandbox.backends.container.files import RootFiles
 from sandbox.backends.container.runtime import ConsoleSocket, OciRuntime, kill_tree
-from sandbox.backends.container.spec import IDLE_INIT, OciLimits, build_process, build_spec
+from sandbox.backends.container.spec import IDLE_INIT, Masks, OciLimits, build_process, build_spec
 from sandbox.core.errors import (
     RuntimeFailed,
     SandboxError,
@@ -87,7 +87,17 @@ class ContainerBackend:
         self.runtime = OciRuntime(ctx.paths.runtime, binary=runtime)
         self._lock = threading.Lock()
         self._userns_fds: dict[int, int] = {}  # host_base -> user namespace fd with that mapping (kept)
+        self._masks_made: Masks | None = None
         ctx.mounts.on_remount = self._on_remount
+
+    def _masks(self, hierarchies: list[str]) -> Masks:
+        """The shared mask directories (spec.Masks), made once per process."""
+        with self._lock:
+            if self._masks_made is None:
+                masks = Masks(self.ctx.paths.root / "masks" / "empty", self.ctx.paths.root / "masks" / "cgroup")
+                masks.ensure(hierarchies)
+                self._masks_made = masks
+            return self._masks_made
 
     # -- what it is ---------------------------------------------------------------------------------
     def capabilities(self, isolation: str = "container") -> Capabilities:
@@ -157,9 +167,10 @@ class ContainerBackend:
         # the sandbox joins that one, so the network namespace is its own
         joined = f"/proc/{os.getpid()}/fd/{self._userns_fd(*userns)}" if userns and netns else None
         limits = limits_of(options)
+        binds = self.ctx.cgroups.binds(st.cgroups_path)
         spec = build_spec(str(box.dir / "rootfs"), process, hostname=box.id, cgroups_path=st.cgroups_path,
                           limits=limits, cgroup_version=self.ctx.cgroups.version, netns_path=netns, userns=userns,
-                          userns_path=joined, cgroup_binds=self.ctx.cgroups.binds(st.cgroups_path))
+                          userns_path=joined, cgroup_binds=binds, masks=self._masks([name for name, _ in binds]))
         replace_beneath(self.ctx.paths.boxes, f"{box.id}/bundle/config.json", json.dumps(spec).encode())
         box.update(env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid, status="starting",
                    network=network)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sandbox.core.errors import SandboxError
 from sandbox.core.model import DEFAULT_CPU, DEFAULT_MEMORY, DEFAULT_PIDS
 from sandbox.isolation import seccomp
 
@@ -242,16 +244,62 @@ def seccomp_profile() -> dict[str, Any]:
     }
 
 
-def _cgroup_mounts(binds: Sequence[tuple[str, Path]], ro: list[str]) -> list[dict[str, Any]]:
+def _cgroup_mounts(binds: Sequence[tuple[str, Path]], ro: list[str], masks: Masks | None) -> list[dict[str, Any]]:
     if not binds:
         return [{"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
                  "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]}]
-    # (not read-only itself, like the tmpfs crun mounts there: readonlyPaths on it would copy the
-    # binds under it read-write; a sandbox may write 64 KiB of its own memory there, nothing else)
-    return [{"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "noexec", "nodev", "mode=755", "size=64k"]},
-            *({"destination": f"/sys/fs/cgroup/{name}", "type": "bind", "source": str(source),
-               "options": ["bind", *ro]} for name, source in binds)]
+    if masks is not None:  # the shared skeleton, read-only: no file system of its own
+        base: dict[str, Any] = {"destination": "/sys/fs/cgroup", "type": "bind", "source": str(masks.cgroup),
+                                "options": ["bind", *ro]}
+    else:
+        # (not read-only itself, like the tmpfs crun mounts there: readonlyPaths on it would copy the
+        # binds under it read-write; a sandbox may write 64 KiB of its own memory there, nothing else)
+        base = {"destination": "/sys/fs/cgroup", "type": "tmpfs", "source": "tmpfs",
+                "options": ["nosuid", "noexec", "nodev", "mode=755", "size=64k"]}
+    return [base, *({"destination": f"/sys/fs/cgroup/{name}", "type": "bind", "source": str(source),
+                     "options": ["bind", *ro]} for name, source in binds)]
+
+
+@dataclass(frozen=True)
+class Masks:
+    """Host directories every container's masks are bound from, read-only, instead of a tmpfs of
+    its own for each (what crun mounts for a masked directory, and for ``/sys/fs/cgroup``).
+
+    Every file system a container mounts is a superblock with two memcg-aware list_lrus, and the
+    kernel walks every list_lru on the host, under one mutex, each time a memory cgroup goes
+    offline (``memcg_reparent_list_lrus``) and takes that mutex to mount or unmount one: at 3,200
+    held, a tenth of the host's CPU went there and creates queued on the mutex (bench/README.md,
+    "Dense hosts").  ``empty``: an empty directory (0555); ``cgroup``: one directory per cgroup v1
+    hierarchy a container sees (the mount points of its own cgroup's binds)."""
+
+    empty: Path
+    cgroup: Path
+
+    def ensure(self, hierarchies: Sequence[str]) -> None:
+        """Made (root's, read and search for all, written by none) with these hierarchies' mount points."""
+        for d in (self.empty.parent, self.empty, self.cgroup, *(self.cgroup / name for name in hierarchies)):
+            d.mkdir(mode=0o755, exist_ok=True)
+        for d in (self.cgroup, *(self.cgroup / name for name in hierarchies), self.empty):
+            os.chmod(d, 0o555)
+        os.chmod(self.empty.parent, 0o711)  # (traversed by a user namespace's crun, never listed)
+        for stray in self.empty.iterdir():  # (nothing writes here; a stray entry would show in every mask)
+            raise SandboxError(f"{self.empty} masks directories in every container, so it must be empty, but it "
+                               f"holds {stray.name!r}: remove what it holds")
+
+
+def _masked(masks: Masks | None, ro: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The masked directories as read-only binds of ``masks.empty`` and the paths crun still masks
+    (files, with /dev/null; all of them without ``masks``).  A directory the host's kernel does not
+    have is not in the container's /proc or /sys either: crun would skip it, and so does this."""
+    if masks is None:
+        return [], list(MASKED_PATHS)
+    binds, left = [], []
+    for path in MASKED_PATHS:
+        if os.path.isdir(path):
+            binds.append({"destination": path, "type": "bind", "source": str(masks.empty), "options": ["bind", *ro]})
+        elif os.path.lexists(path):
+            left.append(path)
+    return binds, left
 
 
 @functools.cache
@@ -279,7 +327,7 @@ def build_process(args: Sequence[str], *, env: Mapping[str, str], cwd: str, uid:
 def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroups_path: str,
                limits: OciLimits, cgroup_version: int, netns_path: str | None = None,
                userns: tuple[int, int] | None = None, userns_path: str | None = None,
-               cgroup_binds: Sequence[tuple[str, Path]] = ()) -> dict[str, Any]:
+               cgroup_binds: Sequence[tuple[str, Path]] = (), masks: Masks | None = None) -> dict[str, Any]:
     """``netns_path``: join that network namespace (sandbox.isolation.network) instead of a new empty one.
 
     ``userns``: ``(host_base, size)`` runs the sandbox in a new user namespace
@@ -296,12 +344,16 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
     A v1 cgroup mount takes the kernel's cgroup mutex and drains every offline cgroup on the
     host first (``cgroup_lock_and_drain_offline``): with 3,200 sandboxes held it made each
     create wait, and the other creator's exec behind it (bench/README.md, "Dense hosts").
+
+    ``masks``: the masked directories and ``/sys/fs/cgroup`` (v1) are binds of these shared
+    read-only directories (:class:`Masks`), not file systems of the container's own.
     """
     resources = limits.resources()
     if cgroup_version == 1:
         resources["memory"].pop("swap")  # memsw exists only with swap accounting on
     profile = seccomp_profile()
     ro = ["nosuid", "noexec", "nodev", "ro"]
+    mask_binds, masked = _masked(masks, ro)
     spec: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": dict(process),
@@ -318,7 +370,8 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
              "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ro},
-            *_cgroup_mounts(cgroup_binds, ro),
+            *_cgroup_mounts(cgroup_binds, ro, masks),
+            *mask_binds,
         ],
         "linux": {
             "namespaces": [{"type": t, "path": netns_path} if t == "network" and netns_path else {"type": t}
@@ -327,7 +380,7 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
             "resources": resources,
             "devices": [{"path": p, "type": "c", "major": ma, "minor": mi, "fileMode": 0o666, "uid": 0, "gid": 0}
                         for p, ma, mi in DEVICES],
-            "maskedPaths": list(MASKED_PATHS),
+            "maskedPaths": masked,
             "readonlyPaths": list(READONLY_PATHS),
             "seccomp": profile,
         },
