@@ -4,14 +4,15 @@ Each table is one JSON object whose first two fields say what it is,
 ``{"format": "layerbox.leases", "version": 1, ...}``, followed by the table's own
 fields.  It is changed only under an exclusive ``flock`` on a lock file beside it,
 so the CLI, the service and the daemon on one host never lose each other's
-updates, and replaced whole (temp file, fsync, rename, fsync of the directory), so
-a reader never sees half of one.  docs/FORMAT.md, "Host-state tables", is the
+updates, and replaced whole (temp file, fsync, an exchange of the two names, fsync of the
+directory: :func:`swap_in`), so a reader never sees half of one.  docs/FORMAT.md, "Host-state tables", is the
 format; :class:`HostTable` is its one reader and writer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import json
@@ -246,9 +247,35 @@ class HostTable:
                 tmp.unlink()
             raise
         os.close(fd)
-        os.replace(tmp, self.path)
+        swap_in(tmp, self.path)
         if durable:
             _fsync_dir(self.path.parent)
+
+
+RENAME_EXCHANGE = 2  # renameat2(2)
+_AT_FDCWD = -100
+_renameat2: Any = None
+
+
+def swap_in(tmp: str | os.PathLike[str], name: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
+    """Put the file ``tmp`` at ``name`` atomically, as a rename does, by exchanging the two names
+    (``RENAME_EXCHANGE``): the previous version is left at ``tmp``, whose inode the next write
+    truncates and fills again.  Every rename over a file frees an inode and the next temp file
+    allocates one; on ext4 without a journal each allocation then skips every inode freed in the
+    last minutes (``recently_deleted``), and with a sandbox's state, its table rows and its mount
+    record rewritten at each create that was 12% of the host's CPU with 3,000 sandboxes held.
+    A plain rename when ``name`` does not exist yet or the file system cannot exchange."""
+    global _renameat2
+    if _renameat2 is None:
+        _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+        _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fd = _AT_FDCWD if dir_fd is None else dir_fd
+    if _renameat2(fd, os.fsencode(tmp), fd, os.fsencode(name), RENAME_EXCHANGE) == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in (errno.ENOENT, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        raise OSError(err, f"exchanging {os.fsdecode(tmp)} and {os.fsdecode(name)}: {os.strerror(err)}")
+    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -307,8 +334,11 @@ class HostRecords:
     def drop(self, key: str) -> bool:
         """Remove the record ``key``; False when there was none.  (Not fsynced: a record that comes
         back after a power loss is one its owner's reconcile finds unmounted and forgets.)"""
+        path = self._table(key).path
+        with contextlib.suppress(FileNotFoundError):  # the version before, left by swap_in
+            path.with_name(path.name + ".tmp").unlink()
         try:
-            self._table(key).path.unlink()
+            path.unlink()
         except FileNotFoundError:
             return False
         return True

@@ -193,8 +193,36 @@ def test_a_stale_temp_file_is_ignored_and_overwritten(tmp_path: Path) -> None:
     with table.locked() as body:
         assert body["count"] == 1
         body["count"] = 2
-    assert not tmp.exists()
     assert path.read_bytes() == b'{"format":"layerbox.test","version":1,"count":2}'
+    # the names were exchanged: the crash's temp file now holds the version before, whole
+    assert tmp.read_bytes() == b'{"format":"layerbox.test","version":1,"count":1}'
+
+
+def test_rewrites_reuse_two_inodes(tmp_path: Path) -> None:
+    """A rewrite exchanges the table with its temp file instead of renaming over it: no inode is
+    freed or made per write (on ext4 without a journal each new inode skips every recently
+    freed one), and a reader still sees one whole version."""
+    path = tmp_path / "t.json"
+    table = written_table(path, 1)
+    inodes = set()
+    for n in range(2, 12):
+        with table.locked() as body:
+            body["count"] = n
+        inodes.add(path.stat().st_ino)
+        assert table.read() == {"count": n}
+    assert len(inodes) == 2
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"t.json", "t.json.tmp"} <= names <= {"t.json", "t.json.tmp", "t.json.lock"}
+
+
+def test_a_dropped_record_leaves_no_temp_file(tmp_path: Path) -> None:
+    records = HostRecords(tmp_path / "r", "layerbox.test", 1, durable=False)
+    for n in range(3):
+        records.put("one", {"n": n})
+    assert records.get("one") == {"n": 2}
+    assert records.all() == {"one": {"n": 2}}  # (the version before, at one.json.tmp, is no record)
+    assert records.drop("one")
+    assert list((tmp_path / "r").iterdir()) == []
 
 
 def _increment(path: str, times: int) -> None:
@@ -257,7 +285,7 @@ def test_mounts_reads_the_unversioned_table_and_moves_its_mounts_to_records(tmp_
     assert host.status()["mounts"] == {}
     assert envelope(path) == {"format": "layerbox.mounts", "version": 2, "layers": {}, "entries": {}, "holds": {}}
     assert not host.has_stale_layers("g2")
-    assert sorted(p.name for p in state.iterdir()) == ["lock", "mounts", "mounts.json"]
+    assert sorted(p.name for p in state.iterdir()) == ["lock", "mounts", "mounts.json", "mounts.json.tmp"]  # (.tmp: the version before)
     assert list((state / "mounts").iterdir()) == []
 
 

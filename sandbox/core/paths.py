@@ -25,7 +25,7 @@ import errno
 import os
 from pathlib import Path
 
-from layerstore.hoststate import closed_dir, private_fd
+from layerstore.hoststate import closed_dir, private_fd, swap_in
 from sandbox.core.errors import HostUnsupported
 from sandbox.core.model import check_sandbox_id
 
@@ -105,7 +105,7 @@ def replace_beneath(base: str | os.PathLike[str], rel: str, data: bytes) -> None
                     view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
-            os.rename(tmp, name, src_dir_fd=pdir, dst_dir_fd=pdir)
+            swap_in(tmp, name, dir_fd=pdir)  # (the old version stays at tmp: no inode freed or made)
         finally:
             os.close(pdir)
     finally:
