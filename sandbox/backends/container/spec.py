@@ -338,15 +338,11 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
     mapping) instead: a network namespace made inside it is then the sandbox's
     own, so the runtime can mount a sysfs for it.
 
-    ``cgroup_binds`` (cgroup v1: ``CgroupLayout.binds``): the container's ``/sys/fs/cgroup`` is a
-    tmpfs with each hierarchy's directory of this container bound read-only, as runc gives a
-    v1 container without a cgroup namespace, instead of crun mounting every hierarchy afresh.
-    A v1 cgroup mount takes the kernel's cgroup mutex and drains every offline cgroup on the
-    host first (``cgroup_lock_and_drain_offline``): with 3,200 sandboxes held it made each
-    create wait, and the other creator's exec behind it (bench/README.md, "Dense hosts").
-
-    ``masks``: the masked directories and ``/sys/fs/cgroup`` (v1) are binds of these shared
-    read-only directories (:class:`Masks`), not file systems of the container's own.
+    ``cgroup_binds`` (cgroup v1: ``CgroupLayout.binds``): each hierarchy's directory of this
+    container bound read-only under ``/sys/fs/cgroup`` (on ``masks.cgroup``: :class:`Masks`), as
+    runc gives a v1 container without a cgroup namespace.  crun mounting each hierarchy afresh
+    took the cgroup mutex and drained every offline cgroup on the host first: with 3,200 held,
+    each create waited, and the other creator's exec behind it (bench/README.md, "Dense hosts").
     """
     resources = limits.resources()
     if cgroup_version == 1:
