@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -17,8 +18,8 @@ from support.sandboxes import PROCESS_ARGS, REF, assert_clean, run
 
 from lazyfetch import kmount
 from sandbox.backends.container.files import RootFiles
-from sandbox.backends.container.spec import CAPABILITIES
-from sandbox.core.errors import InvalidField, PathEscape
+from sandbox.backends.container.spec import CAPABILITIES, Masks
+from sandbox.core.errors import InvalidField, PathEscape, SandboxError
 from sandbox.host.manager import Sandbox, SandboxManager
 from sandbox.isolation import landlock
 
@@ -170,6 +171,20 @@ def test_a_background_command_is_spawned_once_its_process_exists(boxes: Any) -> 
         assert box.exec("true", attach=probe).exit_code == 0
         assert probe.pid_files is not None
         assert len(probe.pid_files) == 1, probe.pid_files
+
+
+def test_the_shared_masks_are_read_only_and_refuse_what_is_put_in_them(tmp_path: Path) -> None:
+    """Every container's masked directories are binds of ``masks/empty``: an entry there would
+    show in all of them, so the manager refuses to use it rather than show it."""
+    masks = Masks(tmp_path / "masks" / "empty", tmp_path / "masks" / "cgroup")
+    masks.ensure(["memory", "cpu"])
+    masks.ensure(["memory", "cpu"])  # (again, as a manager's restart does)
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
+    assert modes == {"masks": 0o711, "masks/empty": 0o555, "masks/cgroup": 0o555, "masks/cgroup/memory": 0o555,
+                     "masks/cgroup/cpu": 0o555}
+    (masks.empty / "planted").write_bytes(b"x")
+    with pytest.raises(SandboxError, match="holds 'planted': remove what it holds"):
+        masks.ensure(["memory", "cpu"])
 
 
 def _cgroup_procs(box: Sandbox) -> set[int]:
