@@ -166,21 +166,22 @@ class HostTable:
 
     # -- reading ------------------------------------------------------------------------------
     def _raw(self) -> bytes | None:
-        try:
+        def opened() -> int:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                with contextlib.suppress(PermissionError):  # only its owner can tighten it
+                    private_fd(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            return fd
+
+        try:
+            return read_settled(opened, lambda: os.stat(self.path, follow_symlinks=False))
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise self._refused(f"a file it cannot read ({exc.strerror})") from None
-        try:
-            with contextlib.suppress(PermissionError):  # only its owner can tighten it
-                private_fd(fd)
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                return f.read()
-        except OSError as exc:
-            raise self._refused(f"a file it cannot read ({exc.strerror})") from None
-        finally:
-            os.close(fd)
 
     def _decode(self, raw: bytes | None) -> tuple[Body, bool]:
         """The current version's body, and whether ``raw`` is already in that version."""
@@ -250,6 +251,40 @@ class HostTable:
         swap_in(tmp, self.path)
         if durable:
             _fsync_dir(self.path.parent)
+
+
+SETTLE_TRIES = 100  # reads of a file a writer keeps changing before read_settled gives up
+
+
+def read_settled(open_file: Callable[[], int], stat_name: Callable[[], os.stat_result]) -> bytes:
+    """The bytes of the version of a file :func:`swap_in` replaces that was at its name while they
+    were read: the inode opened must be at the name (``stat_name``) in the middle of the read, and
+    unchanged from before it to after it (size and change time, which an exchange moves too);
+    else it is opened again, by name.  The inode a reader opened can meanwhile become the temp file
+    of the next write, which truncates and fills it: without these checks the reader could see an
+    empty file, part of an unpublished version, or parts of two.  A change that follows a ``stat``
+    gets a fine-grained change time (ext4, XFS, btrfs and tmpfs since Linux 6.13)."""
+    for _ in range(SETTLE_TRIES):
+        fd = open_file()
+        try:
+            before = os.fstat(fd)
+            chunks = []
+            offset = 0
+            while piece := os.pread(fd, max(before.st_size - offset, 0) + 4096, offset):
+                chunks.append(piece)
+                offset += len(piece)
+            try:
+                named = stat_name()
+            except FileNotFoundError:
+                named = None
+            after = os.fstat(fd)
+        finally:
+            os.close(fd)
+        same = (before.st_ino, before.st_size, before.st_ctime_ns) == (after.st_ino, after.st_size, after.st_ctime_ns)
+        if same and offset == after.st_size and named is not None and \
+                (named.st_dev, named.st_ino) == (after.st_dev, after.st_ino):
+            return b"".join(chunks)
+    raise OSError(errno.EAGAIN, f"changed by a writer at each of {SETTLE_TRIES} reads")
 
 
 RENAME_EXCHANGE = 2  # renameat2(2)

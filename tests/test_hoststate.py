@@ -14,6 +14,8 @@ import json
 import multiprocessing
 import os
 import stat
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from layerstore.errors import LayerboxError
 from layerstore.hoststate import HostRecords, HostStateError, HostTable
 from lazyfetch.mounts import HostMounts
 from sandbox.core.leases import Leases
+from sandbox.core.paths import read_beneath, replace_beneath
 from sandbox.isolation.idmap import RANGE_SIZE, RangePool
 from sandbox.isolation.network import NetworkManager
 
@@ -213,6 +216,67 @@ def test_rewrites_reuse_two_inodes(tmp_path: Path) -> None:
     assert len(inodes) == 2
     names = {p.name for p in tmp_path.iterdir()}
     assert {"t.json", "t.json.tmp"} <= names <= {"t.json", "t.json.tmp", "t.json.lock"}
+
+
+def test_a_reader_never_sees_part_of_two_versions(tmp_path: Path) -> None:
+    """swap_in reuses the inode of the version before for the next write: a reader that opened it
+    just before an exchange must still get one whole version (read_settled), never a mix, an
+    empty file or a prefix, while a writer rewrites the table as fast as it can."""
+    path = tmp_path / "t.json"
+    table = written_table(path, 1)
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 1
+        while not stop.is_set():
+            n += 1
+            with table.locked() as body:
+                body["count"] = n
+                body["pad"] = "x" * (n % 7 * 3000)  # versions of different sizes: a mix shows
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        seen = []
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            body = table.read()  # (a torn read raises HostStateError: no JSON)
+            if body["count"] > 1:  # (the first version has no padding)
+                assert body["pad"] == "x" * (body["count"] % 7 * 3000), body["count"]
+            seen.append(body["count"])
+    finally:
+        stop.set()
+        writer.join()
+    assert seen == sorted(seen)
+    assert len(set(seen)) > 10  # the writer did rewrite it while these reads ran
+
+
+def test_a_state_file_read_beside_its_writer_is_always_one_version(tmp_path: Path) -> None:
+    """The same for a sandbox's state.json (replace_beneath and read_beneath)."""
+    (tmp_path / "box").mkdir()
+    replace_beneath(tmp_path, "box/state.json", json.dumps({"n": 0, "pad": ""}).encode())
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            replace_beneath(tmp_path, "box/state.json", json.dumps({"n": n, "pad": "y" * (n % 5 * 2000)}).encode())
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        seen = []
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            doc = json.loads(read_beneath(tmp_path, "box/state.json"))
+            assert doc["pad"] == "y" * (doc["n"] % 5 * 2000), doc["n"]
+            seen.append(doc["n"])
+    finally:
+        stop.set()
+        writer.join()
+    assert seen == sorted(seen)
+    assert len(set(seen)) > 10
 
 
 def test_a_dropped_record_leaves_no_temp_file(tmp_path: Path) -> None:

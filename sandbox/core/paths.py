@@ -25,7 +25,7 @@ import errno
 import os
 from pathlib import Path
 
-from layerstore.hoststate import closed_dir, private_fd, swap_in
+from layerstore.hoststate import closed_dir, private_fd, read_settled, swap_in
 from sandbox.core.errors import HostUnsupported
 from sandbox.core.model import check_sandbox_id
 
@@ -78,15 +78,29 @@ def open_beneath(base: str | os.PathLike[str], rel: str, flags: int, mode: int =
 def read_beneath(base: str | os.PathLike[str], rel: str, *, private: bool = False) -> bytes:
     """The bytes of ``rel``; ``private``: a file only root may read, tightened to 0600 if an older
     layerbox left it looser (it sits in a directory other uids may have to traverse)."""
-    fd = open_beneath(base, rel, os.O_RDONLY)
-    with os.fdopen(fd, "rb") as f:
+    def opened() -> int:
+        fd = open_beneath(base, rel, os.O_RDONLY)
         if private:
-            private_fd(fd)
-        return f.read()
+            try:
+                private_fd(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+
+    def named() -> os.stat_result:
+        fd = open_beneath(base, rel, os.O_PATH)
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
+
+    return read_settled(opened, named)  # (one version: replace_beneath reuses the inode of the one before)
 
 
 def replace_beneath(base: str | os.PathLike[str], rel: str, data: bytes) -> None:
-    """Write ``rel`` whole: a temp file beside it, then ``rename`` over it (readers see old or new).
+    """Write ``rel`` whole: a temp file beside it, then exchanged with it (``swap_in``; readers of
+    :func:`read_beneath` see one version, old or new).
 
     No fsync: these files describe processes and mounts that a host crash ends anyway;
     reconcile rebuilds from what the kernel still has.
