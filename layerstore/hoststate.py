@@ -57,16 +57,22 @@ def private_fd(fd: int) -> None:
         os.fchmod(fd, mode & 0o700)
 
 
-def open_private(path: str | os.PathLike[str]) -> int:
-    """A read-write fd on ``path``, a file for its owner alone (a lock file, a database): made 0600
-    if missing, tightened to it if looser, never through a symlink."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
+def tightened(fd: int, *, owner_only: bool = True) -> int:
+    """``fd`` after :func:`private_fd` (closed if that fails); ``owner_only=False``: a reader that
+    is not the file's owner leaves it to the owner."""
     try:
-        private_fd(fd)
+        with contextlib.suppress(*(() if owner_only else (PermissionError,))):
+            private_fd(fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def open_private(path: str | os.PathLike[str]) -> int:
+    """A read-write fd on ``path``, a file for its owner alone (a lock file, a database): made 0600
+    if missing, tightened to it if looser, never through a symlink."""
+    return tightened(os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE))
 
 
 @contextlib.contextmanager
@@ -167,14 +173,7 @@ class HostTable:
     # -- reading ------------------------------------------------------------------------------
     def _raw(self) -> bytes | None:
         def opened() -> int:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                with contextlib.suppress(PermissionError):  # only its owner can tighten it
-                    private_fd(fd)
-            except BaseException:
-                os.close(fd)
-                raise
-            return fd
+            return tightened(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), owner_only=False)
 
         try:
             return read_settled(opened, lambda: os.stat(self.path, follow_symlinks=False))

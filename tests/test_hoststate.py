@@ -16,6 +16,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -218,65 +219,66 @@ def test_rewrites_reuse_two_inodes(tmp_path: Path) -> None:
     assert {"t.json", "t.json.tmp"} <= names <= {"t.json", "t.json.tmp", "t.json.lock"}
 
 
+def race(write: Callable[[int], None], read: Callable[[], int], seconds: float) -> list[int]:
+    """``read()`` over and over for ``seconds`` while a thread calls ``write(n)`` for n = 2, 3, ...
+    as fast as it can; the versions each read saw."""
+    stop = threading.Event()
+
+    def writer() -> None:
+        n = 1
+        while not stop.is_set():
+            n += 1
+            write(n)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        seen = []
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            seen.append(read())
+    finally:
+        stop.set()
+        thread.join()
+    assert seen == sorted(seen)
+    assert len(set(seen)) > 10  # the writer did rewrite it while these reads ran
+    return seen
+
+
 def test_a_reader_never_sees_part_of_two_versions(tmp_path: Path) -> None:
     """swap_in reuses the inode of the version before for the next write: a reader that opened it
     just before an exchange must still get one whole version (read_settled), never a mix, an
     empty file or a prefix, while a writer rewrites the table as fast as it can."""
-    path = tmp_path / "t.json"
-    table = written_table(path, 1)
-    stop = threading.Event()
+    table = written_table(tmp_path / "t.json", 1)
 
-    def write() -> None:
-        n = 1
-        while not stop.is_set():
-            n += 1
-            with table.locked() as body:
-                body["count"] = n
-                body["pad"] = "x" * (n % 7 * 3000)  # versions of different sizes: a mix shows
+    def write(n: int) -> None:
+        with table.locked() as body:
+            body["count"] = n
+            body["pad"] = "x" * (n % 7 * 3000)  # versions of different sizes: a mix shows
 
-    writer = threading.Thread(target=write)
-    writer.start()
-    try:
-        seen = []
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline:
-            body = table.read()  # (a torn read raises HostStateError: no JSON)
-            if body["count"] > 1:  # (the first version has no padding)
-                assert body["pad"] == "x" * (body["count"] % 7 * 3000), body["count"]
-            seen.append(body["count"])
-    finally:
-        stop.set()
-        writer.join()
-    assert seen == sorted(seen)
-    assert len(set(seen)) > 10  # the writer did rewrite it while these reads ran
+    def read() -> int:
+        body = table.read()  # (a torn read raises HostStateError: no JSON)
+        if body["count"] > 1:  # (the first version has no padding)
+            assert body["pad"] == "x" * (body["count"] % 7 * 3000), body["count"]
+        return int(body["count"])
+
+    race(write, read, 3)
 
 
 def test_a_state_file_read_beside_its_writer_is_always_one_version(tmp_path: Path) -> None:
     """The same for a sandbox's state.json (replace_beneath and read_beneath)."""
     (tmp_path / "box").mkdir()
-    replace_beneath(tmp_path, "box/state.json", json.dumps({"n": 0, "pad": ""}).encode())
-    stop = threading.Event()
 
-    def write() -> None:
-        n = 0
-        while not stop.is_set():
-            n += 1
-            replace_beneath(tmp_path, "box/state.json", json.dumps({"n": n, "pad": "y" * (n % 5 * 2000)}).encode())
+    def write(n: int) -> None:
+        replace_beneath(tmp_path, "box/state.json", json.dumps({"n": n, "pad": "y" * (n % 5 * 2000)}).encode())
 
-    writer = threading.Thread(target=write)
-    writer.start()
-    try:
-        seen = []
-        deadline = time.monotonic() + 2
-        while time.monotonic() < deadline:
-            doc = json.loads(read_beneath(tmp_path, "box/state.json"))
-            assert doc["pad"] == "y" * (doc["n"] % 5 * 2000), doc["n"]
-            seen.append(doc["n"])
-    finally:
-        stop.set()
-        writer.join()
-    assert seen == sorted(seen)
-    assert len(set(seen)) > 10
+    def read() -> int:
+        doc = json.loads(read_beneath(tmp_path, "box/state.json"))
+        assert doc["pad"] == "y" * (doc["n"] % 5 * 2000), doc["n"]
+        return int(doc["n"])
+
+    write(1)
+    race(write, read, 2)
 
 
 def test_a_dropped_record_leaves_no_temp_file(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ import errno
 import os
 from pathlib import Path
 
-from layerstore.hoststate import closed_dir, private_fd, read_settled, swap_in
+from layerstore.hoststate import closed_dir, private_fd, read_settled, swap_in, tightened
 from sandbox.core.errors import HostUnsupported
 from sandbox.core.model import check_sandbox_id
 
@@ -80,13 +80,7 @@ def read_beneath(base: str | os.PathLike[str], rel: str, *, private: bool = Fals
     layerbox left it looser (it sits in a directory other uids may have to traverse)."""
     def opened() -> int:
         fd = open_beneath(base, rel, os.O_RDONLY)
-        if private:
-            try:
-                private_fd(fd)
-            except BaseException:
-                os.close(fd)
-                raise
-        return fd
+        return tightened(fd) if private else fd
 
     def named() -> os.stat_result:
         fd = open_beneath(base, rel, os.O_PATH)
