@@ -131,7 +131,7 @@ class HostTable:
     def __init__(self, path: str | os.PathLike[str], format: str, version: int, *,
                  reads: Collection[int] = (), upgrade: Upgrade | None = None,
                  empty: Callable[[], Body] = dict, lock: str | os.PathLike[str] | None = None,
-                 aside: str = "", drop_empty: bool = False) -> None:
+                 aside: str = "", drop_empty: bool = False, spare: str | os.PathLike[str] | None = None) -> None:
         if upgrade is None and set(reads) - {version}:
             raise ValueError(f"{format}: reading versions {sorted(reads)} takes an upgrade to version {version}")
         self.path = Path(path)
@@ -143,6 +143,16 @@ class HostTable:
         self.lock = Path(lock) if lock is not None else self.path.with_name(self.path.name + ".lock")
         self.aside = aside
         self.drop_empty = drop_empty
+        # The temp file a write fills and swap_in exchanges with the table, keeping the version
+        # before for the next write: one per lock (its holder is the only writer) in the table's
+        # directory (an exchange stays in one file system), so the tables of one lock (a project's
+        # job leases) share it instead of one each.
+        if spare is not None:
+            self.spare = Path(spare)
+        elif self.lock.parent == self.path.parent:
+            self.spare = self.lock.with_name(self.lock.name + ".spare")
+        else:
+            self.spare = self.path.with_name(self.path.name + ".tmp")
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[Body]:
@@ -228,9 +238,9 @@ class HostTable:
         return json.dumps({"format": self.format, "version": self.version, **body}, separators=(",", ":")).encode()
 
     def _replace(self, data: bytes, *, durable: bool = True) -> None:
-        # One temp name: only the lock holder writes, and a temp file a crash left behind is
+        # One temp name per lock: only its holder writes, and a temp file a crash left behind is
         # simply truncated by the next writer.
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp = self.spare
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_FILE)
         try:
             private_fd(fd)  # a temp file an older layerbox left behind keeps its mode through O_CREAT
@@ -351,8 +361,9 @@ class HostRecords:
     def _table(self, key: str) -> HostTable:
         if not key or "/" in key or key.startswith(".") or not key.isprintable():
             raise ValueError(f"{self.dir}: {key!r} is not a record key")
-        # (the lock is the caller's: HostTable.locked is never used here)
-        return HostTable(self.dir / f"{key}.json", self.format, self.version, aside=self.aside)
+        # (the lock is the caller's: HostTable.locked is never used here; its writers share one spare)
+        return HostTable(self.dir / f"{key}.json", self.format, self.version, aside=self.aside,
+                         spare=self.dir / ".spare")
 
     def get(self, key: str) -> Body | None:
         """The record ``key``, None when there is none."""
@@ -369,8 +380,6 @@ class HostRecords:
         """Remove the record ``key``; False when there was none.  (Not fsynced: a record that comes
         back after a power loss is one its owner's reconcile finds unmounted and forgets.)"""
         path = self._table(key).path
-        with contextlib.suppress(FileNotFoundError):  # the version before, left by swap_in
-            path.with_name(path.name + ".tmp").unlink()
         try:
             path.unlink()
         except FileNotFoundError:

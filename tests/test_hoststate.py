@@ -175,7 +175,7 @@ def test_an_exception_in_the_block_writes_nothing_and_releases_the_lock(tmp_path
     with pytest.raises(RuntimeError, match="half way"):
         change_then_fail()
     assert stamp(path) == before
-    assert not path.with_name("t.json.tmp").exists()
+    assert not table.spare.exists()
     with open(table.lock, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if still held
 
@@ -191,7 +191,8 @@ def test_a_body_cannot_overwrite_the_envelope(tmp_path: Path) -> None:
 def test_a_stale_temp_file_is_ignored_and_overwritten(tmp_path: Path) -> None:
     path = tmp_path / "t.json"
     table = written_table(path, 1)
-    tmp = path.with_name("t.json.tmp")
+    tmp = table.spare
+    assert tmp == path.with_name("t.json.lock.spare")  # (one per lock, beside it)
     tmp.write_bytes(b'{"format":"layerbox.test","version":1,"count":999}' + b" " * 100_000)  # a crash's
     assert table.read() == {"count": 1}
     with table.locked() as body:
@@ -216,7 +217,7 @@ def test_rewrites_reuse_two_inodes(tmp_path: Path) -> None:
         assert table.read() == {"count": n}
     assert len(inodes) == 2
     names = {p.name for p in tmp_path.iterdir()}
-    assert {"t.json", "t.json.tmp"} <= names <= {"t.json", "t.json.tmp", "t.json.lock"}
+    assert names == {"t.json", "t.json.lock", "t.json.lock.spare"}
 
 
 def race(write: Callable[[int], None], read: Callable[[], int], seconds: float) -> list[int]:
@@ -281,14 +282,14 @@ def test_a_state_file_read_beside_its_writer_is_always_one_version(tmp_path: Pat
     race(write, read, 2)
 
 
-def test_a_dropped_record_leaves_no_temp_file(tmp_path: Path) -> None:
+def test_records_share_one_spare_and_a_dropped_record_leaves_nothing_of_its_own(tmp_path: Path) -> None:
     records = HostRecords(tmp_path / "r", "layerbox.test", 1, durable=False)
     for n in range(3):
         records.put("one", {"n": n})
     assert records.get("one") == {"n": 2}
-    assert records.all() == {"one": {"n": 2}}  # (the version before, at one.json.tmp, is no record)
+    assert records.all() == {"one": {"n": 2}}  # (the version before, at .spare, is no record)
     assert records.drop("one")
-    assert list((tmp_path / "r").iterdir()) == []
+    assert [p.name for p in (tmp_path / "r").iterdir()] == [".spare"]  # (shared by every record)
 
 
 def _increment(path: str, times: int) -> None:
@@ -351,7 +352,7 @@ def test_mounts_reads_the_unversioned_table_and_moves_its_mounts_to_records(tmp_
     assert host.status()["mounts"] == {}
     assert envelope(path) == {"format": "layerbox.mounts", "version": 2, "layers": {}, "entries": {}, "holds": {}}
     assert not host.has_stale_layers("g2")
-    assert sorted(p.name for p in state.iterdir()) == ["lock", "mounts", "mounts.json", "mounts.json.tmp"]  # (.tmp: the version before)
+    assert sorted(p.name for p in state.iterdir()) == ["lock", "lock.spare", "mounts", "mounts.json"]
     assert list((state / "mounts").iterdir()) == []
 
 

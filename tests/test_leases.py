@@ -65,7 +65,7 @@ def test_one_private_file_per_job(leases: Leases) -> None:
     leases.join("alpha/train-1", SID2, now=101.0)
     leases.join("local", SID1, now=100.0)
     path = leases.dir / "alpha" / "train-1.json"
-    assert sorted(os.listdir(leases.dir / "alpha")) == ["lock", "train-1.json"]
+    assert sorted(os.listdir(leases.dir / "alpha")) == ["lock", "lock.spare", "train-1.json"]  # (.spare: the lock's)
     assert sorted(os.listdir(leases.dir / "_host")) == ["local.json", "lock"]
     assert path.read_text() == ('{"format":"layerbox.lease","version":1,"job":"alpha/train-1","ttl":300.0,'
                                 f'"expires":401.0,"state":"active","manifest":null,"sandboxes":["{SID1}","{SID2}"]}}')
