@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import lmdb
 
@@ -33,28 +34,36 @@ from layerstore.packs import ChunkLocation
 MAP_SIZE = 8 << 30  # address space only; the file grows with use
 
 # LMDB allows one open environment per file per process: every MetadataCache on the
-# same path shares it (a service creating sandboxes concurrently opens many Stores).
-_ENVS: dict[str, tuple[lmdb.Environment, int]] = {}
+# same path shares it (a service creating sandboxes concurrently opens many Stores), and its
+# databases, opened once with the environment.
+DBS = (b"docs", b"meta", b"chunks", b"packs", b"refs")
+_ENVS: dict[str, tuple[lmdb.Environment, dict[bytes, Any], int]] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire(path: Path) -> lmdb.Environment:
+def _acquire(path: Path) -> tuple[lmdb.Environment, dict[bytes, Any]]:
     key = os.path.realpath(path)
     with _ENVS_LOCK:
-        env, users = _ENVS.get(key, (None, 0))
+        env, dbs, users = _ENVS.get(key, (None, {}, 0))
         if env is None:
             env = lmdb.open(key, map_size=MAP_SIZE, max_dbs=8, subdir=True,
                             lock=True, readahead=False, metasync=False, sync=False)
-        _ENVS[key] = (env, users + 1)
-        return env
+            # In one write transaction begun by begin(), which waits for LMDB's writer lock with
+            # the GIL released.  open_db without a transaction begins its own write transaction
+            # holding the GIL: while another thread's write transaction was open (add_pack), the
+            # two waited for each other for ever (200 concurrent checkpoints, this suite).
+            with env.begin(write=True) as txn:
+                dbs = {name: env.open_db(name, txn=txn) for name in DBS}
+        _ENVS[key] = (env, dbs, users + 1)
+        return env, dbs
 
 
 def _release(path: Path) -> None:
     key = os.path.realpath(path)
     with _ENVS_LOCK:
-        env, users = _ENVS[key]
+        env, dbs, users = _ENVS[key]
         if users > 1:
-            _ENVS[key] = (env, users - 1)
+            _ENVS[key] = (env, dbs, users - 1)
         else:
             del _ENVS[key]
             env.close()
@@ -69,13 +78,9 @@ class MetadataCache:
         closed_dir(self.path.parent)
         closed_dir(self.path)
         (self.path / "STORE").write_text(store_url + "\n")
-        self.env = _acquire(self.path)
+        self.env, dbs = _acquire(self.path)
         self._closed = False
-        self._docs = self.env.open_db(b"docs")
-        self._meta = self.env.open_db(b"meta")
-        self._chunks = self.env.open_db(b"chunks")
-        self._packs = self.env.open_db(b"packs")
-        self._refs = self.env.open_db(b"refs")
+        self._docs, self._meta, self._chunks, self._packs, self._refs = (dbs[name] for name in DBS)
 
     def close(self) -> None:
         if not self._closed:
