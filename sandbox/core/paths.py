@@ -82,14 +82,9 @@ def read_beneath(base: str | os.PathLike[str], rel: str, *, private: bool = Fals
         fd = open_beneath(base, rel, os.O_RDONLY)
         return tightened(fd) if private else fd
 
-    def named() -> os.stat_result:
-        fd = open_beneath(base, rel, os.O_PATH)
-        try:
-            return os.fstat(fd)
-        finally:
-            os.close(fd)
-
-    return read_settled(opened, named)  # (one version: replace_beneath reuses the inode of the one before)
+    # (one version: replace_beneath reuses the inode of the one before.  The name's check is an
+    # identity, so a plain lstat will do: a path that resolved elsewhere names another inode)
+    return read_settled(opened, lambda: os.stat(os.path.join(base, rel), follow_symlinks=False))
 
 
 def replace_beneath(base: str | os.PathLike[str], rel: str, data: bytes) -> None:
