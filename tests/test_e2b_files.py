@@ -390,6 +390,40 @@ def test_signed_urls_read_and_write_and_refuse_the_rest(served: E2bEdge, sbx: Sa
     assert sh(sbx, f"stat -c %U /home/user/{home}/up.txt") == "user\n"
 
 
+def test_signed_urls_as_the_sdk_gives_them_name_no_sandbox_and_still_reach_theirs(served: E2bEdge, sbx: Sandbox,
+                                                                                    home: str) -> None:
+    """With E2B_SANDBOX_URL the SDK's URLs are ``<url>/files?path=..&signature=..``: no sandbox in
+    them, fetched by a client with no header at all (a browser, curl)."""
+    other = Sandbox.create(TEMPLATE, timeout=60)
+    try:
+        for box in (sbx, other):
+            box.files.write(f"/tmp/{home}-whose", box.sandbox_id)
+        for box in (sbx, other):
+            url = box.download_url(f"/tmp/{home}-whose", use_signature_expiration=60)
+            assert url.startswith(served.url + "/files?")
+            got = httpx.get(url, timeout=60)
+            assert (got.status_code, got.text) == (200, box.sandbox_id)
+        up = other.upload_url(f"/tmp/{home}-posted")
+        r = httpx.post(up, files={"file": ("p", b"posted")}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert other.files.read(f"/tmp/{home}-posted") == "posted"
+        assert not sbx.files.exists(f"/tmp/{home}-posted")
+        # the attack: forged, reused for another operation, expired, unsigned, malformed; all 401, none reaches a file
+        read_url = sbx.download_url(f"/tmp/{home}-whose")
+        refused = [httpx.get(read_url.replace("signature=v1_", "signature=v1_A")[:-1], timeout=60),
+                   httpx.post(read_url, files={"file": ("x", b"overwritten")}, timeout=60),
+                   httpx.get(sbx.download_url(f"/tmp/{home}-whose", use_signature_expiration=-120), timeout=60),
+                   httpx.get(f"{served.url}/files?path=/tmp/{home}-whose", timeout=60),
+                   httpx.get(f"{served.url}/files?path=/tmp/{home}-whose&signature=v1_..", timeout=60)]
+        assert [r.status_code for r in refused] == [401] * 5, [r.text for r in refused]
+        assert all(r.json()["code"] == 401 for r in refused)  # E2B's error body
+        assert sbx.files.read(f"/tmp/{home}-whose") == sbx.sandbox_id
+        gone_url = other.download_url(f"/tmp/{home}-whose")
+    finally:
+        other.kill()
+    assert httpx.get(gone_url, timeout=60).status_code == 401  # its sandbox's token signs for nothing now
+
+
 # -- hostile ----------------------------------------------------------------------------------------------
 def test_paths_never_leave_the_sandbox(sbx: Sandbox, home: str) -> None:
     marker = f"layerbox-escape-{uuid.uuid4().hex[:8]}"

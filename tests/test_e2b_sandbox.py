@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from e2b import (
     AsyncSandbox,
@@ -35,7 +36,7 @@ from e2b import (
     SandboxState,
     Template,
 )
-from support.e2b import ADMIN, ALPHA, BETA, TEMPLATE, TOKENS, E2bEdge, e2b_edge
+from support.e2b import ADMIN, ALPHA, BETA, TEMPLATE, TOKENS, E2bEdge, e2b_edge, envd_headers
 from support.edges import EdgeProcess, http, running
 from support.sandboxes import store_url  # noqa: F401  (a module's store with the fixture image)
 
@@ -442,6 +443,83 @@ def test_auto_pause_pauses_at_the_timeout_with_the_processes_and_connect_resumes
         assert "autoPauseMemory" in str(caught.value)
     finally:
         box.kill()
+
+
+def wait_paused(sid: str) -> None:
+    deadline = time.monotonic() + 120  # a bound on a hung reaper, not a measure of it
+    while Sandbox.get_info(sid).state != SandboxState.PAUSED and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert Sandbox.get_info(sid).state == SandboxState.PAUSED
+
+
+def resumes(served: E2bEdge, sid: str) -> int:
+    status, logs = call(served, "GET", f"/v2/sandboxes/{sid}/logs")
+    assert status == 200
+    return [e["fields"]["action"] for e in logs["logs"]].count("resume")
+
+
+def test_auto_resume_wakes_a_paused_sandbox_on_its_traffic_once_and_only_for_its_owner(served: E2bEdge) -> None:
+    box = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    sid = box.sandbox_id
+    try:
+        assert box.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        box.commands.run("n=0; while true; do n=$((n+1)); echo $n > /tmp/n; sleep 0.1; done", background=True,
+                         timeout=0)
+        box.commands.run("mkdir -p www && echo woken > www/index.txt")
+        box.commands.run("cd www && exec python3 -m http.server 8000 --bind 127.0.0.1", background=True, timeout=0)
+        box.commands.run("for i in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/8000) 2>/dev/null && exit 0; "
+                         "sleep 0.05; done; exit 1")
+        wait_paused(sid)
+        before = resumes(served, sid)
+        # the attack first: another project's key naming it, a token of another sandbox: not woken
+        other = httpx.get(served.url + "/health", headers=envd_headers(sid, **{"X-API-Key": BETA}), timeout=30)
+        assert other.status_code == 502
+        forged = httpx.get(served.url + "/index.txt", timeout=30,
+                           headers=envd_headers(sid, 8000, **{"e2b-traffic-access-token": "A" * 43}))
+        assert forged.status_code == 502
+        assert Sandbox.get_info(sid).state == SandboxState.PAUSED
+        # its own traffic to a port wakes it: the request is answered, not refused
+        served_page = httpx.get(served.url + "/index.txt", timeout=30,
+                                headers=envd_headers(sid, 8000, **{"e2b-traffic-access-token": str(box.traffic_access_token)}))
+        assert (served_page.status_code, served_page.text) == (200, "woken\n")
+        info = Sandbox.get_info(sid)
+        assert info.state == SandboxState.RUNNING
+        # E2B's rule: at least five minutes from the resume, then it pauses again
+        assert datetime.timedelta(seconds=250) < info.end_at - datetime.datetime.now(datetime.UTC) \
+            <= datetime.timedelta(seconds=301)
+        first = int(box.files.read("/tmp/n"))
+        time.sleep(0.5)
+        assert int(box.files.read("/tmp/n")) > first  # the same process counts on
+        # paused again (by hand): calls racing to its envd share one resume
+        assert box.pause() is True
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            read = list(pool.map(lambda _: box.files.read("/tmp/n"), range(6)))
+        assert all(int(n) > first for n in read)
+        assert Sandbox.get_info(sid).state == SandboxState.RUNNING
+        assert resumes(served, sid) == before + 2  # one per wake, not one per request
+    finally:
+        box.kill()
+
+
+def test_without_auto_resume_a_paused_sandbox_waits_for_connect(served: E2bEdge) -> None:
+    box = Sandbox.create(TEMPLATE, timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": False})
+    try:
+        assert box.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        assert box.pause() is True
+        assert box.is_running() is False
+        with pytest.raises(SandboxException):
+            box.commands.run("true")
+        assert Sandbox.get_info(box.sandbox_id).state == SandboxState.PAUSED
+        box.connect()
+        assert box.is_running() is True
+    finally:
+        box.kill()
+    for body, field in (({"autoResume": {"enabled": True}}, "autoResume"),  # no pause for it to follow
+                        ({"autoPause": True, "autoResume": {"enabled": "yes"}}, "autoResume.enabled"),
+                        ({"autoPause": True, "autoResume": {"enabled": True, "after": 1}}, "autoResume")):
+        status, err = call(served, "POST", "/sandboxes", body={"templateID": TEMPLATE, **body})
+        assert status == 400, body
+        assert field in err["message"], err
 
 
 def test_connect_lengthens_a_running_sandboxs_timeout_never_shortens_it(served: E2bEdge) -> None:

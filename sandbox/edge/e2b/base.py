@@ -25,7 +25,9 @@ import asyncio
 import base64
 import hashlib
 import hmac
+import math
 import re
+import time
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -43,6 +45,9 @@ ENVD_PORT = 49983
 # entry info in watch events (0.6.3), network mounts (0.6.4: accepted; lookups never leave the root mount)
 ENVD_VERSION = "0.6.4"
 DEFAULT_USER = "user"  # E2B templates run commands as this account unless told root
+# on a sandbox created with autoResume: the timeout (seconds) each resume on traffic gives it
+AUTO_RESUME_LABEL = "layerbox.e2b.auto-resume"
+AUTO_RESUME_MIN = 300  # E2B's: a sandbox resumed by traffic gets at least five minutes
 HOST_LABEL = re.compile(r"(?P<port>[0-9]{1,5})-(?P<id>[^.]{1,64})")
 MAX_DOMAIN = 253
 E2B_CLIENT_HEADERS = ("X-API-Key", "E2b-Sandbox-Id", "E2b-Sandbox-Port", "X-Access-Token",
@@ -131,6 +136,7 @@ class E2bContext:
         self.ctx = ctx
         self.keys = Keys(secret)
         self.domain = domain
+        self._waking: dict[str, asyncio.Future[SandboxState]] = {}
 
     def project(self, request: web.Request) -> Project:
         """The project of ``X-API-Key`` (the SDK's), or of a native bearer token."""
@@ -157,7 +163,8 @@ class E2bContext:
             if not self.keys.opens(token.strip(), target.sid):
                 raise gone(target.sid)
             return await self.for_owner(target.sid)
-        return project, *await self._found(target.sid, project)
+        box, state = await self._found(target.sid, project)
+        return project, box, await self.awake(box, state)
 
     async def for_owner(self, sid: str) -> tuple[Project, Sandbox, SandboxState]:
         """The sandbox ``sid`` as its own project sees it: for a caller the edge has already let in
@@ -167,7 +174,36 @@ class E2bContext:
             raise gone(sid)
         box, state = found
         project = self.ctx.auth.project_named(state.project or "")
-        return project, box, state
+        return project, box, await self.awake(box, state)
+
+    async def awake(self, box: Sandbox, state: SandboxState) -> SandboxState:
+        """``state``, or, for a sandbox paused in place that was created with ``autoResume``, its
+        state once the traffic that reached it has resumed it (E2B's auto-resume: the timeout
+        of its label from now).  Requests racing to wake it share one resume."""
+        label = state.options.labels.get(AUTO_RESUME_LABEL)
+        if state.status != "paused" or label is None:
+            return state
+        waking = self._waking.get(box.id)
+        if waking is None:
+            waking = asyncio.ensure_future(asyncio.to_thread(self._auto_resume, box, int(label)))
+            self._waking[box.id] = waking
+            waking.add_done_callback(lambda _: self._waking.pop(box.id, None))
+        return await asyncio.shield(waking)
+
+    def _auto_resume(self, box: Sandbox, seconds: int) -> SandboxState:
+        state = box.state  # again: a resume or kill may have come first
+        return self.wake(box, state, seconds) if state.status == "paused" else state
+
+    def wake(self, box: Sandbox, state: SandboxState, seconds: int) -> SandboxState:
+        """Resume ``box`` with its timeout ``seconds`` from now (within its maximum lifetime);
+        its state after (blocking)."""
+        box.resume()
+        return box.set_ttl(min(seconds, self.left(state)), max_lifetime=self.ctx.maxima.ttl)
+
+    def left(self, state: SandboxState) -> int:
+        """Whole seconds from now to the edge's maximum lifetime of ``state``'s sandbox, one short
+        (the clock moves on before set_ttl reads it: the sum must stay within the maximum)."""
+        return max(0, math.floor(state.created + self.ctx.maxima.ttl - time.time()) - 1)
 
     async def _found(self, sid: str, project: Project) -> tuple[Sandbox, SandboxState]:
         try:

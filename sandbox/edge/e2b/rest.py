@@ -10,7 +10,8 @@ same quota, admission, ownership, receipts.  docs/E2B.md maps every field.
 - ``timeout`` is the sandbox's ttl, counted from now on each ``/timeout``; ``metadata`` its
   labels; ``envVars`` its environment.  Past its timeout the edge's reaper destroys it (E2B's
   default, kill), or with ``autoPause`` pauses it in place (label ``layerbox.on-ttl``; its
-  timeout then runs to the edge's maximum lifetime, and ``connect`` resumes it).
+  timeout then runs to the edge's maximum lifetime, and ``connect`` resumes it); with
+  ``autoResume`` too, its own traffic resumes it (:meth:`E2bContext.awake`).
 - Pause (E2B's default, ``memory`` true) freezes a container in place with its processes, on
   the edge that runs it (a VM's RAM goes to the store instead, see below); while it is paused its timeout is lifted to the edge's maximum
   lifetime (E2B keeps a paused sandbox until it is resumed), and resume or connect sets it
@@ -55,7 +56,7 @@ from sandbox.core.model import (
 from sandbox.edge.auth import Project
 from sandbox.edge.context import EdgeContext
 from sandbox.edge.e2b import observe, templates
-from sandbox.edge.e2b.base import ENVD_VERSION, E2bContext
+from sandbox.edge.e2b.base import AUTO_RESUME_LABEL, AUTO_RESUME_MIN, ENVD_VERSION, E2bContext
 from sandbox.edge.e2b.paused import Parked
 from sandbox.edge.e2b.templates import ISOLATION_LABEL, check_query, page_query, paginate
 
@@ -139,8 +140,7 @@ class Rest:
                 raise ApiError(None, "unsupported_isolation", f"template {template!r} runs as {isolation}, which "
                                f"this edge does not run: {caps.reason}", field="templateID")
         options = ctx.options(project, {**given, "isolation": isolation}, extra=(), base=carried)
-        labels = {**options.labels, TEMPLATE_LABEL: template, **({ON_TTL_LABEL: "pause"} if body.get("autoPause") else {})}
-        options = options.replace(labels=labels)
+        options = options.replace(labels={**options.labels, TEMPLATE_LABEL: template, **lifecycle_labels(body)})
         async with ctx.admitted(project.name, project.max_sandboxes, [options]):
             box = await ctx.create(resolved, options, template)
         return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
@@ -166,7 +166,10 @@ class Rest:
 
     def detail(self, state: SandboxState) -> dict[str, Any]:
         """E2B's ``SandboxDetail`` but its tokens (what a sandbox paused into the store keeps)."""
-        return {**self.listed(state), "allowInternetAccess": internet_access(state)}
+        labels = state.options.labels
+        lifecycle = {"onTimeout": "pause" if labels.get(ON_TTL_LABEL) == "pause" else "kill",
+                     "autoResume": AUTO_RESUME_LABEL in labels}
+        return {**self.listed(state), "allowInternetAccess": internet_access(state), "lifecycle": lifecycle}
 
     def listed(self, state: SandboxState) -> dict[str, Any]:
         """E2B's ``ListedSandbox``."""
@@ -248,7 +251,7 @@ class Rest:
             raise ApiError(None, "conflict", f"sandbox {box.id} is already paused")
         def pause() -> None:  # (one thread hop: the SDK waits for both)
             box.pause()
-            box.set_ttl(self._left(state), max_lifetime=self.ctx.maxima.ttl)
+            box.set_ttl(self.e2b.left(state), max_lifetime=self.ctx.maxima.ttl)
         await asyncio.to_thread(pause)
         return web.Response(status=204)
 
@@ -302,21 +305,12 @@ class Rest:
         return web.json_response(self.created(await asyncio.to_thread(lambda: box.state)), status=201)
 
     async def _wake(self, box: Any, state: SandboxState, seconds: int) -> SandboxState:
-        """Resume ``box`` with its timeout ``seconds`` from now; its state after (one thread hop)."""
-        def wake() -> SandboxState:
-            box.resume()
-            return cast(SandboxState, box.set_ttl(min(seconds, self._left(state)), max_lifetime=self.ctx.maxima.ttl))
-        return await asyncio.to_thread(wake)
+        return await asyncio.to_thread(self.e2b.wake, box, state, seconds)  # (one thread hop)
 
     def _timeout(self, value: object) -> int | None:
         if value is None:
             return None
         return int(self.ctx.maxima.check_ttl(check_int("timeout", value, 0, 1 << 31)))
-
-    def _left(self, state: SandboxState) -> int:
-        """Whole seconds from now to the edge's maximum lifetime of ``state``'s sandbox, one short
-        (the clock moves on before set_ttl reads it: the sum must stay within the maximum)."""
-        return max(0, math.floor(state.created + self.ctx.maxima.ttl - time.time()) - 1)
 
     async def fork(self, request: web.Request) -> web.Response:
         """``count`` new sandboxes continuing from this one's files (E2B's ``SandboxForkResult`` each)."""
@@ -373,13 +367,38 @@ def create_options(body: Mapping[str, Any]) -> dict[str, Any]:
     if body.get("autoPause") and body.get("autoPauseMemory") is False:
         raise InvalidField("autoPauseMemory", "false (a filesystem pause at the timeout) is not supported: an "
                                               "automatic pause keeps the sandbox in place, with its memory")
-    for name in ("mcp", "iam", "autoResume"):
+    auto_resume(body)
+    for name in ("mcp", "iam"):
         if body.get(name) is not None:
             raise InvalidField(name, "is not supported by layerbox (see docs/E2B.md)")
     if body.get("volumeMounts"):
         raise InvalidField("volumeMounts", "volumes are not supported by layerbox (see docs/E2B.md)")
     out["network"] = network_rules(body.get("network"), body.get("allow_internet_access"))
     return out
+
+
+def auto_resume(body: Mapping[str, Any]) -> bool:
+    """Whether a create's ``autoResume`` (``{"enabled": bool}``) asks for a resume on traffic:
+    only with ``autoPause``, as E2B's (the SDK's ``lifecycle`` checks the same)."""
+    if body.get("autoResume") is None:
+        return False
+    enabled = check_object("autoResume", body["autoResume"], ("enabled",)).get("enabled")
+    if not isinstance(enabled, bool):
+        raise InvalidField("autoResume.enabled", "must be true or false")
+    if enabled and body.get("autoPause") is not True:
+        raise InvalidField("autoResume", "needs autoPause: true (a sandbox resumes on traffic after its "
+                                         "timeout paused it)")
+    return enabled
+
+
+def lifecycle_labels(body: Mapping[str, Any]) -> dict[str, str]:
+    """What a create's lifecycle leaves on the sandbox: a pause at its timeout, and the timeout
+    a resume on traffic gives it (its own, at least E2B's five minutes)."""
+    labels = {ON_TTL_LABEL: "pause"} if body.get("autoPause") else {}
+    if auto_resume(body):
+        timeout = body.get("timeout")
+        labels[AUTO_RESUME_LABEL] = str(max(AUTO_RESUME_MIN, DEFAULT_TIMEOUT if timeout is None else int(timeout)))
+    return labels
 
 
 def network_rules(network: object, internet: object, *, field: str = "network") -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from aiohttp import web
 from sandbox.edge.asgi import AsgiApp
 from sandbox.edge.context import EdgeContext
 from sandbox.edge.e2b import rest
-from sandbox.edge.e2b.base import E2bContext, Target, gone, target_of
+from sandbox.edge.e2b.base import ENVD_PORT, E2bContext, Target, gone, target_of
 from sandbox.edge.e2b.envd import Envd
 from sandbox.edge.e2b.files import Files
 from sandbox.edge.e2b.process import ProcessService
@@ -48,6 +48,10 @@ class E2bRoutes:
     async def dispatch(self, request: web.Request, target: Target) -> web.StreamResponse:
         return await self.envd.dispatch(request, target)
 
+    async def signed_files(self, request: web.Request) -> web.StreamResponse:
+        """``/files`` naming no sandbox: a signed URL, for the sandbox whose token signed it."""
+        return await self.dispatch(request, Target(await self.files.signer(request), ENVD_PORT))
+
     async def forward(self, request: web.Request, target: Target) -> web.StreamResponse:
         """Another port than envd's: the sandbox's port proxy, for a caller holding the sandbox's
         traffic or envd token, or its project's key."""
@@ -66,4 +70,7 @@ def setup(ctx: EdgeContext, app: web.Application, *, secret: bytes, domain: str 
           proxy: PortProxy) -> E2bRoutes:
     e2b = E2bContext(ctx, secret, domain)
     rest.setup(e2b, app)
-    return E2bRoutes(e2b, commands, proxy)
+    routes = E2bRoutes(e2b, commands, proxy)
+    app.router.add_get("/files", routes.signed_files, name="e2b:signed-download")
+    app.router.add_post("/files", routes.signed_files, name="e2b:signed-upload")
+    return routes
