@@ -83,3 +83,18 @@ def test_destroying_all_200_leaves_nothing(manager: SandboxManager, held: list[S
     assert [p for p in manager.boxes.iterdir()] == []  # no state file, no bundle
     assert os.listdir(manager.data_dir / "net" / "netns") == []  # the policed ones' namespaces
     assert not [i for i in os.listdir("/sys/class/net") if i.startswith(manager.net.if_prefix)]  # veths
+
+
+def test_the_host_favors_moves_into_cgroups_and_keeps_its_cgroup2_options(manager: SandboxManager) -> None:  # noqa: F811
+    """A manager's preflight sets cgroup2's ``favordynmods`` (each create's first move into its
+    cgroups would otherwise wait for an RCU grace period) and loses none of the mount's options."""
+    from sandbox.isolation import cgroups
+
+    assert manager.layout.version in (1, 2)  # (the preflight has run)
+    mounts = cgroups._cgroup_mounts()
+    before = {mp: opts for fs, mp, opts in mounts if fs == "cgroup2"}
+    assert before, "this host has a cgroup2 mount (hybrid or v2)"
+    assert all("favordynmods" in opts for opts in before.values()), before
+    assert cgroups.favor_dynamic_moves(mounts) is True  # again: nothing to do
+    after = {mp: opts for fs, mp, opts in cgroups._cgroup_mounts() if fs == "cgroup2"}
+    assert after == before  # (nsdelegate and the like kept)
