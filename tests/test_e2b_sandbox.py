@@ -520,6 +520,15 @@ def test_without_auto_resume_a_paused_sandbox_waits_for_connect(served: E2bEdge)
         status, err = call(served, "POST", "/sandboxes", body={"templateID": TEMPLATE, **body})
         assert status == 400, body
         assert field in err["message"], err
+    # the service's own labels (project, template, on-ttl, auto-resume) fit beside the most metadata
+    most = {"templateID": TEMPLATE, "autoPause": True, "autoResume": {"enabled": True}, "timeout": 60,
+            "metadata": {f"k{i}": "v" for i in range(59)}}
+    status, made = call(served, "POST", "/sandboxes", body=most)
+    assert status == 201, made
+    assert call(served, "DELETE", f"/sandboxes/{made['sandboxID']}")[0] == 204
+    status, err = call(served, "POST", "/sandboxes", body={**most, "metadata": {f"k{i}": "v" for i in range(60)}})
+    assert status == 400
+    assert "metadata" in err["message"]
 
 
 def test_connect_lengthens_a_running_sandboxs_timeout_never_shortens_it(served: E2bEdge) -> None:

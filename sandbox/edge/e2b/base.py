@@ -183,9 +183,10 @@ class E2bContext:
         label = state.options.labels.get(AUTO_RESUME_LABEL)
         if state.status != "paused" or label is None:
             return state
+        seconds = int(label) if label.isascii() and label.isdigit() else AUTO_RESUME_MIN
         waking = self._waking.get(box.id)
         if waking is None:
-            waking = asyncio.ensure_future(asyncio.to_thread(self._auto_resume, box, int(label)))
+            waking = asyncio.ensure_future(asyncio.to_thread(self._auto_resume, box, seconds))
             self._waking[box.id] = waking
             waking.add_done_callback(lambda _: self._waking.pop(box.id, None))
         return await asyncio.shield(waking)

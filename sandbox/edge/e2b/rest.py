@@ -65,6 +65,9 @@ TEMPLATE_LABEL = "layerbox.e2b.template"  # on a sandbox: the templateID it was 
 DEFAULT_TIMEOUT = 15  # seconds, E2B's default when a create, fork or resume names none
 CONNECT_TIMEOUT = 300  # seconds, E2B's default when a connect that resumes names none
 MAX_FORKS = 100  # E2B's bound on a fork's count
+# room for the service's own labels beside a create's metadata: its project, template, on-ttl,
+# auto-resume, and the operator's protected egress
+MAX_METADATA = MAX_LABELS - 5
 MiB = 1 << 20
 CREATE_FIELDS = ("templateID", "timeout", "autoPause", "autoPauseMemory", "autoResume", "secure",
                  "allow_internet_access", "network", "metadata", "envVars", "mcp", "iam", "volumeMounts")
@@ -356,8 +359,8 @@ def create_options(body: Mapping[str, Any]) -> dict[str, Any]:
     out["ttl"] = check_int("timeout", DEFAULT_TIMEOUT if timeout is None else timeout, 1, 1 << 31)
     if body.get("metadata"):
         labels = check_labels("metadata", body["metadata"], reserved_ok=False)
-        if len(labels) > MAX_LABELS - 2:
-            raise InvalidField("metadata", f"{len(labels)} keys, at most {MAX_LABELS - 2}")
+        if len(labels) > MAX_METADATA:
+            raise InvalidField("metadata", f"{len(labels)} keys, at most {MAX_METADATA}")
         out["labels"] = labels
     if body.get("envVars"):
         out["env"] = check_env("envVars", body["envVars"])
@@ -392,10 +395,11 @@ def auto_resume(body: Mapping[str, Any]) -> bool:
 
 
 def lifecycle_labels(body: Mapping[str, Any]) -> dict[str, str]:
-    """What a create's lifecycle leaves on the sandbox: a pause at its timeout, and the timeout
-    a resume on traffic gives it (its own, at least E2B's five minutes)."""
+    """What a create's lifecycle leaves on the sandbox (``body`` checked by :func:`create_options`):
+    a pause at its timeout, and the timeout a resume on traffic gives it (its own, at least E2B's
+    five minutes)."""
     labels = {ON_TTL_LABEL: "pause"} if body.get("autoPause") else {}
-    if auto_resume(body):
+    if (body.get("autoResume") or {}).get("enabled") is True:
         timeout = body.get("timeout")
         labels[AUTO_RESUME_LABEL] = str(max(AUTO_RESUME_MIN, DEFAULT_TIMEOUT if timeout is None else int(timeout)))
     return labels
