@@ -443,6 +443,7 @@ class AgentConnection:
         self._pending = bytearray()  # read after HELLO's answer, before the reader parsed frames
         self._hellos = [0, 0]  # sent, answered
         self._closing = False
+        self._failing = False  # one _fail at a time: `closed` is set once its callback has run
         self._on_misbehaved: Callable[[str], None] | None = None
         self.closed: str | None = None
         self.misbehaved: str | None = None  # why the guest was found breaking the protocol
@@ -636,11 +637,19 @@ class AgentConnection:
 
     def _fail(self, why: str, *, mark: bool) -> None:
         with self._cond:
-            if self.closed is not None:
+            if self.closed is not None or self._failing:
                 return
-            self.closed = why
+            self._failing = True
+            callback = self._on_misbehaved if mark else None
             if mark:
                 self.misbehaved = why
+        if callback is not None:
+            # before the connection is seen closed: whoever learns of the broken protocol (a call
+            # that fails, a look at `closed`) finds its sandbox marked already
+            callback(why)
+        with self._cond:
+            self.closed = why
+            if mark:
                 for ch in self._calls.values():  # nothing more of a guest that broke the protocol
                     ch.frames.clear()
             procs, self._procs = self._procs, {}
@@ -648,11 +657,8 @@ class AgentConnection:
             for port in ports.values():
                 port.ended, port.error = True, port.error or errno.ECONNABORTED
             self._calls.clear()
-            callback = self._on_misbehaved if mark else None
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        if callback is not None:
-            callback(why)  # first: a caller told of the broken protocol finds its sandbox marked
         for proc in procs.values():
             proc._finish(255, f"layerbox: the guest agent went away ({why})\n".encode())
         for port in ports.values():
