@@ -249,17 +249,27 @@ def _cgroup_mounts() -> list[tuple[str, str, set[str]]]:
     return out
 
 
-def _mount_cgroup_v1(controller: str, target: Path) -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    target.mkdir(parents=True, exist_ok=True)
-    if libc.mount(b"cgroup", os.fsencode(target), b"cgroup", 0, controller.encode()) != 0:
-        err = ctypes.get_errno()
-        raise HostUnsupported(f"moving {controller} to a cgroup v1 hierarchy at {target} failed: "
-                              f"{os.strerror(err)}; crun refuses hybrid cgroups while cgroup2 holds controllers")
-
-
 MS_REMOUNT = 32
 MNT_DETACH = 2
+
+
+def _mount(source: bytes | None, target: str | os.PathLike[str], fstype: bytes | None, flags: int,
+           data: str) -> None:
+    """mount(2); an OSError with its errno (its strerror names the target and the options)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.mount(source, os.fsencode(target), fstype, flags, data.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount of {os.fspath(target)} ({data}): {os.strerror(err)}")
+
+
+def _mount_cgroup_v1(controller: str, target: Path) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        _mount(b"cgroup", target, b"cgroup", 0, controller)
+    except OSError as exc:
+        raise HostUnsupported(f"moving {controller} to a cgroup v1 hierarchy at {target} failed: "
+                              f"{os.strerror(exc.errno or 0)}; crun refuses hybrid cgroups while cgroup2 holds "
+                              "controllers") from None
 
 
 def favor_dynamic_moves(mounts: list[tuple[str, str, set[str]]]) -> bool:
@@ -278,20 +288,14 @@ def favor_dynamic_moves(mounts: list[tuple[str, str, set[str]]]) -> bool:
     v2 = [(mp, opts) for fs, mp, opts in mounts if fs == "cgroup2"]
     if any("favordynmods" in opts for _, opts in v2):
         return True
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     try:
         if v2:
             mountpoint, opts = v2[0]
-            data = ",".join([*sorted(opts - {"rw", "ro"}), "favordynmods"])
-            if libc.mount(None, os.fsencode(mountpoint), None, MS_REMOUNT, data.encode()) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"remount of {mountpoint} with {data}: {os.strerror(err)}")
+            _mount(None, mountpoint, None, MS_REMOUNT, ",".join([*sorted(opts - {"rw", "ro"}), "favordynmods"]))
         else:
             with tempfile.TemporaryDirectory(prefix="layerbox-cgroup2-") as d:
-                if libc.mount(b"cgroup2", os.fsencode(d), b"cgroup2", 0, b"favordynmods") != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"cgroup2 mount at {d}: {os.strerror(err)}")
-                libc.umount2(os.fsencode(d), MNT_DETACH)
+                _mount(b"cgroup2", d, b"cgroup2", 0, "favordynmods")
+                ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).umount2(os.fsencode(d), MNT_DETACH)
     except OSError as exc:
         log.warning("cgroup2 favordynmods could not be set (%s): each sandbox's first move into its "
                     "cgroups waits for an RCU grace period", exc.strerror)
