@@ -236,6 +236,12 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", 
                 problems.append(f"shim {pid} left running")
         for mp in kmount.mounts_under(self.base):
             kmount.umount(mp, lazy=True, missing_ok=True)
+        # runc leaves the namespace's parent cgroup (/<namespace>, in every v1 hierarchy or the
+        # v2 tree) once its containers are gone: empty, and removed here (best effort: one
+        # still holding a container stays)
+        for parent in [*Path("/sys/fs/cgroup").glob(f"*/{NAMESPACE}"), Path("/sys/fs/cgroup", NAMESPACE)]:
+            with contextlib.suppress(OSError):
+                parent.rmdir()
         return problems
 
     def log_tail(self, lines: int = 40) -> str:
