@@ -2,8 +2,8 @@
 
 Roots are the documents refs point at (and checkpoint documents, which are
 refs too).  Marking follows documents to layers, layers to their metadata
-images and chunk digests (from the images' blob maps), chunks to packs; a
-document's access trace lives as long as the document.
+images and chunk digests (from the images' blob maps), chunks to packs; the
+access trace of a document or a layer lives as long as it does.
 Sweeping deletes unreached objects older than the grace period, so an upload
 in progress (whose objects nothing references yet) is never swept; the gc
 lock additionally keeps publishers out while gc runs.  A pack with any live
@@ -101,8 +101,8 @@ async def collect(store: Store, *, grace: float = DEFAULT_GRACE, dry_run: bool =
             doomed.append((key, size))
             return True
 
-        # an access trace only speeds up mounts of its document: it goes when the document does
-        for prefix, live in (("docs/", docs), ("meta/", layers), ("traces/", docs)):
+        # an access trace only speeds up mounts of its document or layer: it goes when that does
+        for prefix, live in (("docs/", docs), ("meta/", layers), ("traces/", docs | layers)):
             async for info in store.backend.list(prefix):
                 if "blake3:" + info.key.rsplit("/", 1)[-1] not in live:
                     consider(info.key, info.size, info.mtime)

@@ -7,7 +7,7 @@ Keys (docs/FORMAT.md, "Store layout"):
     meta/<xx>/<layer digest>   zstd of a layer's EROFS metadata image
     docs/<xx>/<doc digest>     JSON documents: image, composition, checkpoint
     refs/<repo>:<tag>          mutable name -> document digest, with history
-    traces/<xx>/<doc digest>   a document's access trace (parse_trace; written by lazyfetch)
+    traces/<xx>/<digest>       a document's or a layer's access trace (parse_trace; written by lazyfetch)
     locks/<kind>-<id>          publish and gc locks (layerstore/locks.py)
     config                     the store's layout version and id (parse_store_config)
 
@@ -39,7 +39,7 @@ SCHEMA_RECEIPTS = "layerbox.receipts.v1"
 SCHEMA_OPTIONS = "layerbox.sandbox-options.v1"  # a checkpoint's sandbox options (sandbox.core.model)
 SCHEMA_RUN = "layerbox.run.v1"
 SCHEMA_VM_TEMPLATE = "layerbox.vm-template.v2"  # a saved VM: one layer, its memory and device state (sandbox.backends.vm.qemu)
-SCHEMA_TRACE = "layerbox.trace.v1"  # not a document: mutable, kept while its document is reachable
+SCHEMA_TRACE = "layerbox.trace.v1"  # not a document: mutable, kept while its document (or layer) is reachable
 REF_HISTORY = 50
 PART_ORDER = ("base", "workspace", "toolkit")  # lowest first: the mission's base + workspace + toolkit
 
@@ -95,7 +95,8 @@ def doc_key(digest: str | bytes) -> str:
 
 
 def trace_key(image: str | bytes) -> str:
-    """The key of the access trace of document ``image`` (an image, composition or checkpoint)."""
+    """The key of the access trace of ``image``: a document (an image, composition or checkpoint), or
+    a layer (what mounts of any document read of it)."""
     return _fan("traces", hex_digest(image))
 
 
@@ -176,7 +177,7 @@ def parse_ref_doc(data: bytes, key: str, what: str) -> dict[str, Any]:
 
 
 def parse_trace(doc: Any, image: str | bytes, what: str) -> dict[str, Any]:
-    """An access trace of document ``image``, checked (docs/FORMAT.md "Access traces").
+    """An access trace of document (or layer) ``image``, checked (docs/FORMAT.md "Access traces").
 
     Returns a fresh ``{"schema", "image", "layers"}`` with every digest in its
     canonical spelling (``blake3:<hex>`` for the image and layers, bare hex

@@ -266,13 +266,13 @@ class _Copier:
         pack_objs = [(_Object("packs", pack_key(p)), _Object("indexes", index_key(p))) for p in packs]
         metas = [_Object("meta", meta_key(d)) for d in reached.layers]
         docs = [_Object("docs", doc_key(d)) for d in reached.docs]
-        traces = [_Object("traces", trace_key(d)) for d in reached.docs]
+        traces = [_Object("traces", trace_key(d)) for d in (*reached.docs, *reached.layers)]
         await self._bounded([self._look(o) for pair in pack_objs for o in pair])
         await self._bounded([self._look(o) for o in (*metas, *docs)])
         await self._bounded([self._look(o, optional=True) for o in traces])
         if any(not pack.present for pack, _ in pack_objs):
             await self.dst.sync_index()  # which chunks the destination has in its own packs: for the report
-        # content first; documents once all of it is in; traces, which name documents, last
+        # content first; documents once all of it is in; traces, which name documents and layers, last
         await self._bounded([*(self._pack(pack, index) for pack, index in pack_objs),
                              *(self._meta(o) for o in metas)])
         await self._bounded([self._doc(o) for o in docs])

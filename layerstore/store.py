@@ -251,7 +251,7 @@ class Store:
 
     # -- access traces --------------------------------------------------------------------
     async def get_trace(self, image_digest: str) -> dict[str, Any] | None:
-        """The stored access trace of document ``image_digest``, checked (``objects.parse_trace``).
+        """The stored access trace of document (or layer) ``image_digest``, checked (``objects.parse_trace``).
 
         None when there is none, and also when the stored object is malformed
         (logged as a warning): a trace only costs speed.  Backend failures
@@ -277,8 +277,9 @@ class Store:
         ``doc`` must be ``{"schema": "layerbox.trace.v1", "image": image_digest,
         "layers": {layer digest: [chunk hex, ...]}}``; anything else raises
         :class:`FormatError` (``BadName`` for a bad ``image_digest``) before the
-        store is touched.  Stored as canonical JSON; gc removes it once no ref
-        reaches ``image_digest``.  Takes no lock.
+        store is touched.  ``image_digest`` may also be a layer's digest, with ``layers`` naming
+        that layer alone: what mounts of any document read of it.  Stored as canonical JSON;
+        gc removes it once no ref reaches ``image_digest``.  Takes no lock.
         """
         key = trace_key(image_digest)
         checked = parse_trace(doc, image_digest, f"{self.url}: refusing to store {key}")

@@ -52,7 +52,7 @@ from typing import Any
 
 from layerstore.erofs.reader import ErofsImage
 from layerstore.hoststate import make_private_dirs, open_private
-from layerstore.objects import LayerEntry, digest_of, hex_digest
+from layerstore.objects import SCHEMA_TRACE, LayerEntry, digest_of, hex_digest
 from layerstore.store import Store
 from lazyfetch import fanotify, kmount
 from lazyfetch.blobcache import EVICT_LOW_WATER, EVICT_MIN_AGE, BlobCache, LayerBlob, boot_id
@@ -317,20 +317,15 @@ class Daemon:
         return count
 
     async def start_trace_or_prefetch(self, image: str, layers: list[str]) -> str:
-        """Replay the image's stored access trace, or record one if there is none yet."""
-        try:
-            doc = await self.store.get_trace(image)
-        except Exception as exc:  # a store that cannot give the trace only costs speed
-            log.warning("ignoring the access trace of %s: %s", image, exc)
-            doc = None
+        """Replay the image's stored access trace, or record one if there is none yet.
+
+        An image without a trace of its own is often a new workspace on a base and toolkit that
+        other images' tasks read already: while its trace records, the traces its layers got from
+        those mounts (docs/FORMAT.md "Access traces") replay in the background."""
+        doc = await self._trace_of(image)
         if doc:
-            wanted = [(hex_digest(layer), bytes.fromhex(d))
-                      for layer in layers for d in doc.get("layers", {}).get(layer, [])]
-            replay = self.loop.create_task(self.prefetch(wanted))
-            self._tasks.add(replay)
-            replay.add_done_callback(self._tasks.discard)
-            for layer in layers:  # the background fill of these layers starts after it
-                self._replays[hex_digest(layer)] = replay
+            self._replay([(hex_digest(layer), bytes.fromhex(d))
+                          for layer in layers for d in doc.get("layers", {}).get(layer, [])], layers)
             return "replaying"
         if image in self._tracing:
             return "recording"
@@ -340,12 +335,37 @@ class Daemon:
             bl = self.cache.layers.get(hex_digest(layer))
             if bl is not None and bl.trace is None:
                 bl.trace, bl.trace_until = {}, until
+        self._spawn(self._replay_layer_traces(layers))
         self._spawn(self._finish_trace(image, layers))
         return "recording"
 
+    async def _trace_of(self, digest: str) -> dict[str, Any] | None:
+        try:
+            return await self.store.get_trace(digest)
+        except Exception as exc:  # a store that cannot give the trace only costs speed
+            log.warning("ignoring the access trace of %s: %s", digest, exc)
+            return None
+
+    def _replay(self, wanted: list[tuple[str, bytes]], layers: list[str]) -> None:
+        replay = self.loop.create_task(self.prefetch(wanted))
+        self._tasks.add(replay)
+        replay.add_done_callback(self._tasks.discard)
+        for layer in layers:  # the background fill of these layers starts after it
+            self._replays[hex_digest(layer)] = replay
+
+    async def _replay_layer_traces(self, layers: list[str]) -> None:
+        """Prefetch what the stored trace of each layer (not yet whole here) names."""
+        todo = [layer for layer in layers
+                if (bl := self.cache.layers.get(hex_digest(layer))) is not None and not bl.complete_hint]
+        docs = await asyncio.gather(*(self._trace_of(layer) for layer in todo))
+        found = [(layer, doc) for layer, doc in zip(todo, docs, strict=True) if doc]
+        if found:
+            self._replay([(hex_digest(layer), bytes.fromhex(d)) for layer, doc in found
+                          for d in doc["layers"].get(layer, [])], [layer for layer, _ in found])
+
     async def _finish_trace(self, image: str, layers: list[str]) -> None:
         await asyncio.sleep(self.cfg.trace_seconds)
-        doc: dict[str, Any] = {"schema": "layerbox.trace.v1", "image": image, "layers": {}}
+        doc: dict[str, Any] = {"schema": SCHEMA_TRACE, "image": image, "layers": {}}
         for layer in layers:
             bl = self.cache.layers.get(hex_digest(layer))
             if bl is None or bl.trace is None:
@@ -353,13 +373,18 @@ class Daemon:
             doc["layers"][layer] = [d.hex() for d in bl.trace]
             bl.trace = None
         self._tracing.discard(image)
-        if any(doc["layers"].values()):
+        if not any(doc["layers"].values()):
+            return
+        # the image's own trace, and each layer's (the latest mount's read of it replaces the last)
+        objects = [(image, doc)] + [(layer, {"schema": SCHEMA_TRACE, "image": layer, "layers": {layer: chunks}})
+                                    for layer, chunks in doc["layers"].items() if chunks]
+        for digest, trace in objects:
             try:
-                await self.store.put_trace(image, doc)
-                log.info("stored access trace of %s: %d chunks", image,
-                         sum(len(v) for v in doc["layers"].values()))
+                await self.store.put_trace(digest, trace)
+                log.info("stored access trace of %s: %d chunks", digest,
+                         sum(len(v) for v in trace["layers"].values()))
             except Exception as exc:
-                log.warning("could not store the access trace of %s: %s", image, exc)
+                log.warning("could not store the access trace of %s: %s", digest, exc)
 
     async def prefetch(self, wanted: Iterable[tuple[str, bytes]]) -> int:
         """Fetch the ``(layer hex, chunk digest)`` pairs the blobs lack, in batches per layer.

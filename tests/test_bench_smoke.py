@@ -516,7 +516,10 @@ def test_bench_lazy_quick_json(tmp_path: Path) -> None:
     assert burst["eager"]["allocated"] > file["store"]["python"]["blob_bytes"]  # two unpacked rootfs
     assert list(burst["lazy"]) == ["fanotify"]
     for path, rows in burst["lazy"].items():
-        assert set(rows) == {"lazy", "cached", "fill"}
+        assert set(rows) == {"lazy", "cached", "warmup", "fill"}
+        warmup = rows.pop("warmup")  # another host's sandbox of another workspace: its layers' traces stored
+        assert warmup["image"] == "bench/burst-warmup"
+        assert 1 <= warmup["layer_traces"] <= warmup["layers"] == 5
         for name, row in rows.items():
             assert len(row["runs"]) == 4, (path, name)
             assert [x["image"] for x in row["runs"]] == [0, 1, 0, 1]

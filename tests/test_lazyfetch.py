@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from layerstore.objects import pack_key
+from layerstore.objects import pack_key, trace_key
 from layerstore.store import Store
 from lazyfetch import kmount
 from tests.support.hosts import Host, publish_sync, resolve_sync  # noqa: F401
@@ -267,6 +267,60 @@ def test_trace_recorded_then_replayed_on_another_host(hosts, tmp_path: Path) -> 
     for name in ("bin/tool1", "bin/tool2", "etc/os-release"):
         assert (mnt2 / name).read_bytes() == (src / name).read_bytes()
     assert second.stats()["misses"] == before  # every read was a cache hit
+
+
+def test_a_new_image_replays_the_traces_its_layers_got_from_other_images(hosts, tmp_path: Path) -> None:
+    """A new workspace on a base other tasks read: its first mount on a fresh host prefetches what
+    the base's layer trace names (recorded by a mount of another image), and records its own."""
+    url = f"file://{tmp_path / 'store'}"
+    src = make_source(tmp_path / "src")
+    publish_sync(url, tmp_path / "pub", str(src), "trace/base")
+    for name in ("a", "b"):
+        ws = tmp_path / f"ws-{name}"
+        (ws / "workspace").mkdir(parents=True)
+        (ws / "workspace" / "notes").write_text(f"workspace {name}\n")
+        publish_sync(url, tmp_path / "pub", str(ws), f"trace/ws-{name}")
+
+    async def compose() -> tuple[str, str]:
+        async with await Store.open(url, tmp_path / "pub") as s:
+            for name in ("a", "b"):
+                await s.compose(f"trace/env-{name}", {"base": "trace/base", "workspace": f"trace/ws-{name}"})
+            base = (await s.resolve("trace/base")).layers[0].digest
+            return base, (await s.resolve("trace/env-b")).digest
+
+    base_layer, env_b = asyncio.run(compose())
+    read = ("bin/tool1", "bin/tool2", "bin/tool3", "etc/os-release")
+    first = hosts(url, "h1", trace_seconds=1.0)
+    mnt = first.mount("trace/env-a")
+    for name in read:
+        (mnt / name).read_bytes()
+    trace_of_base = tmp_path / "store" / trace_key(base_layer)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not trace_of_base.exists():
+        time.sleep(0.1)
+    assert trace_of_base.exists(), "no access trace of the base layer was stored"
+    doc = json.loads(trace_of_base.read_text())
+    assert doc["image"] == base_layer
+    assert list(doc["layers"]) == [base_layer]
+    assert len(doc["layers"][base_layer]) == len(read)
+
+    second = hosts(url, "h2", trace_seconds=3.0)
+    mnt2 = second.mount("trace/env-b")  # no trace of its own: the base layer's replays
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and second.stats()["chunks_prefetched"] < len(read):
+        time.sleep(0.05)
+    assert second.stats()["chunks_prefetched"] == len(read)
+    before = second.stats()["misses"]
+    for name in read:
+        assert (mnt2 / name).read_bytes() == (src / name).read_bytes()
+    assert second.stats()["misses"] == before  # every read was a hit
+    assert (mnt2 / "workspace/notes").read_text() == "workspace b\n"
+    # ... and the new image got a trace of its own, workspace included
+    own = tmp_path / "store" / trace_key(env_b)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not own.exists():
+        time.sleep(0.1)
+    assert len(json.loads(own.read_text())["layers"]) == 2
 
 
 def test_prefetch_whole_image(hosts, tmp_path: Path) -> None:

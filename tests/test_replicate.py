@@ -24,7 +24,16 @@ from layerstore.backend import TransientError
 from layerstore.backends.wrappers import FaultyBackend
 from layerstore.eligibility import SCHEMA_ELIGIBILITY, Eligibility, PolicyError, why_not_eligible
 from layerstore.erofs.reader import ErofsImage
-from layerstore.objects import DigestMismatch, doc_key, index_key, meta_key, pack_key
+from layerstore.objects import (
+    SCHEMA_TRACE,
+    DigestMismatch,
+    digest_of,
+    doc_key,
+    index_key,
+    meta_key,
+    pack_key,
+    trace_key,
+)
 from layerstore.replicate import replicate
 from layerstore.store import Store
 from layerstore.verify import verify
@@ -158,6 +167,25 @@ async def test_shared_chunks_move_once_and_a_second_sync_moves_nothing(
     assert sum(second.moved.values()) == 0
     assert sum(second.skipped.values()) == sum(first.moved.values())
     assert second.chunks_skipped == first.chunks_moved
+
+
+@pytest.mark.asyncio
+async def test_the_traces_of_reached_documents_and_layers_move_with_them(
+        file_pair: tuple[Store, Store], tmp_path: Path) -> None:
+    src, dst = file_pair
+    await publish_shared(src, tmp_path)
+    one = await src.resolve("app/one:1")
+    layer = one.layers[0].digest
+    chunk = [bytes(32).hex()]
+    await src.put_trace(one.digest, {"schema": SCHEMA_TRACE, "image": one.digest, "layers": {layer: chunk}})
+    await src.put_trace(layer, {"schema": SCHEMA_TRACE, "image": layer, "layers": {layer: chunk}})
+    stray = digest_of(b"a layer no ref reaches")
+    await src.put_trace(stray, {"schema": SCHEMA_TRACE, "image": stray, "layers": {stray: chunk}})
+    report = await replicate(src, dst, ["app/one:1"])
+    assert report.moved["traces"] == 2
+    assert (await dst.get_trace(layer))["layers"] == {layer: chunk}
+    assert (await dst.get_trace(one.digest))["layers"] == {layer: chunk}
+    assert await dst.backend.head(trace_key(stray)) is None
 
 
 @pytest.mark.asyncio

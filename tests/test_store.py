@@ -528,6 +528,27 @@ async def test_gc_collects_the_traces_of_unreachable_documents(store: Store, tmp
 
 
 @pytest.mark.asyncio
+async def test_a_layer_trace_lives_while_a_reachable_document_has_the_layer(store: Store, tmp_path: Path) -> None:
+    base = await publish(store, str(make_tree(tmp_path / "b", {"b/file": os.urandom(10_000)})), "lt/base")
+    gone = await publish(store, str(make_tree(tmp_path / "g", {"g/file": os.urandom(10_000)})), "lt/gone")
+    layers = {}
+    for ref, pub in (("lt/base", base), ("lt/gone", gone)):
+        layer = (await store.resolve(pub.digest)).layers[0].digest
+        await store.put_trace(layer, _trace(layer, layer, bytes(32)))
+        layers[ref] = layer
+    assert (await store.get_trace(layers["lt/base"]))["layers"] == {layers["lt/base"]: [bytes(32).hex()]}
+    await store.compose("lt/env", {"base": "lt/base", "workspace": "lt/gone"})
+    for ref in ("lt/base", "lt/gone"):
+        await store.delete_ref(ref)
+    report = await collect(store, grace=0)  # the composition keeps both layers, and their traces
+    assert not [k for k in report.deleted if k.startswith("traces/")]
+    await store.delete_ref("lt/env")
+    report = await collect(store, grace=0)
+    assert {trace_key(layers["lt/base"]), trace_key(layers["lt/gone"])} <= set(report.deleted)
+    assert [i.key async for i in store.backend.list("traces/")] == []
+
+
+@pytest.mark.asyncio
 async def test_what_other_packages_ask_of_a_store(store: Store, tmp_path: Path) -> None:
     """The Store methods lazyfetch, snapshots, sandbox and tools use instead of its backend."""
     await publish(store, str(make_tree(tmp_path / "m", {"m/file": os.urandom(300_000)})), "api/img")
