@@ -20,9 +20,12 @@ import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
+from aiohttp.test_utils import make_mocked_request
 from e2b import (
     AsyncSandbox,
     FilesystemEventType,
@@ -37,6 +40,9 @@ from e2b.sandbox.signature import get_signature
 from support.e2b import BETA, TEMPLATE, E2bEdge, e2b_edge
 from support.env import unavailable
 from support.sandboxes import store_url  # noqa: F401  (a module's store with the fixture image)
+
+from sandbox.edge.e2b import files as e2b_files
+from sandbox.edge.e2b.base import E2bContext
 
 pytestmark = pytest.mark.root
 ENVD = "49983"
@@ -422,6 +428,35 @@ def test_signed_urls_as_the_sdk_gives_them_name_no_sandbox_and_still_reach_their
     finally:
         other.kill()
     assert httpx.get(gone_url, timeout=60).status_code == 401  # its sandbox's token signs for nothing now
+
+
+def test_a_flood_of_forged_unnamed_urls_is_bounded_and_the_genuine_one_still_finds_its_sandbox() -> None:
+    """The signer search of a URL that names no sandbox, on an edge holding 20,000 sandboxes (its
+    manager stands in for them: no test host holds that many), flooded with 60 forged URLs at once:
+    at most MAX_SEARCH_WAITING of them wait for the search, the rest are 429 at once; the genuine
+    URL, signed by the e2b SDK's own code for the last sandbox, finds it once the flood is over."""
+    ids = [f"i{n:015x}" for n in range(20_000)]
+    ctx = SimpleNamespace(manager=SimpleNamespace(ids=lambda: ids))
+    searcher = e2b_files.Files(E2bContext(ctx, b"a secret of the test"))  # type: ignore[arg-type]
+    path, last = "/home/user/report.txt", ids[-1]
+    genuine = get_signature(path, "read", "user", searcher.e2b.keys.access_token(last), 60)
+
+    def request(signature: str, expiration: int | None = None) -> Any:
+        query = {"path": path, "username": "user", "signature": signature,
+                 **({"signature_expiration": str(expiration)} if expiration else {})}
+        return make_mocked_request("GET", "/files?" + urllib.parse.urlencode(query))
+
+    async def flood() -> tuple[list[Any], str]:
+        forged = [searcher.signer(request("v1_" + f"{n:043d}")) for n in range(60)]
+        outcomes = await asyncio.gather(*forged, return_exceptions=True)
+        return outcomes, await searcher.signer(request(genuine["signature"], genuine["expiration"]))
+
+    outcomes, found = asyncio.run(flood())
+    statuses = [getattr(o, "status", None) for o in outcomes]
+    assert set(statuses) == {401, 429}, outcomes
+    assert statuses.count(401) <= e2b_files.MAX_SEARCH_WAITING  # the searched ones: no token signed them
+    assert "retry" in str(next(o for o in outcomes if getattr(o, "status", None) == 429))
+    assert found == last
 
 
 # -- hostile ----------------------------------------------------------------------------------------------

