@@ -94,14 +94,15 @@ CREATE TABLE IF NOT EXISTS settings (key text PRIMARY KEY, value jsonb NOT NULL)
 # Version 2: each project's count of `placed` sandboxes, kept on its row by the statements that
 # change `sandboxes` (a trigger per kind of statement: transition tables take one event each), so a
 # reservation reads one row where it counted the project's rows under the row lock (docs/SCALE.md:
-# 59 reservations/s at 100,000 live).  The rows a statement changes are locked in name order first:
-# two edges' reports touching the same projects never lock them in opposite orders.
+# 59 reservations/s at 100,000 live).  The rows of the projects whose count a statement changes are
+# locked in name order first: two edges' reports touching the same projects never lock them in
+# opposite orders, and a report that only moves rows between edges locks none.
 LIVE = """
 CREATE OR REPLACE FUNCTION layerbox_live_apply(delta jsonb) RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
+    delta := (SELECT coalesce(jsonb_object_agg(key, value), '{}') FROM jsonb_each(delta) WHERE value::integer <> 0);
     PERFORM 1 FROM projects WHERE name IN (SELECT jsonb_object_keys(delta)) ORDER BY name FOR UPDATE;
-    UPDATE projects p SET live = p.live + (d.value)::integer FROM jsonb_each_text(delta) d
-     WHERE p.name = d.key AND (d.value)::integer <> 0;
+    UPDATE projects p SET live = p.live + (d.value)::integer FROM jsonb_each_text(delta) d WHERE p.name = d.key;
 END $$;
 CREATE OR REPLACE FUNCTION layerbox_live_insert() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
