@@ -627,7 +627,7 @@ class Gateway:
             refused = status == 503 or (status == 400 and isinstance(doc, dict) and "unsupported_isolation" in str(doc))
             if refused and (parent is None or resume):
                 self.stats["placed_retries"] += 1
-                refusals.append(f"{view.id}: HTTP {status}")
+                refusals.append(f"{view.id}: HTTP {status} {_reason(doc)}".rstrip())
                 continue
             if status >= 500 and status != 503:
                 self.placement.failed(view.id, f"HTTP {status}")
@@ -728,6 +728,15 @@ def _sweep_caches() -> None:
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             shutil.rmtree(path, ignore_errors=True)
 
+def _reason(doc: Any) -> str:
+    """The message of an edge's error body, native (``error.message``) or E2B (``message``), cut
+    short: a refusal's reason reaches the caller, not the edge's whole answer."""
+    if not isinstance(doc, dict):
+        return ""
+    err = doc.get("error")
+    msg = err.get("message") if isinstance(err, dict) else doc.get("message")
+    return f"({msg[:300]})" if isinstance(msg, str) and msg else ""
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
@@ -779,3 +788,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
