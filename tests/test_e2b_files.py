@@ -154,6 +154,16 @@ def test_several_files_at_once_then_listed_by_depth(sbx: Sandbox, home: str) -> 
     assert next(e for e in deep if e.name == "deeper").permissions == "drwxr-xr-x"
 
 
+def test_several_files_at_once_keep_their_absolute_paths(sbx: Sandbox, home: str) -> None:
+    """A multipart part's file name is its path as given, leading slash and all (envd's
+    FileNameWithPath): /tmp/x is written to /tmp/x, not under the home directory."""
+    where = f"/tmp/abs-{uuid.uuid4().hex[:8]}"
+    written = sbx.files.write_files([{"path": f"{where}/a.txt", "data": "a"}, {"path": f"{home}/rel.txt", "data": "r"}])
+    assert [w.path for w in written] == [f"{where}/a.txt", f"/home/user/{home}/rel.txt"]
+    assert sh(sbx, f"cat {where}/a.txt; rm -r {where}") == "a"
+    assert not sbx.files.exists(f"tmp/{where.removeprefix('/tmp/')}/a.txt")
+
+
 def test_exists_make_dir_rename_remove(sbx: Sandbox, home: str) -> None:
     assert sbx.files.make_dir(f"{home}/x/y") is True
     assert sbx.files.make_dir(f"{home}/x/y") is False

@@ -83,7 +83,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
 
-from aiohttp import BodyPartReader, web
+from aiohttp import web
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
@@ -127,6 +127,7 @@ from .inotify import (
     WATCH_MASK,
     take_events,
 )
+from .multipart import MultipartStream, boundary_of
 from .process import keepalive
 
 T = TypeVar("T")
@@ -1101,14 +1102,19 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 async def _piece(read: Callable[[int], Any]) -> bytes:
-    """Up to CHUNK bytes of a body (the client's pieces gathered, so the disk sees large writes)."""
-    buf = bytearray()
-    while len(buf) < CHUNK:
-        piece = await read(CHUNK - len(buf))
+    """Up to CHUNK bytes of a body (the client's pieces gathered, so the disk sees large writes;
+    a piece that is whole already is not copied again)."""
+    first = await read(CHUNK)
+    if not first or len(first) >= CHUNK:
+        return bytes(first)
+    pieces, n = [first], len(first)
+    while n < CHUNK:
+        piece = await read(CHUNK - n)
         if not piece:
             break
-        buf += piece
-    return bytes(buf)
+        pieces.append(piece)
+        n += len(piece)
+    return b"".join(pieces)
 
 
 async def _settle(work: asyncio.Future[T], release: Callable[[T], None] | None = None) -> None:
@@ -1331,11 +1337,10 @@ class Files:
     async def _parts(self, c: Caller | Guest, request: web.Request, given: str | None,
                      metadata: dict[str, str]) -> list[dict[str, Any]]:
         """Each ``file`` part of a multipart upload, written as it arrives."""
-        reader = await request.multipart()
+        body = MultipartStream(request.content, boundary_of(request.headers.get("Content-Type", "")))
         written: list[dict[str, Any]] = []
-        while (part := await reader.next()) is not None:
-            if not isinstance(part, BodyPartReader) or part.name != "file":
-                await part.release()
+        while (part := await body.next_part()) is not None:
+            if part.name != "file":  # (its body is skipped by the next next_part)
                 continue
             raw = given if given is not None else part.filename
             if raw is None:
@@ -1344,7 +1349,7 @@ class Files:
             if any(w["path"] == path for w in written):
                 raise InvalidField("path", f"you cannot upload multiple files to the same path '{path}' in one "
                                            "upload request")
-            written.append(await self._write(c, path, part.read_chunk, metadata))
+            written.append(await self._write(c, path, body.read, metadata))
         return written
 
     async def _write(self, c: Caller | Guest, path: str, read: Callable[[int], Any],
