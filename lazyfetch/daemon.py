@@ -378,13 +378,17 @@ class Daemon:
         # the image's own trace, and each layer's (the latest mount's read of it replaces the last)
         objects = [(image, doc)] + [(layer, {"schema": SCHEMA_TRACE, "image": layer, "layers": {layer: chunks}})
                                     for layer, chunks in doc["layers"].items() if chunks]
-        for digest, trace in objects:
+
+        async def put(digest: str, trace: dict[str, Any]) -> None:
             try:
                 await self.store.put_trace(digest, trace)
                 log.info("stored access trace of %s: %d chunks", digest,
                          sum(len(v) for v in trace["layers"].values()))
             except Exception as exc:
                 log.warning("could not store the access trace of %s: %s", digest, exc)
+
+        # side by side: a remote store's round trips do not add up (an image has a few layers)
+        await asyncio.gather(*(put(digest, trace) for digest, trace in objects))
 
     async def prefetch(self, wanted: Iterable[tuple[str, bytes]]) -> int:
         """Fetch the ``(layer hex, chunk digest)`` pairs the blobs lack, in batches per layer.
