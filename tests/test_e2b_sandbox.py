@@ -421,6 +421,29 @@ def test_a_sandbox_past_its_timeout_is_reaped_and_seen_gone(served: E2bEdge) -> 
     assert box.kill() is False
 
 
+def test_a_timeout_ends_at_its_deadline_not_at_the_reapers_next_round(served: E2bEdge, store_url: str,  # noqa: F811
+                                                                       tmp_path_factory: pytest.TempPathFactory) -> None:
+    """An edge whose full reaper round comes every 10 minutes still ends a sandbox at the timeout a
+    client set (E2B's ``set_timeout``), and pauses one at its ``on_timeout: pause`` deadline: the
+    reaper wakes at the soonest deadline (sandbox/host/deadlines.py), not at its next round."""
+    with running("e2b-slow-reaper", tmp_path_factory.mktemp("slow"), store_url, TOKENS, "--reap-interval", "600",
+                 token=ADMIN) as edge:
+        on = {"api_url": edge.url, "sandbox_url": edge.url}
+        box = Sandbox.create(TEMPLATE, timeout=300, **on)
+        paused = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": "pause"}, **on)
+        try:
+            box.set_timeout(1)
+            deadline = time.monotonic() + 60  # a bound on a hung reaper: its next full round is 600 s away
+            while (box.is_running() or paused.get_info().state != SandboxState.PAUSED) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not box.is_running()
+            assert box.sandbox_id not in alpha_ids(edge.url)
+            assert paused.get_info().state == SandboxState.PAUSED
+        finally:
+            box.kill()
+            paused.kill()
+
+
 def test_auto_pause_pauses_at_the_timeout_with_the_processes_and_connect_resumes(served: E2bEdge) -> None:
     box = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": "pause"})
     try:

@@ -25,6 +25,7 @@ class States:
         self.boxes = boxes
         self.lock = threading.RLock()
         self._parsed: dict[str, tuple[bytes, SandboxState]] = {}  # the last parse of each state file
+        self.on_write: Callable[[SandboxState], None] | None = None  # told of every state written
 
     def read(self, sid: str) -> SandboxState:
         """The sandbox's state, parsed and checked once per content of its file.
@@ -52,6 +53,8 @@ class States:
 
     def write(self, st: SandboxState) -> None:
         replace_beneath(self.boxes, f"{st.id}/state.json", json.dumps(st.to_json(), sort_keys=True).encode())
+        if self.on_write is not None:
+            self.on_write(st)
 
     def update(self, sid: str, **changes: Any) -> SandboxState:
         with self.lock:

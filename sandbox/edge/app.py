@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import secrets
 import socket
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -64,6 +65,7 @@ DEFAULT_LEASE_TTL = 600.0
 # aiohttp closes a connection whose request never completes at its keep-alive deadline
 HEADER_TIMEOUT = 15.0
 REAP_INTERVAL = 5.0
+DUE_SLACK = 0.02  # seconds past a deadline the reaper wakes (a TTL ends strictly after it)
 READY_WARM_UP = ("/bin/true",)  # run once in each ready sandbox (WarmPool's warm): not found is fine too
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -185,21 +187,56 @@ class SandboxService:
                 await asyncio.to_thread(self.manager.close)
 
     async def _reap_forever(self) -> None:
-        """Destroy sandboxes past their TTL or lease, pause idle ones; a failure waits for the next round."""
+        """Destroy sandboxes past their TTL or lease, pause idle ones; a failure waits for the next round.
+
+        A full round every ``reap_interval``; between them, the sandboxes whose deadline comes
+        first (``manager.deadlines``) as it comes, so a TTL ends within a fraction of a second."""
         loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.reap_interval)
-            try:
-                # a dead lazyfetch daemon: restart its sandboxes
+        deadlines = self.manager.deadlines
+        deadlines.horizon = 2 * self.reap_interval
+        sooner = asyncio.Event()
+
+        def wake() -> None:  # (any thread: a state written by a request's worker)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to wake
+                loop.call_soon_threadsafe(sooner.set)
+
+        deadlines.on_sooner = wake
+        full_at = time.monotonic() + self.reap_interval
+        try:
+            while True:
+                sooner.clear()  # (before the look: a deadline noted after it wakes the wait below)
+                soonest = deadlines.soonest()
+                wait = full_at - time.monotonic()
+                if soonest is not None:
+                    wait = min(wait, soonest - time.time() + DUE_SLACK)
+                if wait > 0:
+                    try:
+                        await asyncio.wait_for(sooner.wait(), wait)
+                        continue  # a sooner deadline: wait again, until it
+                    except TimeoutError:
+                        pass
+                full = time.monotonic() >= full_at
+                await self._reap_round(loop, full=full)
+                if full:
+                    full_at = time.monotonic() + self.reap_interval
+        finally:
+            deadlines.on_sooner = None
+
+    async def _reap_round(self, loop: asyncio.AbstractEventLoop, *, full: bool) -> None:
+        try:
+            if full:  # a dead lazyfetch daemon: restart its sandboxes
                 await loop.run_in_executor(self._reaper_pool, self.manager.heal)
-                report = await loop.run_in_executor(self._reaper_pool, functools.partial(
-                    self.manager.reap, max_lifetime=self.context.maxima.ttl))
-                if report["destroyed"] or report["paused"]:
-                    log.info("reaper: %s", report)
-                for action, ids in report.items():
-                    self.context.metrics.reaped.labels(action).inc(len(ids))
-            except Exception:
-                log.exception("reaper round failed")
+            due = None if full else self.manager.deadlines.due(time.time())
+            if due == []:
+                return
+            report = await loop.run_in_executor(self._reaper_pool, functools.partial(
+                self.manager.reap, max_lifetime=self.context.maxima.ttl, only=due))
+            if report["destroyed"] or report["paused"]:
+                log.info("reaper: %s", report)
+            for action, ids in report.items():
+                self.context.metrics.reaped.labels(action).inc(len(ids))
+        except Exception:
+            log.exception("reaper round failed")
 
     # -- every request ---------------------------------------------------------------------------------
     @web.middleware

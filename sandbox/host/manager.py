@@ -70,6 +70,7 @@ from sandbox.core.model import (
 from sandbox.core.paths import SandboxPaths
 from sandbox.core.receipts import ReceiptLogs, verify_receipt_chain
 from sandbox.core.states import States
+from sandbox.host.deadlines import Deadlines
 from sandbox.host.execs import Cancel, ExecResult, ExecRunner
 from sandbox.host.reconcile import reconcile
 from sandbox.host.sandbox import ACTIVE_GRAIN, Sandbox
@@ -133,6 +134,8 @@ class SandboxManager:
         self.receipts_dir = self.paths.receipts
         self.receipt_logs = ReceiptLogs(self.receipts_dir)
         self.states = States(self.boxes)
+        self.deadlines = Deadlines()
+        self.states.on_write = self.deadlines.note
         self.host = HostMounts(self.data_dir, store_url)
         self.leases = Leases(self.root / "leases", legacy=self.root / "leases.json")
         digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()
@@ -497,17 +500,42 @@ class SandboxManager:
                 done.append(st.id)
         return done
 
-    def reap(self, now: float | None = None, *, max_lifetime: float | None = None) -> dict[str, builtins.list[str]]:
+    def reap(self, now: float | None = None, *, max_lifetime: float | None = None,
+             only: Sequence[str] | None = None) -> dict[str, builtins.list[str]]:
         """Destroy sandboxes past their TTL or lease; pause those idle past their idle timeout.
 
         A running sandbox labelled ``ON_TTL_LABEL: pause`` is paused at its TTL instead, and its
         TTL moved to ``max_lifetime`` (the edge's; without one it is destroyed as any other): it
-        waits paused for a resume until then."""
+        waits paused for a resume until then.  ``only``: those sandboxes' TTL and idle timeout
+        alone (the ones :attr:`deadlines` says are due), leases left to the next full round."""
         now = time.time() if now is None else now
         report: dict[str, builtins.list[str]] = {"destroyed": [], "paused": []}
+        if only is not None:
+            states = []
+            for sid in only:
+                with contextlib.suppress(SandboxNotFound, StateUnreadable):
+                    states.append(self.states.read(sid))
+            self._reap_states(states, now, set(), max_lifetime, report)
+            return report
         leases = self.leases.all()  # each lease read once; the sweep below rewrites only what changes
         expired_jobs = {lease.job for lease in leases if lease.expired(now)}
-        for st in self.list():
+        states = self.list()
+        for st in states:
+            self.deadlines.note(st)  # those due before the next round wake the reaper then
+        self._reap_states(states, now, expired_jobs, max_lifetime, report)
+        # sandboxes destroyed above (or by anyone) leave their leases; a lapsed lease with none goes
+        def alive(sid: str) -> bool:
+            return (self.boxes / sid).is_dir()
+
+        self.leases.sweep(leases, now, alive=alive)
+        expired = self.receipt_logs.expire(now, alive)  # logs of sandboxes gone for RETENTION
+        if expired:
+            log.info("reaper: removed the receipt logs of %d sandboxes destroyed long ago", len(expired))
+        return report
+
+    def _reap_states(self, states: Sequence[SandboxState], now: float, expired_jobs: set[str],
+                     max_lifetime: float | None, report: dict[str, builtins.list[str]]) -> None:
+        for st in states:
             opts = st.options
             try:
                 if st.status in ("creating", "starting"):
@@ -536,15 +564,6 @@ class SandboxManager:
                     report["paused"].append(st.id)
             except (SandboxError, MountError, OSError) as exc:  # one bad sandbox must not stop the reaper
                 log.warning("reaper: sandbox %s: %s", st.id, exc)
-        # sandboxes destroyed above (or by anyone) leave their leases; a lapsed lease with none goes
-        def alive(sid: str) -> bool:
-            return (self.boxes / sid).is_dir()
-
-        self.leases.sweep(leases, now, alive=alive)
-        expired = self.receipt_logs.expire(now, alive)  # logs of sandboxes gone for RETENTION
-        if expired:
-            log.info("reaper: removed the receipt logs of %d sandboxes destroyed long ago", len(expired))
-        return report
 
     # -- destroy / reconcile ----------------------------------------------------------------------------
     def destroy(self, sid: str) -> None:
