@@ -41,10 +41,14 @@ def test_errors_on_e2b_routes_have_e2bs_shape_and_native_routes_keep_theirs(serv
     assert status == 404
     assert body["code"] == 404
     assert "lb-000000000000" in body["message"]
-    status, _, body = _get(served.url + "/sandboxes/not-an-id", ALPHA)
+    status, _, body = _get(served.url + "/sandboxes/not-an-id", ALPHA)  # names no sandbox: E2B's 404
+    assert status == 404
+    assert body["code"] == 404
+    assert "sandboxID" in body["message"]
+    status, _, body = _get(served.url + "/v2/sandboxes?limit=many", ALPHA)
     assert status == 400
     assert body["code"] == 400
-    assert "sandboxID" in body["message"]
+    assert "limit" in body["message"]
     status, _, body = _get(served.url + "/sandboxes", "x" * 20)
     assert status == 401
     assert body["code"] == 401

@@ -624,9 +624,10 @@ def test_each_failure_raises_the_sdks_exception(sbx: Sandbox, served: E2bEdge) -
             Sandbox.create(TEMPLATE, **kwargs)
         assert caught.value.status_code == 400, kwargs  # type: ignore[attr-defined]
         assert field in str(caught.value)
-    status, err = call(served, "GET", "/sandboxes/not-an-id")
-    assert status == 400
+    status, err = call(served, "GET", "/sandboxes/not-an-id")  # names no sandbox: E2B's 404
+    assert status == 404
     assert "sandboxID" in err["message"]
+    assert Sandbox.kill("not-an-id") is False  # as against E2B: the SDK's kill of an unknown id
     status, err = call(served, "GET", "/v2/sandboxes?limit=0")
     assert status == 400
     assert "limit" in err["message"]

@@ -241,6 +241,12 @@ def test_ids_and_fields_are_checked_at_the_gateway(clean: Fleet) -> None:
     for bad in ("..%2F..%2Fetc", "lb-XYZ", "lb-0123456789abc"):
         status, _, body = http("GET", f"{g}/v1/sandboxes/{bad}", token=clean.token)
         assert (status, body["error"]["field"]) == (400, "id"), body
+        # on E2B's control plane such an id names no sandbox: its 404, as at an edge, never routed
+        req = urllib.request.Request(f"{g}/sandboxes/{bad}", method="DELETE", headers={"X-API-Key": clean.token})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 404
+        assert "sandboxID" in json.loads(err.value.read())["message"]
     before = {p["name"]: p for p in clean.cli("projects")}["demo"]
     status, body = create(g, clean.token, memory="lots")
     assert (status, body["error"]["field"]) == (400, "memory"), body

@@ -49,7 +49,7 @@ from aiohttp import web
 from sandbox.core.errors import ApiError, InvalidField
 from sandbox.core.model import SANDBOX_ID, SandboxOptions, check_object, check_sandbox_id, check_str
 from sandbox.edge.context import MAX_BODY
-from sandbox.edge.e2b.base import check_domain, target_of
+from sandbox.edge.e2b.base import check_domain, sandbox_id_of, target_of
 from sandbox.edge.e2b.base import error_response as e2b_error
 from sandbox.edge.e2b.rest import CREATE_FIELDS, ListFilter, create_options
 from sandbox.edge.e2b.templates import MAX_PAGE
@@ -370,7 +370,9 @@ class Gateway:
                                   extra={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port)})
 
     async def per_sandbox(self, call: Call, raw_id: str, rest: str) -> web.StreamResponse:
-        sid = check_sandbox_id(raw_id, "sandboxID" if call.e2b else "id")  # before it routes anything
+        # before it routes anything; an E2B path's id that cannot be one is E2B's 404, as at an edge
+        sid = (sandbox_id_of(raw_id, call.project.name if call.project is not None else "")
+               if call.e2b else check_sandbox_id(raw_id, "id"))
         cached = sid in self.routes
         route = await self.route(sid)
         if route is not None and not self._reachable(route.edge):

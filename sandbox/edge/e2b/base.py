@@ -108,6 +108,17 @@ def error_response(exc: BaseException) -> web.Response:
     return web.json_response({"code": err.status, "message": message}, status=err.status, headers=err.headers())
 
 
+def sandbox_id_of(raw: str, project: str) -> str:
+    """A path's ``sandboxID``, its grammar checked before any use; one that cannot be an id names
+    no sandbox, so it is E2B's 404 naming the field (the SDK's ``kill`` of an unknown id then
+    returns False, as against E2B), the answer for an id nobody holds, never a lookup."""
+    try:
+        return check_sandbox_id(raw, "sandboxID")
+    except InvalidField:
+        raise ApiError(None, "sandbox_not_found", f"sandboxID: {raw[:80]!r} names no sandbox of project "
+                                                  f"{project!r} (ids look like lb-0123456789ab)") from None
+
+
 MAX_REMEMBERED = 65536  # envd tokens Keys keeps (more than an edge holds sandboxes)
 
 
@@ -161,7 +172,7 @@ class E2bContext:
         return self.ctx.auth.project_of(key.strip())
 
     async def sandbox(self, request: web.Request, project: Project, sid: str) -> tuple[Sandbox, SandboxState]:
-        return await self.ctx.sandbox_of(check_sandbox_id(sid, "sandboxID"), project)
+        return await self.ctx.sandbox_of(sandbox_id_of(sid, project.name), project)
 
     async def envd_sandbox(self, request: web.Request, target: Target) -> tuple[Project, Sandbox, SandboxState]:
         """The sandbox an in-sandbox request is for, if its ``X-Access-Token`` (or a project's

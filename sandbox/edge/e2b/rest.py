@@ -50,13 +50,18 @@ from sandbox.core.model import (
     check_int,
     check_labels,
     check_object,
-    check_sandbox_id,
     check_str,
 )
 from sandbox.edge.auth import Project
 from sandbox.edge.context import EdgeContext
 from sandbox.edge.e2b import observe, templates
-from sandbox.edge.e2b.base import AUTO_RESUME_LABEL, AUTO_RESUME_MIN, ENVD_VERSION, E2bContext
+from sandbox.edge.e2b.base import (
+    AUTO_RESUME_LABEL,
+    AUTO_RESUME_MIN,
+    ENVD_VERSION,
+    E2bContext,
+    sandbox_id_of,
+)
 from sandbox.edge.e2b.paused import Parked
 from sandbox.edge.e2b.templates import ISOLATION_LABEL, check_query, page_query, paginate
 
@@ -119,7 +124,7 @@ class Rest:
         """The sandbox the path names if it runs (or is paused) on this edge; None when it does
         not (it may be paused into the store: :mod:`.paused`)."""
         project = self.e2b.project(request)
-        sid = check_sandbox_id(request.match_info["id"], "sandboxID")
+        sid = sandbox_id_of(request.match_info["id"], project.name)
         try:
             return project, sid, await self.e2b.sandbox(request, project, sid)
         except ApiError as exc:

@@ -44,7 +44,7 @@ from sandbox.core.model import (
 )
 from sandbox.edge.auth import Project
 from sandbox.edge.context import SHARED_LABEL, EdgeContext
-from sandbox.edge.e2b.base import ENVD_VERSION, E2bContext
+from sandbox.edge.e2b.base import ENVD_VERSION, E2bContext, sandbox_id_of
 from sandbox.edge.routes.lifecycle import drop_checkpoint, owned
 
 T = TypeVar("T")
@@ -104,7 +104,7 @@ class Templates:
         project = self.e2b.project(request)
         body = check_object("", await self.ctx.body(request), ("name", "memory"))
         name = body.get("name")
-        sid = check_sandbox_id(request.match_info["id"], "sandboxID")
+        sid = sandbox_id_of(request.match_info["id"], project.name)
         ref = snapshot_ref(project, f"{sid}:{uuid.uuid4().hex[:12]}" if name is None else
                            check_str("name", name, max_len=MAX_REF_NAME, what="a snapshot name like my-snapshot"),
                            field="name")
