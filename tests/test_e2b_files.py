@@ -8,6 +8,7 @@ cases use raw HTTP where the SDK would not send what they need.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import gzip
 import hashlib
@@ -162,6 +163,20 @@ def test_several_files_at_once_keep_their_absolute_paths(sbx: Sandbox, home: str
     assert [w.path for w in written] == [f"{where}/a.txt", f"/home/user/{home}/rel.txt"]
     assert sh(sbx, f"cat {where}/a.txt; rm -r {where}") == "a"
     assert not sbx.files.exists(f"tmp/{where.removeprefix('/tmp/')}/a.txt")
+
+
+def test_a_file_on_another_mount_is_read_inside_the_sandbox_as_the_account(sbx: Sandbox) -> None:
+    """/proc and /sys are the sandbox's own mounts, which the host's view of its root does not
+    reach; envd reads them, so a download of one is read inside the sandbox, as the account.
+    The attack: what the account may not read there stays unreadable (nothing is read as the host)."""
+    boot = sh(sbx, "cat /proc/sys/kernel/random/boot_id")
+    assert sbx.files.read("/proc/sys/kernel/random/boot_id") == boot
+    assert sbx.files.read("/proc/self/status").count("Uid:\t1000\t") == 1  # read by the account's process
+    assert sbx.files.read("/proc/self/status", user="root").count("Uid:\t0\t") == 1
+    with pytest.raises(SandboxException, match="ermission denied"):
+        sbx.files.read("/proc/1/environ")  # the sandbox's init, root's: not the account's to read
+    with pytest.raises(NotFoundException, match="/proc/no-such-entry"):
+        sbx.files.read("/proc/no-such-entry")
 
 
 def test_exists_make_dir_rename_remove(sbx: Sandbox, home: str) -> None:
@@ -470,7 +485,7 @@ def test_a_flood_of_forged_unnamed_urls_is_bounded_and_the_genuine_one_still_fin
 
 
 # -- hostile ----------------------------------------------------------------------------------------------
-def test_paths_never_leave_the_sandbox(sbx: Sandbox, home: str) -> None:
+def test_paths_never_leave_the_sandbox(served: E2bEdge, sbx: Sandbox, home: str) -> None:
     marker = f"layerbox-escape-{uuid.uuid4().hex[:8]}"
     sbx.files.write(f"../../../../../../tmp/{marker}", "inside", user="root")
     assert sh(sbx, f"cat /tmp/{marker}") == "inside"
@@ -483,8 +498,10 @@ def test_paths_never_leave_the_sandbox(sbx: Sandbox, home: str) -> None:
     for through in (f"/home/user/{home}/top/etc/{marker}", f"{home}/../../../../../../etc/{marker}"):
         assert sbx.files.read(through, user="root") == "still inside"  # the sandbox's /etc, by both ways
     assert sbx.files.get_info(f"{home}/etc").symlink_target == "/etc"
-    with pytest.raises(SandboxException):
-        sbx.files.read(f"/home/user/{home}/top/proc/1/environ", user="root")  # another mount: never crossed
+    # another mount: not crossed from the host; read inside the sandbox, its own /proc as its root sees it
+    inside = sbx.files.read(f"/home/user/{home}/top/proc/1/environ", user="root", format="bytes")
+    assert inside == base64.b64decode(sbx.commands.run("base64 -w0 /proc/1/environ", user="root").stdout)
+    assert inside != Path(f"/proc/{served.edge.proc.pid}/environ").read_bytes()  # never the edge's own
     sbx.files.remove(f"/tmp/{marker}", user="root")
     sbx.files.remove(f"/etc/{marker}", user="root")
 

@@ -19,7 +19,10 @@ watcher sees envd's create, chmod, write.
 before the lookup, and the result is resolved inside the sandbox (a symlink to ``/etc`` names
 the sandbox's ``/etc``; a path that would leave the root is refused, 403, never the host).
 Lookups stay on the root's own mount (``RESOLVE_NO_XDEV``: the sandbox's /proc, /sys, /dev
-and other mounts are not reached, as in the native files API).
+and other mounts are not reached from the host, as in the native files API); a download that
+lands on one of them is read inside the sandbox instead, as the account (:mod:`.guestfs`'s
+``cat``, as on a microVM), so ``/proc/meminfo`` reads as under envd and nothing there is read
+with the host's rights.
 
 **EntryInfo** is envd's: ``mode`` the permission bits (a symlink's: its target's),
 ``permissions`` Go's ``FileMode.String()`` (``-rw-r--r--``, ``drwxr-xr-x``, ``Lrwxrwxrwx``),
@@ -98,6 +101,7 @@ from sandbox.core.errors import (
     HostUnsupported,
     InvalidField,
     NotARegularFile,
+    PathEscape,
     UnsupportedOption,
 )
 from sandbox.core.model import check_path
@@ -1240,7 +1244,15 @@ class Files:
                 return await self._send_guest(request, c, path_of(c, "path", request.query.get("path", "")))
         path = c.path("path", request.query.get("path", ""))
         with self.ctx.usage.take(c.project.name, "transfers"):  # for as long as the client reads
-            fd = await self.service.run(c, lambda rfd: _regular(rfd, path, os.O_RDONLY))
+            try:
+                fd = await self.service.run(c, lambda rfd: _regular(rfd, path, os.O_RDONLY))
+            except PathEscape as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                # on another of the sandbox's mounts (/proc, /sys, /dev), which the host's view of
+                # its root does not reach: read inside the sandbox, as the account, as envd does
+                who = c.root.who
+                return await self._send_guest(request, Guest(self.ctx, c.project, c.box, who.name, who.home), path)
             try:
                 return await self._send(request, c, path, fd)
             finally:
@@ -1297,7 +1309,8 @@ class Files:
         return resp
 
     async def _send_guest(self, request: web.Request, g: Guest, path: str) -> web.StreamResponse:
-        """A microVM's file as the account's ``cat`` gives it: the answer waits for its first piece
+        """A file as the account's ``cat`` in the sandbox gives it (a microVM's, or one on a
+        container's other mounts): the answer waits for its first piece
         (or its end), so a refusal is an error answer, not a cut stream."""
         download = Download(g, path)
         try:
