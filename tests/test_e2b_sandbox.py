@@ -424,15 +424,17 @@ def test_a_sandbox_past_its_timeout_is_reaped_and_seen_gone(served: E2bEdge) -> 
 def test_a_timeout_ends_at_its_deadline_not_at_the_reapers_next_round(served: E2bEdge, store_url: str,  # noqa: F811
                                                                        tmp_path_factory: pytest.TempPathFactory) -> None:
     """An edge whose full reaper round comes every 10 minutes still ends a sandbox at the timeout a
-    client set (E2B's ``set_timeout``), and pauses one at its ``on_timeout: pause`` deadline: the
-    reaper wakes at the soonest deadline (sandbox/host/deadlines.py), not at its next round."""
+    client set (E2B's ``set_timeout``), and pauses one whose timeout is set to 0 (now) with
+    ``on_timeout: pause``: the reaper wakes at the soonest deadline (sandbox/host/deadlines.py),
+    not at its next round."""
     with running("e2b-slow-reaper", tmp_path_factory.mktemp("slow"), store_url, TOKENS, "--reap-interval", "600",
                  token=ADMIN) as edge:
         on = {"api_url": edge.url, "sandbox_url": edge.url}
         box = Sandbox.create(TEMPLATE, timeout=300, **on)
-        paused = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": "pause"}, **on)
+        paused = Sandbox.create(TEMPLATE, timeout=300, lifecycle={"on_timeout": "pause"}, **on)
         try:
             box.set_timeout(1)
+            paused.set_timeout(0)  # E2B's "time out now": paused at once, as on_timeout says
             deadline = time.monotonic() + 60  # a bound on a hung reaper: its next full round is 600 s away
             while (box.is_running() or paused.get_info().state != SandboxState.PAUSED) and time.monotonic() < deadline:
                 time.sleep(0.2)

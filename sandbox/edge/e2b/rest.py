@@ -220,7 +220,9 @@ class Rest:
     async def timeout(self, request: web.Request) -> web.Response:
         _, box, _ = await self._owned(request)
         body = check_object("", await self.ctx.body(request), ("timeout",))
-        seconds = self.ctx.maxima.check_ttl(check_int("timeout", body.get("timeout"), 0, 1 << 31))
+        given = check_int("timeout", body.get("timeout"), 0, 1 << 31)
+        # 0: its timeout is now (E2B's way to end it, or pause it with autoPause, at once)
+        seconds = 0.0 if given == 0 else self.ctx.maxima.check_ttl(given, "timeout")
         await asyncio.to_thread(box.set_ttl, seconds, max_lifetime=self.ctx.maxima.ttl)
         return web.Response(status=204)
 
