@@ -723,3 +723,40 @@ def test_bench_containerd_minbase_json() -> None:
     # containerd, its shims, the snapshotter, the lazyfetch daemon, the registry: all name the workdir
     left = run(["pgrep", "-a", "-f", f"{cleanup['workdir']}/"], timeout=10, check=False).stdout
     assert left == b"", f"processes left running: {left.decode()}"
+
+
+E2B_SDK_BENCH = Path(__file__).resolve().parents[1] / "bench" / "e2b_sdk_tests.py"
+
+
+def test_bench_e2b_sdk_tests_reads_a_checkout_and_tells_known_failures_from_unexplained(tmp_path: Path) -> None:
+    """bench/e2b_sdk_tests.py's report, without an edge: a checkout laid out as e2b-dev/E2B's, its
+    tests run by pytest into JUnit XML, then read: a failure whose name the bench knows is listed
+    with its reason, any other as unexplained."""
+    sys.path.insert(0, str(E2B_SDK_BENCH.parent))
+    try:
+        import e2b_sdk_tests as bench
+    finally:
+        sys.path.remove(str(E2B_SDK_BENCH.parent))
+    sdk = tmp_path / "E2B" / "packages" / "python-sdk"
+    (sdk / "tests").mkdir(parents=True)
+    (sdk / "pytest.ini").write_text("[pytest]\n")
+    (sdk / "tests" / "test_some.py").write_text(
+        "def test_fine():\n    pass\n\n"
+        "def test_mask_request_host():\n    raise AssertionError('refused by design')\n\n"
+        "def test_new_bug():\n    raise ValueError('nobody expected this')\n")
+    copied = bench.tests_from(tmp_path / "E2B", "HEAD", tmp_path / "copy")
+    junit = tmp_path / "junit.xml"
+    run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(copied / "pytest.ini"),
+         "--junitxml", str(junit), "tests"], cwd=copied, check=False, timeout=120)
+    tests = bench.outcomes(junit)
+    assert [(t["test"].split("::")[-1], t["result"]) for t in tests] == [
+        ("test_fine", "passed"), ("test_mask_request_host", "failed"), ("test_new_bug", "failed")]
+    assert tests[1]["known"] is not None
+    assert "maskRequestHost" in tests[1]["known"]
+    assert tests[2]["known"] is None
+    assert "nobody expected this" in tests[2]["error"]
+    text = bench.render({"tests": tests, "seconds": 1.0, "settings": {"e2b_repo": "E2B", "rev": "HEAD"},
+                         "environment": {"e2b": "x"}})
+    assert "1 passed, 2 failed, 0 skipped of 3" in text
+    assert "unexplained (1):" in text
+    assert "test_new_bug: " in text.split("unexplained (1):")[1]
