@@ -40,9 +40,9 @@ def test_due_sandboxes_come_out_once_in_deadline_order_and_far_ones_wait_for_a_s
     d.note(state("lb-00000000000b", ttl=2))        # in 2 s: sooner, wakes the reaper again
     d.note(state("lb-00000000000c", ttl=3))        # later than the soonest: no wake
     d.note(state("lb-00000000000d", ttl=3600))     # past the horizon: the next full scan's business
-    d.note(state("lb-00000000000b", ttl=2.5))      # a TTL moved later: the old entry stays (stale)
+    d.note(state("lb-00000000000b", ttl=2.5))      # later than b's pending check: that check notes it again
     assert len(woken) == 2
-    assert len(d) == 4
+    assert len(d) == 3
     soonest = d.soonest()
     assert soonest is not None
     assert time.time() + 1.5 < soonest <= time.time() + 2
@@ -52,3 +52,19 @@ def test_due_sandboxes_come_out_once_in_deadline_order_and_far_ones_wait_for_a_s
     assert d.due(now + 3) == []
     assert d.due(now + 6) == ["lb-00000000000a"]
     assert d.soonest() is None
+
+
+def test_a_sooner_deadline_replaces_the_pending_one_and_a_recheck_waits() -> None:
+    d = Deadlines(horizon=10)
+    d.note(state("lb-00000000000e", ttl=5))
+    d.note(state("lb-00000000000e", ttl=1))  # set_timeout shortened it: the earlier one counts
+    now = time.time()
+    assert d.due(now + 2) == ["lb-00000000000e"]
+    assert d.due(now + 6) == []  # the stale later entry is not a second check
+    # a sandbox checked and left (a command running past its idle timeout): not due again at once
+    busy = state("lb-00000000000f", idle=1, idle_for=30)
+    d.note(busy, if_past=now + 1)
+    d.note(state("lb-000000000010", ttl=3), if_past=now + 1)  # not past: its own deadline stands
+    assert d.due(now) == []
+    assert d.due(now + 1) == ["lb-00000000000f"]
+    assert d.due(now + 4) == ["lb-000000000010"]

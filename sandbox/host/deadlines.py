@@ -35,17 +35,33 @@ def deadline_of(st: SandboxState) -> float | None:
 
 
 class Deadlines:
+    """At most one pending deadline per sandbox, its earliest: a later one noted meanwhile (a busy
+    sandbox's idle deadline moves with every command) waits until the pending one is checked,
+    and the reaper notes the sandbox again after that check (:meth:`SandboxManager.reap`), so a
+    busy sandbox costs one check per idle timeout, not one per state written."""
+
     def __init__(self, horizon: float = 10.0) -> None:
         self.horizon = horizon  # deadlines further away are left to the next full scan
         self.on_sooner: Callable[[], None] | None = None  # called (any thread) when the soonest moves earlier
         self._heap: list[tuple[float, str]] = []
+        self._pending: dict[str, float] = {}  # sandbox -> its entry in the heap that counts
         self._lock = threading.Lock()
 
-    def note(self, st: SandboxState) -> None:
+    def note(self, st: SandboxState, *, if_past: float | None = None) -> None:
+        """``st``'s deadline, if it falls within the horizon; ``if_past``: when to look again if
+        that deadline has passed already (a sandbox the reaper checked and left as it was, say
+        with a command still running past its idle timeout, is not checked again at once)."""
         at = deadline_of(st)
-        if at is None or at > time.time() + self.horizon:
+        now = time.time()
+        if at is None or at > now + self.horizon:
             return
+        if if_past is not None and at <= now:
+            at = if_past
         with self._lock:
+            pending = self._pending.get(st.id)
+            if pending is not None and pending <= at:
+                return
+            self._pending[st.id] = at  # (a later entry left in the heap is skipped when it comes up)
             sooner = not self._heap or at < self._heap[0][0]
             heapq.heappush(self._heap, (at, st.id))
         if sooner and self.on_sooner is not None:
@@ -57,11 +73,14 @@ class Deadlines:
 
     def due(self, now: float) -> list[str]:
         """The sandboxes due by ``now`` (each once), taken off."""
-        out: dict[str, None] = {}
+        out: list[str] = []
         with self._lock:
             while self._heap and self._heap[0][0] <= now:
-                out[heapq.heappop(self._heap)[1]] = None
-        return list(out)
+                at, sid = heapq.heappop(self._heap)
+                if self._pending.get(sid) == at:
+                    del self._pending[sid]
+                    out.append(sid)
+        return out
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._pending)

@@ -516,13 +516,20 @@ class SandboxManager:
                 with contextlib.suppress(SandboxNotFound, StateUnreadable):
                     states.append(self.states.read(sid))
             self._reap_states(states, now, set(), max_lifetime, report)
+            acted = set(report["destroyed"]) | set(report["paused"])
+            for st in states:  # not acted on (busy, or its ttl moved): its deadline again, not at once
+                if st.id not in acted:
+                    with contextlib.suppress(SandboxNotFound, StateUnreadable):
+                        self.deadlines.note(self.states.read(st.id), if_past=now + ACTIVE_GRAIN)
             return report
         leases = self.leases.all()  # each lease read once; the sweep below rewrites only what changes
         expired_jobs = {lease.job for lease in leases if lease.expired(now)}
         states = self.list()
-        for st in states:
-            self.deadlines.note(st)  # those due before the next round wake the reaper then
         self._reap_states(states, now, expired_jobs, max_lifetime, report)
+        acted = set(report["destroyed"]) | set(report["paused"])
+        for st in states:  # those due before the next round wake the reaper then
+            if st.id not in acted:
+                self.deadlines.note(st, if_past=now + ACTIVE_GRAIN)
         # sandboxes destroyed above (or by anyone) leave their leases; a lapsed lease with none goes
         def alive(sid: str) -> bool:
             return (self.boxes / sid).is_dir()
