@@ -323,12 +323,19 @@ def test_fleet_quota_is_exact_under_50_concurrent_creates_through_both_gateways(
 def test_creates_spread_until_every_edge_is_full_then_capacity(clean: Fleet) -> None:
     """Creates go on until the fleet is full, and only then are refused (503 capacity, retryable):
     each edge's admission had the last word, and no edge was left with room."""
-    made = []
-    for i in range(2 * EDGES * PER_EDGE):  # (FnCall pools left by other tests hold some slots too)
+    made: list[str] = []
+    tries = 0
+    for i in range(2 * EDGES * PER_EDGE + 3):  # (FnCall pools left by other tests hold some slots too)
         status, body = create(clean.gateways[i % 2], clean.token)
-        if status != 201:
+        if status == 201:
+            made.append(body["id"])
+            continue
+        # a 503 is retryable: one that did not ask every edge (one briefly out of the gateway's
+        # candidates, its heartbeat late on a loaded host) is retried, as a client would
+        tries += 1
+        if tries == 3 or len(re.findall(r"edge-\d+: HTTP 503", str(body))) == EDGES:
             break
-        made.append(body["id"])
+        time.sleep(2)
     assert (status, body["error"]["code"], body["error"]["retryable"]) == (503, "capacity", True), body
     on = clean.on_edges()
     assert sorted(sid for ids in on.values() for sid in ids) == sorted(made)
@@ -459,25 +466,25 @@ def test_an_edge_killed_mid_exec_is_lost_then_comes_back(clean: Fleet) -> None:
     try:
         assert '"exit_code": 0' not in ended, ended
         deadline = time.monotonic() + LOST_AFTER + 15
-        while time.monotonic() < deadline:
-            status, _, body = http("GET", f"{g0}/v1/sandboxes/{sid}", token=clean.token)
-            if status == 404 and "lost" in body["error"]["message"]:
+        while time.monotonic() < deadline:  # (both gateways answer "lost", so both have it cached so)
+            answers = [http("GET", f"{g}/v1/sandboxes/{sid}", token=clean.token) for g in (g0, g1)]
+            if all(status == 404 and "lost" in body["error"]["message"] for status, _, body in answers):
                 break
             time.sleep(0.5)
         else:
-            raise AssertionError(f"the sandbox was never reported lost: {status} {body}")
+            raise AssertionError(f"the sandbox was never reported lost by both gateways: {answers}")
         demo = {p["name"]: p for p in clean.cli("projects")}["demo"]
         assert demo["live"] == live - 1  # a lost sandbox leaves the quota
     finally:
         clean.cli("restart", edge)  # adopts its sandboxes, registers, reports them
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        status, _, body = http("GET", f"{g1}/v1/sandboxes/{sid}", token=clean.token)
-        if status == 200:
+    while time.monotonic() < deadline:  # through both: the one its reports reach and the other
+        answers = [http("GET", f"{g}/v1/sandboxes/{sid}", token=clean.token) for g in (g0, g1)]
+        if all(status == 200 for status, _, _ in answers):
             break
         time.sleep(0.5)
-    assert status == 200, body
-    assert "back" in run(g0, clean.token, sid, "echo back")
+    assert [status for status, _, _ in answers] == [200, 200], answers
+    assert "back" in run(g1, clean.token, sid, "echo back")
 
 
 def test_a_killed_gateway_leaves_its_clients_to_the_other(clean: Fleet) -> None:

@@ -289,6 +289,16 @@ class Gateway:
         self._remember(found)
         return found
 
+    async def current_route(self, sid: str) -> Route | None:
+        """The route to use now: the cached one while its edge is reachable and it is placed; read
+        again when its edge is not (lost with it, or moved since it was cached) and when it was
+        cached lost (its edge came back and reported it to another gateway: a lost route kept in
+        this cache would answer "lost" for ever)."""
+        route = await self.route(sid)
+        if route is not None and (route.state == "lost" or not self._reachable(route.edge)):
+            route = await self.route(sid, fresh=True)
+        return route
+
     def _remember(self, route: Route) -> None:
         self.routes[route.sandbox] = route
         self.routes.move_to_end(route.sandbox)
@@ -360,9 +370,7 @@ class Gateway:
         if "X-API-Key" in request.headers or request.headers.get("Authorization", "").lower().startswith("bearer "):
             call.project = await self.project(request)
         cached = sid in self.routes
-        route = await self.route(sid)
-        if route is not None and not self._reachable(route.edge):
-            route = await self.route(sid, fresh=True)
+        route = await self.current_route(sid)
         if route is None or route.state != "placed" or (call.project is not None and route.project != call.project.name):
             raise ApiError(502, "sandbox_not_found", f"The sandbox {sid} was not found")  # (E2B's proxy's answer)
         # the edge's "not found" for a sandbox is E2B's proxy's 502
@@ -374,9 +382,7 @@ class Gateway:
         sid = (sandbox_id_of(raw_id, call.project.name if call.project is not None else "")
                if call.e2b else check_sandbox_id(raw_id, "id"))
         cached = sid in self.routes
-        route = await self.route(sid)
-        if route is not None and not self._reachable(route.edge):
-            route = await self.route(sid, fresh=True)  # lost with its edge, or moved since it was cached
+        route = await self.current_route(sid)
         if route is not None and call.project is not None and route.project != call.project.name:
             route = None  # another project's: as missing, from every gateway
         method = call.request.method
