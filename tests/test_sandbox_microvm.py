@@ -124,6 +124,38 @@ def test_create_exec_streams_and_files(vms: Any, vm_manager: SandboxManager) -> 
     assert create["vm"]["assets"] == st.vm["assets"]
 
 
+def test_each_guest_from_a_template_runs_commands_as_the_user_its_own_rootfs_names(
+        vms: Any, vm_manager: SandboxManager) -> None:
+    """A guest restored from a template looks its users up once per document (the manager
+    remembers them): sandboxes of one template with other users, and a checkpoint that
+    added a user, each get their own user's ids, never another document's."""
+    nobody = vms(VM.replace(user="nobody"))
+    assert nobody.exec(["id", "-u"]).stdout == b"65534\n"
+    root = vms()
+    assert root.exec(["id", "-u"]).stdout == b"0\n"
+    # the agent ignores SIGPIPE; a command starts with every signal at its default, as under crun
+    assert root.exec(["grep", "SigIgn", "/proc/self/status"]).stdout == b"SigIgn:\t0000000000000000\n"
+    assert root.exec("yes | head -n 1").stderr == b""
+    root.exec("echo 'agentx:x:4242:4343::/home/agentx:/bin/sh' >> /etc/passwd")
+    added = run(root.checkpoint())
+    with pytest.raises(UnsupportedOption, match="agentx"):
+        vms(VM.replace(user="agentx"))  # the image has no such user
+    agent = run(vm_manager.restore(added.digest, user="agentx"))
+    try:
+        assert agent.exec(["id", "-u"]).stdout == b"4242\n"
+        assert agent.exec(["id", "-g"]).stdout == b"4343\n"
+        made = next(r for r in agent.receipts() if r["action"] == "restore" and not r.get("inherited"))
+        assert made["template_source"] == "host"  # a template restore: the path that remembers users
+    finally:
+        agent.destroy()
+    assert vms(VM.replace(user="nobody")).exec(["id", "-u"]).stdout == b"65534\n"
+    # the VMM is in the sandbox's network namespace and cgroup (joined before QEMU's exec)
+    vmm = root.state.vm["vmm_pid"]
+    netns = vm_manager.resources.networks.manager.netns_path(root.id)
+    assert os.stat(f"/proc/{vmm}/ns/net").st_ino == os.stat(netns).st_ino
+    assert vm_manager.layout.holds(vmm, root.state.cgroups_path)
+
+
 def _ids(pid: int) -> tuple[set[int], int]:
     """The uids and gids of process ``pid`` (real, effective, saved, fs) and its effective capabilities."""
     status = Path(f"/proc/{pid}/status").read_text()

@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Protocol
@@ -396,13 +396,21 @@ class ProcessDefaults:
     gid: int
 
 
-def process_defaults(files: Files, resolved: Resolved, options: SandboxOptions) -> ProcessDefaults:
+def process_defaults(files: Files, resolved: Resolved, options: SandboxOptions,
+                     accounts: MutableMapping[str, tuple[int, int, str]] | None = None) -> ProcessDefaults:
     """The env, workdir, uid and gid of the sandbox's commands: the image's config under its options,
-    the user looked up in the image's own passwd and group files."""
+    the user looked up in the image's own passwd and group files.  ``accounts``: the users
+    already looked up in a rootfs that is ``resolved``'s alone (a content-addressed document
+    on a disk nothing has written yet), filled in here: a VM's files are a round trip each
+    into a guest whose code is not yet translated."""
     cfg = resolved.config.get("config", resolved.config) or {}
     image_env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if isinstance(e, str) and "=" in e)
     image_env.setdefault("PATH", DEFAULT_PATH)
-    uid, gid, home = _identity(files, options.user if options.user is not None else cfg.get("User") or "")
+    user = options.user if options.user is not None else cfg.get("User") or ""
+    known = accounts.get(user) if accounts is not None else None
+    uid, gid, home = known if known is not None else _identity(files, user)
+    if accounts is not None and known is None:
+        accounts[user] = (uid, gid, home)
     # as runc and crun do: HOME from the account's passwd entry unless the image sets it
     env = {**image_env, "HOME": image_env.get("HOME", home), **options.env}
     return ProcessDefaults(env, options.workdir or cfg.get("WorkingDir") or "/", uid, gid)

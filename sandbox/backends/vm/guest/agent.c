@@ -410,6 +410,7 @@ static void do_exec(uint32_t chan, struct rd *r, int mode)
 	if (pid == 0) {
 		sigset_t all;
 		sigemptyset(&all);
+		signal(SIGPIPE, SIG_DFL); /* the agent ignores it; a command gets the default, as under crun */
 		sigprocmask(SIG_SETMASK, &all, NULL);
 		setsid();
 		int err = 0;
