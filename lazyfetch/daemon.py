@@ -221,12 +221,14 @@ class Daemon:
         hexd = hex_digest(entry.digest)
         meta_path = self._meta_path(hexd)
         known = self.cache.layers.get(hexd)
-        if known is None or not meta_path.exists():
+        # A layer is in the cache before its blob has its mark (_open_layer, in a thread): a
+        # caller that finds it unmarked waits for the registration under way, then asks again.
+        if known is None or not meta_path.exists() or not self._served(known):
             async with self._register_lock:
                 known = await self._register_locked(entry, hexd, meta_path)
+            self._check_served(known)
         if image:
             known.images.add(image)
-        self._check_served(known)
         return {"meta": str(meta_path), "blob": self._blob_path(known), "path": self.data_path,
                 "blob_io": self.cfg.blob_io}
 
@@ -276,11 +278,12 @@ class Daemon:
         self.cache.note_complete(layer)
         return layer
 
+    def _served(self, layer: LayerBlob) -> bool:
+        return self.group is None or self._marked(layer)
+
     def _check_served(self, layer: LayerBlob) -> None:
         """The canary: a layer is handed out only while its reads are sure to reach us."""
-        if self.group is None:
-            return
-        if not self._marked(layer):
+        if not self._served(layer):
             raise HTTPError(500, (
                 f"refusing to serve layer {layer.digest}: its blob {layer.path} has no fanotify mark "
                 "of this daemon's group, so a mount would read holes as zeros; "

@@ -255,6 +255,14 @@ class HostMounts:
         if not os.path.isdir(target):
             raise MountError(f"{mountpoint}: mount point must be an existing directory")
         health = self._daemon()
+        # Before the host's lock, as layer_files does: the daemon serves it to any number of
+        # callers at once, and under the lock it was a third of what 100 sandboxes starting
+        # together waited for one after another.  Its paths are the data dir's, whatever daemon
+        # answers; a layer of a lost generation is re-stacked below as before.
+        reply = self.client.request("POST", "/layers", {
+            "image": resolved.digest, "trace": trace, "fill": fill,
+            "layers": [layer.to_json() for layer in resolved.layers],
+        })
         with self._locked() as state:
             stale, mounted = self._reconcile(state, health["generation"])
             if stale:
@@ -267,10 +275,6 @@ class HostMounts:
                 log.info("forgetting %s: no longer mounted", target)
                 self._forget(target)
                 self._unuse(state, known["layers"])
-            reply = self.client.request("POST", "/layers", {
-                "image": resolved.digest, "trace": trace, "fill": fill,
-                "layers": [layer.to_json() for layer in resolved.layers],
-            })
             created = 0
             lowers = []
             for layer, paths in zip(resolved.layers, reply["layers"], strict=True):

@@ -9,12 +9,14 @@ source: zeros where the source is not zero count as wrong.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -272,3 +274,25 @@ def test_a_full_blob_disk_gives_the_bytes_or_eio_never_zeros(hosts, tmp_path: Pa
         host.close()
     finally:
         subprocess.run(["umount", "-l", str(blobs)], check=False)
+
+
+def test_callers_asking_for_a_new_layer_at_once_all_get_it_served(hosts, tmp_path: Path) -> None:
+    """The daemon puts a new layer in its cache a moment before its blob has its fanotify mark:
+    a caller that came in that moment was refused ("no fanotify mark"; 100 sandboxes forked at
+    once hit it).  Now it waits for the registration under way, and every caller gets the layer."""
+    url = f"file://{tmp_path / 'store'}"
+    refs = [f"test/img{i}" for i in range(12)]
+    for i, ref in enumerate(refs):
+        src = make_source(tmp_path / f"src{i}", big_mb=0)
+        (src / "which").write_text(ref)  # a layer of its own each
+        publish_sync(url, tmp_path / "pub", str(src), ref)
+    host = hosts(url, data_path="fanotify")
+    host.mounts.start_daemon()
+    for ref in refs:
+        resolved = resolve_sync(url, host.data_dir, ref)
+        with ThreadPoolExecutor(48) as pool:
+            answers = list(pool.map(functools.partial(host.mounts.layer_files, trace=False, fill=False),
+                                    [resolved] * 48))
+        assert all(a == answers[0] for a in answers)
+    mnt = host.mount(refs[0])
+    assert (mnt / "which").read_text() == refs[0]
