@@ -957,9 +957,10 @@ class AgentConnection:
         self._done(T_SYNC, b"", timeout=120.0)
 
 
-def connect_unix(path: Path, timeout: float) -> socket.socket:
+def connect_unix(path: Path, timeout: float, alive: Callable[[], bool] | None = None) -> socket.socket:
     """Connect through an O_PATH fd of the directory: a unix socket's path is at most 107 bytes,
-    a data dir's sandbox directory can be longer."""
+    a data dir's sandbox directory can be longer.  ``alive``: whether whoever will listen there
+    still can (a VMM that exited before its socket is an error at once, not after ``timeout``)."""
     dfd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
     try:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -969,6 +970,9 @@ def connect_unix(path: Path, timeout: float) -> socket.socket:
                 sock.connect(f"/proc/self/fd/{dfd}/{path.name}")
                 return sock
             except (FileNotFoundError, ConnectionRefusedError):
+                if alive is not None and not alive():
+                    sock.close()
+                    raise AgentError(f"{path}: its process exited before it listened") from None
                 if time.monotonic() > deadline:
                     sock.close()
                     raise AgentError(f"{path}: nothing listens there after {timeout:g} s") from None

@@ -166,8 +166,8 @@ def hypervisor(assets: vmassets.Assets) -> Hypervisor:
 class Qmp:
     """A QMP connection (one command at a time; events are skipped)."""
 
-    def __init__(self, path: Path, timeout: float = 30.0) -> None:
-        self.sock = connect_unix(path, timeout)
+    def __init__(self, path: Path, timeout: float = 30.0, alive: Callable[[], bool] | None = None) -> None:
+        self.sock = connect_unix(path, timeout, alive)
         self.sock.settimeout(timeout)
         self.file = self.sock.makefile("rb")
         self._read()  # the greeting
@@ -466,7 +466,10 @@ class Vmm:
             time.sleep(0.01)
 
     def qmp(self, timeout: float = 30.0) -> Qmp:
-        return Qmp(self.dir / "qmp.sock", timeout)
+        try:
+            return Qmp(self.dir / "qmp.sock", timeout, self.alive)
+        except AgentError as exc:
+            raise VmError(f"VMM {self.pid}: no monitor ({exc}); {self.log_tail()}") from None
 
     def wait_status(self, qmp: Qmp, want: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

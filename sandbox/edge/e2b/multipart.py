@@ -141,11 +141,24 @@ class MultipartStream:
         return Part(headers, *_disposition(headers.get("content-disposition")))
 
     async def read(self, size: int) -> bytes:
-        """The current part's next ``size`` bytes (fewer only at its end); ``b""`` once it ended."""
+        """The current part's next bytes, at least one and at most ``size``; ``b""`` once it ended.
+
+        A chunk of the connection's that holds no delimiter and cannot end in the start of one
+        (the delimiter's only CR is its first byte) is handed out as it came, not copied: joining
+        each chunk to a buffer and slicing it out again cost a 10 MB upload 4.4 ms."""
         if not self._in_part:
             return b""
         keep = len(self._delim) - 1  # the last bytes may be the start of a delimiter
         while True:
+            if self._pos == len(self._buf):  # nothing buffered
+                data = await self._content.read(min(size, READ))
+                if not data:
+                    raise InvalidField("body", "the multipart body ends inside a part (no closing boundary)")
+                if data.find(self._delim) < 0 and b"\r" not in data[-keep:]:
+                    return data
+                self._buf.clear()
+                self._pos = self._scanned = 0
+                self._buf += data
             at = self._buf.find(self._delim, self._scanned)
             if at >= 0:
                 end = min(at, self._pos + size)
@@ -154,9 +167,11 @@ class MultipartStream:
                     self._pos = self._scanned = at + len(self._delim)
                     self._in_part = False
                 return piece
-            self._scanned = max(self._pos, len(self._buf) - keep)
-            if self._scanned - self._pos >= size:
-                return self._take(self._pos + size)
+            # a delimiter cut off at the end starts at the last CR there, if any
+            cr = self._buf.rfind(b"\r", max(self._pos, len(self._buf) - keep))
+            self._scanned = cr if cr >= 0 else len(self._buf)
+            if self._scanned > self._pos:
+                return self._take(min(self._scanned, self._pos + size))
             if not await self._more():
                 raise InvalidField("body", "the multipart body ends inside a part (no closing boundary)")
 

@@ -1,9 +1,11 @@
-"""A microVM sandbox's own disk: the empty qcow2 overlay made over its backing (sandbox.backends.vm.qemu)."""
+"""The host side of a VMM (sandbox.backends.vm.qemu): a sandbox's own disk, the empty qcow2 overlay
+made over its backing, and the start of its process."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,37 @@ def test_an_overlay_over_a_file_of_its_own_vm_names_it_relative(tmp_path: Path) 
         qemu.sandbox_disk(str(vm_dir / "disk-0.qcow2"), "qcow2", vm_dir / "disk.qcow2", 64 << 20, owner)
         info = _info(vm_dir / "disk.qcow2")
         assert (info["backing-filename"], info["backing-filename-format"]) == ("disk-0.qcow2", "qcow2")
+
+
+def test_a_vmm_that_cannot_join_its_cgroup_is_an_error_at_once_naming_it(tmp_path: Path) -> None:
+    """The VMM's process joins the sandbox's cgroups before it execs QEMU (a shell writes its pid):
+    when it cannot, asking for its monitor fails at once, quoting why, not after the 30 s wait."""
+    missing = tmp_path / "gone" / "cgroup.procs"
+    vmm = qemu.Vmm.spawn(tmp_path, ["sleep", "60"], [missing])
+    try:
+        t = time.monotonic()
+        with pytest.raises(qemu.VmError, match="exited before it listened") as err:
+            vmm.qmp(timeout=30.0)
+        assert time.monotonic() - t < 10
+        assert "cgroup.procs" in str(err.value)  # the shell's own message, from vmm.log
+    finally:
+        vmm.kill()
+    assert not vmm.alive()
+
+
+def test_a_vmm_joins_the_cgroup_it_is_given_before_its_exec(tmp_path: Path) -> None:
+    """The same pid throughout (nsenter, sh, then the program), in the cgroup from its start."""
+    procs = tmp_path / "procs"
+    procs.write_text("")
+    vmm = qemu.Vmm.spawn(tmp_path, ["sleep", "60"], [procs])
+    try:
+        deadline = time.monotonic() + 10
+        while procs.read_text().strip() != str(vmm.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert procs.read_text().strip() == str(vmm.pid)
+        while Path(f"/proc/{vmm.pid}/comm").read_text().strip() != "sleep" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert Path(f"/proc/{vmm.pid}/comm").read_text().strip() == "sleep"
+        assert vmm.alive()
+    finally:
+        vmm.kill()
