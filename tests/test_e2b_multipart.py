@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import email.parser
 import email.policy
+import re
 import socket
 
 import pytest
 from aiohttp import StreamReader
 from aiohttp.base_protocol import BaseProtocol
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from sandbox.core.errors import InvalidField
@@ -32,6 +33,17 @@ def body_of(parts: list[tuple[str, str | None, bytes]], *, preamble: bytes = b""
         out += (f"--{BOUNDARY}".encode() + padding + b"\r\n" + f"Content-Disposition: {disp}\r\n".encode()
                 + b"Content-Type: application/octet-stream\r\n\r\n" + data + b"\r\n")
     return out + f"--{BOUNDARY}--".encode() + epilogue
+
+
+def well_formed(data: bytes) -> bool:
+    """A client picks a boundary its data does not hold (RFC 2046): only such bodies are well-formed."""
+    return f"\r\n--{BOUNDARY}".encode() not in b"\r\n" + data
+
+
+def oracle_agrees(data: bytes) -> bool:
+    """The stdlib's parser takes a lone CR or LF for a line break (RFC 2046 wants CRLF): data with
+    one before the boundary's text is a case where it, not ours, is wrong."""
+    return re.search(rb"[\r\n]--" + re.escape(BOUNDARY.encode()), b"\n" + data) is None
 
 
 def oracle(body: bytes) -> list[tuple[str | None, str | None, bytes]]:
@@ -94,15 +106,17 @@ tricky = st.lists(st.sampled_from([b"\r", b"\n", b"-", b"--", b"\r\n--", b"\r\n-
 def test_every_split_of_a_body_gives_the_parts_the_stdlib_parser_finds(datas: list[bytes], cuts: list[int], size: int,
                                                                         preamble: bytes, epilogue: bytes,
                                                                         padding: bytes) -> None:
-    # a client picks a boundary its data does not hold (RFC 2046): only such bodies are well-formed
-    assume(all(f"\r\n--{BOUNDARY}".encode() not in b"\r\n" + d for d in datas))
+    assume(all(well_formed(d) for d in datas))
     parts = [("file", f"/home/user/f{i}", d) for i, d in enumerate(datas)]
     body = body_of(parts, preamble=preamble, epilogue=epilogue, padding=padding)
     got = run(body, cuts, size=size)
-    assert got == oracle(body) == [(n, f, d) for n, f, d in parts]
+    assert got == [(n, f, d) for n, f, d in parts]
+    if all(oracle_agrees(d) for d in datas):
+        assert got == oracle(body)
 
 
 @settings(max_examples=200, deadline=None)
+@example(chunks=[b"\r--b0undary-xyz"], cuts=[], size=1)  # a CR, not CRLF, before the boundary's text: data
 @given(chunks=st.lists(st.one_of(st.binary(min_size=1, max_size=3000), tricky), min_size=1, max_size=12),
        cuts=st.lists(st.integers(0, 40_000), max_size=24), size=st.integers(1, 8192))
 def test_long_parts_handed_out_as_the_connection_gave_them_are_the_stdlib_parsers(
@@ -110,10 +124,13 @@ def test_long_parts_handed_out_as_the_connection_gave_them_are_the_stdlib_parser
     """Chunks with no delimiter in them go out as they came (no copy): long bodies, split anywhere,
     with CRs and pieces of the delimiter near the cuts, still give exactly the parts."""
     datas = [b"".join(chunks), b"".join(reversed(chunks))]
-    assume(all(f"\r\n--{BOUNDARY}".encode() not in b"\r\n" + d for d in datas))
+    assume(all(well_formed(d) for d in datas))
     parts = [("file", f"/home/user/f{i}", d) for i, d in enumerate(datas)]
     body = body_of(parts)
-    assert run(body, cuts, size=size) == oracle(body) == [(n, f, d) for n, f, d in parts]
+    got = run(body, cuts, size=size)
+    assert got == [(n, f, d) for n, f, d in parts]
+    if all(oracle_agrees(d) for d in datas):
+        assert got == oracle(body)
 
 
 def test_a_large_part_comes_in_pieces_of_the_size_asked() -> None:

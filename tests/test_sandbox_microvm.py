@@ -455,6 +455,7 @@ def test_memory_checkpoint_goes_on_on_a_second_host_and_dedups_against_the_templ
     # the RAM image's unchanged 256 KiB runs are its template's chunks, already in the store
     assert ckpt.bytes_uploaded < ckpt.bytes_changed / 4, ckpt
     assert box.exec("cat /dev/shm/note").stdout.strip() == secret  # the source went on
+    vm_host2.host.start_daemon()  # (running already when the block checkpoint's test ran first)
     before = vm_host2.host.client.request("GET", "/stats")["bytes_fetched_uncompressed_per_layer"].get(ckpt.layer, 0)
     restored = run(vm_host2.restore(ckpt.digest))
     try:

@@ -473,6 +473,7 @@ class Vmm:
 
     def wait_status(self, qmp: Qmp, want: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        pause = 0.001  # a restore's device state loads in ~5 ms: a coarse first poll was most of it again
         while True:
             status = qmp.execute("query-status")["status"]
             if status == want:
@@ -480,7 +481,8 @@ class Vmm:
             if time.monotonic() > deadline:
                 raise VmError(f"VMM {self.pid}: status {status!r}, not {want!r} after {timeout:g} s; "
                               f"{self.log_tail()}")
-            time.sleep(0.001)  # a restore's device state loads in ~5 ms: a coarser poll is most of it again
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)  # (a whole memory image takes seconds: not a query a millisecond)
 
     def save(self, state_file: Path, *, mapped_ram: bool = False, qmp: Qmp | None = None,
              switchover: Callable[[], None] | None = None, durable: bool = True) -> float:
