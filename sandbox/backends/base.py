@@ -386,6 +386,9 @@ def special_kind(mode: int) -> str | None:
     return None if fmt in (stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK) else SPECIAL_KINDS.get(fmt, "special file")
 
 
+ACCOUNTS_PER_ROOTFS = 64  # users process_defaults remembers per rootfs; past them each is read again
+
+
 @dataclass(frozen=True)
 class ProcessDefaults:
     """What every command of a sandbox gets unless it says otherwise: the image's config under the options."""
@@ -409,8 +412,8 @@ def process_defaults(files: Files, resolved: Resolved, options: SandboxOptions,
     user = options.user if options.user is not None else cfg.get("User") or ""
     known = accounts.get(user) if accounts is not None else None
     uid, gid, home = known if known is not None else _identity(files, user)
-    if accounts is not None and known is None:
-        accounts[user] = (uid, gid, home)
+    if accounts is not None and known is None and len(accounts) < ACCOUNTS_PER_ROOTFS:
+        accounts[user] = (uid, gid, home)  # (bounded: any numeric uid is a user a tenant may ask for)
     # as runc and crun do: HOME from the account's passwd entry unless the image sets it
     env = {**image_env, "HOME": image_env.get("HOME", home), **options.env}
     return ProcessDefaults(env, options.workdir or cfg.get("WorkingDir") or "/", uid, gid)
