@@ -154,11 +154,13 @@ class MultipartStream:
                 data = await self._content.read(min(size, READ))
                 if not data:
                     raise InvalidField("body", "the multipart body ends inside a part (no closing boundary)")
-                if data.find(self._delim) < 0 and b"\r" not in data[-keep:]:
+                at = data.find(self._delim)
+                if at < 0 and b"\r" not in data[-keep:]:
                     return data
                 self._buf.clear()
-                self._pos = self._scanned = 0
                 self._buf += data
+                self._pos = 0
+                self._scanned = at if at >= 0 else max(0, len(data) - keep)  # (searched already)
             at = self._buf.find(self._delim, self._scanned)
             if at >= 0:
                 end = min(at, self._pos + size)
