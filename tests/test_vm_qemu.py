@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from layerstore.objects import Resolved
+from sandbox.backends.base import ACCOUNTS_PER_ROOTFS, process_defaults
+from sandbox.backends.container.files import RootFiles
 from sandbox.backends.vm import qemu
+from sandbox.core.model import SandboxOptions
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("cmd:qemu-img")]
 
@@ -98,3 +102,23 @@ def test_a_vmm_joins_the_cgroup_it_is_given_before_its_exec(tmp_path: Path) -> N
         assert vmm.alive()
     finally:
         vmm.kill()
+
+
+def test_the_users_a_vm_backend_remembers_per_rootfs_are_bounded_and_each_right(tmp_path: Path) -> None:
+    """process_defaults remembers users per rootfs for guests fresh from a template; any numeric
+    uid is a user a tenant may ask for, so what it remembers is bounded, and past the bound a
+    user is read again, still right."""
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "passwd").write_text("root:x:0:0::/root:/bin/sh\nagent:x:1000:1001::/home/agent:/bin/sh\n")
+    (root / "etc" / "group").write_text("root:x:0:\n")
+    files = RootFiles(root)
+    resolved = Resolved("blake3:" + "0" * 64, "image", (), {}, {})
+    accounts: dict[str, tuple[int, int, str]] = {}
+    for uid in range(5000, 5000 + ACCOUNTS_PER_ROOTFS + 20):
+        got = process_defaults(files, resolved, SandboxOptions(user=str(uid)), accounts)
+        assert (got.uid, got.gid, got.env["HOME"]) == (uid, uid, "/")
+    assert len(accounts) == ACCOUNTS_PER_ROOTFS
+    agent = process_defaults(files, resolved, SandboxOptions(user="agent"), accounts)
+    assert (agent.uid, agent.gid, agent.env["HOME"]) == (1000, 1001, "/home/agent")
+    assert "agent" not in accounts
