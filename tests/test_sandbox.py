@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -18,10 +21,14 @@ from support.sandboxes import PROCESS_ARGS, REF, assert_clean, run
 
 from lazyfetch import kmount
 from sandbox.backends.container.files import RootFiles
+from sandbox.backends.container.runtime import SEALED, OciRuntime
 from sandbox.backends.container.spec import CAPABILITIES, Masks
 from sandbox.core.errors import InvalidField, PathEscape, SandboxError
+from sandbox.core.procs import kill_exited, proc_stat
 from sandbox.host.manager import Sandbox, SandboxManager
 from sandbox.isolation import landlock
+
+F_GET_SEALS = 1034
 
 pytestmark = [pytest.mark.usefixtures("need_root"), pytest.mark.root("erofs", "overlay", "fuse", "cmd:crun")]
 
@@ -360,6 +367,90 @@ def test_runtime_list_survives_a_container_whose_state_cannot_be_read(boxes: Any
         assert box.manager.reconcile()["adopted"] == [box.id]
     finally:
         shutil.rmtree(ghost)
+
+
+def _crun_exe(sid: str) -> str | None:
+    """Where the running `crun exec` into ``sid`` was executed from, if one runs."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"exec" in argv and sid.encode() in argv:
+                return os.readlink(f"/proc/{pid}/exe")
+    return None
+
+
+def test_crun_runs_from_a_sealed_copy_of_itself_that_no_write_reaches(boxes: Any) -> None:
+    # crun skips copying itself at each command only when it runs from a memfd sealed against
+    # writes: a container must not be able to rewrite the host's runtime (CVE-2019-5736)
+    box = boxes()
+    runtime = box.manager.backend("container").runtime
+    path = Path(runtime.binary)
+    assert path.is_relative_to(box.manager.data_dir)
+    assert path.name == "crun"
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert fcntl.fcntl(fd, F_GET_SEALS) & SEALED == SEALED
+        assert os.fstat(fd).st_size == os.stat(runtime.installed).st_size
+    finally:
+        os.close(fd)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        with pytest.raises(PermissionError):
+            os.write(fd, b"#!/bin/sh\n")
+    finally:
+        os.close(fd)
+    seen: list[str | None] = []
+    running = threading.Thread(target=box.exec, args=(["sleep", "1"],))
+    running.start()
+    deadline = time.monotonic() + 10
+    while not any(seen) and time.monotonic() < deadline:
+        seen.append(_crun_exe(box.id))
+        time.sleep(0.01)
+    running.join()
+    assert next(filter(None, seen)).startswith("/memfd:crun")  # itself, not a copy of its own
+    assert box.exec(["echo", "ran"]).stdout == b"ran\n"
+
+
+def test_crun_sealed_copies_of_processes_gone_are_removed_and_close_removes_its_own(tmp_path: Path) -> None:
+    crun = shutil.which("crun")
+    assert crun is not None
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (bin_dir / f"{dead.pid}-0").mkdir()  # what a manager that crashed left
+    (bin_dir / f"{dead.pid}-0" / "crun").symlink_to(f"/proc/{dead.pid}/fd/3")
+    first = OciRuntime(tmp_path / "runtime", bind_dir=bin_dir)
+    second = OciRuntime(tmp_path / "runtime", bind_dir=bin_dir)
+    try:
+        assert first.list() == []
+        assert second.list() == []
+        assert sorted(p.name for p in bin_dir.iterdir()) == sorted(
+            Path(r.binary).parent.name for r in (first, second))
+        assert first.binary != second.binary  # one each: closing one leaves the other working
+        first.close()
+        assert first.binary == crun
+        assert second.list() == []
+        assert [p.name for p in bin_dir.iterdir()] == [Path(second.binary).parent.name]
+    finally:
+        first.close()
+        second.close()
+    assert list(bin_dir.iterdir()) == []
+
+
+def test_a_killed_init_is_waited_for_and_a_reused_pid_is_left_alone() -> None:
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        stat = proc_stat(proc.pid)
+        assert stat is not None
+        assert kill_exited(proc.pid, stat[1] + 1, 1.0)  # another process's start time: not ours
+        assert proc.poll() is None
+        assert kill_exited(proc.pid, stat[1], 5.0)
+        assert proc.wait(1) == -signal.SIGKILL
+        assert kill_exited(proc.pid, stat[1], 1.0)  # reaped: gone
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_network_is_loopback_only(boxes: Any) -> None:

@@ -11,6 +11,7 @@ sandbox's uid must traverse them, see the manager).
 Layout under ``<data-dir>/sandbox/`` (docs/FORMAT.md, "Sandbox host state")::
 
     runtime/               crun --root
+    bin/<pid>-<n>/crun     the sealed copy of crun a manager process runs (a symlink into its fds)
     boxes/<id>/state.json  the sandbox's SandboxState
     boxes/<id>/bundle/     config.json and each running exec's process document and pid file
     receipts/<id>.jsonl    its receipt log's live segment (<id>.<n>.jsonl: sealed ones, sandbox.core.receipts)

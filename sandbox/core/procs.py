@@ -52,6 +52,31 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
     return proc.wait()
 
 
+def kill_exited(pid: int, start: int | None, timeout: float) -> bool:
+    """SIGKILL ``pid`` (when its start time is still ``start``) and wait, at most ``timeout``
+    seconds, for it to exit; True once it has (or was gone already).
+
+    For the init of a PID namespace, its exit means every other process of the namespace
+    has died before it: the kernel kills and reaps them as the init exits.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        stat = proc_stat(pid)
+        if stat is None:
+            return True
+        if start is not None and stat[1] != start:  # a reused pid: not ours to kill
+            return True
+        signal.pidfd_send_signal(fd, signal.SIGKILL)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(timeout * 1000))
+    finally:
+        os.close(fd)
+
+
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the process group ``spawn`` gave ``proc`` and reap ``proc``."""
     try:

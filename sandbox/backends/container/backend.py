@@ -58,7 +58,7 @@ from sandbox.core.errors import (
 )
 from sandbox.core.model import SandboxOptions, SandboxState
 from sandbox.core.paths import read_beneath, replace_beneath
-from sandbox.core.procs import kill_group, proc_stat
+from sandbox.core.procs import kill_exited, kill_group, proc_stat
 from sandbox.isolation import disk as sbdisk
 from sandbox.isolation import idmap
 from sandbox.isolation.network import socket_in
@@ -70,6 +70,7 @@ EXEC_PREFIX = "exec-"
 MAX_WALK = 200_000  # entries of an upper directory counted for its disk use; past it the figure is partial
 STARTED_POLL_S = 0.0002  # how often a background exec's pid file is looked for, at first
 STARTED_FINE_S = 0.05  # ... for this long; then every 10 ms (a crun held up by a busy host)
+DESTROY_KILL_WAIT = 2.0  # for the killed init to exit before crun deletes; past it crun kills and waits itself
 
 
 def limits_of(options: SandboxOptions) -> OciLimits:
@@ -84,7 +85,7 @@ class ContainerBackend:
 
     def __init__(self, ctx: HostContext, *, runtime: str = "crun") -> None:
         self.ctx = ctx
-        self.runtime = OciRuntime(ctx.paths.runtime, binary=runtime)
+        self.runtime = OciRuntime(ctx.paths.runtime, binary=runtime, bind_dir=ctx.paths.root / "bin")
         self._lock = threading.Lock()
         self._userns_fds: dict[int, int] = {}  # host_base -> user namespace fd with that mapping (kept)
         self._masks_made: Masks | None = None
@@ -105,7 +106,7 @@ class ContainerBackend:
             "container", True,
             provides=("exec", "files", "pause", "resume", "limits", "ttl", "leases", "checkpoint", "restore", "fork",
                       "network", "background", "interactive", "ports", "userns", "disk"),
-            lacks=("memory_checkpoint",), details={"runtime": os.path.basename(self.runtime.binary)})
+            lacks=("memory_checkpoint",), details={"runtime": os.path.basename(self.runtime.installed)})
 
     async def check(self, options: SandboxOptions, resolved: Resolved, ref: str) -> None:
         if resolved.disk is not None:
@@ -211,7 +212,7 @@ class ContainerBackend:
         """Return once the init has exec'd: ``crun start`` returns while it may still be crun, and a
         ``crun exec`` into a user-namespaced container then fails (setns EPERM: the process changed its
         credentials and is not dumpable until execve).  /proc offers no event for an exec, hence the poll."""
-        runtime_comm = os.path.basename(self.runtime.binary)[:15]
+        runtime_comm = os.path.basename(self.runtime.installed)[:15]
         deadline = time.monotonic() + limit
         while True:
             try:
@@ -443,6 +444,11 @@ class ContainerBackend:
 
     # -- destroy and recovery ---------------------------------------------------------------------------
     def destroy(self, sid: str, st: SandboxState | None) -> None:
+        if st is not None and st.status == "running" and st.pid is not None:
+            # crun's delete kills the container and at once rmdirs its cgroups; the killed are still
+            # exiting, the rmdir fails EBUSY and crun sleeps 10 ms before it tries again (every
+            # destroy, measured).  Its init gone first, the cgroups are empty when crun comes.
+            kill_exited(st.pid, st.init_start, DESTROY_KILL_WAIT)
         try:  # `crun delete --force` of an unknown container succeeds: no state query first
             self.runtime.delete(sid, force=True)
         except RuntimeFailed:
@@ -535,6 +541,7 @@ class ContainerBackend:
 
     def close(self) -> None:
         self.forget_userns()
+        self.runtime.close()
 
 
 class CrunProcess:

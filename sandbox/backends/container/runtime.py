@@ -7,11 +7,16 @@ and turns a non-zero exit into :class:`RuntimeFailed` carrying crun's stderr;
 
 The runtime's state lives under ``--root`` (the manager's data dir), so two
 managers (two tests, two "hosts") never see each other's containers.
+
+crun runs from a sealed copy of its binary (:class:`SealedBinary`), so that it does not copy
+itself at every command.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import itertools
 import json
 import logging
 import os
@@ -21,6 +26,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,14 +41,103 @@ log = logging.getLogger("layerbox.sandbox")
 DEFAULT_TIMEOUT = 30.0
 
 
+MFD_EXEC = 0x10  # memfd_create: executable, whatever vm.memfd_noexec says (Linux 6.3+; older ones ignore it)
+F_ADD_SEALS = 1033
+SEALED = 0x1 | 0x2 | 0x4 | 0x8  # F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE: what crun checks for
+_links = itertools.count()
+
+
+class SealedBinary:
+    """A copy of ``binary`` in a sealed memfd, run by a symlink ``<bind_dir>/<pid>-<n>/<name>``.
+
+    crun 1.x copies itself and re-executes the copy at every command, its defence against a
+    container rewriting the host's binary through ``/proc/<pid>/exe`` (CVE-2019-5736), unless
+    it already runs from a memfd sealed against writes (3.0 -> 1.6 ms a command here, measured).
+    The symlink keeps the process's name (``comm`` is the last part of the path executed);
+    a directory of a process that is gone (a crash) is removed by the next one.
+    """
+
+    def __init__(self, binary: str, bind_dir: Path) -> None:
+        self.fd = os.memfd_create(os.path.basename(binary), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | MFD_EXEC)
+        try:
+            with open(binary, "rb") as src:
+                while chunk := src.read(1 << 20):
+                    os.write(self.fd, chunk)
+            fcntl.fcntl(self.fd, F_ADD_SEALS, SEALED)
+            bind_dir.mkdir(mode=0o700, exist_ok=True)
+            for old in bind_dir.iterdir():
+                pid = old.name.split("-", 1)[0]
+                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                    shutil.rmtree(old, ignore_errors=True)
+            self.dir = bind_dir / f"{os.getpid()}-{next(_links)}"
+            self.dir.mkdir(mode=0o700)
+            self.path = self.dir / os.path.basename(binary)
+            self.path.symlink_to(f"/proc/{os.getpid()}/fd/{self.fd}")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if getattr(self, "dir", None) is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        os.close(self.fd)
+
+
 class OciRuntime:
-    """crun with a private ``--root``; every method is one crun command."""
+    """crun with a private ``--root``; every method is one crun command.
+
+    ``bind_dir``: where crun runs from a sealed copy of itself (:class:`SealedBinary`), made
+    before its first command; after :meth:`close` commands run the installed binary.
+    """
 
     def __init__(self, root: str | os.PathLike[str], *, binary: str = "crun",
-                 timeout: float = DEFAULT_TIMEOUT) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, bind_dir: Path | None = None) -> None:
         self.root = Path(root)
-        self.binary = shutil.which(binary) or binary
+        self.installed = shutil.which(binary) or binary
         self.timeout = timeout
+        self._bind = bind_dir
+        self._bound: str | None = None
+        self._sealed: SealedBinary | None = None
+        self._closed = False
+        self._bind_lock = threading.Lock()
+
+    @property
+    def binary(self) -> str:
+        """The path crun runs by: its read-only bind once made."""
+        if self._bind is None or self._closed:
+            return self.installed
+        bound = self._bound
+        if bound is None:
+            with self._bind_lock:
+                if self._closed:
+                    return self.installed
+                if self._bound is None:
+                    self._bound = self._seal(self._bind)
+                bound = self._bound
+        return bound
+
+    def _seal(self, bind_dir: Path) -> str:
+        """The sealed copy's path, or the installed binary where it cannot run (logged)."""
+        try:
+            sealed = SealedBinary(self.installed, bind_dir)
+        except OSError as exc:
+            log.warning("crun runs from %s, not from a sealed copy (%s): each command copies itself", self.installed, exc)
+            return self.installed
+        probe = subprocess.run([str(sealed.path), "--version"], capture_output=True, check=False)
+        if probe.returncode != 0:  # e.g. vm.memfd_noexec=2
+            sealed.close()
+            log.warning("crun runs from %s: its sealed copy does not run (%s)", self.installed,
+                        probe.stderr.decode(errors="replace").strip() or f"exit {probe.returncode}")
+            return self.installed
+        self._sealed = sealed
+        return str(sealed.path)
+
+    def close(self) -> None:
+        with self._bind_lock:
+            self._closed = True
+            if self._sealed is not None:
+                self._sealed.close()
+                self._sealed = None
 
     def argv(self, *args: str) -> list[str]:
         return [self.binary, "--root", str(self.root), *args]
