@@ -123,6 +123,11 @@ class HostTable:
     fix an error names.  The table, its lock and the directory they are in are kept private
     (:func:`open_private`, :func:`closed_dir`), and tightened when found looser.
 
+    ``durable=False`` is for a table of what a reboot ends anyway (mounts): written without
+    fsync (the file's and its directory's, which its writers otherwise wait for under the lock),
+    and so a file that does not decode and was last written before this boot (a power loss tore
+    it) reads as empty, with a warning; one written since the boot is still an error.
+
     Safe across processes and threads (each :meth:`locked` takes the ``flock`` on a file
     description of its own), but not reentrant: a :meth:`locked` inside another on the same
     table waits for ever.  Every error reading the table is a :class:`HostStateError`.
@@ -131,7 +136,8 @@ class HostTable:
     def __init__(self, path: str | os.PathLike[str], format: str, version: int, *,
                  reads: Collection[int] = (), upgrade: Upgrade | None = None,
                  empty: Callable[[], Body] = dict, lock: str | os.PathLike[str] | None = None,
-                 aside: str = "", drop_empty: bool = False, spare: str | os.PathLike[str] | None = None) -> None:
+                 aside: str = "", drop_empty: bool = False, spare: str | os.PathLike[str] | None = None,
+                 durable: bool = True) -> None:
         if upgrade is None and set(reads) - {version}:
             raise ValueError(f"{format}: reading versions {sorted(reads)} takes an upgrade to version {version}")
         self.path = Path(path)
@@ -143,6 +149,7 @@ class HostTable:
         self.lock = Path(lock) if lock is not None else self.path.with_name(self.path.name + ".lock")
         self.aside = aside
         self.drop_empty = drop_empty
+        self.durable = durable
         # The temp file a write fills and swap_in exchanges with the table, keeping the version
         # before for the next write: one per lock (its holder is the only writer) in the table's
         # directory (an exchange stays in one file system), so the tables of one lock (a project's
@@ -161,7 +168,7 @@ class HostTable:
         closed_dir(self.path.parent)
         with flocked(self.lock):
             raw = self._raw()
-            body, current = self._decode(raw)
+            body, current = self._decode_or_torn(raw)
             # a file already in this version is compared as it lies, which spares a large table
             # (mounts.json) one encoding per operation
             before = raw if current else self._encode(body)
@@ -169,16 +176,17 @@ class HostTable:
             if self.drop_empty and body == self.empty():
                 if raw is not None:
                     self.path.unlink()
-                    _fsync_dir(self.path.parent)
+                    if self.durable:
+                        _fsync_dir(self.path.parent)
                 return
             out = self._encode(body)
             if out != before:
-                self._replace(out)
+                self._replace(out, durable=self.durable)
 
     def read(self) -> Body:
         """The body as it is now, without the lock and without writing anything: a rename
         replaces the file, so this sees one whole version of it, older or newer."""
-        return self._decode(self._raw())[0]
+        return self._decode_or_torn(self._raw())[0]
 
     # -- reading ------------------------------------------------------------------------------
     def _raw(self) -> bytes | None:
@@ -191,6 +199,16 @@ class HostTable:
             return None
         except OSError as exc:
             raise self._refused(f"a file it cannot read ({exc.strerror})") from None
+
+    def _decode_or_torn(self, raw: bytes | None) -> tuple[Body, bool]:
+        try:
+            return self._decode(raw)
+        except HostStateError as exc:
+            if self.durable or raw is None or _decodes(raw) or not _written_before_boot(self.path):
+                raise
+            log.warning("%s: %s; it was last written before this boot, by a host that lost power: read as "
+                        "empty (what it described ended with that boot)", self.path, exc)
+            return self.empty(), False
 
     def _decode(self, raw: bytes | None) -> tuple[Body, bool]:
         """The current version's body, and whether ``raw`` is already in that version."""
@@ -260,6 +278,30 @@ class HostTable:
         swap_in(tmp, self.path)
         if durable:
             _fsync_dir(self.path.parent)
+
+
+def _decodes(raw: bytes) -> bool:
+    """Whether ``raw`` is a JSON object (whatever its content says)."""
+    try:
+        return isinstance(json.loads(raw), dict)
+    except ValueError:
+        return False
+
+
+def boot_time() -> float:
+    """When this host booted (seconds since the epoch, /proc/stat's ``btime``)."""
+    with open("/proc/stat", "rb") as f:
+        for line in f:
+            if line.startswith(b"btime "):
+                return float(line.split()[1])
+    raise OSError(errno.ENOENT, "/proc/stat has no btime")
+
+
+def _written_before_boot(path: Path) -> bool:
+    try:
+        return os.stat(path).st_mtime < boot_time()
+    except OSError:
+        return False
 
 
 SETTLE_TRIES = 100  # reads of a file a writer keeps changing before read_settled gives up

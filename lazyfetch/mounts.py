@@ -157,7 +157,8 @@ class HostMounts:
         forget = ("layerbox then forgets this host's mounts: unmount them by hand, and `layerbox umount --all` "
                   "the layers they leave")
         self.table = HostTable(self.state_dir / "mounts.json", "layerbox.mounts", 2, reads=(1,),
-                               upgrade=_upgrade_state, empty=_empty_state, lock=self.state_dir / "lock", aside=forget)
+                               upgrade=_upgrade_state, empty=_empty_state, lock=self.state_dir / "lock", aside=forget,
+                               durable=False)
         self.records = HostRecords(self.state_dir / "mounts", "layerbox.mount", 1, aside=forget, durable=False)
         # Called as (mountpoint, "detached") before a user mount on stale layers is taken down
         # and (mountpoint, "restacked") once it is back on the new daemon: whoever runs

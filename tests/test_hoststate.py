@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from layerstore.errors import LayerboxError
-from layerstore.hoststate import HostRecords, HostStateError, HostTable
+from layerstore.hoststate import HostRecords, HostStateError, HostTable, boot_time
 from lazyfetch.mounts import HostMounts
 from sandbox.core.leases import Leases
 from sandbox.core.paths import read_beneath, replace_beneath
@@ -131,6 +131,42 @@ def test_an_unreadable_table_is_refused(tmp_path: Path) -> None:
     path.mkdir()
     with pytest.raises(HostStateError, match="found a file it cannot read"):
         counter_table(path).read()
+
+
+@pytest.mark.parametrize("torn", [b"", b'{"format": "layerbox.test", "vers', b"\0\0\0\0"])
+def test_a_table_of_what_a_reboot_ends_torn_before_this_boot_reads_as_empty(tmp_path: Path, torn: bytes) -> None:
+    # written without fsync: a power loss may leave it empty or torn, and what it described
+    # (mounts) ended with that boot; torn since this boot it is refused as any table is
+    path = tmp_path / "t.json"
+    table = HostTable(path, "layerbox.test", 1, empty=lambda: {"count": 0}, durable=False)
+    path.write_bytes(torn)
+    with pytest.raises(HostStateError, match="move the file aside"):
+        table.read()
+    booted = boot_time()
+    os.utime(path, (booted - 60, booted - 60))
+    assert table.read() == {"count": 0}
+    with table.locked() as body:
+        body["count"] += 1
+    assert table.read() == {"count": 1}
+    assert envelope(path) == {"format": "layerbox.test", "version": 1, "count": 1}
+    path.write_bytes(b'{"format": "layerbox.other", "version": 1}')  # whole, of another kind: never dropped
+    os.utime(path, (booted - 60, booted - 60))
+    with pytest.raises(HostStateError, match="layerbox.other"):
+        table.read()
+    durable = counter_table(tmp_path / "d.json")
+    durable.path.write_bytes(torn)
+    os.utime(durable.path, (booted - 60, booted - 60))
+    with pytest.raises(HostStateError):
+        durable.read()
+
+
+def test_a_table_written_without_fsync_is_still_written_whole(tmp_path: Path) -> None:
+    table = HostTable(tmp_path / "t.json", "layerbox.test", 1, empty=lambda: {"count": 0}, durable=False)
+    for _ in range(3):
+        with table.locked() as body:
+            body["count"] += 1
+    assert envelope(table.path) == {"format": "layerbox.test", "version": 1, "count": 3}
+    assert HostMounts(tmp_path / "host").table.durable is False
 
 
 def test_older_versions_are_upgraded_and_rewritten_on_the_next_change(tmp_path: Path) -> None:
