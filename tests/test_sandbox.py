@@ -438,6 +438,21 @@ def test_crun_sealed_copies_of_processes_gone_are_removed_and_close_removes_its_
     assert list(bin_dir.iterdir()) == []
 
 
+def test_the_sandboxes_cgroup_parent_goes_with_the_last_sandbox_whatever_else_lies_beside_them(boxes: Any) -> None:
+    first, second = boxes(), boxes()
+    manager = first.manager
+    parents = manager.layout.dirs("/" + manager.cgroup_parent)
+    stray = manager.boxes / "not-a-sandbox"
+    stray.mkdir()
+    try:
+        first.destroy()
+        assert [d for d in parents if d.exists()] == parents  # one left: it keeps the parent
+        second.destroy()
+        assert [d for d in parents if d.exists()] == []  # a name that is no id keeps nothing
+    finally:
+        stray.rmdir()
+
+
 def test_a_killed_init_is_waited_for_and_a_reused_pid_is_left_alone() -> None:
     proc = subprocess.Popen(["sleep", "60"])
     try:

