@@ -420,8 +420,8 @@ def test_crun_sealed_copies_of_processes_gone_are_removed_and_close_removes_its_
     dead.wait()
     (bin_dir / f"{dead.pid}-0").mkdir()  # what a manager that crashed left
     (bin_dir / f"{dead.pid}-0" / "crun").symlink_to(f"/proc/{dead.pid}/fd/3")
-    first = OciRuntime(tmp_path / "runtime", bind_dir=bin_dir)
-    second = OciRuntime(tmp_path / "runtime", bind_dir=bin_dir)
+    first = OciRuntime(tmp_path / "runtime", copy_dir=bin_dir)
+    second = OciRuntime(tmp_path / "runtime", copy_dir=bin_dir)
     try:
         assert first.list() == []
         assert second.list() == []
@@ -459,6 +459,7 @@ def test_a_killed_init_is_waited_for_and_a_reused_pid_is_left_alone() -> None:
         stat = proc_stat(proc.pid)
         assert stat is not None
         assert kill_exited(proc.pid, stat[1] + 1, 1.0)  # another process's start time: not ours
+        assert not kill_exited(proc.pid, None, 1.0)  # no start time: it may be anyone's
         assert proc.poll() is None
         assert kill_exited(proc.pid, stat[1], 5.0)
         assert proc.wait(1) == -signal.SIGKILL

@@ -54,7 +54,8 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
 
 def kill_exited(pid: int, start: int | None, timeout: float) -> bool:
     """SIGKILL ``pid`` (when its start time is still ``start``) and wait, at most ``timeout``
-    seconds, for it to exit; True once it has (or was gone already).
+    seconds, for it to exit; True once it has (or was gone already), False when it did not
+    exit in time or its start time is unknown (then it is not killed: the pid may be another's).
 
     For the init of a PID namespace, its exit means every other process of the namespace
     has died before it: the kernel kills and reaps them as the init exits.
@@ -67,7 +68,9 @@ def kill_exited(pid: int, start: int | None, timeout: float) -> bool:
         stat = proc_stat(pid)
         if stat is None:
             return True
-        if start is not None and stat[1] != start:  # a reused pid: not ours to kill
+        if start is None:
+            return False
+        if stat[1] != start:  # a reused pid: not ours to kill
             return True
         signal.pidfd_send_signal(fd, signal.SIGKILL)
         poller = select.poll()

@@ -85,7 +85,7 @@ class ContainerBackend:
 
     def __init__(self, ctx: HostContext, *, runtime: str = "crun") -> None:
         self.ctx = ctx
-        self.runtime = OciRuntime(ctx.paths.runtime, binary=runtime, bind_dir=ctx.paths.root / "bin")
+        self.runtime = OciRuntime(ctx.paths.runtime, binary=runtime, copy_dir=ctx.paths.root / "bin")
         self._lock = threading.Lock()
         self._userns_fds: dict[int, int] = {}  # host_base -> user namespace fd with that mapping (kept)
         self._masks_made: Masks | None = None

@@ -48,7 +48,7 @@ _links = itertools.count()
 
 
 class SealedBinary:
-    """A copy of ``binary`` in a sealed memfd, run by a symlink ``<bind_dir>/<pid>-<n>/<name>``.
+    """A copy of ``binary`` in a sealed memfd, run by a symlink ``<copy_dir>/<pid>-<n>/<name>``.
 
     crun 1.x copies itself and re-executes the copy at every command, its defence against a
     container rewriting the host's binary through ``/proc/<pid>/exe`` (CVE-2019-5736), unless
@@ -57,19 +57,19 @@ class SealedBinary:
     a directory of a process that is gone (a crash) is removed by the next one.
     """
 
-    def __init__(self, binary: str, bind_dir: Path) -> None:
+    def __init__(self, binary: str, copy_dir: Path) -> None:
         self.fd = os.memfd_create(os.path.basename(binary), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | MFD_EXEC)
         try:
             with open(binary, "rb") as src:
                 while chunk := src.read(1 << 20):
                     os.write(self.fd, chunk)
             fcntl.fcntl(self.fd, F_ADD_SEALS, SEALED)
-            bind_dir.mkdir(mode=0o700, exist_ok=True)
-            for old in bind_dir.iterdir():
+            copy_dir.mkdir(mode=0o700, exist_ok=True)
+            for old in copy_dir.iterdir():
                 pid = old.name.split("-", 1)[0]
                 if pid.isdigit() and not Path(f"/proc/{pid}").exists():
                     shutil.rmtree(old, ignore_errors=True)
-            self.dir = bind_dir / f"{os.getpid()}-{next(_links)}"
+            self.dir = copy_dir / f"{os.getpid()}-{next(_links)}"
             self.dir.mkdir(mode=0o700)
             self.path = self.dir / os.path.basename(binary)
             self.path.symlink_to(f"/proc/{os.getpid()}/fd/{self.fd}")
@@ -86,44 +86,47 @@ class SealedBinary:
 class OciRuntime:
     """crun with a private ``--root``; every method is one crun command.
 
-    ``bind_dir``: where crun runs from a sealed copy of itself (:class:`SealedBinary`), made
+    ``copy_dir``: where crun runs from a sealed copy of itself (:class:`SealedBinary`), made
     before its first command; after :meth:`close` commands run the installed binary.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, binary: str = "crun",
-                 timeout: float = DEFAULT_TIMEOUT, bind_dir: Path | None = None) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, copy_dir: Path | None = None) -> None:
         self.root = Path(root)
         self.installed = shutil.which(binary) or binary
         self.timeout = timeout
-        self._bind = bind_dir
-        self._bound: str | None = None
+        self._copy_dir = copy_dir
+        self._path: str | None = None
         self._sealed: SealedBinary | None = None
         self._closed = False
-        self._bind_lock = threading.Lock()
+        self._copy_lock = threading.Lock()
 
     @property
     def binary(self) -> str:
-        """The path crun runs by: its read-only bind once made."""
-        if self._bind is None or self._closed:
+        """The path crun runs by: its sealed copy once made."""
+        if self._copy_dir is None or self._closed:
             return self.installed
-        bound = self._bound
+        bound = self._path
         if bound is None:
-            with self._bind_lock:
+            with self._copy_lock:
                 if self._closed:
                     return self.installed
-                if self._bound is None:
-                    self._bound = self._seal(self._bind)
-                bound = self._bound
+                if self._path is None:
+                    self._path = self._seal(self._copy_dir)
+                bound = self._path
         return bound
 
-    def _seal(self, bind_dir: Path) -> str:
+    def _seal(self, copy_dir: Path) -> str:
         """The sealed copy's path, or the installed binary where it cannot run (logged)."""
         try:
-            sealed = SealedBinary(self.installed, bind_dir)
+            sealed = SealedBinary(self.installed, copy_dir)
         except OSError as exc:
             log.warning("crun runs from %s, not from a sealed copy (%s): each command copies itself", self.installed, exc)
             return self.installed
-        probe = subprocess.run([str(sealed.path), "--version"], capture_output=True, check=False)
+        try:
+            probe = subprocess.run([str(sealed.path), "--version"], capture_output=True, check=False, timeout=10)
+        except subprocess.TimeoutExpired:
+            probe = subprocess.CompletedProcess([], -1, b"", b"no answer to --version in 10 s")
         if probe.returncode != 0:  # e.g. vm.memfd_noexec=2
             sealed.close()
             log.warning("crun runs from %s: its sealed copy does not run (%s)", self.installed,
@@ -133,7 +136,7 @@ class OciRuntime:
         return str(sealed.path)
 
     def close(self) -> None:
-        with self._bind_lock:
+        with self._copy_lock:
             self._closed = True
             if self._sealed is not None:
                 self._sealed.close()
