@@ -86,8 +86,11 @@ def hosts(request: pytest.FixtureRequest, store_url: str,  # noqa: F811
             pytest.fail(f"isolation={kind} is not available on this host: {caps.reason}")
         yield Hosts(kind, first, second)
     finally:
+        try:
+            first.close()
+        finally:
+            second.close()  # (also when the first's close fails: no daemon of it outlives the test)
         for mgr in (first, second):
-            mgr.close()
             assert kmount.mounts_under(mgr.data_dir) == []
             assert not [d for d in mgr.layout.dirs("/" + mgr.cgroup_parent) if d.exists()]
 
