@@ -43,13 +43,18 @@ def wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> int:
     except OSError:  # already reaped, or no pidfd (Linux < 5.3)
         return proc.wait(timeout=timeout)
     try:
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        if not poller.poll(timeout * 1000):
+        if not _exits_within(fd, timeout):
             raise subprocess.TimeoutExpired(proc.args, timeout)
     finally:
         os.close(fd)
     return proc.wait()
+
+
+def _exits_within(pidfd: int, timeout: float) -> bool:
+    """Whether the process of ``pidfd`` exits within ``timeout`` seconds (woken by the exit)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(timeout * 1000))
 
 
 def kill_exited(pid: int, start: int | None, timeout: float) -> bool:
@@ -73,9 +78,7 @@ def kill_exited(pid: int, start: int | None, timeout: float) -> bool:
         if stat[1] != start:  # a reused pid: not ours to kill
             return True
         signal.pidfd_send_signal(fd, signal.SIGKILL)
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(timeout * 1000))
+        return _exits_within(fd, timeout)
     finally:
         os.close(fd)
 
