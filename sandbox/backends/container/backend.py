@@ -340,7 +340,13 @@ class ContainerBackend:
             # gone already (nothing left to kill), or not (yet) in the sandbox's cgroup: a pid
             # that is not the sandbox's own is never signalled, the caller tries again
             return proc_stat(root) is None
-        kill_tree(self.runtime, box.id, main_pid(st, self.ctx.cgroups), root, since)
+        try:
+            init = main_pid(st, self.ctx.cgroups)
+        except SandboxStateError:
+            # the init is gone (a destroy kills it first): the kernel kills every process of
+            # its PID namespace with it, this command's tree included
+            return True
+        kill_tree(self.runtime, box.id, init, root, since)
         return True
 
     def connect_port(self, box: Box, st: SandboxState, port: int, timeout: float) -> socket.socket:
