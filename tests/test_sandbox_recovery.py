@@ -39,6 +39,7 @@ from lazyfetch.mounts import HostMounts
 from sandbox.backends.container.spec import IDLE_INIT
 from sandbox.core.model import POOL_LABEL, SandboxState
 from sandbox.edge.app import SHUTDOWN_GRACE
+from sandbox.isolation.cgroups import KEPT_PREFIX
 from sandbox.sdk import AsyncSandbox
 from sandbox.sdk import call as sdk_call
 from tests.support.edges import EdgeProcess, cgroup_dirs, cgroup_hierarchies, leftovers
@@ -247,13 +248,16 @@ def test_kill_9_then_restart_reaps_the_pool_and_stops_what_ran_unobserved(
     assert api(edge, "PUT", files, b"restarted\n")[0] == 201
     assert api(edge, "GET", files) == (200, b"restarted\n")
 
-    # cgroups: the adopted sandbox's, and no directory of this data dir's parent that holds no sandbox
+    # cgroups: the adopted sandbox's, and no directory of this data dir's parent that holds no
+    # sandbox, but for the empty ones kept for the next creates (Cgroups.keep)
     parent = mgr.cgroup_parent
     for root in cgroup_hierarchies():
         top = root / parent
         if top.is_dir():
-            children = sorted(p.name for p in top.iterdir() if p.is_dir())
+            children = sorted(p.name for p in top.iterdir() if p.is_dir() and not p.name.startswith(KEPT_PREFIX))
             assert children == [sid], f"{top} holds {children}"
+            for kept in top.glob(KEPT_PREFIX + "*"):
+                assert (kept / "cgroup.procs").read_text() == "", f"{kept} has tasks"
     assert cgroup_dirs(parent), "the adopted sandbox has cgroups"
     for pool_id in pool_ids:
         assert not [d for d in cgroup_dirs(parent) if d.name == pool_id]

@@ -77,7 +77,15 @@ from sandbox.host.sandbox import ACTIVE_GRAIN, Sandbox
 from sandbox.isolation import idmap
 from sandbox.isolation.cgroups import CgroupLayout
 from sandbox.isolation.network import NetworkManager
-from sandbox.isolation.resources import Cgroups, Disks, HostResources, Mounts, Networks, Uids
+from sandbox.isolation.resources import (
+    Cgroups,
+    Disks,
+    HostResources,
+    Mounts,
+    Networks,
+    Uids,
+    cgroup_owner,
+)
 from snapshots.checkpoint import Snapshots
 
 log = logging.getLogger("layerbox.sandbox")
@@ -432,7 +440,7 @@ class SandboxManager:
             state = SandboxState(
                 id=box.id, status="creating", ref=name or ref, image_digest=resolved.digest, kind=resolved.kind,
                 options=options, layer_digests=tuple(layer.digest for layer in resolved.layers), created=now,
-                last_active=now, cgroups_path=self.resources.cgroups.acquire(box.id), admitting=admitting,
+                last_active=now, cgroups_path=self.resources.cgroups.acquire(box.id, cgroup_owner(options)), admitting=admitting,
                 userns=self._user_range(box) if options.userns else None)
             self.states.write(state)  # first: a crash from here on is reconciled
         for rec in inherited:  # the history of the checkpoint this sandbox continues

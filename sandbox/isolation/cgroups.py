@@ -25,6 +25,7 @@ from sandbox.core.errors import HostUnsupported
 log = logging.getLogger("layerbox.sandbox")
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+KEPT_PREFIX = "kept-"  # an emptied cgroup kept for the next sandbox (never a sandbox id: those are lb-...)
 V1_CONTROLLERS = ("cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "blkio", "pids", "hugetlb",
                   "net_cls", "net_prio", "perf_event", "rdma", "misc")
 
@@ -38,6 +39,8 @@ class CgroupLayout:
     # hierarchies without a controller we use that crun still puts every container in (on a hybrid
     # host: name=systemd and the cgroup2 at unified/); only ever cleaned up, never read or written
     others: tuple[Path, ...] = ()
+    # of those, the cgroup2 ones: the kernel renames no cgroup there (see :meth:`reuse`)
+    unified: tuple[Path, ...] = ()
 
     def dirs(self, cgroups_path: str) -> list[Path]:
         """Every directory a container with ``cgroups_path`` has (or had) on this host."""
@@ -184,6 +187,9 @@ class CgroupLayout:
                 continue
             for name, value in files["v1"].items():
                 (cd / name).write_text(str(value))
+        devices = self.controller_dir("devices", cgroups_path)
+        if devices is not None:  # a kept container's (reuse) allowed only its few devices; a VMM opens more
+            (devices / "devices.allow").write_text("a")
         return procs
 
     def prepare_parent(self, parent: str) -> None:
@@ -209,6 +215,92 @@ class CgroupLayout:
                 if not (d / name).read_text().strip():
                     (d / name).write_text((up / name).read_text())
         (d / "cgroup.clone_children").write_text("1")
+
+    # -- empty cgroups kept for the next sandbox -------------------------------------------------------
+    # Making a cgroup and removing it again is most of what a create and a destroy cost the kernel on
+    # a dense host: a memory cgroup going offline walks every superblock's LRU lists (7 per
+    # sandbox), a cpuset's going offline rebuilds scheduling state, and each of the ~10 v1
+    # hierarchies takes the cgroup mutex twice.  With 3,200 held, create + exec + destroy cycles
+    # ran 26.4/s with no cgroups at all against 21.0/s with them (bench/README.md, "Dense
+    # hosts").  So an emptied cgroup is renamed, not removed, and the next sandbox's is that one
+    # renamed again: crun finds its directories made and writes its limits into them.  Only
+    # cgroup v1 renames (``cgroup1_rename``); on v2 every sandbox's is made and removed.
+    def _lead(self) -> Path | None:
+        """The hierarchy whose rename claims a kept cgroup: one rename there wins, and only one."""
+        if self.version != 1:
+            return None
+        return self.v1.get("memory") or self.v1.get("pids")
+
+    def reuse(self, kept: str, cgroups_path: str) -> bool:
+        """Rename the kept, empty cgroup ``kept`` to ``cgroups_path`` in every hierarchy; False when
+        another took it first (or it is gone).  A hierarchy where it is missing (a crash between
+        renames) gets a new directory from crun."""
+        lead = self._lead()
+        if lead is None:
+            return False
+        src, dst = kept.strip("/"), cgroups_path.strip("/")
+        try:
+            os.rename(lead / src, lead / dst)
+        except OSError:
+            return False
+        for root in {*self.v1.values(), *self.others} - {lead, *self.unified}:
+            with contextlib.suppress(OSError):
+                os.rename(root / src, root / dst)
+        return True
+
+    def keep(self, cgroups_path: str, kept: str) -> bool:
+        """Rename ``cgroups_path``, once its last task is gone, to ``kept`` (its counters reset) for
+        :meth:`reuse`; False, with nothing renamed, when it still has a task, is frozen, had an
+        OOM kill (a counter no write resets), or this host cannot rename cgroups."""
+        lead = self._lead()
+        if lead is None:
+            return False
+        rel, dst = cgroups_path.strip("/"), kept.strip("/")
+        try:
+            if (lead / rel / "cgroup.procs").read_text().strip() or self.oom_kills(cgroups_path):
+                return False
+            freezer = self.controller_dir("freezer", cgroups_path)
+            if freezer is not None and (freezer / "freezer.state").read_text().strip() != "THAWED":
+                return False
+            for controller, name in (("cpuacct", "cpuacct.usage"), ("memory", "memory.max_usage_in_bytes"),
+                                     ("memory", "memory.failcnt")):
+                d = self.controller_dir(controller, cgroups_path)
+                if d is not None:
+                    (d / name).write_text("0")
+        except OSError:
+            return False
+        for root in self.unified:  # no controller there: cheap to make again
+            with contextlib.suppress(OSError):
+                (root / rel).rmdir()
+        for root in {*self.v1.values(), *self.others} - {lead, *self.unified}:
+            with contextlib.suppress(OSError):
+                os.rename(root / rel, root / dst)
+        try:  # last: the lead's name is what makes it another sandbox's to take
+            os.rename(lead / rel, lead / dst)
+        except OSError:
+            return False
+        return True
+
+    def kept(self, parent: str) -> list[str]:
+        """The kept cgroups under ``parent`` (names), as the lead hierarchy has them."""
+        lead = self._lead()
+        if lead is None:
+            return []
+        try:
+            return [name for name in os.listdir(lead / parent.strip("/")) if name.startswith(KEPT_PREFIX)]
+        except OSError:
+            return []
+
+    def drop_kept(self, parent: str) -> None:
+        """Remove every kept cgroup under ``parent``, in every hierarchy (a crash's half-renamed too)."""
+        for d in self.dirs(parent):
+            try:
+                names = [name for name in os.listdir(d) if name.startswith(KEPT_PREFIX)]
+            except OSError:
+                continue
+            for name in names:
+                with contextlib.suppress(OSError):
+                    (d / name).rmdir()
 
     def remove(self, cgroups_path: str, *, wait: float = 5.0) -> bool:
         """rmdir every directory of ``cgroups_path``; True when none is left.
@@ -338,6 +430,7 @@ def preflight_cgroups() -> CgroupLayout:
         log.warning("hybrid cgroups: moving hugetlb from cgroup2 (%s) to cgroup v1 at %s for crun", mp, target)
         _mount_cgroup_v1("hugetlb", target)
         v1["hugetlb"] = target
-    return CgroupLayout(1, v1, others)
+    unified = tuple(root for root in others if (root / "cgroup.controllers").exists())
+    return CgroupLayout(1, v1, others, unified)
 
 

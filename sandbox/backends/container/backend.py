@@ -62,6 +62,7 @@ from sandbox.core.procs import kill_exited, kill_group, proc_stat
 from sandbox.isolation import disk as sbdisk
 from sandbox.isolation import idmap
 from sandbox.isolation.network import socket_in
+from sandbox.isolation.resources import cgroup_owner
 from snapshots.checkpoint import Snapshots
 
 log = logging.getLogger("layerbox.sandbox")
@@ -454,7 +455,10 @@ class ContainerBackend:
             # crun's delete kills the container and at once rmdirs its cgroups; the killed are still
             # exiting, the rmdir fails EBUSY and crun sleeps 10 ms before it tries again (every
             # destroy, measured).  Its init gone first, the cgroups are empty when crun comes.
-            kill_exited(st.pid, st.init_start, DESTROY_KILL_WAIT)
+            if kill_exited(st.pid, st.init_start, DESTROY_KILL_WAIT):
+                # the init gone, its PID namespace went with it: the cgroup is kept for the next
+                # sandbox (Cgroups.keep) before crun's delete, which would remove it
+                self.ctx.resources.cgroups.keep(sid, cgroup_owner(st.options))
         try:  # `crun delete --force` of an unknown container succeeds: no state query first
             self.runtime.delete(sid, force=True)
         except RuntimeFailed:
