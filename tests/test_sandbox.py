@@ -28,6 +28,7 @@ from sandbox.core.errors import InvalidField, PathEscape, SandboxError
 from sandbox.core.procs import kill_exited, proc_stat
 from sandbox.host.manager import Sandbox, SandboxManager
 from sandbox.isolation import landlock
+from sandbox.isolation.cgroups import preflight_cgroups
 
 F_GET_SEALS = 1034
 
@@ -530,6 +531,37 @@ def test_a_cgroup_that_saw_an_oom_kill_or_a_frozen_one_is_removed_not_kept(boxes
         box.destroy()
         assert not mem.exists()
         assert list(mem.parent.glob(f"kept-*-{box.id}")) == []
+
+
+def test_a_kept_cgroup_still_charged_past_half_a_new_sandboxs_memory_is_not_reused() -> None:
+    """Its charge must be reclaimed before a lower limit takes: where it cannot be (shmem a file
+    still holds), crun's create would fail, so a kept cgroup charged past half of the new limit
+    is passed over, and one that fits is taken."""
+    layout = preflight_cgroups()
+    if layout.version != 1:
+        pytest.skip("cgroup v2 renames no cgroup: nothing is kept")
+    parent = f"/lbtest-{os.getpid()}-{time.monotonic_ns()}"
+    kept, new = f"{parent}/kept-0-lb-000000000001", f"{parent}/lb-000000000002"
+    shm = Path("/dev/shm") / f"lbtest-{os.getpid()}-charge"
+    try:
+        procs = layout.make(kept, {"memory": 256 << 20, "pids": 64, "cpu_quota": 100_000, "cpu_shares": 1024})
+        memory = layout.controller_dir("memory", kept)
+        assert memory is not None
+        subprocess.run(["sh", "-c", f'echo $$ > {memory}/cgroup.procs && head -c {16 << 20} /dev/zero > {shm}'],
+                       check=True)
+        assert procs
+        assert int((memory / "memory.usage_in_bytes").read_text()) >= 16 << 20  # the file's pages, still charged
+        assert not layout.reuse(kept, new, 16 << 20)
+        assert memory.is_dir()
+        assert [d for d in layout.dirs(new) if d.exists()] == []
+        assert layout.reuse(kept, new, 256 << 20)
+        assert not memory.exists()
+        for d in layout.dirs(new):
+            assert d.is_dir() or d.parent.parent in layout.unified
+    finally:
+        shm.unlink(missing_ok=True)
+        for path in (new, kept, parent):
+            layout.remove(path, wait=1.0)
 
 
 def test_a_killed_init_is_waited_for_and_a_reused_pid_is_left_alone() -> None:

@@ -440,7 +440,8 @@ class SandboxManager:
             state = SandboxState(
                 id=box.id, status="creating", ref=name or ref, image_digest=resolved.digest, kind=resolved.kind,
                 options=options, layer_digests=tuple(layer.digest for layer in resolved.layers), created=now,
-                last_active=now, cgroups_path=self.resources.cgroups.acquire(box.id, cgroup_owner(options)), admitting=admitting,
+                last_active=now, admitting=admitting,
+                cgroups_path=self.resources.cgroups.acquire(box.id, cgroup_owner(options), options.memory),
                 userns=self._user_range(box) if options.userns else None)
             self.states.write(state)  # first: a crash from here on is reconciled
         for rec in inherited:  # the history of the checkpoint this sandbox continues

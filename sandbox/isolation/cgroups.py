@@ -231,14 +231,20 @@ class CgroupLayout:
             return None
         return self.v1.get("memory") or self.v1.get("pids")
 
-    def reuse(self, kept: str, cgroups_path: str) -> bool:
+    def reuse(self, kept: str, cgroups_path: str, memory: int) -> bool:
         """Rename the kept, empty cgroup ``kept`` to ``cgroups_path`` in every hierarchy; False when
-        another took it first (or it is gone).  A hierarchy where it is missing (a crash between
+        another took it first (or it is gone), or when it is still charged more than half of the
+        new sandbox's ``memory`` limit: what its last sandbox left charged (page cache, shmem
+        another process holds) must be reclaimed before the lower limit is set, and crun's create
+        would fail (EBUSY) where it cannot be.  A hierarchy where it is missing (a crash between
         renames) gets a new directory from crun."""
         lead = self._lead()
         if lead is None:
             return False
         src, dst = kept.strip("/"), cgroups_path.strip("/")
+        charged = self._read(kept, "memory", "memory.usage_in_bytes", "memory.current")
+        if charged is None or not charged.strip().isdigit() or int(charged) > memory // 2:
+            return False
         try:
             os.rename(lead / src, lead / dst)
         except OSError:

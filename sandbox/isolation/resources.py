@@ -216,14 +216,15 @@ class Cgroups:
     def path(self, sid: str) -> str:
         return f"/{self.parent}/{check_sandbox_id(sid)}"
 
-    def acquire(self, sid: str, owner: str = "") -> str:
-        """The cgroup path of a new sandbox of ``owner``, its parent made ready first
-        (CgroupLayout.prepare_parent: the parent goes with the host's last sandbox, and whoever
-        makes a child first makes it); one of the owner's kept cgroups when there is one."""
+    def acquire(self, sid: str, owner: str = "", memory: int = 0) -> str:
+        """The cgroup path of a new sandbox of ``owner`` with a ``memory`` limit, its parent made
+        ready first (CgroupLayout.prepare_parent: the parent goes with the host's last sandbox, and
+        whoever makes a child first makes it); one of the owner's kept cgroups when one fits (a
+        kept one that does not is left to the parent's removal: at most ``KEEP``)."""
         self.layout.prepare_parent(f"/{self.parent}")
         path = self.path(sid)
         while (name := self._take(_owner_tag(owner))) is not None:
-            if self.layout.reuse(f"/{self.parent}/{name}", path):
+            if self.layout.reuse(f"/{self.parent}/{name}", path, memory):
                 break
         return path
 
