@@ -556,6 +556,10 @@ def test_a_kept_cgroup_still_charged_past_half_a_new_sandboxs_memory_is_not_reus
         assert [d for d in layout.dirs(new) if d.exists()] == []
         assert layout.reuse(kept, new, 256 << 20)
         assert not memory.exists()
+        # a second claim of the same kept cgroup (another manager's, a moment later) loses, and
+        # moves nothing: the rename in the memory hierarchy decides
+        assert not layout.reuse(kept, f"{parent}/lb-000000000003", 256 << 20)
+        assert [d for d in layout.dirs(f"{parent}/lb-000000000003") if d.exists()] == []
         for d in layout.dirs(new):
             assert d.is_dir() or d.parent.parent in layout.unified
     finally:
