@@ -29,6 +29,7 @@ from sandbox.core.procs import kill_exited, proc_stat
 from sandbox.host.manager import Sandbox, SandboxManager
 from sandbox.isolation import landlock
 from sandbox.isolation.cgroups import preflight_cgroups
+from sandbox.isolation.resources import Cgroups, _owner_tag
 
 F_GET_SEALS = 1034
 
@@ -543,6 +544,7 @@ def test_a_kept_cgroup_still_charged_past_half_a_new_sandboxs_memory_is_not_reus
     parent = f"/lbtest-{os.getpid()}-{time.monotonic_ns()}"
     kept, new = f"{parent}/kept-0-lb-000000000001", f"{parent}/lb-000000000002"
     shm = Path("/dev/shm") / f"lbtest-{os.getpid()}-charge"
+    shm2 = shm.with_name(shm.name + "-2")
     try:
         procs = layout.make(kept, {"memory": 256 << 20, "pids": 64, "cpu_quota": 100_000, "cpu_shares": 1024})
         memory = layout.controller_dir("memory", kept)
@@ -560,11 +562,25 @@ def test_a_kept_cgroup_still_charged_past_half_a_new_sandboxs_memory_is_not_reus
         # moves nothing: the rename in the memory hierarchy decides
         assert not layout.reuse(kept, f"{parent}/lb-000000000003", 256 << 20)
         assert [d for d in layout.dirs(f"{parent}/lb-000000000003") if d.exists()] == []
+
+        # the manager's pool removes a kept cgroup it passes over: forgotten, it would stay until
+        # the host empties
+        passed = f"{parent}/kept-{_owner_tag('')}-lb-000000000005"
+        layout.make(passed, {"memory": 256 << 20, "pids": 64, "cpu_quota": 100_000, "cpu_shares": 1024})
+        passed_memory = layout.controller_dir("memory", passed)
+        assert passed_memory is not None
+        subprocess.run(["sh", "-c", f'echo $$ > {passed_memory}/cgroup.procs && head -c {16 << 20} /dev/zero > {shm2}'],
+                       check=True)
+        pool = Cgroups(parent.strip("/"), layout=lambda: layout)
+        assert pool.acquire("lb-000000000004", "", 16 << 20) == f"{parent}/lb-000000000004"
+        assert [d for d in layout.dirs(passed) if d.exists()] == []
+        assert [d for d in layout.dirs(f"{parent}/lb-000000000004") if d.exists()] == []
         for d in layout.dirs(new):
             assert d.is_dir() or d.parent.parent in layout.unified
     finally:
         shm.unlink(missing_ok=True)
-        for path in (new, kept, parent):
+        shm2.unlink(missing_ok=True)
+        for path in (new, kept, f"{parent}/kept-{_owner_tag('')}-lb-000000000005", parent):
             layout.remove(path, wait=1.0)
 
 

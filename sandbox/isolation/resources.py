@@ -219,13 +219,15 @@ class Cgroups:
     def acquire(self, sid: str, owner: str = "", memory: int = 0) -> str:
         """The cgroup path of a new sandbox of ``owner`` with a ``memory`` limit, its parent made
         ready first (CgroupLayout.prepare_parent: the parent goes with the host's last sandbox, and
-        whoever makes a child first makes it); one of the owner's kept cgroups when one fits (a
-        kept one that does not is left to the parent's removal: at most ``KEEP``)."""
+        whoever makes a child first makes it); one of the owner's kept cgroups when one fits.  One
+        that does not fit is removed: left, it would be forgotten here and stay until the host
+        empties (gone already when another manager took it)."""
         self.layout.prepare_parent(f"/{self.parent}")
         path = self.path(sid)
         while (name := self._take(_owner_tag(owner))) is not None:
             if self.layout.reuse(f"/{self.parent}/{name}", path, memory):
                 break
+            self.layout.remove(f"/{self.parent}/{name}", wait=0)
         return path
 
     def _names(self) -> dict[str, list[str]]:
