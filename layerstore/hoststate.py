@@ -76,12 +76,12 @@ def open_private(path: str | os.PathLike[str]) -> int:
 
 
 @contextlib.contextmanager
-def flocked(path: str | os.PathLike[str]) -> Iterator[int]:
+def flocked(path: str | os.PathLike[str], *, shared: bool = False) -> Iterator[int]:
     """The exclusive ``flock`` of the lock file ``path`` (:func:`open_private`: nobody else can
-    open it, so nobody else can hold it), held for the block."""
+    open it, so nobody else can hold it), held for the block; ``shared``: a shared one."""
     fd = open_private(path)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
         yield fd
     finally:
         os.close(fd)  # releases the flock

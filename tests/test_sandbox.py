@@ -463,6 +463,66 @@ def test_the_sandboxes_cgroup_parent_goes_with_the_last_sandbox_whatever_else_li
         stray.rmdir()
 
 
+def test_a_create_while_the_last_sandbox_goes_waits_for_the_parent_cgroup_and_makes_it_again(tmp_path: Path) -> None:
+    """The parent cgroup goes with the data dir's last sandbox.  A create that starts meanwhile
+    (its directory made after the destroy looked for one) once had the parent removed between
+    making it ready and crun's mkdir of its own cgroup: "creating cgroup directory ...: No such
+    file or directory" (seen in bench/profile_create.py, 2 workers).  Here the create comes while
+    the removal runs, as crun would make its cgroup: it must wait for the removal, then make the
+    parent again."""
+    layout = preflight_cgroups()
+    parent = f"lbtest-{os.getpid()}-{time.monotonic_ns()}"
+    boxes_dir = tmp_path / "boxes"
+    boxes_dir.mkdir()
+    limits = {"memory": 64 << 20, "pids": 64, "cpu_quota": 100_000, "cpu_shares": 1024}
+
+    def empty() -> bool:
+        return not any(boxes_dir.iterdir())
+
+    class Removing:
+        """The layout, with a create started in the middle of the parent's removal."""
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(layout, name)
+
+        def drop_kept(self, parent_path: str) -> None:
+            creator.start()
+            done_inside.append(made.wait(0.5))
+            layout.drop_kept(parent_path)
+
+    pool = Cgroups(parent, tmp_path / "cgroups.lock", layout=lambda: Removing())  # type: ignore[arg-type,return-value]
+    second = pool.path("lb-000000000002")
+    made, done_inside, errors = threading.Event(), [], []
+
+    def create() -> None:
+        try:
+            (boxes_dir / "lb-000000000002").mkdir()
+            layout.make(pool.acquire("lb-000000000002"), limits)  # as crun makes a container's
+            made.set()
+        except Exception as exc:
+            errors.append(exc)
+
+    creator = threading.Thread(target=create)
+    try:
+        first = pool.acquire("lb-000000000001")
+        layout.make(first, limits)
+        layout.remove(first)  # the last sandbox goes
+        assert pool.release_parent(empty)
+        creator.join(10)
+        assert errors == []
+        assert done_inside == [False]  # it waited for the removal to end
+        assert made.is_set()
+        assert [d for d in layout.dirs(second) if not d.is_dir()] == []
+        # a sandbox's directory keeps the parent: release_parent looks again under the lock
+        assert not pool.release_parent(empty)
+        assert [d for d in layout.dirs(second) if not d.is_dir()] == []
+    finally:
+        creator.join(10)
+        layout.remove(second, wait=1.0)
+        layout.remove(f"/{parent}", wait=1.0)
+    assert [d for d in layout.dirs(f"/{parent}") if d.exists()] == []
+
+
 def test_a_destroyed_sandboxs_cgroup_is_kept_reset_and_becomes_the_next_ones_with_its_own_limits(
         boxes: Any) -> None:
     """A destroy keeps the emptied cgroup (renamed, counters reset) and the next create of the same
@@ -571,7 +631,7 @@ def test_a_kept_cgroup_still_charged_past_half_a_new_sandboxs_memory_is_not_reus
         assert passed_memory is not None
         subprocess.run(["sh", "-c", f'echo $$ > {passed_memory}/cgroup.procs && head -c {16 << 20} /dev/zero > {shm2}'],
                        check=True)
-        pool = Cgroups(parent.strip("/"), layout=lambda: layout)
+        pool = Cgroups(parent.strip("/"), shm.with_name(shm.name + ".lock"), layout=lambda: layout)
         assert pool.acquire("lb-000000000004", "", 16 << 20) == f"{parent}/lb-000000000004"
         assert [d for d in layout.dirs(passed) if d.exists()] == []
         assert [d for d in layout.dirs(f"{parent}/lb-000000000004") if d.exists()] == []
@@ -580,6 +640,7 @@ def test_a_kept_cgroup_still_charged_past_half_a_new_sandboxs_memory_is_not_reus
     finally:
         shm.unlink(missing_ok=True)
         shm2.unlink(missing_ok=True)
+        shm.with_name(shm.name + ".lock").unlink(missing_ok=True)
         for path in (new, kept, f"{parent}/kept-{_owner_tag('')}-lb-000000000005", parent):
             layout.remove(path, wait=1.0)
 

@@ -16,6 +16,7 @@ Layout under ``<data-dir>/sandbox/`` (docs/FORMAT.md, "Sandbox host state")::
     boxes/<id>/bundle/     config.json and each running exec's process document and pid file
     receipts/<id>.jsonl    its receipt log's live segment (<id>.<n>.jsonl: sealed ones, sandbox.core.receipts)
     leases/<project>/      one file per job's lease, and the project's lock (sandbox.core.leases)
+    cgroups.lock           creates (shared) against the removal of the cgroup parent (sandbox.isolation.resources.Cgroups)
     edge.key               the edge's secret for per-sandbox tokens (edge_key)
 """
 
@@ -146,6 +147,7 @@ class SandboxPaths:
         self.boxes = self.root / "boxes"
         self.receipts = self.root / "receipts"
         self.runtime = self.root / "runtime"
+        self.cgroups_lock = self.root / "cgroups.lock"
 
     def box(self, sid: str) -> Path:
         return self.boxes / check_sandbox_id(sid)

@@ -61,7 +61,7 @@ def reconcile(mgr: SandboxManager) -> dict[str, list[str]]:
         report["destroyed"].append(sid)
         report["adopted"].remove(sid)
     if not report["adopted"]:
-        mgr.resources.cgroups.release_parent()
+        mgr.resources.cgroups.release_parent(lambda: not mgr.holds_any())
     return report
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from layerstore.hoststate import closed_dir, flocked
 from lazyfetch import kmount
 from lazyfetch.errors import KernelMountError
 from lazyfetch.mounts import HostMounts, MountError
@@ -195,13 +196,22 @@ class Cgroups:
     container's is kept (renamed ``kept-<owner tag>-<id>``, up to ``KEEP`` of them) and the next
     sandbox of the same owner (project) gets that one renamed to its id (CgroupLayout.reuse:
     why).  Only the same owner's: a kept memory cgroup still has the page cache its sandbox
-    left charged, a figure the next sandbox can read."""
+    left charged, a figure the next sandbox can read.
+
+    The parent goes with the data dir's last sandbox, and a create may start at that moment, in
+    this process or another manager's on the same data dir: ``lock`` (a file of the data dir)
+    orders them.  A create has made its sandbox's directory before :meth:`acquire` takes the
+    lock shared; :meth:`release_parent` takes it exclusive and looks again for a sandbox's
+    directory first.  So the parent is either kept for that create or gone before it makes the
+    parent again, never removed between its making and crun's mkdir of the child (which then
+    failed: "creating cgroup directory ...: No such file or directory")."""
 
     name = "cgroup"
     KEEP = 256  # kept cgroups per data dir: creates and destroys alternate, so a few serve a busy host
 
-    def __init__(self, parent: str, layout: Callable[[], CgroupLayout] | None = None) -> None:
+    def __init__(self, parent: str, lock: Path, layout: Callable[[], CgroupLayout] | None = None) -> None:
         self.parent = parent
+        self.lock = lock
         self._make_layout = layout or preflight_cgroups
         self._layout: CgroupLayout | None = None
         self._kept: dict[str, list[str]] | None = None  # owner tag -> names; another manager may take one first
@@ -222,12 +232,13 @@ class Cgroups:
         whoever makes a child first makes it); one of the owner's kept cgroups when one fits.  One
         that does not fit is removed: left, it would be forgotten here and stay until the host
         empties (gone already when another manager took it)."""
-        self.layout.prepare_parent(f"/{self.parent}")
         path = self.path(sid)
-        while (name := self._take(_owner_tag(owner))) is not None:
-            if self.layout.reuse(f"/{self.parent}/{name}", path, memory):
-                break
-            self.layout.remove(f"/{self.parent}/{name}", wait=0)
+        with flocked(self.lock, shared=True):
+            self.layout.prepare_parent(f"/{self.parent}")
+            while (name := self._take(_owner_tag(owner))) is not None:
+                if self.layout.reuse(f"/{self.parent}/{name}", path, memory):
+                    break
+                self.layout.remove(f"/{self.parent}/{name}", wait=0)
         return path
 
     def _names(self) -> dict[str, list[str]]:
@@ -261,12 +272,18 @@ class Cgroups:
     def release(self, sid: str) -> None:
         self.layout.remove(self.path(sid))
 
-    def release_parent(self) -> None:
-        """Remove the parent, and the cgroups kept under it, once no sandbox is left under it."""
-        with self._lock:
-            self._kept = None
-        self.layout.drop_kept(f"/{self.parent}")
-        self.layout.remove(f"/{self.parent}")
+    def release_parent(self, empty: Callable[[], bool]) -> bool:
+        """Remove the parent, and the cgroups kept under it, if ``empty()`` (no sandbox has a
+        directory in the data dir) still holds under the lock; whether it did.  Not waited for: a
+        cgroup still busy under it is the next reconcile's."""
+        with flocked(closed_dir(self.lock.parent) / self.lock.name):
+            if not empty():
+                return False
+            with self._lock:
+                self._kept = None
+            self.layout.drop_kept(f"/{self.parent}")
+            self.layout.remove(f"/{self.parent}", wait=0)
+        return True
 
     def owners(self) -> set[str]:
         found: set[str] = set()
