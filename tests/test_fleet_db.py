@@ -101,6 +101,62 @@ def test_a_statement_is_one_round_trip(cluster: LocalPostgres) -> None:
     assert "RESET ALL" not in between
 
 
+def test_a_reservation_is_one_round_trip(cluster: LocalPostgres) -> None:
+    """It was six (BEGIN, the row lock, the count, the bucket, the insert, COMMIT), each a wait for
+    a core on a busy gateway host; layerbox_reserve() runs them in the server."""
+    marker = f"marker-{time.time_ns()}"
+
+    async def run() -> None:
+        db = await FleetDb.open(await _fresh_database(cluster, "one_trip"))
+        try:
+            await db.add_project("trips", max_sandboxes=100)
+            await db.pool.execute("ALTER SYSTEM SET log_statement = 'all'")
+            await db.pool.execute("SELECT pg_reload_conf()")
+            await asyncio.sleep(1.0)
+            await db.setting(marker)
+            for _ in range(5):
+                await db.reserve("trips", 1)
+            await db.setting(marker + "-end")
+        finally:
+            await db.pool.execute("ALTER SYSTEM RESET log_statement")
+            await db.pool.execute("SELECT pg_reload_conf()")
+            await db.close()
+
+    asyncio.run(run())
+    text = (cluster.root / "server.log").read_text(errors="replace")
+    between = text[text.index(marker):text.index(marker + "-end")]
+    statements = [line for line in between.splitlines() if "statement:" in line or "execute " in line]
+    assert len([s for s in statements if "layerbox_reserve" in s]) == 5, statements
+    assert len(statements) == 5 + 1, statements  # and the end marker's read
+    assert "BEGIN" not in between
+
+
+def test_the_quota_holds_under_reservations_racing_through_several_gateways(cluster: LocalPostgres) -> None:
+    """Each reservation counts, after the row lock, every one committed while it waited: of 48
+    racing for 10 places through three gateways' pools, exactly 10 pass."""
+    async def run() -> Counter[str]:
+        url = await _fresh_database(cluster, "quota_race")
+        dbs = [await FleetDb.open(url, max_size=WORKERS) for _ in range(3)]
+        try:
+            await dbs[0].add_project("tight", max_sandboxes=10, creates_per_second=1e9, burst=1000)
+            seen: Counter[str] = Counter()
+
+            async def one(db: FleetDb) -> None:
+                try:
+                    await db.reserve("tight", 1)
+                    seen["ok"] += 1
+                except ApiError as exc:
+                    seen[exc.code] += 1
+
+            await asyncio.gather(*(one(dbs[i % 3]) for i in range(48)))
+            return seen
+        finally:
+            for db in dbs:
+                await db.close()
+
+    assert asyncio.run(run()) == Counter(ok=10, quota_exceeded=38)
+
+
 async def _fresh_database(cluster: LocalPostgres, name: str) -> str:
     """A database of its own on the cluster (dropped first if a run before left it)."""
     admin = await asyncpg.connect(cluster.url)
@@ -187,7 +243,7 @@ def test_a_version_1_database_is_migrated_with_the_counts_it_had(cluster: LocalP
             await conn.close()
         db = await FleetDb.open(url)
         try:
-            assert await db.pool.fetchval("SELECT max(version) FROM fleet_schema") == 2
+            assert await db.pool.fetchval("SELECT max(version) FROM fleet_schema") == 3
             kept, counted = await _counted(db)
             assert kept == counted == {"old": 2, "idle": 0}
             await db.drop_route("o1")
@@ -196,9 +252,9 @@ def test_a_version_1_database_is_migrated_with_the_counts_it_had(cluster: LocalP
             assert kept == counted == {"old": 1, "idle": 1}
         finally:
             await db.close()
-        again = await FleetDb.open(url)  # opening a version-2 database changes nothing
+        again = await FleetDb.open(url)  # opening a version-3 database changes nothing
         try:
-            assert await again.pool.fetchval("SELECT count(*) FROM fleet_schema") == 2
+            assert await again.pool.fetchval("SELECT count(*) FROM fleet_schema") == 3
             assert (await _counted(again))[0] == {"old": 1, "idle": 1}
         finally:
             await again.close()
