@@ -7,8 +7,9 @@ import asyncio
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -74,29 +75,38 @@ def test_the_rate_limit_admits_no_more_than_burst_plus_rate_under_racing_reserva
 
 
 
+async def _logged(cluster: LocalPostgres, db: FleetDb, calls: Callable[[], Awaitable[Any]]) -> str:
+    """What the server logs of the statements ``calls`` sends (``log_statement = 'all'`` meanwhile),
+    from a marker read before them to the one read after."""
+    marker = f"marker-{time.time_ns()}"
+    try:
+        await db.pool.execute("ALTER SYSTEM SET log_statement = 'all'")
+        await db.pool.execute("SELECT pg_reload_conf()")
+        await asyncio.sleep(1.0)  # the server reads its configuration again
+        await db.setting(marker)
+        await calls()
+        await db.setting(marker + "-end")
+    finally:
+        await db.pool.execute("ALTER SYSTEM RESET log_statement")
+        await db.pool.execute("SELECT pg_reload_conf()")
+    text = (cluster.root / "server.log").read_text(errors="replace")
+    return text[text.index(marker):text.index(marker + "-end")]
+
+
 def test_a_statement_is_one_round_trip(cluster: LocalPostgres) -> None:
     """The pool takes a connection back without resetting its session: asyncpg's default reset
     (``RESET ALL`` and more) doubled the transactions and round trips of every call."""
-    marker = f"marker-{time.time_ns()}"
-
-    async def run() -> None:
+    async def run() -> str:
         db = await FleetDb.open(cluster.url)
         try:
-            await db.pool.execute("ALTER SYSTEM SET log_statement = 'all'")
-            await db.pool.execute("SELECT pg_reload_conf()")
-            await asyncio.sleep(1.0)  # the server reads its configuration again
-            await db.setting(marker)
-            for _ in range(10):
-                await db.route("lb-000000000000")
-            await db.setting(marker + "-end")
+            async def routes() -> None:
+                for _ in range(10):
+                    await db.route("lb-000000000000")
+            return await _logged(cluster, db, routes)
         finally:
-            await db.pool.execute("ALTER SYSTEM RESET log_statement")
-            await db.pool.execute("SELECT pg_reload_conf()")
             await db.close()
 
-    asyncio.run(run())
-    text = (cluster.root / "server.log").read_text(errors="replace")
-    between = text[text.index(marker):text.index(marker + "-end")]
+    between = asyncio.run(run())
     assert between.count("FROM sandboxes WHERE id") == 10, between[-2000:]
     assert "RESET ALL" not in between
 
@@ -104,27 +114,19 @@ def test_a_statement_is_one_round_trip(cluster: LocalPostgres) -> None:
 def test_a_reservation_is_one_round_trip(cluster: LocalPostgres) -> None:
     """It was six (BEGIN, the row lock, the count, the bucket, the insert, COMMIT), each a wait for
     a core on a busy gateway host; layerbox_reserve() runs them in the server."""
-    marker = f"marker-{time.time_ns()}"
-
-    async def run() -> None:
+    async def run() -> str:
         db = await FleetDb.open(await _fresh_database(cluster, "one_trip"))
         try:
             await db.add_project("trips", max_sandboxes=100)
-            await db.pool.execute("ALTER SYSTEM SET log_statement = 'all'")
-            await db.pool.execute("SELECT pg_reload_conf()")
-            await asyncio.sleep(1.0)
-            await db.setting(marker)
-            for _ in range(5):
-                await db.reserve("trips", 1)
-            await db.setting(marker + "-end")
+
+            async def reservations() -> None:
+                for _ in range(5):
+                    await db.reserve("trips", 1)
+            return await _logged(cluster, db, reservations)
         finally:
-            await db.pool.execute("ALTER SYSTEM RESET log_statement")
-            await db.pool.execute("SELECT pg_reload_conf()")
             await db.close()
 
-    asyncio.run(run())
-    text = (cluster.root / "server.log").read_text(errors="replace")
-    between = text[text.index(marker):text.index(marker + "-end")]
+    between = asyncio.run(run())
     statements = [line for line in between.splitlines() if "statement:" in line or "execute " in line]
     assert len([s for s in statements if "layerbox_reserve" in s]) == 5, statements
     assert len(statements) == 5 + 1, statements  # and the end marker's read
