@@ -463,6 +463,53 @@ def test_the_sandboxes_cgroup_parent_goes_with_the_last_sandbox_whatever_else_li
         stray.rmdir()
 
 
+def test_a_state_update_in_flight_when_its_sandbox_is_destroyed_never_brings_it_back(boxes: Any) -> None:
+    """A command's last receipt moves ``last_active`` (read, then write, under the states' lock)
+    while its sandbox's destroy removes the directory.  The destroy removed the directory without
+    that lock: the update's new file could land after ``rmtree`` listed it, the directory stayed,
+    and the sandbox was listed as running after a DELETE that answered 204 (seen in the suite,
+    tests/test_edge_hostile.py).  The destroy now waits for the update, and the update after it
+    finds no sandbox."""
+    box, other = boxes(), boxes()
+    manager = box.manager
+    read, errors = threading.Event(), []
+
+    def update_in_flight() -> None:
+        try:
+            with manager.states.lock:
+                st = manager.states.read(box.id)
+                read.set()
+                time.sleep(0.5)  # the destroy goes on meanwhile
+                manager.states.write(st.replace(last_active=time.time()))
+        except Exception as exc:
+            errors.append(exc)
+
+    updater = threading.Thread(target=update_in_flight)
+    forget = manager.receipt_logs.forget
+
+    def forget_then_update(sid: str) -> None:  # the destroy's last step before the directory goes
+        forget(sid)
+        updater.start()
+        assert read.wait(10)
+
+    manager.receipt_logs.forget = forget_then_update
+    try:
+        box.destroy()
+    finally:
+        manager.receipt_logs.forget = forget
+        if updater.is_alive():
+            updater.join(10)
+    assert errors == []  # it wrote before the destroy went on: nothing raced it
+    assert not box.dir.exists()
+    assert box.id not in manager.ids()
+    assert [st.id for st in manager.list()] == [other.id]
+    with pytest.raises(SandboxError):
+        manager.states.update(box.id, last_active=time.time())  # after it: no sandbox
+    assert not box.dir.exists()
+    box.receipt("exec", command="late")  # a command's receipt after the destroy brings nothing back
+    assert not box.dir.exists()
+
+
 def test_a_create_while_the_last_sandbox_goes_waits_for_the_parent_cgroup_and_makes_it_again(tmp_path: Path) -> None:
     """The parent cgroup goes with the data dir's last sandbox.  A create that starts meanwhile
     (its directory made after the destroy looked for one) once had the parent removed between

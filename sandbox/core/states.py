@@ -74,3 +74,12 @@ class States:
 
     def forget(self, sid: str) -> None:
         self._parsed.pop(sid, None)
+
+    def remove(self, sid: str) -> None:
+        """The record goes, under the lock: an update in flight (a command's last receipt moving
+        ``last_active``) ends first, and any later one finds no sandbox.  Removing the directory
+        alone raced with it: the update's new file could land after ``rmtree`` listed the
+        directory, which then stayed, and the sandbox was listed as running after its destroy."""
+        with self.lock:
+            self._parsed.pop(sid, None)
+            (self.boxes / check_sandbox_id(sid) / "state.json").unlink(missing_ok=True)

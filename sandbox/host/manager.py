@@ -618,7 +618,7 @@ class SandboxManager:
             self.receipt_logs.append(sid, {"id": uuid.uuid4().hex[:16], "sandbox": sid, "action": "destroy",
                                            "time": time.time()})
         self.receipt_logs.forget(sid)  # the log is complete: nothing more is appended to it here
-        self.states.forget(sid)
+        self.states.remove(sid)
         shutil.rmtree(box.dir, ignore_errors=True)
         if st is not None and st.job is not None:  # after the directory: a lease never lists less than exists
             self.leases.leave(st.job, sid)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import functools
 import os
 import socket
@@ -95,7 +96,8 @@ class Sandbox:
                "image": st.image_digest if st else None, "labels": dict(st.labels) if st else {}, **fields}
         self.manager.receipt_logs.append(self.id, rec)
         if st is not None and rec["time"] - st.last_active >= ACTIVE_GRAIN:
-            self.update(last_active=rec["time"])
+            with contextlib.suppress(SandboxNotFound):  # destroyed meanwhile: nothing is active
+                self.update(last_active=rec["time"])
         return rec
 
     def receipts(self) -> builtins.list[dict[str, Any]]:
