@@ -16,7 +16,7 @@ STAMP := $(VENV)/.layerbox-installed
 # The real S3 the S3 tests also run on (tests/support/rgw.py: a single-node Ceph RGW, ~280 MB).
 CEPH_DEB_PACKAGES := ceph-mon ceph-mgr ceph-osd radosgw ceph-common
 DEB_PACKAGES := python3 python3-venv python3-dev erofs-utils fuse3 zstd mmdebstrap \
-	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2 crun nftables iproute2 \
+	util-linux skopeo umoci e2fsprogs kmod tar gzip attr docker-registry libfuse2 crun catatonit nftables iproute2 \
 	gcc libc6-dev binutils procps containerd runc postgresql faketime \
 	$(CEPH_DEB_PACKAGES)
 # microVMs: QEMU >= 8.2 (a read-only private memory mapping for template restores); Debian 12 has

@@ -103,6 +103,9 @@ TAG = "python"
 REF = "bench/python"
 PODMAN_IMAGE = "localhost/layerbox-bench:python"
 TRUE = ["/bin/true"]
+# podman's container runs the image's own idle shell (it has no bind of our init): the shape our
+# containers had before their init was the host's catatonit
+SHELL_IDLE = ["/bin/sh", "-c", 'trap "exit 0" TERM; while :; do sleep 3600 & wait; done']
 ENV = {"PATH": DEFAULT_PATH, "HOME": "/root"}
 LIMITS = OciLimits()  # what manager.create uses by default: 1 CPU, 512 MiB, 256 pids
 PODMAN_GLOBAL = ["--cgroup-manager", "cgroupfs", "--events-backend", "file"]  # no systemd on these hosts
@@ -396,7 +399,7 @@ def podman_cse_cycle(peers: Peers) -> Cycle:
     start = time.perf_counter()
     try:
         run_tool(peers.podman_argv("create", "-q", "--name", name, *peers.label(), *PODMAN_LIMITS,
-                                   PODMAN_IMAGE, *IDLE_INIT))
+                                   PODMAN_IMAGE, *SHELL_IDLE))
         run_tool(peers.podman_argv("start", name))
         run_tool(peers.podman_argv("exec", name, *TRUE))
         first = time.perf_counter() - start
@@ -477,7 +480,7 @@ METHODS = {
     "ours": "manager.create + exec /bin/true (layers mounted by the call) | destroy",
     "ours, layers held": "the same while another sandbox holds the image's layers (only the overlay is mounted)",
     "podman run --rm": "podman run --rm IMAGE /bin/true, end to end (includes the removal)",
-    "podman create+start+exec": "podman create IMAGE IDLE_INIT + start + exec /bin/true | rm -f -t 0",
+    "podman create+start+exec": "podman create IMAGE SHELL_IDLE + start + exec /bin/true | rm -f -t 0",
     "crun plain create+start+exec": "crun create + start (IDLE_INIT) + exec /bin/true on the unpacked rootfs | delete -f",
     "crun plain run": "crun run with /bin/true as the process, end to end (includes the delete)",
 }
@@ -796,7 +799,7 @@ async def pause_section(manager: SandboxManager, peers: Peers, n: int, use_podma
         name = f"lbb-{peers.run_id}-pause"
         try:
             run_tool(peers.podman_argv("create", "-q", "--name", name, *peers.label(), *PODMAN_LIMITS,
-                                       PODMAN_IMAGE, *IDLE_INIT))
+                                       PODMAN_IMAGE, *SHELL_IDLE))
             run_tool(peers.podman_argv("start", name))
             pr, rr = [], []
             for _ in range(n):

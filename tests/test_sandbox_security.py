@@ -586,6 +586,37 @@ def test_a_hostile_image_gives_the_agent_nothing_of_the_host(url: str, manager: 
     asyncio.run(scenario())
 
 
+def test_an_image_without_a_shell_runs_and_no_sandbox_can_touch_its_init(url: str, store_url: str,
+                                                                          tmp_path: Path) -> None:
+    """Every container's PID 1 is the host's static catatonit bound read-only into /dev's tmpfs:
+    an image of one static program (no shell, no /etc) is a sandbox, the sandbox holds that one
+    process, and an agent as root can neither write the init nor leave it in its rootfs (a
+    checkpoint's upper)."""
+    tar = TarBuilder()
+    tar.file("hello", Path("/usr/bin/catatonit").read_bytes(), mode=0o755)  # (static: runs anywhere)
+    publish_sync(store_url, tmp_path / "pub", str(tar.write(tmp_path / "hello.tar")), "noshell/hello")
+
+    async def scenario() -> None:
+        bare = await create(url, ALPHA, image="noshell/hello")
+        out = await run(url, ALPHA, bare["id"], ["/hello", "-V"])
+        assert out["exit"]["exit_code"] == 0, out
+        assert b"catatonit" in out["stdout"] + out["stderr"], out
+        full = await create(url, ALPHA)
+        probe = ("for f in /dev/.layerbox-init /proc/1/exe; do (echo x > $f) 2>/dev/null && echo $f:written; done; "
+                 "tr '\\0' ' ' < /proc/1/cmdline; echo; ls -d /proc/[0-9]* | wc -l; "
+                 "ls -a / | grep -c layerbox; echo end")
+        lines = (await run(url, ALPHA, full["id"], ["/bin/sh", "-c", probe]))["stdout"].decode().splitlines()
+        assert not [x for x in lines if x.endswith(":written")], lines
+        assert lines[0].split() == ["/dev/.layerbox-init", "-P"], lines
+        # the init, this sh, its ls (and wc) at most: no idle shell or sleep beside the init
+        assert int(lines[1]) <= 4, lines
+        assert lines[2:] == ["0", "end"], lines  # nothing of the init's in the rootfs
+        for sid in (bare["id"], full["id"]):
+            await call("DELETE", f"{url}/v1/sandboxes/{sid}", ALPHA)
+
+    asyncio.run(scenario())
+
+
 # -- 9. metrics need an operator's token -----------------------------------------------------------------
 def test_metrics_need_an_admin_token(url: str) -> None:
     async def scenario() -> None:

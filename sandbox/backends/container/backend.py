@@ -176,10 +176,11 @@ class ContainerBackend:
         replace_beneath(self.ctx.paths.boxes, f"{box.id}/bundle/config.json", json.dumps(spec).encode())
         box.update(env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid, status="starting",
                    network=network)
-        self.runtime.create(box.id, box.dir / "bundle", pid_file=box.dir / "init.pid", sched_idle=limits.best_effort)
+        # created and started at once: the init (IDLE_INIT, root, waiting) runs before the seal, and
+        # nothing else does until the status says running
+        self.runtime.run(box.id, box.dir / "bundle", pid_file=box.dir / "init.pid", sched_idle=limits.best_effort)
         pid = self._hold_rootfs(box)
         self._seal_root(pid, userns)
-        self.runtime.start(box.id)
         init_start = (proc_stat(pid) or (0, None))[1]
         if userns is not None:
             self._await_init_exec(box.id, pid)
@@ -534,11 +535,10 @@ class ContainerBackend:
             return None
         if st.userns:
             self._remap_rootfs(box.dir / "rootfs", st.userns)
-        self.runtime.create(box.id, box.dir / "bundle", pid_file=box.dir / "init.pid",
-                            sched_idle=st.options.cpu_class == "best-effort")
+        self.runtime.run(box.id, box.dir / "bundle", pid_file=box.dir / "init.pid",
+                         sched_idle=st.options.cpu_class == "best-effort")
         pid = self._crun_pid(box)
         self._seal_root(pid, st.userns)
-        self.runtime.start(box.id)
         if st.userns:
             self._await_init_exec(box.id, pid)
         box.update(pid=pid, init_start=(proc_stat(pid) or (0, None))[1], status="running")

@@ -182,6 +182,14 @@ class OciRuntime:
     def start(self, cid: str) -> None:
         self._run("start", cid)
 
+    def run(self, cid: str, bundle: str | os.PathLike[str], *, pid_file: str | os.PathLike[str],
+            sched_idle: bool = False) -> None:
+        """:meth:`create` and :meth:`start` in one crun process (``run --detach``): each crun
+        process costs a few ms of dynamic loading and state reading (a create's start took 4.5 ms
+        of 37 ms with none held, 5.7 ms with 3,200)."""
+        self._run("run", "--detach", "--bundle", str(bundle), "--pid-file", str(pid_file), cid,
+                  sched_idle=sched_idle)
+
     def update(self, cid: str, resources: Mapping[str, Any], scratch: str | os.PathLike[str]) -> None:
         """Set a running container's cgroup limits to ``resources`` (an OCI ``linux.resources``),
         passed through the file ``scratch`` (in a directory of the caller's own; removed after)."""

@@ -15,13 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sandbox.core.errors import SandboxError
+from sandbox.core.errors import HostUnsupported, SandboxError
 from sandbox.core.model import DEFAULT_CPU, DEFAULT_MEMORY, DEFAULT_PIDS
 from sandbox.isolation import seccomp
 
-# An idle init present in every Debian image (dash): it exits on TERM and,
-# blocked in `wait`, reaps the orphans the kernel reparents to it.
-IDLE_INIT = ["/bin/sh", "-c", 'trap "exit 0" TERM; while :; do sleep 3600 & wait; done']
+# Every container's PID 1: the host's catatonit (static; Debian's package) in pause mode, which
+# waits for signals, exits on TERM and reaps the orphans the kernel reparents to it.  It is
+# bound read-only from the host, so an image needs no shell (distroless, scratch) and a sandbox
+# holds one process, not a shell and its sleep (two tasks each, which every pivot_root walks).
+# In /dev's tmpfs, the bind's file is never in the rootfs's upper, so never in a checkpoint.
+INIT_PATH = "/dev/.layerbox-init"
+IDLE_INIT = [INIT_PATH, "-P"]
+INIT_BINARY = "catatonit"
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -303,6 +308,17 @@ def _masked(masks: Masks | None, ro: list[str]) -> tuple[list[dict[str, Any]], l
 
 
 @functools.cache
+def init_binary() -> str:
+    """The host's static init (:data:`IDLE_INIT`), bound into every container."""
+    for d in ("/usr/bin", "/usr/libexec/podman", "/usr/local/bin"):
+        path = os.path.join(d, INIT_BINARY)
+        if os.access(path, os.X_OK):
+            return path
+    raise HostUnsupported(f"{INIT_BINARY}: not installed (apt-get install catatonit, or `make deps`): it is every "
+                       "container's init")
+
+
+@functools.cache
 def _precompiled_seccomp() -> dict[str, str]:
     return seccomp.annotation(seccomp_profile())
 
@@ -359,6 +375,8 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
             {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
              "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": INIT_PATH, "type": "bind", "source": init_binary(),
+             "options": ["bind", "ro", "nosuid", "nodev"]},
             {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
              "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
