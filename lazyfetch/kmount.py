@@ -269,10 +269,16 @@ def bind_mount(source: StrPath, mountpoint: StrPath, *, readonly: bool = True, f
         # the initial bind ignores these flags and copies the source's: a remount of the bind
         # sets exactly the ones given
         try:
-            _mount2(b"none", dst, "none", MS_BIND | MS_REMOUNT | flags, b"", paths)
+            remount_bind(mountpoint, flags)
         except KernelMountError:
             umount(mountpoint, lazy=True, missing_ok=True)
             raise
+
+
+def remount_bind(mountpoint: StrPath, flags: int) -> None:
+    """Set exactly ``flags`` (``MS_RDONLY``, ``MS_NOSUID``, ...) on the bind mount at ``mountpoint``."""
+    dst = _path_bytes(mountpoint, "mount point")
+    _mount2(b"none", dst, "none", MS_BIND | MS_REMOUNT | flags, b"", {"mount point": dst})
 
 
 def _declared_extra_devices(meta: bytes) -> int | None:

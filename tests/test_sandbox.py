@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -622,6 +623,67 @@ def test_a_destroyed_sandboxs_cgroup_is_kept_reset_and_becomes_the_next_ones_wit
     assert pid is not None
     assert layout.holds(pid, second.state.cgroups_path)
     assert second.exec("echo ok").stdout == b"ok\n"
+
+
+def test_a_kept_cgroup_keeps_a_cpu_limit_asked_again_and_gets_another_written(boxes: Any) -> None:
+    """crun is not asked to write the CPU bandwidth a reused cgroup has already (each write walks
+    every CPU cgroup of the host): the next sandbox of another limit gets its own written, and
+    one of the same limit runs under the one kept, as the kernel shows it."""
+    keeper = boxes()
+    manager = keeper.manager
+    layout = manager.layout
+    if layout.version != 1:
+        pytest.skip("cgroup v2 renames no cgroup: each sandbox's is made and removed")
+
+    def asked(box: Any) -> dict[str, Any]:
+        spec = json.loads((manager.boxes / box.id / "bundle" / "config.json").read_text())
+        return dict(spec["linux"]["resources"]["cpu"])
+
+    def inode(box: Any) -> int:
+        mem = layout.controller_dir("memory", box.state.cgroups_path)
+        assert mem is not None
+        return mem.stat().st_ino
+
+    alpha = {"layerbox.project": "alpha-cpu"}
+    first = boxes(cpu=0.5, labels=alpha)
+    assert layout.cpu_bandwidth(first.state.cgroups_path) == (50_000, 100_000)
+    assert asked(first)["quota"] == 50_000  # a new cgroup: written
+    kept = inode(first)
+    first.destroy()
+    second = boxes(cpu=1.0, labels=alpha)
+    assert inode(second) == kept  # the first one's cgroup, renamed
+    assert (asked(second)["quota"], asked(second)["period"]) == (100_000, 100_000)
+    assert layout.cpu_bandwidth(second.state.cgroups_path) == (100_000, 100_000)
+    second.destroy()
+    third = boxes(cpu=1.0, labels=alpha)
+    assert inode(third) == kept
+    assert {"quota", "period"}.isdisjoint(asked(third)), asked(third)
+    assert asked(third)["shares"] == 1024
+    assert layout.cpu_bandwidth(third.state.cgroups_path) == (100_000, 100_000)
+    assert third.exec("echo ok").stdout == b"ok\n"
+
+
+def test_sandboxes_without_a_network_share_one_read_only_sysfs_that_goes_with_the_last(
+        boxes: Any, manager: SandboxManager) -> None:
+    """A sandbox with no network binds the data dir's one sysfs (mounted from an empty network
+    namespace) instead of mounting a sysfs of its own, each of which the kernel compared with every
+    other on the host: the same superblock in every such sandbox, showing only ``lo``, read-only,
+    and unmounted with the last sandbox."""
+    first, second = boxes(), boxes()
+    shared = manager.paths.sysfs
+    assert kmount.is_mountpoint(shared)
+    dev = os.stat(shared).st_dev
+    probe = "stat -c %d /sys; ls /sys/class/net; (: > /sys/x) 2>/dev/null && echo written; echo end"
+    for box in (first, second):
+        lines = box.exec(probe).stdout.decode().split()
+        assert lines == [str(dev), "lo", "end"], lines
+    assert os.stat(f"/proc/{first.state.pid}/root/sys").st_dev == dev
+    first.destroy()
+    assert kmount.is_mountpoint(shared)  # the second one's still
+    second.destroy()
+    assert not kmount.is_mountpoint(shared)
+    third = boxes()  # made again by the next create
+    assert third.exec(probe).stdout.decode().split() == [str(os.stat(shared).st_dev), "lo", "end"]
 
 
 def test_a_cgroup_that_saw_an_oom_kill_or_a_frozen_one_is_removed_not_kept(boxes: Any) -> None:

@@ -148,6 +148,8 @@ class SandboxPaths:
         self.receipts = self.root / "receipts"
         self.runtime = self.root / "runtime"
         self.cgroups_lock = self.root / "cgroups.lock"
+        self.sysfs = self.root / "sysfs"  # sandbox.isolation.sysfs
+        self.sysfs_lock = self.root / "sysfs.lock"
 
     def box(self, sid: str) -> Path:
         return self.boxes / check_sandbox_id(sid)

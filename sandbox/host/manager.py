@@ -86,6 +86,7 @@ from sandbox.isolation.resources import (
     Uids,
     cgroup_owner,
 )
+from sandbox.isolation.sysfs import SharedSysfs
 from snapshots.checkpoint import Snapshots
 
 log = logging.getLogger("layerbox.sandbox")
@@ -160,7 +161,9 @@ class SandboxManager:
                                          idmap.RANGE_SIZE, 1)
         self.resources = HostResources(
             mounts=Mounts(self.host, self.paths), disks=Disks(self.paths),
-            networks=Networks(self.data_dir / "net", self.subnet, protected), cgroups=Cgroups(self.cgroup_parent, self.paths.cgroups_lock),
+            networks=Networks(self.data_dir / "net", self.subnet, protected),
+            cgroups=Cgroups(self.cgroup_parent, self.paths.cgroups_lock,
+                            sysfs=SharedSysfs(self.paths.sysfs, self.paths.sysfs_lock)),
             uids=Uids(self.uid_ranges, self.uid_jails))
         self.execs = ExecRunner(self.states.lock)
         ctx = HostContext(self.data_dir, self.paths, self.host, self.resources, self.open_store,
@@ -643,6 +646,10 @@ class SandboxManager:
                 log.error("close: destroying sandbox %s failed: %s", sid, exc)
                 failed.append(exc)
         try:
+            try:  # (a destroy releases them with the last sandbox; one that died before that left them)
+                self.resources.cgroups.release_parent(lambda: not self.holds_any())
+            except (SandboxError, OSError) as exc:
+                log.warning("close: the cgroup parent and shared sysfs stay for the next reconcile: %s", exc)
             self.host.umount_all(stop_daemon=stop_daemon)
         finally:
             for backend in self.all_backends():

@@ -73,6 +73,21 @@ class CgroupLayout:
         except OSError:
             return None
 
+    def cpu_bandwidth(self, cgroups_path: str) -> tuple[int, int] | None:
+        """The CFS quota and period (microseconds; quota -1: none) of ``cgroups_path`` as the
+        kernel has them; None when it has no CPU controller directory (not made yet)."""
+        if self.version == 2:
+            text = self._read(cgroups_path, "cpu", "", "cpu.max")
+            if text is None or len(fields := text.split()) != 2:
+                return None
+            quota, period = fields
+            return (-1 if quota == "max" else int(quota)), int(period)
+        quota_text = self._read(cgroups_path, "cpu", "cpu.cfs_quota_us", "")
+        period_text = self._read(cgroups_path, "cpu", "cpu.cfs_period_us", "")
+        if quota_text is None or period_text is None:
+            return None
+        return int(quota_text), int(period_text)
+
     # -- what receipts record -----------------------------------------------------------------------
     def oom_kills(self, cgroups_path: str) -> int:
         text = self._read(cgroups_path, "memory", "memory.oom_control", "memory.events") or ""

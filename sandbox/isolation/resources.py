@@ -50,6 +50,7 @@ from sandbox.isolation import disk as sbdisk
 from sandbox.isolation.cgroups import KEPT_PREFIX, CgroupLayout, preflight_cgroups
 from sandbox.isolation.idmap import RangePool
 from sandbox.isolation.network import NetnsInfo, NetworkManager, protected_ranges
+from sandbox.isolation.sysfs import SharedSysfs
 
 log = logging.getLogger("layerbox.sandbox")
 
@@ -209,9 +210,11 @@ class Cgroups:
     name = "cgroup"
     KEEP = 256  # kept cgroups per data dir: creates and destroys alternate, so a few serve a busy host
 
-    def __init__(self, parent: str, lock: Path, layout: Callable[[], CgroupLayout] | None = None) -> None:
+    def __init__(self, parent: str, lock: Path, layout: Callable[[], CgroupLayout] | None = None,
+                 sysfs: SharedSysfs | None = None) -> None:
         self.parent = parent
         self.lock = lock
+        self.sysfs = sysfs  # made and dropped with the parent, under its lock
         self._make_layout = layout or preflight_cgroups
         self._layout: CgroupLayout | None = None
         self._kept: dict[str, list[str]] | None = None  # owner tag -> names; another manager may take one first
@@ -235,6 +238,8 @@ class Cgroups:
         path = self.path(sid)
         with flocked(self.lock, shared=True):
             self.layout.prepare_parent(f"/{self.parent}")
+            if self.sysfs is not None:
+                self.sysfs.prepare()
             while (name := self._take(_owner_tag(owner))) is not None:
                 if self.layout.reuse(f"/{self.parent}/{name}", path, memory):
                     break
@@ -283,6 +288,8 @@ class Cgroups:
                 self._kept = None
             self.layout.drop_kept(f"/{self.parent}")
             self.layout.remove(f"/{self.parent}", wait=0)
+            if self.sysfs is not None:
+                self.sysfs.drop()
         return True
 
     def owners(self) -> set[str]:

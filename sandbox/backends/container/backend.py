@@ -170,9 +170,12 @@ class ContainerBackend:
         joined = f"/proc/{os.getpid()}/fd/{self._userns_fd(*userns)}" if userns and netns else None
         limits = limits_of(options)
         binds = self.ctx.cgroups.binds(st.cgroups_path)
+        # a kept cgroup (reused) whose last sandbox had the same CPU limit has its bandwidth already
+        bandwidth_set = self.ctx.cgroups.cpu_bandwidth(st.cgroups_path) == limits.cpu_bandwidth()
         spec = build_spec(str(box.dir / "rootfs"), process, hostname=box.id, cgroups_path=st.cgroups_path,
                           limits=limits, cgroup_version=self.ctx.cgroups.version, netns_path=netns, userns=userns,
-                          userns_path=joined, cgroup_binds=binds, masks=self._masks([name for name, _ in binds]))
+                          userns_path=joined, cgroup_binds=binds, masks=self._masks([name for name, _ in binds]),
+                          bandwidth_set=bandwidth_set, sysfs=self._shared_sysfs(netns, userns))
         replace_beneath(self.ctx.paths.boxes, f"{box.id}/bundle/config.json", json.dumps(spec).encode())
         box.update(env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid, status="starting",
                    network=network)
@@ -185,6 +188,14 @@ class ContainerBackend:
         if userns is not None:
             self._await_init_exec(box.id, pid)
         box.update(pid=pid, init_start=init_start, status="running")
+
+    def _shared_sysfs(self, netns: str | None, userns: tuple[int, int] | None) -> str | None:
+        """The data dir's shared sysfs for a container in a new network namespace of its own (no
+        network: only ``lo``), when it is mounted (the create's cgroup acquire made it)."""
+        sysfs = self.ctx.resources.cgroups.sysfs
+        if netns is not None or userns is not None or sysfs is None or not sysfs.ready():
+            return None
+        return str(sysfs.path)
 
     def _crun_pid(self, box: Box) -> int:
         """The init pid crun wrote (host side, in the sandbox's own directory)."""

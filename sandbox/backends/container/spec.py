@@ -169,6 +169,9 @@ DEVICES = (
 )
 
 
+CFS_PERIOD = 100_000  # microseconds: the kernel's default period, so a new cgroup has it already
+
+
 @dataclass(frozen=True)
 class OciLimits:
     """The OCI ``linux.resources`` of a sandbox (defaults: the model's)."""
@@ -178,14 +181,21 @@ class OciLimits:
     pids: int = DEFAULT_PIDS
     best_effort: bool = False  # the lowest CPU weight: it yields to every latency-sensitive sandbox
 
-    def resources(self) -> dict[str, Any]:
-        period = 100_000
+    def cpu_bandwidth(self) -> tuple[int, int]:
+        """CFS quota and period, in microseconds."""
+        return max(1000, int(self.cpu * CFS_PERIOD)), CFS_PERIOD
+
+    def resources(self, *, bandwidth_set: bool = False) -> dict[str, Any]:
+        """``bandwidth_set``: the cgroup has :meth:`cpu_bandwidth` already (a kept one, reused), so
+        crun is not asked to write it again: each write of the quota or the period walks every CPU
+        cgroup of the host under one mutex (``tg_set_cfs_bandwidth``), 2.3 ms of a create's kernel
+        time with 3,200 sandboxes held (bench/README.md, "Where the growth ... goes")."""
+        quota, period = self.cpu_bandwidth()
         shares = 2 if self.best_effort else max(2, int(1024 * self.cpu))
         return {
             "memory": {"limit": self.memory, "swap": self.memory},
             "pids": {"limit": self.pids},
-            "cpu": {"quota": max(1000, int(self.cpu * period)), "period": period,
-                    "shares": shares},
+            "cpu": {"shares": shares} if bandwidth_set else {"quota": quota, "period": period, "shares": shares},
             "devices": [{"allow": False, "access": "rwm"}]
             + [{"allow": True, "type": "c", "major": ma, "minor": mi, "access": "rwm"} for _, ma, mi in DEVICES]
             + [{"allow": True, "type": "c", "major": 136, "access": "rwm"},  # /dev/pts/*
@@ -343,7 +353,8 @@ def build_process(args: Sequence[str], *, env: Mapping[str, str], cwd: str, uid:
 def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroups_path: str,
                limits: OciLimits, cgroup_version: int, netns_path: str | None = None,
                userns: tuple[int, int] | None = None, userns_path: str | None = None,
-               cgroup_binds: Sequence[tuple[str, Path]] = (), masks: Masks | None = None) -> dict[str, Any]:
+               cgroup_binds: Sequence[tuple[str, Path]] = (), masks: Masks | None = None,
+               bandwidth_set: bool = False, sysfs: str | None = None) -> dict[str, Any]:
     """``netns_path``: join that network namespace (sandbox.isolation.network) instead of a new empty one.
 
     ``userns``: ``(host_base, size)`` runs the sandbox in a new user namespace
@@ -354,13 +365,20 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
     mapping) instead: a network namespace made inside it is then the sandbox's
     own, so the runtime can mount a sysfs for it.
 
+    ``sysfs``: a sysfs mounted from an empty network namespace (sandbox.isolation.sysfs), bound
+    read-only as ``/sys`` instead of a sysfs of the container's own; for a container whose network
+    namespace is new and so holds only ``lo``.
+
+    ``bandwidth_set``: the cgroup at ``cgroups_path`` has the limits' CPU bandwidth already
+    (:meth:`OciLimits.resources`).
+
     ``cgroup_binds`` (cgroup v1: ``CgroupLayout.binds``): each hierarchy's directory of this
     container bound read-only under ``/sys/fs/cgroup`` (on ``masks.cgroup``: :class:`Masks`), as
     runc gives a v1 container without a cgroup namespace.  crun mounting each hierarchy afresh
     took the cgroup mutex and drained every offline cgroup on the host first: with 3,200 held,
     each create waited, and the other creator's exec behind it (bench/README.md, "Dense hosts").
     """
-    resources = limits.resources()
+    resources = limits.resources(bandwidth_set=bandwidth_set)
     if cgroup_version == 1:
         resources["memory"].pop("swap")  # memsw exists only with swap accounting on
     profile = seccomp_profile()
@@ -383,7 +401,8 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
              "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
             {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
              "options": ["nosuid", "noexec", "nodev"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ro},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ro} if sysfs is None
+            else {"destination": "/sys", "type": "bind", "source": sysfs, "options": ["bind", *ro]},
             *_cgroup_mounts(cgroup_binds, ro, masks),
             *mask_binds,
         ],
