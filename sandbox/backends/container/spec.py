@@ -350,6 +350,23 @@ def build_process(args: Sequence[str], *, env: Mapping[str, str], cwd: str, uid:
     }
 
 
+def _system_mounts(ro: list[str], sysfs: str | None) -> list[dict[str, Any]]:
+    """/proc, /dev (with the init and the pseudo-terminals) and /sys (``sysfs``: build_spec)."""
+    return [
+        {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": INIT_PATH, "type": "bind", "source": init_binary(), "options": ["bind", "ro", "nosuid", "nodev"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ro} if sysfs is None
+        else {"destination": "/sys", "type": "bind", "source": sysfs, "options": ["bind", *ro]},
+    ]
+
+
 def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroups_path: str,
                limits: OciLimits, cgroup_version: int, netns_path: str | None = None,
                userns: tuple[int, int] | None = None, userns_path: str | None = None,
@@ -389,23 +406,7 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
         "process": dict(process),
         "root": {"path": rootfs, "readonly": False},
         "hostname": hostname,
-        "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": INIT_PATH, "type": "bind", "source": init_binary(),
-             "options": ["bind", "ro", "nosuid", "nodev"]},
-            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
-             "options": ["nosuid", "noexec", "nodev"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ro} if sysfs is None
-            else {"destination": "/sys", "type": "bind", "source": sysfs, "options": ["bind", *ro]},
-            *_cgroup_mounts(cgroup_binds, ro, masks),
-            *mask_binds,
-        ],
+        "mounts": [*_system_mounts(ro, sysfs), *_cgroup_mounts(cgroup_binds, ro, masks), *mask_binds],
         "linux": {
             "namespaces": [{"type": t, "path": netns_path} if t == "network" and netns_path else {"type": t}
                            for t in ("pid", "network", "ipc", "uts", "mount", "cgroup")],
