@@ -122,11 +122,14 @@ def host_overlays(manager: SandboxManager, monkeypatch: pytest.MonkeyPatch) -> d
 
 
 def assert_data_dir_mounts(mounts: list[tuple[str, str, set[str]]]) -> None:
-    """Layers, a sandbox's disk, the blobs: nosuid,nodev; noexec where nothing runs from them."""
+    """Layers, a sandbox's disk, the blobs: nosuid,nodev; noexec where nothing runs from them;
+    the shared sysfs and its namespace's file read-only as well."""
     for mountpoint, fstype, options in mounts:
         assert {"nosuid", "nodev"} <= options, (mountpoint, fstype, options)
-        if fstype in ("erofs", "ext4"):
+        if fstype in ("erofs", "ext4", "sysfs", "nsfs"):
             assert "noexec" in options, (mountpoint, fstype, options)
+        if fstype in ("sysfs", "nsfs"):
+            assert "ro" in options, (mountpoint, fstype, options)
 
 
 def assert_view(where: str, options: set[str]) -> None:
@@ -202,8 +205,9 @@ def test_every_host_mount_of_a_sandbox_carries_nosuid_nodev(manager: SandboxMana
         _check_rootfs(box, host_overlays, userns=userns)
     mounted = host_mounts(manager.data_dir)
     # the overlays have left for their containers; what stays is every layer, each disk (and the
-    # blobs' FUSE mount, when the daemon serves through FUSE: here it uses fanotify)
-    assert {fstype for _, fstype, _ in mounted} == {"erofs", "ext4"}
+    # blobs' FUSE mount, when the daemon serves through FUSE: here it uses fanotify), and the
+    # sysfs the sandboxes without a network share, with the nsfs bind that keeps its namespace
+    assert {fstype for _, fstype, _ in mounted} == {"erofs", "ext4", "sysfs", "nsfs"}
     assert_data_dir_mounts(mounted)
 
 
