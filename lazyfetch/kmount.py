@@ -275,6 +275,12 @@ def bind_mount(source: StrPath, mountpoint: StrPath, *, readonly: bool = True, f
             raise
 
 
+def mount_sysfs(mountpoint: StrPath, *, flags: int = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC) -> None:
+    """A sysfs at ``mountpoint``: of the calling thread's network namespace (its ``class/net``)."""
+    dst = _path_bytes(mountpoint, "mount point")
+    _mount2(b"sysfs", dst, "sysfs", flags, b"", {"mount point": dst})
+
+
 def remount_bind(mountpoint: StrPath, flags: int) -> None:
     """Set exactly ``flags`` (``MS_RDONLY``, ``MS_NOSUID``, ...) on the bind mount at ``mountpoint``."""
     dst = _path_bytes(mountpoint, "mount point")

@@ -184,6 +184,16 @@ def _on_thread(fn: Callable[[], T], *, netns: Path | None = None, new: Path | No
     return cast(T, box["value"])
 
 
+def new_netns(path: Path) -> None:
+    """A new network namespace (only ``lo``, down), kept by a bind mount of it at ``path`` (a file)."""
+    _on_thread(lambda: None, new=path)
+
+
+def run_in(netns: Path, fn: Callable[[], T]) -> T:
+    """``fn()`` on a thread of its own inside the network namespace bound at ``netns``."""
+    return _on_thread(fn, netns=netns)
+
+
 def socket_in(netns: Path) -> socket.socket:
     """A non-blocking TCP socket made inside the network namespace ``netns`` (a socket keeps the
     namespace it was made in: its connect and everything after run anywhere)."""

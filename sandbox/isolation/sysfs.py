@@ -19,16 +19,15 @@ while a create holds it shared, removed only by whoever holds it exclusive and f
 from __future__ import annotations
 
 import logging
-import subprocess
 from pathlib import Path
 
 from layerstore.hoststate import flocked
 from lazyfetch import kmount
 from lazyfetch.errors import KernelMountError
+from sandbox.core.errors import SandboxError
+from sandbox.isolation import network
 
 log = logging.getLogger("layerbox.sandbox")
-
-MOUNT_TIMEOUT = 10.0  # seconds for `unshare --net mount`
 
 
 class SharedSysfs:
@@ -53,25 +52,14 @@ class SharedSysfs:
             self.path.mkdir(mode=0o755, exist_ok=True)
             kmount.umount(self.netns, lazy=True, missing_ok=True)  # (a half-made one, a crash's)
             self.netns.touch(mode=0o600)
-            # mounted from a new, empty network namespace (the mount's tag), in the host's mount
-            # namespace; the namespace persisted at self.netns
-            argv = ["unshare", f"--net={self.netns}", "--", "mount", "-t", "sysfs", "-o", "ro,nosuid,nodev,noexec",
-                    "sysfs", str(self.path)]
             try:
-                done = subprocess.run(argv, capture_output=True, timeout=MOUNT_TIMEOUT, check=False)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                log.warning("no shared sysfs (each container mounts its own): %s: %s", argv[0], exc)
-                self.drop()
-                return
-            if done.returncode != 0:
-                log.warning("no shared sysfs (each container mounts its own): %s exited %d: %s", " ".join(argv),
-                            done.returncode, done.stderr.decode(errors="replace").strip()[:300])
-                self.drop()
-                return
-            try:  # unshare binds the namespace's file as it is: the data dir's mounts are all nosuid,nodev
+                network.new_netns(self.netns)
+                # bound as the namespace is: the data dir's mounts are all nosuid,nodev
                 kmount.remount_bind(self.netns, kmount.MS_RDONLY | kmount.MS_NOSUID | kmount.MS_NODEV
                                     | kmount.MS_NOEXEC)
-            except KernelMountError as exc:
+                # mounted from inside it (the mount's tag), into the host's mount namespace
+                network.run_in(self.netns, lambda: kmount.mount_sysfs(self.path))
+            except (SandboxError, KernelMountError, OSError) as exc:
                 log.warning("no shared sysfs (each container mounts its own): %s", exc)
                 self.drop()
 
