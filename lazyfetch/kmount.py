@@ -281,6 +281,12 @@ def mount_sysfs(mountpoint: StrPath, *, flags: int = MS_RDONLY | MS_NOSUID | MS_
     _mount2(b"sysfs", dst, "sysfs", flags, b"", {"mount point": dst})
 
 
+def mount_tmpfs(mountpoint: StrPath, options: str, *, flags: int = MS_NOSUID | MS_NODEV | MS_NOEXEC) -> None:
+    """A tmpfs at ``mountpoint`` with ``options`` (``mode=0700,size=...``)."""
+    dst = _path_bytes(mountpoint, "mount point")
+    _mount2(b"tmpfs", dst, "tmpfs", flags, options.encode(), {"mount point": dst})
+
+
 def remount_bind(mountpoint: StrPath, flags: int) -> None:
     """Set exactly ``flags`` (``MS_RDONLY``, ``MS_NOSUID``, ...) on the bind mount at ``mountpoint``."""
     dst = _path_bytes(mountpoint, "mount point")

@@ -366,10 +366,9 @@ class Snapshots:
         """Mount ``ref`` writable at ``mountpoint``; ``verified`` is the checkpoint as
         :meth:`verify_bound` returned it to the caller already (many restores, one read)."""
         resolved = verified or await self.verify_bound(ref, policy_version=policy_version)
-        result = await asyncio.to_thread(self.host.mount, resolved, mountpoint, writable=True, upper=upper)
-        self._save_record(result.mountpoint, {"parent": resolved.digest, "manifest": {}, "seq": 0,
-                                              "id": uuid.uuid4().hex[:12], "upper": result.upper})
-        return result
+        # No record yet: the first checkpoint of a mount without one starts from the mount's own
+        # digest (this checkpoint), as a record written here would say; a fork of 100 wrote 100.
+        return await asyncio.to_thread(self.host.mount, resolved, mountpoint, writable=True, upper=upper)
 
     # -- catalogue ----------------------------------------------------------------------------------
     async def list(self, prefix: str = "checkpoints/") -> list[dict[str, Any]]:
@@ -394,6 +393,14 @@ class Snapshots:
         if resolved.kind != "checkpoint":
             raise SnapshotError(f"{ref} is a {resolved.kind}, not a checkpoint")
         await self.store.delete_ref(ref)
+
+
+def forget_record(host: HostMounts, mountpoint: str | os.PathLike[str]) -> None:
+    """Drop what :class:`Snapshots` recorded of the mount at ``mountpoint`` (its last
+    checkpoint and the manifest of its upper), once the mount is gone; a next mount there starts
+    a chain of its own."""
+    target = os.path.realpath(mountpoint)
+    (host.data_dir / "state" / "snapshots" / (hex_digest_of_path(target) + ".json")).unlink(missing_ok=True)
 
 
 def hex_digest_of_path(path: str) -> str:

@@ -93,10 +93,11 @@ def loosen(data: Path) -> None:
 def host_files(mgr: SandboxManager, box: Sandbox) -> tuple[list[Path], list[Path]]:
     """Every lock and state file of the data dir, and the directories that hold them."""
     data, root = mgr.data_dir, mgr.root
-    dirs = [data / "state", data / "blobcache", root / "receipts", root / "runtime", data / "net", data / "net/netns",
+    dirs = [data / "state", data / "blobcache", root / "receipts", root / "runtime", root / "run", root / "run" / "crun",
+            root / "run" / "bundles", data / "net", data / "net/netns",
             root / "leases", root / "leases" / "_host"]
     files = [data / "lazyfetch.lock", data / "lazyfetch.start.lock", data / "state/lock", data / "state/mounts.json",
-             data / "blobcache/lock", root / "userns.json", root / "userns.json.lock", data / "net/net.lock",
+             data / "blobcache/lock", root / "run.lock", root / "userns.json", root / "userns.json.lock", data / "net/net.lock",
              data / "net/net.json", box.dir / "state.json", root / "receipts" / f"{box.id}.jsonl",
              root / "leases" / "_host" / f"{JOB}.json", root / "leases" / "_host" / "lock"]
     return files, dirs

@@ -123,10 +123,11 @@ def host_overlays(manager: SandboxManager, monkeypatch: pytest.MonkeyPatch) -> d
 
 def assert_data_dir_mounts(mounts: list[tuple[str, str, set[str]]]) -> None:
     """Layers, a sandbox's disk, the blobs: nosuid,nodev; noexec where nothing runs from them;
-    the shared sysfs and its namespace's file read-only as well."""
+    the shared sysfs and its namespace's file read-only as well; the tmpfs of crun's state and the
+    bundles noexec."""
     for mountpoint, fstype, options in mounts:
         assert {"nosuid", "nodev"} <= options, (mountpoint, fstype, options)
-        if fstype in ("erofs", "ext4", "sysfs", "nsfs"):
+        if fstype in ("erofs", "ext4", "sysfs", "nsfs", "tmpfs"):
             assert "noexec" in options, (mountpoint, fstype, options)
         if fstype in ("sysfs", "nsfs"):
             assert "ro" in options, (mountpoint, fstype, options)
@@ -206,8 +207,9 @@ def test_every_host_mount_of_a_sandbox_carries_nosuid_nodev(manager: SandboxMana
     mounted = host_mounts(manager.data_dir)
     # the overlays have left for their containers; what stays is every layer, each disk (and the
     # blobs' FUSE mount, when the daemon serves through FUSE: here it uses fanotify), and the
-    # sysfs the sandboxes without a network share, with the nsfs bind that keeps its namespace
-    assert {fstype for _, fstype, _ in mounted} == {"erofs", "ext4", "sysfs", "nsfs"}
+    # sysfs the sandboxes without a network share, with the nsfs bind that keeps its namespace, and
+    # the tmpfs of crun's state and the containers' bundles
+    assert {fstype for _, fstype, _ in mounted} == {"erofs", "ext4", "sysfs", "nsfs", "tmpfs"}
     assert_data_dir_mounts(mounted)
 
 

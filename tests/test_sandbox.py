@@ -164,7 +164,7 @@ class _SpawnProbe:
         return {}
 
     def spawned(self) -> None:
-        self.pid_files = sorted(p.name for p in (self.box.dir / "bundle").glob("*.pid"))
+        self.pid_files = sorted(p.name for p in self.box.bundle.glob("exec-*.pid"))
 
     def on_terminal(self, master: int, resize: Any = None) -> None:
         os.close(master)
@@ -636,7 +636,7 @@ def test_a_kept_cgroup_keeps_a_cpu_limit_asked_again_and_gets_another_written(bo
         pytest.skip("cgroup v2 renames no cgroup: each sandbox's is made and removed")
 
     def asked(box: Any) -> dict[str, Any]:
-        spec = json.loads((manager.boxes / box.id / "bundle" / "config.json").read_text())
+        spec = json.loads((box.bundle / "config.json").read_text())
         return dict(spec["linux"]["resources"]["cpu"])
 
     def inode(box: Any) -> int:

@@ -592,7 +592,7 @@ def test_after_a_crash_reconcile_ends_background_commands_and_terminals(store_ur
             assert ended[ids[1]]["tty"] is True
             assert ended[ids[0]]["tty"] is False
             assert (await api.ok("GET", f"/v1/sandboxes/{sid}/commands"))["commands"] == []
-            bundle = edge.data_dir / "sandbox" / "boxes" / sid / "bundle"
+            bundle = edge.data_dir / "sandbox" / "run" / "bundles" / sid
             assert sorted(p.name for p in bundle.iterdir() if p.name.startswith("exec-")) == []
 
         scenario(after, edge.url)

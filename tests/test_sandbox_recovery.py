@@ -124,7 +124,7 @@ def open_stream(edge: EdgeProcess, sid: str,
 
 
 def exec_files(edge: EdgeProcess, sid: str) -> list[str]:
-    bundle = edge.data_dir / "sandbox" / "boxes" / sid / "bundle"
+    bundle = edge.data_dir / "sandbox" / "run" / "bundles" / sid
     return sorted(n for n in os.listdir(bundle) if n.startswith("exec-"))
 
 

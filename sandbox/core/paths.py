@@ -10,10 +10,12 @@ sandbox's uid must traverse them, see the manager).
 
 Layout under ``<data-dir>/sandbox/`` (docs/FORMAT.md, "Sandbox host state")::
 
-    runtime/               crun --root
+    run/                   a tmpfs while the data dir has sandboxes (sandbox.isolation.runfs):
+    run/crun/              crun --root
+    run/bundles/<id>/      a container's config.json, and each running exec's process document and pid file
+    runtime/, boxes/<id>/bundle/   where an older layerbox kept those two, on disk (its containers stay)
     bin/<pid>-<n>/crun     the sealed copy of crun a manager process runs (a symlink into its fds)
     boxes/<id>/state.json  the sandbox's SandboxState
-    boxes/<id>/bundle/     config.json and each running exec's process document and pid file
     receipts/<id>.jsonl    its receipt log's live segment (<id>.<n>.jsonl: sealed ones, sandbox.core.receipts)
     leases/<project>/      one file per job's lease, and the project's lock (sandbox.core.leases)
     cgroups.lock           creates (shared) against the removal of the cgroup parent (sandbox.isolation.resources.Cgroups)
@@ -150,12 +152,26 @@ class SandboxPaths:
         self.cgroups_lock = self.root / "cgroups.lock"
         self.sysfs = self.root / "sysfs"  # sandbox.isolation.sysfs
         self.sysfs_lock = self.root / "sysfs.lock"
+        self.run = self.root / "run"  # sandbox.isolation.runfs: a tmpfs
+        self.run_lock = self.root / "run.lock"
+        self.crun = self.run / "crun"
+        self.bundles = self.run / "bundles"
 
     def box(self, sid: str) -> Path:
         return self.boxes / check_sandbox_id(sid)
+
+    def bundle(self, sid: str) -> tuple[Path, str]:
+        """A container's OCI bundle as (the directory it is opened beneath, its path there):
+        ``run/bundles/<id>``, or ``boxes/<id>/bundle`` where an older layerbox made it (docs/FORMAT.md)."""
+        sid = check_sandbox_id(sid)
+        if (self.boxes / sid / "bundle").is_dir():
+            return self.boxes, f"{sid}/bundle"
+        return self.bundles, sid
 
     def ensure(self) -> None:
         """Make the manager's directories 0700 (and tighten looser ones left by older versions):
         never readable or writable by others; o+x may stay (userns, see the manager)."""
         for d in (self.root, self.boxes, self.receipts):
             closed_dir(d)
+        if self.runtime.is_dir():  # an older layerbox's crun state (its containers may live on)
+            closed_dir(self.runtime)

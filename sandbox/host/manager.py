@@ -86,6 +86,7 @@ from sandbox.isolation.resources import (
     Uids,
     cgroup_owner,
 )
+from sandbox.isolation.runfs import RunFs
 from sandbox.isolation.sysfs import SharedSysfs
 from snapshots.checkpoint import Snapshots
 
@@ -163,7 +164,8 @@ class SandboxManager:
             mounts=Mounts(self.host, self.paths), disks=Disks(self.paths),
             networks=Networks(self.data_dir / "net", self.subnet, protected),
             cgroups=Cgroups(self.cgroup_parent, self.paths.cgroups_lock,
-                            sysfs=SharedSysfs(self.paths.sysfs, self.paths.sysfs_lock)),
+                            sysfs=SharedSysfs(self.paths.sysfs, self.paths.sysfs_lock),
+                            runfs=RunFs(self.paths.run, self.paths.run_lock)),
             uids=Uids(self.uid_ranges, self.uid_jails))
         self.execs = ExecRunner(self.states.lock)
         ctx = HostContext(self.data_dir, self.paths, self.host, self.resources, self.open_store,

@@ -64,7 +64,8 @@ class Sandbox:
     @property
     def bundle(self) -> Path:
         """A container's OCI bundle (config.json, each running command's process document)."""
-        return self.dir / "bundle"
+        base, rel = self.manager.paths.bundle(self.id)
+        return base / rel
 
     @functools.cached_property
     def backend(self) -> Backend:

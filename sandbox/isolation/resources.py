@@ -50,7 +50,9 @@ from sandbox.isolation import disk as sbdisk
 from sandbox.isolation.cgroups import KEPT_PREFIX, CgroupLayout, preflight_cgroups
 from sandbox.isolation.idmap import RangePool
 from sandbox.isolation.network import NetnsInfo, NetworkManager, protected_ranges
+from sandbox.isolation.runfs import RunFs
 from sandbox.isolation.sysfs import SharedSysfs
+from snapshots.checkpoint import forget_record
 
 log = logging.getLogger("layerbox.sandbox")
 
@@ -106,6 +108,7 @@ class Mounts:
             # from close(), every other sandbox and the daemon) behind
             log.warning("sandbox %s: %s; detaching it lazily", sid, exc)
             self.host.umount(rootfs, discard=True, lazy=True)
+        forget_record(self.host, rootfs)  # its checkpoints' chain went with its writes
         # (a VM's disk layers are its backend's to unmount, after its VMM; what a crash left
         # under a sandbox's directory, reconcile's sweep finds by owner)
 
@@ -211,10 +214,13 @@ class Cgroups:
     KEEP = 256  # kept cgroups per data dir: creates and destroys alternate, so a few serve a busy host
 
     def __init__(self, parent: str, lock: Path, layout: Callable[[], CgroupLayout] | None = None,
-                 sysfs: SharedSysfs | None = None) -> None:
+                 sysfs: SharedSysfs | None = None, runfs: RunFs | None = None) -> None:
         self.parent = parent
         self.lock = lock
-        self.sysfs = sysfs  # made and dropped with the parent, under its lock
+        # the data dir's mounts that go with its last sandbox: made and dropped with the parent,
+        # under its lock (the runfs first: a create cannot go on without it)
+        self.runfs = runfs
+        self.sysfs = sysfs
         self._make_layout = layout or preflight_cgroups
         self._layout: CgroupLayout | None = None
         self._kept: dict[str, list[str]] | None = None  # owner tag -> names; another manager may take one first
@@ -238,8 +244,9 @@ class Cgroups:
         path = self.path(sid)
         with flocked(self.lock, shared=True):
             self.layout.prepare_parent(f"/{self.parent}")
-            if self.sysfs is not None:
-                self.sysfs.prepare()
+            for shared in (self.runfs, self.sysfs):
+                if shared is not None:
+                    shared.prepare()
             while (name := self._take(_owner_tag(owner))) is not None:
                 if self.layout.reuse(f"/{self.parent}/{name}", path, memory):
                     break
@@ -288,8 +295,9 @@ class Cgroups:
                 self._kept = None
             self.layout.drop_kept(f"/{self.parent}")
             self.layout.remove(f"/{self.parent}", wait=0)
-            if self.sysfs is not None:
-                self.sysfs.drop()
+            for shared in (self.sysfs, self.runfs):
+                if shared is not None:
+                    shared.drop()
         return True
 
     def owners(self) -> set[str]:

@@ -1,11 +1,16 @@
 """The container backend: a sandbox is a crun container on a writable overlay of its image's
 lazily mounted layers.
 
-What it keeps per sandbox, under ``boxes/<id>/`` (docs/FORMAT.md, "Sandbox host state")::
+What it keeps per sandbox (docs/FORMAT.md, "Sandbox host state"): its bundle in the data dir's
+tmpfs (sandbox.isolation.runfs), under ``run/bundles/<id>/``::
 
-    bundle/config.json   the OCI runtime config (sandbox.backends.container.spec)
-    bundle/exec-*.json   each running command's process document, with its ``.pid`` file
+    config.json          the OCI runtime config (sandbox.backends.container.spec)
     init.pid             the init's pid as crun wrote it
+    exec-*.json          each running command's process document, with its ``.pid`` file
+
+(``boxes/<id>/bundle/`` for a container an older layerbox made: ``SandboxPaths.bundle``), and
+under ``boxes/<id>/``::
+
     rootfs/              the overlay (a HostMounts mount), mounted here only until the
                          container is created: its init's mount namespace then holds it and
                          it leaves the host's mount table (files go through /proc/<init>/root)
@@ -22,6 +27,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import threading
@@ -56,7 +62,7 @@ from sandbox.core.errors import (
     SandboxStateError,
     UnsupportedOption,
 )
-from sandbox.core.model import SandboxOptions, SandboxState
+from sandbox.core.model import SandboxOptions, SandboxState, check_sandbox_id
 from sandbox.core.paths import read_beneath, replace_beneath
 from sandbox.core.procs import kill_exited, kill_group, proc_stat
 from sandbox.isolation import disk as sbdisk
@@ -86,7 +92,8 @@ class ContainerBackend:
 
     def __init__(self, ctx: HostContext, *, runtime: str = "crun") -> None:
         self.ctx = ctx
-        self.runtime = OciRuntime(ctx.paths.runtime, binary=runtime, copy_dir=ctx.paths.root / "bin")
+        self.runtime = OciRuntime(ctx.paths.crun, binary=runtime, copy_dir=ctx.paths.root / "bin",
+                                  legacy_root=ctx.paths.runtime)
         self._lock = threading.Lock()
         self._userns_fds: dict[int, int] = {}  # host_base -> user namespace fd with that mapping (kept)
         self._masks_made: Masks | None = None
@@ -131,19 +138,15 @@ class ContainerBackend:
         st = box.state
         options, mapping = st.options, st.userns
         rootfs = box.dir / "rootfs"
-        (box.dir / "bundle").mkdir(mode=0o700)
+        self._bundle(box.id).mkdir(mode=0o700)
         rootfs.mkdir()
         started = time.perf_counter()
         upper = None
         if options.disk is not None:
             upper = str(await asyncio.to_thread(self.ctx.resources.disks.acquire, box.id, options.disk))
-        if resolved.kind == "checkpoint":
-            async with await self.ctx.open_store() as store:
-                await Snapshots(store, self.ctx.mounts).restore(ref, str(rootfs), upper=upper,
-                                                                policy_version=options.policy_version,
-                                                                verified=resolved)  # (by the manager)
-        else:
-            await asyncio.to_thread(self.ctx.mounts.mount, resolved, rootfs, writable=True, upper=upper)
+        # a checkpoint as an image: the manager verified it (bound digests, policy) before this;
+        # mounting needs no store of its own (a fork of 100 opened 100)
+        await asyncio.to_thread(self.ctx.mounts.mount, resolved, rootfs, writable=True, upper=upper)
         if mapping is not None:  # on a thread: the overlay is made under a per-thread fsuid
             await asyncio.to_thread(self._remap_rootfs, rootfs, mapping)
         mounted = time.perf_counter()
@@ -176,12 +179,13 @@ class ContainerBackend:
                           limits=limits, cgroup_version=self.ctx.cgroups.version, netns_path=netns, userns=userns,
                           userns_path=joined, cgroup_binds=binds, masks=self._masks([name for name, _ in binds]),
                           bandwidth_set=bandwidth_set, sysfs=self._shared_sysfs(netns, userns))
-        replace_beneath(self.ctx.paths.boxes, f"{box.id}/bundle/config.json", json.dumps(spec).encode())
+        base, rel = self.ctx.paths.bundle(box.id)
+        replace_beneath(base, f"{rel}/config.json", json.dumps(spec).encode())
         box.update(env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid, status="starting",
                    network=network)
         # created and started at once: the init (IDLE_INIT, root, waiting) runs before the seal, and
         # nothing else does until the status says running
-        self.runtime.run(box.id, box.dir / "bundle", pid_file=box.dir / "init.pid", sched_idle=limits.best_effort)
+        self.runtime.run(box.id, base / rel, pid_file=base / rel / "init.pid", sched_idle=limits.best_effort)
         pid = self._hold_rootfs(box)
         self._seal_root(pid, userns)
         init_start = (proc_stat(pid) or (0, None))[1]
@@ -197,9 +201,14 @@ class ContainerBackend:
             return None
         return str(sysfs.path)
 
+    def _bundle(self, sid: str) -> Path:
+        base, rel = self.ctx.paths.bundle(sid)
+        return base / rel
+
     def _crun_pid(self, box: Box) -> int:
-        """The init pid crun wrote (host side, in the sandbox's own directory)."""
-        return int(read_beneath(self.ctx.paths.boxes, f"{box.id}/init.pid").strip())
+        """The init pid crun wrote (host side, in the sandbox's bundle)."""
+        base, rel = self.ctx.paths.bundle(box.id)
+        return int(read_beneath(base, f"{rel}/init.pid").strip())
 
     def _hold_rootfs(self, box: Box) -> int:
         """Hand the rootfs overlay to the created container (its init's mount namespace holds it)
@@ -283,13 +292,13 @@ class ContainerBackend:
 
     def spawn(self, box: Box, st: SandboxState, argv: Sequence[str], *, env: Mapping[str, str], cwd: str,
               uid: int, gid: int, tag: str, input_pipe: bool, attach: Attach | None = None) -> Process:
-        bundle = box.dir / "bundle"
-        process_file, pid_file = bundle / f"{tag}.json", bundle / f"{tag}.pid"
+        base, rel = self.ctx.paths.bundle(box.id)
+        process_file, pid_file = base / rel / f"{tag}.json", base / rel / f"{tag}.pid"
         process = build_process(list(argv), env=env, cwd=cwd, uid=uid, gid=gid)
         terminal = attach.terminal if attach is not None else None
         if terminal is not None:  # crun makes the pty in the sandbox's own devpts and sends us its master
             process.update(terminal=True, consoleSize={"width": terminal[0], "height": terminal[1]})
-        replace_beneath(self.ctx.paths.boxes, f"{box.id}/bundle/{tag}.json", json.dumps(process).encode())
+        replace_beneath(base, f"{rel}/{tag}.json", json.dumps(process).encode())
         oom_before = self.ctx.cgroups.oom_kills(st.cgroups_path)
         stdin: Any = subprocess.PIPE if input_pipe else subprocess.DEVNULL
         if attach is not None:  # its owner writes the input
@@ -314,7 +323,8 @@ class ContainerBackend:
             assert attach is not None
             master = self._terminal(box, proc, console, attach, process_file, pid_file)
         exec_start = proc_stat(proc.pid)
-        return CrunProcess(self, box, st, proc, master, tag, exec_start[1] if exec_start else 0, oom_before)
+        return CrunProcess(self, box, st, proc, master, tag, exec_start[1] if exec_start else 0, oom_before,
+                           base / rel)
 
     def _terminal(self, box: Box, proc: subprocess.Popen[bytes], console: ConsoleSocket, attach: Attach,
                   process_file: Path, pid_file: Path) -> int:
@@ -346,7 +356,8 @@ class ContainerBackend:
     def _kill_exec(self, box: Box, tag: str, since: int, st: SandboxState) -> bool:
         """Kill an exec's tree; False while crun has not yet written the command's pid."""
         try:
-            root = int(read_beneath(self.ctx.paths.boxes, f"{box.id}/bundle/{tag}.pid").strip())
+            base, rel = self.ctx.paths.bundle(box.id)
+            root = int(read_beneath(base, f"{rel}/{tag}.pid").strip())
         except (OSError, ValueError):
             return False
         if not self.ctx.cgroups.holds(root, st.cgroups_path):
@@ -463,6 +474,11 @@ class ContainerBackend:
 
     # -- destroy and recovery ---------------------------------------------------------------------------
     def destroy(self, sid: str, st: SandboxState | None) -> None:
+        self._stop(sid, st)
+        shutil.rmtree(self.ctx.paths.bundles / check_sandbox_id(sid), ignore_errors=True)  # (a legacy one: in boxes/)
+
+    def _stop(self, sid: str, st: SandboxState | None) -> None:
+        """The container gone (its bundle kept: a restart on a re-stacked rootfs runs it again)."""
         if st is not None and st.status == "running" and st.pid is not None:
             # crun's delete kills the container and at once rmdirs its cgroups; the killed are still
             # exiting, the rmdir fails EBUSY and crun sleeps 10 ms before it tries again (every
@@ -479,11 +495,16 @@ class ContainerBackend:
             self.runtime.delete(sid, force=True)
 
     def survivors(self) -> Mapping[str, Any]:
-        if not self.runtime.root.exists():
-            return {}
         mounted = set(self.ctx.mounts.status()["mounts"])
-        return {c["id"]: {**c, "rootfs_mounted": str(self.ctx.paths.boxes / str(c["id"]) / "rootfs") in mounted}
-                for c in self.runtime.list()}
+        found: dict[str, Any] = {c["id"]: {**c, "rootfs_mounted": str(self.ctx.paths.boxes / str(c["id"]) / "rootfs")
+                                           in mounted} for c in self.runtime.list()}
+        try:  # a bundle without a container (a crash in the create): destroyed by reconcile with it
+            bundles = os.listdir(self.ctx.paths.bundles)
+        except FileNotFoundError:
+            bundles = []
+        for name in bundles:
+            found.setdefault(name, {"id": name, "status": "no container"})
+        return found
 
     def adopt(self, box: Box, st: SandboxState, survivors: Mapping[str, Any]) -> list[LeftOver] | None:
         c = survivors.get(box.id)
@@ -504,18 +525,18 @@ class ContainerBackend:
         """Commands a dead manager started: kill each one's tree and remove its process document
         and pid file (a command must never run on unobserved)."""
         stopped: list[LeftOver] = []
-        bundle = box.dir / "bundle"
+        base, rel = self.ctx.paths.bundle(box.id)
+        bundle = base / rel
         try:
             names = os.listdir(bundle)
         except FileNotFoundError:
             return stopped
-        boxes = self.ctx.paths.boxes
         for tag in sorted({n.rsplit(".", 1)[0] for n in names if n.startswith(EXEC_PREFIX)}):
             command: Any = None
             with contextlib.suppress(OSError, ValueError):
-                command = json.loads(read_beneath(boxes, f"{box.id}/bundle/{tag}.json")).get("args")
+                command = json.loads(read_beneath(base, f"{rel}/{tag}.json")).get("args")
             try:
-                pid = int(read_beneath(boxes, f"{box.id}/bundle/{tag}.pid").strip())
+                pid = int(read_beneath(base, f"{rel}/{tag}.pid").strip())
             except (OSError, ValueError):
                 pid = None
             if pid is not None and self.ctx.cgroups.holds(pid, st.cgroups_path):
@@ -542,12 +563,12 @@ class ContainerBackend:
         except SandboxError:
             return None
         if phase == "detached":
-            self.destroy(box.id, st)
+            self._stop(box.id, st)
             return None
         if st.userns:
             self._remap_rootfs(box.dir / "rootfs", st.userns)
-        self.runtime.run(box.id, box.dir / "bundle", pid_file=box.dir / "init.pid",
-                         sched_idle=st.options.cpu_class == "best-effort")
+        bundle = self._bundle(box.id)
+        self.runtime.run(box.id, bundle, pid_file=bundle / "init.pid", sched_idle=st.options.cpu_class == "best-effort")
         pid = self._crun_pid(box)
         self._seal_root(pid, st.userns)
         if st.userns:
@@ -569,9 +590,10 @@ class CrunProcess:
     """A command crun execs in the container (:class:`~sandbox.backends.base.Process`)."""
 
     def __init__(self, backend: ContainerBackend, box: Box, st: SandboxState, proc: subprocess.Popen[bytes],
-                 master: int | None, tag: str, since: int, oom_before: int) -> None:
+                 master: int | None, tag: str, since: int, oom_before: int, bundle: Path) -> None:
         self._backend, self._box, self._st, self._proc = backend, box, st, proc
         self._master, self._tag, self._since, self._oom_before = master, tag, since, oom_before
+        self._bundle = bundle
 
     @property
     def stdout(self) -> IO[bytes]:
@@ -609,9 +631,8 @@ class CrunProcess:
             if self._master is not None:
                 os.close(self._master)
                 self._master = None
-            bundle = self._box.dir / "bundle"
-            (bundle / f"{self._tag}.json").unlink(missing_ok=True)
-            (bundle / f"{self._tag}.pid").unlink(missing_ok=True)
+            (self._bundle / f"{self._tag}.json").unlink(missing_ok=True)
+            (self._bundle / f"{self._tag}.pid").unlink(missing_ok=True)
         return self._proc.returncode
 
     def oom_killed(self) -> bool:
