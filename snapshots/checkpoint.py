@@ -147,11 +147,10 @@ class Snapshots:
     def __init__(self, store: Store, host: HostMounts) -> None:
         self.store = store
         self.host = host
-        self.state_dir = host.data_dir / "state" / "snapshots"
 
     # -- local record of what each mount has captured ---------------------------------------
     def _record_path(self, mountpoint: str) -> Path:
-        return self.state_dir / (hex_digest_of_path(mountpoint) + ".json")
+        return record_path(self.host, mountpoint)
 
     def _load_record(self, mountpoint: str, default_parent: str) -> dict[str, Any]:
         path = self._record_path(mountpoint)
@@ -162,8 +161,8 @@ class Snapshots:
         return {"parent": default_parent, "manifest": {}, "seq": 0, "id": uuid.uuid4().hex[:12]}
 
     def _save_record(self, mountpoint: str, rec: dict[str, Any]) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
         path = self._record_path(mountpoint)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(rec))
         os.replace(tmp, path)
@@ -399,8 +398,12 @@ def forget_record(host: HostMounts, mountpoint: str | os.PathLike[str]) -> None:
     """Drop what :class:`Snapshots` recorded of the mount at ``mountpoint`` (its last
     checkpoint and the manifest of its upper), once the mount is gone; a next mount there starts
     a chain of its own."""
-    target = os.path.realpath(mountpoint)
-    (host.data_dir / "state" / "snapshots" / (hex_digest_of_path(target) + ".json")).unlink(missing_ok=True)
+    record_path(host, os.path.realpath(mountpoint)).unlink(missing_ok=True)
+
+
+def record_path(host: HostMounts, mountpoint: str) -> Path:
+    """The file of :class:`Snapshots`' record of the mount at ``mountpoint`` (a real path)."""
+    return host.data_dir / "state" / "snapshots" / (hex_digest_of_path(mountpoint) + ".json")
 
 
 def hex_digest_of_path(path: str) -> str:
