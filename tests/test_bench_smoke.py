@@ -367,14 +367,16 @@ def test_bench_snapshots_quick_json(tmp_path: Path) -> None:
 
 LAZY_BENCH = Path(__file__).resolve().parents[1] / "bench" / "lazy.py"
 LAZY_FIXTURE = FIXTURE_IMAGE
-LAZY_CASES = [("minbase", "cat"), ("python", "cat"), ("python", "python"), ("big", "cat"), ("big", "python")]
+LAZY_CASES = [("minbase", "cat"), ("python", "cat"), ("python", "python")]  # no filler image (--filler-mb 0)
 
 
 @pytest.mark.slow
 @pytest.mark.root("erofs", "overlay", "fuse")
 def test_bench_lazy_quick_json(tmp_path: Path) -> None:
-    """--quick on the file backend, every section but one (the burst on 4 sandboxes over 2 images), on the
-    fanotify data path: every figure is there and agrees with the others; no timings checked.
+    """--quick on the file backend, every section but one (the burst on 2 sandboxes over 2 images), on the
+    fanotify data path, without the filler image: every figure is there and agrees with the others; no
+    timings checked.  (The filler image's four runs cost 20 s of the suite's budget; bench/containerd.py's
+    test reads a whole image, and a filler adds nothing the python image's cases do not exercise.)
 
     One data path: the bench's code is the same for both but for which files hold a layer's bytes,
     and the second path cost a minute of the suite's budget; the fuse path itself is tested in
@@ -388,20 +390,17 @@ def test_bench_lazy_quick_json(tmp_path: Path) -> None:
     work.mkdir()
     doc = json.loads(run([sys.executable, LAZY_BENCH, "--quick", "--backends", "file",
                           "--sections", "first,replay,read,mount,start,burst",
-                          "--data-paths", "fanotify", "--readers", "4", "--filler-mb", "8", "--mounts", "4", "--json", "--fixture", LAZY_FIXTURE, "--tmpdir", work],
+                          "--data-paths", "fanotify", "--readers", "2", "--filler-mb", "0", "--burst", "2", "--mounts", "4", "--json", "--fixture", LAZY_FIXTURE, "--tmpdir", work],
                          timeout=1800).stdout)
 
     assert doc["schema"] == "layerbox.bench.lazy.v1"
     s = doc["settings"]
-    assert (s["backends"], s["repeat"], s["mounts"], s["filler_mb"]) == (["file"], 1, 4, 8)
+    assert (s["backends"], s["repeat"], s["mounts"], s["filler_mb"]) == (["file"], 1, 4, 0)
     assert s["data_paths"] == ["fanotify"]
     assert s["sections"] == ["first", "replay", "read", "mount", "start", "burst"]
     images = doc["images"]
-    assert [(tag, images[tag]["layers"]) for tag in images] == [("minbase", 1), ("python", 3), ("big", 4)]
-    assert images["minbase"]["compressed_bytes"] < images["python"]["compressed_bytes"] < images["big"]["compressed_bytes"]
-    # the filler is incompressible: the big image adds at least its size, in gzip and in files
-    assert images["big"]["compressed_bytes"] - images["python"]["compressed_bytes"] >= 8_000_000
-    assert images["big"]["file_bytes"] - images["python"]["file_bytes"] == 8_000_000
+    assert [(tag, images[tag]["layers"]) for tag in images] == [("minbase", 1), ("python", 3)]
+    assert images["minbase"]["compressed_bytes"] < images["python"]["compressed_bytes"]
 
     eager = {(c["image"], c["command"]): c for c in doc["eager"]["cases"]}
     assert list(eager) == LAZY_CASES
@@ -413,7 +412,6 @@ def test_bench_lazy_quick_json(tmp_path: Path) -> None:
         assert case["opened"]["files"] > 0
         assert 0 < case["opened"]["bytes"] < images[tag]["file_bytes"]
     assert eager[("python", "python")]["opened"]["bytes"] > eager[("python", "cat")]["opened"]["bytes"]
-    assert eager[("big", "python")]["opened"] == eager[("python", "python")]["opened"]
     task = doc["eager"]["task"]
     assert task["opened"]["bytes"] > eager[("python", "python")]["opened"]["bytes"]
 
@@ -483,7 +481,7 @@ def test_bench_lazy_quick_json(tmp_path: Path) -> None:
         assert direct["page_cache"]["blob_resident"] < read["page_cache"]["blob_resident"] / 10
         assert direct["vs_buffered"] == pytest.approx(direct["mb_per_s"] / reread["methods"]["mount"]["mb_per_s"])
         assert isinstance(doc["goals"][f"file/{path}"]["cached_once_direct"]["met"], bool)
-        for key, readers in (("one", 1), ("many", 4)):
+        for key, readers in (("one", 1), ("many", 2)):
             c = read["cold"][key]
             assert (c["readers"], c["bytes"]) == (readers, read["bytes"]), (path, key)
             assert c["bytes_fetched"] > 0
@@ -513,7 +511,7 @@ def test_bench_lazy_quick_json(tmp_path: Path) -> None:
                 "task_trace"} <= set(goals)
 
     burst = file["burst"]
-    assert (burst["sandboxes"], burst["parallel"], len(burst["images"])) == (4, 2, 2)
+    assert (burst["sandboxes"], burst["parallel"], len(burst["images"])) == (2, 2, 2)
     assert sorted(burst["eager"]["pulls"]) == ["0", "1"]  # each image pulled and unpacked once (JSON keys)
     assert burst["eager"]["allocated"] > file["store"]["python"]["blob_bytes"]  # two unpacked rootfs
     assert list(burst["lazy"]) == ["fanotify"]
@@ -523,8 +521,8 @@ def test_bench_lazy_quick_json(tmp_path: Path) -> None:
         assert warmup["image"] == "bench/burst-warmup"
         assert 1 <= warmup["layer_traces"] <= warmup["layers"] == 5
         for name, row in rows.items():
-            assert len(row["runs"]) == 4, (path, name)
-            assert [x["image"] for x in row["runs"]] == [0, 1, 0, 1]
+            assert len(row["runs"]) == 2, (path, name)
+            assert [x["image"] for x in row["runs"]] == [0, 1]
             assert row["seconds"] >= max(x["seconds"] for x in row["runs"])
         assert rows["lazy"]["bytes_fetched"] > 0
         assert rows["fill"]["bytes_fetched"] > 0

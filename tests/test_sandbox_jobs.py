@@ -137,6 +137,49 @@ def test_idle_sandbox_pauses_itself_and_ttl_destroys(boxes: Any, manager: Sandbo
     assert idle.exec("echo awake").stdout == b"awake\n"
 
 
+def test_a_pause_or_resume_with_a_lifetime_writes_both_at_once_and_a_refused_one_changes_nothing(
+        boxes: Any, manager: SandboxManager) -> None:
+    """The status and the new ttl land in one state write: nobody can read the sandbox paused with
+    the lifetime it had running (the reaper would take it at its old ttl), nor the reverse."""
+    box = boxes(ttl=30)
+    written: list[tuple[str, float | None]] = []
+    noted = manager.states.on_write
+    assert noted is not None
+
+    def spy(st: Any) -> None:
+        if st.id == box.id:
+            written.append((st.status, st.options.ttl))
+        noted(st)
+    manager.states.on_write = spy
+    try:
+        with pytest.raises(SandboxError, match="maximum lifetime of 100 s"):
+            box.pause(ttl=500, max_lifetime=100)
+        assert (box.state.status, box.state.options.ttl, written) == ("running", 30, [])
+        before = time.time()
+        box.pause(ttl=3600, max_lifetime=7200)
+        after = time.time()
+        statuses = [w for w in written if w[0] == "paused"]
+        assert len(statuses) == 1 and statuses == written[:1], written
+        ttl = statuses[0][1]
+        assert ttl is not None
+        created = box.state.created
+        assert before - created + 3600 - 0.01 <= ttl <= after - created + 3600 + 0.01
+        receipt = box.receipts()[-1]
+        assert (receipt["action"], receipt["ttl"], receipt["was"]) == ("pause", ttl, 30)
+        assert receipt["expires"] == pytest.approx(created + ttl, abs=0.002)
+        assert manager.reap(now=created + 31)["destroyed"] == []  # its old ttl no longer applies
+
+        written.clear()
+        box.resume(ttl=20)
+        assert [w[0] for w in written][:1] == ["running"]
+        assert written[0][1] is not None and written[0][1] < ttl
+        assert box.receipts()[-1]["action"] == "resume"
+        assert box.receipts()[-1]["was"] == ttl
+        assert box.exec("echo on").stdout == b"on\n"
+    finally:
+        manager.states.on_write = noted
+
+
 def test_pause_and_resume_a_whole_job(boxes: Any, manager: SandboxManager) -> None:
     a, b, other = boxes(job="j-pr"), boxes(job="j-pr"), boxes(job="j-other")
     assert sorted(manager.pause_job("j-pr")) == sorted([a.id, b.id])

@@ -186,6 +186,15 @@ class HostContext:
         return self.resources.cgroups.layout
 
 
+# What an update of a state record changes, derived from the record as it is under the lock.
+StateChanges = Callable[[SandboxState], Mapping[str, Any]]
+
+
+def with_status(status: str, also: StateChanges | None, **fields: Any) -> StateChanges:
+    """The update that says ``status`` (with a backend's own ``fields``) and what ``also`` adds."""
+    return lambda fresh: {**(also(fresh) if also is not None else {}), **fields, "status": status}
+
+
 class Box(Protocol):
     """One sandbox as the manager hands it to its backend (the manager's ``Sandbox`` handle)."""
 
@@ -308,12 +317,14 @@ class Backend(Protocol):
         a backend without ``interactive`` refuses an ``attach``).  ``tag`` names the command's
         host files, which reconcile finds if the manager dies meanwhile."""
 
-    def pause(self, box: Box, st: SandboxState, *, reclaim: bool) -> dict[str, Any]:
+    def pause(self, box: Box, st: SandboxState, *, reclaim: bool, also: StateChanges | None = None) -> dict[str, Any]:
         """Stop every process (and with ``reclaim`` give memory back); what the receipt adds.
-        The state says ``paused`` when it returns."""
+        The state says ``paused`` when it returns, and what ``also`` derives from the record
+        (the manager's: a new lifetime), written in the same update as ``paused``."""
 
-    def resume(self, box: Box, st: SandboxState) -> dict[str, Any]:
-        """Run a paused sandbox on; what the receipt adds.  The state says ``running`` after."""
+    def resume(self, box: Box, st: SandboxState, *, also: StateChanges | None = None) -> dict[str, Any]:
+        """Run a paused sandbox on; what the receipt adds.  The state says ``running`` after, and
+        what ``also`` derives from the record, written in the same update."""
 
     async def checkpoint(self, box: Box, st: SandboxState, request: CheckpointRequest) -> Checkpointed:
         """Capture the sandbox's writes (with ``request.memory`` its memory too, where the

@@ -577,17 +577,10 @@ class SandboxManager:
                 if (opts.ttl is not None and now - st.created > opts.ttl) or st.job in expired_jobs:
                     if (st.job not in expired_jobs and st.status == "running" and max_lifetime is not None
                             and st.labels.get(ON_TTL_LABEL) == "pause" and now - st.created < max_lifetime):
-                        box = Sandbox(self, st.id)
-                        # the wait for a resume first (a second short of the maximum: set_ttl reads
-                        # the clock again, later), so that nobody sees it paused with the ttl that
-                        # paused it; a pause that fails gives the old ttl back
-                        box.set_ttl(max(0.0, max_lifetime - (time.time() - st.created) - 1), max_lifetime=max_lifetime)
-                        try:
-                            box.pause()
-                        except BaseException:
-                            with self.states.lock:
-                                box.update(options=box.state.options.replace(ttl=opts.ttl))
-                            raise
+                        # with the wait for a resume as its ttl (a second short of the maximum: the
+                        # pause reads the clock again, later), in the write that says paused
+                        Sandbox(self, st.id).pause(ttl=max(0.0, max_lifetime - (time.time() - st.created) - 1),
+                                                   max_lifetime=max_lifetime)
                         report["paused"].append(st.id)
                         continue
                     self.destroy(st.id)

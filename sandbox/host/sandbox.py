@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import blake3
 
 from layerstore.objects import SCHEMA_RECEIPTS
-from sandbox.backends.base import Attach, Backend, CheckpointRequest, Files, main_pid
+from sandbox.backends.base import Attach, Backend, CheckpointRequest, Files, StateChanges, main_pid
 from sandbox.core.errors import InvalidField, SandboxNotFound, SandboxStateError, UnsupportedOption
 from sandbox.core.model import (
     DEFAULT_OUTPUT_CAP,
@@ -237,16 +237,21 @@ class Sandbox:
             st = self.state
             if not st.live:
                 raise SandboxStateError(f"sandbox {self.id} is {st.status}")
-            age = max(0.0, time.time() - st.created)
-            ttl = round(age + seconds, 3)
-            if max_lifetime is not None and ttl > max_lifetime:
-                raise InvalidField("ttl", f"{seconds:g} s from now would make sandbox {self.id} {ttl:.0f} s old, "
-                                          f"above this edge's maximum lifetime of {max_lifetime:g} s (at most "
-                                          f"{max(0.0, max_lifetime - age):.0f} s more)")
+            ttl = self._ttl_from_now(st, seconds, max_lifetime)
             was = st.options.ttl
             st = self.update(options=st.options.replace(ttl=ttl))
         self.receipt("ttl", ttl=ttl, was=was, expires=round(st.created + ttl, 3))
         return st
+
+    def _ttl_from_now(self, st: SandboxState, seconds: float, max_lifetime: float | None) -> float:
+        """The ttl (an age) that ends the sandbox ``seconds`` from now, checked against ``max_lifetime``."""
+        age = max(0.0, time.time() - st.created)
+        ttl = round(age + seconds, 3)
+        if max_lifetime is not None and ttl > max_lifetime:
+            raise InvalidField("ttl", f"{seconds:g} s from now would make sandbox {self.id} {ttl:.0f} s old, "
+                                      f"above this edge's maximum lifetime of {max_lifetime:g} s (at most "
+                                      f"{max(0.0, max_lifetime - age):.0f} s more)")
+        return ttl
 
     def set_label(self, key: str, value: str | None) -> SandboxState:
         """Set (or, with None, drop) one of the sandbox's labels: the service's own reserved ones
@@ -259,21 +264,48 @@ class Sandbox:
             return self.update(options=st.options.replace(labels=labels))
 
     # -- pause / resume -----------------------------------------------------------------------------
-    def pause(self, *, reclaim: bool = True) -> dict[str, Any]:
+    def pause(self, *, reclaim: bool = True, ttl: float | None = None,
+              max_lifetime: float | None = None) -> dict[str, Any]:
         """Stop every process, and with ``reclaim`` give the host its memory back (a container's page
-        cache pushed out; a VM saved to the store and its VMM stopped)."""
+        cache pushed out; a VM saved to the store and its VMM stopped).
+
+        ``ttl``: seconds from now to its end (as :meth:`set_ttl`, bounded by ``max_lifetime``), in
+        the state's same write as ``paused``: a pause that waits for a resume (E2B's, the reaper's
+        at a ttl) is never seen paused with the lifetime it had running, nor running with the one
+        it has paused, and costs one write; its receipt then has ``ttl``, ``was`` and ``expires``
+        as a ``ttl`` receipt does.  A pause that fails leaves the lifetime as it was."""
         st = self.state
         if st.status != "running":
             raise SandboxStateError(f"sandbox {self.id} is {st.status}, not running")
-        fields = self.backend.pause(self, st, reclaim=reclaim)
-        rec = self.receipt("pause", **fields)
+        also, lifetime = self._lifetime(st, ttl, max_lifetime)
+        fields = self.backend.pause(self, st, reclaim=reclaim, also=also)
+        rec = self.receipt("pause", **fields, **lifetime)
         return {"reclaim": fields.get("reclaim"), "receipt": rec["id"]}
 
-    def resume(self) -> None:
+    def resume(self, *, ttl: float | None = None, max_lifetime: float | None = None) -> None:
+        """Run the paused sandbox on; ``ttl`` (seconds from now) as :meth:`pause` takes it."""
         st = self.state
         if st.status != "paused":
             raise SandboxStateError(f"sandbox {self.id} is {st.status}, not paused")
-        self.receipt("resume", **self.backend.resume(self, st))
+        also, lifetime = self._lifetime(st, ttl, max_lifetime)
+        self.receipt("resume", **self.backend.resume(self, st, also=also), **lifetime)
+
+    def _lifetime(self, st: SandboxState, ttl: float | None, max_lifetime: float | None
+                  ) -> tuple[StateChanges | None, dict[str, Any]]:
+        """A new lifetime as a backend writes it with a new status, and the receipt's fields for it
+        (filled in by that write).  Checked first, so that a refusal changes nothing; counted from
+        the write, so that a resume from the store (seconds) does not eat into it."""
+        if ttl is None:
+            return None, {}
+        self._ttl_from_now(st, ttl, max_lifetime)
+        written: dict[str, Any] = {}
+
+        def also(fresh: SandboxState) -> dict[str, Any]:
+            new = round(max(0.0, time.time() - fresh.created) + ttl, 3)
+            new = new if max_lifetime is None else min(new, max_lifetime)
+            written.update(ttl=new, was=fresh.options.ttl, expires=round(fresh.created + new, 3))
+            return {"options": fresh.options.replace(ttl=new)}
+        return also, written
 
     # -- checkpoint ---------------------------------------------------------------------------------
     async def checkpoint(self, *, name: str | None = None, labels: Mapping[str, str] | None = None,

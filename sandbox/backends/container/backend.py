@@ -49,8 +49,10 @@ from sandbox.backends.base import (
     HostContext,
     LeftOver,
     Process,
+    StateChanges,
     main_pid,
     process_defaults,
+    with_status,
 )
 from sandbox.backends.container.files import RootFiles
 from sandbox.backends.container.runtime import ConsoleSocket, OciRuntime, kill_tree
@@ -401,15 +403,15 @@ class ContainerBackend:
             os.close(fd)
 
     # -- pause, resume, limits ------------------------------------------------------------------------
-    def pause(self, box: Box, st: SandboxState, *, reclaim: bool) -> dict[str, Any]:
+    def pause(self, box: Box, st: SandboxState, *, reclaim: bool, also: StateChanges | None = None) -> dict[str, Any]:
         """Freeze every process, then push the sandbox's page cache out of memory."""
         self._runtime(box, self.runtime.pause)
-        box.update(status="paused")
+        box.update_from(with_status("paused", also))
         return {"reclaim": self.ctx.cgroups.reclaim(st.cgroups_path) if reclaim else None}
 
-    def resume(self, box: Box, st: SandboxState) -> dict[str, Any]:
+    def resume(self, box: Box, st: SandboxState, *, also: StateChanges | None = None) -> dict[str, Any]:
         self._runtime(box, self.runtime.resume)
-        box.update(status="running")
+        box.update_from(with_status("running", also))
         return {}
 
     def _runtime(self, box: Box, op: Callable[[str], None]) -> None:

@@ -43,7 +43,9 @@ from sandbox.backends.base import (
     HostContext,
     LeftOver,
     Process,
+    StateChanges,
     process_defaults,
+    with_status,
 )
 from sandbox.backends.vm import assets as vmassets
 from sandbox.backends.vm import qemu as vm
@@ -890,16 +892,16 @@ class VmBackend:
         raise UnsupportedOption(f"sandbox {box.id} is a {st.options.isolation}: its limits are its VM's shape")
 
     # -- pause and resume ------------------------------------------------------------------------------
-    def pause(self, box: Box, st: SandboxState, *, reclaim: bool) -> dict[str, Any]:
+    def pause(self, box: Box, st: SandboxState, *, reclaim: bool, also: StateChanges | None = None) -> dict[str, Any]:
         """Without reclaim the guest's vCPUs stop (its VMM and RAM stay); with it, the VM goes to the
         store (:meth:`_pause_to_store`) and its VMM stops."""
         if reclaim:
-            return run_blocking(self._pause_to_store(box))
+            return run_blocking(self._pause_to_store(box, also))
         self._stop_vcpus(box.id, box.dir, st)
-        box.update(status="paused")
+        box.update_from(with_status("paused", also))
         return {"reclaim": None, "isolation": st.options.isolation}
 
-    async def _pause_to_store(self, box: Box) -> dict[str, Any]:
+    async def _pause_to_store(self, box: Box, also: StateChanges | None) -> dict[str, Any]:
         """A checkpoint with memory of the VM (disk, RAM, device state of one instant) into the store,
         its guest left stopped after the capture; then its VMM stopped and its disk files and
         mounts here removed.  Its state keeps the checkpoint (``vm.paused_checkpoint``): a resume
@@ -910,8 +912,8 @@ class VmBackend:
         box.receipt("checkpoint", **done.receipt_fields())
         ckpt = done.checkpoint
         # the state says paused first: a crash from here on leaves a sandbox to resume from the store
-        box.update_from(lambda fresh: {"status": "paused", "vm": VmRecord.of(fresh).replace(
-            saved="store", paused_checkpoint=ckpt.digest).to_json()})
+        box.update_from(lambda fresh: with_status("paused", also, vm=VmRecord.of(fresh).replace(
+            saved="store", paused_checkpoint=ckpt.digest).to_json())(fresh))
         record = await asyncio.to_thread(self.release, box.id, box.dir, box.state)
         box.update(vm=record.to_json(), pid=None, init_start=None)
         reclaim = {"checkpoint": ckpt.name, "digest": ckpt.digest, "stopped_seconds": ckpt.freeze_seconds,
@@ -919,14 +921,15 @@ class VmBackend:
                    "page_cache": self.ctx.cgroups.reclaim(st.cgroups_path)}
         return {"reclaim": reclaim, "isolation": st.options.isolation}
 
-    def resume(self, box: Box, st: SandboxState) -> dict[str, Any]:
+    def resume(self, box: Box, st: SandboxState, *, also: StateChanges | None = None) -> dict[str, Any]:
         if VmRecord.of(st).paused_to_store:
-            return run_blocking(self._resume_from_store(box))
+            return run_blocking(self._resume_from_store(box, also))
         record, seconds = self._run_on(box.id, box.dir, st, st.cgroups_path)
-        box.update(status="running", vm=record.to_json(), pid=record.vmm_pid, init_start=record.vmm_start)
+        box.update_from(with_status("running", also, vm=record.to_json(), pid=record.vmm_pid,
+                                    init_start=record.vmm_start))
         return {"isolation": st.options.isolation, "resume_seconds": round(seconds, 6)}
 
-    async def _resume_from_store(self, box: Box) -> dict[str, Any]:
+    async def _resume_from_store(self, box: Box, also: StateChanges | None) -> dict[str, Any]:
         """Resume a VM paused to the store: its checkpoint restored in place (the same sandbox,
         network and limits), the guest going on where the pause stopped it."""
         st = box.state
@@ -945,7 +948,8 @@ class VmBackend:
                                                st.cgroups_path, None, assets, prior)
         record = record.replace(parent=resolved.digest, checkpoints=prior.checkpoints,
                                 agent_misbehaved=prior.agent_misbehaved)  # the same guest goes on
-        box.update(status="running", vm=record.to_json(), pid=record.vmm_pid, init_start=record.vmm_start)
+        box.update_from(with_status("running", also, vm=record.to_json(), pid=record.vmm_pid,
+                                    init_start=record.vmm_start))
         return {"isolation": st.options.isolation, "checkpoint": resolved.digest,
                 "resume_seconds": round(time.perf_counter() - started, 6)}
 

@@ -224,8 +224,8 @@ class E2bContext:
     def wake(self, box: Sandbox, state: SandboxState, seconds: int) -> SandboxState:
         """Resume ``box`` with its timeout ``seconds`` from now (within its maximum lifetime);
         its state after (blocking)."""
-        box.resume()
-        return box.set_ttl(min(seconds, self.left(state)), max_lifetime=self.ctx.maxima.ttl)
+        box.resume(ttl=min(seconds, self.left(state)), max_lifetime=self.ctx.maxima.ttl)
+        return box.state
 
     def left(self, state: SandboxState) -> int:
         """Whole seconds from now to the edge's maximum lifetime of ``state``'s sandbox, one short

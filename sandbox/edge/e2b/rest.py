@@ -259,10 +259,7 @@ class Rest:
             return web.Response(status=204)
         if state.status == "paused":
             raise ApiError(None, "conflict", f"sandbox {box.id} is already paused")
-        def pause() -> None:  # (one thread hop: the SDK waits for both)
-            box.pause()
-            box.set_ttl(self.e2b.left(state), max_lifetime=self.ctx.maxima.ttl)
-        await asyncio.to_thread(pause)
+        await asyncio.to_thread(box.pause, ttl=self.e2b.left(state), max_lifetime=self.ctx.maxima.ttl)
         return web.Response(status=204)
 
     async def resume(self, request: web.Request) -> web.Response:
