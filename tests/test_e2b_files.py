@@ -589,6 +589,42 @@ def test_an_upload_its_client_abandons_leaves_no_descriptor_open(served: E2bEdge
     assert sbx.files.read(f"{home}/cut") == "whole"
 
 
+def test_a_chunked_upload_of_tiny_and_odd_pieces_lands_whole(served: E2bEdge, sbx: Sandbox, home: str) -> None:
+    """``Transfer-Encoding: chunked`` bodies, octet-stream and multipart, in HTTP chunks of 1 byte to
+    300 KiB (a delimiter cut across chunks, thousands of chunks in one write's batch): the edge
+    takes the connection's pieces as they come and writes every byte once, in order."""
+    url = urllib.parse.urlsplit(served.url)
+    data = b"".join(hashlib.sha256(str(i).encode()).digest() for i in range(70_000))  # 2.24 MB
+    boundary = "chunky" + uuid.uuid4().hex
+    multipart = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{home}/mp\"\r\n\r\n"
+                 ).encode() + data + f"\r\n--{boundary}--\r\n".encode()
+    sizes = [1] * 3000 + [7, 300 << 10, 13, 64 << 10, 2, 1 << 20]  # then the rest in 99 KiB chunks
+
+    def chunked(body: bytes) -> bytes:
+        out, at = [], 0
+        for n in [*sizes, *[99 << 10] * (len(body) // (99 << 10) + 1)]:
+            piece = body[at : at + n]
+            if not piece:
+                break
+            out.append(b"%x\r\n%s\r\n" % (len(piece), piece))
+            at += n
+        return b"".join(out) + b"0\r\n\r\n"
+
+    for query, kind, body in ((f"?path={home}/oct", "application/octet-stream", data),
+                              ("", f"multipart/form-data; boundary={boundary}", multipart)):
+        with socket.create_connection((url.hostname, url.port), timeout=30) as conn:
+            conn.sendall((f"POST /files{query} HTTP/1.1\r\nHost: {url.netloc}\r\nE2b-Sandbox-Id: {sbx.sandbox_id}\r\n"
+                          f"E2b-Sandbox-Port: {ENVD}\r\nX-Access-Token: {sbx._envd_access_token}\r\n"
+                          f"Content-Type: {kind}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                          ).encode() + chunked(body))
+            answer = b""
+            while piece := conn.recv(1 << 16):
+                answer += piece
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+    for name in ("oct", "mp"):
+        assert hashlib.sha256(sbx.files.read(f"{home}/{name}", format="bytes")).digest() == hashlib.sha256(data).digest()
+
+
 def test_a_bad_upload_is_refused_by_field(served: E2bEdge, sbx: Sandbox, home: str) -> None:
     token = {"X-Access-Token": sbx._envd_access_token or ""}
     r = envd(served, sbx, "POST", "/files", headers={**token, "Content-Type": "application/octet-stream"},

@@ -131,12 +131,13 @@ from .inotify import (
     WATCH_MASK,
     take_events,
 )
-from .multipart import MultipartStream, boundary_of
+from .multipart import MultipartStream, boundary_of, next_chunk
 from .process import keepalive
 
 T = TypeVar("T")
 W = TypeVar("W", "Watch", GuestWatch)
 CHUNK = 1 << 20
+MAX_PIECES = 64  # pieces of a body gathered for one write before they are joined (IOV_MAX is 1024)
 READ_MAX_BYTES = 64 << 10  # a Connect request of this service holds paths, never data
 ID_FILE_LIMIT = 1 << 20
 MAX_ACCOUNTS = 16384  # accounts remembered across sandboxes (FilesystemService._remember)
@@ -1094,31 +1095,38 @@ def accepts_gzip(request: web.Request) -> bool:
     return wanted
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
+def _write_all(fd: int, pieces: list[bytes]) -> None:
+    """Write ``pieces`` one after another, with as few system calls as the kernel takes them in."""
+    views = [memoryview(p) for p in pieces if p]
     try:
-        while view:
-            view = view[os.write(fd, view):]
+        while views:
+            n = os.writev(fd, views)
+            while views and n >= len(views[0]):
+                n -= len(views.pop(0))
+            if n:
+                views[0] = views[0][n:]
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise ApiError(507, "no_space", f"not enough disk space in the sandbox: {os.strerror(exc.errno)}") from None
         raise
 
 
-async def _piece(read: Callable[[int], Any]) -> bytes:
-    """Up to CHUNK bytes of a body (the client's pieces gathered, so the disk sees large writes;
-    a piece that is whole already is not copied again)."""
-    first = await read(CHUNK)
-    if not first or len(first) >= CHUNK:
-        return bytes(first)
-    pieces, n = [first], len(first)
+async def _piece(read: Callable[[int], Any]) -> list[bytes]:
+    """About CHUNK bytes of a body, as the pieces the client's connection delivered (gathered, so
+    that the disk sees large writes, and not joined: :func:`_write_all` takes them as they are;
+    joining copied every byte once more); empty at the body's end.  Many small pieces are joined
+    as they come, so that a batch stays within what one ``writev`` takes."""
+    pieces: list[bytes] = []
+    n = 0
     while n < CHUNK:
-        piece = await read(CHUNK - n)
+        piece = await read(CHUNK)
         if not piece:
             break
-        pieces.append(piece)
+        pieces.append(bytes(piece))
         n += len(piece)
-    return b"".join(pieces)
+        if len(pieces) >= MAX_PIECES:
+            pieces = [b"".join(pieces)]
+    return pieces
 
 
 async def _settle(work: asyncio.Future[T], release: Callable[[T], None] | None = None) -> None:
@@ -1140,8 +1148,8 @@ async def _settle(work: asyncio.Future[T], release: Callable[[T], None] | None =
 
 
 async def _pieces(read: Callable[[int], Any]) -> AsyncIterator[bytes]:
-    while data := await _piece(read):
-        yield data
+    while pieces := await _piece(read):
+        yield b"".join(pieces)
 
 
 class Files:
@@ -1339,7 +1347,7 @@ class Files:
                 if given is None:
                     raise InvalidField("path", "is required for an application/octet-stream upload")
                 path = path_of(c, "path", given)
-                written = [await self._write(c, path, request.content.read, metadata)]
+                written = [await self._write(c, path, lambda _: next_chunk(request.content), metadata)]
             elif kind.startswith("multipart/"):
                 written = await self._parts(c, request, given, metadata)
             else:
@@ -1393,7 +1401,7 @@ class Files:
                 finally:
                     await _settle(written)  # no write is left running on the descriptor
                 written.result()
-                total += len(data)
+                total += sum(map(len, data))
                 data = following
             stored = await self.service.run(c, lambda _: stored_metadata(fd, metadata))
         finally:

@@ -28,7 +28,7 @@ from sandbox.core.errors import InvalidField
 
 MAX_HEADERS = 16 << 10  # bytes of one part's header lines
 MAX_PREAMBLE = 64 << 10  # bytes before the first delimiter
-READ = 1 << 20  # bytes asked of the connection at a time
+READ = 1 << 20  # bytes a skipped part is read in, and of the buffer consumed before it is compacted
 # RFC 2046's bchars: 1 to 70 of them, the last not a space
 BOUNDARY = re.compile(r"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")
 
@@ -64,6 +64,16 @@ def _disposition(value: str | None) -> tuple[str | None, str | None]:
     return (collapse_rfc2231_value(name) if name is not None else None), filename
 
 
+async def next_chunk(content: StreamReader) -> bytes:
+    """The body's next bytes as the connection delivered them, not joined to others (aiohttp's
+    ``read(n)`` joins what is buffered into one new ``bytes``: a copy of every byte); ``b""``
+    at its end.  The ends of HTTP chunks (``Transfer-Encoding: chunked``) are no data."""
+    while True:
+        data, chunk_end = await content.readchunk()
+        if data or not chunk_end:
+            return data
+
+
 class MultipartStream:
     """The parts of one body: :meth:`next_part`, then :meth:`read` until it returns ``b""``."""
 
@@ -84,7 +94,7 @@ class MultipartStream:
             del self._buf[: self._pos]
             self._scanned -= self._pos
             self._pos = 0
-        data = await self._content.read(READ)
+        data = await next_chunk(self._content)
         if not data:
             return False
         self._buf += data
@@ -151,11 +161,11 @@ class MultipartStream:
         keep = len(self._delim) - 1  # the last bytes may be the start of a delimiter
         while True:
             if self._pos == len(self._buf):  # nothing buffered
-                data = await self._content.read(min(size, READ))
+                data = await next_chunk(self._content)
                 if not data:
                     raise InvalidField("body", "the multipart body ends inside a part (no closing boundary)")
                 at = data.find(self._delim)
-                if at < 0 and b"\r" not in data[-keep:]:
+                if at < 0 and len(data) <= size and b"\r" not in data[-keep:]:
                     return data
                 self._buf.clear()
                 self._buf += data
