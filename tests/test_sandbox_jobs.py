@@ -159,7 +159,8 @@ def test_a_pause_or_resume_with_a_lifetime_writes_both_at_once_and_a_refused_one
         box.pause(ttl=3600, max_lifetime=7200)
         after = time.time()
         statuses = [w for w in written if w[0] == "paused"]
-        assert len(statuses) == 1 and statuses == written[:1], written
+        assert len(statuses) == 1, written
+        assert statuses == written[:1], written
         ttl = statuses[0][1]
         assert ttl is not None
         created = box.state.created
@@ -172,7 +173,8 @@ def test_a_pause_or_resume_with_a_lifetime_writes_both_at_once_and_a_refused_one
         written.clear()
         box.resume(ttl=20)
         assert [w[0] for w in written][:1] == ["running"]
-        assert written[0][1] is not None and written[0][1] < ttl
+        assert written[0][1] is not None
+        assert written[0][1] < ttl
         assert box.receipts()[-1]["action"] == "resume"
         assert box.receipts()[-1]["was"] == ttl
         assert box.exec("echo on").stdout == b"on\n"
