@@ -20,7 +20,7 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from sandbox.core.errors import InvalidField
-from sandbox.edge.e2b.multipart import MAX_HEADERS, MAX_PREAMBLE, MultipartStream, boundary_of
+from sandbox.edge.e2b.multipart import MAX_HEADERS, MAX_PREAMBLE, MultipartStream, boundary_of, media_type
 
 BOUNDARY = "b0undary-xyz"
 
@@ -189,3 +189,22 @@ def test_a_missing_or_bad_boundary_names_the_content_type(content_type: str) -> 
 
 def test_a_quoted_boundary_with_spaces_is_taken() -> None:
     assert boundary_of('multipart/form-data; boundary="a b:c"') == b"a b:c"
+
+
+@given(kind=st.sampled_from(["multipart/form-data", "Multipart/Form-Data", "application/octet-stream",
+                             "APPLICATION/OCTET-STREAM", "multipart/mixed", "text/plain", "application/json"]),
+       space=st.sampled_from(["", " ", "  "]),
+       params=st.lists(st.tuples(st.sampled_from(["boundary", "charset", "x"]),
+                                 st.text(alphabet="abcXYZ019-_.", min_size=1, max_size=20)), max_size=3))
+def test_the_media_type_is_aiohttps(kind: str, space: str, params: list[tuple[str, str]]) -> None:
+    """The upload's media type, read without the email package, is the one aiohttp's parser gives."""
+    from aiohttp.helpers import parse_content_type
+
+    raw = space + kind + space + "".join(f";{space}{k}={v}" for k, v in params)
+    assert media_type(raw) == parse_content_type(raw)[0]
+
+
+def test_no_content_type_is_octet_stream_as_aiohttp_says() -> None:
+    from aiohttp.helpers import parse_content_type
+
+    assert media_type("") == parse_content_type("")[0] == "application/octet-stream"

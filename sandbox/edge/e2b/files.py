@@ -131,7 +131,7 @@ from .inotify import (
     WATCH_MASK,
     take_events,
 )
-from .multipart import MultipartStream, boundary_of, next_chunk
+from .multipart import MultipartStream, boundary_of, media_type, next_chunk
 from .process import keepalive
 
 T = TypeVar("T")
@@ -1341,7 +1341,7 @@ class Files:
         c = await self._caller(request, call, "write")
         metadata = metadata_of(request)
         given = request.query.get("path")
-        kind = request.content_type
+        kind = media_type(request.headers.get("Content-Type", ""))
         with self.ctx.usage.take(c.project.name, "transfers"):
             if kind == "application/octet-stream":
                 if given is None:

@@ -33,6 +33,15 @@ READ = 1 << 20  # bytes a skipped part is read in, and of the buffer consumed be
 BOUNDARY = re.compile(r"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]")
 
 
+def media_type(content_type: str) -> str:
+    """A Content-Type's media type, lower-cased, without its parameters; ``application/octet-stream``
+    for none, as aiohttp's ``request.content_type``.  (That one parses the whole header with the
+    email package, cached per header: every upload brings a new boundary, and missed the cache
+    for 0.2 ms of the event loop.)"""
+    kind = content_type.partition(";")[0].strip().lower()
+    return kind or "application/octet-stream"
+
+
 def boundary_of(content_type: str) -> bytes:
     """The ``boundary`` parameter of a ``multipart/*`` Content-Type, checked."""
     msg = Message()
