@@ -20,7 +20,13 @@ from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from sandbox.core.errors import InvalidField
-from sandbox.edge.e2b.multipart import MAX_HEADERS, MAX_PREAMBLE, MultipartStream, boundary_of, media_type
+from sandbox.edge.e2b.multipart import (
+    MAX_HEADERS,
+    MAX_PREAMBLE,
+    MultipartStream,
+    boundary_of,
+    media_type,
+)
 
 BOUNDARY = "b0undary-xyz"
 
