@@ -301,7 +301,7 @@ class Sandbox:
         written: dict[str, Any] = {}
 
         def also(fresh: SandboxState) -> dict[str, Any]:
-            new = round(max(0.0, time.time() - fresh.created) + ttl, 3)
+            new = self._ttl_from_now(fresh, ttl, None)  # (bounded, not refused: the status is changing)
             new = new if max_lifetime is None else min(new, max_lifetime)
             written.update(ttl=new, was=fresh.options.ttl, expires=round(fresh.created + new, 3))
             return {"options": fresh.options.replace(ttl=new)}
