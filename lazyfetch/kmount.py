@@ -712,6 +712,46 @@ def _statx_mount_root(path: bytes) -> bool | None:
     return bool(attributes & _STATX_ATTR_MOUNT_ROOT)
 
 
+_STATX_MNT_ID: Final = 0x1000
+_STATX_MNT_ID_UNIQUE: Final = 0x4000  # Linux 6.8+
+_STATX_MASK = struct.Struct("=I")  # stx_mask at 0
+_STATX_U64 = struct.Struct("=Q")  # stx_mnt_id at 144
+
+
+def mount_id(mountpoint: StrPath) -> int | None:
+    """The id of the mount whose root is ``mountpoint`` (a final symlink is not followed), or
+    None when nothing is mounted exactly there.
+
+    The unique id where the kernel has it (``STATX_MNT_ID_UNIQUE``, Linux 6.8+: never given
+    to another mount while the host runs), else the plain one (reused once the mount is
+    gone); one kernel always answers with the same kind, which :func:`umount_mount` relies on.
+    """
+    target = _path_bytes(mountpoint, "mount point")
+    buf = ctypes.create_string_buffer(_STATX_BUF)
+    flags = _AT_SYMLINK_NOFOLLOW | _AT_NO_AUTOMOUNT | _AT_STATX_DONT_SYNC
+    if _libc().statx(_AT_FDCWD, target, flags, _STATX_MNT_ID | _STATX_MNT_ID_UNIQUE, buf) != 0:
+        return None
+    (supported,) = _STATX_ATTRIBUTES.unpack_from(buf, 56)
+    (attributes,) = _STATX_ATTRIBUTES.unpack_from(buf, 8)
+    (mask,) = _STATX_MASK.unpack_from(buf, 0)
+    if not supported & _STATX_ATTR_MOUNT_ROOT or not attributes & _STATX_ATTR_MOUNT_ROOT:
+        return None
+    if not mask & (_STATX_MNT_ID | _STATX_MNT_ID_UNIQUE):
+        return None
+    return int(_STATX_U64.unpack_from(buf, 144)[0])
+
+
+def umount_mount(mountpoint: StrPath, mount: int) -> bool:
+    """Detach (``MNT_DETACH``) the mount on ``mountpoint`` if it is still the one
+    :func:`mount_id` called ``mount``; whether it did.  For an unmount made outside the lock
+    that chose it: a mount stacked there since, or nothing, is left alone.  (Between the check
+    and the unmount a new mount could still come: the window is one system call wide.)"""
+    if mount_id(mountpoint) != mount:
+        return False
+    umount(mountpoint, lazy=True, missing_ok=True)
+    return True
+
+
 def is_mountpoint(path: StrPath) -> bool:
     """Whether something is mounted exactly on ``path`` (after resolving symlinks).
 

@@ -113,9 +113,9 @@ def host_overlays(manager: SandboxManager, monkeypatch: pytest.MonkeyPatch) -> d
     seen: dict[str, tuple[str, set[str]]] = {}
     detach = manager.host._detach
 
-    def recording(rec: dict[str, Any], target: str, pid: int) -> None:
+    def recording(rec: dict[str, Any], target: str, pid: int, **how: bool) -> int | None:
         seen[target] = mount_at(target)
-        detach(rec, target, pid)
+        return detach(rec, target, pid, **how)
 
     monkeypatch.setattr(manager.host, "_detach", recording)
     return seen

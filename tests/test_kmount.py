@@ -240,6 +240,34 @@ def test_is_mountpoint_sees_a_bind_mount_on_the_same_filesystem(tmp_path: Path) 
     assert not kmount.is_mountpoint(target)
 
 
+@pytest.mark.root
+def test_umount_mount_takes_off_only_the_mount_it_was_given(tmp_path: Path) -> None:
+    # a detach unmounts the host's copy after its lock: whatever was stacked there since stays
+    target = tmp_path / "target"
+    target.mkdir()
+    assert kmount.mount_id(target) is None
+    subprocess.run(["mount", "-t", "tmpfs", "first", str(target)], check=True)
+    try:
+        first = kmount.mount_id(target)
+        assert first is not None
+        assert kmount.mount_id(target / ".") == first
+        subprocess.run(["mount", "-t", "tmpfs", "second", str(target)], check=True)
+        second = kmount.mount_id(target)
+        assert second is not None
+        assert second != first
+        assert kmount.umount_mount(target, first) is False
+        assert [m.source for m in kmount.read_mountinfo() if m.mountpoint == str(target)] == ["first", "second"]
+        assert kmount.umount_mount(target, second) is True
+        assert [m.source for m in kmount.read_mountinfo() if m.mountpoint == str(target)] == ["first"]
+        assert kmount.umount_mount(target, second) is False  # gone: an id is not a path
+        assert kmount.umount_mount(target, first) is True
+        assert kmount.mount_id(target) is None
+        assert kmount.umount_mount(tmp_path / "absent", first) is False
+    finally:
+        for _ in range(2):
+            subprocess.run(["umount", "-l", str(target)], check=False, capture_output=True)
+
+
 @pytest.mark.root("erofs", "overlay")
 def test_mounts_under_lists_deepest_first(
     image: tuple[Path, Path, Path], tmp_path: Path, mounts: Mounts

@@ -351,6 +351,23 @@ def test_rootfs_leaves_the_host_mount_table_once_the_container_holds_it(boxes: A
         others[0].read("/root/note")
 
 
+def test_a_crash_between_a_detach_and_its_unmount_leaves_the_copy_to_destroy(
+        boxes: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the detach's record is written under the host's lock and the host's copy unmounted after
+    # it: a manager that dies between the two leaves that copy, which the sandbox's end removes
+    import lazyfetch.mounts
+    monkeypatch.setattr(lazyfetch.mounts.kmount, "umount_mount", lambda target, mount: False)
+    box = boxes()
+    monkeypatch.undo()
+    assert kmount.is_mountpoint(box.rootfs)
+    assert box.manager.host.status()["mounts"][str(box.rootfs)]["detached"]["pid"] == box.pid
+    box.write("/root/kept", b"x")
+    assert box.exec("cat /root/kept").stdout == b"x"
+    box.manager.destroy(box.id)
+    assert not kmount.is_mountpoint(box.rootfs)
+    assert not [mp for mp in kmount.mounts_under(box.manager.data_dir) if mp.endswith("/rootfs")]
+
+
 def test_runtime_list_survives_a_container_whose_state_cannot_be_read(boxes: Any) -> None:
     # `crun list` fails as a whole when one container's status cannot be read: a status
     # file that vanished under it (a delete beside it, seen under sustained create/delete,
