@@ -56,7 +56,14 @@ from sandbox.backends.base import (
 )
 from sandbox.backends.container.files import RootFiles
 from sandbox.backends.container.runtime import ConsoleSocket, OciRuntime, kill_tree
-from sandbox.backends.container.spec import IDLE_INIT, Masks, OciLimits, build_process, build_spec
+from sandbox.backends.container.spec import (
+    CFS_PERIOD,
+    IDLE_INIT,
+    Masks,
+    OciLimits,
+    build_process,
+    build_spec,
+)
 from sandbox.core.errors import (
     RuntimeFailed,
     SandboxError,
@@ -175,12 +182,15 @@ class ContainerBackend:
         joined = f"/proc/{os.getpid()}/fd/{self._userns_fd(*userns)}" if userns and netns else None
         limits = limits_of(options)
         binds = self.ctx.cgroups.binds(st.cgroups_path)
-        # a kept cgroup (reused) whose last sandbox had the same CPU limit has its bandwidth already
-        bandwidth_set = self.ctx.cgroups.cpu_bandwidth(st.cgroups_path) == limits.cpu_bandwidth()
+        # a kept cgroup (reused) whose last sandbox had the same CPU limit has its bandwidth already,
+        # and a new one (None: crun makes it) the kernel's default period
+        has, wanted = self.ctx.cgroups.cpu_bandwidth(st.cgroups_path), limits.cpu_bandwidth()
+        period_set = (has[1] if has is not None else CFS_PERIOD) == wanted[1]
         spec = build_spec(str(box.dir / "rootfs"), process, hostname=box.id, cgroups_path=st.cgroups_path,
                           limits=limits, cgroup_version=self.ctx.cgroups.version, netns_path=netns, userns=userns,
                           userns_path=joined, cgroup_binds=binds, masks=self._masks([name for name, _ in binds]),
-                          bandwidth_set=bandwidth_set, sysfs=self._shared_sysfs(netns, userns))
+                          bandwidth_set=has == wanted, period_set=period_set,
+                          sysfs=self._shared_sysfs(netns, userns))
         base, rel = self.ctx.paths.bundle(box.id)
         replace_beneath(base, f"{rel}/config.json", json.dumps(spec).encode())
         box.update(env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid, status="starting",

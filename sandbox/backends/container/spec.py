@@ -371,7 +371,7 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
                limits: OciLimits, cgroup_version: int, netns_path: str | None = None,
                userns: tuple[int, int] | None = None, userns_path: str | None = None,
                cgroup_binds: Sequence[tuple[str, Path]] = (), masks: Masks | None = None,
-               bandwidth_set: bool = False, sysfs: str | None = None) -> dict[str, Any]:
+               bandwidth_set: bool = False, period_set: bool = False, sysfs: str | None = None) -> dict[str, Any]:
     """``netns_path``: join that network namespace (sandbox.isolation.network) instead of a new empty one.
 
     ``userns``: ``(host_base, size)`` runs the sandbox in a new user namespace
@@ -387,7 +387,9 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
     namespace is new and so holds only ``lo``.
 
     ``bandwidth_set``: the cgroup at ``cgroups_path`` has the limits' CPU bandwidth already
-    (:meth:`OciLimits.resources`).
+    (:meth:`OciLimits.resources`); ``period_set``: it has at least their CFS period (a new
+    cgroup has the kernel's default, :data:`CFS_PERIOD`), so a v1 container writes the quota
+    alone: the period's write was a second walk of every CPU cgroup on the host.
 
     ``cgroup_binds`` (cgroup v1: ``CgroupLayout.binds``): each hierarchy's directory of this
     container bound read-only under ``/sys/fs/cgroup`` (on ``masks.cgroup``: :class:`Masks`), as
@@ -398,6 +400,8 @@ def build_spec(rootfs: str, process: Mapping[str, Any], *, hostname: str, cgroup
     resources = limits.resources(bandwidth_set=bandwidth_set)
     if cgroup_version == 1:
         resources["memory"].pop("swap")  # memsw exists only with swap accounting on
+        if period_set:  # (v2's quota and period are one file, cpu.max: one write, one walk)
+            resources["cpu"].pop("period", None)
     profile = seccomp_profile()
     ro = ["nosuid", "noexec", "nodev", "ro"]
     mask_binds, masked = _masked(masks, ro)
