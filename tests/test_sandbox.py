@@ -133,6 +133,34 @@ def test_home_is_the_accounts_own_unless_the_image_or_the_caller_sets_it(boxes: 
     assert boxes(user="www-data", env={"HOME": "/tmp"}).exec("echo $HOME").stdout == b"/tmp\n"
 
 
+def test_users_are_looked_up_once_per_document_and_never_from_another(
+        boxes: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new sandbox's rootfs is its document's alone until it starts, so its users are read from
+    the document once (a fork of 100 read /etc/passwd 100 times, on a thread each); a sandbox that
+    rewrites its passwd changes its own checkpoint's users, never another sandbox's of the image."""
+    reads: list[str] = []
+    real = RootFiles.read
+
+    def counted(self: RootFiles, path: str, limit: int | None = None) -> bytes:
+        reads.append(path)
+        return real(self, path, limit)
+
+    monkeypatch.setattr(RootFiles, "read", counted)
+    assert boxes(user="www-data").exec("id -u; id -g").stdout == b"33\n33\n"
+    assert boxes(user="www-data").exec("id -u").stdout == b"33\n"
+    assert reads.count("/etc/passwd") <= 1  # (none when an earlier test looked www-data up in this image)
+    agent = boxes()  # root in its sandbox: it may rewrite its own passwd
+    agent.exec("sed -i 's/^www-data:x:33:33:/www-data:x:4242:4343:/' /etc/passwd")
+    assert agent.exec("id -u www-data").stdout == b"4242\n"
+    moved = run(agent.checkpoint())
+    restored = run(agent.manager.restore(moved.digest, user="www-data"))
+    try:
+        assert restored.exec("id -u; id -g").stdout == b"4242\n4343\n"  # its own document's passwd
+    finally:
+        restored.destroy()
+    assert boxes(user="www-data").exec("id -u; id -g").stdout == b"33\n33\n"  # the image's, as before
+
+
 def test_sandbox_cpusets_are_cloned_from_their_parent(boxes: Any) -> None:
     """On cgroup v1, crun would fill each new cpuset from its parent with a write the kernel checks
     against every sibling (a create slower the more sandboxes are held): the parent clones them."""

@@ -36,9 +36,11 @@ runs each backend through them):
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import stat
+import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -398,6 +400,27 @@ def special_kind(mode: int) -> str | None:
 
 
 ACCOUNTS_PER_ROOTFS = 64  # users process_defaults remembers per rootfs; past them each is read again
+ACCOUNTS_KEPT = 256  # documents whose users are remembered: a few bytes each
+
+
+class Accounts:
+    """The users :func:`process_defaults` looked up, per document (an image, composition or
+    checkpoint digest), for a backend whose new sandbox's rootfs is that document's alone until
+    it starts (nothing of the sandbox's has run in it); the least recently used document goes
+    first past ``kept``.  Safe across threads."""
+
+    def __init__(self, kept: int = ACCOUNTS_KEPT) -> None:
+        self._kept = kept
+        self._lock = threading.Lock()
+        self._by_digest: collections.OrderedDict[str, dict[str, tuple[int, int, str]]] = collections.OrderedDict()
+
+    def of(self, digest: str) -> dict[str, tuple[int, int, str]]:
+        with self._lock:
+            known = self._by_digest.pop(digest, None)
+            self._by_digest[digest] = known = known if known is not None else {}
+            while len(self._by_digest) > self._kept:
+                self._by_digest.popitem(last=False)
+            return known
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from layerstore.objects import Resolved
 from lazyfetch import kmount
 from lazyfetch.mounts import MountError
 from sandbox.backends.base import (
+    Accounts,
     Attach,
     Box,
     Capabilities,
@@ -105,6 +106,7 @@ class ContainerBackend:
                                   legacy_root=ctx.paths.runtime)
         self._lock = threading.Lock()
         self._userns_fds: dict[int, int] = {}  # host_base -> user namespace fd with that mapping (kept)
+        self._accounts = Accounts()  # document digest -> its users (process_defaults)
         self._masks_made: Masks | None = None
         ctx.mounts.on_remount = self._on_remount
 
@@ -175,7 +177,8 @@ class ContainerBackend:
     def _start(self, box: Box, resolved: Resolved, netns: str | None, network: Mapping[str, Any] | None) -> None:
         st = box.state
         options, userns = st.options, st.userns
-        defaults = process_defaults(self.files(box, st), resolved, options)
+        # the rootfs is the document's alone until the init runs: its users are looked up once per document
+        defaults = process_defaults(self.files(box, st), resolved, options, self._accounts.of(resolved.digest))
         process = build_process(IDLE_INIT, env=defaults.env, cwd="/", uid=0, gid=0)
         # a policed network namespace was made inside the manager's user namespace for this range:
         # the sandbox joins that one, so the network namespace is its own

@@ -12,7 +12,6 @@ Nothing in that directory is written by the guest except through QEMU's own devi
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
@@ -34,6 +33,7 @@ from layerstore.store import Store
 from lazyfetch import kmount
 from lazyfetch.errors import LazyfetchError
 from sandbox.backends.base import (
+    Accounts,
     Attach,
     Box,
     Capabilities,
@@ -81,7 +81,6 @@ MAX_PATH = 4096
 # lie, answered as no figure, and one that takes longer to come is no figure either
 GUEST_FIGURES_LIMIT = 64 << 10
 GUEST_FIGURES_SECONDS = 5.0
-ACCOUNTS_KEPT = 256  # documents whose users are remembered (process_defaults): a few bytes each
 
 
 def _mem_total() -> int | None:
@@ -162,8 +161,7 @@ class VmBackend:
         self._assets: vmassets.Assets | None = None
         self._conns: dict[str, AgentConnection] = {}
         self._misbehaved: dict[str, str] = {}  # sandbox id -> why its guest's agent was cut off
-        # document digest -> the users its rootfs names (process_defaults), for guests restored from a template
-        self._accounts: collections.OrderedDict[str, dict[str, tuple[int, int, str]]] = collections.OrderedDict()
+        self._accounts = Accounts()  # for guests restored from a template
         self._lock = threading.Lock()
 
     # -- the host ---------------------------------------------------------------------------------
@@ -790,7 +788,7 @@ class VmBackend:
         st = box.update(vm=record.to_json(), pid=record.vmm_pid, init_start=record.vmm_start, status="starting",
                         network=network)
         # a guest fresh from a template has run nothing of the sandbox's yet: its passwd is the document's
-        accounts = self._accounts_of(resolved.digest) if template is not None else None
+        accounts = self._accounts.of(resolved.digest) if template is not None else None
         defaults = await asyncio.to_thread(process_defaults, self.files(box, st), resolved, options, accounts)
         box.update(env=defaults.env, cwd=defaults.cwd, uid=defaults.uid, gid=defaults.gid, status="running")
         return {"isolation": options.isolation,
@@ -801,14 +799,6 @@ class VmBackend:
                 **({"memory_restored": memory_why is None, "memory_lazy": record.memory_lazy}
                    if bound_memory else {}),
                 **({"memory_not_restored": memory_why} if memory_why else {})}
-
-    def _accounts_of(self, digest: str) -> dict[str, tuple[int, int, str]]:
-        with self._lock:
-            known = self._accounts.pop(digest, None)
-            self._accounts[digest] = known = known if known is not None else {}
-            while len(self._accounts) > ACCOUNTS_KEPT:
-                self._accounts.popitem(last=False)
-            return known
 
     async def _template(self, resolved: Resolved, options: SandboxOptions, assets: vmassets.Assets
                         ) -> tuple[vm.Template, str]:
