@@ -54,8 +54,13 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
     Raises :class:`LazyfetchError` when it belongs to another user (who could open it again).
     """
     path = Path(path)
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
+    try:
+        st = os.stat(path)  # made already: every locked operation of the host's mounts asks (one stat)
+    except FileNotFoundError:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise LazyfetchError(f"{path} is not a directory: a data dir's {path.name!r} must be one; move it aside")
     if st.st_uid != os.geteuid():
         raise LazyfetchError(f"{path} belongs to uid {st.st_uid}, not to this process's uid {os.geteuid()}: "
                              f"a data dir must be its owner's alone; remove it or `chown {os.geteuid()} {path}`")
@@ -67,7 +72,7 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
 def private_dirs(data_dir: str | os.PathLike[str]) -> None:
     """Make or tighten every one of the data dir's :data:`PRIVATE_DIRS`."""
     for name in PRIVATE_DIRS:
-        private_dir(Path(data_dir) / name)
+        private_dir(os.path.join(data_dir, name))
 
 
 def _alive(pid: int) -> bool:

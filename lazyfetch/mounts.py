@@ -182,7 +182,10 @@ class HostMounts:
     def record(self, mountpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
         """The record of the user mount at ``mountpoint`` as last written (its upper, layers,
         whether detached), None when there is none; one file read, no reconcile."""
-        target = os.path.realpath(mountpoint)
+        return self._record_at(os.path.realpath(mountpoint))
+
+    def _record_at(self, target: str) -> dict[str, Any] | None:
+        """:meth:`record` of a mount point already resolved (``os.path.realpath``)."""
         rec = self.records.get(_record_key(target))
         if rec is None or rec.pop("mountpoint", None) != target:
             return None
@@ -284,7 +287,7 @@ class HostMounts:
         })
         with self._locked() as state:
             self._reconcile_for(state, health["generation"], [hex_digest(x.digest) for x in resolved.layers])
-            known = self.record(target)
+            known = self._record_at(target)
             if known is not None:
                 if known.get("detached") or kmount.is_mountpoint(target):
                     raise MountError(f"{target} is already a layerbox mount ({known['digest']}); "
@@ -533,7 +536,7 @@ class HostMounts:
         """
         target = os.path.realpath(mountpoint)
         with self._locked():
-            rec = self.record(target)
+            rec = self._record_at(target)
             if rec is None:
                 raise MountError(f"{target} is not a layerbox mount on this host ({self.data_dir})")
             ours = self._detach(rec, target, holder_pid, now=False)
@@ -582,7 +585,7 @@ class HostMounts:
         target = os.path.realpath(mountpoint)
         with self._locked() as state:
             self._reconcile(state, None)  # (layers the kernel lost; the generation matters to mounts only)
-            rec = self.record(target)
+            rec = self._record_at(target)
             if rec is None:
                 raise MountError(f"{target} is not a layerbox mount on this host ({self.data_dir})")
             kmount.umount(target, lazy=lazy, missing_ok=True)

@@ -27,6 +27,8 @@ from support.proc import run as run_cmd
 from support.sandboxes import REF, kill_daemon, run
 from support.tarbuild import TarBuilder
 
+from lazyfetch.client import private_dirs
+from lazyfetch.errors import LazyfetchError
 from sandbox.host.manager import Sandbox, SandboxManager
 from tests.support.hosts import Host, publish_sync
 
@@ -278,6 +280,17 @@ def test_data_dir_subtrees_are_0700_and_tightened_again(manager: SandboxManager,
         d.chmod(0o755)
     manager.host.status()
     assert {str(d): d.stat().st_mode & 0o7777 for d in private} == {str(d): 0o700 for d in private}
+
+
+def test_a_private_dir_that_is_not_a_directory_is_refused_by_name(tmp_path: Path) -> None:
+    (tmp_path / "state").write_text("not a directory")
+    with pytest.raises(LazyfetchError, match=r"/state is not a directory"):
+        private_dirs(tmp_path)
+    assert (tmp_path / "state").read_text() == "not a directory"  # left as it was found
+    (tmp_path / "state").unlink()
+    private_dirs(tmp_path)
+    assert {name: (tmp_path / name).stat().st_mode & 0o7777 for name in PRIVATE_DIRS} == dict.fromkeys(
+        PRIVATE_DIRS, 0o700)
 
 
 # -- a hostile image -----------------------------------------------------------------------------
