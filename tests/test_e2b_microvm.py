@@ -372,7 +372,7 @@ def test_the_async_client_streams_a_microvms_watch_events(served: E2bEdge, vm: S
 def test_a_paused_microvm_goes_to_the_store_and_resumes_with_its_processes(served: E2bEdge) -> None:
     box = Sandbox.create(VM_TEMPLATE, timeout=600)
     try:
-        box.commands.run("n=0; while true; do n=$((n+1)); echo $n > /tmp/n; sleep 0.1; done", background=True,
+        box.commands.run("n=0; while true; do n=$((n+1)); echo $n > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.1; done", background=True,
                          timeout=0)
         box.files.write("/home/user/kept.txt", "across the pause")
         time.sleep(0.5)

@@ -449,7 +449,7 @@ def test_a_timeout_ends_at_its_deadline_not_at_the_reapers_next_round(served: E2
 def test_auto_pause_pauses_at_the_timeout_with_the_processes_and_connect_resumes(served: E2bEdge) -> None:
     box = Sandbox.create(TEMPLATE, timeout=2, lifecycle={"on_timeout": "pause"})
     try:
-        counter = box.commands.run("n=0; while true; do n=$((n+1)); echo $n > /tmp/n; sleep 0.1; done",
+        counter = box.commands.run("n=0; while true; do n=$((n+1)); echo $n > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.1; done",
                                    background=True, timeout=0)
         deadline = time.monotonic() + 120  # a bound on a hung reaper, not a measure of it
         while Sandbox.get_info(box.sandbox_id).state != SandboxState.PAUSED and time.monotonic() < deadline:
@@ -488,7 +488,7 @@ def test_auto_resume_wakes_a_paused_sandbox_on_its_traffic_once_and_only_for_its
     sid = box.sandbox_id
     try:
         assert box.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
-        box.commands.run("n=0; while true; do n=$((n+1)); echo $n > /tmp/n; sleep 0.1; done", background=True,
+        box.commands.run("n=0; while true; do n=$((n+1)); echo $n > /tmp/n.new; mv /tmp/n.new /tmp/n; sleep 0.1; done", background=True,
                          timeout=0)
         box.commands.run("mkdir -p www && echo woken > www/index.txt")
         box.commands.run("cd www && exec python3 -m http.server 8000 --bind 127.0.0.1", background=True, timeout=0)
