@@ -625,6 +625,37 @@ def test_a_chunked_upload_of_tiny_and_odd_pieces_lands_whole(served: E2bEdge, sb
         assert hashlib.sha256(sbx.files.read(f"{home}/{name}", format="bytes")).digest() == hashlib.sha256(data).digest()
 
 
+def test_an_upload_batch_gathers_small_pieces_into_few_buffers_in_order() -> None:
+    """What one write takes of a body: about a MiB, every byte once and in order, in a bounded number
+    of buffers whatever the client's chunking (a byte per HTTP chunk is the hostile case: the gather
+    must not re-join what it already holds each time it grows)."""
+    small, big = e2b_files.SMALL_PIECE, e2b_files.CHUNK
+    shapes = [[1] * 200_000, [7, small, 1, small - 1, 3, 3 * small, 2] * 9, [big + 5], [small // 2] * 40 + [1]]
+    for sizes in shapes:
+        body = os.urandom(sum(sizes))
+        at = 0
+        delivered = []
+        for n in sizes:
+            delivered.append(body[at:at + n])
+            at += n
+        queue = iter(delivered)
+
+        async def read(_: int, queue: Any = queue) -> bytes:
+            return next(queue, b"")
+
+        async def batches(read: Any = read) -> list[list[bytes]]:
+            out = []
+            while batch := await e2b_files._piece(read):
+                out.append(batch)
+            return out
+
+        got = asyncio.run(batches())
+        assert b"".join(b"".join(batch) for batch in got) == body
+        for batch in got[:-1]:
+            assert sum(map(len, batch)) >= big  # a batch is a MiB or more, but the last
+        assert max(len(batch) for batch in got) <= 2 * (big // small) + 1, [len(b) for b in got]
+
+
 def test_a_bad_upload_is_refused_by_field(served: E2bEdge, sbx: Sandbox, home: str) -> None:
     token = {"X-Access-Token": sbx._envd_access_token or ""}
     r = envd(served, sbx, "POST", "/files", headers={**token, "Content-Type": "application/octet-stream"},

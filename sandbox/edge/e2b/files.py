@@ -137,7 +137,7 @@ from .process import keepalive
 T = TypeVar("T")
 W = TypeVar("W", "Watch", GuestWatch)
 CHUNK = 1 << 20
-MAX_PIECES = 64  # pieces of a body gathered for one write before they are joined (IOV_MAX is 1024)
+SMALL_PIECE = 64 << 10  # a body's pieces below this are gathered into one buffer (so a batch stays ~33 iovecs)
 READ_MAX_BYTES = 64 << 10  # a Connect request of this service holds paths, never data
 ID_FILE_LIMIT = 1 << 20
 MAX_ACCOUNTS = 16384  # accounts remembered across sandboxes (FilesystemService._remember)
@@ -1114,18 +1114,27 @@ def _write_all(fd: int, pieces: list[bytes]) -> None:
 async def _piece(read: Callable[[int], Any]) -> list[bytes]:
     """About CHUNK bytes of a body, as the pieces the client's connection delivered (gathered, so
     that the disk sees large writes, and not joined: :func:`_write_all` takes them as they are;
-    joining copied every byte once more); empty at the body's end.  Many small pieces are joined
-    as they come, so that a batch stays within what one ``writev`` takes."""
+    joining copied every byte once more); empty at the body's end.  Pieces under SMALL_PIECE are
+    copied once into a buffer between the large ones: a batch stays within what one ``writev``
+    takes, and a client sending its body a byte per HTTP chunk costs a copy per byte, not the
+    growing re-joins of what came before (quadratic)."""
     pieces: list[bytes] = []
+    small = bytearray()
     n = 0
     while n < CHUNK:
         piece = await read(CHUNK)
         if not piece:
             break
-        pieces.append(bytes(piece))
         n += len(piece)
-        if len(pieces) >= MAX_PIECES:
-            pieces = [b"".join(pieces)]
+        if len(piece) < SMALL_PIECE:
+            small += piece
+            continue
+        if small:
+            pieces.append(bytes(small))
+            small.clear()
+        pieces.append(bytes(piece))
+    if small:
+        pieces.append(bytes(small))
     return pieces
 
 
