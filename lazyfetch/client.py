@@ -19,6 +19,7 @@ from lazyfetch.errors import LazyfetchError
 
 START_TIMEOUT = 30.0
 SHUTDOWN_RETRY = 0.5  # seconds between stop requests while the daemon's unmount is refused
+STARTING = 503  # the daemon's answer to a request that needs it serving the kernel, before it does
 EXIT_ALREADY_RUNNING = 3  # lazyfetch.daemon's exit status when another daemon holds the data dir
 # Subtrees of a data dir that no other local user may enter (0700): what they hold came from
 # images and sandboxes (layer mounts, uppers with whatever an agent wrote, metadata images,
@@ -31,6 +32,11 @@ class DaemonUnavailable(LazyfetchError):
     """The host's lazyfetch daemon does not answer on its socket, or did not start."""
 
     fix = "start it with `layerbox daemon start` or run `layerbox mount` again"
+
+
+class DaemonNotServing(DaemonUnavailable):
+    """No daemon took the request: none listens on the socket, or the one there is still starting
+    (503 until it serves the kernel).  Nothing was done, so the request can be sent again."""
 
 
 def socket_path(data_dir: str | os.PathLike[str], name: str = "lazyfetch") -> Path:
@@ -107,7 +113,15 @@ class DaemonClient:
         self.timeout = timeout
 
     def request(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
+        """The daemon's JSON answer; :class:`DaemonNotServing` when no daemon took the request,
+        :class:`DaemonUnavailable` when one failed to answer it."""
         conn = _UnixConnection(str(self.socket), timeout or self.timeout)
+        try:
+            conn.connect()
+        except OSError as exc:
+            conn.close()
+            raise DaemonNotServing(f"lazyfetch daemon at {self.socket} is not running ({exc}); start it with "
+                                   "`layerbox daemon start` or run `layerbox mount` again") from None
         try:
             payload = json.dumps(body).encode() if body is not None else None
             conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
@@ -118,6 +132,8 @@ class DaemonClient:
                                     "start it with `layerbox daemon start` or run `layerbox mount` again") from None
         finally:
             conn.close()
+        if resp.status == STARTING:
+            raise DaemonNotServing(f"lazyfetch daemon: {method} {path}: {data.decode(errors='replace')[:500]}")
         if resp.status >= 400:
             raise LazyfetchError(f"lazyfetch daemon: {method} {path} failed ({resp.status}): "
                                  f"{data.decode(errors='replace')[:500]}")

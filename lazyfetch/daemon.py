@@ -21,7 +21,8 @@ names that kernel state; mounts made under another generation are stale.
 
 Threads: one runs the asyncio loop (store, fetcher, prefetch, background fill,
 the control server: HTTP over a unix socket under the data dir: /health,
-/layers, /check, /prefetch, /stats, /metrics, /shutdown); the main thread serves
+/layers, /check, /prefetch, /stats, /metrics, /shutdown; /layers answers 503 until
+the daemon serves the kernel, and names its generation); the main thread serves
 the kernel (FUSE workers, or the fanotify event loop with a worker pool).
 Everything host-side lives under ``--data-dir``, so two daemons with different
 data dirs act as two hosts sharing one store.
@@ -59,6 +60,7 @@ from lazyfetch.blobcache import EVICT_LOW_WATER, EVICT_MIN_AGE, BlobCache, Layer
 from lazyfetch.blobfs import BlobServer
 from lazyfetch.client import (
     EXIT_ALREADY_RUNNING,
+    STARTING,
     holder_socket_path,
     private_dir,
     private_dirs,
@@ -593,6 +595,11 @@ class Daemon:
             return json_response(self.health())
 
         async def layers(req: Request) -> Response:
+            # Layers registered before the daemon serves the kernel would be mounted on a blob
+            # nobody answers yet, or while the reads a dead daemon left are still being answered.
+            if not self.ready.is_set():
+                raise HTTPError(STARTING, "starting: it does not serve the kernel yet; ask again when "
+                                "/health says ready")
             body = req.json()
             image = body.get("image")
             out = []
@@ -603,7 +610,8 @@ class Daemon:
             if image and body.get("trace", True):
                 mode = await self.start_trace_or_prefetch(image, digests)
             filling = self.maybe_fill(image, digests) if body.get("fill", True) else False
-            return json_response({"layers": out, "trace": mode, "fill": filling})
+            # (the generation: the caller's mount needs no /health of its own to know whose layers these are)
+            return json_response({"layers": out, "trace": mode, "fill": filling, "generation": self.generation})
 
         async def check(req: Request) -> Response:
             """After a mount: are the layers' reads still sure to reach this daemon?"""

@@ -56,7 +56,7 @@ import blake3
 from layerstore.hoststate import HostRecords, HostTable
 from layerstore.objects import Resolved, hex_digest
 from lazyfetch import kmount
-from lazyfetch.client import DaemonClient, private_dirs
+from lazyfetch.client import DaemonClient, DaemonNotServing, private_dirs
 from lazyfetch.errors import LazyfetchError
 
 log = logging.getLogger("layerbox.lazyfetch")
@@ -263,6 +263,23 @@ class HostMounts:
     def _daemon(self) -> dict[str, Any]:
         return self.client.ensure_running(self.store_url, s3_endpoint=self.s3_endpoint, **self.daemon_options)
 
+    def _layers(self, resolved: Resolved, *, trace: bool, fill: bool) -> tuple[dict[str, Any], str]:
+        """The daemon's ``/layers`` answer for ``resolved`` and the generation of the daemon that
+        gave it, the daemon started (or waited for) only when none serves.  A ``/health`` round
+        trip before every mount was half the daemon's requests when 100 sandboxes start."""
+        body = {"image": resolved.digest, "trace": trace, "fill": fill,
+                "layers": [layer.to_json() for layer in resolved.layers]}
+        try:
+            reply = self.client.request("POST", "/layers", body)
+        except DaemonNotServing:  # none runs, or it still starts: nothing was done, so ask again
+            self._daemon()
+            reply = self.client.request("POST", "/layers", body)
+        generation = reply.get("generation")
+        if not isinstance(generation, str):  # a daemon from before its answer said (and a ready check)
+            generation = self._daemon()["generation"]
+            reply = self.client.request("POST", "/layers", body)
+        return reply, generation
+
     def start_daemon(self) -> dict[str, Any]:
         """Start this host's daemon now (its ~0.3-0.5 s Python start-up) rather than in the first mount."""
         return self._daemon()
@@ -276,17 +293,13 @@ class HostMounts:
         target = os.path.realpath(mountpoint)
         if not os.path.isdir(target):
             raise MountError(f"{mountpoint}: mount point must be an existing directory")
-        health = self._daemon()
         # Before the host's lock, as layer_files does: the daemon serves it to any number of
         # callers at once, and under the lock it was a third of what 100 sandboxes starting
         # together waited for one after another.  Its paths are the data dir's, whatever daemon
         # answers; a layer of a lost generation is re-stacked below as before.
-        reply = self.client.request("POST", "/layers", {
-            "image": resolved.digest, "trace": trace, "fill": fill,
-            "layers": [layer.to_json() for layer in resolved.layers],
-        })
+        reply, generation = self._layers(resolved, trace=trace, fill=fill)
         with self._locked() as state:
-            self._reconcile_for(state, health["generation"], [hex_digest(x.digest) for x in resolved.layers])
+            self._reconcile_for(state, generation, [hex_digest(x.digest) for x in resolved.layers])
             known = self._record_at(target)
             if known is not None:
                 if known.get("detached") or kmount.is_mountpoint(target):
@@ -301,7 +314,7 @@ class HostMounts:
                 hexd = hex_digest(layer.digest)
                 info = state["layers"].get(hexd)
                 if info is None:
-                    info = self._mount_layer(hexd, paths, health["generation"])
+                    info = self._mount_layer(hexd, paths, generation)
                     state["layers"][hexd] = info
                     created += 1
                 lowers.append(info["mountpoint"])
@@ -325,11 +338,7 @@ class HostMounts:
 
         The daemon's fd holder keeps each blob (and, on the fanotify path, its mark) across
         daemon restarts, as it does for mounted layers."""
-        self._daemon()
-        reply = self.client.request("POST", "/layers", {
-            "image": resolved.digest, "trace": trace, "fill": fill,
-            "layers": [layer.to_json() for layer in resolved.layers]})
-        return list(reply["layers"])
+        return list(self._layers(resolved, trace=trace, fill=fill)[0]["layers"])
 
     def hold(self, owner: str, resolved: Resolved) -> list[str]:
         """Mount the layers of ``resolved`` for ``owner``, with no overlay: their mount points,
@@ -339,19 +348,16 @@ class HostMounts:
 
         A layer stays mounted while a hold or a mount uses it; ``owner`` (any string, never a
         path) holds these layers until :meth:`release`.  Holding again replaces its layers."""
-        health = self._daemon()
+        reply, generation = self._layers(resolved, trace=False, fill=False)  # (before the lock: as mount)
         with self._locked() as state:
-            self._reconcile_for(state, health["generation"], [hex_digest(x.digest) for x in resolved.layers])
-            reply = self.client.request("POST", "/layers", {
-                "image": resolved.digest, "trace": False, "fill": False,
-                "layers": [layer.to_json() for layer in resolved.layers]})
+            self._reconcile_for(state, generation, [hex_digest(x.digest) for x in resolved.layers])
             previous = state["holds"].pop(owner, None)
             out = []
             for layer, paths in zip(resolved.layers, reply["layers"], strict=True):
                 hexd = hex_digest(layer.digest)
                 info = state["layers"].get(hexd)
                 if info is None:
-                    info = state["layers"][hexd] = self._mount_layer(hexd, paths, health["generation"])
+                    info = state["layers"][hexd] = self._mount_layer(hexd, paths, generation)
                 if owner not in info["users"]:
                     info["users"].append(owner)
                 state["entries"].setdefault(hexd, layer.to_json())

@@ -146,3 +146,63 @@ def test_the_real_daemon_answers_its_client_and_refuses_what_is_wrong(tmp_path: 
         sock.close()
     finally:
         assert client.stop(release=True)
+
+
+def test_a_starting_daemon_refuses_layers_and_a_serving_one_names_its_generation(tmp_path: Path) -> None:
+    """Between its socket and serving the kernel (the reads a dead daemon left are answered then),
+    the daemon takes no layer: a mount on such a layer would wait on nobody.  The client sees
+    that as "not serving", which a mount answers by waiting for it; once it serves, its answer
+    says whose layers they are, so a mount needs no /health of its own."""
+    from layerstore.store import Store
+    from lazyfetch.client import STARTING, DaemonClient, DaemonNotServing, holder_socket_path
+    from lazyfetch.daemon import Daemon, DaemonConfig
+    from lazyfetch.holder import Holder
+
+    (tmp_path / "store").mkdir()
+    cfg = DaemonConfig(data_dir=tmp_path / "host", store_url=f"file://{tmp_path / 'store'}")
+    loop = asyncio.new_event_loop()
+    thread = __import__("threading").Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def on_loop(coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    store = on_loop(Store.open(cfg.store_url, cfg.data_dir))
+    holder = Holder.spawn(str(holder_socket_path(cfg.data_dir)))
+    daemon = Daemon(cfg, loop, store, holder, "fuse", "gen-1", None)
+    control = daemon.control()
+    client = DaemonClient(cfg.data_dir)
+    on_loop(control.start(str(client.socket)))
+    try:
+        with pytest.raises(DaemonNotServing, match=r"starting: it does not serve the kernel yet"):
+            client.request("POST", "/layers", {"image": None, "layers": []})
+        status, body = asyncio.run(_raw(str(client.socket), _post("/layers", b'{"layers": []}')))
+        assert (status, "starting" in body) == (STARTING, True)
+        daemon.ready.set()
+        reply = client.request("POST", "/layers", {"image": None, "layers": []})
+        assert (reply["layers"], reply["generation"]) == ([], "gen-1")
+    finally:
+        holder.exit()
+        on_loop(control.close())
+        on_loop(store.close())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_a_client_with_no_daemon_on_the_socket_is_told_nothing_was_done(tmp_path: Path) -> None:
+    from lazyfetch.client import DaemonClient, DaemonNotServing, DaemonUnavailable
+
+    client = DaemonClient(tmp_path / "host")
+    with pytest.raises(DaemonNotServing, match="is not running"):
+        client.request("POST", "/layers", {"layers": []})
+    client.socket.parent.mkdir(parents=True, exist_ok=True)
+    listener = socket.socket(socket.AF_UNIX)  # bound but never accepting: connect works, the answer is what fails
+    listener.bind(str(client.socket))
+    listener.listen(1)
+    try:
+        with pytest.raises(DaemonUnavailable, match="is not answering") as caught:
+            client.request("GET", "/health", timeout=0.5)
+        assert not isinstance(caught.value, DaemonNotServing), "a request that was sent may have been done"
+    finally:
+        listener.close()

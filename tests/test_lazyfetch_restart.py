@@ -177,6 +177,39 @@ def test_holder_and_daemon_both_gone_means_a_new_generation(hosts, tmp_path: Pat
     assert_trees_equal(src, mnt, ignore=lambda p: p == b"agent-wrote", check_mtime=False)
 
 
+def test_a_mount_asks_a_serving_daemon_once_and_learns_its_generation_from_the_answer(
+        hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One round trip per mount to a daemon that serves; an older daemon, whose answer does not
+    name its generation, is asked for its health (which waits until it serves) and asked again."""
+    src, host, mnt = lazy_host(hosts, tmp_path, "fanotify", big_mb=0)
+    client = host.mounts.client
+    health = client.health()
+    assert health is not None
+    asked: list[str] = []
+    real = type(client).request
+    older = [False]
+
+    def spy(self, method: str, path: str, body=None, **kw):  # type: ignore[no-untyped-def]
+        asked.append(path)
+        reply = real(self, method, path, body, **kw)
+        if older[0] and path == "/layers":
+            reply.pop("generation")
+        return reply
+
+    monkeypatch.setattr(type(client), "request", spy)
+    second = host.mount("test/img")
+    assert asked == ["/layers"]
+    assert_trees_equal(src, second)
+    older[0] = True
+    asked.clear()
+    third = host.mount("test/img")
+    assert asked == ["/layers", "/health", "/layers"]
+    assert_trees_equal(src, third)
+    layers = host.mounts.table.read()["layers"]
+    assert {info["generation"] for info in layers.values()} == {health["generation"]}
+    assert mnt.is_dir()
+
+
 def test_a_killed_holder_is_replaced_while_the_daemon_lives(hosts, tmp_path: Path, data_path: str) -> None:
     src, host, mnt = lazy_host(hosts, tmp_path, data_path, big_mb=8)
     health = host.mounts.client.health()
