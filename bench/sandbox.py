@@ -161,6 +161,20 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
+REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")
+
+
+def reported_kib() -> int | None:
+    """KiB this VM has given back to its host so far (virtio-balloon free page reporting), or None
+    where the kernel does not report.  Memory given back costs a fault in the host when the guest
+    uses it again, ~10 us per 4 KiB page here: what a create pays more as a fill goes on
+    (bench/README.md, "The fill's end is memory the VM gave back")."""
+    try:
+        return int(REPORTED.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo in bytes."""
     out = {}
@@ -1402,7 +1416,9 @@ def render(doc: dict[str, Any]) -> str:
         f"{LIMITS.memory // MiB} MiB, {LIMITS.pids} pids; no network for every method",
         f"{env['cpus']} CPUs, {env['mem_total'] / (1 << 30):.1f} GiB; kernel {env['kernel']}; cgroup v{env['cgroup']}; "
         f"{env['crun']}; {env['podman']}; Python {env['python']}; load {env['loadavg_start']} -> {env['loadavg_end']}; "
-        f"wall {env.get('wall_seconds', '-')} s",
+        f"wall {env.get('wall_seconds', '-')} s; "
+        + ("no count of memory given back to a VM host" if env.get("reported_kib") is None else
+           f"free page reporting on: {env['reported_kib'] / 1024:.0f} MiB given back to the VM's host during the run"),
         f"publish {_f(doc['publish']['seconds'])} s; "
         f"plain rootfs unpack {_f(doc['plain']['seconds']) + ' s' if doc.get('plain') else 'skipped'}; "
         f"first sandbox of the run (daemon start, chunk fetches) {_ms(doc['first_create_seconds']['first_exec'])} ms"
@@ -1697,7 +1713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     started = time.time()
-    load_start = loadavg()
+    load_start, reported_start = loadavg(), reported_kib()
     args.tmpdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="lb-sbx-", dir=args.tmpdir))
     (work / "convert").mkdir()
@@ -1722,6 +1738,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "cgroup": manager.layout.version, "crun": tool_version(["crun", "--version"]),
                         "podman": tool_version(["podman", "--version"]) if args.podman else "no podman",
                         "loadavg_start": load_start, "loadavg_end": loadavg(),
+                        "reported_kib": None if reported_start is None else (reported_kib() or 0) - reported_start,
                         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
                     },
                     **results,
