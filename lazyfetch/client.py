@@ -34,6 +34,10 @@ class DaemonUnavailable(LazyfetchError):
     fix = "start it with `layerbox daemon start` or run `layerbox mount` again"
 
 
+class DaemonDropped(DaemonUnavailable):
+    """The daemon closed the connection before it answered: it died, or was stopped, mid-request."""
+
+
 class DaemonNotServing(DaemonUnavailable):
     """No daemon took the request: none listens on the socket, or the one there is still starting
     (503 until it serves the kernel).  Nothing was done, so the request can be sent again."""
@@ -114,7 +118,8 @@ class DaemonClient:
 
     def request(self, method: str, path: str, body: Any = None, *, timeout: float | None = None) -> Any:
         """The daemon's JSON answer; :class:`DaemonNotServing` when no daemon took the request,
-        :class:`DaemonUnavailable` when one failed to answer it."""
+        :class:`DaemonDropped` when the one that took it closed the connection without an answer,
+        :class:`DaemonUnavailable` when it gave none in time."""
         conn = _UnixConnection(str(self.socket), timeout or self.timeout)
         try:
             conn.connect()
@@ -127,9 +132,12 @@ class DaemonClient:
             conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             data = resp.read()
+        except TimeoutError:
+            raise DaemonUnavailable(f"lazyfetch daemon at {self.socket} did not answer {method} {path} within "
+                                    f"{conn.timeout} s; see `layerbox daemon status`") from None
         except (OSError, http.client.HTTPException) as exc:
-            raise DaemonUnavailable(f"lazyfetch daemon at {self.socket} is not answering ({exc}); "
-                                    "start it with `layerbox daemon start` or run `layerbox mount` again") from None
+            raise DaemonDropped(f"lazyfetch daemon at {self.socket} is not answering ({exc}); "
+                                "start it with `layerbox daemon start` or run `layerbox mount` again") from None
         finally:
             conn.close()
         if resp.status == STARTING:

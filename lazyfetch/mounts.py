@@ -56,7 +56,7 @@ import blake3
 from layerstore.hoststate import HostRecords, HostTable
 from layerstore.objects import Resolved, hex_digest
 from lazyfetch import kmount
-from lazyfetch.client import DaemonClient, DaemonNotServing, private_dirs
+from lazyfetch.client import DaemonClient, DaemonDropped, DaemonNotServing, private_dirs
 from lazyfetch.errors import LazyfetchError
 
 log = logging.getLogger("layerbox.lazyfetch")
@@ -271,7 +271,10 @@ class HostMounts:
                 "layers": [layer.to_json() for layer in resolved.layers]}
         try:
             reply = self.client.request("POST", "/layers", body)
-        except DaemonNotServing:  # none runs, or it still starts: nothing was done, so ask again
+        except (DaemonNotServing, DaemonDropped):
+            # None runs or it still starts (nothing was done), or it died mid-request: its successor,
+            # started here if need be, has none of its state, and /layers only registers layers and
+            # counts a use, so asking once more is safe.
             self._daemon()
             reply = self.client.request("POST", "/layers", body)
         generation = reply.get("generation")

@@ -190,19 +190,38 @@ def test_a_starting_daemon_refuses_layers_and_a_serving_one_names_its_generation
         loop.close()
 
 
-def test_a_client_with_no_daemon_on_the_socket_is_told_nothing_was_done(tmp_path: Path) -> None:
-    from lazyfetch.client import DaemonClient, DaemonNotServing, DaemonUnavailable
+def test_a_client_tells_no_daemon_from_one_that_dropped_or_did_not_answer(tmp_path: Path) -> None:
+    """Nothing listening: nothing was done (a mount starts a daemon and asks).  A daemon that takes
+    the request and closes without an answer died mid-request (a mount asks its successor).  One
+    that keeps it past the timeout is neither: the request may still be running there."""
+    import threading
+
+    from lazyfetch.client import DaemonClient, DaemonDropped, DaemonNotServing, DaemonUnavailable
 
     client = DaemonClient(tmp_path / "host")
     with pytest.raises(DaemonNotServing, match="is not running"):
         client.request("POST", "/layers", {"layers": []})
     client.socket.parent.mkdir(parents=True, exist_ok=True)
-    listener = socket.socket(socket.AF_UNIX)  # bound but never accepting: connect works, the answer is what fails
+    listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(client.socket))
-    listener.listen(1)
+    listener.listen(4)
     try:
-        with pytest.raises(DaemonUnavailable, match="is not answering") as caught:
-            client.request("GET", "/health", timeout=0.5)
-        assert not isinstance(caught.value, DaemonNotServing), "a request that was sent may have been done"
+        with pytest.raises(DaemonUnavailable, match=r"did not answer GET /health within 0.5 s") as caught:
+            client.request("GET", "/health", timeout=0.5)  # taken into the backlog, never answered
+        assert not isinstance(caught.value, (DaemonNotServing, DaemonDropped))
+
+        def drop() -> None:  # reads the request, then closes: what a daemon killed mid-request does
+            while True:
+                conn, _ = listener.accept()
+                got = conn.recv(65536)
+                conn.close()
+                if got.startswith(b"POST"):  # (the GET above is still in the backlog)
+                    return
+
+        dropper = threading.Thread(target=drop)
+        dropper.start()
+        with pytest.raises(DaemonDropped, match="is not answering"):
+            client.request("POST", "/layers", {"layers": []}, timeout=10)
+        dropper.join(10)
     finally:
         listener.close()

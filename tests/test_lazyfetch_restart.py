@@ -9,6 +9,7 @@ source: zeros where the source is not zero count as wrong.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -208,6 +209,30 @@ def test_a_mount_asks_a_serving_daemon_once_and_learns_its_generation_from_the_a
     layers = host.mounts.table.read()["layers"]
     assert {info["generation"] for info in layers.values()} == {health["generation"]}
     assert mnt.is_dir()
+
+
+def test_a_mount_whose_daemon_dies_mid_request_is_served_by_its_successor(hosts, tmp_path: Path) -> None:
+    """The daemon takes a mount's request and dies before it answers: the mount starts a successor
+    (which takes the kernel state over from the holder) and asks it, instead of failing."""
+    src, host, _ = lazy_host(hosts, tmp_path, "fanotify", big_mb=0)
+    before = host.mounts.client.health()
+    assert before is not None
+    pid = int(before["pid"])
+    os.kill(pid, signal.SIGSTOP)  # a stopped daemon still takes connections: the request waits in its socket
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            mounting = pool.submit(host.mount, "test/img")
+            time.sleep(0.5)
+            assert not mounting.done()
+            os.kill(pid, signal.SIGKILL)
+            second = mounting.result(60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert_trees_equal(src, second)
+    after = host.mounts.client.health()
+    assert after is not None
+    assert (after["pid"] != pid, after["generation"]) == (True, before["generation"])
 
 
 def test_a_killed_holder_is_replaced_while_the_daemon_lives(hosts, tmp_path: Path, data_path: str) -> None:
