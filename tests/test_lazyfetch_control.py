@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def test_a_starting_daemon_refuses_layers_and_a_serving_one_names_its_generation
     (tmp_path / "store").mkdir()
     cfg = DaemonConfig(data_dir=tmp_path / "host", store_url=f"file://{tmp_path / 'store'}")
     loop = asyncio.new_event_loop()
-    thread = __import__("threading").Thread(target=loop.run_forever, daemon=True)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
 
     def on_loop(coro):  # type: ignore[no-untyped-def]
@@ -194,8 +195,6 @@ def test_a_client_tells_no_daemon_from_one_that_dropped_or_did_not_answer(tmp_pa
     """Nothing listening: nothing was done (a mount starts a daemon and asks).  A daemon that takes
     the request and closes without an answer died mid-request (a mount asks its successor).  One
     that keeps it past the timeout is neither: the request may still be running there."""
-    import threading
-
     from lazyfetch.client import DaemonClient, DaemonDropped, DaemonNotServing, DaemonUnavailable
 
     client = DaemonClient(tmp_path / "host")
