@@ -219,16 +219,17 @@ def test_a_mount_whose_daemon_dies_mid_request_is_served_by_its_successor(hosts,
     assert before is not None
     pid = int(before["pid"])
     os.kill(pid, signal.SIGSTOP)  # a stopped daemon still takes connections: the request waits in its socket
-    try:
-        with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(1) as pool:
+        # (the kill comes before the pool's exit waits for the mount, even when an assertion fails:
+        # a stopped daemon would hold the mount for the client's whole timeout)
+        try:
             mounting = pool.submit(host.mount, "test/img")
             time.sleep(0.5)
             assert not mounting.done()
-            os.kill(pid, signal.SIGKILL)
-            second = mounting.result(60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        second = mounting.result(60)
     assert_trees_equal(src, second)
     after = host.mounts.client.health()
     assert after is not None
